@@ -1,0 +1,116 @@
+"""What fits where: tierwise plans for 7B-175B on an RTX 4090 + 256 GB + NVMe and on an H200,
+beside DeepSpeed ZeRO-3's own model-states memory estimate.
+
+    python bench/plan_table.py [--batch 1] [--seq 2048] [--precision bf16]
+
+DeepSpeed's estimate: `deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_cold`
+when deepspeed is importable; otherwise the same formula re-derived here (one node, one GPU,
+additional_buffer_factor 1.5): offload_param=cpu + offload_optimizer=cpu needs
+GPU 4 B x largest_layer_params and CPU 18 B x total_params x 1.5 (zero_init=1); with parameters
+kept on the GPU, GPU 4 B x largest layer + 2 B x total and CPU 16 B x total x 1.5. The "largest
+layer" is the module with most parameters of its own (here the embedding or lm_head).
+It counts model states only, no activations, and has no NVMe variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from offload.errors import InfeasibleBudget  # noqa: E402
+from offload.planner import make_plan  # noqa: E402
+from offload.sizes import format_size  # noqa: E402
+from profiles import ModelProfile, load_hardware_profile, load_model_profile  # noqa: E402
+
+MODELS = ("7b", "13b", "70b", "175b")
+OPTIMIZERS = ("adamw", "adamw8bit", "galore", "mezo")
+HARDWARE = ("rtx4090-256g-nvme", "h200")
+
+
+def largest_layer_params(model: ModelProfile) -> int:
+    """Most parameters owned directly by one module (DeepSpeed's model_to_params)."""
+    h = model.hidden_size
+    return max(model.vocab_size * h, model.intermediate_size * h, model.q_dim * h + model.q_dim)
+
+
+def deepspeed_zero3_cold(*, total: int, largest: int, factor: float = 1.5) -> dict[str, tuple[int, int]]:
+    """(cpu bytes, gpu bytes) per option, one GPU on one node; deepspeed's own when importable."""
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs  # type: ignore
+    except ImportError:
+        ll = 4 * largest
+        return {"offload param+optim=cpu": (int(total * 18 * factor), ll),
+                "offload optim=cpu": (int(total * 16 * factor), ll + 2 * total),
+                "no offload": (int(largest * 4 * factor), ll + 18 * total)}
+    out = {}
+    for label, opt, par in (("offload param+optim=cpu", True, True), ("offload optim=cpu", True, False),
+                            ("no offload", False, False)):
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            total_params=total, largest_layer_params=largest, num_gpus_per_node=1, num_nodes=1,
+            cpu_offload=opt, cpu_offload_params=par, zero_init=True, additional_buffer_factor=factor)
+        out[label] = (cpu, gpu)
+    return out
+
+
+def _row(cells: list[str], widths: list[int]) -> str:
+    return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--precision", default="bf16")
+    args = ap.parse_args()
+    try:
+        import deepspeed  # type: ignore # noqa: F401
+        ds_note = "deepspeed's estimate_zero3_model_states_mem_needs"
+    except ImportError:
+        ds_note = "re-derived formula (deepspeed not installed)"
+
+    head = ["hardware", "model", "optimizer", "fits", "gpu", "host", "nvme", "GPU upd", "step s",
+            "tokens/s", "bottleneck"]
+    rows = [head]
+    for hw_name in HARDWARE:
+        hw = load_hardware_profile(hw_name)
+        for m in MODELS:
+            for opt in OPTIMIZERS:
+                try:
+                    p = make_plan(model=m, hardware=hw, gpu_mem=None, cpu_mem=None, nvme_path="/nvme",
+                                  optimizer=opt, precision=args.precision, batch_size=args.batch, seq_len=args.seq)
+                except InfeasibleBudget as exc:
+                    need = ", ".join(f"{t} >= {format_size(b)}" for t, b in exc.minimum.items())
+                    rows.append([hw_name, m, opt, "no", need, "", "", "", "", "", ""])
+                    continue
+                rows.append([hw_name, m, opt, "yes", format_size(p.peak["gpu"]), format_size(p.peak["host"]),
+                             format_size(p.peak["nvme"]) if p.peak["nvme"] else "-",
+                             f"{100 * p.gpu_update_params / p.num_params:.1f}%", f"{p.step_s:.2f}",
+                             f"{p.tokens_per_s:,.0f}", p.bottleneck])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    print(f"tierwise plans: {args.precision}, batch {args.batch} x {args.seq}, activation checkpointing, "
+          "64 MiB chunks, profile budgets (gpu, host) + NVMe")
+    for r in rows:
+        print(_row(r, widths))
+
+    print(f"\nDeepSpeed ZeRO-3 model-states estimate, 1 GPU ({ds_note}); fits = within the "
+          "rtx4090-256g-nvme / h200 budgets")
+    budgets = {n: (load_hardware_profile(n).host.memory, load_hardware_profile(n).gpu.memory) for n in HARDWARE}
+    head = ["model", "params", "largest", "option", "per CPU", "per GPU", "fits 4090+256G", "fits h200"]
+    rows = [head]
+    for m in MODELS:
+        prof = load_model_profile(m)
+        largest = largest_layer_params(prof)
+        for label, (cpu, gpu) in deepspeed_zero3_cold(total=prof.num_params, largest=largest).items():
+            fits = ["yes" if cpu <= budgets[n][0] and gpu <= budgets[n][1] else "no" for n in HARDWARE]
+            rows.append([m, f"{prof.num_params / 1e9:.1f}B", f"{largest / 1e6:.0f}M", label,
+                         format_size(cpu), format_size(gpu), *fits])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Atomic, resumable training checkpoints.
+
+Layout of `output_dir`:
+
+    ckpt-000120/          one complete checkpoint (never modified after its rename)
+        engine.safetensors + engine.json     engine.state_dict(): tensors + JSON skeleton
+        trainer.safetensors + trainer.json   step, RNG states, data position, schedule, config
+    latest                text file naming the newest complete checkpoint ("ckpt-000120")
+
+Writing: everything goes into `ckpt-XXXXXX.tmp/`; every file and the directory are fsynced;
+the directory is renamed into place; `latest` is replaced atomically (temp file + os.replace);
+only then are older checkpoints beyond `keep` removed. A crash at any point leaves the
+previous checkpoint and a valid `latest`; leftover `.tmp` directories are removed by the next
+save. Nested state (optimizer state with int keys, tuples, dtypes) is stored as a JSON
+skeleton whose tensor leaves point into the safetensors file, so loading never unpickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from offload.errors import TierwiseError
+
+LATEST = "latest"
+_NAME = re.compile(r"^ckpt-(\d+)$")
+
+
+class CheckpointError(TierwiseError):
+    """A checkpoint cannot be found or read."""
+
+
+# -- nested state <-> (JSON skeleton, flat tensors) -------------------------------------------
+
+def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "t") -> Any:
+    """JSON-able skeleton of `obj`; its tensors are moved into `tensors` under unique keys."""
+    if isinstance(obj, torch.Tensor):
+        key = f"{path}#{len(tensors)}"
+        tensors[key] = obj
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": flatten(torch.from_numpy(obj.copy()), tensors, path)}
+    if isinstance(obj, dict):
+        return {"__dict__": [[flatten(k, tensors, path), flatten(v, tensors, f"{path}.{k}")]
+                             for k, v in obj.items()]}
+    if isinstance(obj, torch.Size):  # before tuple: Size is a tuple subclass
+        return {"__size__": list(obj)}
+    if isinstance(obj, (list, tuple)):
+        items = [flatten(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {path}")
+
+
+def unflatten(skel: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of `flatten`."""
+    if isinstance(skel, list):
+        return [unflatten(v, tensors) for v in skel]
+    if not isinstance(skel, dict):
+        return skel
+    if "__tensor__" in skel:
+        return tensors[skel["__tensor__"]]
+    if "__ndarray__" in skel:
+        return unflatten(skel["__ndarray__"], tensors).numpy()
+    if "__dict__" in skel:
+        return {unflatten(k, tensors): unflatten(v, tensors) for k, v in skel["__dict__"]}
+    if "__tuple__" in skel:
+        return tuple(unflatten(v, tensors) for v in skel["__tuple__"])
+    if "__dtype__" in skel:
+        return getattr(torch, skel["__dtype__"])
+    if "__size__" in skel:
+        return torch.Size(skel["__size__"])
+    raise CheckpointError(f"unknown entry in checkpoint skeleton: {sorted(skel)}")
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_tree(directory: Path, name: str, obj: Any) -> None:
+    """Write `name.safetensors` + `name.json` into `directory`, fsynced."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = flatten(obj, tensors)
+    seen: set[int] = set()
+    flat = {}
+    for key, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr() if t.numel() else None
+        if ptr is not None and ptr in seen:  # safetensors refuses shared storage
+            t = t.clone()
+        elif ptr is not None:
+            seen.add(ptr)
+        flat[key] = t
+    save_file(flat, str(directory / f"{name}.safetensors"))
+    _fsync_file(directory / f"{name}.safetensors")
+    with open(directory / f"{name}.json", "w") as f:
+        json.dump(skeleton, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_tree(directory: Path, name: str) -> Any:
+    tensors = load_file(str(directory / f"{name}.safetensors"))
+    with open(directory / f"{name}.json") as f:
+        return unflatten(json.load(f), tensors)
+
+
+# -- RNG ---------------------------------------------------------------------------------------
+
+def capture_rng() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+             "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- save / load -------------------------------------------------------------------------------
+
+def ckpt_name(step: int) -> str:
+    return f"ckpt-{step:06d}"
+
+
+def list_checkpoints(output_dir: "str | Path") -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first."""
+    out = []
+    output_dir = Path(output_dir)
+    if output_dir.is_dir():
+        for p in output_dir.iterdir():
+            m = _NAME.match(p.name)
+            if m and p.is_dir() and (p / "trainer.json").exists():
+                out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def clean_stale(output_dir: Path) -> None:
+    """Remove leftovers of interrupted saves (`*.tmp` and `*.old` checkpoint dirs)."""
+    for p in output_dir.glob("ckpt-*"):
+        if p.is_dir() and p.suffix in (".tmp", ".old"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def save_checkpoint(output_dir: "str | Path", *, step: int, engine_state: Any,
+                    trainer_state: dict, keep: int = 2) -> Path:
+    """Write checkpoint `step` atomically and point `latest` at it; returns its path."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    clean_stale(output_dir)
+    final = output_dir / ckpt_name(step)
+    tmp = output_dir / (final.name + ".tmp")
+    tmp.mkdir()
+    save_tree(tmp, "engine", engine_state)
+    save_tree(tmp, "trainer", {**trainer_state, "step": step})  # trainer.json marks complete
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (e.g. right after a resume)
+        old = output_dir / (final.name + ".old")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(output_dir)
+    pointer = output_dir / (LATEST + ".tmp")
+    with open(pointer, "w") as f:
+        f.write(final.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, output_dir / LATEST)
+    _fsync_dir(output_dir)
+    for _, old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(output_dir: "str | Path") -> Path | None:
+    """The checkpoint `latest` names, or the newest complete one if `latest` is stale."""
+    output_dir = Path(output_dir)
+    pointer = output_dir / LATEST
+    if pointer.exists():
+        candidate = output_dir / pointer.read_text().strip()
+        if _NAME.match(candidate.name) and (candidate / "trainer.json").exists():
+            return candidate
+    found = list_checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def load_checkpoint(path: "str | Path") -> tuple[Any, dict]:
+    """(engine_state, trainer_state) of one checkpoint directory."""
+    path = Path(path)
+    try:
+        return load_tree(path, "engine"), load_tree(path, "trainer")
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+
+
+def load_latest(output_dir: "str | Path") -> tuple[Any, dict] | None:
+    """(engine_state, trainer_state) of the newest complete checkpoint, or None."""
+    path = latest_checkpoint(output_dir)
+    return None if path is None else load_checkpoint(path)

@@ -1,0 +1,146 @@
+"""The run configuration: one validated dataclass, and TOML files as option defaults.
+
+`--config FILE.toml` holds any option of `finetune` (dashes or underscores, e.g.
+`gpu-mem = "24G"`); options given on the command line win; an unknown key is an error.
+Mechanism: the eager `--config` callback loads the file into click's `default_map`, so file
+values go through exactly the same type conversion as command-line values.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from offload.errors import TierwiseError
+from offload.sizes import parse_size
+
+OPTIMIZERS = ("adamw", "adamw8bit", "galore", "apollo", "apollo-mini", "mezo", "sgd")
+PRECISIONS = ("bf16", "fp32")
+_META_ERROR = "tierwise.config_error"
+
+
+class ConfigError(TierwiseError):
+    """A --config file or an option value is invalid."""
+
+
+def load_toml(path: "str | Path") -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: bad TOML: {e}") from None
+    nested = [k for k, v in data.items() if isinstance(v, dict)]
+    if nested:
+        raise ConfigError(f"{path}: tables are not supported ([{nested[0]}]); "
+                          "put every option at the top level")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def config_callback(ctx, param, value):
+    """Eager `--config` callback: file values become this command's defaults.
+
+    Errors are parked in ctx.meta and raised by `raise_config_error` inside the command, so
+    they reach the CLI's one-line error path instead of click's usage box.
+    """
+    if not value:
+        return value
+    root = ctx.find_root().command
+    known = {p.name for p in root.params} - {"config", "help"}
+    mine = {p.name for p in ctx.command.params}
+    try:
+        data = load_toml(value)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{value}: unknown key '{unknown[0].replace('_', '-')}' "
+                              f"(known: {', '.join(sorted(k.replace('_', '-') for k in known))})")
+    except ConfigError as e:
+        ctx.meta[_META_ERROR] = str(e)
+        return value
+    ctx.default_map = {**(ctx.default_map or {}), **{k: v for k, v in data.items() if k in mine}}
+    return value
+
+
+def raise_config_error(ctx) -> None:
+    if _META_ERROR in ctx.meta:
+        raise ConfigError(ctx.meta[_META_ERROR])
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything one `finetune` run needs; built from the merged options."""
+
+    model: str | None = None
+    """HF model dir or model profile name; None = the built-in tiny model."""
+    data: str | None = None
+    """JSONL file or `datasets` directory; None = the built-in sample."""
+    eval_data: str | None = None
+    seq_len: int = 128
+    batch_size: int = 4
+    """Micro-batch size; one optimizer step sees batch_size * grad_accum sequences."""
+    grad_accum: int = 1
+    pack: bool = True
+    gpu_mem: str | None = None
+    cpu_mem: str | None = None
+    cxl_mem: str | None = None
+    cxl_node: int | None = None
+    nvme_path: str | None = None
+    chunk_size: str = "64M"
+    optimizer: str = "adamw"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+    precision: str = "fp32"
+    steps: int | None = None
+    epochs: int | None = None
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    seed: int = 0
+    output: str = "output"
+    resume: bool = False
+    overwrite: bool = False
+    export_dtype: str | None = None
+    hardware: str | None = None
+    dry_run: bool = False
+    budgets: dict = field(init=False)
+    """Parsed bytes: {"gpu": int|None, "cpu": ..., "cxl": ..., "chunk": int}."""
+
+    def __post_init__(self):
+        self.budgets = {
+            "gpu": parse_size(self.gpu_mem, what="--gpu-mem"),
+            "cpu": parse_size(self.cpu_mem, what="--cpu-mem"),
+            "cxl": parse_size(self.cxl_mem, what="--cxl-mem"),
+            "chunk": parse_size(self.chunk_size, what="--chunk-size"),
+        }
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown --optimizer {self.optimizer!r}: use one of {OPTIMIZERS}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"unknown --precision {self.precision!r}: use bf16 or fp32")
+        if self.steps is not None and self.epochs is not None:
+            raise ConfigError("give --steps or --epochs, not both")
+        for name in ("seq_len", "batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("steps", "epochs"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be at least 1")
+        if self.resume and self.overwrite:
+            raise ConfigError("give --resume or --overwrite, not both")
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.cxl_node is not None and self.cxl_mem is None:
+            raise ConfigError("--cxl-node needs --cxl-mem (how much of that node to use)")
+
+    #: Options that change which batch comes next; a resumed run must keep them.
+    DATA_KEYS = ("model", "data", "seq_len", "batch_size", "grad_accum", "pack", "seed")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("budgets")
+        return d

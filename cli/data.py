@@ -1,0 +1,275 @@
+"""Training data: read rows, tokenize with loss masks, pack into blocks, batch resumably.
+
+Row schemas (one JSON object per line in a .jsonl file, or rows of a `datasets` directory):
+
+- `{"text": ...}`: loss on every token.
+- `{"prompt": ..., "completion": ...}`: loss on the completion (and the closing eos) only.
+- `{"messages": [{"role": ..., "content": ...}, ...]}`: rendered by the tokenizer's chat
+  template. Decision: loss on the assistant turns only, found by rendering each prefix of
+  the conversation; this is exact when every prefix renders to a string prefix of the full
+  conversation (true of common templates). When a template breaks that property (some
+  templates rewrite earlier turns), the spans cannot be found reliably and the loss falls back
+  to everything after the last user turn; if even that prefix cannot be found, all tokens.
+
+Blocks: the tokenized rows are concatenated (each row ends with eos) and cut into blocks of
+exactly `seq_len` tokens (`pack=True`, the default; the last partial block is padded), or each
+row is truncated/padded to `seq_len` on its own (`pack=False`). Labels follow the Hugging Face
+convention: same positions as input_ids (the model shifts), -100 where no loss is taken.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from offload.errors import TierwiseError
+
+log = logging.getLogger(__name__)
+IGNORE = -100
+
+
+class DataError(TierwiseError):
+    """The training data cannot be read: missing, empty, malformed, unknown schema."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One raw example and where it came from (for error messages)."""
+
+    data: dict
+    where: str  # "file.jsonl:12" or "dir[row 12]"
+
+
+def read_rows(path: "str | Path") -> list[Row]:
+    """Rows of a .jsonl file or a `datasets.save_to_disk` directory; DataError on any problem."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data file not found: {path}")
+    rows = _read_dataset_dir(path) if path.is_dir() else _read_jsonl(path)
+    if not rows:
+        raise DataError(f"{path}: no examples (the file is empty)")
+    return rows
+
+
+def _read_jsonl(path: Path) -> list[Row]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: bad JSON: {e.msg} (column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            rows.append(Row(data=obj, where=f"{path}:{lineno}"))
+    return rows
+
+
+def _read_dataset_dir(path: Path) -> list[Row]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"{path} is a directory, read as a Hugging Face dataset: pip install datasets"
+        ) from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # datasets raises FileNotFoundError/ValueError variants
+        raise DataError(f"{path}: not a dataset saved with save_to_disk ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{path}: dataset has no 'train' split (splits: {list(ds)})")
+        ds = ds["train"]
+    return [Row(data=dict(r), where=f"{path}[row {i}]") for i, r in enumerate(ds)]
+
+
+def schema_of(row: Row) -> str:
+    """'text', 'prompt' or 'chat'; DataError naming the file and line otherwise."""
+    d = row.data
+    if "messages" in d:
+        msgs = d["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in msgs
+        ):
+            raise DataError(f"{row.where}: 'messages' must be a non-empty list of "
+                            "{{\"role\": str, \"content\": str}} objects")
+        return "chat"
+    if "prompt" in d or "completion" in d:
+        if not (isinstance(d.get("prompt"), str) and isinstance(d.get("completion"), str)):
+            raise DataError(f"{row.where}: 'prompt' and 'completion' must both be strings")
+        return "prompt"
+    if "text" in d:
+        if not isinstance(d["text"], str):
+            raise DataError(f"{row.where}: 'text' must be a string")
+        return "text"
+    raise DataError(f"{row.where}: unknown schema with keys {sorted(d)}; expected "
+                    "'text', 'prompt'+'completion', or 'messages'")
+
+
+def encode_row(row: Row, tokenizer) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one row, eos-terminated; labels are IGNORE where no loss."""
+    kind = schema_of(row)
+    d, eos = row.data, tokenizer.eos_token_id
+    if kind == "text":
+        ids = tokenizer(d["text"], add_special_tokens=True)["input_ids"] + [eos]
+        return ids, list(ids)
+    if kind == "prompt":
+        p = tokenizer(d["prompt"], add_special_tokens=True)["input_ids"]
+        c = tokenizer(d["completion"], add_special_tokens=False)["input_ids"] + [eos]
+        return p + c, [IGNORE] * len(p) + c
+    return _encode_chat(row, tokenizer)
+
+
+def _encode_chat(row: Row, tokenizer) -> tuple[list[int], list[int]]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{row.where}: chat 'messages' need a tokenizer with a chat_template")
+    msgs = row.data["messages"]
+    render = lambda m, gen=False: tokenizer.apply_chat_template(  # noqa: E731
+        m, tokenize=False, add_generation_prompt=gen)
+    try:
+        full = render(msgs)
+        spans = _assistant_spans(msgs, full, render)
+    except DataError:
+        raise
+    except Exception as e:  # jinja errors: the template rejected this conversation
+        raise DataError(f"{row.where}: the chat template failed: {e}") from None
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    labels = [t if any(a <= s < b for a, b in spans) else IGNORE
+              for t, (s, _) in zip(ids, enc["offset_mapping"])]
+    return ids, labels
+
+
+def _assistant_spans(msgs: list[dict], full: str, render) -> list[tuple[int, int]]:
+    """Character spans of `full` that carry loss (see the module docstring)."""
+    spans, exact = [], True
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        start_gen, end = render(msgs[:i], True) if i else "", render(msgs[: i + 1])
+        start = start_gen if full.startswith(start_gen) else (render(msgs[:i]) if i else "")
+        if not (full.startswith(start) and full.startswith(end)):
+            exact = False
+            break
+        spans.append((len(start), len(end)))
+    if exact and spans:
+        return spans
+    users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+    if users:
+        prefix = render(msgs[: users[-1] + 1], True)
+        if full.startswith(prefix):
+            return [(len(prefix), len(full))]
+    return [(0, len(full))]
+
+
+def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = True
+                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """[(input_ids [T], labels [T], attention_mask [T])] with T = seq_len."""
+    if seq_len < 2:
+        raise DataError(f"--seq-len must be at least 2, got {seq_len}")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    encoded = [encode_row(r, tokenizer) for r in rows]
+    if pack:
+        ids = [t for e in encoded for t in e[0]]
+        labels = [t for e in encoded for t in e[1]]
+        pieces = [(ids[i:i + seq_len], labels[i:i + seq_len]) for i in range(0, len(ids), seq_len)]
+    else:
+        pieces = [(e[0][:seq_len], e[1][:seq_len]) for e in encoded]
+    blocks = []
+    for ids, labels in pieces:
+        n = len(ids)
+        fill = seq_len - n
+        blocks.append((torch.tensor(ids + [pad] * fill, dtype=torch.long),
+                       torch.tensor(labels + [IGNORE] * fill, dtype=torch.long),
+                       torch.tensor([1] * n + [0] * fill, dtype=torch.long)))
+    return blocks
+
+
+@dataclass(kw_only=True)
+class DataPosition:
+    """Where the next batch comes from: batch `index` of epoch `epoch`."""
+
+    epoch: int = 0
+    index: int = 0
+
+    def to_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DataPosition":
+        return cls(epoch=int(d["epoch"]), index=int(d["index"]))
+
+
+class Batches:
+    """Deterministic, resumable batches over blocks.
+
+    Epoch e visits the blocks in the permutation drawn from numpy's PCG64 seeded with
+    (seed, e); batch i of the epoch is entries [i*B, (i+1)*B) of it (wrapping when there are
+    fewer than B blocks). A trailing partial batch is dropped. Restoring `position` continues
+    on exactly the batch that would have come next.
+    """
+
+    def __init__(self, blocks: list, *, batch_size: int, seed: int,
+                 position: DataPosition | None = None):
+        if not blocks:
+            raise DataError("no training blocks: the data tokenized to nothing")
+        if batch_size < 1:
+            raise DataError(f"--batch-size must be at least 1, got {batch_size}")
+        self.blocks, self.batch_size, self.seed = blocks, batch_size, seed
+        self.position = position or DataPosition()
+        self.batches_per_epoch = max(1, len(blocks) // batch_size)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.blocks))
+
+    def batch_at(self, pos: DataPosition) -> dict[str, torch.Tensor]:
+        order, n, b = self._order(pos.epoch), len(self.blocks), self.batch_size
+        picked = [self.blocks[order[(pos.index * b + j) % n]] for j in range(b)]
+        return {  # each [B, T]
+            "input_ids": torch.stack([p[0] for p in picked]),
+            "labels": torch.stack([p[1] for p in picked]),
+            "attention_mask": torch.stack([p[2] for p in picked]),
+        }
+
+    def next(self) -> dict[str, torch.Tensor]:
+        batch = self.batch_at(self.position)
+        index = self.position.index + 1
+        if index >= self.batches_per_epoch:
+            self.position = DataPosition(epoch=self.position.epoch + 1, index=0)
+        else:
+            self.position = DataPosition(epoch=self.position.epoch, index=index)
+        return batch
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            yield self.next()
+
+
+def eval_batches(blocks: list, *, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """All blocks in order, in batches (the last may be smaller)."""
+    out = []
+    for i in range(0, len(blocks), batch_size):
+        part = blocks[i:i + batch_size]
+        out.append({k: torch.stack([p[j] for p in part])
+                    for j, k in enumerate(("input_ids", "labels", "attention_mask"))})
+    return out
+
+
+def load_blocks(path: "str | Path | None", tokenizer, *, seq_len: int, pack: bool = True) -> list:
+    """Blocks from `path`, or from the built-in sample when `path` is None."""
+    if path is None:
+        from cli.builtin import sample_rows
+
+        rows = [Row(data=r, where=f"<sample>:{i + 1}") for i, r in enumerate(sample_rows())]
+    else:
+        rows = read_rows(path)
+    return make_blocks(rows, tokenizer, seq_len=seq_len, pack=pack)

@@ -1,0 +1,109 @@
+"""Export trained weights as a Hugging Face model directory, streaming one tensor at a time.
+
+At most one shard's worth of converted tensors is held in memory. Shards are written as
+`model-00001-of-0000N.safetensors` plus `model.safetensors.index.json` when there is more
+than one, or a single `model.safetensors` otherwise, exactly as `save_pretrained` does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors.torch import save_file
+
+from offload.sizes import parse_size
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def _tied(config) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: Path, *,
+                 dtype: torch.dtype, max_shard_bytes: int, skip: set[str] = frozenset()
+                 ) -> dict[str, str]:
+    """Stream (name, tensor) into safetensors shards; returns the weight map name -> file."""
+    parts: list[tuple[Path, list[str]]] = []
+    current: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal current, size
+        if current:
+            path = out_dir / f"model-part-{len(parts) + 1:05d}.safetensors.tmp"
+            save_file(current, str(path), metadata={"format": "pt"})
+            parts.append((path, list(current)))
+        current, size = {}, 0
+
+    for name, tensor in named:
+        if name in skip:
+            continue
+        t = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            flush()
+        current[name] = t.clone() if t.data_ptr() == tensor.data_ptr() else t
+        size += nbytes
+    flush()
+
+    weight_map = {}
+    for i, (path, names) in enumerate(parts, start=1):
+        final = "model.safetensors" if len(parts) == 1 else \
+            f"model-{i:05d}-of-{len(parts):05d}.safetensors"
+        os.replace(path, out_dir / final)
+        weight_map.update({n: final for n in names})
+    return weight_map
+
+
+def export_hf(named: Iterable[tuple[str, torch.Tensor]], out_dir: "str | Path", *, config,
+              tokenizer=None, dtype: "str | torch.dtype" = "bf16",
+              max_shard_size: "str | int" = "5G", generation_config=None) -> Path:
+    """Write config.json, safetensors (+ index), tokenizer and generation config to `out_dir`.
+
+    `named` yields Hugging Face parameter names with CPU tensors (e.g.
+    engine.named_parameters_fp32()). With tied embeddings `lm_head.weight` is not written.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    skip = {"lm_head.weight"} if _tied(config) else set()
+    weight_map = write_shards(named, out_dir, dtype=dtype, skip=skip,
+                              max_shard_bytes=parse_size(max_shard_size, what="--shard-size"))
+    if len(set(weight_map.values())) > 1:
+        total = 0
+        for f in sorted(set(weight_map.values())):
+            with open(out_dir / f, "rb") as fh:  # header-size-free count: sum tensor bytes
+                total += os.path.getsize(out_dir / f) - (8 + int.from_bytes(fh.read(8), "little"))
+        with open(out_dir / "model.safetensors.index.json", "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    config = _with_dtype(config, dtype)
+    config.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    if generation_config is not None:
+        if isinstance(generation_config, (str, Path)):
+            shutil.copyfile(generation_config, out_dir / "generation_config.json")
+        else:
+            generation_config.save_pretrained(out_dir)
+    log.info("exported %d tensors to %s", len(weight_map), out_dir)
+    return out_dir
+
+
+def _with_dtype(config, dtype: torch.dtype):
+    import copy
+
+    config = copy.deepcopy(config)
+    config.dtype = dtype
+    if "torch_dtype" in vars(config):  # transformers 4.x keeps the field under this name
+        config.torch_dtype = dtype
+    return config

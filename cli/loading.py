@@ -1,0 +1,142 @@
+"""Resolve `--model`, build the model skeleton on the meta device, stream safetensors weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from offload.errors import TierwiseError
+
+log = logging.getLogger(__name__)
+
+
+class ModelError(TierwiseError):
+    """`--model` names nothing usable."""
+
+
+@dataclass(kw_only=True)
+class ModelSource:
+    """What `--model` resolved to."""
+
+    name: str                   # as given, or "builtin-tiny"
+    config: Any                 # a transformers PretrainedConfig
+    tokenizer: Any              # a PreTrainedTokenizer(Fast)
+    model_dir: Path | None      # a local HF dir with weights, or None (random init)
+    generation_config: Path | None = None
+    note: str | None = None     # a warning the CLI shows loudly (e.g. random init)
+
+    @property
+    def has_weights(self) -> bool:
+        return self.model_dir is not None
+
+
+def build_meta_model(config) -> torch.nn.Module:
+    """The model of `config` with every parameter on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def safetensors_files(model_dir: "str | Path") -> list[Path]:
+    """The weight files of a HF dir, in index order; ModelError when there are none."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in dict.fromkeys(weight_map.values())]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if not found:
+        raise ModelError(f"{model_dir}: no .safetensors weights (convert .bin checkpoints "
+                         "with transformers' save_pretrained(safe_serialization=True))")
+    return found
+
+
+def iter_safetensors(model_dir: "str | Path", *, order: Sequence[str] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) one at a time, read from the memory-mapped files.
+
+    Without `order`: shard by shard, names in file order. With `order`: exactly those names in
+    that order (every shard stays open, which costs address space, not memory); a name not in
+    the checkpoint is a ModelError.
+    """
+    from safetensors import safe_open
+
+    files = safetensors_files(model_dir)
+    if order is None:
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+        return
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {name: h for h in handles for name in h.keys()}
+    for name in order:
+        if name not in where:
+            raise ModelError(f"{model_dir}: checkpoint has no tensor named {name!r}")
+        yield name, where[name].get_tensor(name)
+
+
+def resolve_model(spec: str | None) -> ModelSource:
+    """A local HF dir (has config.json), a model profile name, or None for the built-in tiny."""
+    if spec is None:
+        from cli.builtin import build_tokenizer, tiny_llama_config
+
+        tok = build_tokenizer()
+        return ModelSource(name="builtin-tiny", config=tiny_llama_config(tokenizer=tok),
+                           tokenizer=tok, model_dir=None)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _from_dir(path)
+    if path.suffix == ".toml":  # a model profile given as a file
+        return _from_profile(spec)
+    if path.exists() or "/" in spec or spec.startswith("."):
+        raise ModelError(f"--model {spec}: not a Hugging Face model directory "
+                         "(expected a directory with config.json)")
+    return _from_profile(spec)
+
+
+def _from_dir(path: Path) -> ModelSource:
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not (path / "config.json").exists():
+        raise ModelError(f"--model {path}: no config.json in this directory")
+    config = AutoConfig.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"--model {path}: cannot load its tokenizer ({e})") from None
+    safetensors_files(path)  # fail early on a dir without weights
+    gen = path / "generation_config.json"
+    return ModelSource(name=str(path), config=config, tokenizer=tokenizer, model_dir=path,
+                       generation_config=gen if gen.exists() else None)
+
+
+def _from_profile(name: str) -> ModelSource:
+    try:
+        from profiles import load_model_profile
+    except ImportError:
+        raise ModelError(f"--model {name}: not a directory, and model profiles are not "
+                         "available in this build") from None
+    profile = load_model_profile(name)  # raises a TierwiseError for an unknown name
+    from cli.builtin import build_tokenizer
+
+    return ModelSource(
+        name=name, config=profile.to_hf_config(), tokenizer=build_tokenizer(), model_dir=None,
+        note=(f"model profile '{name}' has no weights: training a RANDOMLY INITIALISED model "
+              "with the built-in tiny tokenizer (pass a Hugging Face model directory to "
+              "fine-tune real weights)"),
+    )
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Parameters of `model` (tied weights counted once); works on the meta device."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,107 @@
+"""`finetune plan`, `finetune --dry-run` and `finetune profile`: glue to the planner/profiler."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from cli.config import TrainConfig
+from cli.loading import build_meta_model, count_parameters, resolve_model
+from offload.errors import TierwiseError
+from offload.sizes import format_size
+
+
+def _call_with_known(fn, **candidates):
+    """fn(**the candidates its signature names); all of them if it takes **kwargs."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn(**candidates)
+    return fn(**{k: v for k, v in candidates.items() if k in params})
+
+
+def make_plan(cfg: TrainConfig, *, model=None, config=None):
+    """offload.planner.make_plan for this run, or None when the planner is not built yet."""
+    try:
+        from offload.planner import make_plan as planner
+    except ImportError:
+        return None
+    if model is None:
+        src = resolve_model(cfg.model)
+        config = src.config
+        model = build_meta_model(config)
+    return _call_with_known(
+        planner, model=model, config=config, hardware=cfg.hardware,
+        gpu_mem=cfg.budgets["gpu"], cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"],
+        cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, optimizer=cfg.optimizer,
+        precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+        grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
+    )
+
+
+def plan_json(plan) -> str:
+    if hasattr(plan, "to_json"):
+        return plan.to_json()
+    if hasattr(plan, "to_dict"):
+        return json.dumps(plan.to_dict(), indent=2, default=str)
+    if dataclasses.is_dataclass(plan):
+        return json.dumps(dataclasses.asdict(plan), indent=2, default=str)
+    raise TierwiseError("this planner's plan cannot be written as JSON")
+
+
+def print_plan(plan, *, console: Console, as_json: bool) -> None:
+    if as_json:
+        console.out(plan_json(plan), highlight=False)
+    else:
+        console.print(plan.render_table())
+
+
+def summary_table(cfg: TrainConfig, *, name: str, params: int) -> Table:
+    table = Table(title="finetune (dry run)", show_header=False)
+    fmt = lambda b: "auto" if b is None else format_size(b)  # noqa: E731
+    rows = [
+        ("model", f"{name} ({params / 1e9:.2f} B parameters)" if params >= 1e8
+         else f"{name} ({params:,} parameters)"),
+        ("data", cfg.data or "built-in sample"),
+        ("gpu / cpu / cxl", f"{fmt(cfg.budgets['gpu'])} / {fmt(cfg.budgets['cpu'])} / "
+                            f"{fmt(cfg.budgets['cxl'])}"),
+        ("nvme", cfg.nvme_path or "-"),
+        ("optimizer", f"{cfg.optimizer}, lr {cfg.lr:g}, {cfg.schedule} schedule, "
+                      f"warmup {cfg.warmup_steps}"),
+        ("precision", cfg.precision),
+        ("batch", f"{cfg.batch_size} x {cfg.grad_accum} accum x {cfg.seq_len} tokens"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    return table
+
+
+def dry_run(cfg: TrainConfig, *, console: Console) -> int:
+    """Resolve the model and budgets, print a summary and the plan; touch nothing on disk."""
+    src = resolve_model(cfg.model)
+    if src.note:
+        console.print(f"[bold yellow]warning:[/] {src.note}", soft_wrap=True, highlight=False)
+    model = build_meta_model(src.config)
+    console.print(summary_table(cfg, name=src.name, params=count_parameters(model)))
+    plan = make_plan(cfg, model=model, config=src.config)
+    if plan is None:
+        console.print("[yellow]the planner is not available in this build: no plan shown[/]")
+    else:
+        print_plan(plan, console=console, as_json=False)
+    return 0
+
+
+def profile(*, hardware: str | None, output: str | None, console: Console) -> int:
+    """`finetune profile`: measure this machine's links and compute via offload.profiler."""
+    try:
+        from offload.profiler import measure
+    except ImportError:
+        raise TierwiseError("finetune profile is not yet available in this build "
+                            "(offload.profiler is missing)") from None
+    result = _call_with_known(measure, hardware=hardware, output=output)
+    if result is not None:
+        console.print(result)
+    return 0

@@ -1,0 +1,248 @@
+"""The training run behind `finetune`: data, engine, loop, checkpoints, export, plots."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import random
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from cli import checkpoint as ckpt
+from cli.config import ConfigError, TrainConfig
+from cli.data import Batches, DataPosition, eval_batches, load_blocks
+from cli.export import export_hf
+from cli.loading import ModelSource, build_meta_model, iter_safetensors, resolve_model
+from cli.metrics import MetricsWriter, read_metrics
+from cli.plots import plot_loss, plot_timeline
+from cli.progress import TrainProgress
+from cli.schedule import LRSchedule
+from offload.errors import TierwiseError
+
+log = logging.getLogger(__name__)
+EXIT_INTERRUPTED = 130
+
+
+def engine_class():
+    """offload.Engine (tests replace this function with a stand-in)."""
+    try:
+        from offload import Engine
+    except ImportError:
+        raise TierwiseError("the offload engine is not available in this build") from None
+    return Engine
+
+
+def make_engine(model: torch.nn.Module, cfg: TrainConfig):
+    """Engine(model, ...) from the config; options the Engine does not take are left out."""
+    cls = engine_class()
+    kwargs = dict(
+        optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        gpu_mem=cfg.budgets["gpu"], cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"],
+        cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
+        chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip, hardware=cfg.hardware,
+    )
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    params = inspect.signature(cls).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        dropped = sorted(set(kwargs) - set(params))
+        for k in dropped:
+            log.warning("the engine takes no %s option; ignoring it", k)
+            kwargs.pop(k)
+    return cls(model, **kwargs)
+
+
+def prepare_output(cfg: TrainConfig) -> Path:
+    """Create the output dir; refuse a non-empty one unless --resume or --overwrite."""
+    out = Path(cfg.output)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output {out} exists and is not a directory")
+    nonempty = out.is_dir() and any(out.iterdir())
+    if cfg.resume:
+        if ckpt.latest_checkpoint(out) is None:
+            raise ConfigError(f"--resume: no checkpoint in {out}")
+    elif nonempty and cfg.overwrite:
+        shutil.rmtree(out)
+    elif nonempty:
+        raise ConfigError(f"output directory {out} is not empty: pass --resume to continue "
+                          "its run or --overwrite to replace it")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class _SigintFlag:
+    """First Ctrl-C sets the flag (finish the step, checkpoint, exit 130); second one aborts."""
+
+    def __init__(self):
+        self.set = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.set:
+            raise KeyboardInterrupt
+        self.set = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def warn(console: Console, text: str) -> None:
+    console.print(f"[bold yellow]warning:[/] {text}", soft_wrap=True, highlight=False)
+
+
+def run(cfg: TrainConfig, *, console: Console) -> int:
+    """Train as configured; returns the process exit code (0, or 130 after Ctrl-C)."""
+    if cfg.dry_run:
+        from cli.planning import dry_run
+
+        return dry_run(cfg, console=console)
+    src = resolve_model(cfg.model)
+    if src.note:
+        warn(console, src.note)
+    if cfg.model is None:
+        console.print("no --model: training the built-in tiny model", highlight=False)
+    if cfg.data is None:
+        if cfg.model is not None:
+            warn(console, "no --data: training on the built-in toy sample")
+    blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
+    eval_data = (eval_batches(load_blocks(cfg.eval_data, src.tokenizer, seq_len=cfg.seq_len,
+                                          pack=cfg.pack), batch_size=cfg.batch_size)
+                 if cfg.eval_data else [])
+    batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum, seed=cfg.seed)
+    out = prepare_output(cfg)  # after every input is validated: --overwrite deletes
+    total = cfg.steps or (cfg.epochs or 1) * batches.batches_per_epoch
+    schedule = LRSchedule(kind=cfg.schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                          total_steps=total)
+    seed_everything(cfg.seed)
+    engine = make_engine(build_meta_model(src.config), cfg)
+    try:
+        start = _initial_state(engine, cfg, src, out, batches, console)
+        code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule,
+                     start=start, total=total, eval_data=eval_data, console=console)
+        if code == 0:
+            _finish(engine, cfg, src, out, console)
+        return code
+    finally:
+        engine.close()
+
+
+def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batches: Batches,
+                   console: Console) -> int:
+    """Load a checkpoint (--resume) or the weights; returns the first step to run."""
+    if cfg.resume:
+        path = ckpt.latest_checkpoint(out)
+        engine_state, trainer = ckpt.load_checkpoint(path)
+        saved = trainer["config"]
+        changed = [k for k in TrainConfig.DATA_KEYS if saved.get(k) != getattr(cfg, k)]
+        if changed:
+            raise ConfigError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)}"
+                              f" differ from the checkpointed run in {out}")
+        engine.load_state_dict(engine_state)
+        ckpt.restore_rng(trainer["rng"])
+        batches.position = DataPosition.from_dict(trainer["data"])
+        console.print(f"resumed from {path.name} (step {trainer['step']})", highlight=False)
+        return int(trainer["step"])
+    if src.has_weights:
+        order = getattr(engine, "load_order", None)  # e.g. first-use order, if the engine has one
+        engine.load_weights(iter_safetensors(src.model_dir, order=order))
+    else:
+        engine.init_weights_(seed=cfg.seed, std=getattr(src.config, "initializer_range", 0.02))
+    return 0
+
+
+def save(engine, cfg: TrainConfig, out: Path, *, step: int, batches: Batches,
+         schedule: LRSchedule) -> Path:
+    trainer = {"rng": ckpt.capture_rng(), "data": batches.position.to_dict(),
+               "schedule": schedule.to_dict(), "config": cfg.to_dict()}
+    return ckpt.save_checkpoint(out, step=step, engine_state=engine.state_dict(),
+                                trainer_state=trainer, keep=cfg.keep_checkpoints)
+
+
+def evaluate(engine, eval_data: list) -> float | None:
+    """Token-weighted mean eval loss; needs engine.eval_loss(batch) -> float."""
+    if not eval_data or not hasattr(engine, "eval_loss"):
+        return None
+    total = weight = 0.0
+    for batch in eval_data:
+        n = float((batch["labels"][:, 1:] != -100).sum())
+        total += engine.eval_loss(batch) * n
+        weight += n
+    return total / max(weight, 1.0)
+
+
+def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
+          schedule: LRSchedule, start: int, total: int, eval_data: list,
+          console: Console) -> int:
+    if cfg.eval_every and eval_data and not hasattr(engine, "eval_loss"):
+        warn(console, "this engine has no eval_loss(): --eval-every is ignored")
+    step = start
+    with MetricsWriter(out / "metrics.jsonl") as metrics, _SigintFlag() as sigint, \
+            TrainProgress(console=console, total=total, start=start) as bar:
+        while step < total:
+            lr = schedule.lr_at(step)
+            engine.set_lr(lr)
+            batch = batches.next()
+            t0 = time.perf_counter()
+            loss = float(engine.step(batch, grad_accum=cfg.grad_accum))
+            dt = time.perf_counter() - t0
+            step += 1
+            tokens = int(batch["attention_mask"].sum())
+            record = {"kind": "train", "step": step, "loss": loss, "lr": lr,
+                      "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9),
+                      "step_s": dt, "epoch": batches.position.epoch}
+            ledger = getattr(engine, "ledger", None)
+            if ledger is not None:
+                record["peak_bytes"] = dict(ledger.peaks())
+            metrics.write(**record)
+            bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"],
+                       usage=ledger.usage() if ledger is not None else None)
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                ev = evaluate(engine, eval_data)
+                if ev is not None:
+                    metrics.write(kind="eval", step=step, loss=ev)
+                    bar.note(f"step {step}: eval loss {ev:.4f}")
+            if sigint.set:
+                path = save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
+                bar.note(f"interrupted: checkpoint {path.name} saved; "
+                         "run again with --resume to continue")
+                return EXIT_INTERRUPTED
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
+        evaluated = cfg.eval_every and step % cfg.eval_every == 0
+        ev = evaluate(engine, eval_data) if eval_data and not evaluated else None
+        if ev is not None:
+            metrics.write(kind="eval", step=step, loss=ev)
+        if ckpt.latest_checkpoint(out) is None or \
+                ckpt.latest_checkpoint(out).name != ckpt.ckpt_name(step):
+            save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
+    return 0
+
+
+def _finish(engine, cfg: TrainConfig, src: ModelSource, out: Path, console: Console) -> None:
+    dtype = cfg.export_dtype or cfg.precision
+    model_dir = export_hf(engine.named_parameters_fp32(), out / "model", config=src.config,
+                          tokenizer=src.tokenizer, dtype=dtype,
+                          generation_config=src.generation_config)
+    plot_loss(read_metrics(out / "metrics.jsonl"), out / "loss.png")
+    timeline = getattr(engine, "timeline", None)
+    if timeline:
+        plot_timeline(timeline, out / "memory_timeline.png")
+    console.print(f"done: model exported to {model_dir}", highlight=False)

@@ -1,0 +1,403 @@
+"""The Engine: train a PyTorch model inside hard per-tier memory budgets.
+
+    engine = offload.Engine(model, optimizer="adamw", lr=1e-4, gpu_mem="2G", cpu_mem="16G")
+    loss = engine.step(batch)                      # forward, backward, update
+    # or: loss = engine.forward(batch); engine.backward(loss); engine.optimizer_step()
+
+Where the bytes live (every one of them reserved in `engine.ledger`):
+- gpu:  module buffers; compute copies of gpu-home chunks with their grad, master and state;
+        compute copies of streamed chunks while cached; gradients in flight to the host;
+        activations saved for backward.
+- host: master (fp32, which is also the compute copy in fp32 runs), grad and optimizer
+        state of streamed chunks; a bf16 compute copy of them in bf16 runs.
+The first step is the warm-up: every chunk is streamed through the smallest window while the
+access trace and the activation peak are measured; then chunks are promoted to the device
+as the budget allows and later steps follow the trace (Belady eviction, look-ahead prefetch).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from offload.cache import ResidentCache
+from offload.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
+from offload.errors import BudgetExceeded, InfeasibleBudget
+from offload.executor import Executor
+from offload.hooks import ActivationTracker, checkpointed, install_module_hooks
+from offload.ledger import Ledger
+from offload.model_info import find_blocks, modules_with_params
+from offload.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
+from offload.sizes import format_size, parse_size
+from offload.store import ChunkStore
+from offload.tiers import Tiers, pick_device
+from offload.trace import TraceFollower
+from offload.update import Hyper, make_updater
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def default_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Hugging Face convention: the model computes the loss from `labels`."""
+    return model(**batch).loss
+
+
+class Engine:
+    """Chunked, budgeted training of `model`. See the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, *, optimizer: str = "adamw", lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, momentum: float = 0.0,
+                 optimizer_kwargs: dict | None = None,
+                 gpu_mem: "str | int | None" = None, cpu_mem: "str | int | None" = None,
+                 cxl_mem: "str | int | None" = None, nvme_path: "str | None" = None,
+                 precision: str = "fp32", chunk_bytes: "str | int" = DEFAULT_CHUNK_BYTES,
+                 grad_clip: float | None = None, checkpointing: bool | None = None,
+                 device: "str | torch.device | None" = None,
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
+                 prefetch_depth: int = 16, h2d_bandwidth: float | None = None,
+                 d2h_bandwidth: float | None = None, allow_gpu_home: bool = True):
+        if precision not in DTYPES:
+            raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
+        if cxl_mem is not None or nvme_path is not None:
+            raise NotImplementedError("the cxl and nvme tiers are not wired into the engine yet")
+        self.model, self.loss_fn = model, loss_fn
+        self.device = pick_device(device)
+        self.compute_dtype = DTYPES[precision]
+        self.precision = precision
+        self.grad_clip = grad_clip
+        self.prefetch_depth = prefetch_depth
+        self.allow_gpu_home = allow_gpu_home
+        self.hyper = Hyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum)
+        self.updater = make_updater(optimizer, momentum=momentum, **(optimizer_kwargs or {}))
+        budgets = {"gpu": parse_size(gpu_mem, what="--gpu-mem"), "host": parse_size(cpu_mem, what="--cpu-mem")}
+        self.ledger = Ledger(budgets)
+        self.tiers = Tiers(ledger=self.ledger, device=self.device)
+        self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
+
+        named = self._trainable(model)
+        self.plan = pack_chunks(specs_of(named), chunk_bytes=parse_size(chunk_bytes, what="chunk size"))
+        self.params = dict(named)
+        self.param_names = {p: n for n, p in named}
+        self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
+                                state_spec=self.updater.state_spec)
+        self.store.adopt(named)  # copies weights into host chunks; frees the originals
+        self.buffer_bytes = self._move_buffers(model)
+
+        self.streamed_storage: dict[int, int] = {}
+        self.home_storage: set[int] = set()
+        self.module_chunks = self._module_chunks(model)
+        self.blocks = find_blocks(model)
+        if checkpointing is None:
+            checkpointing = len(self.blocks) > 1
+        if checkpointing and getattr(getattr(model, "config", None), "use_cache", False):
+            model.config.use_cache = False  # a KV cache would see each block twice (recompute)
+        if checkpointing:
+            for block in self.blocks:
+                block.forward = checkpointed(block.forward, hooks=lambda: self.tracker.hooks())
+        self.checkpointing = checkpointing
+        self._handles = install_module_hooks(self, list(self.module_chunks))
+        for p in self.params.values():
+            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        self.tracker = ActivationTracker(self)
+        self.follower = TraceFollower()
+
+        self.needs = self._device_needs(activations=0)
+        check_minimum(self.needs, budgets["gpu"], measured=False)
+        self.cache = ResidentCache(tiers=self.tiers, executor=self.executor, limit=self.needs.stream_window,
+                                   source=self.store.compute_source, on_resident=self._on_resident,
+                                   on_evict=self._on_evict)
+        self.cache.next_use = None
+        self.device_plan: DevicePlan | None = None
+        self.minimum_gpu_bytes: int | None = None
+        self.steps = 0
+        self.phase = "idle"
+        self._seen: set[torch.nn.Parameter] = set()
+        self._in_cycle = False
+        self._inflight: deque = deque()
+        self._inflight_bytes = 0
+        self.timeline: list[dict] = []
+        self._recording_timeline = False
+        self.phase_times = {"forward": 0.0, "backward": 0.0, "update": 0.0}
+        for cid in range(len(self.plan.chunks)):
+            self._on_evict(cid)
+
+    # -- setup helpers -------------------------------------------------------------------
+    @staticmethod
+    def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            raise ValueError(f"frozen parameters are not supported yet: {frozen[:3]}...")
+        return list(model.named_parameters())
+
+    def _move_buffers(self, model: torch.nn.Module) -> int:
+        total = 0
+        for mod in model.modules():
+            for name, buf in list(mod._buffers.items()):
+                if buf is None:
+                    continue
+                if buf.device != self.device and buf.device.type != "meta":
+                    mod._buffers[name] = buf = buf.to(self.device)
+                total += buf.numel() * buf.element_size()
+        self.ledger.reserve("gpu", "buffer", total)
+        return total
+
+    def _module_chunks(self, model: torch.nn.Module) -> dict[torch.nn.Module, list[int]]:
+        out = {}
+        for mod in modules_with_params(model):
+            cids = sorted({self.plan.slots[self.param_names[p]].chunk for p in mod._parameters.values()
+                           if p is not None and p in self.param_names})
+            if cids:
+                out[mod] = cids
+        return out
+
+    def _device_needs(self, *, activations: int) -> DeviceNeeds:
+        csize = self.compute_dtype.itemsize
+        compute = tuple(c.numel * csize for c in self.plan.chunks)
+        widest = max((sum(compute[c] for c in cids) for cids in self.module_chunks.values()), default=0)
+        largest_param = max((s.numel for s in self.plan.slots.values()), default=0) * csize
+        return DeviceNeeds(
+            buffers=self.buffer_bytes,
+            stream_window=widest + max(compute, default=0),
+            grad_reserve=largest_param,
+            activations=activations,
+            home_bytes=tuple(self.store.home_bytes(c) for c in range(len(compute))),
+            compute_bytes=compute,
+        )
+
+    # -- residency callbacks (compute thread) --------------------------------------------
+    def _on_resident(self, cid: int, buf: torch.Tensor) -> None:
+        self.streamed_storage[buf.untyped_storage()._cdata] = cid
+        self.store.point_params(cid, buf, self.params)
+
+    def _on_evict(self, cid: int) -> None:
+        self.streamed_storage = {k: v for k, v in self.streamed_storage.items() if v != cid}
+        self.store.unpoint_params(cid, self.params, device=self.device)
+
+    def acquire_module(self, mod: torch.nn.Module) -> None:
+        for cid in self.module_chunks[mod]:
+            if self.store.is_gpu_home(cid):
+                continue
+            self.follower.access(cid, self.phase)
+            self.cache.acquire(cid)
+            self._prefetch()
+        self._record_moment()
+
+    def release_module(self, mod: torch.nn.Module) -> None:
+        for cid in self.module_chunks[mod]:
+            if not self.store.is_gpu_home(cid):
+                self.cache.release(cid)
+
+    def touch_chunk(self, cid: int) -> torch.Tensor:
+        """A saved view of chunk `cid` is needed in backward: make it resident now."""
+        self.follower.access(cid, self.phase)
+        buf = self.cache.acquire(cid)
+        self.cache.release(cid)
+        self._prefetch()
+        return buf
+
+    def _prefetch(self) -> None:
+        """Start fetching upcoming chunks of the trace while the budget allows."""
+        if not self.follower.following:
+            return
+        for moment, cid in self.follower.upcoming(self.prefetch_depth):
+            if self.store.is_gpu_home(cid) or self.cache.resident(cid):
+                continue
+            if not self.cache.prefetch(cid, use_at=moment):
+                break
+
+    # -- gradients ----------------------------------------------------------------------
+    def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        g = p.grad
+        p.grad = None
+        slot = self.plan.slots[self.param_names[p]]
+        first = p not in self._seen
+        self._seen.add(p)
+        dst = self.store.grad_view(slot)
+        src = g.reshape(-1)
+        if self.store.is_gpu_home(slot.chunk):
+            dst.copy_(src) if first else dst.add_(src)
+            return
+        nbytes = src.numel() * src.element_size()
+        self._reserve_grad(nbytes)
+        staging = None
+        if self.executor.cuda and not first:
+            staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
+        ticket = self.executor.copy("d2h", dst, src, accumulate=not first, staging=staging)
+        self._inflight.append((ticket, nbytes, src))
+
+    def _reserve_grad(self, nbytes: int) -> None:
+        limit = max(self.needs.grad_reserve, nbytes)
+        while self._inflight and (self._inflight[0][0].done() or self._inflight_bytes + nbytes > limit):
+            self._retire_oldest()
+        self.ledger.reserve("gpu", "grad", nbytes)
+        self._inflight_bytes += nbytes
+
+    def _retire_oldest(self) -> None:
+        ticket, nbytes, _src = self._inflight.popleft()
+        self.executor.wait(ticket)
+        self._inflight_bytes -= nbytes
+        self.ledger.release("gpu", "grad", nbytes)
+
+    def _drain_grads(self) -> None:
+        while self._inflight:
+            self._retire_oldest()
+
+    # -- the step -----------------------------------------------------------------------
+    def _begin_cycle(self) -> None:
+        if not self._in_cycle:
+            self._in_cycle = True
+            self._seen = set()
+            self.follower.start_step()
+            self._recording_timeline = self.steps == 1 or (self.steps == 0 and not self.timeline)
+            if self._recording_timeline:
+                self.timeline = []
+
+    def _to_device(self, batch: Any) -> Any:
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device)
+        if isinstance(batch, dict):
+            return {k: self._to_device(v) for k, v in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self._to_device(v) for v in batch)
+        return batch
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        """Run the loss function on `batch`; returns the loss tensor (graph kept for backward)."""
+        self._begin_cycle()
+        self.phase = "forward"
+        t0 = time.perf_counter()
+        try:
+            with self.tracker.hooks():
+                loss = self.loss_fn(self.model, self._to_device(batch))
+        except BudgetExceeded as exc:
+            err = self._budget_error(exc)
+            self._abort_cycle()
+            raise err from exc
+        self.phase_times["forward"] += time.perf_counter() - t0
+        return loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss`; gradients accumulate (fp32) in their grad chunks."""
+        self.phase = "backward"
+        t0 = time.perf_counter()
+        try:
+            loss.backward()
+            self._drain_grads()
+        except BudgetExceeded as exc:
+            err = self._budget_error(exc)
+            self._abort_cycle()
+            raise err from exc
+        self.phase_times["backward"] += time.perf_counter() - t0
+
+    def _abort_cycle(self) -> None:
+        self._drain_grads()
+        self._in_cycle = False
+        self.store.zero_grads()
+
+    def _budget_error(self, exc: BudgetExceeded) -> Exception:
+        if exc.tier != "gpu" or exc.kind != "activation":
+            return exc
+        held = self.ledger.usage()["gpu"].get("activation", 0)
+        need = self._device_needs(activations=held + exc.asked).minimum
+        return InfeasibleBudget(
+            f"gpu budget {format_size(exc.budget)} cannot hold this batch's activations: at least "
+            f"{format_size(need)} ({need} B) needed; raise --gpu-mem or lower batch size / sequence length",
+            minimum={"gpu": need},
+        )
+
+    def step(self, batch: Any, *, grad_accum: int = 1) -> float:
+        """Forward, backward and update on `batch`, split into `grad_accum` micro-batches."""
+        losses = []
+        for mb in split_batch(batch, grad_accum):
+            loss = self.forward(mb)
+            self.backward(loss / grad_accum if grad_accum > 1 else loss)
+            losses.append(loss.detach().float().item())
+        self.optimizer_step()
+        return sum(losses) / len(losses)
+
+    def optimizer_step(self) -> None:
+        """Clip (optionally) and update every chunk; then the device copies are stale."""
+        self.phase = "update"
+        t0 = time.perf_counter()
+        self._drain_grads()
+        self.store.zero_unseen_grads(self._seen, self.params, self.param_names)
+        if self.grad_clip is not None:
+            views = [self.store.grad_view(self.plan.slots[n]).view(p.shape) for n, p in self.params.items()]
+            total = torch.nn.utils.get_total_norm(views)
+            torch.nn.utils.clip_grads_with_norm_(views, self.grad_clip, total)
+        self.store.update(self.updater, self.hyper)
+        self.cache.evict_all()
+        self._record_moment()
+        self.follower.end_step()
+        self._in_cycle = False
+        self.steps += 1
+        self.phase = "idle"
+        self.phase_times["update"] += time.perf_counter() - t0
+        if self.device_plan is None:
+            self._after_warmup()
+        self.cache.next_use = self.follower.next_use if self.follower.following else None
+
+    def _after_warmup(self) -> None:
+        """Activations are known now: place chunks on the device as the budget allows."""
+        act = self.ledger.kind_peak("gpu", "activation")
+        self.needs = self._device_needs(activations=act)
+        self.minimum_gpu_bytes = self.needs.minimum
+        self.device_plan = plan_device(self.needs, self.ledger.budgets["gpu"], allow_gpu_home=self.allow_gpu_home)
+        for cid in sorted(self.device_plan.gpu_home):
+            self.store.promote(cid, self.params)
+            self.home_storage.add(self.store.compute_source(cid).untyped_storage()._cdata)
+        self.cache.limit = self.device_plan.cache_limit
+        self.follower.keep_only(lambda cid: not self.store.is_gpu_home(cid))
+
+    def _record_moment(self) -> None:
+        if self._recording_timeline:
+            self.timeline.append({"moment": len(self.timeline), "phase": self.phase,
+                                  "bytes": self.ledger.totals()})
+
+    # -- weights in and out ----------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        self.hyper.lr = lr
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (name, tensor) pairs into their slots, one at a time (meta-device models)."""
+        self.store.load(named_tensors, self.params)
+
+    def named_parameters_fp32(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, fp32 CPU tensor) for every parameter, from the master copies."""
+        yield from self.store.named_master(self.params)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.store.state_dict(self.params) | {"steps": self.steps}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.cache.evict_all()
+        self.store.load_state_dict(sd, self.params)
+        self.steps = int(sd["steps"])
+
+    def close(self) -> None:
+        self.executor.drain()
+        self.executor.close()
+        for h in self._handles:
+            h.remove()
+
+
+def split_batch(batch: Any, n: int) -> list[Any]:
+    """Split a dict/tensor batch along dim 0 into `n` equal micro-batches."""
+    if n == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        if batch.shape[0] % n:
+            raise ValueError(f"batch of {batch.shape[0]} does not split into {n} micro-batches")
+        return list(batch.chunk(n))
+    if isinstance(batch, dict):
+        parts = {k: split_batch(v, n) for k, v in batch.items()}
+        return [{k: parts[k][i] for k in batch} for i in range(n)]
+    raise TypeError(f"cannot split a batch of type {type(batch).__name__}")

@@ -1,0 +1,191 @@
+"""8-bit AdamW: both moments block-wise quantized (the bitsandbytes algorithm), ~2.03 B/param.
+
+`adamw8bit_step_` is the whole step as one pure function on tensors; it runs a C kernel on
+CPU (see _cpu_kernel), bitsandbytes' kernel on CUDA, and a plain torch path otherwise.
+Tensors under MIN_8BIT_NUMEL elements keep fp32 moments, as bitsandbytes does.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+from typing import Any, Optional
+
+import torch
+
+from . import _cpu_kernel
+from .base import TierwiseOptimizer, write_back_
+from .costs import OptimizerCost
+from .quant import BLOCK, dequantize_blockwise, dynamic_map, midpoints, num_blocks, quant_lut, quantize_blockwise
+
+logger = logging.getLogger(__name__)
+
+MIN_8BIT_NUMEL = 4096
+
+
+def init_adamw8bit_state(param: torch.Tensor) -> dict[str, torch.Tensor]:  # param: (...) any float
+    """Zero state for one tensor: uint8 codes + fp32 absmax per 256-block, or fp32 moments."""
+    n, dev = param.numel(), param.device
+    if n < MIN_8BIT_NUMEL:
+        return {"exp_avg": torch.zeros(n, dtype=torch.float32, device=dev),
+                "exp_avg_sq": torch.zeros(n, dtype=torch.float32, device=dev)}
+    blocks = num_blocks(n)
+    return {"state1": torch.zeros(n, dtype=torch.uint8, device=dev),
+            "state2": torch.zeros(n, dtype=torch.uint8, device=dev),
+            "absmax1": torch.zeros(blocks, dtype=torch.float32, device=dev),
+            "absmax2": torch.zeros(blocks, dtype=torch.float32, device=dev)}
+
+
+def adamw8bit_step_(
+    param: torch.Tensor,  # (...) fp32, updated in place (e.g. a flat fp32 master chunk)
+    grad: torch.Tensor,  # (...) same numel as param, any float dtype
+    state: dict[str, torch.Tensor],  # from init_adamw8bit_state(param), updated in place
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,  # 1-based count of this step (for bias correction)
+) -> None:
+    """One AdamW step, moments in blockwise 8-bit; math and order as bitsandbytes'."""
+    if param.dtype != torch.float32 or not param.is_contiguous():
+        raise ValueError("adamw8bit_step_ needs a contiguous fp32 param; use the optimizer "
+                         "class (it keeps an fp32 copy) for other dtypes")
+    if grad.numel() != param.numel():
+        raise ValueError(f"grad has {grad.numel()} elements, param {param.numel()}")
+    g = grad.reshape(-1).to(torch.float32).contiguous()
+    p = param.view(-1)
+    if "exp_avg" in state:
+        _adam32_step(p, g, state, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                     weight_decay=weight_decay, step=step)
+    elif p.is_cuda:
+        _cuda_step(p, g, state, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                   weight_decay=weight_decay, step=step)
+    elif p.device.type == "cpu" and _cpu_kernel.load() is not None:
+        _c_step(p, g, state, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, step=step)
+    else:
+        adamw8bit_step_reference_(p, g, state, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                  weight_decay=weight_decay, step=step)
+
+
+def _adam32_step(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float,
+                 beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
+    # bitsandbytes' 32-bit path (used for its small tensors): eps scaled by sqrt(bc2)
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    bc1, bc2_sqrt = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+    if weight_decay > 0.0:
+        p.mul_(1.0 - lr * weight_decay)
+    p.add_(m / (v.sqrt() + eps * bc2_sqrt), alpha=-lr * bc2_sqrt / bc1)
+
+
+def adamw8bit_step_reference_(
+    p: torch.Tensor,  # (n,) fp32
+    g: torch.Tensor,  # (n,) fp32
+    state: dict[str, torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    """Plain-torch 8-bit step (any device); the fallback when the C kernel is unavailable."""
+    m = dequantize_blockwise(state["state1"], state["absmax1"], signed=True)
+    v = dequantize_blockwise(state["state2"], state["absmax2"], signed=False)
+    m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    bc1, bc2_sqrt = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    if weight_decay > 0.0:
+        p.mul_(1.0 - lr * weight_decay)
+    p.addcdiv_(m, denom, value=-lr / bc1)
+    quantize_blockwise(m, signed=True, out=state["state1"], absmax_out=state["absmax1"])
+    quantize_blockwise(v, signed=False, out=state["state2"], absmax_out=state["absmax2"])
+
+
+_LUTS: dict[bool, torch.Tensor] = {}
+
+
+def _lut(signed: bool) -> torch.Tensor:
+    if signed not in _LUTS:  # memo of a constant, built once per process
+        _LUTS[signed] = quant_lut(signed=signed)
+    return _LUTS[signed]
+
+
+def _c_step(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float,
+            beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
+    lib = _cpu_kernel.load()
+    assert lib is not None
+    tensors = (p, g, state["state1"], state["state2"], state["absmax1"], state["absmax2"],
+               dynamic_map(signed=True), dynamic_map(signed=False), midpoints(signed=True),
+               midpoints(signed=False), _lut(True), _lut(False))
+    for t in tensors:
+        assert t.is_contiguous() and t.device.type == "cpu"
+    lib.adam8bit_step(*(ctypes.c_void_p(t.data_ptr()) for t in tensors), p.numel(),
+                      beta1, beta2, eps, lr, weight_decay, 1.0 - beta1**step,
+                      math.sqrt(1.0 - beta2**step), torch.get_num_threads())
+
+
+def _cuda_step(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float,
+               beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
+    # bitsandbytes' fused CUDA kernel; its maps are the same as ours (asserted in tests)
+    import bitsandbytes.functional as bnbf
+
+    bnbf.optimizer_update_8bit_blockwise(
+        "adam", g, p, state["state1"], state["state2"], beta1, beta2, 0.0, 0.0, eps, step, lr,
+        dynamic_map(signed=True, device=p.device), dynamic_map(signed=False, device=p.device),
+        state["absmax1"], state["absmax2"], weight_decay, gnorm_scale=1.0, skip_zeros=False)
+
+
+def state_bytes_8bit(shape: tuple[int, ...], rank: Optional[int] = None) -> float:
+    """Exact bytes init_adamw8bit_state allocates for a tensor of this shape."""
+    n = math.prod(shape)
+    if n < MIN_8BIT_NUMEL:
+        return 8.0 * n
+    return 2.0 * n + 8.0 * num_blocks(n)
+
+
+class AdamW8bit(TierwiseOptimizer):
+    """Drop-in AdamW with 8-bit moments. Non-fp32 params keep an fp32 master in the state."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *,
+                 stochastic_rounding: bool = False) -> None:
+        if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"invalid lr/betas/eps: {lr}, {betas}, {eps}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        stochastic_rounding=stochastic_rounding)
+        super().__init__(params, defaults)
+
+    @classmethod
+    def cost(cls) -> OptimizerCost:
+        return OptimizerCost(state_bytes_per_param=2.0 + 8.0 / BLOCK, read_bytes_per_param=10.0 + 8 / BLOCK,
+                             write_bytes_per_param=6.0 + 8 / BLOCK, flops_per_param=30.0,
+                             state_bytes=state_bytes_8bit, note="fp32 state below 4096 elements")
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
+        if not state:
+            state["step"] = 0
+            state.update(init_adamw8bit_state(p))
+        state["step"] += 1
+        master = p.data if p.dtype == torch.float32 and p.is_contiguous() else p.data.float().contiguous()
+        beta1, beta2 = group["betas"]
+        adamw8bit_step_(master, p.grad, state, lr=group["lr"], beta1=beta1, beta2=beta2,
+                        eps=group["eps"], weight_decay=group["weight_decay"], step=state["step"])
+        if master is not p.data:
+            write_back_(p, master, stochastic=group["stochastic_rounding"],
+                        seed=state["step"] * 1_000_003 + index)
+
+
+class Adam8bit(AdamW8bit):
+    """bitsandbytes' Adam8bit: the same step (its weight decay is decoupled too), default wd 0."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *,
+                 stochastic_rounding: bool = False) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, stochastic_rounding=stochastic_rounding)

@@ -1,0 +1,71 @@
+"""Shared plumbing of the tierwise optimizers: the step loop, state_dict dtypes, write-back."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+
+from .costs import OptimizerCost
+
+
+class TierwiseOptimizer(torch.optim.Optimizer):
+    """A thin loop: for every param with a grad, `_update(p, group, state, index)`.
+
+    Subclasses put the math in a pure function and call it from `_update`.
+    """
+
+    @classmethod
+    def cost(cls) -> OptimizerCost:
+        raise NotImplementedError
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                self._update(p, group, self.state[p], index)
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch casts floating state to the param dtype (uint8 codes would survive, but an fp32
+        # absmax of a bf16 param would not): keep every saved tensor's dtype instead.
+        saved = copy.deepcopy(state_dict["state"])
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            if pid in saved:
+                self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) else v
+                                 for k, v in saved[pid].items()}
+
+
+def write_back_(
+    param: torch.Tensor,  # (...) bf16/fp16 model param
+    master: torch.Tensor,  # (...) fp32 updated values
+    *,
+    stochastic: bool,
+    seed: int,
+) -> None:
+    """Copy fp32 values into a lower-precision param, optionally with stochastic rounding to bf16."""
+    if stochastic and param.dtype == torch.bfloat16:
+        gen = torch.Generator(device=master.device).manual_seed(seed)
+        bits = master.reshape(-1).view(torch.int32)
+        noise = torch.randint(0, 1 << 16, bits.shape, generator=gen, device=master.device, dtype=torch.int32)
+        # adding uniform noise below the bf16 cut rounds up with probability = discarded fraction
+        rounded = ((bits + noise) & -65536).view(torch.float32)
+        param.data.copy_(rounded.view(param.shape))
+    else:
+        param.data.copy_(master.view(param.shape))

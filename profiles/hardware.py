@@ -1,0 +1,131 @@
+"""Hardware profiles: what the performance model needs to know about one GPU and its host.
+
+Units: bandwidths in GB/s (10^9 bytes/s), compute in TFLOPS (10^12 flop/s, what a large
+matmul realistically reaches, not the datasheet peak), throughputs in parameters per second,
+memory sizes as byte sizes ("24GiB"). All numbers are typical, not guarantees; measure and
+write your own profile (any TOML path is accepted wherever a name is).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from profiles.schema import validate_fields
+
+_SIZE = {"size": True}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    """The accelerator (on `simulated = true` profiles: CPU memory standing in for it)."""
+
+    memory: int = field(metadata=_SIZE)
+    """Device memory usable by the run."""
+    bf16_tflops: float
+    """Achievable dense bf16 matmul throughput."""
+    fp32_tflops: float
+    """Achievable dense fp32 matmul throughput (full fp32, no TF32: torch's default)."""
+    memory_bandwidth_gbps: float
+    """Device memory bandwidth (the GPU optimizer update is bound by it)."""
+    simulated: bool = False
+    """True for the CPU-only simulated device (every tier is host memory)."""
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PcieSpec:
+    """The host <-> device link, as measured with large copies."""
+
+    gen: int = field(metadata={"min": 0})
+    """PCIe generation (informative; 0 for the simulated device)."""
+    h2d_pinned_gbps: float
+    """Host-to-device from pinned memory."""
+    d2h_pinned_gbps: float
+    """Device-to-host into pinned memory."""
+    h2d_pageable_gbps: float
+    """Host-to-device from pageable memory."""
+    d2h_pageable_gbps: float
+    """Device-to-host into pageable memory."""
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostSpec:
+    """CPU and DRAM."""
+
+    memory: int | None = field(default=None, metadata=_SIZE)
+    """Installed DRAM (a default for the host budget; None = not stated)."""
+    dram_bandwidth_gbps: float
+    """Achievable DRAM bandwidth (STREAM-like), shared by the CPU update and all DMA."""
+    cpu_cores: int
+    """Physical cores available to the run (the optimizer and the NVMe I/O threads share them)."""
+    cpu_fp32_tflops: float
+    """Achievable fp32 matmul throughput on all cores (low-rank projections on CPU)."""
+    adamw_params_per_s: float
+    """fp32 AdamW update throughput on all cores (fused / DeepSpeedCPUAdam-class kernel)."""
+    adamw8bit_params_per_s: float
+    """8-bit blockwise AdamW update throughput on all cores."""
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CxlSpec:
+    """A CXL memory expander (a CPU-less NUMA node)."""
+
+    memory: int = field(metadata=_SIZE)
+    """Capacity of the expander."""
+    bandwidth_gbps: float
+    """Achievable bandwidth to the expander."""
+    latency_ns: float
+    """Load latency (informative; chunk streaming is bandwidth-bound)."""
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NvmeSpec:
+    """The swap drive(s), as seen through O_DIRECT with aligned pinned buffers."""
+
+    read_gbps: float
+    """Sequential large-block read bandwidth."""
+    write_gbps: float
+    """Sequential large-block write bandwidth."""
+    capacity: int | None = field(default=None, metadata=_SIZE)
+    """Free space for swap files (None = not stated)."""
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """One GPU, its host and optional CXL memory and NVMe drive."""
+
+    name: str
+    """Canonical name, e.g. "rtx4090"."""
+    aliases: tuple[str, ...] = ()
+    """Other names it answers to (case-insensitive)."""
+    description: str = ""
+    """One line for listings."""
+    extends: str | None = None
+    """Name of a profile whose tables this one starts from (its own keys override)."""
+    gpu: GpuSpec
+    pcie: PcieSpec
+    host: HostSpec
+    cxl: CxlSpec | None = None
+    nvme: NvmeSpec | None = None
+
+    @property
+    def simulated(self) -> bool:
+        return self.gpu.simulated
+
+    def gpu_tflops(self, precision: str) -> float:
+        """Achievable matmul TFLOPS in the compute precision ("bf16" or "fp32")."""
+        return self.gpu.bf16_tflops if precision == "bf16" else self.gpu.fp32_tflops

@@ -1,0 +1,112 @@
+"""cli.data: row schemas, loss masks, error messages with line numbers, resumable batches."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tinyhf import write_jsonl  # noqa: E402
+
+from cli.builtin import build_tokenizer  # noqa: E402
+from cli.data import (IGNORE, Batches, DataError, DataPosition, Row, encode_row,  # noqa: E402
+                      load_blocks, make_blocks, read_rows)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _loss_text(tok, ids, labels):
+    return tok.decode([i for i, lab in zip(ids, labels) if lab != IGNORE])
+
+
+def test_text_row_has_loss_on_every_token(tok):
+    ids, labels = encode_row(Row(data={"text": "the cat sees the moon"}, where="x:1"), tok)
+    assert ids == labels and ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
+
+
+def test_prompt_completion_masks_the_prompt(tok):
+    row = Row(data={"prompt": "the cat sees", "completion": " the moon"}, where="x:1")
+    ids, labels = encode_row(row, tok)
+    n_prompt = len(tok("the cat sees")["input_ids"])
+    assert labels[:n_prompt] == [IGNORE] * n_prompt
+    assert labels[n_prompt:] == ids[n_prompt:]
+    assert _loss_text(tok, ids, labels) == " the moon</s>"
+
+
+def test_chat_loss_only_on_assistant_turns(tok):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi cat"},
+            {"role": "assistant", "content": "the dog"}, {"role": "user", "content": "more"},
+            {"role": "assistant", "content": "a red bird"}]
+    ids, labels = encode_row(Row(data={"messages": msgs}, where="x:1"), tok)
+    text = _loss_text(tok, ids, labels)
+    assert "the dog</s>" in text and "a red bird</s>" in text
+    assert "hi cat" not in text and "be brief" not in text and "<|assistant|>" not in text
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "ok"}\n{"text": "broken"', ":2: bad JSON"),
+    ('{"text": "ok"}\n\n{"foo": 1}', ":3: unknown schema with keys ['foo']"),
+    ('[1, 2]', ":1: expected a JSON object"),
+    ('{"prompt": "only a prompt"}', ":1: 'prompt' and 'completion' must both be strings"),
+    ('{"messages": [{"role": "user"}]}', ":1: 'messages' must be"),
+    ('{"text": 3}', ":1: 'text' must be a string"),
+], ids=["bad-json", "unknown-schema", "not-object", "prompt-only", "bad-messages", "text-int"])
+def test_errors_name_file_and_line(tmp_path, tok, line, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text(line)
+    with pytest.raises(DataError) as e:
+        load_blocks(path, tok, seq_len=16)
+    assert str(e.value).startswith(str(path)) and message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_empty_files(tmp_path, tok):
+    with pytest.raises(DataError, match="data file not found"):
+        read_rows(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match="no examples"):
+        read_rows(tmp_path / "empty.jsonl")
+
+
+def test_dataset_dir_without_datasets_says_how_to_install(tmp_path, tok, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails even if installed
+    with pytest.raises(DataError, match="pip install datasets"):
+        read_rows(tmp_path)
+
+
+def test_packing_and_truncation(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "the cat sees the moon " * 3}] * 5)
+    packed = load_blocks(path, tok, seq_len=16)
+    assert all(b[0].shape == (16,) for b in packed)
+    assert int(sum(b[2].sum() for b in packed)) == 5 * len(encode_row(
+        Row(data={"text": "the cat sees the moon " * 3}, where=""), tok)[0])
+    single = load_blocks(path, tok, seq_len=8, pack=False)
+    assert len(single) == 5 and all(int(b[2].sum()) == 8 for b in single)
+    short = make_blocks([Row(data={"text": "hi"}, where="")], tok, seq_len=16, pack=False)[0]
+    assert (short[1][short[2] == 0] == IGNORE).all()
+
+
+def test_batches_are_deterministic_and_resume_exactly(tok):
+    blocks = load_blocks(None, tok, seq_len=32)
+    a = Batches(blocks, batch_size=4, seed=7)
+    first = [a.next()["input_ids"] for _ in range(a.batches_per_epoch + 3)]  # crosses an epoch
+    assert a.position.epoch == 1
+    b = Batches(blocks, batch_size=4, seed=7)
+    for _ in range(5):
+        b.next()
+    resumed = Batches(blocks, batch_size=4, seed=7,
+                      position=DataPosition.from_dict(b.position.to_dict()))
+    rest = [resumed.next()["input_ids"] for _ in range(len(first) - 5)]
+    assert all(torch.equal(x, y) for x, y in zip(first[5:], rest))
+    other = Batches(blocks, batch_size=4, seed=8).next()["input_ids"]
+    assert not torch.equal(first[0], other)
+
+
+def test_fewer_blocks_than_batch_size_wraps(tok):
+    blocks = make_blocks([Row(data={"text": "the cat"}, where="")], tok, seq_len=8)
+    batch = Batches(blocks, batch_size=3, seed=0).next()
+    assert batch["input_ids"].shape == (3, 8)
