@@ -41,6 +41,7 @@ class ResidentCache:
         self.clock = 0
         self.next_use: Callable[[int], float] | None = None  # set by the schedule when a trace exists
         self.fetches = 0
+        self.prefetches = 0  # fetches started ahead of use
         self.fetched_bytes = 0
 
     # -- queries ---------------------------------------------------------------------
@@ -86,6 +87,7 @@ class ResidentCache:
             return False
         self._make_room(need, protect=use_at)
         self._fetch(cid)
+        self.prefetches += 1
         return True
 
     def evict_all(self) -> None:

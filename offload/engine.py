@@ -125,6 +125,7 @@ class Engine:
         self._inflight_bytes = 0
         self.timeline: list[dict] = []
         self._recording_timeline = False
+        self.last_grad_norm: torch.Tensor | None = None
         self.phase_times = {"forward": 0.0, "backward": 0.0, "update": 0.0}
         for cid in range(len(self.plan.chunks)):
             self._on_evict(cid)
@@ -330,9 +331,7 @@ class Engine:
         self._drain_grads()
         self.store.zero_unseen_grads(self._seen, self.params, self.param_names)
         if self.grad_clip is not None:
-            views = [self.store.grad_view(self.plan.slots[n]).view(p.shape) for n, p in self.params.items()]
-            total = torch.nn.utils.get_total_norm(views)
-            torch.nn.utils.clip_grads_with_norm_(views, self.grad_clip, total)
+            self.last_grad_norm = self.store.clip_grads_(self.grad_clip, list(self.params))
         self.store.update(self.updater, self.hyper)
         self.cache.evict_all()
         self._record_moment()

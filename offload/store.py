@@ -150,6 +150,19 @@ class ChunkStore:
             if p not in seen:
                 self.grad_view(self.plan.slots[name]).zero_()
 
+    def clip_grads_(self, max_norm: float, names: list[str]) -> torch.Tensor:
+        """Global-norm clipping, computed as torch.nn.utils.clip_grad_norm_ does.
+
+        The norm is taken per parameter (same reduction order as the reference), the scaling
+        runs on whole chunks (padding is zero, so scaling it changes nothing).
+        """
+        views = [self.grad_view(self.plan.slots[n]) for n in names]
+        total = torch.nn.utils.get_total_norm(views)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for ch in self.chunks:
+            ch.grad.mul_(coef.to(ch.grad.device))
+        return total
+
     def update(self, updater: Any, hyper: Any) -> None:
         """One optimizer step on every chunk, where its master lives."""
         for cid, ch in enumerate(self.chunks):

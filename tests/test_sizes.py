@@ -1,0 +1,24 @@
+import pytest
+
+from offload.errors import SizeError
+from offload.sizes import format_size, parse_size
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("24G", 24 << 30), ("24GiB", 24 << 30), ("24gib", 24 << 30), ("512M", 512 << 20),
+    ("1.5T", int(1.5 * (1 << 40))), ("4096", 4096), ("64KiB", 64 << 10), ("2GB", 2 * 10**9),
+    (" 8 G ", 8 << 30), (123, 123), (None, None),
+], ids=str)
+def test_parse_size_accepts(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "G", "24X", "-1G", "1e9", "24 G B", "twelve"])
+def test_parse_size_rejects_with_clear_message(text):
+    with pytest.raises(SizeError, match="bad --gpu-mem .*24G, 24GiB, 512M"):
+        parse_size(text, what="--gpu-mem")
+
+
+def test_format_size():
+    assert format_size(24 << 30) == "24.00 GiB"
+    assert format_size(100) == "100 B"
