@@ -1,7 +1,8 @@
 """NvmeStore read/write bandwidth against fio (libaio, direct=1, bs=1M, iodepth=32).
 
-Both run in the same directory on the same amount of data, interleaved round by round (ours
-write, fio write, ours read, fio read), so drift of a shared disk hits both alike. Prints GB/s
+Both run in the same directory on the same amount of data, interleaved round by round (even
+rounds: ours write, fio write, ours read, fio read; odd rounds: fio first), so drift of a
+shared disk hits both alike. Prints GB/s
 and the ratio ours/fio per direction (goal: >= 0.95).
 
     python bench/nvme_vs_fio.py [--dir /tmp/tierwise-bench] [--total 4G] [--chunk 64M]
@@ -77,21 +78,29 @@ def compare(args: argparse.Namespace, total: int, chunk: int) -> None:
         bufs = [aligned_empty(chunk).fill_(7) for _ in range(args.window)]
         run_ours(store, bufs, nchunks=nchunks, write=True)  # first write: preallocates
         for rnd in range(args.rounds):
-            results["ours_w"].append(run_ours(store, bufs, nchunks=nchunks, write=True))
-            results["fio_w"].append(run_fio(args.dir, total=total, write=True))
-            results["ours_r"].append(run_ours(store, bufs, nchunks=nchunks, write=False))
-            results["fio_r"].append(run_fio(args.dir, total=total, write=False))
+            who_first = ("ours", "fio") if rnd % 2 == 0 else ("fio", "ours")  # ABBA order
+            for d, write in (("w", True), ("r", False)):
+                for who in who_first:
+                    gbps = (run_ours(store, bufs, nchunks=nchunks, write=write) if who == "ours"
+                            else run_fio(args.dir, total=total, write=write))
+                    results[f"{who}_{d}"].append(gbps)
             print(f"round {rnd}: " + "  ".join(f"{k} {v[-1]:.2f}" for k, v in results.items()),
                   flush=True)
         stats = store.stats
     os.unlink(os.path.join(args.dir, "fio.dat"))
+    try:
+        os.rmdir(args.dir)
+    except OSError:
+        pass  # not empty: not only ours
     med = {k: statistics.median(v) for k, v in results.items()}
     print(f"\n{format_size(total)} in {format_size(chunk)} chunks, threads={args.threads}, "
           f"block={format_size(args.block_size)}, window={args.window}, rounds={args.rounds} "
           f"(medians; the disk is shared, expect drift)")
     for d, name in (("w", "write"), ("r", "read")):
         ours, fio = med[f"ours_{d}"], med[f"fio_{d}"]
-        print(f"{name:>5}: ours {ours:5.2f} GB/s   fio {fio:5.2f} GB/s   ours/fio {ours / fio:.2f}")
+        paired = statistics.median(o / f for o, f in zip(results[f"ours_{d}"], results[f"fio_{d}"]))
+        print(f"{name:>5}: ours {ours:5.2f} GB/s   fio {fio:5.2f} GB/s   ours/fio {ours / fio:.2f}"
+              f"   (median of per-round ratios {paired:.2f})")
     print(f"engine stats: {stats.bytes_written / 1e9:.1f} GB written at {stats.write_gbps:.2f} "
           f"GB/s busy, {stats.bytes_read / 1e9:.1f} GB read at {stats.read_gbps:.2f} GB/s busy")
 

@@ -39,7 +39,8 @@ def pinning_available() -> bool:
     try:
         torch.empty(1, dtype=torch.uint8, pin_memory=True)
     except (RuntimeError, AssertionError) as exc:  # no accelerator runtime in this build
-        log.info("pinned memory unavailable (%s); using plain host memory", str(exc).splitlines()[0])
+        reason = str(exc).splitlines()[0]
+        log.info("pinned memory unavailable (%s); using plain host memory", reason)
         return False
     return True
 

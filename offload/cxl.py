@@ -14,11 +14,11 @@ tolerant data (cold chunks, compute copies waiting to be streamed to the GPU) go
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import platform
 import re
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -35,7 +35,7 @@ SYSFS_NODES = "/sys/devices/system/node"
 _SYS_MBIND = {"x86_64": 237, "aarch64": 235}
 MPOL_BIND, MPOL_INTERLEAVE = 2, 3
 _MPOL_MF_STRICT, _MPOL_MF_MOVE = 1 << 0, 1 << 1
-_BLOCKED = {1: "EPERM", 38: "ENOSYS"}  # errnos of a syscall filtered out (seccomp)
+_BLOCKED = (errno.EPERM, errno.ENOSYS)  # a syscall filtered out (seccomp) or missing
 
 #: Kinds the CPU optimizer touches every step: they stay in local DRAM.
 WORKING_SET = ("master", "state", "grad")
@@ -120,13 +120,15 @@ def bind_to_nodes(tensor: torch.Tensor, nodes: Sequence[int], *, move: bool = Tr
     node_ids = sorted({int(n) for n in nodes})
     nr = _SYS_MBIND.get(platform.machine())
     if nr is None:
-        raise TierwiseError(f"binding memory to NUMA nodes is not supported on {platform.machine()}")
+        raise TierwiseError(f"binding memory to NUMA nodes is not supported on "
+                            f"{platform.machine()}")
     words, maxnode = nodemask(node_ids)
     known = {n.id for n in detect_numa_nodes()}
     if known and not known.issuperset(node_ids):
         missing = ",".join(str(n) for n in node_ids if n not in known)
+        here = ",".join(map(str, sorted(known)))
         raise TierwiseError(f"cannot bind memory to NUMA node(s) {missing}: no such node here "
-                            f"(nodes: {','.join(map(str, sorted(known)))}; errno 22, EINVAL)")
+                            f"(nodes: {here}); mbind would fail with errno 22 (EINVAL)")
     page = os.sysconf("SC_PAGE_SIZE")
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
@@ -145,8 +147,9 @@ def bind_to_nodes(tensor: torch.Tensor, nodes: Sequence[int], *, move: bool = Tr
         why = ("mbind is blocked here (seccomp or no NUMA support)" if err in _BLOCKED else
                "a node that does not exist, has no memory or is outside this process's cpuset"
                if err == 22 else os.strerror(err))
-        raise TierwiseError(f"cannot bind {format_size(nbytes)} to NUMA node(s) "
-                            f"{','.join(map(str, node_ids))}: {why} (errno {err}, {os.strerror(err)})")
+        ids = ",".join(map(str, node_ids))
+        raise TierwiseError(f"cannot bind {format_size(nbytes)} to NUMA node(s) {ids}: {why} "
+                            f"(errno {err}, {os.strerror(err)})")
 
 
 class CxlAllocator:
@@ -161,6 +164,7 @@ class CxlAllocator:
                  emulate_bandwidth: float | None = None, node: int | None = None) -> None:
         ids = [node] if node is not None else [getattr(n, "id", n) for n in nodes]
         self.nodes: list[int] = sorted({int(i) for i in ids})
+        self._check_nodes()
         self.budget_bytes, self.used = budget_bytes, 0
         self._page = os.sysconf("SC_PAGE_SIZE")
         self._sizes: dict[int, int] = {}  # data_ptr -> bytes charged
@@ -170,6 +174,18 @@ class CxlAllocator:
         if self.emulated:
             log.info("no CXL node: emulating one in host memory (%s)",
                      f"{emulate_bandwidth / 1e9:.1f} GB/s" if emulate_bandwidth else "unthrottled")
+
+    def _check_nodes(self) -> None:
+        known = {n.id: n for n in detect_numa_nodes()}
+        if not known:
+            return  # no sysfs tree to check against; mbind will tell
+        missing = [i for i in self.nodes if i not in known]
+        if missing:
+            raise TierwiseError(f"CXL node(s) {','.join(map(str, missing))} do not exist here "
+                                f"(NUMA nodes: {','.join(map(str, sorted(known)))})")
+        for i in self.nodes:
+            if known[i].cpus:
+                log.warning("NUMA node %d has CPUs: it is local DRAM, not CXL memory", i)
 
     @property
     def emulated(self) -> bool:
@@ -216,8 +232,9 @@ def place_kinds(kinds_bytes: dict[str, int], *, dram_free: int, cxl_free: int) -
     """Tier ('host', 'cxl' or 'nvme') per kind; pure.
 
     Each kind goes whole to its preferred tier (working set: host, in WORKING_SET order;
-    others: cxl, in the order given); what does not fit there then tries the other tier (working-set kinds first), and
-    what fits nowhere goes to nvme.
+    others: cxl, in the order given), so each class gets its preferred tier first; what does
+    not fit there then tries the other tier (working-set kinds first), and what fits nowhere
+    goes to nvme.
     """
     free = {"host": dram_free, "cxl": cxl_free}
     placed: dict[str, str] = {}

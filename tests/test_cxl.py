@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
+from offload.aligned import aligned_empty
 from offload.cxl import (CxlAllocator, NumaNode, bind_to_nodes, cxl_aware_kinds,
                          detect_cxl_nodes, detect_numa_nodes, nodemask, parse_cpulist,
                          place_kinds)
-from offload.aligned import aligned_empty
 from offload.errors import BudgetExceeded, TierwiseError
 
 GIB = 1 << 30
@@ -105,6 +105,13 @@ def test_allocator_on_forced_real_node():
             pytest.skip(f"mbind unavailable here: {exc}")
         raise
     assert buf.numel() == 3 << 20 and alloc.used == 3 << 20
+
+
+def test_allocator_refuses_a_missing_node():
+    if not detect_numa_nodes():
+        pytest.skip("no NUMA sysfs tree on this machine")
+    with pytest.raises(TierwiseError, match=r"CXL node\(s\) 77 do not exist here"):
+        CxlAllocator(nodes=[], node=77, budget_bytes=1 << 20)
 
 
 def test_emulated_node_copies_take_link_time():

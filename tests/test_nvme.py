@@ -54,8 +54,7 @@ def test_aligned_empty_is_aligned_and_rounded():
 def test_round_trip(store, dtype, n, src_off, dst_off):
     src = _data(n, dtype, offset=src_off)
     store.write("c0.state", src)
-    dst = torch.empty(n + dst_off, dtype=dtype)[dst_off:]
-    dst.fill_(0) if n else None
+    dst = torch.zeros(n + dst_off, dtype=dtype)[dst_off:]
     store.read("c0.state", dst)
     assert torch.equal(dst, src)
 
