@@ -36,10 +36,22 @@ class ModelSource:
 
 
 def build_meta_model(config) -> torch.nn.Module:
-    """The model of `config` with every parameter on the meta device (no memory)."""
+    """The model of `config` with every parameter on the meta device (no memory).
+
+    Buffers stay real CPU tensors: non-persistent buffers such as the rotary `inv_freq` are
+    computed in __init__ and are in no checkpoint, so they must not become meta (or garbage
+    after `to_empty`). Needs accelerate; without it everything is meta and a warning says so.
+    """
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    try:
+        from accelerate import init_empty_weights
+    except ImportError:
+        log.warning("accelerate is not installed: buffers of the meta model are meta too "
+                    "and must be recomputed before use")
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    with init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config)
 
 

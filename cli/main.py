@@ -29,7 +29,14 @@ EXIT_USER_ERROR = 2
 app = typer.Typer(
     name="finetune", add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode="rich", context_settings={"help_option_names": ["-h", "--help"]},
-    help=__doc__.split("\n\n")[0],
+    help=("Fine-tune a language model bigger than your GPU: its weights, gradients and "
+          "optimizer state stream across GPU, host RAM, CXL memory and NVMe.\n\n"
+          "[bold]finetune[/] trains (the default command; with no --model it trains a "
+          "built-in tiny model on a built-in sample in under a minute). "
+          "[bold]finetune plan[/] shows where every chunk would live and the predicted step "
+          "time; add --dry-run to a training command to do the same with its options.\n\n"
+          "Example: finetune --model ./llama-8b --data train.jsonl --gpu-mem 24G "
+          "--cpu-mem 64G --optimizer adamw8bit --precision bf16 --steps 500"),
 )
 
 

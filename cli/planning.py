@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cli.config import TrainConfig
-from cli.loading import build_meta_model, count_parameters, resolve_model
+from cli.loading import ModelSource, build_meta_model, count_parameters, resolve_model
 from offload.errors import TierwiseError
 from offload.sizes import format_size
 
@@ -23,18 +23,17 @@ def _call_with_known(fn, **candidates):
     return fn(**{k: v for k, v in candidates.items() if k in params})
 
 
-def make_plan(cfg: TrainConfig, *, model=None, config=None):
+def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None):
     """offload.planner.make_plan for this run, or None when the planner is not built yet."""
     try:
         from offload.planner import make_plan as planner
     except ImportError:
         return None
-    if model is None:
-        src = resolve_model(cfg.model)
-        config = src.config
-        model = build_meta_model(config)
+    src = src or resolve_model(cfg.model)
+    # A profile goes by name (the planner reads its extra fields); else the HF config.
+    model = cfg.model if (cfg.model and not src.has_weights) else src.config
     return _call_with_known(
-        planner, model=model, config=config, hardware=cfg.hardware,
+        planner, model=model, hardware=cfg.hardware,
         gpu_mem=cfg.budgets["gpu"], cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"],
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
@@ -56,7 +55,11 @@ def print_plan(plan, *, console: Console, as_json: bool) -> None:
     if as_json:
         console.out(plan_json(plan), highlight=False)
     else:
-        console.print(plan.render_table())
+        table = plan.render_table()
+        if isinstance(table, str):
+            console.out(table, highlight=False)  # pre-formatted: never re-wrap
+        else:
+            console.print(table)
 
 
 def summary_table(cfg: TrainConfig, *, name: str, params: int) -> Table:
@@ -86,7 +89,7 @@ def dry_run(cfg: TrainConfig, *, console: Console) -> int:
         console.print(f"[bold yellow]warning:[/] {src.note}", soft_wrap=True, highlight=False)
     model = build_meta_model(src.config)
     console.print(summary_table(cfg, name=src.name, params=count_parameters(model)))
-    plan = make_plan(cfg, model=model, config=src.config)
+    plan = make_plan(cfg, src=src)
     if plan is None:
         console.print("[yellow]the planner is not available in this build: no plan shown[/]")
     else:

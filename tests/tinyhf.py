@@ -61,6 +61,18 @@ class _Ledger:
                                                          "optim": 2 * self._bytes}}
 
 
+def _materialize_meta_params(model) -> None:
+    """Give every meta parameter CPU storage (tied parameters stay tied); buffers untouched."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                     requires_grad=p.requires_grad)
+                setattr(module, name, made[id(p)])
+
+
 class StandInEngine:
     """Tests only: the offload.Engine API over a plain model and torch AdamW (no offload).
 
@@ -70,9 +82,7 @@ class StandInEngine:
 
     def __init__(self, model, *, optimizer="adamw", lr=1e-4, weight_decay=0.0,
                  betas=(0.9, 0.999), grad_clip=None, **_ignored):
-        if any(p.is_meta for p in model.parameters()):
-            model = model.to_empty(device="cpu")
-            model.tie_weights()
+        _materialize_meta_params(model)
         self.model, self.grad_clip = model, grad_clip
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas,
                                      weight_decay=weight_decay)
@@ -109,7 +119,7 @@ class StandInEngine:
                            ("input_ids", "labels", "attention_mask"))):
             out = self.model(input_ids=micro[0], labels=micro[1], attention_mask=micro[2])
             (out.loss / grad_accum).backward()
-            total += float(out.loss) / grad_accum
+            total += float(out.loss.detach()) / grad_accum
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.opt.step()

@@ -1,0 +1,152 @@
+"""The `finetune` app end to end with a stand-in engine: config files, errors, train, resume."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tinyhf import StandInEngine, write_jsonl  # noqa: E402
+
+import cli.train  # noqa: E402
+from cli.main import app  # noqa: E402
+
+FAST = ["--seq-len", "32", "--batch-size", "2"]
+
+
+@pytest.fixture
+def runner(monkeypatch):
+    monkeypatch.setattr(cli.train, "engine_class", lambda: StandInEngine)
+    return CliRunner()
+
+
+def _error_line(result) -> str:
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_help_groups_options_in_panels(runner):
+    result = runner.invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for panel in ("Model & data", "Memory budget", "Optimizer", "Schedule", "Output & resume",
+                  "Hardware & plan"):
+        assert panel in result.output
+    assert "plan" in result.output and "profile" in result.output
+
+
+def test_bad_size_is_one_line_exit_2(runner, tmp_path):
+    line = _error_line(runner.invoke(app, ["--gpu-mem", "24X", "--output", str(tmp_path)]))
+    assert "--gpu-mem" in line and "24X" in line
+
+
+def test_missing_data_file(runner, tmp_path):
+    line = _error_line(runner.invoke(app, ["--data", str(tmp_path / "no.jsonl")]))
+    assert "data file not found" in line
+
+
+def test_malformed_data_names_the_line(runner, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "ok"}, "{oops"])
+    assert f"{data}:2: bad JSON" in _error_line(runner.invoke(app, ["--data", str(data)]))
+
+
+def test_non_empty_output_needs_resume_or_overwrite(runner, tmp_path):
+    (tmp_path / "something").write_text("x")
+    line = _error_line(runner.invoke(app, ["--output", str(tmp_path), *FAST, "--steps", "1"]))
+    assert "is not empty" in line and "--resume" in line and "--overwrite" in line
+    assert "no checkpoint" in _error_line(
+        runner.invoke(app, ["--output", str(tmp_path), "--resume", *FAST]))
+
+
+def test_config_file_merges_and_cli_wins(runner, tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cli.train, "run", lambda cfg, console: seen.setdefault("cfg", cfg) and 0)
+    toml = tmp_path / "run.toml"
+    toml.write_text('gpu-mem = "24G"\nlr = 0.001\nsteps = 7\noptimizer = "adamw8bit"\n'
+                    'dry_run = true\nprecision = "bf16"\n')
+    result = runner.invoke(app, ["--config", str(toml), "--lr", "0.5"])
+    assert result.exit_code == 0, result.output
+    cfg = seen["cfg"]
+    assert cfg.budgets["gpu"] == 24 << 30 and cfg.steps == 7 and cfg.optimizer == "adamw8bit"
+    assert cfg.lr == 0.5 and cfg.dry_run and cfg.precision == "bf16"
+
+
+def test_config_file_unknown_key_and_bad_value(runner, tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('gpu-mem = "24G"\nlearning-rate = 1\n')
+    assert "unknown key 'learning-rate'" in _error_line(runner.invoke(app, ["--config", str(toml)]))
+    toml.write_text('cpu-mem = "lots"\n')
+    assert "--cpu-mem" in _error_line(runner.invoke(app, ["--config", str(toml)]))
+
+
+def test_plan_without_planner_is_a_clear_error(runner, monkeypatch):
+    monkeypatch.setitem(sys.modules, "offload.planner", None)
+    assert "not yet available" in _error_line(runner.invoke(app, ["plan"]))
+
+
+def test_train_resume_export_and_plots(runner, tmp_path):
+    """6 steps straight == 3 steps, then --resume to 6 (same losses, same weights)."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"the cat sees {i} moons."}
+                                              for i in range(40)])
+    common = ["--data", str(data), *FAST, "--grad-accum", "2", "--lr", "1e-3",
+              "--warmup-steps", "2", "--grad-clip", "1.0"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    r = runner.invoke(app, [*common, "--steps", "6", "--output", str(full)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    r = runner.invoke(app, [*common, "--steps", "3", "--output", str(part)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    r = runner.invoke(app, [*common, "--steps", "6", "--output", str(part), "--resume"])
+    assert r.exit_code == 0, (r.output, r.exception)
+
+    def losses(out):
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+    assert losses(full) == losses(part) and len(losses(full)) == 6
+    for name in ("loss.png", "memory_timeline.png", "model/config.json", "latest"):
+        assert (full / name).exists(), name
+    from safetensors.torch import load_file
+
+    a, b = load_file(full / "model/model.safetensors"), load_file(part / "model/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    changed = _error_line(runner.invoke(app, [*common, "--seq-len", "16", "--steps", "8",
+                                              "--output", str(part), "--resume"]))
+    assert "--seq-len" in changed
+
+
+def test_console_script_error_has_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "--gpu-mem", "lots"],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: bad --gpu-mem 'lots'") and "Traceback" not in proc.stderr
+
+
+class _InterruptAtStep2(StandInEngine):
+    def step(self, batch, grad_accum=1):
+        loss = super().step(batch, grad_accum)
+        if self.steps == 2:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGINT)  # as if the user pressed Ctrl-C mid-step
+        return loss
+
+
+def test_ctrl_c_checkpoints_and_exits_130(runner, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli.train, "engine_class", lambda: _InterruptAtStep2)
+    out = tmp_path / "run"
+    r = runner.invoke(app, [*FAST, "--steps", "5", "--output", str(out)])
+    assert r.exit_code == 130, (r.output, r.exception)
+    assert (out / "latest").read_text().strip() == "ckpt-000002"
+    assert not (out / "model").exists()
+    monkeypatch.setattr(cli.train, "engine_class", lambda: StandInEngine)
+    r = runner.invoke(app, [*FAST, "--steps", "4", "--output", str(out), "--resume"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
