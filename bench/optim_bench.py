@@ -1,0 +1,129 @@
+"""CPU optimizer-step throughput and state bytes/param, side by side with peers.
+
+    python bench/optim_bench.py [--numel 100000000] [--lowrank-shape 2048 1280] [--threads 2]
+
+Warm-up step first, repeats interleaved across optimizers, medians reported with the ratio to
+torch's fused AdamW. Low-rank optimizers run on one matrix (SVD of 100M params per refresh is
+not a step-time question); their projector refresh is timed separately.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from optim import AdamW8bit, ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit, perturb_  # noqa: E402
+from optim.mezo import mezo_update_  # noqa: E402
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in opt.state.values() if isinstance(s, dict)
+               for v in s.values() if torch.is_tensor(v))
+
+
+def make(kind: str, shape: tuple[int, ...], cls, **kw):
+    p = torch.nn.Parameter(torch.randn(shape) * 0.02)
+    p.grad = torch.randn(shape) * 1e-3
+    group = {"params": [p]}
+    if kind == "lowrank":
+        group["rank"] = kw.pop("rank")
+    opt = cls([group], **kw)
+    return p, opt
+
+
+class MeZOSteps:
+    """The parameter passes of one MeZO step (perturb +, -2, +, update); forwards not included."""
+
+    def __init__(self, groups: list[dict]) -> None:
+        self.p, self.state = groups[0]["params"][0], {}
+
+    def step(self) -> None:
+        for scale in (1e-3, -2e-3, 1e-3):
+            perturb_(self.p.data, seed=1, scale=scale)
+        mezo_update_(self.p.data, seed=1, projected_grad=0.1, lr=1e-6, weight_decay=0.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--numel", type=int, default=100_000_000)
+    ap.add_argument("--lowrank-shape", type=int, nargs=2, default=(2048, 1280))
+    ap.add_argument("--rank", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    n, lr_shape = args.numel, tuple(args.lowrank_shape)
+    print(f"torch {torch.__version__}, {args.threads} threads, flat tensor {n / 1e6:.0f}M, "
+          f"low-rank matrix {lr_shape} rank {args.rank}")
+
+    runs = {}  # name -> (numel, step callable, optimizer or None)
+    p, o = make("flat", (n,), torch.optim.AdamW, lr=1e-3, fused=True)
+    runs["torch AdamW fused"] = (n, o.step, o)
+    p, o = make("flat", (n,), AdamW8bit, lr=1e-3)
+    runs["tierwise AdamW8bit"] = (n, o.step, o)
+    p, o = make("flat", (n,), MeZOSteps)
+    runs["tierwise MeZO (4 passes)"] = (n, o.step, None)
+    m = lr_shape[0] * lr_shape[1]
+    for name, cls in [("GaLoreAdamW", GaLoreAdamW), ("GaLoreAdamW8bit", GaLoreAdamW8bit),
+                      ("ApolloAdamW", ApolloAdamW), ("ApolloMini", ApolloMini)]:
+        p, o = make("lowrank", lr_shape, cls, lr=1e-3, rank=args.rank, update_proj_gap=10**9)
+        t0 = time.perf_counter()
+        o.step()  # first step includes the projector (SVD / random) build
+        print(f"  {name}: first step incl. projector {time.perf_counter() - t0:.3f} s")
+        runs[f"tierwise {name} (matrix)"] = (m, o.step, o)
+    p, o = make("flat", lr_shape, torch.optim.AdamW, lr=1e-3, fused=True)
+    runs["torch AdamW fused (matrix)"] = (m, o.step, o)
+
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _, step, _ in runs.values():
+        step()  # warm-up
+    for _ in range(args.repeats):
+        for name, (_, step, _) in runs.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+
+    extra = {}
+    try:
+        import bitsandbytes as bnb
+
+        p, o = make("flat", (n,), bnb.optim.AdamW8bit, lr=1e-3)
+        o.step()
+        t0 = time.perf_counter()
+        o.step()
+        extra["bitsandbytes AdamW8bit (CPU, 1 step)"] = (n, [time.perf_counter() - t0], o)
+        del p, o
+    except ImportError:
+        print("  bitsandbytes not importable: skipped")
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        p, o = make("flat", (n,), DeepSpeedCPUAdam, lr=1e-3)
+        o.step()
+        ts = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            o.step()
+            ts.append(time.perf_counter() - t0)
+        extra["DeepSpeedCPUAdam"] = (n, ts, o)
+    except Exception as exc:  # not a dependency: any import/build failure just skips it
+        print(f"  DeepSpeedCPUAdam skipped: {type(exc).__name__}: {str(exc)[:80]}")
+
+    base = statistics.median(times["torch AdamW fused"]) / n
+    base_m = statistics.median(times["torch AdamW fused (matrix)"]) / m
+    print(f"\n{'optimizer':42s} {'median s':>9s} {'Mparam/s':>9s} {'vs fused':>9s} {'state B/param':>14s}")
+    rows = [(k, runs[k][0], times[k], runs[k][2]) for k in runs] + [(k, *v) for k, v in extra.items()]
+    for name, numel, ts, opt in rows:
+        med = statistics.median(ts)
+        ref = base_m if "(matrix)" in name else base
+        sb = f"{state_bytes(opt) / numel:.3f}" if opt is not None else "0"
+        print(f"{name:42s} {med:9.4f} {numel / med / 1e6:9.0f} {ref * numel / med:8.2f}x {sb:>14s}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""MeZO (Malladi et al. 2023): zeroth-order SGD by SPSA, no gradients, no optimizer state.
+
+The direction z ~ N(0, I) is never stored: it is regenerated from (seed, tensor index), so any
+subset of tensors (e.g. one chunk at a time in the engine) can be perturbed independently and
+identically. Note: +eps z, -2 eps z, +eps z restores a param only up to fp32 rounding (a
+stateless x -> fl(x + d) is not injective for |x| << |d|, so no float scheme can undo it
+exactly); the engine keeps fp32 masters and perturbs compute copies, which is exact.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .base import TierwiseOptimizer
+from .costs import OptimizerCost
+
+
+def tensor_seed(seed: int, index: int) -> int:
+    """Seed of tensor `index` under step seed `seed` (a fixed mixing, stable across runs)."""
+    return (seed * 0x9E3779B1 + index * 0x85EBCA77 + 0x27D4EB2F) % (2**63 - 1)
+
+
+def direction(tensor: torch.Tensor, *, seed: int, index: int = 0) -> torch.Tensor:  # -> like tensor
+    """z ~ N(0, I) shaped like `tensor`, regenerated from (seed, index); generated in fp32 on CPU
+    so the same z comes back on any device."""
+    gen = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, index))
+    z = torch.randn(tensor.shape, generator=gen, dtype=torch.float32)
+    return z.to(device=tensor.device, dtype=tensor.dtype)
+
+
+def perturb_(tensor: torch.Tensor, *, seed: int, scale: float, index: int = 0) -> None:
+    """tensor += scale * z(seed, index), in place."""
+    tensor.add_(direction(tensor, seed=seed, index=index), alpha=scale)
+
+
+def mezo_update_(
+    tensor: torch.Tensor,  # (...) param, updated in place
+    *,
+    seed: int,
+    projected_grad: float,
+    lr: float,
+    weight_decay: float,
+    index: int = 0,
+) -> None:
+    """p -= lr * (projected_grad * z + weight_decay * p), z regenerated from (seed, index)."""
+    z = direction(tensor, seed=seed, index=index)
+    if weight_decay != 0.0:
+        tensor.mul_(1.0 - lr * weight_decay)
+    tensor.add_(z, alpha=-lr * projected_grad)
+
+
+class MeZO(TierwiseOptimizer):
+    """ZO-SGD: `loss = opt.step(closure)`; closure runs a forward pass (no grad) and returns the loss."""
+
+    def __init__(self, params: Any, lr: float = 1e-6, eps: float = 1e-3, weight_decay: float = 0.0, *,
+                 seed: int = 0) -> None:
+        if eps <= 0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
+        self.state["mezo"] = {"seed": seed, "step": 0, "projected_grad": 0.0}
+
+    @classmethod
+    def cost(cls) -> OptimizerCost:
+        # perturb +, -2, +, update: four read-modify-write passes, each regenerating z
+        return OptimizerCost(state_bytes_per_param=0.0, read_bytes_per_param=16.0,
+                             write_bytes_per_param=16.0, flops_per_param=4 * 12.0, needs_grad=False,
+                             note="plus two forward passes per step, no backward")
+
+    def _perturb_all(self, seed: int, factor: float) -> None:
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                index += 1
+                if p.requires_grad:
+                    perturb_(p.data, seed=seed, scale=factor * group["eps"], index=index)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if closure is None:
+            raise ValueError("MeZO.step needs a closure returning the loss of a forward pass")
+        meta = self.state["mezo"]
+        meta["step"] += 1
+        seed = tensor_seed(meta["seed"], meta["step"])
+        eps = {group["eps"] for group in self.param_groups}
+        if len(eps) != 1:
+            raise ValueError("MeZO needs one eps for all param groups")
+        self._perturb_all(seed, 1.0)
+        loss_pos = float(closure())
+        self._perturb_all(seed, -2.0)
+        loss_neg = float(closure())
+        self._perturb_all(seed, 1.0)
+        projected_grad = (loss_pos - loss_neg) / (2.0 * eps.pop())
+        meta["projected_grad"] = projected_grad
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                index += 1
+                if p.requires_grad:
+                    mezo_update_(p.data, seed=seed, projected_grad=projected_grad, lr=group["lr"],
+                                 weight_decay=group["weight_decay"], index=index)
+        return torch.tensor(loss_pos)

@@ -1,0 +1,86 @@
+"""Every registered optimizer: drop-in behaviour, schedulers, state_dict round trips, costs."""
+import io
+
+import pytest
+import torch
+
+from optim import OPTIMIZERS, OptimizerCost, get_optimizer
+
+KWARGS = {"galore": dict(rank=4, update_proj_gap=3), "galore8bit": dict(rank=4, update_proj_gap=3),
+          "apollo": dict(rank=4, update_proj_gap=3), "apollo-mini": dict(rank=4, update_proj_gap=3),
+          "mezo": dict(eps=1e-3), "sgd": dict(momentum=0.9)}
+
+
+def make(name):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(80, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    extra = dict(KWARGS.get(name, {}))
+    rank = extra.pop("rank", None)
+    groups = [{"params": [model[0].weight, model[2].weight]}, {"params": [model[0].bias, model[2].bias]}]
+    if rank:
+        groups[0]["rank"] = rank
+    opt = get_optimizer(name)(groups, lr=1e-2, **extra)
+    return model, opt
+
+
+def train(model, opt, steps, start):
+    losses = []
+    for i in range(start, start + steps):
+        gen = torch.Generator().manual_seed(i)
+        x, y = torch.randn(32, 80, generator=gen), torch.randn(32, 4, generator=gen)
+        closure = lambda: torch.nn.functional.mse_loss(model(x), y)  # noqa: E731
+        if type(opt).cost().needs_grad:
+            opt.zero_grad()
+            loss = closure()
+            loss.backward()
+            opt.step()
+        else:
+            with torch.no_grad():
+                loss = opt.step(closure)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_state_dict_round_trip_continues_identically(name):
+    model, opt = make(name)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    train(model, opt, 4, 0)
+    sched.step()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    tail = train(model, opt, 4, 4)
+    model2, opt2 = make(name)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert train(model2, opt2, 4, 4) == tail
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    for key, value in opt.state_dict()["state"].items():
+        if isinstance(value, dict):
+            for k, v in value.items():
+                other = opt2.state_dict()["state"][key][k]
+                assert type(v) is type(other) and (not torch.is_tensor(v) or v.dtype == other.dtype)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_cost_is_declared(name):
+    cost = get_optimizer(name).cost()
+    assert isinstance(cost, OptimizerCost)
+    assert cost.master_bytes_per_param == 4.0
+    assert cost.needs_grad == (name != "mezo")
+    assert cost.tensor_state_bytes((4096, 4096), 128) >= 0
+
+
+def test_low_rank_state_bytes_scale_with_rank():
+    cost = get_optimizer("galore").cost()
+    assert cost.tensor_state_bytes((4096, 1024), 64) < cost.tensor_state_bytes((4096, 1024), 256)
+    assert cost.tensor_state_bytes((4096, 1024), 64) < 0.2 * 8 * 4096 * 1024
+
+
+def test_unknown_name_lists_choices():
+    with pytest.raises(ValueError, match="adamw8bit"):
+        get_optimizer("adam9bit")

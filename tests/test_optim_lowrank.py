@@ -1,0 +1,112 @@
+"""GaLore and APOLLO against the published algorithms (computed here by hand from the paper)."""
+import math
+
+import pytest
+import torch
+
+from optim import ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit, galore_step_, init_galore_state
+from optim.apollo import random_projector
+from optim.galore import project, project_back, svd_projector
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0)
+
+
+@pytest.mark.parametrize("shape", [(64, 16), (16, 64)], ids=["tall", "wide"])
+def test_svd_projector_is_orthonormal_rank_r_along_smaller_dim(shape):
+    torch.manual_seed(0)
+    g = torch.randn(shape)
+    p = svd_projector(g, 4)
+    basis = p if shape[0] >= shape[1] else p.T  # rows are the basis vectors
+    assert basis.shape == (4, min(shape))
+    assert torch.allclose(basis @ basis.T, torch.eye(4), atol=1e-5)
+    low = project(g, p)
+    assert min(low.shape) == 4 and max(low.shape) == max(shape)
+    # projecting a rank-4 matrix back is lossless
+    u, s, vh = torch.linalg.svd(g, full_matrices=False)
+    g4 = (u[:, :4] * s[:4]) @ vh[:4]
+    assert torch.allclose(project_back(project(g4, p), p, shape), g4, atol=1e-4)
+
+
+def test_galore_first_step_matches_paper_formula_with_scale():
+    torch.manual_seed(0)
+    p = torch.randn(32, 8)
+    g = torch.randn(32, 8)
+    state = init_galore_state(p, rank=2)
+    expected = p.clone()
+    galore_step_(p, g, state, step=1, rank=2, update_proj_gap=10, scale=0.25, **HYPER)
+    vh = torch.linalg.svd(g, full_matrices=False)[2][:2]
+    r = g @ vh.T
+    m, v = 0.1 * r, 0.001 * r * r
+    n = m / (v.sqrt() + 1e-6)
+    step_size = 1e-2 * math.sqrt(0.001) / 0.1
+    expected -= step_size * 0.25 * (n @ vh)
+    assert torch.allclose(p, expected, atol=1e-6)
+
+
+def test_galore_refreshes_projector_every_gap_steps():
+    torch.manual_seed(0)
+    p = torch.randn(24, 12)
+    state = init_galore_state(p, rank=3)
+    seen = []
+    for step in range(1, 8):
+        galore_step_(p, torch.randn(24, 12), state, step=step, rank=3, update_proj_gap=3, scale=1.0, **HYPER)
+        seen.append(state["proj"])
+    changed = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
+    assert changed == [False, False, True, False, False, True]  # new SVD at steps 4 and 7
+
+
+@pytest.mark.parametrize("cls", [GaLoreAdamW, GaLoreAdamW8bit, ApolloAdamW, ApolloMini],
+                         ids=["galore", "galore8bit", "apollo", "apollo-mini"])
+def test_groups_without_rank_are_torch_adamw(cls):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 8))
+    b = torch.nn.Parameter(torch.randn(8))
+    ref = [torch.nn.Parameter(t.detach().clone()) for t in (w, b)]
+    opt = cls([{"params": [w], "rank": 2}, {"params": [b]}], lr=1e-2, weight_decay=0.1, eps=1e-8)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, eps=1e-8)
+    for _ in range(3):
+        for t, r in zip((w, b), ref):
+            t.grad = torch.randn_like(t)
+            r.grad = t.grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert torch.allclose(b, ref[1], atol=1e-6)  # 1-D / rank-less: exactly AdamW
+    assert not torch.allclose(w, ref[0], atol=1e-4)  # projected: not AdamW
+    assert opt.state[w]["exp_avg" if "exp_avg" in opt.state[w] else "state1"].numel() <= 2 * 16
+
+
+def test_apollo_projection_regenerated_from_seed_and_refreshed():
+    a = random_projector((64, 16), 4, seed=3)
+    assert torch.equal(a, random_projector((64, 16), 4, seed=3))
+    assert not torch.equal(a, random_projector((64, 16), 4, seed=4))
+    assert a.shape == (4, 16) and abs(a.pow(2).mean().item() * 4 - 1) < 0.3  # N(0, 1/r)
+
+
+def test_apollo_channel_scaling_and_limiter_match_paper():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(32, 8))
+    opt = ApolloAdamW([{"params": [w], "rank": 2}], lr=1e-2, update_proj_gap=100, scale=4.0, seed=5)
+    g = torch.randn(32, 8)
+    w0 = w.detach().clone()
+    w.grad = g.clone()
+    opt.step()
+    from optim.apollo import projection_seed
+    proj = random_projector((32, 8), 2, seed=projection_seed(5 * 7919 + 1, 1, 100))
+    r = g @ proj.T  # (32, 2): channels are the 32 rows
+    n = (0.1 * r) / ((0.001 * r * r).sqrt() + 1e-6)
+    s = n.norm(dim=1, keepdim=True) / (r.norm(dim=1, keepdim=True) + 1e-8)
+    step_size = 1e-2 * math.sqrt(0.001) / 0.1
+    assert torch.allclose(w, w0 - step_size * 2.0 * g * s, atol=1e-5)
+    # a 10x larger gradient next step: the limiter caps the norm growth at 1.01x
+    prev = opt.state[w]["scaled_grad_norm"].item()
+    w.grad = 10 * torch.randn(32, 8)
+    opt.step()
+    assert opt.state[w]["scaled_grad_norm"].item() <= 1.01 * prev * (1 + 1e-5)
+
+
+def test_apollo_mini_uses_rank_one_tensor_state():
+    w = torch.nn.Parameter(torch.randn(32, 8))
+    opt = ApolloMini([{"params": [w], "rank": 4}], lr=1e-3)
+    w.grad = torch.randn(32, 8)
+    opt.step()
+    assert opt.state[w]["exp_avg"].shape == (32, 1)
