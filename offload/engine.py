@@ -27,7 +27,7 @@ import torch
 
 from offload.cache import ResidentCache
 from offload.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
-from offload.errors import BudgetExceeded, InfeasibleBudget
+from offload.errors import BudgetExceeded, InfeasibleBudget, TierwiseError
 from offload.executor import Executor
 from offload.hooks import ActivationTracker, checkpointed, install_module_hooks
 from offload.ledger import Ledger
@@ -67,7 +67,7 @@ class Engine:
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
         if cxl_mem is not None or nvme_path is not None:
-            raise NotImplementedError("the cxl and nvme tiers are not wired into the engine yet")
+            raise TierwiseError("the cxl and nvme tiers are not wired into the engine yet")
         self.model, self.loss_fn = model, loss_fn
         self.device = pick_device(device)
         self.compute_dtype = DTYPES[precision]
@@ -84,11 +84,14 @@ class Engine:
 
         named = self._trainable(model)
         self.plan = pack_chunks(specs_of(named), chunk_bytes=parse_size(chunk_bytes, what="chunk size"))
+        self.store_pending = [(n, p) for n, p in named if p.device.type != "meta"]
+        named = self._materialize_meta(model, named)
         self.params = dict(named)
         self.param_names = {p: n for n, p in named}
         self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
                                 state_spec=self.updater.state_spec)
-        self.store.adopt(named)  # copies weights into host chunks; frees the originals
+        self.store.load(((n, p.data) for n, p in self.store_pending), self.params)  # copy weights in
+        del self.store_pending  # the originals are freed when their parameters are repointed
         self.buffer_bytes = self._move_buffers(model)
 
         self.streamed_storage: dict[int, int] = {}
@@ -138,6 +141,21 @@ class Engine:
             raise ValueError(f"frozen parameters are not supported yet: {frozen[:3]}...")
         return list(model.named_parameters())
 
+    def _materialize_meta(self, model: torch.nn.Module,
+                          named: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.nn.Parameter]]:
+        """Swap meta-device parameters for real (empty) ones; weights come via load_weights."""
+        swap = {}
+        for name, p in named:
+            if p.device.type == "meta":
+                swap[p] = torch.nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device))
+        if not swap:
+            return named
+        for mod in model.modules():
+            for key, p in list(mod._parameters.items()):
+                if p in swap:
+                    mod._parameters[key] = swap[p]
+        return [(n, swap.get(p, p)) for n, p in named]
+
     def _move_buffers(self, model: torch.nn.Module) -> int:
         total = 0
         for mod in model.modules():
@@ -185,6 +203,9 @@ class Engine:
     def acquire_module(self, mod: torch.nn.Module) -> None:
         for cid in self.module_chunks[mod]:
             if self.store.is_gpu_home(cid):
+                continue
+            if self.phase == "eval":  # off the trace: evaluation is not part of a step
+                self.cache.acquire(cid)
                 continue
             self.follower.access(cid, self.phase)
             self.cache.acquire(cid)
@@ -304,13 +325,16 @@ class Engine:
         self.store.zero_grads()
 
     def _budget_error(self, exc: BudgetExceeded) -> Exception:
-        if exc.tier != "gpu" or exc.kind != "activation":
+        """A gpu reservation failed mid-step: say how much the device needs, at least."""
+        if exc.tier != "gpu":
             return exc
         held = self.ledger.usage()["gpu"].get("activation", 0)
-        need = self._device_needs(activations=held + exc.asked).minimum
+        act = max(held + (exc.asked if exc.kind == "activation" else 0), self.needs.activations)
+        need = self._device_needs(activations=act).minimum
         return InfeasibleBudget(
-            f"gpu budget {format_size(exc.budget)} cannot hold this batch's activations: at least "
-            f"{format_size(need)} ({need} B) needed; raise --gpu-mem or lower batch size / sequence length",
+            f"gpu budget {format_size(exc.budget)} cannot hold this step: at least "
+            f"{format_size(need)} ({need} B) needed (activations so far {format_size(act)}); "
+            f"raise --gpu-mem or lower batch size / sequence length",
             minimum={"gpu": need},
         )
 
@@ -368,6 +392,32 @@ class Engine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (name, tensor) pairs into their slots, one at a time (meta-device models)."""
         self.store.load(named_tensors, self.params)
+
+    def init_weights_(self, *, seed: int = 0, std: float = 0.02) -> None:
+        """Random initialisation in place, chunk by chunk: N(0, std) for matrices, ones for
+        norm weights, zeros for biases (the Llama convention). For benchmarking and demos."""
+        g = torch.Generator().manual_seed(seed)
+
+        def tensors():
+            for name, slot in self.plan.slots.items():
+                if len(slot.shape) >= 2:
+                    yield name, torch.empty(slot.shape).normal_(0.0, std, generator=g)
+                elif "norm" in name:
+                    yield name, torch.ones(slot.shape)
+                else:
+                    yield name, torch.zeros(slot.shape)
+
+        self.store.load(tensors(), self.params)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Any) -> float:
+        """The loss on `batch` without gradients (no update, nothing kept for backward)."""
+        phase = self.phase
+        self.phase = "eval"
+        try:
+            return float(self.loss_fn(self.model, self._to_device(batch)).float().item())
+        finally:
+            self.phase = phase
 
     def named_parameters_fp32(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, fp32 CPU tensor) for every parameter, from the master copies."""

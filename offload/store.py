@@ -116,10 +116,6 @@ class ChunkStore:
             params[name].data = nan.expand(self.plan.slots[name].shape)
 
     # -- data ---------------------------------------------------------------------------------
-    def adopt(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
-        """Copy the model's weights into the master chunks (meta tensors stay zero)."""
-        self.load(((n, p.data) for n, p in named if p.device.type != "meta"), dict(named))
-
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], params: dict[str, Any]) -> None:
         touched = set()
         for name, tensor in named_tensors:
