@@ -1,0 +1,101 @@
+"""Host-side homes (pure): which tier holds each kind of each streamed chunk.
+
+Shared by the engine (which allocates accordingly) and the planner (which predicts from it),
+so that plan and measurement agree by construction.
+
+Policy, CXL-aware:
+1. Gradients stay in host DRAM: every backward accumulates into them.
+2. Compute copies (bf16 runs only; in fp32 the master is the compute copy) are
+   latency-tolerant: they prefer CXL, then DRAM.
+3. The optimizer's working set — state, then master — fills the DRAM that is left, kind by
+   kind (all states before any master, since states are read and written every step).
+4. What does not fit overflows to CXL, then NVMe (when an --nvme-path is given).
+When anything lives on NVMe, host DRAM also holds bounce buffers: two of the largest chunk's
+NVMe-resident bytes (one being computed on, one in flight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offload.errors import InfeasibleBudget
+from offload.sizes import format_size
+
+KIND_ORDER = ("grad", "state", "master", "compute")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Homes:
+    """tiers[c][kind] for every streamed chunk c; bytes per tier per kind; host bounce bytes."""
+
+    tiers: dict[int, dict[str, str]]
+    bytes: dict[str, dict[str, int]]
+    bounce: int
+
+
+def _fill(kinds: dict[int, dict[str, int]], order: list[tuple[int, str]], tier: str,
+          free: dict[str, float], out: dict[int, dict[str, str]]) -> list[tuple[int, str]]:
+    left = []
+    for cid, kind in order:
+        n = kinds[cid][kind]
+        if n <= free[tier]:
+            free[tier] -= n
+            out[cid][kind] = tier
+        else:
+            left.append((cid, kind))
+    return left
+
+
+def assign_homes(*, kinds: dict[int, dict[str, int]], host: "int | None", cxl: "int | None" = None,
+                 nvme: bool = False) -> Homes:
+    """Place the kinds of the streamed chunks `kinds` ({chunk: {kind: bytes}}).
+
+    host/cxl: byte budgets (None: host unlimited / no cxl tier); nvme: an NVMe tier exists.
+    Raises InfeasibleBudget with the smallest host budget that would work.
+    """
+    inf = float("inf")
+    for bounce in (0, None):
+        if bounce is None:
+            bounce = 2 * max((sum(v for k, v in kk.items() if k != "grad") for kk in kinds.values()), default=0)
+        free = {"host": (inf if host is None else host - bounce), "cxl": 0 if cxl is None else cxl,
+                "nvme": inf if nvme else 0}
+        out: dict[int, dict[str, str]] = {c: {} for c in kinds}
+        by_kind = {k: [(c, k) for c in kinds if k in kinds[c]] for k in KIND_ORDER}
+        grads_left = _fill(kinds, by_kind["grad"], "host", free, out)
+        compute_left = _fill(kinds, by_kind["compute"], "cxl", free, out)
+        working_left = _fill(kinds, by_kind["state"] + by_kind["master"], "host", free, out)
+        compute_left = _fill(kinds, compute_left, "host", free, out)
+        rest = working_left + compute_left
+        rest = _fill(kinds, rest, "cxl", free, out)
+        rest = _fill(kinds, rest, "nvme", free, out)
+        on_nvme = any(t == "nvme" for d in out.values() for t in d.values())
+        if not grads_left and not rest and (bounce or not on_nvme):
+            break
+    if grads_left or rest:
+        _refuse(kinds, host=host, cxl=cxl, nvme=nvme)
+    totals: dict[str, dict[str, int]] = {}
+    for cid, d in out.items():
+        for kind, tier in d.items():
+            totals.setdefault(tier, {}).setdefault(kind, 0)
+            totals[tier][kind] += kinds[cid][kind]
+    return Homes(tiers=out, bytes=totals, bounce=bounce if on_nvme else 0)
+
+
+def minimum_host(kinds: dict[int, dict[str, int]], *, cxl: "int | None", nvme: bool) -> int:
+    """The smallest host budget with which assign_homes succeeds."""
+    grads = sum(kk.get("grad", 0) for kk in kinds.values())
+    total = sum(sum(kk.values()) for kk in kinds.values())
+    if nvme:
+        bounce = 2 * max((sum(v for k, v in kk.items() if k != "grad") for kk in kinds.values()), default=0)
+        return grads + bounce
+    return max(grads, total - (cxl or 0))
+
+
+def _refuse(kinds: dict[int, dict[str, int]], *, host: "int | None", cxl: "int | None", nvme: bool) -> None:
+    need = minimum_host(kinds, cxl=cxl, nvme=nvme)
+    hint = "" if nvme else " or give --nvme-path to spill optimizer state and weights to disk"
+    raise InfeasibleBudget(
+        f"host budget {format_size(host or 0)} cannot hold the streamed chunks: at least "
+        f"{format_size(need)} ({need} B) needed; raise --cpu-mem{hint}",
+        minimum={"host": need},
+    )
