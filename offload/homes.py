@@ -10,8 +10,10 @@ Policy, CXL-aware:
 3. The optimizer's working set — state, then master — fills the DRAM that is left, kind by
    kind (all states before any master, since states are read and written every step).
 4. What does not fit overflows to CXL, then NVMe (when an --nvme-path is given).
-When anything lives on NVMe, host DRAM also holds bounce buffers: two of the largest chunk's
-NVMe-resident bytes (one being computed on, one in flight).
+When anything lives on NVMe, host DRAM also holds bounce buffers: two sets of the largest
+chunk's non-gradient bytes (the update works on one while the other is read or written) and
+one staging buffer of the largest compute source (compute copy, or master in fp32 runs) for
+streaming a chunk from NVMe to the device.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def assign_homes(*, kinds: dict[int, dict[str, int]], host: "int | None", cxl: "
     inf = float("inf")
     for bounce in (0, None):
         if bounce is None:
-            bounce = 2 * max((sum(v for k, v in kk.items() if k != "grad") for kk in kinds.values()), default=0)
+            bounce = bounce_bytes(kinds)
         free = {"host": (inf if host is None else host - bounce), "cxl": 0 if cxl is None else cxl,
                 "nvme": inf if nvme else 0}
         out: dict[int, dict[str, str]] = {c: {} for c in kinds}
@@ -81,13 +83,19 @@ def assign_homes(*, kinds: dict[int, dict[str, int]], host: "int | None", cxl: "
     return Homes(tiers=out, bytes=totals, bounce=bounce if on_nvme else 0)
 
 
+def bounce_bytes(kinds: dict[int, dict[str, int]]) -> int:
+    """Host bytes for NVMe bounce buffers: 2 update sets + 1 fetch staging buffer."""
+    update = max((sum(v for k, v in kk.items() if k != "grad") for kk in kinds.values()), default=0)
+    fetch = max((kk.get("compute", kk.get("master", 0)) for kk in kinds.values()), default=0)
+    return 2 * update + fetch
+
+
 def minimum_host(kinds: dict[int, dict[str, int]], *, cxl: "int | None", nvme: bool) -> int:
     """The smallest host budget with which assign_homes succeeds."""
     grads = sum(kk.get("grad", 0) for kk in kinds.values())
     total = sum(sum(kk.values()) for kk in kinds.values())
     if nvme:
-        bounce = 2 * max((sum(v for k, v in kk.items() if k != "grad") for kk in kinds.values()), default=0)
-        return grads + bounce
+        return grads + bounce_bytes(kinds)
     return max(grads, total - (cxl or 0))
 
 

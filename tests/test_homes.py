@@ -24,10 +24,10 @@ def test_working_set_prefers_dram_compute_prefers_cxl():
 def test_states_fill_dram_before_masters_then_overflow_to_nvme_with_bounce():
     k = chunks(4)  # grads 1600, states 3200, masters 1600: 6400 in all
     h = assign_homes(kinds=k, host=6000, nvme=True)
-    assert h.bounce == 2 * 1200  # two chunks' worth of state + master
+    assert h.bounce == 2 * 1200 + 400  # two update sets (state + master) + a fetch staging buffer
     assert [h.tiers[c]["state"] for c in range(4)] == ["host", "host", "nvme", "nvme"]
-    assert [h.tiers[c]["master"] for c in range(4)] == ["host", "nvme", "nvme", "nvme"]
-    assert h.bytes["nvme"] == {"state": 1600, "master": 1200}
+    assert [h.tiers[c]["master"] for c in range(4)] == ["nvme"] * 4
+    assert h.bytes["nvme"] == {"state": 1600, "master": 1600}
     assert sum(h.bytes["host"].values()) + h.bounce <= 6000
 
 
@@ -37,6 +37,8 @@ def test_refusal_names_minimum_host_and_minimum_works():
         assign_homes(kinds=k, host=1000)
     assert e.value.minimum["host"] == 6400
     assign_homes(kinds=k, host=6400)
+    with pytest.raises(InfeasibleBudget):
+        assign_homes(kinds=k, host=6399)
     need = minimum_host(k, cxl=None, nvme=True)
     assign_homes(kinds=k, host=need, nvme=True)
     with pytest.raises(InfeasibleBudget):
