@@ -30,12 +30,13 @@ class _Entry:
 class ResidentCache:
     """Chunk id -> device buffer, within `limit` bytes, with pinning, eviction and prefetch."""
 
-    def __init__(self, *, tiers: Tiers, executor: Executor, limit: int,
-                 source: Callable[[int], torch.Tensor],
+    def __init__(self, *, tiers: Tiers, executor: Executor, limit: int, dtype: torch.dtype,
+                 numel: Callable[[int], int], fetch: Callable[[int, torch.Tensor], Ticket],
                  on_resident: Callable[[int, torch.Tensor], None],
                  on_evict: Callable[[int], None]):
-        self.tiers, self.executor, self.limit = tiers, executor, limit
-        self.source, self.on_resident, self.on_evict = source, on_resident, on_evict
+        self.tiers, self.executor, self.limit, self.dtype = tiers, executor, limit, dtype
+        self.numel, self.fetch = numel, fetch  # fetch(cid, device_buffer) starts the copy in
+        self.on_resident, self.on_evict = on_resident, on_evict
         self.entries: dict[int, _Entry] = {}
         self.bytes = 0
         self.clock = 0
@@ -49,8 +50,7 @@ class ResidentCache:
         return cid in self.entries
 
     def _nbytes(self, cid: int) -> int:
-        src = self.source(cid)
-        return src.numel() * src.element_size()
+        return self.numel(cid) * self.dtype.itemsize
 
     def _evict_priority(self, cid: int) -> float:
         if self.next_use is not None:
@@ -97,9 +97,8 @@ class ResidentCache:
 
     # -- internals -------------------------------------------------------------------
     def _fetch(self, cid: int) -> _Entry:
-        src = self.source(cid)
-        buf = self.tiers.empty("gpu", "compute", src.numel(), src.dtype)
-        ticket = self.executor.copy("h2d", buf, src)
+        buf = self.tiers.empty("gpu", "compute", self.numel(cid), self.dtype)
+        ticket = self.fetch(cid, buf)
         entry = _Entry(buf=buf, ticket=ticket, last_use=self.clock)
         self.entries[cid] = entry
         self.bytes += buf.numel() * buf.element_size()

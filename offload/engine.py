@@ -28,13 +28,17 @@ import torch
 from offload.cache import ResidentCache
 from offload.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
 from offload.errors import BudgetExceeded, InfeasibleBudget, TierwiseError
-from offload.executor import Executor
+from offload.cxl import CxlAllocator, detect_cxl_nodes
+from offload.executor import Executor, Ticket
+from offload.homes import assign_homes
 from offload.hooks import ActivationTracker, checkpointed, install_module_hooks
 from offload.ledger import Ledger
 from offload.model_info import find_blocks, modules_with_params
 from offload.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
 from offload.sizes import format_size, parse_size
-from offload.store import ChunkStore
+from offload.nvme import NvmeStore
+from offload.store import ChunkStore, SwapKind, kind_bytes
+from offload.swapping import Bounce, update_all
 from offload.tiers import Tiers, pick_device
 from offload.trace import TraceFollower
 from offload.update import Hyper, make_updater
@@ -60,14 +64,14 @@ class Engine:
                  cxl_mem: "str | int | None" = None, nvme_path: "str | None" = None,
                  precision: str = "fp32", chunk_bytes: "str | int" = DEFAULT_CHUNK_BYTES,
                  grad_clip: float | None = None, checkpointing: bool | None = None,
+                 cxl_node: int | None = None, cxl_bandwidth: float | None = None,
+                 nvme_checksum: bool = False,
                  device: "str | torch.device | None" = None,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
                  prefetch_depth: int = 16, h2d_bandwidth: float | None = None,
                  d2h_bandwidth: float | None = None, allow_gpu_home: bool = True):
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
-        if cxl_mem is not None or nvme_path is not None:
-            raise TierwiseError("the cxl and nvme tiers are not wired into the engine yet")
         self.model, self.loss_fn = model, loss_fn
         self.device = pick_device(device)
         self.compute_dtype = DTYPES[precision]
@@ -78,8 +82,18 @@ class Engine:
         self.hyper = Hyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum)
         self.updater = make_updater(optimizer, momentum=momentum, **(optimizer_kwargs or {}))
         budgets = {"gpu": parse_size(gpu_mem, what="--gpu-mem"), "host": parse_size(cpu_mem, what="--cpu-mem")}
+        cxl_bytes = parse_size(cxl_mem, what="--cxl-mem")
+        self.cxl = None
+        if cxl_bytes:
+            budgets["cxl"] = cxl_bytes
+            self.cxl = CxlAllocator(nodes=detect_cxl_nodes(), budget_bytes=cxl_bytes,
+                                    emulate_bandwidth=cxl_bandwidth, node=cxl_node)
+        self.nvme = None
+        if nvme_path is not None:
+            budgets["nvme"] = None  # bounded by the disk: checked by preflight below
+            self.nvme = NvmeStore(nvme_path, checksum=nvme_checksum)
         self.ledger = Ledger(budgets)
-        self.tiers = Tiers(ledger=self.ledger, device=self.device)
+        self.tiers = Tiers(ledger=self.ledger, device=self.device, cxl=self.cxl)
         self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
 
         named = self._trainable(model)
@@ -88,8 +102,14 @@ class Engine:
         named = self._materialize_meta(model, named)
         self.params = dict(named)
         self.param_names = {p: n for n, p in named}
+        kinds = {c.index: kind_bytes(c.numel, state_spec=self.updater.state_spec, compute_dtype=self.compute_dtype)
+                 for c in self.plan.chunks}
+        self.homes = assign_homes(kinds=kinds, host=budgets["host"], cxl=cxl_bytes, nvme=self.nvme is not None)
+        if self.nvme is not None:
+            self.nvme.preflight(sum(self.homes.bytes.get("nvme", {}).values()))
         self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
-                                state_spec=self.updater.state_spec)
+                                state_spec=self.updater.state_spec, homes=self.homes.tiers, nvme=self.nvme)
+        self.bounce = Bounce(self.store, pin=self.device.type == "cuda") if self.homes.bounce else None
         self.store.load(((n, p.data) for n, p in self.store_pending), self.params)  # copy weights in
         del self.store_pending  # the originals are freed when their parameters are repointed
         self.buffer_bytes = self._move_buffers(model)
@@ -115,8 +135,8 @@ class Engine:
         self.needs = self._device_needs(activations=0)
         check_minimum(self.needs, budgets["gpu"], measured=False)
         self.cache = ResidentCache(tiers=self.tiers, executor=self.executor, limit=self.needs.stream_window,
-                                   source=self.store.compute_source, on_resident=self._on_resident,
-                                   on_evict=self._on_evict)
+                                   dtype=self.compute_dtype, numel=lambda c: self.plan.chunks[c].numel,
+                                   fetch=self._fetch, on_resident=self._on_resident, on_evict=self._on_evict)
         self.cache.next_use = None
         self.device_plan: DevicePlan | None = None
         self.minimum_gpu_bytes: int | None = None
@@ -192,6 +212,21 @@ class Engine:
         )
 
     # -- residency callbacks (compute thread) --------------------------------------------
+    def _fetch(self, cid: int, buf: torch.Tensor) -> Ticket:
+        """Start copying chunk `cid`'s compute copy from its home tier into device `buf`."""
+        src = self.store.compute_source(cid)
+        links = (self.cxl.link_out,) if self.cxl is not None and self.store.compute_tier(cid) == "cxl" else ()
+        if isinstance(src, SwapKind):
+            staging = self.bounce.staging_for(src)
+
+            def fn(stream: Any) -> None:
+                self.nvme.read(src.key, staging)
+                buf.copy_(staging, non_blocking=stream is not None)
+        else:
+            def fn(stream: Any) -> None:
+                buf.copy_(src, non_blocking=stream is not None)
+        return self.executor.job("h2d", fn, nbytes=buf.numel() * buf.element_size(), links=links)
+
     def _on_resident(self, cid: int, buf: torch.Tensor) -> None:
         self.streamed_storage[buf.untyped_storage()._cdata] = cid
         self.store.point_params(cid, buf, self.params)
@@ -353,10 +388,10 @@ class Engine:
         self.phase = "update"
         t0 = time.perf_counter()
         self._drain_grads()
-        self.store.zero_unseen_grads(self._seen, self.params, self.param_names)
+        self.store.zero_unseen_grads(self._seen, self.params)
         if self.grad_clip is not None:
             self.last_grad_norm = self.store.clip_grads_(self.grad_clip, list(self.params))
-        self.store.update(self.updater, self.hyper)
+        update_all(self.store, self.updater, self.hyper, self.bounce)
         self.cache.evict_all()
         self._record_moment()
         self.follower.end_step()
@@ -424,16 +459,19 @@ class Engine:
         yield from self.store.named_master(self.params)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.store.state_dict(self.params) | {"steps": self.steps}
+        return self.store.state_dict() | {"steps": self.steps}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.cache.evict_all()
-        self.store.load_state_dict(sd, self.params)
+        self.store.load_state_dict(sd)
         self.steps = int(sd["steps"])
 
     def close(self) -> None:
+        """Stop the copy threads and remove the swap files."""
         self.executor.drain()
         self.executor.close()
+        if self.nvme is not None:
+            self.nvme.close()
         for h in self._handles:
             h.remove()
 

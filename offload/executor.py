@@ -125,6 +125,30 @@ class Executor:
 
         return Ticket(self._submit(lane_name, run), done_event)
 
+    def job(self, lane_name: str, fn: Callable[["torch.cuda.Stream | None"], None], *,
+            nbytes: int, links: tuple[Link, ...] = ()) -> Ticket:
+        """Run `fn(stream)` on a lane's worker (e.g. read a swap file, then copy to the device).
+
+        On CUDA, `fn` issues its device copies on `stream`; the Ticket's event follows them.
+        The lane's link (and `links`, e.g. a CXL link) are charged `nbytes`.
+        """
+        lane = self.lanes[lane_name]
+        done_event = torch.cuda.Event() if self.cuda else None
+
+        def run() -> None:
+            start = time.perf_counter()
+            if self.cuda:
+                with torch.cuda.stream(lane.stream):
+                    fn(lane.stream)
+                    done_event.record(lane.stream)
+                done_event.synchronize()  # fn's host buffers may be reused by the next job
+            else:
+                fn(None)
+            for link in (lane.link, *links):
+                link.wait_for(nbytes, start)
+
+        return Ticket(self._submit(lane_name, run), done_event)
+
     def wait(self, ticket: Ticket) -> None:
         """Wait on the compute thread, counting the time spent (not overlapped)."""
         if ticket.done() and not self.cuda:

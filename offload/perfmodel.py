@@ -107,23 +107,50 @@ def model_flops(*, model: ModelProfile, batch_size: int, seq_len: int) -> float:
     return 2.0 * model.matmul_params * tokens + attention
 
 
-def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
-                     backward: bool = True) -> int:
-    """GPU bytes of activations with per-layer checkpointing.
+def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str) -> dict[str, int]:
+    """Bytes autograd saves for backward, by part, as the engine counts them (per saved tensor
+    storage, deduplicated) for a Hugging Face Llama-family model with SDPA attention, no padding
+    mask and every decoder layer checkpointed. e = compute bytes, T = batch * seq tokens:
 
-    Saved layer inputs (B*S*h per layer) + one layer's full activations while it is recomputed
-    and differentiated (norm outputs, q/k/v, attention output, gate/up/act/product of the MLP,
-    doubled for their gradients; SDPA keeps no S x S matrix) + fp32 logits and their gradient.
-    Without backward (MeZO), only one layer's activations and the logits are live.
+    fixed   token ids (int64, the embedding) + rotary cos/sin (S x head_dim, e each, shared by
+            all layers) + position ids (int64, S)
+    inputs  one saved block input per layer, e*T*h (the last block's output is the final norm's)
+    norm    an RMSNorm: its fp32 input (a new fp32 copy in bf16 runs; in fp32 the input itself,
+            which for a block's first norm is the already-counted block input), rsqrt (fp32, T),
+            the normalised and the weighted output (e*T*h each)
+    block   one layer's internals while it is recomputed: 2 norms, q/k/v after rotary and the
+            attention output (e*T*(2 q_dim + 2 kv_dim)), the logsumexp (fp32, B*heads*S), the
+            MLP's gate, up, silu and product (4 e*T*i)
+    head    the final norm + log_softmax's fp32 output (4*T*V) + int64 targets + a scalar
+    The peak is fixed + inputs + the larger of block (in backward) and head (end of forward).
     """
     e = compute_bytes(precision)
-    bs, h, i = batch_size * seq_len, model.hidden_size, model.intermediate_size
-    layer = bs * (4 * h + model.q_dim + 2 * model.kv_dim + 4 * i) * e
-    layer += batch_size * model.num_attention_heads * seq_len * 4  # softmax log-sum-exp
-    logits = bs * model.vocab_size * 4
+    t, s, h, i = batch_size * seq_len, seq_len, model.hidden_size, model.intermediate_size
+    fp32_copy = 4 * t * h
+    norm = 4 * t + 2 * e * t * h + fp32_copy
+    first_norm = norm - (fp32_copy if e == 4 else 0)
+    attention = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s
+    return {
+        "fixed": 8 * t + 2 * s * model.dim_per_head * e + 8 * s,
+        "inputs": model.num_hidden_layers * e * t * h,
+        "block": first_norm + attention + norm + 4 * e * t * i,
+        "head": norm + 4 * t * model.vocab_size + 8 * t + 4,
+    }
+
+
+def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
+                     backward: bool = True) -> int:
+    """Peak bytes of saved activations in one step (see activation_parts). Without backward
+    (zeroth-order optimizers) autograd saves nothing: 0."""
     if not backward:
-        return layer + logits
-    return model.num_hidden_layers * bs * h * e + 2 * layer + 2 * logits
+        return 0
+    p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision)
+    return p["fixed"] + p["inputs"] + max(p["block"], p["head"])
+
+
+def buffer_bytes(model: ModelProfile) -> int:
+    """Module buffers: the rotary embedding's inv_freq and original_inv_freq (fp32, head_dim/2)."""
+    return 2 * 4 * (model.dim_per_head // 2)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,38 +1,40 @@
-"""Planner (pure): the home tier of every chunk kind, the CPU/GPU update split, predicted
-peaks and step time, or InfeasibleBudget naming the minimum budget that would work.
+"""Planner (pure): the home tier of every chunk kind, predicted peaks per tier and step time,
+or InfeasibleBudget naming the minimum budget that would work.
 
-Policy (mirrors the engine):
-(a) the GPU holds a streaming reserve: 2 x the largest chunk in the compute dtype (current +
-    prefetch), the largest parameter's gradient in the compute dtype, and the activations;
-(b) spare GPU bytes hold whole "gpu-home" chunks (compute + grad + master + state, updated on
-    the GPU), taken from the end of first-use order (their grads arrive first in backward). Of
-    the suffixes that fit, the planner keeps the one the performance model predicts fastest
-    (usually all of them; fewer only when the GPU update would lengthen a compute-bound step);
-(c) the other chunks are host-home, updated on the CPU. Their kinds fill DRAM in priority
-    order (state, master, grad, then compute copies; in fp32 the compute copy is the master),
-    chunk by chunk; what does not fit overflows, compute copies first, to CXL, then NVMe.
+The planner mirrors the engine byte for byte on the simulated device, by construction:
+- chunking: `pack_chunks` over the profile's parameters (HF registration order = first-use
+  order) with the same chunk size;
+- the gpu side: the same `DeviceNeeds` (module buffers; the streaming window = the widest
+  module's chunks + the largest chunk; the gradient reserve = the largest parameter; the
+  activations, here computed in closed form by `perfmodel.activation_bytes`, which matches
+  what the engine measures in its warm-up step) handed to the engine's own
+  `placement.plan_device`, which picks the gpu-home chunks (a suffix of first-use order) and
+  the cache size for streamed compute copies;
+- the host side: the kinds of the streamed chunks placed by the engine's own
+  `homes.assign_homes` (DRAM, then CXL, then NVMe).
+What is left to a model is time: `perfmodel.predict_step`.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
-import math
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from offload.chunks import DEFAULT_CHUNK_BYTES, pack_chunks
+from offload.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, pack_chunks
 from offload.errors import InfeasibleBudget, TierwiseError
-from offload.perfmodel import (KINDS, StepLoad, activation_bytes, compute_bytes, model_flops, optimizer_cost,
-                               param_state_bytes, param_update_flops, predict_step)
+from offload.homes import Homes, assign_homes
+from offload.perfmodel import (KINDS, StepLoad, activation_bytes, buffer_bytes, compute_bytes, model_flops,
+                               optimizer_cost, param_state_bytes, param_update_flops, predict_step)
+from offload.placement import DeviceNeeds, DevicePlan, plan_device
 from offload.sizes import format_size, parse_size
 from profiles import HardwareProfile, ModelProfile, load_hardware_profile, load_model_profile
 
 log = logging.getLogger(__name__)
-UNLIMITED = 1 << 62
+TIERS = ("gpu", "host", "cxl", "nvme")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +46,7 @@ class ChunkHome:
     update: str
     """"gpu" or "cpu"."""
     compute: str
+    """Tier the compute copy streams from (in fp32 runs: the master's tier; "gpu" when gpu-home)."""
     grad: str | None
     master: str | None
     state: str | None
@@ -65,11 +68,17 @@ class Plan:
     num_params: int
     num_chunks: int
     bytes: dict[str, dict[str, int]]
-    """bytes[tier][kind] of chunk storage ("compute", "grad", "master", "state")."""
+    """bytes[tier][kind] of chunk home storage ("compute", "grad", "master", "state"), as the
+    engine's ledger names them: fp32 runs have no separate compute copy (the master is streamed)."""
     reserve: dict[str, dict[str, int]]
-    """Non-chunk bytes: gpu "stream buffers" and "activations", host "nvme bounce"."""
+    """Non-chunk bytes: gpu "buffers", "stream cache" (streamed compute copies, at most the cache
+    limit), "grad in flight", "activations"; host "nvme bounce"."""
     peak: dict[str, int]
-    """Predicted peak bytes per tier."""
+    """Predicted peak bytes per tier in steady state (after the warm-up step)."""
+    gpu_minimum: int
+    """The smallest gpu budget the engine accepts for this run (its `minimum_gpu_bytes`)."""
+    cache_limit: int
+    """Bytes the engine's resident cache may use for streamed compute copies."""
     chunk_homes: tuple[ChunkHome, ...] = field(repr=False)
     gpu_update_params: int
     cpu_update_params: int
@@ -110,106 +119,84 @@ class Plan:
         return "\n".join(lines)
 
 
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
 class _Chunks:
-    """Per-chunk byte counts of each kind, with prefix sums for O(log n) placement queries."""
+    """The engine's chunking of `model` and the bytes of every kind of every chunk."""
 
     def __init__(self, *, model: ModelProfile, optimizer: str, precision: str, chunk_bytes: int,
                  rank: int | None) -> None:
         self.cost = optimizer_cost(optimizer)
-        ce = compute_bytes(precision)
+        self.ce = compute_bytes(precision)
+        self.bf16 = precision == "bf16"
         specs = model.param_specs()
         by_name = {s.name: s for s in specs}
-        self.plan = pack_chunks(specs, chunk_bytes=chunk_bytes, element_size=4)
-        self.kinds = {k: [] for k in KINDS}
-        self.params, self.flops, self.upd = [], [], []
+        self.plan: ChunkPlan = pack_chunks(specs, chunk_bytes=chunk_bytes, element_size=4)
+        self.n = len(self.plan.chunks)
+        self.kinds: list[dict[str, int]] = []  # per chunk, as the engine's ChunkStore.kind_bytes
+        self.params: list[int] = []
+        self.flops: list[float] = []
         for c in self.plan.chunks:
             ps = [by_name[n] for n in c.params]
-            self.kinds["compute"].append(c.numel * ce)
-            self.kinds["grad"].append(c.numel * 4 if self.cost.needs_grad else 0)
-            self.kinds["master"].append(c.numel * 4 if precision == "bf16" else 0)
-            self.kinds["state"].append(math.ceil(sum(param_state_bytes(p, cost=self.cost, rank=rank) for p in ps)))
+            if self.cost.lowrank is None:
+                state = int(c.numel * self.cost.state_bytes_per_param)  # whole chunk, padding included
+            else:
+                state = int(sum(param_state_bytes(p, cost=self.cost, rank=rank) for p in ps))
+            k = {"grad": 4 * c.numel if self.cost.needs_grad else 0, "state": state, "master": 4 * c.numel}
+            if self.bf16:
+                k["compute"] = self.ce * c.numel
+            self.kinds.append({kind: b for kind, b in k.items() if b})
             self.params.append(sum(p.numel for p in ps))
             self.flops.append(sum(param_update_flops(p, cost=self.cost, rank=rank) for p in ps))
-        fp32 = precision == "fp32"
-        m = self.kinds["compute"] if fp32 else self.kinds["master"]
-        self.upd = [2 * (a + s) + g + (0 if fp32 else c) for a, s, g, c in
-                    zip(m, self.kinds["state"], self.kinds["grad"], self.kinds["compute"])]
-        self.n = len(self.plan.chunks)
-        self.total = [sum(t) for t in zip(*self.kinds.values())]
-        self.pre = {k: [0, *accumulate(v)] for k, v in self.kinds.items()}
-        for name, arr in (("total", self.total), ("params", self.params), ("flops", self.flops), ("upd", self.upd)):
-            self.pre[name] = [0, *accumulate(arr)]
-        # DRAM priority: the optimizer's working set first; overflow takes the reverse order.
-        self.priority = ("state", "compute", "grad") if fp32 else ("state", "master", "grad", "compute")
+        self.compute = [self.ce * c.numel for c in self.plan.chunks]
+        modules: dict[str, set[int]] = defaultdict(set)
+        for name, slot in self.plan.slots.items():
+            modules[_module_of(name)].add(slot.chunk)
+        self.widest = max((sum(self.compute[c] for c in cids) for cids in modules.values()), default=0)
+        self.largest_param = max((s.numel for s in self.plan.slots.values()), default=0)
 
-    def span(self, key: str, a: int, b: int) -> int:
-        return self.pre[key][b] - self.pre[key][a]
-
-    def fill(self, segments: list[tuple[str, int, int]], capacity: int) -> tuple[dict[str, int], list, int]:
-        """Place segments (kind, first, end) in order until one chunk does not fit.
-        Returns (bytes per kind placed, segments left over, bytes used)."""
-        placed, used = dict.fromkeys(KINDS, 0), 0
-        for i, (kind, a, b) in enumerate(segments):
-            pre = self.pre[kind]
-            fits = bisect.bisect_right(pre, pre[a] + capacity - used, lo=a, hi=b + 1) - 1
-            placed[kind] += pre[fits] - pre[a]
-            used += pre[fits] - pre[a]
-            if fits < b:
-                return placed, [(kind, fits, b)] + segments[i + 1:], used
-        return placed, [], used
+    def device_needs(self, *, buffers: int, activations: int) -> DeviceNeeds:
+        """What the engine's `_device_needs` computes for this model (placement.DeviceNeeds)."""
+        return DeviceNeeds(
+            buffers=buffers,
+            stream_window=self.widest + max(self.compute, default=0),
+            grad_reserve=self.largest_param * self.ce if self.cost.needs_grad else 0,
+            activations=activations,
+            home_bytes=tuple(sum(k.values()) for k in self.kinds),
+            compute_bytes=tuple(self.compute),
+        )
 
 
-def _place(ch: _Chunks, *, k: int, host: int, cxl: int, nvme: bool, nvme_cap: int) -> dict[str, dict[str, int]] | None:
-    """Bytes per tier per kind of the host-home chunks [0, n-k); None if they do not fit."""
-    n = ch.n - k
-    segs = [(kind, 0, n) for kind in ch.priority]
-    in_host, rest, _ = ch.fill(segs, host)
-    out = {"host": in_host, "cxl": dict.fromkeys(KINDS, 0), "nvme": dict.fromkeys(KINDS, 0)}
-    if rest and nvme:  # nvme needs bounce buffers in DRAM: refill with less host room
-        if host < _bounce(ch):
-            return None
-        in_host, rest, _ = ch.fill(segs, host - _bounce(ch))
-        out["host"] = in_host
-    rest = rest[::-1]  # latency-tolerant compute copies and cold data overflow first
-    if rest:
-        out["cxl"], rest, _ = ch.fill(rest, cxl)
-    if rest and nvme:
-        out["nvme"], rest, _ = ch.fill(rest, nvme_cap)
-    return None if rest else out
+def _resolve_model(model: Any) -> ModelProfile:
+    if isinstance(model, (str, Path)):
+        return load_model_profile(model)
+    if isinstance(model, ModelProfile):
+        return model
+    return ModelProfile.from_hf_config(model)
 
 
-def _bounce(ch: _Chunks) -> int:
-    return 2 * max(ch.total, default=0)
-
-
-def _load(ch: _Chunks, placed: dict, *, k: int, flops_fwd: float) -> StepLoad:
-    n = ch.n - k
-    return StepLoad(
-        tokens_flops_fwd=flops_fwd, placed=placed, grad_d2h_bytes=ch.span("compute", 0, n) if ch.cost.needs_grad else 0, cpu_params=ch.span("params", 0, n), cpu_flops=ch.span("flops", 0, n),
-        gpu_update_bytes=ch.span("upd", n, ch.n), gpu_update_flops=ch.span("flops", n, ch.n),
-        chunk_compute_bytes=max(ch.kinds["compute"][:n], default=0), chunk_params=max(ch.params[:n], default=0))
-
-
-def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | str, gpu_mem: int | str | None,
+def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | str | None, gpu_mem: int | str | None,
               cpu_mem: int | str | None, cxl_mem: int | str | None = None, nvme_path: str | None = None,
               nvme_mem: int | str | None = None, optimizer: str, precision: str, batch_size: int, seq_len: int,
-              chunk_bytes: int = DEFAULT_CHUNK_BYTES, rank: int | None = None) -> Plan:
+              chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
+              grad_accum: int = 1, **_ignored: Any) -> Plan:
     """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited).
 
     `model`: a profile, a profile name/path, or a transformers model/config (its shapes are read).
-    `hardware`: a profile or name/path; None means "cpu-sim". Raises InfeasibleBudget naming the
-    minimum gpu / host / nvme bytes when they cannot fit."""
-    if isinstance(model, (str, Path)):
-        model = load_model_profile(model)
-    elif not isinstance(model, ModelProfile):
-        model = ModelProfile.from_hf_config(model)
+    `hardware`: a profile or name/path; None means "cpu-sim". `batch_size` is the micro-batch
+    (the engine splits a batch into `grad_accum` of them; activations follow the micro-batch).
+    Raises InfeasibleBudget naming the minimum gpu / host / nvme bytes when they cannot fit."""
+    model = _resolve_model(model)
     hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
-    if batch_size <= 0 or seq_len <= 0:
-        raise TierwiseError(f"batch size and sequence length must be positive, got {batch_size} x {seq_len}")
+    if batch_size <= 0 or seq_len <= 0 or grad_accum <= 0:
+        raise TierwiseError(f"batch size, sequence length and grad_accum must be positive, got "
+                            f"{batch_size} x {seq_len} (x {grad_accum})")
     gpu = parse_size(gpu_mem, what="--gpu-mem")
     gpu = hw.gpu.memory if gpu is None else gpu
     host = parse_size(cpu_mem, what="--cpu-mem")
-    host = (hw.host.memory or UNLIMITED) if host is None else host
+    host = hw.host.memory if host is None else host
     cxl = parse_size(cxl_mem, what="--cxl-mem")
     cxl = (hw.cxl.memory if hw.cxl else 0) if cxl is None else cxl
     if cxl and hw.cxl is None:
@@ -217,86 +204,96 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     if nvme_path is not None and hw.nvme is None:
         raise TierwiseError(f"--nvme-path was given but hardware profile '{hw.name}' has no [nvme] table")
     nvme_cap = parse_size(nvme_mem, what="--nvme-mem")
-    nvme_cap = (hw.nvme.capacity if hw.nvme and hw.nvme.capacity else UNLIMITED) if nvme_cap is None else nvme_cap
+    nvme_cap = (hw.nvme.capacity if hw.nvme else None) if nvme_cap is None else nvme_cap
     use_nvme = nvme_path is not None
+    chunk_bytes = parse_size(chunk_bytes, what="chunk size")
 
     ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_bytes, rank=rank)
-    ce = compute_bytes(precision)
     act = activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                            backward=ch.cost.needs_grad)
-    stream = 2 * ch.plan.max_chunk_numel() * ce
-    grad_tmp = model.largest_param_numel() * ce if ch.cost.needs_grad else 0
-    gpu_reserve = stream + grad_tmp + act
-    if gpu < gpu_reserve:
+    needs = ch.device_needs(buffers=buffer_bytes(model), activations=act)
+    if gpu < needs.minimum:
         raise InfeasibleBudget(
-            f"--gpu-mem {format_size(gpu)} is too small: needs at least {format_size(gpu_reserve)} "
-            f"(2 streamed chunks {format_size(stream)} + largest gradient {format_size(grad_tmp)} + "
-            f"activations {format_size(act)} at batch {batch_size} x {seq_len})", minimum={"gpu": gpu_reserve})
-
-    free = gpu - gpu_reserve
-    k_max = 0  # longest suffix of whole chunks that fits in the spare GPU bytes
-    while k_max < ch.n and ch.span("total", ch.n - k_max - 1, ch.n) <= free:
-        k_max += 1
+            f"--gpu-mem {format_size(gpu)} is too small: needs at least {format_size(needs.minimum)} "
+            f"({needs.minimum} B: buffers {format_size(needs.buffers)}, streaming window "
+            f"{format_size(needs.stream_window)}, gradient reserve {format_size(needs.grad_reserve)}, "
+            f"activations {format_size(act)} at batch {batch_size} x {seq_len})", minimum={"gpu": needs.minimum})
+    device = plan_device(needs, gpu)
+    streamed = [c for c in range(ch.n) if c not in device.gpu_home]
+    homes = assign_homes(kinds={c: ch.kinds[c] for c in streamed}, host=host, cxl=cxl or None, nvme=use_nvme)
+    on_nvme = sum(homes.bytes.get("nvme", {}).values())
+    if nvme_cap is not None and on_nvme > nvme_cap:
+        raise InfeasibleBudget(f"--nvme-path has {format_size(nvme_cap)} of space: needs at least "
+                               f"{format_size(on_nvme)}; raise --cpu-mem / --cxl-mem or free disk space",
+                               minimum={"nvme": on_nvme})
     flops_fwd = model_flops(model=model, batch_size=batch_size, seq_len=seq_len)
-    best = None
-    for k in range(k_max, -1, -1):
-        placed = _place(ch, k=k, host=host, cxl=cxl, nvme=use_nvme, nvme_cap=nvme_cap)
-        if placed is None:
-            break  # fewer gpu-home chunks only need more host room
-        pred = predict_step(hardware=hw, precision=precision, cost=ch.cost, tokens=batch_size * seq_len,
-                            load=_load(ch, placed, k=k, flops_fwd=flops_fwd))
-        if best is None or pred.step_s < best[2].step_s * (1 - 1e-9):
-            best = (k, placed, pred)
-    if best is None:
-        _refuse_host(ch, k=k_max, host=host, cxl=cxl, nvme=use_nvme, nvme_cap=nvme_cap)
-    k, placed, pred = best
-    return _build(ch, model=model, hw=hw, k=k, placed=placed, pred=pred, precision=precision,
-                  budgets={"gpu": gpu, "host": None if host == UNLIMITED else host, "cxl": cxl,
-                           "nvme": (None if nvme_cap == UNLIMITED else nvme_cap) if use_nvme else 0},
-                  reserve={"gpu": {"stream buffers": stream + grad_tmp, "activations": act}},
+    load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd)
+    pred = predict_step(hardware=hw, precision=precision, cost=ch.cost, tokens=batch_size * seq_len * grad_accum,
+                        load=load, micro_batches=grad_accum)
+    return _build(ch, model=model, hw=hw, needs=needs, device=device, homes=homes, pred=pred, precision=precision,
+                  budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
                   batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes, optimizer=optimizer)
 
 
-def _refuse_host(ch: _Chunks, *, k: int, host: int, cxl: int, nvme: bool, nvme_cap: int) -> None:
-    lo, hi = host, UNLIMITED >> 1  # smallest host budget that fits, by bisection (placement is monotone)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _place(ch, k=k, host=mid, cxl=cxl, nvme=nvme, nvme_cap=nvme_cap) else (mid, hi)
-    hint = (f" with {format_size(nvme_cap)} of NVMe space (more NVMe space would also help)" if nvme
-            else "; or give --nvme-path to spill to disk")
-    raise InfeasibleBudget(f"--cpu-mem {format_size(host)} is too small: needs at least {format_size(hi)}"
-                           f" for the chunks the GPU cannot hold{hint}", minimum={"host": hi})
+def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int], flops_fwd: float) -> StepLoad:
+    """What one step moves and computes with this placement (input of the performance model)."""
+    source = "compute" if ch.bf16 else "master"
+    stream = {t: homes.bytes.get(t, {}).get(source, 0) for t in ("host", "cxl", "nvme")}
+    streamed_compute = sum(ch.compute[c] for c in streamed)
+    home = sorted(device.gpu_home)
+    # Belady over a forward and a backward pass: the cache keeps what fits across the turn.
+    fetched = max(0, 2 * streamed_compute - max(0, device.cache_limit - ch.widest)) if streamed else 0
+    return StepLoad(
+        tokens_flops_fwd=flops_fwd,
+        placed={t: dict(homes.bytes.get(t, {})) for t in ("host", "cxl", "nvme")},
+        stream_bytes=stream, fetched_bytes=fetched,
+        grad_d2h_bytes=streamed_compute if ch.cost.needs_grad else 0,
+        cpu_params=sum(ch.params[c] for c in streamed), cpu_flops=sum(ch.flops[c] for c in streamed),
+        cpu_update_bytes=sum(_update_bytes(ch, c) for c in streamed),
+        gpu_params=sum(ch.params[c] for c in home),
+        gpu_update_bytes=sum(_update_bytes(ch, c) for c in home), gpu_update_flops=sum(ch.flops[c] for c in home),
+        chunk_compute_bytes=max((ch.compute[c] for c in streamed), default=0),
+        chunk_params=max((ch.params[c] for c in streamed), default=0),
+        num_chunks=ch.n, streamed_chunks=len(streamed))
 
 
-def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, k: int, placed: dict, pred, precision: str,
-           budgets: dict, reserve: dict, **meta) -> Plan:
-    n = ch.n - k
-    by_tier = {"gpu": {kind: ch.span(kind, n, ch.n) for kind in KINDS}, **placed}
-    homes: dict[str, list[str | None]] = {kind: [None] * ch.n for kind in KINDS}
-    for kind in KINDS:  # materialise the placement chunk by chunk: the same order as _place
-        for j in range(n, ch.n):
-            homes[kind][j] = "gpu" if ch.kinds[kind][j] else None
-    left = {t: dict(placed[t]) for t in ("host", "cxl", "nvme")}
-    for tier, order in (("host", ch.priority), ("cxl", ch.priority[::-1]), ("nvme", ch.priority[::-1])):
-        for kind in order:
-            for j in range(n):
-                b = ch.kinds[kind][j]
-                if homes[kind][j] is None and b and left[tier][kind] >= b:
-                    homes[kind][j], left[tier][kind] = tier, left[tier][kind] - b
-    if any(b and homes[kind][j] is None for kind in KINDS for j, b in enumerate(ch.kinds[kind])):
-        raise AssertionError("placement left a chunk kind without a home")
-    if precision == "fp32":  # the compute copy is the master
-        homes["master"] = [None] * ch.n
-    bounce = _bounce(ch) if any(placed["nvme"].values()) else 0
-    reserve = {**reserve, "host": {"nvme bounce": bounce}}
-    peak = {t: sum(by_tier[t].values()) + sum(reserve.get(t, {}).values()) for t in by_tier}
-    chunk_homes = tuple(ChunkHome(index=j, params=ch.params[j], update="gpu" if j >= n else "cpu",
-                                  compute=homes["compute"][j], grad=homes["grad"][j], master=homes["master"][j],
-                                  state=homes["state"][j]) for j in range(ch.n))
-    log.info("plan %s on %s: %d of %d chunks gpu-home, step %.3f s (%s)", model.name, hw.name, k, ch.n,
-             pred.step_s, pred.bottleneck)
+def _update_bytes(ch: _Chunks, c: int) -> int:
+    """Memory traffic of one chunk's update: read+write master and state, read grad, write compute."""
+    k = ch.kinds[c]
+    return 2 * (k.get("master", 0) + k.get("state", 0)) + k.get("grad", 0) + k.get("compute", 0)
+
+
+def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, device: DevicePlan,
+           homes: Homes, pred, precision: str, budgets: dict, **meta) -> Plan:
+    by_tier = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
+    for c in device.gpu_home:
+        for kind, b in ch.kinds[c].items():
+            by_tier["gpu"][kind] += b
+    for tier, kinds in homes.bytes.items():
+        for kind, b in kinds.items():
+            by_tier[tier][kind] += b
+    streamed_compute = sum(ch.compute[c] for c in range(ch.n) if c not in device.gpu_home)
+    cache = min(device.cache_limit, streamed_compute)
+    reserve = {"gpu": {"buffers": needs.buffers, "stream cache": cache,
+                       "grad in flight": needs.grad_reserve if streamed_compute else 0,
+                       "activations": needs.activations},
+               "host": {"nvme bounce": homes.bounce}}
+    peak = {t: sum(by_tier[t].values()) + sum(reserve.get(t, {}).values()) for t in TIERS}
+    chunk_homes = []
+    for j in range(ch.n):
+        if j in device.gpu_home:
+            tiers = {kind: "gpu" for kind in ch.kinds[j]}
+        else:
+            tiers = homes.tiers[j]
+        chunk_homes.append(ChunkHome(index=j, params=ch.params[j], update="gpu" if j in device.gpu_home else "cpu",
+                                     compute=tiers.get("compute", tiers["master"]), grad=tiers.get("grad"),
+                                     master=tiers["master"], state=tiers.get("state")))
+    log.info("plan %s on %s: %d of %d chunks gpu-home, step %.3f s (%s)", model.name, hw.name,
+             len(device.gpu_home), ch.n, pred.step_s, pred.bottleneck)
+    gpu_params = sum(ch.params[c] for c in device.gpu_home)
     return Plan(model=model.name, hardware=hw.name, precision=precision, budgets=budgets,
                 num_params=model.num_params, num_chunks=ch.n, bytes=by_tier, reserve=reserve, peak=peak,
-                chunk_homes=chunk_homes, gpu_update_params=ch.span("params", n, ch.n),
-                cpu_update_params=ch.span("params", 0, n), phases=pred.phases, step_s=pred.step_s,
-                bottleneck=pred.bottleneck, tokens_per_s=pred.tokens_per_s, **meta)
+                gpu_minimum=needs.minimum, cache_limit=device.cache_limit, chunk_homes=tuple(chunk_homes),
+                gpu_update_params=gpu_params, cpu_update_params=model.num_params - gpu_params,
+                phases=pred.phases, step_s=pred.step_s, bottleneck=pred.bottleneck,
+                tokens_per_s=pred.tokens_per_s, **meta)

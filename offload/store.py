@@ -1,13 +1,14 @@
-"""Chunk storage: the home copies of every chunk kind, in their home tiers.
+"""Chunk storage: the home copies of every chunk kind, each in its home tier.
 
-For chunk c (all flat tensors of plan.chunks[c].numel elements, sharing the slot layout):
-- master  fp32, the truth the optimizer updates (in fp32 runs it is also the compute copy
-          that is streamed to the device);
+For chunk c (flat tensors of plan.chunks[c].numel elements, sharing the slot layout):
+- master  fp32, the truth the optimizer updates (in fp32 runs also the compute copy that
+          is streamed to the device);
 - compute bf16 copy for streaming (bf16 runs only), refreshed after every update;
-- grad    fp32 accumulator;
-- state   the optimizer's tensors (e.g. exp_avg, exp_avg_sq), and a step counter.
-A chunk starts host-home; `promote` moves all of it into the gpu tier (gpu-home), where its
-compute copy stays and its update runs on the device.
+- grad    fp32 accumulator (host DRAM, or the device for gpu-home chunks);
+- state   the optimizer's tensors (e.g. exp_avg, exp_avg_sq), and a step counter (host).
+A kind lives in `host`, `cxl` (tensors bound to a CXL node), `nvme` (a swap file, see
+SwapKind) or, after `promote`, `gpu`. NVMe-resident kinds are brought into bounce buffers
+for the update (`offload.update_loop`) and streamed through a staging buffer to the device.
 """
 
 from __future__ import annotations
@@ -18,82 +19,142 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from offload.chunks import ChunkPlan, Slot
+from offload.nvme import NvmeStore
 from offload.tiers import Tiers
+
+
+def kind_bytes(numel: int, *, state_spec: tuple[tuple[str, torch.dtype], ...],
+               compute_dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of each kind of a chunk of `numel` elements (input of homes.assign_homes)."""
+    out = {"grad": 4 * numel, "master": 4 * numel}
+    if state_spec:
+        out["state"] = numel * sum(dt.itemsize for _, dt in state_spec)
+    if compute_dtype != torch.float32:
+        out["compute"] = numel * compute_dtype.itemsize
+    return out
+
+
+@dataclass(frozen=True)
+class SwapKind:
+    """A kind that lives in a swap file: its key, length and dtype."""
+
+    key: str
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+Data = "torch.Tensor | SwapKind"
 
 
 @dataclass(kw_only=True)
 class _Chunk:
-    tier: str
-    master: torch.Tensor
+    tiers: dict[str, str]  # kind -> tier
+    master: Any
     grad: torch.Tensor
-    state: dict[str, torch.Tensor]
+    state: dict[str, Any]
     step: torch.Tensor
-    compute: torch.Tensor | None = None  # bf16 runs only
+    compute: Any = None  # bf16 runs only
     names: tuple[str, ...] = field(default=())
+
+    def kinds(self) -> Iterator[tuple[str, str, Any]]:
+        """(kind, name, data) for master, state tensors and compute."""
+        yield "master", "master", self.master
+        for k, v in self.state.items():
+            yield "state", k, v
+        if self.compute is not None:
+            yield "compute", "compute", self.compute
 
 
 class ChunkStore:
     """Home copies of all chunks, with ledger-accounted allocation in their tiers."""
 
     def __init__(self, *, plan: ChunkPlan, tiers: Tiers, compute_dtype: torch.dtype,
-                 state_spec: tuple[tuple[str, torch.dtype], ...]):
+                 state_spec: tuple[tuple[str, torch.dtype], ...], homes: dict[int, dict[str, str]],
+                 nvme: NvmeStore | None = None):
         self.plan, self.tiers, self.compute_dtype, self.state_spec = plan, tiers, compute_dtype, state_spec
+        self.nvme = nvme
         self.bf16 = compute_dtype != torch.float32
-        self.chunks = [self._allocate(c.index, "host") for c in plan.chunks]
+        self.chunks = [self._allocate(c.index, homes[c.index]) for c in plan.chunks]
 
-    # -- allocation -------------------------------------------------------------------------
-    def _allocate(self, cid: int, tier: str) -> _Chunk:
+    # -- allocation -----------------------------------------------------------------------
+    def _new(self, cid: int, kind: str, name: str, tier: str, dtype: torch.dtype) -> Any:
         n = self.plan.chunks[cid].numel
-        t = self.tiers
+        if tier != "nvme":
+            return self.tiers.zeros(tier, kind, n, dtype)
+        self.tiers.ledger.reserve("nvme", kind, n * dtype.itemsize)
+        swap = SwapKind(f"c{cid}.{name}", n, dtype)
+        self.nvme.write(swap.key, torch.zeros(n, dtype=dtype))
+        return swap
+
+    def _drop(self, tier: str, kind: str, data: Any) -> None:
+        if isinstance(data, SwapKind):
+            self.nvme.remove(data.key)
+            self.tiers.ledger.release("nvme", kind, data.nbytes)
+        else:
+            self.tiers.free(tier, kind, data)
+
+    def _allocate(self, cid: int, tiers: dict[str, str]) -> _Chunk:
+        tiers = dict(tiers)
+        tiers.setdefault("state", tiers.get("master", "host"))
         return _Chunk(
-            tier=tier,
-            master=t.zeros(tier, "master", n, torch.float32),
-            grad=t.zeros(tier, "grad", n, torch.float32),
-            state={k: t.zeros(tier, "state", n, dt) for k, dt in self.state_spec},
+            tiers=tiers,
+            master=self._new(cid, "master", "master", tiers["master"], torch.float32),
+            grad=self.tiers.zeros(tiers["grad"], "grad", self.plan.chunks[cid].numel, torch.float32),
+            state={k: self._new(cid, "state", k, tiers["state"], dt) for k, dt in self.state_spec},
             step=torch.zeros((), dtype=torch.float32,
-                             device=self.tiers.device if tier == "gpu" else "cpu"),
-            compute=t.zeros(tier, "compute", n, self.compute_dtype) if self.bf16 else None,
+                             device=self.tiers.device if tiers["master"] == "gpu" else "cpu"),
+            compute=self._new(cid, "compute", "compute", tiers["compute"], self.compute_dtype) if self.bf16 else None,
             names=self.plan.chunks[cid].params,
         )
 
     def _free(self, ch: _Chunk) -> None:
-        t = self.tiers
-        t.free(ch.tier, "master", ch.master)
-        t.free(ch.tier, "grad", ch.grad)
-        for v in ch.state.values():
-            t.free(ch.tier, "state", v)
-        if ch.compute is not None:
-            t.free(ch.tier, "compute", ch.compute)
+        for kind, _, data in ch.kinds():
+            self._drop(ch.tiers[kind], kind, data)
+        self.tiers.free(ch.tiers["grad"], "grad", ch.grad)
 
     def home_bytes(self, cid: int) -> int:
         """Bytes of every kind of chunk `cid` (what it costs to keep it gpu-home)."""
-        n = self.plan.chunks[cid].numel
-        per = 8 + sum(dt.itemsize for _, dt in self.state_spec) + (self.compute_dtype.itemsize if self.bf16 else 0)
-        return n * per
+        return sum(kind_bytes(self.plan.chunks[cid].numel, state_spec=self.state_spec,
+                              compute_dtype=self.compute_dtype).values())
 
     def promote(self, cid: int, params: dict[str, torch.nn.Parameter]) -> None:
         """Move every kind of chunk `cid` into the gpu tier; its params point there for good."""
         old = self.chunks[cid]
-        new = self._allocate(cid, "gpu")
-        new.master.copy_(old.master)
+        new = self._allocate(cid, {k: "gpu" for k in ("master", "grad", "state", "compute")})
+        with self.opened(cid) as work:
+            new.master.copy_(work["master"])
+            for k in new.state:
+                new.state[k].copy_(work[k])
+            if new.compute is not None:
+                new.compute.copy_(work["compute"])
         new.grad.copy_(old.grad)
-        for k in new.state:
-            new.state[k].copy_(old.state[k])
         new.step.copy_(old.step)
-        if new.compute is not None:
-            new.compute.copy_(old.compute)
         self._free(old)
         self.chunks[cid] = new
         self.point_params(cid, self.compute_source(cid), params)
 
-    # -- views --------------------------------------------------------------------------------
-    def is_gpu_home(self, cid: int) -> bool:
-        return self.chunks[cid].tier == "gpu"
+    # -- in-memory access to possibly swapped kinds ------------------------------------------
+    def opened(self, cid: int, *, write_back: bool = False) -> "_Opened":
+        """Context manager: {name: tensor} of chunk `cid`'s kinds in memory (swap files read
+        into temporary buffers; written back on exit if `write_back`)."""
+        return _Opened(self, cid, write_back=write_back)
 
-    def compute_source(self, cid: int) -> torch.Tensor:
-        """The home compute copy of chunk `cid` ([numel], compute dtype)."""
+    # -- views ------------------------------------------------------------------------------
+    def is_gpu_home(self, cid: int) -> bool:
+        return self.chunks[cid].tiers["master"] == "gpu"
+
+    def compute_source(self, cid: int) -> Any:
+        """The home compute copy of chunk `cid` ([numel] compute dtype), or its SwapKind."""
         ch = self.chunks[cid]
         return ch.compute if ch.compute is not None else ch.master
+
+    def compute_tier(self, cid: int) -> str:
+        ch = self.chunks[cid]
+        return ch.tiers["compute" if ch.compute is not None else "master"]
 
     def grad_view(self, slot: Slot) -> torch.Tensor:
         return self.chunks[slot.chunk].grad[slot.offset: slot.offset + slot.numel]
@@ -115,32 +176,35 @@ class ChunkStore:
         for name in self.chunks[cid].names:
             params[name].data = nan.expand(self.plan.slots[name].shape)
 
-    # -- data ---------------------------------------------------------------------------------
+    # -- data -------------------------------------------------------------------------------
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], params: dict[str, Any]) -> None:
-        touched = set()
-        for name, tensor in named_tensors:
-            s = self.plan.slots.get(name)
-            if s is None:
-                raise KeyError(f"no parameter named {name!r} in this model")
-            if tuple(tensor.shape) != s.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {s.shape}")
-            ch = self.chunks[s.chunk]
-            ch.master[s.offset: s.offset + s.numel].copy_(tensor.reshape(-1))
-            touched.add(s.chunk)
-        for cid in touched:
-            self._refresh_compute(cid)
-
-    def _refresh_compute(self, cid: int) -> None:
-        ch = self.chunks[cid]
-        if ch.compute is not None:
-            ch.compute.copy_(ch.master)
+        """Copy (name, tensor) into master slots. Swapped chunks are assembled in memory one
+        or two at a time (tensors arrive shard by shard, roughly in chunk order)."""
+        open_chunks: dict[int, _Opened] = {}
+        try:
+            for name, tensor in named_tensors:
+                s = self.plan.slots.get(name)
+                if s is None:
+                    raise KeyError(f"no parameter named {name!r} in this model")
+                if tuple(tensor.shape) != s.shape:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {s.shape}")
+                work = open_chunks.get(s.chunk)
+                if work is None:
+                    if len(open_chunks) >= 2:  # bound the memory: write back the oldest
+                        oldest = next(iter(open_chunks))
+                        open_chunks.pop(oldest).__exit__(None, None, None)
+                    work = open_chunks[s.chunk] = self.opened(s.chunk, write_back=True)
+                    work.__enter__()
+                work.tensors["master"][s.offset: s.offset + s.numel].copy_(tensor.reshape(-1))
+        finally:
+            for work in open_chunks.values():
+                work.__exit__(None, None, None)
 
     def zero_grads(self) -> None:
         for ch in self.chunks:
             ch.grad.zero_()
 
-    def zero_unseen_grads(self, seen: set, params: dict[str, torch.nn.Parameter],
-                          names: dict[torch.nn.Parameter, str]) -> None:
+    def zero_unseen_grads(self, seen: set, params: dict[str, torch.nn.Parameter]) -> None:
         """Parameters that got no gradient this cycle must not keep the previous cycle's."""
         for name, p in params.items():
             if p not in seen:
@@ -159,33 +223,60 @@ class ChunkStore:
             ch.grad.mul_(coef.to(ch.grad.device))
         return total
 
-    def update(self, updater: Any, hyper: Any) -> None:
-        """One optimizer step on every chunk, where its master lives."""
-        for cid, ch in enumerate(self.chunks):
-            updater.step(ch.master, ch.grad, ch.state, ch.step, hyper)
-            self._refresh_compute(cid)
-
     def named_master(self, params: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in params:
-            s = self.plan.slots[name]
-            m = self.chunks[s.chunk].master[s.offset: s.offset + s.numel]
-            yield name, m.view(s.shape).to("cpu", copy=True)
+        """(name, fp32 CPU copy) in chunk order, one chunk in memory at a time."""
+        for cid, ch in enumerate(self.chunks):
+            with self.opened(cid) as work:
+                for name in ch.names:
+                    s = self.plan.slots[name]
+                    yield name, work["master"][s.offset: s.offset + s.numel].view(s.shape).to("cpu", copy=True)
 
-    def state_dict(self, params: dict[str, Any]) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"chunk_numel": [c.numel for c in self.plan.chunks], "chunks": []}
-        for ch in self.chunks:
-            out["chunks"].append({
-                "master": ch.master.cpu().clone(), "step": ch.step.cpu().clone(),
-                "state": {k: v.cpu().clone() for k, v in ch.state.items()},
-            })
+        for cid, ch in enumerate(self.chunks):
+            with self.opened(cid) as work:
+                out["chunks"].append({
+                    "master": work["master"].to("cpu", copy=True), "step": ch.step.cpu().clone(),
+                    "state": {k: work[k].to("cpu", copy=True) for k in ch.state},
+                })
         return out
 
-    def load_state_dict(self, sd: dict[str, Any], params: dict[str, Any]) -> None:
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
         if list(sd["chunk_numel"]) != [c.numel for c in self.plan.chunks]:
             raise ValueError("checkpoint was written with another chunk layout (model or --chunk-size differ)")
         for cid, (ch, saved) in enumerate(zip(self.chunks, sd["chunks"])):
-            ch.master.copy_(saved["master"])
+            with self.opened(cid, write_back=True) as work:
+                work["master"].copy_(saved["master"])
+                for k in ch.state:
+                    work[k].copy_(saved["state"][k])
+                if "compute" in work:
+                    work["compute"].copy_(work["master"])
             ch.step.copy_(saved["step"])
-            for k, v in ch.state.items():
-                v.copy_(saved["state"][k])
-            self._refresh_compute(cid)
+
+
+class _Opened:
+    """The kinds of one chunk as in-memory tensors, for the duration of a `with`."""
+
+    def __init__(self, store: ChunkStore, cid: int, *, write_back: bool):
+        self.store, self.cid, self.write_back = store, cid, write_back
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def __enter__(self) -> dict[str, torch.Tensor]:
+        ch = self.store.chunks[self.cid]
+        for _, name, data in ch.kinds():
+            if isinstance(data, SwapKind):
+                buf = torch.empty(data.numel, dtype=data.dtype)
+                self.store.nvme.read(data.key, buf)
+                self.tensors[name] = buf
+            else:
+                self.tensors[name] = data
+        return self.tensors
+
+    def __exit__(self, *exc: object) -> None:
+        ch = self.store.chunks[self.cid]
+        if self.write_back and "compute" in self.tensors:
+            self.tensors["compute"].copy_(self.tensors["master"])
+        if self.write_back and not exc[0]:
+            for _, name, data in ch.kinds():
+                if isinstance(data, SwapKind):
+                    self.store.nvme.write(data.key, self.tensors[name])

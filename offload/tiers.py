@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from offload.cxl import CxlAllocator
 from offload.ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,9 @@ def pick_device(device: "str | torch.device | None" = None) -> torch.device:
 class Tiers:
     """Allocates tensors in tiers and keeps the ledger in step with them."""
 
-    def __init__(self, *, ledger: Ledger, device: torch.device):
+    def __init__(self, *, ledger: Ledger, device: torch.device, cxl: "CxlAllocator | None" = None):
         self.ledger = ledger
+        self.cxl = cxl
         self.device = device
         self.simulated = device.type != "cuda"
         self._can_pin = torch.cuda.is_available()
@@ -42,8 +44,10 @@ class Tiers:
         try:
             if tier == "gpu":
                 return torch.empty(numel, dtype=dtype, device=self.device)
-            if tier in ("host", "cxl"):
+            if tier == "host":
                 return self._host_empty(numel, dtype)
+            if tier == "cxl" and self.cxl is not None:
+                return self.cxl.allocate(nbytes, kind=kind).view(dtype)[:numel]
         except BaseException:
             self.ledger.release(tier, kind, nbytes)
             raise
@@ -56,6 +60,8 @@ class Tiers:
     def free(self, tier: str, kind: str, tensor: torch.Tensor) -> None:
         """Give `tensor`'s bytes back to the ledger (the caller drops its reference)."""
         self.ledger.release(tier, kind, tensor.numel() * tensor.element_size())
+        if tier == "cxl" and self.cxl is not None:
+            self.cxl.free(tensor)
 
     def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype)
