@@ -1,15 +1,14 @@
 """The resident cache: compute copies of streamed chunks that are in the `gpu` tier now.
 
 The cache holds at most `limit` bytes. A chunk is *pinned* while a module computes with it.
-When room is needed, the unpinned chunk whose next use lies furthest in the future is evicted
-(Belady's policy; the future comes from the access trace of the warm-up step, and before a
-trace exists the least recently used chunk goes). Compute copies are read-only on the device,
-so eviction never writes back: the home copy is the truth.
+It carries out the schedule's actions (`apply`: evict, fetch ahead); a chunk acquired while
+absent is fetched on demand, making room by evicting the least recently used unpinned chunk
+(that only happens before a schedule exists, or after the control flow changed). Compute
+copies are read-only on the device, so eviction never writes back: the home copy is the truth.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,7 +39,6 @@ class ResidentCache:
         self.entries: dict[int, _Entry] = {}
         self.bytes = 0
         self.clock = 0
-        self.next_use: Callable[[int], float] | None = None  # set by the schedule when a trace exists
         self.fetches = 0
         self.prefetches = 0  # fetches started ahead of use
         self.fetched_bytes = 0
@@ -52,18 +50,13 @@ class ResidentCache:
     def _nbytes(self, cid: int) -> int:
         return self.numel(cid) * self.dtype.itemsize
 
-    def _evict_priority(self, cid: int) -> float:
-        if self.next_use is not None:
-            return self.next_use(cid)
-        return -self.entries[cid].last_use  # LRU before a trace exists
-
     # -- actions ---------------------------------------------------------------------
     def acquire(self, cid: int) -> torch.Tensor:
         """Make `cid` resident (waiting for its bytes) and pin it."""
         self.clock += 1
         entry = self.entries.get(cid)
         if entry is None:
-            self._make_room(self._nbytes(cid), protect=math.inf)
+            self._make_room(self._nbytes(cid))
             entry = self._fetch(cid)
         entry.pins += 1
         entry.last_use = self.clock
@@ -78,16 +71,22 @@ class ResidentCache:
             raise AssertionError(f"chunk {cid} released more often than acquired")
         entry.pins -= 1
 
-    def prefetch(self, cid: int, *, use_at: float) -> bool:
-        """Start fetching `cid`, needed at `use_at`, if that evicts nothing needed sooner."""
-        if cid in self.entries:
-            return True
-        need = self._nbytes(cid)
-        if not self._make_room(need, protect=use_at, dry_run=True):
-            return False
-        self._make_room(need, protect=use_at)
-        self._fetch(cid)
-        self.prefetches += 1
+    def apply(self, evict: tuple[int, ...], prefetch: tuple[int, ...]) -> bool:
+        """Evict, then start fetching ahead, as the schedule says. False if it cannot (the
+        cache does not look as the schedule expects), so the caller drops the schedule."""
+        for cid in evict:
+            entry = self.entries.get(cid)
+            if entry is not None:
+                if entry.pins:
+                    return False
+                self._evict(cid)
+        for cid in prefetch:
+            if cid in self.entries:
+                continue
+            if self.bytes + self._nbytes(cid) > self.limit:
+                return False
+            self._fetch(cid)
+            self.prefetches += 1
         return True
 
     def evict_all(self) -> None:
@@ -115,29 +114,12 @@ class ResidentCache:
         self.bytes -= entry.buf.numel() * entry.buf.element_size()
         self.tiers.free("gpu", "compute", entry.buf)
 
-    def _make_room(self, need: int, *, protect: float, dry_run: bool = False) -> bool:
-        """Evict until `need` bytes fit; only chunks whose next use is later than `protect`."""
-        free = self.limit - self.bytes
-        if free >= need:
-            return True
+    def _make_room(self, need: int) -> None:
+        """Evict least recently used unpinned chunks until `need` bytes fit."""
         victims = sorted((c for c, e in self.entries.items() if e.pins == 0),
-                         key=self._evict_priority, reverse=True)
-        chosen = []
-        for cid in victims:
-            if free >= need:
-                break
-            if protect != math.inf and (self.next_use is None or self._evict_priority(cid) <= protect):
-                break  # a prefetch never evicts a chunk needed sooner (nor guesses without a trace)
-            chosen.append(cid)
-            free += self.entries[cid].buf.numel() * self.entries[cid].buf.element_size()
-        if free < need:
-            if dry_run or protect != math.inf:
-                return False
-            pinned = sum(e.buf.numel() * e.buf.element_size() for e in self.entries.values() if e.pins)
-            raise AssertionError(
-                f"resident cache cannot fit {need} B: limit {self.limit}, pinned {pinned}"
-            )
-        if not dry_run:
-            for cid in chosen:
-                self._evict(cid)
-        return True
+                         key=lambda c: self.entries[c].last_use)
+        while self.limit - self.bytes < need:
+            if not victims:
+                pinned = sum(e.buf.numel() * e.buf.element_size() for e in self.entries.values() if e.pins)
+                raise AssertionError(f"resident cache cannot fit {need} B: limit {self.limit}, pinned {pinned}")
+            self._evict(victims.pop(0))

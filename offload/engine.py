@@ -40,6 +40,7 @@ from offload.nvme import NvmeStore
 from offload.store import ChunkStore, SwapKind, kind_bytes
 from offload.swapping import Bounce, update_all
 from offload.tiers import Tiers, pick_device
+from offload.schedule import ACQUIRE, RELEASE
 from offload.trace import TraceFollower
 from offload.update import Hyper, make_updater
 
@@ -137,7 +138,6 @@ class Engine:
         self.cache = ResidentCache(tiers=self.tiers, executor=self.executor, limit=self.needs.stream_window,
                                    dtype=self.compute_dtype, numel=lambda c: self.plan.chunks[c].numel,
                                    fetch=self._fetch, on_resident=self._on_resident, on_evict=self._on_evict)
-        self.cache.next_use = None
         self.device_plan: DevicePlan | None = None
         self.minimum_gpu_bytes: int | None = None
         self.steps = 0
@@ -237,38 +237,38 @@ class Engine:
 
     def acquire_module(self, mod: torch.nn.Module) -> None:
         for cid in self.module_chunks[mod]:
-            if self.store.is_gpu_home(cid):
-                continue
-            if self.phase == "eval":  # off the trace: evaluation is not part of a step
-                self.cache.acquire(cid)
-                continue
-            self.follower.access(cid, self.phase)
-            self.cache.acquire(cid)
-            self._prefetch()
+            if not self.store.is_gpu_home(cid):
+                self._acquire(cid)
         self._record_moment()
 
     def release_module(self, mod: torch.nn.Module) -> None:
         for cid in self.module_chunks[mod]:
             if not self.store.is_gpu_home(cid):
-                self.cache.release(cid)
+                self._release(cid)
 
     def touch_chunk(self, cid: int) -> torch.Tensor:
         """A saved view of chunk `cid` is needed in backward: make it resident now."""
-        self.follower.access(cid, self.phase)
-        buf = self.cache.acquire(cid)
-        self.cache.release(cid)
-        self._prefetch()
+        buf = self._acquire(cid)
+        self._release(cid)
         return buf
 
-    def _prefetch(self) -> None:
-        """Start fetching upcoming chunks of the trace while the budget allows."""
-        if not self.follower.following:
-            return
-        for moment, cid in self.follower.upcoming(self.prefetch_depth):
-            if self.store.is_gpu_home(cid) or self.cache.resident(cid):
-                continue
-            if not self.cache.prefetch(cid, use_at=moment):
-                break
+    def _acquire(self, cid: int) -> torch.Tensor:
+        """Carry out the schedule's actions for this acquisition, then pin the chunk."""
+        if self.phase == "eval":  # off the trace: evaluation is not part of a step
+            return self.cache.acquire(cid)
+        actions = self.follower.event(ACQUIRE, cid, self.phase)
+        if actions is not None and not self.cache.apply(actions.evict, ()):
+            self.follower.drop()
+            actions = None
+        buf = self.cache.acquire(cid)
+        if actions is not None and not self.cache.apply(actions.prefetch_evict, actions.prefetch):
+            self.follower.drop()
+        return buf
+
+    def _release(self, cid: int) -> None:
+        if self.phase != "eval":
+            self.follower.event(RELEASE, cid, self.phase)
+        self.cache.release(cid)
 
     # -- gradients ----------------------------------------------------------------------
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
@@ -401,7 +401,7 @@ class Engine:
         self.phase_times["update"] += time.perf_counter() - t0
         if self.device_plan is None:
             self._after_warmup()
-        self.cache.next_use = self.follower.next_use if self.follower.following else None
+        self._schedule()
 
     def _after_warmup(self) -> None:
         """Activations are known now: place chunks on the device as the budget allows."""
@@ -413,7 +413,15 @@ class Engine:
             self.store.promote(cid, self.params)
             self.home_storage.add(self.store.compute_source(cid).untyped_storage()._cdata)
         self.cache.limit = self.device_plan.cache_limit
-        self.follower.keep_only(lambda cid: not self.store.is_gpu_home(cid))
+
+    def _schedule(self) -> None:
+        """A trace was just recorded (or the placement changed): plan fetches and evictions."""
+        if self.follower.following or self.follower.events is None:
+            return
+        csize = self.compute_dtype.itemsize
+        sizes = {c.index: c.numel * csize for c in self.plan.chunks}
+        self.follower.reschedule(keep=lambda c: not self.store.is_gpu_home(c), sizes=sizes,
+                                 capacity=self.cache.limit, lookahead=self.prefetch_depth)
 
     def _record_moment(self) -> None:
         if self._recording_timeline:
@@ -453,6 +461,7 @@ class Engine:
             return float(self.loss_fn(self.model, self._to_device(batch)).float().item())
         finally:
             self.phase = phase
+            self.cache.evict_all()  # the schedule of the next step starts from an empty cache
 
     def named_parameters_fp32(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, fp32 CPU tensor) for every parameter, from the master copies."""

@@ -1,94 +1,73 @@
-"""The access trace: which chunk is used at which moment of a step.
+"""The access trace: which chunk is acquired and released at which moment of a step.
 
-The warm-up step records it; later steps follow it. `next_use` answers "when is chunk c
-needed next?" for Belady eviction and for prefetch look-ahead. The trace is cyclic: a chunk
-not used again in this step is next used in the next step. If the model's control flow
-changes (another chunk shows up at a moment than the trace says), the trace is dropped and
-recorded again on the next step, rather than prefetching the wrong chunks or deadlocking.
+The warm-up step records it; `plan_schedule` turns it into fetch/evict actions per event and
+later steps carry those out. If the model's control flow changes (another chunk shows up at a
+moment than the trace says), the schedule is dropped and the next step records a new trace,
+rather than prefetching the wrong chunks or deadlocking.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
-
-@dataclass(kw_only=True)
-class AccessTrace:
-    """A recorded sequence of chunk accesses with the phase of each moment."""
-
-    chunks: list[int] = field(default_factory=list)
-    phases: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._positions: dict[int, list[int]] = {}
-        for i, c in enumerate(self.chunks):
-            self._positions.setdefault(c, []).append(i)
-
-    def __len__(self) -> int:
-        return len(self.chunks)
-
-    def next_use(self, cid: int, after: int) -> float:
-        """The first moment > `after` at which `cid` is used (cyclic); inf if never."""
-        pos = self._positions.get(cid)
-        if not pos:
-            return math.inf
-        i = bisect.bisect_right(pos, after)
-        return pos[i] if i < len(pos) else pos[0] + len(self.chunks)
+from offload.schedule import ACQUIRE, Actions, plan_schedule
 
 
 class TraceFollower:
-    """Walks a step along a trace, or records a new one when there is none (or it broke)."""
+    """Walks a step along a schedule, or records a new trace when there is none (or it broke)."""
 
     def __init__(self) -> None:
-        self.trace: AccessTrace | None = None
-        self._recording: AccessTrace | None = AccessTrace()
+        self.events: list[tuple[str, int]] | None = None  # the trace being followed
+        self.phases: list[str] = []
+        self.actions: list[Actions] | None = None
+        self._recording: list[tuple[str, int]] | None = []
+        self._rec_phases: list[str] = []
         self.pos = -1
         self.retraces = 0
 
     @property
     def following(self) -> bool:
-        return self.trace is not None
+        return self.actions is not None
 
     def start_step(self) -> None:
         self.pos = -1
-        if self.trace is None:
-            self._recording = AccessTrace()
+        if self.actions is None:
+            self._recording, self._rec_phases = [], []
 
-    def access(self, cid: int, phase: str) -> None:
+    def event(self, kind: str, cid: int, phase: str) -> Actions | None:
+        """Note an event; returns the scheduled actions for it (None when not following)."""
         self.pos += 1
-        if self.trace is not None:
-            if self.pos >= len(self.trace) or self.trace.chunks[self.pos] != cid:
-                self.trace = None  # control flow changed: stop following, record next step
-                self.retraces += 1
-                self._recording = None
-            return
+        if self.actions is not None:
+            if self.pos < len(self.events) and self.events[self.pos] == (kind, cid):
+                return self.actions[self.pos]
+            self.drop()  # control flow changed: stop following, record next step
+            return None
         if self._recording is not None:
-            self._recording.chunks.append(cid)
-            self._recording.phases.append(phase)
+            self._recording.append((kind, cid))
+            self._rec_phases.append(phase)
+        return None
+
+    def drop(self) -> None:
+        self.events = self.actions = None
+        self._recording = None
+        self.retraces += 1
 
     def end_step(self) -> None:
-        if self.trace is not None and self.pos + 1 != len(self.trace):
-            self.trace = None
-            self.retraces += 1
-        elif self.trace is None and self._recording is not None and self._recording.chunks:
-            self.trace = AccessTrace(chunks=self._recording.chunks, phases=self._recording.phases)
+        if self.actions is not None and self.pos + 1 != len(self.events):
+            self.drop()
+        elif self.actions is None and self._recording:
+            self.events, self.phases = self._recording, self._rec_phases
         self._recording = None
 
-    def keep_only(self, keep: "Callable[[int], bool]") -> None:
-        """Drop accesses of chunks that no longer stream (they became device-resident)."""
-        if self.trace is not None:
-            kept = [(c, p) for c, p in zip(self.trace.chunks, self.trace.phases) if keep(c)]
-            self.trace = AccessTrace(chunks=[c for c, _ in kept], phases=[p for _, p in kept]) if kept else None
-
-    def next_use(self, cid: int) -> float:
-        return math.inf if self.trace is None else self.trace.next_use(cid, self.pos)
-
-    def upcoming(self, depth: int) -> list[tuple[int, int]]:
-        """The next `depth` (moment, chunk) pairs of the trace after now, wrapping into the next step."""
-        if self.trace is None:
-            return []
-        n = len(self.trace)
-        return [((self.pos + k), self.trace.chunks[(self.pos + k) % n]) for k in range(1, min(depth, n) + 1)]
+    def reschedule(self, *, keep: Callable[[int], bool], sizes: Mapping[int, int], capacity: int,
+                   lookahead: int) -> None:
+        """(Re)compute the schedule for the recorded trace, without chunks that no longer stream."""
+        if self.events is None:
+            return
+        kept = [(e, p) for e, p in zip(self.events, self.phases) if keep(e[1])]
+        self.events = [e for e, _ in kept]
+        self.phases = [p for _, p in kept]
+        self.actions = plan_schedule(self.events, sizes=sizes, capacity=capacity, lookahead=lookahead) \
+            if any(k == ACQUIRE for k, _ in self.events) else None
+        if self.actions is None:
+            self.events = None
