@@ -42,7 +42,8 @@ from offload.swapping import Bounce, update_all
 from offload.tiers import Tiers, pick_device
 from offload.schedule import ACQUIRE, RELEASE
 from offload.trace import TraceFollower
-from offload.update import Hyper, make_updater
+from offload.update import Hyper
+from offload.updaters import make_updater
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,6 @@ class Engine:
         self.prefetch_depth = prefetch_depth
         self.allow_gpu_home = allow_gpu_home
         self.hyper = Hyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum)
-        self.updater = make_updater(optimizer, momentum=momentum, **(optimizer_kwargs or {}))
         budgets = {"gpu": parse_size(gpu_mem, what="--gpu-mem"), "host": parse_size(cpu_mem, what="--cpu-mem")}
         cxl_bytes = parse_size(cxl_mem, what="--cxl-mem")
         self.cxl = None
@@ -99,17 +99,22 @@ class Engine:
 
         named = self._trainable(model)
         self.plan = pack_chunks(specs_of(named), chunk_bytes=parse_size(chunk_bytes, what="chunk size"))
+        self.optimizer_name = optimizer
+        self.updater = make_updater(optimizer, self.plan, shapes={n: tuple(p.shape) for n, p in named},
+                                    momentum=momentum, **(optimizer_kwargs or {}))
         self.store_pending = [(n, p) for n, p in named if p.device.type != "meta"]
         named = self._materialize_meta(model, named)
         self.params = dict(named)
         self.param_names = {p: n for n, p in named}
-        kinds = {c.index: kind_bytes(c.numel, state_spec=self.updater.state_spec, compute_dtype=self.compute_dtype)
+        kinds = {c.index: kind_bytes(c.numel, state_bytes=self.updater.state_bytes(c.index),
+                                     compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
                  for c in self.plan.chunks}
         self.homes = assign_homes(kinds=kinds, host=budgets["host"], cxl=cxl_bytes, nvme=self.nvme is not None)
         if self.nvme is not None:
             self.nvme.preflight(sum(self.homes.bytes.get("nvme", {}).values()))
         self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
-                                state_spec=self.updater.state_spec, homes=self.homes.tiers, nvme=self.nvme)
+                                state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
+                                homes=self.homes.tiers, nvme=self.nvme)
         self.bounce = Bounce(self.store, pin=self.device.type == "cuda") if self.homes.bounce else None
         self.store.load(((n, p.data) for n, p in self.store_pending), self.params)  # copy weights in
         del self.store_pending  # the originals are freed when their parameters are repointed
@@ -468,11 +473,12 @@ class Engine:
         yield from self.store.named_master(self.params)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.store.state_dict() | {"steps": self.steps}
+        return self.store.state_dict() | {"steps": self.steps, "optimizer_meta": self.updater.meta_state()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.cache.evict_all()
         self.store.load_state_dict(sd)
+        self.updater.load_meta_state(sd.get("optimizer_meta", {}))
         self.steps = int(sd["steps"])
 
     def close(self) -> None:

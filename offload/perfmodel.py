@@ -100,6 +100,13 @@ def param_update_flops(spec: ParamSpec, *, cost: OptimizerCost, rank: int | None
     return 4.0 * m * n * min(rank or cost.default_rank, m, n)
 
 
+def ops_per_forward(model: ModelProfile) -> int:
+    """Ops one forward dispatches, counting a module hook as an op: per decoder layer ~48 (2
+    RMSNorms of 8, 7 linears, rotary, SDPA, reshapes, residuals, SwiGLU, 9 hooked modules), plus
+    the embedding, the final norm, lm_head and the loss."""
+    return 48 * model.num_hidden_layers + 24
+
+
 def model_flops(*, model: ModelProfile, batch_size: int, seq_len: int) -> float:
     """Forward flops of one step: 2 per matmul parameter per token, plus attention scores."""
     tokens = batch_size * seq_len
@@ -122,6 +129,7 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             attention output (e*T*(2 q_dim + 2 kv_dim)), the logsumexp (fp32, B*heads*S), the
             MLP's gate, up, silu and product (4 e*T*i)
     head    the final norm + log_softmax's fp32 output (4*T*V) + int64 targets + a scalar
+    final_norm  the part of head still saved once log_softmax's backward has run
     The peak is fixed + inputs + the larger of block (in backward) and head (end of forward).
     """
     e = compute_bytes(precision)
@@ -134,7 +142,9 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
         "fixed": 8 * t + 2 * s * model.dim_per_head * e + 8 * s,
         "inputs": model.num_hidden_layers * e * t * h,
         "block": first_norm + attention + norm + 4 * e * t * i,
-        "head": norm + 4 * t * model.vocab_size + 8 * t + 4,
+        "final_norm": norm,
+        # targets: the labels shifted in a padded S+1 copy; with one sequence a view of all of it
+        "head": norm + 4 * t * model.vocab_size + 8 * (t + (batch_size == 1)) + 4,
     }
 
 
@@ -158,23 +168,37 @@ class StepLoad:
     """What one step moves and computes, as placed by the planner."""
 
     tokens_flops_fwd: float
-    """Forward flops of the model over the batch."""
+    """Forward flops of the model over one micro-batch."""
     placed: dict[str, dict[str, int]]
-    """Bytes per tier per kind of the chunks updated on CPU (tiers host/cxl/nvme)."""
+    """Bytes per tier per kind of the streamed chunks (tiers host/cxl/nvme), as the ledger names them."""
+    stream_bytes: dict[str, int]
+    """Per host-side tier: bytes of the compute sources (bf16 compute copies, or fp32 masters) there."""
+    fetched_bytes: int
+    """Compute-copy bytes copied host -> device per micro-batch (forward + backward, less cache hits)."""
     grad_d2h_bytes: int
-    """Gradient bytes sent device -> host per step (compute dtype, CPU-updated params)."""
+    """Gradient bytes sent device -> host per micro-batch (compute dtype, streamed chunks)."""
     cpu_params: int
-    """Parameters updated on the CPU."""
+    """Parameters updated on the CPU (streamed chunks)."""
     cpu_flops: float
     """Matmul flops of the CPU update (low-rank projections)."""
+    cpu_update_bytes: int
+    """Host-memory bytes read and written by the CPU update."""
+    gpu_params: int
+    """Parameters updated on the device (gpu-home chunks)."""
     gpu_update_bytes: int
-    """Device-memory bytes read and written by the GPU update."""
+    """Device-memory bytes read and written by the device update."""
     gpu_update_flops: float
-    """Matmul flops of the GPU update."""
+    """Matmul flops of the device update."""
     chunk_compute_bytes: int
     """Compute-copy bytes of the largest streamed chunk (startup of a pass)."""
     chunk_params: int
     """Parameters of the largest CPU-updated chunk (the update tail after backward)."""
+    num_chunks: int = 0
+    """Chunks in all (the update runs one kernel call per chunk)."""
+    streamed_chunks: int = 0
+    """Chunks that are not gpu-home."""
+    ops_per_forward: int = 0
+    """Torch ops and module hooks one forward dispatches (each pays host.op_overhead_us)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,9 +221,26 @@ def _phase(busy: dict[str, float], startup: float) -> tuple[float, str]:
     return busy.get(top, 0.0) + startup, top
 
 
+def _finish(phases: dict[str, float], resources: dict, tops: dict[str, str], tokens: int) -> StepPrediction:
+    step = sum(phases.values())
+    share: dict[str, float] = {}
+    for name, seconds in phases.items():
+        share[tops[name]] = share.get(tops[name], 0.0) + seconds
+    bottleneck = max(share, key=share.__getitem__) if share else "gpu compute"
+    return StepPrediction(phases=phases, resources=resources, step_s=step, bottleneck=bottleneck,
+                          tokens_per_s=tokens / step if step > 0 else float("inf"))
+
+
+def _cpu_rate(hw: HardwareProfile, cost: OptimizerCost) -> float:
+    return getattr(hw.host, f"{cost.cpu_rate}_params_per_s") * cost.cpu_rate_scale
+
+
 def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerCost, load: StepLoad,
-                 tokens: int) -> StepPrediction:
+                 tokens: int, micro_batches: int = 1) -> StepPrediction:
     """Price one step of `load` on `hardware` (see the module docstring for the model)."""
+    if hardware.simulated:
+        return _predict_simulated(hardware=hardware, precision=precision, cost=cost, load=load, tokens=tokens,
+                                  micro_batches=micro_batches)
     hw, pl = hardware, load.placed
     get = lambda tier, kind: pl.get(tier, {}).get(kind, 0)  # noqa: E731
     gpu_rate = hw.gpu_tflops(precision) * 1e12
@@ -208,63 +249,82 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerCo
     nv_r = hw.nvme.read_gbps * GB if hw.nvme else 1.0
     nv_w = hw.nvme.write_gbps * GB if hw.nvme else 1.0
     cxl = hw.cxl.bandwidth_gbps * GB if hw.cxl else 1.0
-    stream = sum(get(t, "compute") for t in ("host", "cxl", "nvme"))
-    fp32 = precision == "fp32"
+    src = load.stream_bytes
+    stream = load.fetched_bytes / 2  # per pass
+    on_nvme = src.get("nvme", 0)
 
-    # forward: stream every CPU-homed compute copy in; nvme copies pass a DRAM bounce buffer.
+    # forward: stream every streamed compute source in; nvme sources pass a DRAM bounce buffer.
     fwd_busy = {
         "gpu compute": load.tokens_flops_fwd / gpu_rate,
         "pcie h2d": stream / h2d,
-        "nvme read": get("nvme", "compute") / nv_r,
-        "cxl": get("cxl", "compute") / cxl,
-        "host dram": (get("host", "compute") + 2 * get("nvme", "compute")) / dram,
+        "nvme read": on_nvme / nv_r,
+        "cxl": src.get("cxl", 0) / cxl,
+        "host dram": (src.get("host", 0) + 2 * on_nvme) / dram,
     }
-    startup = load.chunk_compute_bytes / h2d + (load.chunk_compute_bytes / nv_r if get("nvme", "compute") else 0)
+    startup = load.chunk_compute_bytes / h2d + (load.chunk_compute_bytes / nv_r if on_nvme else 0)
     phases, resources, tops = {}, {}, {}
     t, top = _phase(fwd_busy, startup if stream else 0.0)
-    phases["forward"], resources["forward"], tops["forward"] = t * cost.forwards, fwd_busy, top
+    phases["forward"], resources["forward"], tops["forward"] = t * cost.forwards * micro_batches, fwd_busy, top
 
-    # update working set: read master (fp32: the compute copy), grad, state; write master, state, compute.
-    def rw(tier: str) -> float:
-        master = get(tier, "compute") if fp32 else get(tier, "master")
-        extra_compute = 0 if fp32 else get(tier, "compute")
-        return 2 * (master + get(tier, "state")) + get(tier, "grad") + extra_compute
-
-    nv_read = get("nvme", "compute") * (1 + fp32) + get("nvme", "master") + get("nvme", "state") + get("nvme", "grad")
-    nv_write = sum(get("nvme", k) for k in KINDS)
+    nv_read = on_nvme + sum(get("nvme", k) for k in ("master", "state", "grad"))
+    nv_write = sum(get("nvme", k) for k in KINDS if k != "grad")
     nv_update = nv_read / nv_r + nv_write / nv_w
     io_cores = 1 if nv_update > 0 and hw.host.cpu_cores > 1 else 0
-    rate = getattr(hw.host, f"{cost.cpu_rate}_params_per_s") * cost.cpu_rate_scale
-    rate *= (hw.host.cpu_cores - io_cores) / hw.host.cpu_cores
-    cpu_update = max(load.cpu_params / rate, rw("host") / dram, rw("cxl") / cxl,
-                     load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12))
+    rate = _cpu_rate(hw, cost) * (hw.host.cpu_cores - io_cores) / hw.host.cpu_cores
+    host_share = sum(get("host", k) for k in KINDS) / max(1, sum(get(t, k) for t in pl for k in KINDS))
+    cxl_share = sum(get("cxl", k) for k in KINDS) / max(1, sum(get(t, k) for t in pl for k in KINDS))
+    cpu_update = max(load.cpu_params / rate, load.cpu_update_bytes * host_share / dram,
+                     load.cpu_update_bytes * cxl_share / cxl, load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12))
     gpu_update = load.gpu_update_bytes / (hw.gpu.memory_bandwidth_gbps * GB) \
         + load.gpu_update_flops / (hw.gpu.fp32_tflops * 1e12)
     tail = load.chunk_params / rate if load.cpu_params else 0.0
 
     if cost.needs_grad:  # backward with recompute; CPU updates overlap it, group by group
         bwd_busy = {
-            "gpu compute": 3 * load.tokens_flops_fwd / gpu_rate + gpu_update,
-            "pcie h2d": stream / h2d,
-            "pcie d2h": load.grad_d2h_bytes / d2h,
+            "gpu compute": 3 * load.tokens_flops_fwd / gpu_rate * micro_batches + gpu_update,
+            "pcie h2d": stream / h2d * micro_batches,
+            "pcie d2h": load.grad_d2h_bytes / d2h * micro_batches,
             "nvme": nv_update,
-            "cxl": (get("cxl", "compute") + rw("cxl")) / cxl,
+            "cxl": (src.get("cxl", 0) * micro_batches + load.cpu_update_bytes * cxl_share) / cxl,
             "cpu update": cpu_update,
-            "host dram": (get("host", "compute") + load.grad_d2h_bytes + rw("host")
-                          + 2 * (nv_read + nv_write)) / dram,
+            "host dram": (src.get("host", 0) + load.grad_d2h_bytes) * micro_batches / dram
+            + (load.cpu_update_bytes * host_share + 2 * (nv_read + nv_write)) / dram,
         }
         t, top = _phase(bwd_busy, (startup if stream else 0.0) + tail)
         phases["backward"], resources["backward"], tops["backward"] = t, bwd_busy, top
     else:  # zeroth order: the update follows the second forward
         upd_busy = {"cpu update": cpu_update, "gpu compute": gpu_update, "nvme": nv_update,
-                    "cxl": rw("cxl") / cxl, "host dram": (rw("host") + 2 * (nv_read + nv_write)) / dram}
+                    "cxl": load.cpu_update_bytes * cxl_share / cxl,
+                    "host dram": (load.cpu_update_bytes * host_share + 2 * (nv_read + nv_write)) / dram}
         t, top = _phase(upd_busy, 0.0)
         phases["update"], resources["update"], tops["update"] = t, upd_busy, top
+    return _finish(phases, resources, tops, tokens)
 
-    step = sum(phases.values())
-    share: dict[str, float] = {}
-    for name, seconds in phases.items():
-        share[tops[name]] = share.get(tops[name], 0.0) + seconds
-    bottleneck = max(share, key=share.__getitem__)
-    return StepPrediction(phases=phases, resources=resources, step_s=step, bottleneck=bottleneck,
-                          tokens_per_s=tokens / step if step > 0 else float("inf"))
+
+def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: OptimizerCost, load: StepLoad,
+                       tokens: int, micro_batches: int) -> StepPrediction:
+    """The simulated device: "gpu" compute, the copy threads and the optimizer all run on the
+    same CPU cores, so their times add up instead of overlapping; the engine (today) updates
+    after backward, chunk by chunk, device-home chunks with the same CPU kernels.
+    Each op also pays a fixed dispatch cost (`host.op_overhead_us`), which dominates tiny models."""
+    hw = hardware
+    rate = hw.gpu_tflops(precision) * 1e12
+    copy = hw.pcie.h2d_pinned_gbps * GB
+    back = hw.pcie.d2h_pinned_gbps * GB
+    overhead = (hw.host.op_overhead_us or 0.0) * 1e-6
+    ops = load.ops_per_forward
+    fwd = {"gpu compute": load.tokens_flops_fwd / rate, "pcie h2d": load.fetched_bytes / 3 / copy,
+           "dispatch": ops * overhead}
+    bwd = {"gpu compute": 3 * load.tokens_flops_fwd / rate, "pcie h2d": 2 * load.fetched_bytes / 3 / copy,
+           "pcie d2h": load.grad_d2h_bytes / back, "dispatch": 3 * ops * overhead}
+    params = load.cpu_params + load.gpu_params
+    upd = {"cpu update": params / _cpu_rate(hw, cost) + load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12),
+           "dispatch": 4 * load.num_chunks * overhead}
+    phases, resources, tops = {}, {"forward": fwd, "backward": bwd, "update": upd}, {}
+    for name, busy, n in (("forward", fwd, cost.forwards * micro_batches), ("backward", bwd, micro_batches),
+                          ("update", upd, 1)):
+        if name == "backward" and not cost.needs_grad:
+            continue
+        phases[name] = sum(busy.values()) * n
+        tops[name] = max(busy, key=busy.__getitem__)
+    return _finish(phases, resources, tops, tokens)

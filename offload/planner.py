@@ -27,8 +27,8 @@ from typing import Any
 from offload.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, pack_chunks
 from offload.errors import InfeasibleBudget, TierwiseError
 from offload.homes import Homes, assign_homes
-from offload.perfmodel import (KINDS, StepLoad, activation_bytes, buffer_bytes, compute_bytes, model_flops,
-                               optimizer_cost, param_state_bytes, param_update_flops, predict_step)
+from offload.perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buffer_bytes, compute_bytes, model_flops,
+                               ops_per_forward, optimizer_cost, param_state_bytes, param_update_flops, predict_step)
 from offload.placement import DeviceNeeds, DevicePlan, plan_device
 from offload.sizes import format_size, parse_size
 from profiles import HardwareProfile, ModelProfile, load_hardware_profile, load_model_profile
@@ -227,7 +227,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                                f"{format_size(on_nvme)}; raise --cpu-mem / --cxl-mem or free disk space",
                                minimum={"nvme": on_nvme})
     flops_fwd = model_flops(model=model, batch_size=batch_size, seq_len=seq_len)
-    load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd)
+    load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd, ops=ops_per_forward(model))
     pred = predict_step(hardware=hw, precision=precision, cost=ch.cost, tokens=batch_size * seq_len * grad_accum,
                         load=load, micro_batches=grad_accum)
     return _build(ch, model=model, hw=hw, needs=needs, device=device, homes=homes, pred=pred, precision=precision,
@@ -235,7 +235,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                   batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes, optimizer=optimizer)
 
 
-def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int], flops_fwd: float) -> StepLoad:
+def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int], flops_fwd: float,
+          ops: int) -> StepLoad:
     """What one step moves and computes with this placement (input of the performance model)."""
     source = "compute" if ch.bf16 else "master"
     stream = {t: homes.bytes.get(t, {}).get(source, 0) for t in ("host", "cxl", "nvme")}
@@ -254,7 +255,7 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
         gpu_update_bytes=sum(_update_bytes(ch, c) for c in home), gpu_update_flops=sum(ch.flops[c] for c in home),
         chunk_compute_bytes=max((ch.compute[c] for c in streamed), default=0),
         chunk_params=max((ch.params[c] for c in streamed), default=0),
-        num_chunks=ch.n, streamed_chunks=len(streamed))
+        num_chunks=ch.n, streamed_chunks=len(streamed), ops_per_forward=ops)
 
 
 def _update_bytes(ch: _Chunks, c: int) -> int:
@@ -263,8 +264,27 @@ def _update_bytes(ch: _Chunks, c: int) -> int:
     return 2 * (k.get("master", 0) + k.get("state", 0)) + k.get("grad", 0) + k.get("compute", 0)
 
 
+def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds,
+                   device: DevicePlan, batch_size: int, seq_len: int, precision: str) -> int:
+    """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
+    forward (all activations); a block's recompute in backward; lm_head's gradient on its way to
+    the host while the final norm's activations are still saved; the embedding's gradient at
+    the very end. The simulated device's copy thread drains small gradients as they come;
+    on CUDA up to the gradient reserve may be in flight at any time."""
+    if not ch.cost.needs_grad:
+        return needs.activations
+    p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision)
+    held = p["fixed"] + p["inputs"]
+    streamed_grad = {name: ch.ce * s.numel for name, s in ch.plan.slots.items() if s.chunk not in device.gpu_home}
+    inflight = 0 if hw.simulated else (needs.grad_reserve if streamed_grad else 0)
+    return max(held + p["head"], held + p["block"] + inflight,
+               held + p["final_norm"] + max(streamed_grad.get("lm_head.weight", 0), inflight),
+               p["fixed"] + max(streamed_grad.get("model.embed_tokens.weight", 0), inflight))
+
+
 def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, device: DevicePlan,
            homes: Homes, pred, precision: str, budgets: dict, **meta) -> Plan:
+    act_args = dict(batch_size=meta["batch_size"], seq_len=meta["seq_len"], precision=precision)
     by_tier = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
     for c in device.gpu_home:
         for kind, b in ch.kinds[c].items():
@@ -274,9 +294,9 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
             by_tier[tier][kind] += b
     streamed_compute = sum(ch.compute[c] for c in range(ch.n) if c not in device.gpu_home)
     cache = min(device.cache_limit, streamed_compute)
-    reserve = {"gpu": {"buffers": needs.buffers, "stream cache": cache,
-                       "grad in flight": needs.grad_reserve if streamed_compute else 0,
-                       "activations": needs.activations},
+    transient = _gpu_transient(ch, model=model, hw=hw, needs=needs, device=device, **act_args)
+    reserve = {"gpu": {"buffers": needs.buffers, "stream cache": cache, "activations": needs.activations,
+                       "grad in flight": transient - needs.activations},
                "host": {"nvme bounce": homes.bounce}}
     peak = {t: sum(by_tier[t].values()) + sum(reserve.get(t, {}).values()) for t in TIERS}
     chunk_homes = []

@@ -14,7 +14,7 @@ for the update (`offload.update_loop`) and streamed through a staging buffer to 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -23,12 +23,13 @@ from offload.nvme import NvmeStore
 from offload.tiers import Tiers
 
 
-def kind_bytes(numel: int, *, state_spec: tuple[tuple[str, torch.dtype], ...],
-               compute_dtype: torch.dtype) -> dict[str, int]:
+def kind_bytes(numel: int, *, state_bytes: int, compute_dtype: torch.dtype,
+               needs_grad: bool = True) -> dict[str, int]:
     """Bytes of each kind of a chunk of `numel` elements (input of homes.assign_homes)."""
-    out = {"grad": 4 * numel, "master": 4 * numel}
-    if state_spec:
-        out["state"] = numel * sum(dt.itemsize for _, dt in state_spec)
+    out = {"grad": 4 * numel} if needs_grad else {}
+    out["master"] = 4 * numel
+    if state_bytes:
+        out["state"] = state_bytes
     if compute_dtype != torch.float32:
         out["compute"] = numel * compute_dtype.itemsize
     return out
@@ -54,8 +55,8 @@ Data = "torch.Tensor | SwapKind"
 class _Chunk:
     tiers: dict[str, str]  # kind -> tier
     master: Any
-    grad: torch.Tensor
-    state: dict[str, Any]
+    grad: torch.Tensor | None  # None when the optimizer needs no gradient (MeZO)
+    state: Any  # the optimizer's byte blob (offload.update), or None when it keeps none
     step: torch.Tensor
     compute: Any = None  # bf16 runs only
     names: tuple[str, ...] = field(default=())
@@ -63,8 +64,8 @@ class _Chunk:
     def kinds(self) -> Iterator[tuple[str, str, Any]]:
         """(kind, name, data) for master, state tensors and compute."""
         yield "master", "master", self.master
-        for k, v in self.state.items():
-            yield "state", k, v
+        if self.state is not None:
+            yield "state", "state", self.state
         if self.compute is not None:
             yield "compute", "compute", self.compute
 
@@ -73,16 +74,17 @@ class ChunkStore:
     """Home copies of all chunks, with ledger-accounted allocation in their tiers."""
 
     def __init__(self, *, plan: ChunkPlan, tiers: Tiers, compute_dtype: torch.dtype,
-                 state_spec: tuple[tuple[str, torch.dtype], ...], homes: dict[int, dict[str, str]],
+                 state_bytes: "Callable[[int], int]", needs_grad: bool, homes: dict[int, dict[str, str]],
                  nvme: NvmeStore | None = None):
-        self.plan, self.tiers, self.compute_dtype, self.state_spec = plan, tiers, compute_dtype, state_spec
+        self.plan, self.tiers, self.compute_dtype = plan, tiers, compute_dtype
+        self.state_bytes, self.needs_grad = state_bytes, needs_grad
         self.nvme = nvme
         self.bf16 = compute_dtype != torch.float32
         self.chunks = [self._allocate(c.index, homes[c.index]) for c in plan.chunks]
 
     # -- allocation -----------------------------------------------------------------------
-    def _new(self, cid: int, kind: str, name: str, tier: str, dtype: torch.dtype) -> Any:
-        n = self.plan.chunks[cid].numel
+    def _new(self, cid: int, kind: str, name: str, tier: str, dtype: torch.dtype, numel: int | None = None) -> Any:
+        n = self.plan.chunks[cid].numel if numel is None else numel
         if tier != "nvme":
             return self.tiers.zeros(tier, kind, n, dtype)
         self.tiers.ledger.reserve("nvme", kind, n * dtype.itemsize)
@@ -100,11 +102,14 @@ class ChunkStore:
     def _allocate(self, cid: int, tiers: dict[str, str]) -> _Chunk:
         tiers = dict(tiers)
         tiers.setdefault("state", tiers.get("master", "host"))
+        tiers.setdefault("grad", "host")
+        nstate = self.state_bytes(cid)
         return _Chunk(
             tiers=tiers,
             master=self._new(cid, "master", "master", tiers["master"], torch.float32),
-            grad=self.tiers.zeros(tiers["grad"], "grad", self.plan.chunks[cid].numel, torch.float32),
-            state={k: self._new(cid, "state", k, tiers["state"], dt) for k, dt in self.state_spec},
+            grad=self.tiers.zeros(tiers["grad"], "grad", self.plan.chunks[cid].numel, torch.float32)
+            if self.needs_grad else None,
+            state=self._new(cid, "state", "state", tiers["state"], torch.uint8, nstate) if nstate else None,
             step=torch.zeros((), dtype=torch.float32,
                              device=self.tiers.device if tiers["master"] == "gpu" else "cpu"),
             compute=self._new(cid, "compute", "compute", tiers["compute"], self.compute_dtype) if self.bf16 else None,
@@ -114,24 +119,23 @@ class ChunkStore:
     def _free(self, ch: _Chunk) -> None:
         for kind, _, data in ch.kinds():
             self._drop(ch.tiers[kind], kind, data)
-        self.tiers.free(ch.tiers["grad"], "grad", ch.grad)
+        if ch.grad is not None:
+            self.tiers.free(ch.tiers["grad"], "grad", ch.grad)
 
     def home_bytes(self, cid: int) -> int:
         """Bytes of every kind of chunk `cid` (what it costs to keep it gpu-home)."""
-        return sum(kind_bytes(self.plan.chunks[cid].numel, state_spec=self.state_spec,
-                              compute_dtype=self.compute_dtype).values())
+        return sum(kind_bytes(self.plan.chunks[cid].numel, state_bytes=self.state_bytes(cid),
+                              compute_dtype=self.compute_dtype, needs_grad=self.needs_grad).values())
 
     def promote(self, cid: int, params: dict[str, torch.nn.Parameter]) -> None:
         """Move every kind of chunk `cid` into the gpu tier; its params point there for good."""
         old = self.chunks[cid]
         new = self._allocate(cid, {k: "gpu" for k in ("master", "grad", "state", "compute")})
         with self.opened(cid) as work:
-            new.master.copy_(work["master"])
-            for k in new.state:
-                new.state[k].copy_(work[k])
-            if new.compute is not None:
-                new.compute.copy_(work["compute"])
-        new.grad.copy_(old.grad)
+            for name, t in work.items():
+                getattr(new, name).copy_(t)
+        if new.grad is not None:
+            new.grad.copy_(old.grad)
         new.step.copy_(old.step)
         self._free(old)
         self.chunks[cid] = new
@@ -202,7 +206,8 @@ class ChunkStore:
 
     def zero_grads(self) -> None:
         for ch in self.chunks:
-            ch.grad.zero_()
+            if ch.grad is not None:
+                ch.grad.zero_()
 
     def zero_unseen_grads(self, seen: set, params: dict[str, torch.nn.Parameter]) -> None:
         """Parameters that got no gradient this cycle must not keep the previous cycle's."""
@@ -235,10 +240,8 @@ class ChunkStore:
         out: dict[str, Any] = {"chunk_numel": [c.numel for c in self.plan.chunks], "chunks": []}
         for cid, ch in enumerate(self.chunks):
             with self.opened(cid) as work:
-                out["chunks"].append({
-                    "master": work["master"].to("cpu", copy=True), "step": ch.step.cpu().clone(),
-                    "state": {k: work[k].to("cpu", copy=True) for k in ch.state},
-                })
+                out["chunks"].append({"step": ch.step.cpu().clone()} | {
+                    k: work[k].to("cpu", copy=True) for k in ("master", "state") if k in work})
         return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -247,8 +250,8 @@ class ChunkStore:
         for cid, (ch, saved) in enumerate(zip(self.chunks, sd["chunks"])):
             with self.opened(cid, write_back=True) as work:
                 work["master"].copy_(saved["master"])
-                for k in ch.state:
-                    work[k].copy_(saved["state"][k])
+                if "state" in work:
+                    work["state"].copy_(saved["state"])
                 if "compute" in work:
                     work["compute"].copy_(work["master"])
             ch.step.copy_(saved["step"])

@@ -70,7 +70,7 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
     pending = start(0) if swapped else None
     for cid, ch in enumerate(store.chunks):  # while the first read is in flight
         if cid not in swapped:
-            _step(ch, updater, hyper, {})
+            _step(ch, cid, updater, hyper, {})
     for i, cid in enumerate(swapped):
         views, reads = pending
         if i + 1 < len(swapped):
@@ -78,16 +78,16 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
         for f in reads:
             f.result()
         ch = store.chunks[cid]
-        _step(ch, updater, hyper, views)
+        _step(ch, cid, updater, hyper, views)
         writes[i % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)]
     for fs in writes.values():
         for f in fs:
             f.result()
 
 
-def _step(ch: Any, updater: Any, hyper: Any, views: dict[str, torch.Tensor]) -> None:
+def _step(ch: Any, cid: int, updater: Any, hyper: Any, views: dict[str, torch.Tensor]) -> None:
     master = views.get("master", ch.master)
-    state = {k: views.get(k, v) for k, v in ch.state.items()}
-    updater.step(master, ch.grad, state, ch.step, hyper)
+    blob = views.get("state", ch.state)
+    updater.step(master, ch.grad, blob, cid, ch.step, hyper)
     if ch.compute is not None:
         views.get("compute", ch.compute).copy_(master)

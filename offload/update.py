@@ -1,17 +1,26 @@
-"""The optimizer step on whole chunks.
+"""The optimizer step on chunks: each optimizer's pure step function run on chunk storage.
 
-An updater owns the math of one optimizer applied to flat chunk tensors: `state_spec` says
-which state tensors a chunk needs (so the engine can place and account them), `step` runs
-one update in place. fp32 AdamW uses torch's fused kernel (on the CPU for host-resident
-chunks, on the device for device-resident ones); a flat chunk whose slots are 64-byte aligned
-gives bit-for-bit the result of the per-tensor fused kernel.
+Optimizer state lives in one flat byte *blob* per chunk (ledger kind "state"), so it can be
+placed, swapped to NVMe and promoted to the device like any other kind. An updater says how
+big the blob of a chunk is and how to step a chunk given its master, grad and blob:
+- chunk-wise (AdamWChunks, SGDChunks): one kernel over the whole flat chunk. fp32 AdamW uses
+  torch's fused kernel; 64-byte aligned slots make it bit-for-bit the per-tensor result.
+- slot-wise (SlotUpdater): the optim/ pure function per parameter slot, with that slot's state
+  carved out of the blob, so the engine equals the drop-in optimizer step for step (8-bit
+  blocks, small-tensor fallbacks and low-rank projections all follow the parameter).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
+
+from offload.chunks import ChunkPlan
+
+ALIGN_BYTES = 64
 
 
 @dataclass(kw_only=True)
@@ -31,38 +40,59 @@ class Hyper:
             raise ValueError(f"betas must be in [0, 1): {self.betas}")
 
 
+def _align(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
 class AdamWChunks:
-    """Decoupled-weight-decay Adam (AdamW) on flat fp32 chunks."""
+    """Decoupled-weight-decay Adam (AdamW) on flat fp32 chunks, torch's fused kernel."""
 
     name = "adamw"
-    state_spec = (("exp_avg", torch.float32), ("exp_avg_sq", torch.float32))
+    needs_grad = True
 
-    def step(self, master: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
+    def __init__(self, plan: ChunkPlan):
+        self.plan = plan
+
+    def state_bytes(self, cid: int) -> int:
+        return 8 * self.plan.chunks[cid].numel
+
+    def step(self, master: torch.Tensor, grad: torch.Tensor, blob: torch.Tensor, cid: int,
              step: torch.Tensor, hp: Hyper) -> None:
-        """master, grad, state tensors: [numel] fp32 on one device; step: [] fp32 counter."""
+        """master, grad: [numel] fp32; blob: [8 numel] uint8 (exp_avg, exp_avg_sq); step: [] fp32."""
+        n = master.numel()
+        m, v = blob[: 4 * n].view(torch.float32), blob[4 * n: 8 * n].view(torch.float32)
         step += 1
         torch._fused_adamw_(
-            [master], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [step],
+            [master], [grad], [m], [v], [], [step],
             amsgrad=False, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1],
             weight_decay=hp.weight_decay, eps=hp.eps, maximize=False,
         )
 
+    def meta_state(self) -> dict:
+        return {}
 
-class SGDChunks:
+    def load_meta_state(self, meta: dict) -> None:
+        pass
+
+
+class SGDChunks(AdamWChunks):
     """SGD with optional momentum and L2 weight decay, as torch.optim.SGD computes it."""
 
     name = "sgd"
 
-    def __init__(self, momentum: float = 0.0):
+    def __init__(self, plan: ChunkPlan, momentum: float = 0.0):
+        super().__init__(plan)
         self.momentum = momentum
-        self.state_spec = (("momentum_buffer", torch.float32),) if momentum else ()
 
-    def step(self, master: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
+    def state_bytes(self, cid: int) -> int:
+        return 4 * self.plan.chunks[cid].numel if self.momentum else 0
+
+    def step(self, master: torch.Tensor, grad: torch.Tensor, blob: torch.Tensor, cid: int,
              step: torch.Tensor, hp: Hyper) -> None:
-        """master, grad, state tensors: [numel] fp32 on one device; step: [] fp32 counter."""
+        """master, grad: [numel] fp32; blob: [4 numel] uint8 momentum buffer or empty."""
         d_p = grad if hp.weight_decay == 0 else grad.add(master, alpha=hp.weight_decay)
         if self.momentum:
-            buf = state["momentum_buffer"]
+            buf = blob.view(torch.float32)
             if step.item() == 0:
                 buf.copy_(d_p)
             else:
@@ -72,10 +102,81 @@ class SGDChunks:
         step += 1
 
 
-def make_updater(name: str, *, momentum: float = 0.0):
-    """The chunk updater for an optimizer name."""
-    if name == "adamw":
-        return AdamWChunks()
-    if name == "sgd":
-        return SGDChunks(momentum)
-    raise ValueError(f"optimizer {name!r} has no chunk updater (known: adamw, sgd)")
+@dataclass(kw_only=True)
+class _Entry:
+    key: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(kw_only=True)
+class _SlotLayout:
+    name: str
+    index: int  # 1-based position in the drop-in optimizer's parameter order
+    projected: bool
+    entries: list[_Entry] = field(default_factory=list)
+
+
+class SlotUpdater:
+    """A drop-in optimizer's pure step function, run per parameter slot on chunk storage.
+
+    `init(meta_param, projected) -> state dict` and `run(param, grad, state, step, index,
+    projected, hp)` adapt one optim/ algorithm. Tensor state lives in the chunk's blob;
+    non-tensor state (e.g. which projection is in force) lives in `meta`.
+    """
+
+    needs_grad = True
+
+    def __init__(self, name: str, plan: ChunkPlan, *, order: list[str], projected: set[str],
+                 init: Callable[[torch.Tensor, bool], dict], run: Callable[..., None]):
+        self.name, self.plan, self.init, self.run = name, plan, init, run
+        index = {n: i + 1 for i, n in enumerate(order)}
+        self.layouts: dict[int, list[_SlotLayout]] = {}
+        self.nbytes: dict[int, int] = {}
+        self.meta: dict[str, dict[str, Any]] = {}
+        for c in plan.chunks:
+            off, slots = 0, []
+            for name in c.params:
+                s = plan.slots[name]
+                lay = _SlotLayout(name=name, index=index[name], projected=name in projected)
+                proto = init(torch.empty(s.shape, device="meta"), lay.projected)
+                for key, val in proto.items():
+                    if isinstance(val, torch.Tensor):
+                        lay.entries.append(_Entry(key=key, offset=off, shape=tuple(val.shape), dtype=val.dtype))
+                        off += _align(val.numel() * val.element_size())
+                    else:
+                        self.meta.setdefault(name, {})[key] = val
+                slots.append(lay)
+            self.layouts[c.index], self.nbytes[c.index] = slots, off
+
+    def state_bytes(self, cid: int) -> int:
+        return self.nbytes[cid]
+
+    def step(self, master: torch.Tensor, grad: torch.Tensor, blob: torch.Tensor, cid: int,
+             step: torch.Tensor, hp: Hyper) -> None:
+        """master, grad: [numel] fp32 chunk tensors; blob: [state_bytes(cid)] uint8."""
+        step += 1
+        k = int(step.item())
+        for lay in self.layouts[cid]:
+            s = self.plan.slots[lay.name]
+            views = {e.key: blob[e.offset: e.offset + math.prod(e.shape) * e.dtype.itemsize]
+                     .view(e.dtype).view(e.shape) for e in lay.entries}
+            state = dict(views) | self.meta.get(lay.name, {})
+            p = master[s.offset: s.offset + s.numel].view(s.shape)
+            g = grad[s.offset: s.offset + s.numel].view(s.shape)
+            self.run(p, g, state, step=k, index=lay.index, projected=lay.projected, hp=hp)
+            for key, val in state.items():
+                if key in views:
+                    if val is not views[key]:  # the step replaced a tensor (e.g. a new projector)
+                        views[key].copy_(val)
+                else:
+                    self.meta.setdefault(lay.name, {})[key] = val
+
+    def meta_state(self) -> dict:
+        """Non-tensor state (checkpointed beside the blobs)."""
+        return {n: {k: v for k, v in d.items() if not isinstance(v, torch.Tensor)} for n, d in self.meta.items()}
+
+    def load_meta_state(self, meta: dict) -> None:
+        for n, d in meta.items():
+            self.meta.setdefault(n, {}).update(d)
