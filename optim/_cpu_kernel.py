@@ -1,6 +1,9 @@
 """A small C kernel for the fused 8-bit Adam step on CPU, built with the system C compiler.
 
-Plain C + OpenMP loaded with ctypes: no torch headers, so it builds in about a second and
+Per block of 256: dequantize (table gather), update p and both moments, new absmax, then
+requantize with an O(1) table lookup (quant.QuantTable) instead of a search. The path is
+chosen at run time: AVX-512 (F/BW/VBMI: the dequantization is in-register byte permutes, no
+gather), else AVX2 + FMA, else portable scalar; all three round every operation identically. Plain C + OpenMP loaded with ctypes: no torch headers, so it builds in about a second and
 needs no ninja. The library is cached per source hash under $TIERWISE_CACHE_DIR (default
 ~/.cache/tierwise). Without a compiler, `load()` returns None and callers use the torch path.
 """
@@ -24,82 +27,356 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TW_X86 1
+#endif
 
-/* nearest map entry of s in [-1, 1]: table on the top 16 bits, then one midpoint compare */
-/* nearest map entry of every s[j] in [-1, 1] (s is read as fp32 and as its bit pattern):
-   a table on the top 16 bits gives the bucket's lowest candidate, one midpoint compare fixes it */
-static void nearest_codes(const float *s, int32_t *out, const int32_t *lut, const float *mid, int len) {
-    const int32_t *bits = (const int32_t *)s;
-    #pragma omp simd
-    for (int j = 0; j < len; ++j) {
-        int32_t mag = (bits[j] >> 16) & 0x7fff;
-        mag = mag < 0x3f80 ? mag : 0x3f80;
-        const int32_t idx = lut[mag | ((bits[j] >> 17) & 0x4000)];
-        out[j] = idx + (s[j] > mid[idx] ? 1 : 0);
-    }
+/* One AdamW step on fp32 params with both moments in blockwise 8-bit (256 values + one fp32
+   absmax per block), math and op order as the torch reference path:
+     m = fma(g, 1-b1, (code1[q1] * absmax1) * b1)      v = fma((1-b2) * g, g, (code2[q2] * absmax2) * b2)
+     p = p * decay + (step_size * m) / (sqrt(v) / bc2_sqrt + eps)
+   then each block is requantized to the nearest map entry of x / new_absmax (ties to the lower
+   entry) with an O(1) table (see optim/quant.py QuantTable). Built with -ffp-contract=off: the
+   scalar and AVX2 paths round every operation identically, so results do not depend on the ISA. */
+
+typedef struct {
+    const float *code1, *code2;
+    const int32_t *tab1, *tab2;
+    int shift1, tmin1, tmax1, nk1, shift2, tmin2, tmax2;
+    float b1, b2, omb1, omb2, eps, bc2_sqrt, decay, step_size;
+} ctx_t;
+
+/* the number of map midpoints strictly below x: its nearest code, ties to the lower one */
+static inline int quantize_one(float x, const int32_t *tab, int shift, int tmin, int tmax, int nk) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    if (nk == 0) b &= 0x7fffffffu;  /* unsigned map: -0.0 is 0.0 */
+    const uint32_t neg = b >> 31, low_mask = (1u << shift) - 1u;
+    int32_t top = (int32_t)((b & 0x7fffffffu) >> shift);
+    top = top < tmin ? tmin : top;
+    top = top > tmax ? tmax : top;
+    const uint32_t low = (b & low_mask) ^ (neg ? low_mask : 0u);
+    const uint32_t e = (uint32_t)tab[top - tmin + (neg ? nk : 0)];
+    return (int)(e & 0xffu) + (low > (e >> 8) ? 1 : 0);
 }
 
-static void scale_clamp(float *x, float inv, int len) {
-    #pragma omp simd
+static void block_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, uint8_t *q2,
+                         float *absmax1, float *absmax2, int len) {
+    float m[256], v[256];
+    const float a1 = *absmax1, a2 = *absmax2;
+    float n1 = 0.0f, n2 = 0.0f;
     for (int j = 0; j < len; ++j) {
-        float t = x[j] * inv;  /* ternaries, not fminf: gcc 12 vectorizes these */
-        t = t < -1.0f ? -1.0f : t;
-        x[j] = t > 1.0f ? 1.0f : t;
+        const float gj = g[j];
+        const float mj = fmaf(gj, c->omb1, (c->code1[q1[j]] * a1) * c->b1);
+        const float vj = fmaf(c->omb2 * gj, gj, (c->code2[q2[j]] * a2) * c->b2);
+        const float den = sqrtf(vj) / c->bc2_sqrt + c->eps;
+        p[j] = p[j] * c->decay + (c->step_size * mj) / den;
+        m[j] = mj;
+        v[j] = vj;
+        const float amj = fabsf(mj);
+        n1 = amj > n1 ? amj : n1;
+        n2 = vj > n2 ? vj : n2;
     }
+    const float inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f, inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
+    for (int j = 0; j < len; ++j) {
+        float x = m[j] * inv1, y = v[j] * inv2;
+        x = x < -1.0f ? -1.0f : x;
+        x = x > 1.0f ? 1.0f : x;
+        y = y < -1.0f ? -1.0f : y;
+        y = y > 1.0f ? 1.0f : y;
+        q1[j] = (uint8_t)quantize_one(x, c->tab1, c->shift1, c->tmin1, c->tmax1, c->nk1);
+        q2[j] = (uint8_t)quantize_one(y, c->tab2, c->shift2, c->tmin2, c->tmax2, 0);
+    }
+    *absmax1 = n1;
+    *absmax2 = n2;
 }
 
-/* One Adam(W) step on n fp32 values with both moments in blockwise 8-bit (block 256).
-   Math and order as bitsandbytes' 8-bit blockwise Adam: dequantize, update moments,
-   decoupled weight decay, p -= lr/bc1 * m / (sqrt(v)/bc2 + eps), requantize with new absmax. */
-void adam8bit_step(float *p, const float *g, uint8_t *q1, uint8_t *q2, float *absmax1,
-                   float *absmax2, const float *code1, const float *code2, const float *mid1,
-                   const float *mid2, const int32_t *lut1, const int32_t *lut2, int64_t n,
-                   float beta1, float beta2, float eps, float lr, float weight_decay,
-                   float bc1, float bc2_sqrt, int nthreads) {
-    const int64_t nblocks = (n + 255) / 256;
-    const float decay = weight_decay > 0.0f ? 1.0f - lr * weight_decay : 1.0f;  /* x*1 is exact */
-    const float neg_step = -lr / bc1;
-    const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblocks; ++b) {
-        const int64_t start = b * 256;
-        const int len = (int)((n - start) < 256 ? (n - start) : 256);
-        float m[256], v[256];
-        const float am1 = absmax1[b], am2 = absmax2[b];
-        float new1 = 0.0f, new2 = 0.0f;
-        float *pb = p + start;
-        const float *gb = g + start;
-        uint8_t *c1 = q1 + start, *c2 = q2 + start;
-        #pragma omp simd reduction(max:new1, new2)
-        for (int j = 0; j < len; ++j) {
-            const float gj = gb[j];
-            const float mj = code1[c1[j]] * am1 * beta1 + gj * one_m_b1;
-            const float vj = code2[c2[j]] * am2 * beta2 + gj * gj * one_m_b2;
-            const float denom = sqrtf(vj) / bc2_sqrt + eps;
-            pb[j] = pb[j] * decay + neg_step * (mj / denom);
-            m[j] = mj;
-            v[j] = vj;
-            const float amj = mj < 0.0f ? -mj : mj;  /* ternaries: gcc 12 won't vectorize fmaxf */
-            new1 = amj > new1 ? amj : new1;
-            new2 = vj > new2 ? vj : new2;
-        }
-        scale_clamp(m, new1 > 0.0f ? 1.0f / new1 : 0.0f, len);
-        scale_clamp(v, new2 > 0.0f ? 1.0f / new2 : 0.0f, len);
-        int32_t k1[256], k2[256];
-        nearest_codes(m, k1, lut1, mid1, len);
-        nearest_codes(v, k2, lut2, mid2, len);
-        #pragma omp simd
-        for (int j = 0; j < len; ++j) {
-            c1[j] = (uint8_t)k1[j];
-            c2[j] = (uint8_t)k2[j];
-        }
-        absmax1[b] = new1;
-        absmax2[b] = new2;
+static void range_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, uint8_t *q2,
+                         float *absmax1, float *absmax2, int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+        block_scalar(c, p + b * 256, g + b * 256, q1 + b * 256, q2 + b * 256, absmax1 + b, absmax2 + b, 256);
+}
+
+#ifdef TW_X86
+#define TW_AVX2 __attribute__((target("avx2,fma")))
+
+TW_AVX2 static inline __m256i quantize8(__m256 x, const int32_t *tab, __m128i shift, __m256i tmin,
+                                        __m256i tmax, __m256i nk, __m256i low_mask, int is_signed) {
+    __m256i b = _mm256_castps_si256(x);
+    __m256i top, low, idx;
+    if (is_signed) {
+        const __m256i neg = _mm256_srai_epi32(b, 31);
+        top = _mm256_srl_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)), shift);
+        low = _mm256_xor_si256(_mm256_and_si256(b, low_mask), _mm256_and_si256(neg, low_mask));
+        top = _mm256_min_epi32(_mm256_max_epi32(top, tmin), tmax);
+        idx = _mm256_add_epi32(_mm256_sub_epi32(top, tmin), _mm256_and_si256(neg, nk));
+    } else {
+        b = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
+        top = _mm256_srl_epi32(b, shift);
+        low = _mm256_and_si256(b, low_mask);
+        top = _mm256_min_epi32(_mm256_max_epi32(top, tmin), tmax);
+        idx = _mm256_sub_epi32(top, tmin);
     }
+    const __m256i e = _mm256_i32gather_epi32((const int *)tab, idx, 4);
+    const __m256i gt = _mm256_cmpgt_epi32(low, _mm256_srli_epi32(e, 8));  /* -1 where above */
+    return _mm256_sub_epi32(_mm256_and_si256(e, _mm256_set1_epi32(0xff)), gt);
+}
+
+/* 32 int32 codes in 0..255 -> 32 bytes in order */
+TW_AVX2 static inline void store32(uint8_t *dst, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+    const __m256i w01 = _mm256_packus_epi32(c0, c1), w23 = _mm256_packus_epi32(c2, c3);
+    const __m256i bytes = _mm256_packus_epi16(w01, w23);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(bytes, order));
+}
+
+TW_AVX2 static inline float hmax8(__m256 x) {
+    __m128 y = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    y = _mm_max_ps(y, _mm_movehl_ps(y, y));
+    y = _mm_max_ss(y, _mm_shuffle_ps(y, y, 1));
+    return _mm_cvtss_f32(y);
+}
+
+TW_AVX2 static void range_avx2(const ctx_t *c, float *p, const float *g, uint8_t *q1, uint8_t *q2,
+                               float *absmax1, float *absmax2, int64_t b0, int64_t b1) {
+    float m[256] __attribute__((aligned(32))), v[256] __attribute__((aligned(32)));
+    const __m256 b1v = _mm256_set1_ps(c->b1), b2v = _mm256_set1_ps(c->b2);
+    const __m256 omb1 = _mm256_set1_ps(c->omb1), omb2 = _mm256_set1_ps(c->omb2);
+    const __m256 eps = _mm256_set1_ps(c->eps), bc2 = _mm256_set1_ps(c->bc2_sqrt);
+    const __m256 decay = _mm256_set1_ps(c->decay), step = _mm256_set1_ps(c->step_size);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 one = _mm256_set1_ps(1.0f), minus_one = _mm256_set1_ps(-1.0f);
+    const __m128i sh1 = _mm_cvtsi32_si128(c->shift1), sh2 = _mm_cvtsi32_si128(c->shift2);
+    const __m256i tmin1 = _mm256_set1_epi32(c->tmin1), tmax1 = _mm256_set1_epi32(c->tmax1);
+    const __m256i tmin2 = _mm256_set1_epi32(c->tmin2), tmax2 = _mm256_set1_epi32(c->tmax2);
+    const __m256i nk1 = _mm256_set1_epi32(c->nk1), zero = _mm256_setzero_si256();
+    const __m256i lm1 = _mm256_set1_epi32((int)((1u << c->shift1) - 1u));
+    const __m256i lm2 = _mm256_set1_epi32((int)((1u << c->shift2) - 1u));
+    for (int64_t b = b0; b < b1; ++b) {
+        float *pb = p + b * 256;
+        const float *gb = g + b * 256;
+        uint8_t *c1 = q1 + b * 256, *c2 = q2 + b * 256;
+        const __m256 a1 = _mm256_set1_ps(absmax1[b]), a2 = _mm256_set1_ps(absmax2[b]);
+        __m256 mx1 = _mm256_setzero_ps(), mx2 = _mm256_setzero_ps();
+        for (int j = 0; j < 256; j += 8) {
+            const __m256i i1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c1 + j)));
+            const __m256i i2 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c2 + j)));
+            const __m256 d1 = _mm256_i32gather_ps(c->code1, i1, 4);
+            const __m256 d2 = _mm256_i32gather_ps(c->code2, i2, 4);
+            const __m256 gj = _mm256_loadu_ps(gb + j);
+            const __m256 mj = _mm256_fmadd_ps(gj, omb1, _mm256_mul_ps(_mm256_mul_ps(d1, a1), b1v));
+            const __m256 vj = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gj), gj,
+                                              _mm256_mul_ps(_mm256_mul_ps(d2, a2), b2v));
+            const __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vj), bc2), eps);
+            const __m256 pj = _mm256_mul_ps(_mm256_loadu_ps(pb + j), decay);
+            _mm256_storeu_ps(pb + j, _mm256_add_ps(pj, _mm256_div_ps(_mm256_mul_ps(step, mj), den)));
+            _mm256_store_ps(m + j, mj);
+            _mm256_store_ps(v + j, vj);
+            mx1 = _mm256_max_ps(mx1, _mm256_and_ps(mj, absmask));
+            mx2 = _mm256_max_ps(mx2, vj);
+        }
+        const float n1 = hmax8(mx1), n2 = hmax8(mx2);
+        const __m256 inv1 = _mm256_set1_ps(n1 > 0.0f ? 1.0f / n1 : 0.0f);
+        const __m256 inv2 = _mm256_set1_ps(n2 > 0.0f ? 1.0f / n2 : 0.0f);
+        for (int j = 0; j < 256; j += 32) {
+            __m256i k[4];
+            for (int u = 0; u < 4; ++u) {
+                __m256 x = _mm256_mul_ps(_mm256_load_ps(m + j + 8 * u), inv1);
+                x = _mm256_min_ps(_mm256_max_ps(x, minus_one), one);
+                k[u] = quantize8(x, c->tab1, sh1, tmin1, tmax1, nk1, lm1, 1);
+            }
+            store32(c1 + j, k[0], k[1], k[2], k[3]);
+            for (int u = 0; u < 4; ++u) {
+                __m256 y = _mm256_mul_ps(_mm256_load_ps(v + j + 8 * u), inv2);
+                y = _mm256_min_ps(_mm256_max_ps(y, minus_one), one);
+                k[u] = quantize8(y, c->tab2, sh2, tmin2, tmax2, zero, lm2, 0);
+            }
+            store32(c2 + j, k[0], k[1], k[2], k[3]);
+        }
+        absmax1[b] = n1;
+        absmax2[b] = n2;
+    }
+}
+#define TW_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vbmi")))
+
+/* 256-entry fp32 lookup for 64 byte indices without a gather: each byte of the fp32 result is a
+   vpermt2b lookup in a 256-byte plane (two 128-entry halves chosen by bit 7), then the four
+   planes are interleaved back into 4 x 16 floats. The indices are pre-permuted (PERM) so the
+   lane-wise unpacks yield elements in order. planes: 4 planes x 4 zmm. */
+TW_AVX512 static inline void lookup64(const __m512i *planes, __m512i q, __m512i perm, __m512 out[4]) {
+    const __m512i qp = _mm512_permutexvar_epi8(perm, q);
+    const __mmask64 hi = _mm512_movepi8_mask(qp);
+    __m512i b[4];
+    for (int k = 0; k < 4; ++k) {
+        const __m512i lo_k = _mm512_permutex2var_epi8(planes[4 * k], qp, planes[4 * k + 1]);
+        const __m512i hi_k = _mm512_permutex2var_epi8(planes[4 * k + 2], qp, planes[4 * k + 3]);
+        b[k] = _mm512_mask_blend_epi8(hi, lo_k, hi_k);
+    }
+    const __m512i a01 = _mm512_unpacklo_epi8(b[0], b[1]), b01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i a23 = _mm512_unpacklo_epi8(b[2], b[3]), b23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(a01, a23));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(a01, a23));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(b01, b23));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(b01, b23));
+}
+
+TW_AVX512 static inline __m512i quantize16(__m512 x, const int32_t *tab, __m128i shift, __m512i tmin,
+                                           __m512i tmax, __m512i nk, __m512i low_mask, int is_signed) {
+    __m512i b = _mm512_castps_si512(x);
+    __m512i top, low, idx;
+    if (is_signed) {
+        const __m512i neg = _mm512_srai_epi32(b, 31);
+        top = _mm512_srl_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), shift);
+        low = _mm512_xor_si512(_mm512_and_si512(b, low_mask), _mm512_and_si512(neg, low_mask));
+        top = _mm512_min_epi32(_mm512_max_epi32(top, tmin), tmax);
+        idx = _mm512_add_epi32(_mm512_sub_epi32(top, tmin), _mm512_and_si512(neg, nk));
+    } else {
+        b = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
+        top = _mm512_srl_epi32(b, shift);
+        low = _mm512_and_si512(b, low_mask);
+        top = _mm512_min_epi32(_mm512_max_epi32(top, tmin), tmax);
+        idx = _mm512_sub_epi32(top, tmin);
+    }
+    const __m512i e = _mm512_i32gather_epi32(idx, (const void *)tab, 4);
+    const __mmask16 gt = _mm512_cmpgt_epi32_mask(low, _mm512_srli_epi32(e, 8));
+    const __m512i base = _mm512_and_si512(e, _mm512_set1_epi32(0xff));
+    return _mm512_mask_add_epi32(base, gt, base, _mm512_set1_epi32(1));
+}
+
+TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uint8_t *q1, uint8_t *q2,
+                                   float *absmax1, float *absmax2, int64_t b0, int64_t b1) {
+    float m[256] __attribute__((aligned(64))), v[256] __attribute__((aligned(64)));
+    uint8_t pl[2][4][256] __attribute__((aligned(64))), permb[64] __attribute__((aligned(64)));
+    for (int i = 0; i < 256; ++i) {
+        uint32_t w1, w2;
+        memcpy(&w1, c->code1 + i, 4);
+        memcpy(&w2, c->code2 + i, 4);
+        for (int k = 0; k < 4; ++k) {
+            pl[0][k][i] = (uint8_t)(w1 >> (8 * k));
+            pl[1][k][i] = (uint8_t)(w2 >> (8 * k));
+        }
+    }
+    for (int lane = 0; lane < 4; ++lane)
+        for (int s = 0; s < 4; ++s)
+            for (int i = 0; i < 4; ++i) permb[lane * 16 + 4 * s + i] = (uint8_t)(16 * s + 4 * lane + i);
+    __m512i planes1[16], planes2[16];
+    for (int k = 0; k < 16; ++k) {
+        planes1[k] = _mm512_load_si512((const void *)(&pl[0][0][0] + 64 * k));
+        planes2[k] = _mm512_load_si512((const void *)(&pl[1][0][0] + 64 * k));
+    }
+    const __m512i perm = _mm512_load_si512((const void *)permb);
+    const __m512 b1v = _mm512_set1_ps(c->b1), b2v = _mm512_set1_ps(c->b2);
+    const __m512 omb1 = _mm512_set1_ps(c->omb1), omb2 = _mm512_set1_ps(c->omb2);
+    const __m512 eps = _mm512_set1_ps(c->eps), bc2 = _mm512_set1_ps(c->bc2_sqrt);
+    const __m512 decay = _mm512_set1_ps(c->decay), step = _mm512_set1_ps(c->step_size);
+    const __m512 one = _mm512_set1_ps(1.0f), minus_one = _mm512_set1_ps(-1.0f);
+    const __m128i sh1 = _mm_cvtsi32_si128(c->shift1), sh2 = _mm_cvtsi32_si128(c->shift2);
+    const __m512i tmin1 = _mm512_set1_epi32(c->tmin1), tmax1 = _mm512_set1_epi32(c->tmax1);
+    const __m512i tmin2 = _mm512_set1_epi32(c->tmin2), tmax2 = _mm512_set1_epi32(c->tmax2);
+    const __m512i nk1 = _mm512_set1_epi32(c->nk1), zero = _mm512_setzero_si512();
+    const __m512i lm1 = _mm512_set1_epi32((int)((1u << c->shift1) - 1u));
+    const __m512i lm2 = _mm512_set1_epi32((int)((1u << c->shift2) - 1u));
+    for (int64_t b = b0; b < b1; ++b) {
+        float *pb = p + b * 256;
+        const float *gb = g + b * 256;
+        uint8_t *c1 = q1 + b * 256, *c2 = q2 + b * 256;
+        const __m512 a1 = _mm512_set1_ps(absmax1[b]), a2 = _mm512_set1_ps(absmax2[b]);
+        __m512 mx1 = _mm512_setzero_ps(), mx2 = _mm512_setzero_ps();
+        for (int j = 0; j < 256; j += 64) {
+            __m512 d1[4], d2[4];
+            lookup64(planes1, _mm512_loadu_si512((const void *)(c1 + j)), perm, d1);
+            lookup64(planes2, _mm512_loadu_si512((const void *)(c2 + j)), perm, d2);
+            for (int u = 0; u < 4; ++u) {
+                const int o = j + 16 * u;
+                const __m512 gj = _mm512_loadu_ps(gb + o);
+                const __m512 mj = _mm512_fmadd_ps(gj, omb1, _mm512_mul_ps(_mm512_mul_ps(d1[u], a1), b1v));
+                const __m512 vj = _mm512_fmadd_ps(_mm512_mul_ps(omb2, gj), gj,
+                                                  _mm512_mul_ps(_mm512_mul_ps(d2[u], a2), b2v));
+                const __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vj), bc2), eps);
+                const __m512 pj = _mm512_mul_ps(_mm512_loadu_ps(pb + o), decay);
+                _mm512_storeu_ps(pb + o, _mm512_add_ps(pj, _mm512_div_ps(_mm512_mul_ps(step, mj), den)));
+                _mm512_store_ps(m + o, mj);
+                _mm512_store_ps(v + o, vj);
+                mx1 = _mm512_max_ps(mx1, _mm512_abs_ps(mj));
+                mx2 = _mm512_max_ps(mx2, vj);
+            }
+        }
+        const float n1 = _mm512_reduce_max_ps(mx1), n2 = _mm512_reduce_max_ps(mx2);
+        const __m512 inv1 = _mm512_set1_ps(n1 > 0.0f ? 1.0f / n1 : 0.0f);
+        const __m512 inv2 = _mm512_set1_ps(n2 > 0.0f ? 1.0f / n2 : 0.0f);
+        for (int j = 0; j < 256; j += 16) {
+            __m512 x = _mm512_mul_ps(_mm512_load_ps(m + j), inv1);
+            x = _mm512_min_ps(_mm512_max_ps(x, minus_one), one);
+            _mm_storeu_si128((__m128i *)(c1 + j),
+                             _mm512_cvtepi32_epi8(quantize16(x, c->tab1, sh1, tmin1, tmax1, nk1, lm1, 1)));
+            __m512 y = _mm512_mul_ps(_mm512_load_ps(v + j), inv2);
+            y = _mm512_min_ps(_mm512_max_ps(y, minus_one), one);
+            _mm_storeu_si128((__m128i *)(c2 + j),
+                             _mm512_cvtepi32_epi8(quantize16(y, c->tab2, sh2, tmin2, tmax2, zero, lm2, 0)));
+        }
+        absmax1[b] = n1;
+        absmax2[b] = n2;
+    }
+}
+#endif
+
+/* the best path this CPU can run: 2 AVX-512 (F, BW, VBMI), 1 AVX2 + FMA, 0 portable scalar */
+int tw_best_isa(void) {
+#ifdef TW_X86
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vbmi")) return 2;
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* qmeta: shift, tmin, tmax, nk of map 1 (signed) then of map 2 (unsigned);
+   hyper: beta1, beta2, 1-beta1, 1-beta2, eps, sqrt(1-beta2^t), 1-lr*wd, -lr/(1-beta1^t);
+   isa: the most capable path to use (2 AVX-512, 1 AVX2, 0 scalar), lowered to what the CPU
+   has. Returns the isa used. */
+int tw_adam8bit_step(float *p, const float *g, uint8_t *q1, uint8_t *q2, float *absmax1,
+                     float *absmax2, const float *code1, const float *code2, const int32_t *tab1,
+                     const int32_t *tab2, const int32_t *qmeta, const float *hyper, int64_t n,
+                     int nthreads, int isa) {
+    const ctx_t c = {code1, code2, tab1, tab2, qmeta[0], qmeta[1], qmeta[2], qmeta[3], qmeta[4],
+                     qmeta[5], qmeta[6], hyper[0], hyper[1], hyper[2], hyper[3], hyper[4],
+                     hyper[5], hyper[6], hyper[7]};
+    const int best = tw_best_isa();
+    if (isa > best) isa = best;
+    if (isa < 0) isa = 0;
+    const int64_t full = n / 256;
+    const int tail = (int)(n - full * 256);
+    if (nthreads < 1) nthreads = 1;
+    if (full < nthreads) nthreads = full > 0 ? (int)full : 1;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t b0 = full * t / nt, b1 = full * (t + 1) / nt;
+#ifdef TW_X86
+        if (isa == 2)
+            range_avx512(&c, p, g, q1, q2, absmax1, absmax2, b0, b1);
+        else if (isa == 1)
+            range_avx2(&c, p, g, q1, q2, absmax1, absmax2, b0, b1);
+        else
+#endif
+            range_scalar(&c, p, g, q1, q2, absmax1, absmax2, b0, b1);
+    }
+    if (tail)
+        block_scalar(&c, p + full * 256, g + full * 256, q1 + full * 256, q2 + full * 256,
+                     absmax1 + full, absmax2 + full, tail);
+    return isa;
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-strict-aliasing"]
+# No -march: the SIMD paths are enabled per function and chosen at run time (tw_best_isa),
+# so the cached library runs on any x86-64. -ffp-contract=off keeps every rounding explicit.
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off",
+          "-fno-strict-aliasing"]
 
 
 def _cache_dir() -> Path:
@@ -140,7 +417,9 @@ def load() -> Optional[ctypes.CDLL]:
         logger.warning("8-bit Adam C kernel unavailable (%s %s); using the slower torch path",
                        exc, detail[-500:])
         return None
-    fn = lib.adam8bit_step
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 12 + [ctypes.c_int64] + [ctypes.c_float] * 7 + [ctypes.c_int]
+    fn = lib.tw_adam8bit_step
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 12 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.tw_best_isa.restype = ctypes.c_int
+    lib.tw_best_isa.argtypes = []
     return lib

@@ -7,6 +7,7 @@ Tensors under MIN_8BIT_NUMEL elements keep fp32 moments, as bitsandbytes does.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 from typing import Any, Optional
@@ -16,7 +17,7 @@ import torch
 from . import _cpu_kernel
 from .base import TierwiseOptimizer, write_back_
 from .costs import OptimizerCost
-from .quant import BLOCK, dequantize_blockwise, dynamic_map, midpoints, num_blocks, quant_lut, quantize_blockwise
+from .quant import BLOCK, dequantize_blockwise, dynamic_map, num_blocks, quant_table, quantize_blockwise
 
 logger = logging.getLogger(__name__)
 
@@ -108,27 +109,36 @@ def adamw8bit_step_reference_(
     quantize_blockwise(v, signed=False, out=state["state2"], absmax_out=state["absmax2"])
 
 
-_LUTS: dict[bool, torch.Tensor] = {}
-
-
-def _lut(signed: bool) -> torch.Tensor:
-    if signed not in _LUTS:  # memo of a constant, built once per process
-        _LUTS[signed] = quant_lut(signed=signed)
-    return _LUTS[signed]
+@functools.lru_cache(maxsize=1)
+def _kernel_tables() -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """The constant inputs of the C kernel (both maps, both lookup tables and their shapes),
+    and their data pointers; built once per process."""
+    t1, t2 = quant_table(signed=True), quant_table(signed=False)
+    meta = torch.tensor([t1.shift, t1.tmin, t1.tmax, t1.nk, t2.shift, t2.tmin, t2.tmax], dtype=torch.int32)
+    tables = (dynamic_map(signed=True), dynamic_map(signed=False), t1.entries, t2.entries, meta)
+    return tables, tuple(t.data_ptr() for t in tables)
 
 
 def _c_step(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float,
-            beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
+            beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+            isa: int = 2) -> int:
+    """The C kernel on (n,) fp32 p and g; isa: the most capable path allowed (2 AVX-512,
+    1 AVX2, 0 portable scalar), lowered to what the CPU has; all give identical results.
+
+    Scalars are computed in double here and rounded once, as the torch reference path does.
+    Returns the isa that ran.
+    """
     lib = _cpu_kernel.load()
     assert lib is not None
-    tensors = (p, g, state["state1"], state["state2"], state["absmax1"], state["absmax2"],
-               dynamic_map(signed=True), dynamic_map(signed=False), midpoints(signed=True),
-               midpoints(signed=False), _lut(True), _lut(False))
+    code1, code2, tab1, tab2, meta = _kernel_tables()[1]
+    tensors = (p, g, state["state1"], state["state2"], state["absmax1"], state["absmax2"])
     for t in tensors:
         assert t.is_contiguous() and t.device.type == "cpu"
-    lib.adam8bit_step(*(ctypes.c_void_p(t.data_ptr()) for t in tensors), p.numel(),
-                      beta1, beta2, eps, lr, weight_decay, 1.0 - beta1**step,
-                      math.sqrt(1.0 - beta2**step), torch.get_num_threads())
+    decay = 1.0 - lr * weight_decay if weight_decay > 0.0 else 1.0
+    hyper = (ctypes.c_float * 8)(beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps,
+                                 math.sqrt(1.0 - beta2**step), decay, -lr / (1.0 - beta1**step))
+    return lib.tw_adam8bit_step(*(t.data_ptr() for t in tensors), code1, code2, tab1, tab2, meta,
+                                ctypes.addressof(hyper), p.numel(), torch.get_num_threads(), isa)
 
 
 def _cuda_step(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float,

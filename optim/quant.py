@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -114,27 +115,70 @@ def dequantize_blockwise(
     return values.reshape(-1)[:n].view(codes.shape)
 
 
-def quant_lut(*, signed: bool) -> torch.Tensor:
-    """Lookup table for fast nearest-code search, keyed by the top 16 bits of an fp32 in [-1, 1].
+@dataclass(frozen=True)
+class QuantTable:
+    """O(1) nearest-code lookup for fp32 x in [-1, 1] (the C kernel's quantizer).
 
-    key = min((bits >> 16) & 0x7fff, 0x3f80) | (0x4000 if negative): 0x8000 entries. Entry =
-    nearest code of the bucket's lowest value; one comparison with the next midpoint then
-    gives the exact nearest code (checked here: no bucket holds two midpoints).
+    A bucket is every float sharing sign, exponent and top `23 - shift` mantissa bits:
+    top = (bits & 0x7fffffff) >> shift, clamped to [tmin, tmax] (below tmin all values share
+    one code and no boundary), index = top - tmin (+ nk if negative). entries[index] =
+    base | thr << 8: base is the number of midpoints below the bucket, thr the low `shift`
+    bits of the one midpoint inside it (oriented so larger means larger value: complemented
+    for negatives), or all ones if none. Code = base + (oriented low bits > thr), i.e. the
+    number of midpoints strictly below x: the nearest entry, ties to the lower one, exactly
+    as bucketize on the midpoints.
     """
-    keys = torch.arange(0x8000, dtype=torch.int64)
-    mag_hi = keys & 0x3FFF
-    neg = (keys & 0x4000) != 0
-    hi = torch.minimum(mag_hi, torch.tensor(0x3F80))
-    low_bits = torch.where(neg, (hi << 16) | 0xFFFF, hi << 16)  # lowest value of the bucket
-    high_bits = torch.where(neg, hi << 16, (hi << 16) | 0xFFFF)
-    signs = torch.where(neg, -1.0, 1.0)
 
-    def as_float(bits: torch.Tensor) -> torch.Tensor:
-        return bits.to(torch.int32).view(torch.float32).abs().clamp(max=1.0) * signs
+    entries: torch.Tensor  # (2 * nk,) int32 for a signed map, (nk,) for an unsigned one
+    shift: int
+    tmin: int
+    tmax: int
+    nk: int
 
-    mids = midpoints(signed=signed)[:-1]
-    lo = torch.bucketize(as_float(low_bits), mids)
-    hi_idx = torch.bucketize(as_float(high_bits), mids)
-    if int((hi_idx - lo).max()) > 1:
-        raise AssertionError("dynamic map too fine for a 16-bit lookup table")
-    return lo.to(torch.int32)
+    def lookup(self, x: torch.Tensor) -> torch.Tensor:  # x: (...) fp32 in [-1, 1] -> (...) int64
+        """The table lookup in torch integer ops (what the C kernel computes), for tests."""
+        bits = x.contiguous().view(torch.int32).to(torch.int64)
+        if self.entries.numel() == self.nk:  # unsigned map: one sign, -0.0 is 0.0
+            bits = bits & 0x7FFFFFFF
+        neg = bits < 0
+        low_mask = (1 << self.shift) - 1
+        top = ((bits & 0x7FFFFFFF) >> self.shift).clamp(self.tmin, self.tmax)
+        idx = top - self.tmin + torch.where(neg, self.nk, 0)
+        low = torch.where(neg, low_mask - (bits & low_mask), bits & low_mask)
+        e = self.entries.to(torch.int64)[idx]
+        return (e & 0xFF) + (low > (e >> 8)).to(torch.int64)
+
+
+def _float_of_bits(bits: torch.Tensor) -> torch.Tensor:  # (k,) int64 -> (k,) fp32
+    return bits.to(torch.int32).view(torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def quant_table(*, signed: bool) -> QuantTable:
+    """The smallest exact QuantTable for the map (raises if none with <= 12 key mantissa bits)."""
+    mids = midpoints(signed=signed)[:-1].contiguous()
+    mag_bits = mids.abs().view(torch.int32).to(torch.int64)
+    if bool((mids == 0).any()):
+        raise ValueError("a midpoint at zero: no sign-symmetric lookup table")
+    for key_mantissa_bits in range(4, 13):
+        shift = 23 - key_mantissa_bits
+        low_mask = (1 << shift) - 1
+        tmax = 0x3F800000 >> shift  # the bucket of 1.0; scaled values never exceed it
+        tmin = int((mag_bits >> shift).min()) - 1  # below it: no boundary, one code
+        tops = torch.arange(tmin, tmax + 1, dtype=torch.int64)
+        parts, exact = [], True
+        for neg in ([False, True] if signed else [False]):
+            lo_mag, hi_mag = _float_of_bits(tops << shift), _float_of_bits((tops << shift) | low_mask)
+            lowest, highest = (-hi_mag, -lo_mag) if neg else (lo_mag, hi_mag)
+            base = torch.bucketize(lowest, mids)  # midpoints strictly below the bucket
+            inside = torch.bucketize(highest, mids, right=True) - base
+            if int(inside.max()) > 1:
+                exact = False
+                break
+            mid_low = mag_bits[base.clamp(max=mids.numel() - 1)] & low_mask
+            thr = torch.where(inside == 1, (low_mask - mid_low) if neg else mid_low, low_mask)
+            parts.append(base | (thr << 8))
+        if exact:
+            entries = torch.cat(parts).to(torch.int32)
+            return QuantTable(entries=entries, shift=shift, tmin=tmin, tmax=tmax, nk=tops.numel())
+    raise ValueError("dynamic map too fine for a lookup table")
