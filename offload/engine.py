@@ -44,6 +44,7 @@ from offload.schedule import ACQUIRE, RELEASE
 from offload.trace import TraceFollower
 from offload.update import Hyper
 from offload.updaters import make_updater
+from offload.zeroth import dual_forward, hf_split_losses
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,11 @@ class Engine:
         self.home_storage: set[int] = set()
         self.module_chunks = self._module_chunks(model)
         self.blocks = find_blocks(model)
+        self.zo_batch: int | None = None  # MeZO: rows of the +εz half while a dual forward runs
+        if self.updater.needs_grad is False:
+            checkpointing, self.allow_gpu_home = False, False  # no backward; masters stay host-side
+            for mod in self.module_chunks:
+                mod.forward = dual_forward(mod.forward, mod, self)
         if checkpointing is None:
             checkpointing = len(self.blocks) > 1
         if checkpointing and getattr(getattr(model, "config", None), "use_cache", False):
@@ -210,11 +216,18 @@ class Engine:
         return DeviceNeeds(
             buffers=self.buffer_bytes,
             stream_window=widest + max(compute, default=0),
-            grad_reserve=largest_param,
+            grad_reserve=largest_param if self.updater.needs_grad else self._zo_workspace(),
             activations=activations,
             home_bytes=tuple(self.store.home_bytes(c) for c in range(len(compute))),
             compute_bytes=compute,
         )
+
+    def _zo_workspace(self) -> int:
+        """MeZO's perturbed copies of the widest module's parameters (+εz and -εz)."""
+        csize = self.compute_dtype.itemsize
+        return max((2 * csize * sum(self.plan.slots[self.param_names[p]].numel
+                                    for p in m._parameters.values() if p is not None)
+                    for m in self.module_chunks), default=0)
 
     # -- residency callbacks (compute thread) --------------------------------------------
     def _fetch(self, cid: int, buf: torch.Tensor) -> Ticket:
@@ -380,6 +393,8 @@ class Engine:
 
     def step(self, batch: Any, *, grad_accum: int = 1) -> float:
         """Forward, backward and update on `batch`, split into `grad_accum` micro-batches."""
+        if not self.updater.needs_grad:
+            return self._zo_step(batch)
         losses = []
         for mb in split_batch(batch, grad_accum):
             loss = self.forward(mb)
@@ -388,12 +403,32 @@ class Engine:
         self.optimizer_step()
         return sum(losses) / len(losses)
 
+    def _zo_step(self, batch: Any) -> float:
+        """MeZO: one forward over the doubled batch gives both losses; then the update."""
+        self._begin_cycle()
+        self.phase = "forward"
+        t0 = time.perf_counter()
+        self.updater.begin_step()
+        batch = self._to_device(batch)
+        half = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+        self.zo_batch = half
+        try:
+            with torch.no_grad():
+                loss_pos, loss_neg = hf_split_losses(self.model, batch, half)
+        finally:
+            self.zo_batch = None
+        self.updater.projected_grad = (loss_pos - loss_neg) / (2.0 * self.updater.eps)
+        self.phase_times["forward"] += time.perf_counter() - t0
+        self.optimizer_step()
+        return loss_pos
+
     def optimizer_step(self) -> None:
         """Clip (optionally) and update every chunk; then the device copies are stale."""
         self.phase = "update"
         t0 = time.perf_counter()
         self._drain_grads()
-        self.store.zero_unseen_grads(self._seen, self.params)
+        if self.updater.needs_grad:
+            self.store.zero_unseen_grads(self._seen, self.params)
         if self.grad_clip is not None:
             self.last_grad_norm = self.store.clip_grads_(self.grad_clip, list(self.params))
         update_all(self.store, self.updater, self.hyper, self.bounce)
