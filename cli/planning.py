@@ -97,14 +97,26 @@ def dry_run(cfg: TrainConfig, *, console: Console) -> int:
     return 0
 
 
-def profile(*, hardware: str | None, output: str | None, console: Console) -> int:
-    """`finetune profile`: measure this machine's links and compute via offload.profiler."""
+def profile(*, hardware: str | None, output: str | None, console: Console, nvme_path: str | None = None,
+            quick: bool = False) -> int:
+    """`finetune profile`: measure this machine's links and compute via offload.profiler.
+
+    Each measurement is printed as it completes; the TOML goes to `output` (then
+    `--hardware PATH` uses it), else to the console."""
     try:
         from offload.profiler import measure
     except ImportError:
         raise TierwiseError("finetune profile is not yet available in this build "
                             "(offload.profiler is missing)") from None
-    result = _call_with_known(measure, hardware=hardware, output=output)
-    if result is not None:
-        console.print(result)
+    with console.status("[bold]measuring this machine[/] (under a minute)") as status:
+        def progress(msg: str) -> None:
+            console.print(f"  {msg}", highlight=False)
+            status.update(f"[bold]measuring[/] after {msg.split(':')[0]}")
+
+        text = _call_with_known(measure, hardware=hardware, output=output, nvme_path=nvme_path, quick=quick,
+                                progress=progress)
+    if output is None and text:
+        console.out(text, highlight=False)
+    elif output:
+        console.print(f"use it with [bold]--hardware {output}[/]")
     return 0

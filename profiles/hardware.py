@@ -69,6 +69,9 @@ class HostSpec:
     """fp32 AdamW update throughput on all cores (fused / DeepSpeedCPUAdam-class kernel)."""
     adamw8bit_params_per_s: float
     """8-bit blockwise AdamW update throughput on all cores."""
+    op_overhead_us: float | None = None
+    """Host cost of dispatching one small op or module hook, in microseconds (None: not measured;
+    counts only on the simulated device, where it adds to compute instead of hiding under it)."""
 
     def __post_init__(self) -> None:
         validate_fields(self)

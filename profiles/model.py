@@ -1,9 +1,10 @@
 """Model profiles: architecture shapes of decoder-only LMs (no weights), from TOML files.
 
 `param_specs()` lists the parameters analytically, with the names and shapes of the
-transformers state dict (LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM), in
-first-use order: embed, then per layer input_layernorm, q/k/v/o, post_attention_layernorm,
-gate/up/down, then the final norm and lm_head (absent when tied). Instant even for 405B.
+transformers state dict (LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM), in the
+order transformers registers them (`named_parameters()`, the order the engine packs chunks
+in): embed, then per layer q/k/v/o, gate/up/down, input_layernorm, post_attention_layernorm,
+then the final norm and lm_head (absent when tied). Instant even for 405B.
 """
 
 from __future__ import annotations
@@ -82,21 +83,21 @@ class ModelProfile:
         return self.num_key_value_heads * self.dim_per_head
 
     def param_specs(self) -> list[ParamSpec]:
-        """Every parameter (name, shape), in first-use order; tied lm_head is omitted."""
+        """Every parameter (name, shape), in `named_parameters()` order; tied lm_head is omitted."""
         h, i, bias = self.hidden_size, self.intermediate_size, FAMILIES[self.family][1]
         specs = [ParamSpec(name="model.embed_tokens.weight", shape=(self.vocab_size, h))]
         for layer in range(self.num_hidden_layers):
             p = f"model.layers.{layer}."
-            specs.append(ParamSpec(name=p + "input_layernorm.weight", shape=(h,)))
             for proj, out in (("q_proj", self.q_dim), ("k_proj", self.kv_dim), ("v_proj", self.kv_dim)):
                 specs.append(ParamSpec(name=f"{p}self_attn.{proj}.weight", shape=(out, h)))
                 if bias:
                     specs.append(ParamSpec(name=f"{p}self_attn.{proj}.bias", shape=(out,)))
             specs.append(ParamSpec(name=p + "self_attn.o_proj.weight", shape=(h, self.q_dim)))
-            specs.append(ParamSpec(name=p + "post_attention_layernorm.weight", shape=(h,)))
             specs.append(ParamSpec(name=p + "mlp.gate_proj.weight", shape=(i, h)))
             specs.append(ParamSpec(name=p + "mlp.up_proj.weight", shape=(i, h)))
             specs.append(ParamSpec(name=p + "mlp.down_proj.weight", shape=(h, i)))
+            specs.append(ParamSpec(name=p + "input_layernorm.weight", shape=(h,)))
+            specs.append(ParamSpec(name=p + "post_attention_layernorm.weight", shape=(h,)))
         specs.append(ParamSpec(name="model.norm.weight", shape=(h,)))
         if not self.tie_word_embeddings:
             specs.append(ParamSpec(name="lm_head.weight", shape=(self.vocab_size, h)))

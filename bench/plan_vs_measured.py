@@ -1,0 +1,89 @@
+"""Predicted vs measured on this machine: profile it (quick), then for each case plan and run the
+engine a few steps on the simulated device; print peak bytes per tier and step time, with ratios.
+
+    python bench/plan_vs_measured.py [--steps 3] [--full-profile]
+
+Goal: peaks within 10%, step time within 25% (timing on a shared machine is noisy: the step
+time is the median of the steps after the warm-up one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from offload import Engine  # noqa: E402
+from offload.planner import make_plan  # noqa: E402
+from offload.profiler import measure  # noqa: E402
+from offload.sizes import format_size  # noqa: E402
+from profiles import ModelProfile, load_model_profile  # noqa: E402
+
+TINY = ModelProfile(name="tiny", family="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+                    rope_theta=10000.0, rms_norm_eps=1e-5)
+CASES = [  # (profile, precision, batch, seq, chunk bytes)
+    (TINY, "fp32", 4, 32, 16 << 10),
+    (TINY, "bf16", 4, 32, 16 << 10),
+    (load_model_profile("100m"), "fp32", 2, 64, 64 << 20),
+]
+
+
+def run(profile, *, precision, batch, seq, chunk, gpu, steps):
+    torch.manual_seed(0)
+    eng = Engine(transformers.LlamaForCausalLM(profile.to_hf_config()), gpu_mem=gpu, precision=precision,
+                 chunk_bytes=chunk)
+    x = torch.randint(0, profile.vocab_size, (batch, seq))
+    eng.step({"input_ids": x, "labels": x})  # warm-up
+    eng.ledger.reset_peaks()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step({"input_ids": x, "labels": x})
+        times.append(time.perf_counter() - t)
+    eng.close()
+    return eng.ledger.peaks(), statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--full-profile", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        hw = str(Path(tmp) / "this-machine.toml")
+        t = time.perf_counter()
+        measure(hardware="this-machine", output=hw, quick=not args.full_profile, progress=print)
+        print(f"profiled in {time.perf_counter() - t:.1f} s\n")
+        head = f"{'case':34} {'budget':>10} {'tier':>4} {'pred peak':>11} {'measured':>11} {'ratio':>6}"
+        print(head + f" {'pred s':>8} {'meas s':>8} {'ratio':>6}")
+        for profile, precision, batch, seq, chunk in CASES:
+            base = make_plan(model=profile, hardware=hw, gpu_mem="64G", cpu_mem=None, optimizer="adamw",
+                             precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk)
+            home = sum(base.bytes["gpu"].values())
+            for label, gpu in (("roomy", base.gpu_minimum + 2 * home), ("mid", base.gpu_minimum + home // 2)):
+                plan = make_plan(model=profile, hardware=hw, gpu_mem=gpu, cpu_mem=None, optimizer="adamw",
+                                 precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk)
+                peaks, step_s = run(profile, precision=precision, batch=batch, seq=seq, chunk=chunk, gpu=gpu,
+                                    steps=args.steps)
+                name = f"{profile.name} {precision} {batch}x{seq} {label}"
+                for i, tier in enumerate(("gpu", "host")):
+                    p, m = plan.peak[tier], peaks[tier]
+                    row = f"{name if not i else '':34} {format_size(gpu) if not i else '':>10} {tier:>4} " \
+                          f"{format_size(p):>11} {format_size(m):>11} {p / m if m else float('nan'):6.3f}"
+                    if not i:
+                        row += f" {plan.step_s:8.3f} {step_s:8.3f} {plan.step_s / step_s:6.3f}"
+                    print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
