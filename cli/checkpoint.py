@@ -11,7 +11,7 @@ Writing: everything goes into `ckpt-XXXXXX.tmp/`; every file and the directory a
 the directory is renamed into place; `latest` is replaced atomically (temp file + os.replace);
 only then are older checkpoints beyond `keep` removed. A crash at any point leaves the
 previous checkpoint and a valid `latest`; leftover `.tmp` directories are removed by the next
-save. Nested state (optimizer state with int keys, tuples, dtypes) is stored as a JSON
+save (and at once when the save fails with an exception, e.g. a full disk). Nested state (optimizer state with int keys, tuples, dtypes) is stored as a JSON
 skeleton whose tensor leaves point into the safetensors file, so loading never unpickles.
 """
 
@@ -21,18 +21,29 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from offload.errors import TierwiseError
 
 LATEST = "latest"
 _NAME = re.compile(r"^ckpt-(\d+)$")
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+#: Test hook, never set in normal use: "STEP:ACTION" makes the save of checkpoint STEP
+#: misbehave. ACTION is "sleep" (sleep 60 s after writing the files, before the rename, so a
+#: test can SIGKILL the process mid-save), "abort" (os._exit(3) at that point) or "fsize"
+#: (limit this process's file size to 64 KiB before writing, so the write fails as on a full
+#: disk; SIGXFSZ is ignored by Python, the write returns EFBIG).
+FAULT_ENV = "TIERWISE_TEST_CHECKPOINT_FAULT"
 
 
 class CheckpointError(TierwiseError):
@@ -100,6 +111,35 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, *,
+                      metadata: dict | None = None) -> None:
+    """safetensors' save_file, with its I/O failures (a SafetensorError naming an OS error,
+    e.g. a full disk) raised as the OSError they are, so callers can handle errno."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        m = _OS_ERROR.search(str(e))
+        if m is None:
+            raise
+        code = int(m.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
+def _fault(step: int, moment: str) -> None:
+    """The FAULT_ENV test hook (see above); a no-op unless it names this step."""
+    spec = os.environ.get(FAULT_ENV, "")
+    at, _, action = spec.partition(":")
+    if not at.strip().isdigit() or int(at) != step:
+        return
+    if moment == "before_write" and action == "fsize":
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(
+            resource.RLIMIT_FSIZE)[1]))
+    elif moment == "before_rename" and action == "sleep":
+        time.sleep(60)
+    elif moment == "before_rename" and action == "abort":
+        os._exit(3)
+
+
 def save_tree(directory: Path, name: str, obj: Any) -> None:
     """Write `name.safetensors` + `name.json` into `directory`, fsynced."""
     tensors: dict[str, torch.Tensor] = {}
@@ -114,7 +154,7 @@ def save_tree(directory: Path, name: str, obj: Any) -> None:
         elif ptr is not None:
             seen.add(ptr)
         flat[key] = t
-    save_file(flat, str(directory / f"{name}.safetensors"))
+    write_safetensors(flat, directory / f"{name}.safetensors")
     _fsync_file(directory / f"{name}.safetensors")
     with open(directory / f"{name}.json", "w") as f:
         json.dump(skeleton, f)
@@ -181,9 +221,15 @@ def save_checkpoint(output_dir: "str | Path", *, step: int, engine_state: Any,
     final = output_dir / ckpt_name(step)
     tmp = output_dir / (final.name + ".tmp")
     tmp.mkdir()
-    save_tree(tmp, "engine", engine_state)
-    save_tree(tmp, "trainer", {**trainer_state, "step": step})  # trainer.json marks complete
-    _fsync_dir(tmp)
+    try:
+        _fault(step, "before_write")
+        save_tree(tmp, "engine", engine_state)
+        save_tree(tmp, "trainer", {**trainer_state, "step": step})  # trainer.json marks complete
+        _fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # free the space a full disk needs back
+        raise
+    _fault(step, "before_rename")
     if final.exists():  # re-saving the same step (e.g. right after a resume)
         old = output_dir / (final.name + ".old")
         os.rename(final, old)

@@ -8,6 +8,7 @@ values go through exactly the same type conversion as command-line values.
 
 from __future__ import annotations
 
+import errno
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +23,10 @@ _META_ERROR = "tierwise.config_error"
 
 class ConfigError(TierwiseError):
     """A --config file or an option value is invalid."""
+
+
+#: errno values that mean "no room to write": a full disk, a quota, a file size limit.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def load_toml(path: "str | Path") -> dict:
@@ -90,7 +95,8 @@ class TrainConfig:
     nvme_path: str | None = None
     chunk_size: str = "64M"
     optimizer: str = "adamw"
-    lr: float = 1e-4
+    lr: float | None = None
+    """Peak learning rate; None: DEFAULT_LR, or DEMO_LR for the built-in demo."""
     weight_decay: float = 0.0
     grad_clip: float | None = None
     precision: str = "fp32"
@@ -111,13 +117,30 @@ class TrainConfig:
     budgets: dict = field(init=False)
     """Parsed bytes: {"gpu": int|None, "cpu": ..., "cxl": ..., "chunk": int}."""
 
+    #: Learning rate when --lr is not given; the built-in demo (no --model, no --data) uses a
+    #: larger one and 3 epochs so that its loss visibly falls within seconds.
+    DEFAULT_LR, DEMO_LR, DEMO_EPOCHS = 1e-4, 1e-3, 3
+
+    @property
+    def is_demo(self) -> bool:
+        return self.model is None and self.data is None
+
     def __post_init__(self):
+        if self.lr is None:
+            self.lr = self.DEMO_LR if self.is_demo else self.DEFAULT_LR
+        if self.is_demo and self.steps is None and self.epochs is None:
+            self.epochs = self.DEMO_EPOCHS
         self.budgets = {
             "gpu": parse_size(self.gpu_mem, what="--gpu-mem"),
             "cpu": parse_size(self.cpu_mem, what="--cpu-mem"),
             "cxl": parse_size(self.cxl_mem, what="--cxl-mem"),
             "chunk": parse_size(self.chunk_size, what="--chunk-size"),
         }
+        if not self.budgets["chunk"]:
+            raise ConfigError(f"--chunk-size must be positive, got {self.chunk_size!r}")
+        for name in ("gpu", "cpu", "cxl"):
+            if self.budgets[name] == 0:
+                raise ConfigError(f"--{name}-mem must be positive, got 0")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown --optimizer {self.optimizer!r}: use one of {OPTIMIZERS}")
         if self.precision not in PRECISIONS:
@@ -127,6 +150,9 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("eval_every", "checkpoint_every", "warmup_steps", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more")
         for name in ("steps", "epochs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be at least 1")

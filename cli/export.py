@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors.torch import save_file
 
+from cli.checkpoint import write_safetensors
 from offload.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: Path, *,
         nonlocal current, size
         if current:
             path = out_dir / f"model-part-{len(parts) + 1:05d}.safetensors.tmp"
-            save_file(current, str(path), metadata={"format": "pt"})
+            write_safetensors(current, path, metadata={"format": "pt"})
             parts.append((path, list(current)))
         current, size = {}, 0
 

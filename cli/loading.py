@@ -141,8 +141,13 @@ def _from_profile(name: str) -> ModelSource:
     profile = load_model_profile(name)  # raises a TierwiseError for an unknown name
     from cli.builtin import build_tokenizer
 
+    tokenizer, config = build_tokenizer(), profile.to_hf_config()
+    if len(tokenizer) > config.vocab_size:  # e.g. the 256-token `tiny` profile
+        log.info("model profile %s: vocab_size %d -> %d to fit the built-in tokenizer",
+                 name, config.vocab_size, len(tokenizer))
+        config.vocab_size = len(tokenizer)
     return ModelSource(
-        name=name, config=profile.to_hf_config(), tokenizer=build_tokenizer(), model_dir=None,
+        name=name, config=config, tokenizer=tokenizer, model_dir=None,
         note=(f"model profile '{name}' has no weights: training a RANDOMLY INITIALISED model "
               "with the built-in tiny tokenizer (pass a Hugging Face model directory to "
               "fine-tune real weights)"),

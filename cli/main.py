@@ -21,10 +21,13 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from cli.config import TrainConfig, config_callback, raise_config_error
+from cli.config import DISK_FULL, TrainConfig, config_callback, raise_config_error
 from offload.errors import TierwiseError
 
 EXIT_USER_ERROR = 2
+#: errno values of a path the user gave that cannot be used.
+PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ENOTDIR,
+               errno.EROFS, errno.ENAMETOOLONG)
 
 app = typer.Typer(
     name="finetune", add_completion=False, pretty_exceptions_enable=False,
@@ -83,9 +86,11 @@ def user_errors(fn):
         except TierwiseError as e:
             _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
         except OSError as e:
-            if e.errno == errno.ENOSPC:
-                _fail(f"disk full while writing {e.filename or 'output'}: free space or "
-                      "point --output / --nvme-path elsewhere")
+            if e.errno in DISK_FULL:
+                _fail(f"disk full ({e.strerror}) while writing {e.filename or 'output'}: free "
+                      "space or point --output / --nvme-path elsewhere")
+            if e.filename and e.errno in PATH_ERRORS:
+                _fail(f"{e.filename}: {e.strerror}")
             raise
         except KeyboardInterrupt:
             sys.stderr.write("interrupted\n")
@@ -131,12 +136,14 @@ def train(
     nvme_path: Optional[str] = Opt(None, help="Directory on an NVMe drive for swap files.",
                                    rich_help_panel=MEMORY),
     optimizer: Optimizer = Opt(Optimizer.adamw, help="Optimizer.", rich_help_panel=OPTIM),
-    lr: float = Opt(1e-4, help="Peak learning rate.", rich_help_panel=OPTIM),
+    lr: Optional[float] = Opt(None, help="Peak learning rate (default: 1e-4; 1e-3 for the "
+                              "built-in demo).", rich_help_panel=OPTIM),
     weight_decay: float = Opt(0.0, help="Decoupled weight decay.", rich_help_panel=OPTIM),
     grad_accum: int = Opt(1, help="Micro-batches per optimizer step.", rich_help_panel=OPTIM),
     grad_clip: Optional[float] = Opt(None, help="Clip the global grad norm to this value.",
                                      rich_help_panel=OPTIM),
-    steps: Optional[int] = Opt(None, help="Optimizer steps (default: one epoch).",
+    steps: Optional[int] = Opt(None, help="Optimizer steps (default: one epoch; three "
+                               "epochs for the built-in demo).",
                                rich_help_panel=SCHED),
     epochs: Optional[int] = Opt(None, help="Epochs over --data (instead of --steps).",
                                 rich_help_panel=SCHED),
@@ -154,7 +161,8 @@ def train(
                           rich_help_panel=OUTPUT),
     checkpoint_every: int = Opt(0, help="Checkpoint every N steps (always at the end and on "
                                 "Ctrl-C).", rich_help_panel=OUTPUT),
-    keep_checkpoints: int = Opt(2, help="Complete checkpoints to keep.", rich_help_panel=OUTPUT),
+    keep_checkpoints: int = Opt(2, help="Complete checkpoints to keep (0: all).",
+                                rich_help_panel=OUTPUT),
     export_dtype: Optional[ExportDtype] = Opt(None, help="Dtype of the exported model "
                                               "(default: --precision).", rich_help_panel=OUTPUT),
     config: Optional[Path] = CONFIG_OPTION,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -42,3 +43,24 @@ def read_metrics(path: "str | Path") -> list[dict]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def truncate_metrics(path: "str | Path", *, after_step: int) -> int:
+    """Drop the records of steps after `after_step` (and a torn last line), atomically.
+
+    A resumed run continues from its checkpoint; the steps a killed run logged after that
+    checkpoint are run again, so their old records must go. Returns how many were dropped.
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    records = read_metrics(path)
+    keep = [r for r in records if int(r.get("step", 0)) <= after_step]
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in keep:
+            f.write(json.dumps(r, default=float) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(records) - len(keep)

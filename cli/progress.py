@@ -45,4 +45,4 @@ class TrainProgress:
                               tps=f"{tokens_per_s:,.0f}", mem=format_usage(usage))
 
     def note(self, text: str) -> None:
-        self._progress.console.print(text, highlight=False)
+        self._progress.console.print(text, highlight=False, soft_wrap=True)

@@ -16,13 +16,14 @@ import torch
 from rich.console import Console
 
 from cli import checkpoint as ckpt
-from cli.config import ConfigError, TrainConfig
-from cli.data import Batches, DataPosition, eval_batches, load_blocks
+from cli.config import DISK_FULL, ConfigError, TrainConfig
+from cli.data import Batches, DataError, DataPosition, eval_batches, load_blocks
 from cli.export import export_hf
 from cli.loading import ModelSource, build_meta_model, iter_safetensors, resolve_model
-from cli.metrics import MetricsWriter, read_metrics
+from cli.metrics import MetricsWriter, read_metrics, truncate_metrics
 from cli.plots import plot_loss, plot_timeline
 from cli.progress import TrainProgress
+from cli.report import phase_delta, summary, warmup_report
 from cli.schedule import LRSchedule
 from offload.errors import TierwiseError
 
@@ -40,13 +41,17 @@ def engine_class():
 
 
 def make_engine(model: torch.nn.Module, cfg: TrainConfig):
-    """Engine(model, ...) from the config; options the Engine does not take are left out."""
+    """Engine(model, ...) from the config; options the Engine does not take are left out.
+
+    The engine's own checks of its options (ValueError: an optimizer it has no chunk updater
+    for, a chunk size below its minimum, ...) become one-line user errors.
+    """
     cls = engine_class()
-    kwargs = dict(
+    kwargs = dict(  # --hardware is the planner's (link speeds), not the engine's
         optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
         gpu_mem=cfg.budgets["gpu"], cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"],
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
-        chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip, hardware=cfg.hardware,
+        chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip,
     )
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     params = inspect.signature(cls).parameters
@@ -55,7 +60,12 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig):
         for k in dropped:
             log.warning("the engine takes no %s option; ignoring it", k)
             kwargs.pop(k)
-    return cls(model, **kwargs)
+    try:
+        return cls(model, **kwargs)
+    except ValueError as e:
+        if isinstance(e, TierwiseError):
+            raise
+        raise ConfigError(f"the engine cannot run with these options: {e}") from None
 
 
 def prepare_output(cfg: TrainConfig) -> Path:
@@ -114,15 +124,22 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
         from cli.planning import dry_run
 
         return dry_run(cfg, console=console)
+    if cfg.hardware:
+        from profiles import load_hardware_profile
+
+        load_hardware_profile(cfg.hardware)  # an unknown name is an error naming the known ones
     src = resolve_model(cfg.model)
     if src.note:
         warn(console, src.note)
     if cfg.model is None:
-        console.print("no --model: training the built-in tiny model", highlight=False)
+        console.print("no --model: training the built-in tiny model"
+                      + (" on the built-in sample (a demo)" if cfg.data is None else ""),
+                      highlight=False)
     if cfg.data is None:
         if cfg.model is not None:
             warn(console, "no --data: training on the built-in toy sample")
     blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
+    check_vocab(blocks, src)
     eval_data = (eval_batches(load_blocks(cfg.eval_data, src.tokenizer, seq_len=cfg.seq_len,
                                           pack=cfg.pack), batch_size=cfg.batch_size)
                  if cfg.eval_data else [])
@@ -135,13 +152,39 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     engine = make_engine(build_meta_model(src.config), cfg)
     try:
         start = _initial_state(engine, cfg, src, out, batches, console)
+        losses: list[float] = []
+        t0 = time.perf_counter()
         code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule,
-                     start=start, total=total, eval_data=eval_data, console=console)
+                     start=start, total=total, eval_data=eval_data, console=console,
+                     losses=losses)
+        console.print(summary(losses, first_step=start + 1, seconds=time.perf_counter() - t0),
+                      highlight=False, soft_wrap=True)
         if code == 0:
             _finish(engine, cfg, src, out, console)
         return code
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        last = ckpt.latest_checkpoint(out)
+        hint = (f"; checkpoint {last.name} is intact: free space, then rerun with --resume"
+                if last else "")
+        raise DiskFullError(f"disk full ({e.strerror}) while writing {e.filename or out}"
+                            f"{hint}") from None
     finally:
         engine.close()
+
+
+class DiskFullError(TierwiseError):
+    """No room to write a checkpoint, metrics or the exported model."""
+
+
+def check_vocab(blocks: list, src: ModelSource) -> None:
+    """Every token id must be an embedding row: a tokenizer bigger than the model is an error."""
+    vocab = getattr(src.config, "vocab_size", None)
+    top = max(int(b[0].max()) for b in blocks)
+    if vocab and top >= vocab:
+        raise DataError(f"the tokenizer produced token id {top} but the model's vocab_size is "
+                        f"{vocab}: --model and its tokenizer do not match")
 
 
 def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batches: Batches,
@@ -158,6 +201,8 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
         engine.load_state_dict(engine_state)
         ckpt.restore_rng(trainer["rng"])
         batches.position = DataPosition.from_dict(trainer["data"])
+        # A killed run may have logged steps after its last checkpoint; they run again now.
+        truncate_metrics(out / "metrics.jsonl", after_step=int(trainer["step"]))
         console.print(f"resumed from {path.name} (step {trainer['step']})", highlight=False)
         return int(trainer["step"])
     if src.has_weights:
@@ -190,7 +235,8 @@ def evaluate(engine, eval_data: list) -> float | None:
 
 def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
           schedule: LRSchedule, start: int, total: int, eval_data: list,
-          console: Console) -> int:
+          console: Console, losses: list[float]) -> int:
+    """Steps start+1..total; appends each train loss to `losses`; returns the exit code."""
     if cfg.eval_every and eval_data and not hasattr(engine, "eval_loss"):
         warn(console, "this engine has no eval_loss(): --eval-every is ignored")
     step = start
@@ -200,10 +246,12 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
             lr = schedule.lr_at(step)
             engine.set_lr(lr)
             batch = batches.next()
+            before = dict(getattr(engine, "phase_times", {}) or {})
             t0 = time.perf_counter()
             loss = float(engine.step(batch, grad_accum=cfg.grad_accum))
             dt = time.perf_counter() - t0
             step += 1
+            losses.append(loss)
             tokens = int(batch["attention_mask"].sum())
             record = {"kind": "train", "step": step, "loss": loss, "lr": lr,
                       "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9),
@@ -214,6 +262,9 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
             metrics.write(**record)
             bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"],
                        usage=ledger.usage() if ledger is not None else None)
+            if step == start + 1:  # the engine's warm-up step (it traces and plans in it)
+                for line in _warmup_lines(engine, cfg, src, before):
+                    bar.note(line)
             if cfg.eval_every and step % cfg.eval_every == 0:
                 ev = evaluate(engine, eval_data)
                 if ev is not None:
@@ -236,6 +287,26 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
     return 0
 
 
+def _warmup_lines(engine, cfg: TrainConfig, src: ModelSource, before: dict) -> list[str]:
+    """Measured phase times / peaks of the warm-up step next to the planner's prediction."""
+    ledger = getattr(engine, "ledger", None)
+    if ledger is None or not hasattr(engine, "phase_times"):
+        return []
+    plan, error = None, None
+    try:
+        from cli.planning import make_plan
+
+        plan = make_plan(cfg, src=src)
+        if plan is None:
+            error = "the planner is not available in this build"
+    except Exception as e:  # informative only: a planner problem never stops training
+        log.debug("planner failed", exc_info=True)
+        error = (str(e).splitlines() or [type(e).__name__])[0]
+    return warmup_report(measured_times=phase_delta(dict(engine.phase_times), before),
+                         measured_peaks=dict(ledger.peaks()), plan=plan, plan_error=error,
+                         budgets=cfg.budgets)
+
+
 def _finish(engine, cfg: TrainConfig, src: ModelSource, out: Path, console: Console) -> None:
     dtype = cfg.export_dtype or cfg.precision
     model_dir = export_hf(engine.named_parameters_fp32(), out / "model", config=src.config,
@@ -245,4 +316,5 @@ def _finish(engine, cfg: TrainConfig, src: ModelSource, out: Path, console: Cons
     timeline = getattr(engine, "timeline", None)
     if timeline:
         plot_timeline(timeline, out / "memory_timeline.png")
-    console.print(f"done: model exported to {model_dir}", highlight=False)
+    console.print(f"done: model exported to {model_dir} ({dtype}); metrics.jsonl, plots and "
+                  f"checkpoints in {out}", highlight=False, soft_wrap=True)
