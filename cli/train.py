@@ -53,6 +53,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig):
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
         chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip,
     )
+    kwargs["activations"] = activation_estimate(model, cfg)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     params = inspect.signature(cls).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -66,6 +67,20 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig):
         if isinstance(e, TierwiseError):
             raise
         raise ConfigError(f"the engine cannot run with these options: {e}") from None
+
+
+def activation_estimate(model: torch.nn.Module, cfg: TrainConfig) -> int | None:
+    """The planner's activation peak for a Llama-family model, so the engine places chunks in
+    their final tiers before the first step; None (measure in the warm-up) for other models."""
+    try:
+        from offload.perfmodel import activation_bytes
+        from profiles import ModelProfile
+
+        profile = ModelProfile.from_hf_config(model.config)
+    except Exception:  # not a model family the planner knows: the engine measures instead
+        return None
+    return activation_bytes(model=profile, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                            precision=cfg.precision, backward=cfg.optimizer != "mezo")
 
 
 def prepare_output(cfg: TrainConfig) -> Path:

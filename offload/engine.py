@@ -67,12 +67,16 @@ class Engine:
                  cxl_mem: "str | int | None" = None, nvme_path: "str | None" = None,
                  precision: str = "fp32", chunk_bytes: "str | int" = DEFAULT_CHUNK_BYTES,
                  grad_clip: float | None = None, checkpointing: bool | None = None,
+                 activations: int | None = None,
                  cxl_node: int | None = None, cxl_bandwidth: float | None = None,
                  nvme_checksum: bool = False,
                  device: "str | torch.device | None" = None,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
                  prefetch_depth: int = 16, h2d_bandwidth: float | None = None,
                  d2h_bandwidth: float | None = None, allow_gpu_home: bool = True):
+        """`activations`: the expected peak of saved activations (e.g. the planner's estimate).
+        Given, chunks are placed in their final tiers now; otherwise after the warm-up step,
+        which measures it (until then every chunk lives host-side)."""
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
         self.model, self.loss_fn = model, loss_fn
@@ -83,6 +87,56 @@ class Engine:
         self.prefetch_depth = prefetch_depth
         self.allow_gpu_home = allow_gpu_home
         self.hyper = Hyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum)
+        self._setup_tiers(gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
+                          cxl_bandwidth=cxl_bandwidth, nvme_path=nvme_path, nvme_checksum=nvme_checksum)
+        self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
+
+        named = self._trainable(model)
+        self.plan = pack_chunks(specs_of(named), chunk_bytes=parse_size(chunk_bytes, what="chunk size"))
+        self.optimizer_name = optimizer
+        self.updater = make_updater(optimizer, self.plan, shapes={n: tuple(p.shape) for n, p in named},
+                                    momentum=momentum, **(optimizer_kwargs or {}))
+        weights = [(n, p) for n, p in named if p.device.type != "meta"]
+        named = self._materialize_meta(model, named)
+        self.params = dict(named)
+        self.param_names = {p: n for n, p in named}
+        self.buffer_bytes = self._move_buffers(model)
+        self.module_chunks = self._module_chunks(model)
+        self.blocks = find_blocks(model)
+        self.zo_batch: int | None = None  # MeZO: rows of the +εz half while a dual forward runs
+        if not self.updater.needs_grad:
+            checkpointing, self.allow_gpu_home = False, False  # no backward; masters stay host-side
+        self._place(activations)
+        self.store.load(weights, self.params)  # copy the weights in; the originals go when repointed
+        del weights
+        self._install_hooks(model, checkpointing)
+
+        self.cache = ResidentCache(tiers=self.tiers, executor=self.executor,
+                                   limit=self.device_plan.cache_limit if self.device_plan else self.needs.stream_window,
+                                   dtype=self.compute_dtype, numel=lambda c: self.plan.chunks[c].numel,
+                                   fetch=self._fetch, on_resident=self._on_resident, on_evict=self._on_evict)
+        self.minimum_gpu_bytes: int | None = None
+        self.steps = 0
+        self.phase = "idle"
+        self._seen: set[torch.nn.Parameter] = set()
+        self._in_cycle = False
+        self._inflight: deque = deque()
+        self._inflight_bytes = 0
+        self.timeline: list[dict] = []
+        self._recording_timeline = False
+        self.last_grad_norm: torch.Tensor | None = None
+        self.phase_times = {"forward": 0.0, "backward": 0.0, "update": 0.0}
+        for cid in range(len(self.plan.chunks)):
+            if self.store.is_gpu_home(cid):
+                self.home_storage.add(self.store.compute_source(cid).untyped_storage()._cdata)
+                self.store.point_params(cid, self.store.compute_source(cid), self.params)
+            else:
+                self._on_evict(cid)
+
+    # -- setup helpers -------------------------------------------------------------------
+    def _setup_tiers(self, *, gpu_mem: Any, cpu_mem: Any, cxl_mem: Any, cxl_node: Any, cxl_bandwidth: Any,
+                     nvme_path: Any, nvme_checksum: bool) -> None:
+        """Budgets, the ledger and the allocators of every tier in use."""
         budgets = {"gpu": parse_size(gpu_mem, what="--gpu-mem"), "host": parse_size(cpu_mem, what="--cpu-mem")}
         cxl_bytes = parse_size(cxl_mem, what="--cxl-mem")
         self.cxl = None
@@ -92,42 +146,40 @@ class Engine:
                                     emulate_bandwidth=cxl_bandwidth, node=cxl_node)
         self.nvme = None
         if nvme_path is not None:
-            budgets["nvme"] = None  # bounded by the disk: checked by preflight below
+            budgets["nvme"] = None  # bounded by the disk: checked by preflight in _place
             self.nvme = NvmeStore(nvme_path, checksum=nvme_checksum)
         self.ledger = Ledger(budgets)
         self.tiers = Tiers(ledger=self.ledger, device=self.device, cxl=self.cxl)
-        self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
 
-        named = self._trainable(model)
-        self.plan = pack_chunks(specs_of(named), chunk_bytes=parse_size(chunk_bytes, what="chunk size"))
-        self.optimizer_name = optimizer
-        self.updater = make_updater(optimizer, self.plan, shapes={n: tuple(p.shape) for n, p in named},
-                                    momentum=momentum, **(optimizer_kwargs or {}))
-        self.store_pending = [(n, p) for n, p in named if p.device.type != "meta"]
-        named = self._materialize_meta(model, named)
-        self.params = dict(named)
-        self.param_names = {p: n for n, p in named}
-        kinds = {c.index: kind_bytes(c.numel, state_bytes=self.updater.state_bytes(c.index),
-                                     compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
-                 for c in self.plan.chunks}
-        self.homes = assign_homes(kinds=kinds, host=budgets["host"], cxl=cxl_bytes, nvme=self.nvme is not None)
+    def _place(self, activations: int | None) -> None:
+        """Decide every chunk kind's tier and allocate the chunk store there."""
+        self.kinds = {c.index: kind_bytes(c.numel, state_bytes=self.updater.state_bytes(c.index),
+                                          compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
+                      for c in self.plan.chunks}
+        budgets = self.ledger.budgets
+        self.needs = self._device_needs(activations=activations or 0)
+        check_minimum(self.needs, budgets["gpu"], measured=False)
+        self.device_plan: DevicePlan | None = None
+        gpu_home: frozenset[int] = frozenset()
+        if activations is not None:
+            self.device_plan = plan_device(self.needs, budgets["gpu"], allow_gpu_home=self.allow_gpu_home)
+            gpu_home = self.device_plan.gpu_home
+        streamed = {c: k for c, k in self.kinds.items() if c not in gpu_home}
+        self.homes = assign_homes(kinds=streamed, host=budgets["host"], cxl=budgets.get("cxl"),
+                                  nvme=self.nvme is not None)
         if self.nvme is not None:
             self.nvme.preflight(sum(self.homes.bytes.get("nvme", {}).values()))
+        tiers = dict(self.homes.tiers) | {c: dict.fromkeys(self.kinds[c], "gpu") for c in gpu_home}
         self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
                                 state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
-                                homes=self.homes.tiers, nvme=self.nvme)
+                                homes=tiers, nvme=self.nvme)
         self.bounce = Bounce(self.store, pin=self.device.type == "cuda") if self.homes.bounce else None
-        self.store.load(((n, p.data) for n, p in self.store_pending), self.params)  # copy weights in
-        del self.store_pending  # the originals are freed when their parameters are repointed
-        self.buffer_bytes = self._move_buffers(model)
-
         self.streamed_storage: dict[int, int] = {}
         self.home_storage: set[int] = set()
-        self.module_chunks = self._module_chunks(model)
-        self.blocks = find_blocks(model)
-        self.zo_batch: int | None = None  # MeZO: rows of the +εz half while a dual forward runs
-        if self.updater.needs_grad is False:
-            checkpointing, self.allow_gpu_home = False, False  # no backward; masters stay host-side
+
+    def _install_hooks(self, model: torch.nn.Module, checkpointing: bool | None) -> None:
+        """Module hooks, gradient hooks, block checkpointing (or MeZO's dual forward)."""
+        if not self.updater.needs_grad:
             for mod in self.module_chunks:
                 mod.forward = dual_forward(mod.forward, mod, self)
         if checkpointing is None:
@@ -144,27 +196,6 @@ class Engine:
         self.tracker = ActivationTracker(self)
         self.follower = TraceFollower()
 
-        self.needs = self._device_needs(activations=0)
-        check_minimum(self.needs, budgets["gpu"], measured=False)
-        self.cache = ResidentCache(tiers=self.tiers, executor=self.executor, limit=self.needs.stream_window,
-                                   dtype=self.compute_dtype, numel=lambda c: self.plan.chunks[c].numel,
-                                   fetch=self._fetch, on_resident=self._on_resident, on_evict=self._on_evict)
-        self.device_plan: DevicePlan | None = None
-        self.minimum_gpu_bytes: int | None = None
-        self.steps = 0
-        self.phase = "idle"
-        self._seen: set[torch.nn.Parameter] = set()
-        self._in_cycle = False
-        self._inflight: deque = deque()
-        self._inflight_bytes = 0
-        self.timeline: list[dict] = []
-        self._recording_timeline = False
-        self.last_grad_norm: torch.Tensor | None = None
-        self.phase_times = {"forward": 0.0, "backward": 0.0, "update": 0.0}
-        for cid in range(len(self.plan.chunks)):
-            self._on_evict(cid)
-
-    # -- setup helpers -------------------------------------------------------------------
     @staticmethod
     def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
         frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
@@ -218,7 +249,7 @@ class Engine:
             stream_window=widest + max(compute, default=0),
             grad_reserve=largest_param if self.updater.needs_grad else self._zo_workspace(),
             activations=activations,
-            home_bytes=tuple(self.store.home_bytes(c) for c in range(len(compute))),
+            home_bytes=tuple(sum(self.kinds[c].values()) for c in range(len(compute))),
             compute_bytes=compute,
         )
 
@@ -439,15 +470,18 @@ class Engine:
         self.steps += 1
         self.phase = "idle"
         self.phase_times["update"] += time.perf_counter() - t0
-        if self.device_plan is None:
+        if self.minimum_gpu_bytes is None:
             self._after_warmup()
         self._schedule()
 
     def _after_warmup(self) -> None:
         """Activations are known now: place chunks on the device as the budget allows."""
         act = self.ledger.kind_peak("gpu", "activation")
-        self.needs = self._device_needs(activations=act)
-        self.minimum_gpu_bytes = self.needs.minimum
+        measured = self._device_needs(activations=act)
+        self.minimum_gpu_bytes = measured.minimum
+        if self.device_plan is not None:  # placed up front from an estimate: keep it
+            return
+        self.needs = measured
         self.device_plan = plan_device(self.needs, self.ledger.budgets["gpu"], allow_gpu_home=self.allow_gpu_home)
         for cid in sorted(self.device_plan.gpu_home):
             self.store.promote(cid, self.params)

@@ -126,3 +126,24 @@ def test_changed_control_flow_retraces_instead_of_deadlocking():
     eng.step(short)
     assert eng.follower.retraces >= 1
     assert all(torch.isfinite(t).all() for _, t in eng.named_parameters_fp32())
+
+
+def test_placed_up_front_from_the_planner_estimate():
+    from offload.perfmodel import activation_bytes
+    from profiles import ModelProfile
+
+    data = batches(4)
+    ref_losses, ref = train_reference(tiny_llama(), data)
+    model = tiny_llama()
+    est = activation_bytes(model=ModelProfile.from_hf_config(model.config), batch_size=4, seq_len=16,
+                           precision="fp32")
+    late = Engine(tiny_llama(), lr=1e-3, gpu_mem="1500K", chunk_bytes=CHUNK)
+    late.step(data[0])
+    eng = Engine(model, lr=1e-3, gpu_mem="1500K", chunk_bytes=CHUNK, activations=est)
+    assert eng.device_plan.gpu_home  # chunks start on the device: no promotion after warm-up
+    host_at_start = eng.ledger.used("host")
+    assert [eng.step(b) for b in data] == ref_losses
+    assert weights_equal(eng, ref)
+    assert eng.ledger.peaks()["host"] == host_at_start < late.ledger.peaks()["host"]
+    assert eng.device_plan.gpu_home == late.device_plan.gpu_home  # the estimate is the measurement
+    assert eng.ledger.peaks()["gpu"] <= 1500 << 10
