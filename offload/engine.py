@@ -31,6 +31,7 @@ from offload.errors import BudgetExceeded, InfeasibleBudget, TierwiseError
 from offload.cxl import CxlAllocator, detect_cxl_nodes
 from offload.executor import Executor, Ticket
 from offload.homes import assign_homes
+from offload.actoffload import Offloader
 from offload.hooks import ActivationTracker, checkpointed, install_module_hooks
 from offload.ledger import Ledger
 from offload.model_info import find_blocks, modules_with_params
@@ -73,10 +74,13 @@ class Engine:
                  device: "str | torch.device | None" = None,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
                  prefetch_depth: int = 16, h2d_bandwidth: float | None = None,
-                 d2h_bandwidth: float | None = None, allow_gpu_home: bool = True):
+                 d2h_bandwidth: float | None = None, allow_gpu_home: bool = True,
+                 offload_activations: bool = False):
         """`activations`: the expected peak of saved activations (e.g. the planner's estimate).
         Given, chunks are placed in their final tiers now; otherwise after the warm-up step,
-        which measures it (until then every chunk lives host-side)."""
+        which measures it (until then every chunk lives host-side).
+        `offload_activations`: keep checkpointed blocks' inputs in host memory between forward
+        and backward (offload.actoffload), for sequences whose activations outgrow the device."""
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
         self.model, self.loss_fn = model, loss_fn
@@ -86,6 +90,7 @@ class Engine:
         self.grad_clip = grad_clip
         self.prefetch_depth = prefetch_depth
         self.allow_gpu_home = allow_gpu_home
+        self.offload_activations = offload_activations
         self.hyper = Hyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum)
         self._setup_tiers(gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
                           cxl_bandwidth=cxl_bandwidth, nvme_path=nvme_path, nvme_checksum=nvme_checksum)
@@ -188,12 +193,15 @@ class Engine:
             model.config.use_cache = False  # a KV cache would see each block twice (recompute)
         if checkpointing:
             for block in self.blocks:
-                block.forward = checkpointed(block.forward, hooks=lambda: self.tracker.hooks())
+                block.forward = checkpointed(block.forward, hooks=lambda: self.tracker.hooks(),
+                                             saving=lambda: self.tracker.saving_block_inputs())
         self.checkpointing = checkpointing
         self._handles = install_module_hooks(self, list(self.module_chunks))
         for p in self.params.values():
             self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         self.tracker = ActivationTracker(self)
+        if self.offload_activations:
+            self.tracker.offloader = Offloader(self)
         self.follower = TraceFollower()
 
     @staticmethod
@@ -383,6 +391,8 @@ class Engine:
         try:
             with self.tracker.hooks():
                 loss = self.loss_fn(self.model, self._to_device(batch))
+            if self.tracker.offloader is not None:
+                self.tracker.offloader.end_forward()
         except BudgetExceeded as exc:
             err = self._budget_error(exc)
             self._abort_cycle()

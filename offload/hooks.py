@@ -49,7 +49,7 @@ class ActivationTracker:
     def __init__(self, engine: "Engine"):
         self.engine = engine
         self._live: dict[int, list[int]] = {}  # storage key -> [refcount, nbytes]
-        self.offload = None  # set by activation offload (a callable that may move the tensor)
+        self.offloader = None  # an offload.actoffload.Offloader when activation offload is on
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -62,6 +62,8 @@ class ActivationTracker:
             return _ChunkRef(cid, tuple(t.size()), tuple(t.stride()), t.storage_offset())
         if key in eng.home_storage or t.device != eng.device:
             return t  # permanent device bytes (already counted) or not in the gpu tier
+        if self.offloader is not None and self.offloader.wants(t):
+            return self.offloader.pack(t)
         nbytes = t.untyped_storage().nbytes()
         live = self._live.get(key)
         if live is None:
@@ -83,7 +85,26 @@ class ActivationTracker:
             return buf.as_strided(packed.size, packed.stride, packed.offset)
         if isinstance(packed, _Held):
             return packed.tensor
+        if self.offloader is not None and not isinstance(packed, torch.Tensor):
+            return self.offloader.unpack(packed)
         return packed
+
+    def saving_block_inputs(self) -> Any:
+        """Context for a checkpointed block's save_for_backward: its inputs may be offloaded."""
+        return _Flag(self.offloader)
+
+
+class _Flag:
+    def __init__(self, offloader: Any):
+        self.offloader = offloader
+
+    def __enter__(self) -> None:
+        if self.offloader is not None:
+            self.offloader.active = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.offloader is not None:
+            self.offloader.active = False
 
 
 def install_module_hooks(engine: "Engine", modules: list[torch.nn.Module]) -> list[Any]:
@@ -139,10 +160,11 @@ def _rebuild(spec: Any, n_tensors: int, flat: Any) -> tuple[tuple, dict]:
     return tree_unflatten([next(tensors) if t else next(others) for t in is_tensor], treespec)
 
 
-def checkpointed(forward: Callable, *, hooks: Callable[[], Any]) -> Callable:
+def checkpointed(forward: Callable, *, hooks: Callable[[], Any], saving: Callable[[], Any]) -> Callable:
     """Wrap a block's forward so that backward recomputes it instead of keeping its internals.
 
-    `hooks()` gives the saved-tensor hooks the recomputation runs under (the engine's).
+    `hooks()` gives the saved-tensor hooks the recomputation runs under (the engine's);
+    `saving()` wraps the saving of the block's inputs (activation offload picks them there).
     """
 
     def run(args: tuple, kwargs: dict) -> Any:
@@ -155,6 +177,7 @@ def checkpointed(forward: Callable, *, hooks: Callable[[], Any]) -> Callable:
         is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         tensors = [x for x, t in zip(leaves, is_tensor) if t]
         others = [x for x, t in zip(leaves, is_tensor) if not t]
-        return _Checkpoint.apply((hooks, run), (treespec, is_tensor), len(tensors), *tensors, *others)
+        with saving():  # autograd packs the saved inputs when apply returns: inside this block
+            return _Checkpoint.apply((hooks, run), (treespec, is_tensor), len(tensors), *tensors, *others)
 
     return wrapper

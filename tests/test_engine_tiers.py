@@ -121,3 +121,21 @@ def test_swap_files_removed_on_ctrl_c(tmp_path):
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
     assert not swap.exists() or not os.listdir(swap)
+
+
+def test_activation_offload_is_exact_and_lowers_the_device_minimum():
+    data = batches(3, seq=64, vocab=32)
+    ref_losses, ref = train_reference(tiny_llama(layers=8, vocab=32), data)
+    minimum = {}
+    for offload in (False, True):
+        eng = Engine(tiny_llama(layers=8, vocab=32), lr=1e-3, gpu_mem="8M", chunk_bytes=CHUNK,
+                     offload_activations=offload)
+        assert [eng.step(b) for b in data] == ref_losses
+        assert all(torch.equal(weights(eng)[n], p.detach()) for n, p in ref.named_parameters())
+        minimum[offload] = eng.minimum_gpu_bytes
+        host_peak = eng.ledger.kind_peak("host", "activation")
+        assert (host_peak > 0) == offload  # block inputs waited in host memory
+        usage = eng.ledger.usage()
+        assert not usage["gpu"].get("activation") and not usage["host"].get("activation")
+    block_inputs = 8 * 4 * 64 * 64 * 4  # layers x tokens x hidden x fp32
+    assert minimum[True] <= minimum[False] - block_inputs // 2
