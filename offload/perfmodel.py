@@ -131,6 +131,12 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     head    the final norm + log_softmax's fp32 output (4*T*V) + int64 targets + a scalar
     final_norm  the part of head still saved once log_softmax's backward has run
     The peak is fixed + inputs + the larger of block (in backward) and head (end of forward).
+
+    A model with a single decoder layer is not checkpointed (the engine checkpoints blocks only
+    when there are several): then the layer's internals stay saved from forward to backward
+    (`block`), no position ids are saved (only the checkpoint keeps them) and `inputs` is the
+    first norm's saved fp32 input in fp32 runs (in bf16 the block input itself is not saved);
+    the peak is fixed + inputs + block + head.
     """
     e = compute_bytes(precision)
     t, s, h, i = batch_size * seq_len, seq_len, model.hidden_size, model.intermediate_size
@@ -138,9 +144,10 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     norm = 4 * t + 2 * e * t * h + fp32_copy
     first_norm = norm - (fp32_copy if e == 4 else 0)
     attention = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s
+    checkpointed = checkpoints_blocks(model)
     return {
-        "fixed": 8 * t + 2 * s * model.dim_per_head * e + 8 * s,
-        "inputs": model.num_hidden_layers * e * t * h,
+        "fixed": 8 * t + 2 * s * model.dim_per_head * e + (8 * s if checkpointed else 0),
+        "inputs": model.num_hidden_layers * e * t * h if checkpointed else (e * t * h if e == 4 else 0),
         "block": first_norm + attention + norm + 4 * e * t * i,
         "final_norm": norm,
         # targets: the labels shifted in a padded S+1 copy; with one sequence a view of all of it
@@ -155,7 +162,14 @@ def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     if not backward:
         return 0
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision)
+    if not checkpoints_blocks(model):
+        return p["fixed"] + p["inputs"] + p["block"] + p["head"]
     return p["fixed"] + p["inputs"] + max(p["block"], p["head"])
+
+
+def checkpoints_blocks(model: ModelProfile) -> bool:
+    """Whether the engine checkpoints the decoder layers: only when there are several."""
+    return model.num_hidden_layers > 1
 
 
 def buffer_bytes(model: ModelProfile) -> int:

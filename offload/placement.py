@@ -44,7 +44,7 @@ def check_minimum(needs: DeviceNeeds, budget: "int | None", *, measured: bool) -
     """Refuse a device budget below what one step needs, naming the minimum."""
     if budget is None or budget >= needs.minimum:
         return
-    what = "measured" if measured else "before activations"
+    what = "measured" if measured else ("estimated" if needs.activations else "before activations")
     raise InfeasibleBudget(
         f"gpu budget {format_size(budget)} ({budget} B) is below the minimum "
         f"{format_size(needs.minimum)} ({needs.minimum} B) "

@@ -26,15 +26,18 @@ from typing import Any
 
 from offload.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, pack_chunks
 from offload.errors import InfeasibleBudget, TierwiseError
-from offload.homes import Homes, assign_homes
-from offload.perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buffer_bytes, compute_bytes, model_flops,
-                               ops_per_forward, optimizer_cost, param_state_bytes, param_update_flops, predict_step)
+from offload.aligned import round_up
+from offload.homes import Homes, assign_homes, minimum_host
+from offload.perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buffer_bytes, checkpoints_blocks,
+                               compute_bytes, model_flops,
+                               ops_per_forward, optimizer_cost, param_update_flops, predict_step)
 from offload.placement import DeviceNeeds, DevicePlan, plan_device
 from offload.sizes import format_size, parse_size
 from profiles import HardwareProfile, ModelProfile, load_hardware_profile, load_model_profile
 
 log = logging.getLogger(__name__)
 TIERS = ("gpu", "host", "cxl", "nvme")
+CXL_PAGE = 4096  # the CXL allocator's charging unit (its SC_PAGE_SIZE; 4 KiB on x86-64 and most arm64)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,11 +75,16 @@ class Plan:
     engine's ledger names them: fp32 runs have no separate compute copy (the master is streamed)."""
     reserve: dict[str, dict[str, int]]
     """Non-chunk bytes: gpu "buffers", "stream cache" (streamed compute copies, at most the cache
-    limit), "grad in flight", "activations"; host "nvme bounce"."""
+    limit), "grad in flight" (MeZO: "workspace", its perturbed parameter copies), "activations";
+    host "nvme bounce"."""
     peak: dict[str, int]
     """Predicted peak bytes per tier in steady state (after the warm-up step)."""
     gpu_minimum: int
     """The smallest gpu budget the engine accepts for this run (its `minimum_gpu_bytes`)."""
+    host_minimum: int
+    """The smallest host budget the engine accepts with these cxl/nvme tiers
+    (`homes.minimum_host` over every chunk: the engine places all of them host-side before the
+    warm-up step and promotes gpu-home chunks only after it)."""
     cache_limit: int
     """Bytes the engine's resident cache may use for streamed compute copies."""
     chunk_homes: tuple[ChunkHome, ...] = field(repr=False)
@@ -124,10 +132,14 @@ def _module_of(name: str) -> str:
 
 
 class _Chunks:
-    """The engine's chunking of `model` and the bytes of every kind of every chunk."""
+    """The engine's chunking of `model` and the bytes of every kind of every chunk.
+
+    Optimizer state bytes come from the engine's own chunk updater
+    (`offload.updaters.make_updater(...).state_bytes(cid)`), so 8-bit blocks, 64-byte slot
+    alignment and low-rank projectors are counted exactly as the engine allocates them."""
 
     def __init__(self, *, model: ModelProfile, optimizer: str, precision: str, chunk_bytes: int,
-                 rank: int | None) -> None:
+                 rank: int | None, optimizer_kwargs: dict | None = None) -> None:
         self.cost = optimizer_cost(optimizer)
         self.ce = compute_bytes(precision)
         self.bf16 = precision == "bf16"
@@ -135,16 +147,15 @@ class _Chunks:
         by_name = {s.name: s for s in specs}
         self.plan: ChunkPlan = pack_chunks(specs, chunk_bytes=chunk_bytes, element_size=4)
         self.n = len(self.plan.chunks)
-        self.kinds: list[dict[str, int]] = []  # per chunk, as the engine's ChunkStore.kind_bytes
+        updater = _updater(optimizer, self.plan, specs, rank=rank, optimizer_kwargs=optimizer_kwargs)
+        self.needs_grad = bool(updater.needs_grad)
+        self.kinds: list[dict[str, int]] = []  # per chunk, as the engine's store.kind_bytes
         self.params: list[int] = []
         self.flops: list[float] = []
         for c in self.plan.chunks:
             ps = [by_name[n] for n in c.params]
-            if self.cost.lowrank is None:
-                state = int(c.numel * self.cost.state_bytes_per_param)  # whole chunk, padding included
-            else:
-                state = int(sum(param_state_bytes(p, cost=self.cost, rank=rank) for p in ps))
-            k = {"grad": 4 * c.numel if self.cost.needs_grad else 0, "state": state, "master": 4 * c.numel}
+            k = {"grad": 4 * c.numel if self.needs_grad else 0, "state": int(updater.state_bytes(c.index)),
+                 "master": 4 * c.numel}
             if self.bf16:
                 k["compute"] = self.ce * c.numel
             self.kinds.append({kind: b for kind, b in k.items() if b})
@@ -152,21 +163,51 @@ class _Chunks:
             self.flops.append(sum(param_update_flops(p, cost=self.cost, rank=rank) for p in ps))
         self.compute = [self.ce * c.numel for c in self.plan.chunks]
         modules: dict[str, set[int]] = defaultdict(set)
+        owned: dict[str, int] = defaultdict(int)
         for name, slot in self.plan.slots.items():
             modules[_module_of(name)].add(slot.chunk)
+            owned[_module_of(name)] += slot.numel
         self.widest = max((sum(self.compute[c] for c in cids) for cids in modules.values()), default=0)
         self.largest_param = max((s.numel for s in self.plan.slots.values()), default=0)
+        # MeZO: the +eps z and -eps z copies of the widest module's parameters (engine._zo_workspace)
+        self.zo_workspace = 2 * self.ce * max(owned.values(), default=0)
 
     def device_needs(self, *, buffers: int, activations: int) -> DeviceNeeds:
         """What the engine's `_device_needs` computes for this model (placement.DeviceNeeds)."""
         return DeviceNeeds(
             buffers=buffers,
             stream_window=self.widest + max(self.compute, default=0),
-            grad_reserve=self.largest_param * self.ce if self.cost.needs_grad else 0,
+            grad_reserve=self.largest_param * self.ce if self.needs_grad else self.zo_workspace,
             activations=activations,
             home_bytes=tuple(sum(k.values()) for k in self.kinds),
             compute_bytes=tuple(self.compute),
         )
+
+    def bounce_bytes(self, homes: Homes) -> int:
+        """Host bytes of the engine's NVMe bounce buffers (`swapping.Bounce`) for `homes`:
+        two update sets of the largest chunk's swapped kinds, one staging buffer of the largest
+        swapped compute source, each kind rounded up to the O_DIRECT alignment."""
+        sets, fetch = 0, 0
+        for c, tiers in homes.tiers.items():
+            swapped = [k for k in ("master", "state", "compute") if tiers.get(k) == "nvme" and k in self.kinds[c]]
+            sets = max(sets, sum(round_up(self.kinds[c][k]) for k in swapped))
+            source = "compute" if self.bf16 else "master"
+            if source in swapped:
+                fetch = max(fetch, round_up(self.kinds[c][source]))
+        return 2 * sets + fetch
+
+
+def _updater(optimizer: str, plan: ChunkPlan, specs: list, *, rank: int | None, optimizer_kwargs: dict | None):
+    """The engine's chunk updater for this chunking (state bytes and whether it needs grads)."""
+    from offload.updaters import LOW_RANK, make_updater  # torch: imported only when planning
+
+    kwargs = dict(optimizer_kwargs or {})
+    if rank is not None and optimizer in LOW_RANK:
+        kwargs.setdefault("rank", rank)
+    try:
+        return make_updater(optimizer, plan, shapes={s.name: tuple(s.shape) for s in specs}, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise TierwiseError(f"optimizer {optimizer!r}: {exc}") from None
 
 
 def _resolve_model(model: Any) -> ModelProfile:
@@ -181,12 +222,14 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               cpu_mem: int | str | None, cxl_mem: int | str | None = None, nvme_path: str | None = None,
               nvme_mem: int | str | None = None, optimizer: str, precision: str, batch_size: int, seq_len: int,
               chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
-              grad_accum: int = 1, **_ignored: Any) -> Plan:
+              optimizer_kwargs: dict | None = None, grad_accum: int = 1, **_ignored: Any) -> Plan:
     """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited).
 
     `model`: a profile, a profile name/path, or a transformers model/config (its shapes are read).
     `hardware`: a profile or name/path; None means "cpu-sim". `batch_size` is the micro-batch
     (the engine splits a batch into `grad_accum` of them; activations follow the micro-batch).
+    `optimizer_kwargs` as the Engine takes them (e.g. {"rank": 8} for GaLore/APOLLO; `rank`
+    is a shorthand for it): they decide the optimizer state bytes.
     Raises InfeasibleBudget naming the minimum gpu / host / nvme bytes when they cannot fit."""
     model = _resolve_model(model)
     hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
@@ -208,9 +251,10 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     use_nvme = nvme_path is not None
     chunk_bytes = parse_size(chunk_bytes, what="chunk size")
 
-    ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_bytes, rank=rank)
+    ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_bytes, rank=rank,
+                 optimizer_kwargs=optimizer_kwargs)
     act = activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                           backward=ch.cost.needs_grad)
+                           backward=ch.needs_grad)
     needs = ch.device_needs(buffers=buffer_bytes(model), activations=act)
     if gpu < needs.minimum:
         raise InfeasibleBudget(
@@ -218,10 +262,15 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
             f"({needs.minimum} B: buffers {format_size(needs.buffers)}, streaming window "
             f"{format_size(needs.stream_window)}, gradient reserve {format_size(needs.grad_reserve)}, "
             f"activations {format_size(act)} at batch {batch_size} x {seq_len})", minimum={"gpu": needs.minimum})
-    device = plan_device(needs, gpu)
+    # MeZO keeps every master host-side (the engine allows no gpu-home chunks without gradients).
+    device = plan_device(needs, gpu, allow_gpu_home=ch.needs_grad)
     streamed = [c for c in range(ch.n) if c not in device.gpu_home]
-    homes = assign_homes(kinds={c: ch.kinds[c] for c in streamed}, host=host, cxl=cxl or None, nvme=use_nvme)
-    on_nvme = sum(homes.bytes.get("nvme", {}).values())
+    # As the engine: homes of EVERY chunk are assigned before the warm-up step (all chunks start
+    # host-side); gpu-home chunks leave their host-side homes when promoted after it.
+    homes_all = _engine_homes(ch, host=host, cxl=cxl, nvme=use_nvme)
+    homes = _streamed_homes(ch, homes_all, streamed)
+    host_min = _host_minimum(ch, cxl=cxl, nvme=use_nvme)
+    on_nvme = sum(homes_all.bytes.get("nvme", {}).values())  # the engine's preflight: before promotion
     if nvme_cap is not None and on_nvme > nvme_cap:
         raise InfeasibleBudget(f"--nvme-path has {format_size(nvme_cap)} of space: needs at least "
                                f"{format_size(on_nvme)}; raise --cpu-mem / --cxl-mem or free disk space",
@@ -232,7 +281,81 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                         load=load, micro_batches=grad_accum)
     return _build(ch, model=model, hw=hw, needs=needs, device=device, homes=homes, pred=pred, precision=precision,
                   budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
-                  batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes, optimizer=optimizer)
+                  batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes, optimizer=optimizer,
+                  host_minimum=host_min)
+
+
+def _construction_bytes(ch: _Chunks, homes_all: Homes) -> tuple[int, int]:
+    """(host, cxl) bytes the engine takes at construction, when every chunk is host-side:
+    host = its kinds + the real bounce buffers (swapping.Bounce rounds each swapped kind up to
+    the O_DIRECT alignment, which homes.bounce_bytes does not); cxl = what the CXL allocator
+    charges (whole pages per kind, against the same --cxl-mem budget as the ledger)."""
+    host = sum(homes_all.bytes.get("host", {}).values()) + (ch.bounce_bytes(homes_all) if homes_all.bounce else 0)
+    cxl = sum(round_up(ch.kinds[c][k], CXL_PAGE) for c, d in homes_all.tiers.items() for k, t in d.items()
+              if t == "cxl")
+    return host, cxl
+
+
+def _engine_homes(ch: _Chunks, *, host: int | None, cxl: int, nvme: bool) -> Homes:
+    """homes.assign_homes over every chunk, as the engine calls it; InfeasibleBudget (naming the
+    smallest budget that works) also where the engine would fail later, at its bounce buffers
+    or at the CXL allocator's page rounding."""
+    kinds = dict(enumerate(ch.kinds))
+    homes_all = assign_homes(kinds=kinds, host=host, cxl=cxl or None, nvme=nvme)
+    used_host, charged_cxl = _construction_bytes(ch, homes_all)
+    if host is not None and used_host > host:
+        need = _host_minimum(ch, cxl=cxl, nvme=nvme)
+        raise InfeasibleBudget(
+            f"host budget {format_size(host)} cannot hold the streamed chunks and the NVMe bounce buffers "
+            f"({format_size(used_host)}); at least {format_size(need)} ({need} B) needed; raise --cpu-mem",
+            minimum={"host": need})
+    if cxl and charged_cxl > cxl:
+        need = _grow(lambda b: _construction_bytes(ch, assign_homes(kinds=kinds, host=host, cxl=b, nvme=nvme))[1],
+                     cxl, cap=sum(sum(k.values()) for k in ch.kinds) + CXL_PAGE * 4 * ch.n)
+        raise InfeasibleBudget(
+            f"--cxl-mem {format_size(cxl)}: the CXL allocator charges whole {CXL_PAGE} B pages, "
+            f"{format_size(charged_cxl)} for what is placed there; use at least {format_size(need)} ({need} B)",
+            minimum={"cxl": need})
+    return homes_all
+
+
+def _grow(used: Any, start: int, *, cap: int) -> int:
+    """The smallest budget b >= start, found by fixpoint iteration, with used(b) <= b (else cap)."""
+    b = start
+    for _ in range(64):
+        try:
+            u = used(b)
+        except InfeasibleBudget:
+            return cap
+        if u <= b:
+            return b
+        b = u
+    return cap
+
+
+def _host_minimum(ch: _Chunks, *, cxl: int, nvme: bool) -> int:
+    """The smallest host budget the engine accepts: homes.minimum_host, raised where the real
+    bounce buffers do not fit in it; never more than every kind of every chunk (then nothing
+    goes to NVMe, and no bounce buffers are needed)."""
+    kinds = dict(enumerate(ch.kinds))
+    everything = sum(sum(k.values()) for k in ch.kinds)
+    start = minimum_host(kinds, cxl=cxl or None, nvme=nvme)
+    if start >= everything:
+        return everything if nvme else start
+    return min(everything, _grow(lambda b: _construction_bytes(
+        ch, assign_homes(kinds=kinds, host=b, cxl=cxl or None, nvme=nvme))[0], start, cap=everything))
+
+
+def _streamed_homes(ch: _Chunks, homes_all: Homes, streamed: list[int]) -> Homes:
+    """The homes of the streamed chunks only (what stays host-side after promotion); the
+    bounce buffers are the engine's, sized at construction from every chunk's homes."""
+    tiers = {c: homes_all.tiers[c] for c in streamed}
+    totals: dict[str, dict[str, int]] = {}
+    for c, d in tiers.items():
+        for kind, tier in d.items():
+            totals.setdefault(tier, {}).setdefault(kind, 0)
+            totals[tier][kind] += ch.kinds[c][kind]
+    return Homes(tiers=tiers, bytes=totals, bounce=ch.bounce_bytes(homes_all) if homes_all.bounce else 0)
 
 
 def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int], flops_fwd: float,
@@ -248,7 +371,7 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
         tokens_flops_fwd=flops_fwd,
         placed={t: dict(homes.bytes.get(t, {})) for t in ("host", "cxl", "nvme")},
         stream_bytes=stream, fetched_bytes=fetched,
-        grad_d2h_bytes=streamed_compute if ch.cost.needs_grad else 0,
+        grad_d2h_bytes=streamed_compute if ch.needs_grad else 0,
         cpu_params=sum(ch.params[c] for c in streamed), cpu_flops=sum(ch.flops[c] for c in streamed),
         cpu_update_bytes=sum(_update_bytes(ch, c) for c in streamed),
         gpu_params=sum(ch.params[c] for c in home),
@@ -264,6 +387,24 @@ def _update_bytes(ch: _Chunks, c: int) -> int:
     return 2 * (k.get("master", 0) + k.get("state", 0)) + k.get("grad", 0) + k.get("compute", 0)
 
 
+def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
+    """Streamed compute copies resident when the gpu peaks (the end of forward, or just after
+    it in backward). The schedule keeps the chunks needed soonest: lm_head's chunk (in use),
+    then the others in backward (reverse first-use) order, as many as fit in the cache limit;
+    a chunk that does not fit is left out (Belady evicts it: e.g. a big embedding, needed
+    last). MeZO has no backward: the cache is simply as full as the limit allows."""
+    streamed = [c for c in range(ch.n) if c not in device.gpu_home]
+    if not ch.needs_grad:
+        return min(device.cache_limit, sum(ch.compute[c] for c in streamed))
+    head = ch.plan.slots.get("lm_head.weight") or ch.plan.slots.get("model.embed_tokens.weight")
+    first = [head.chunk] if head is not None and head.chunk in streamed else []
+    resident = 0
+    for c in first + [c for c in reversed(streamed) if c not in first]:
+        if resident + ch.compute[c] <= device.cache_limit:
+            resident += ch.compute[c]
+    return resident
+
+
 def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds,
                    device: DevicePlan, batch_size: int, seq_len: int, precision: str) -> int:
     """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
@@ -271,10 +412,13 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     the host while the final norm's activations are still saved; the embedding's gradient at
     the very end. The simulated device's copy thread drains small gradients as they come;
     on CUDA up to the gradient reserve may be in flight at any time."""
-    if not ch.cost.needs_grad:
-        return needs.activations
+    if not ch.needs_grad:  # MeZO: the perturbed copies of the module computing (dual_forward)
+        return needs.activations + ch.zo_workspace
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision)
     held = p["fixed"] + p["inputs"]
+    if not checkpoints_blocks(model):  # a single layer: its internals stay saved until its backward
+        held += p["block"]
+        p = {**p, "block": 0}
     streamed_grad = {name: ch.ce * s.numel for name, s in ch.plan.slots.items() if s.chunk not in device.gpu_home}
     inflight = 0 if hw.simulated else (needs.grad_reserve if streamed_grad else 0)
     return max(held + p["head"], held + p["block"] + inflight,
@@ -292,11 +436,11 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
     for tier, kinds in homes.bytes.items():
         for kind, b in kinds.items():
             by_tier[tier][kind] += b
-    streamed_compute = sum(ch.compute[c] for c in range(ch.n) if c not in device.gpu_home)
-    cache = min(device.cache_limit, streamed_compute)
+    cache = _resident_at_peak(ch, device)
     transient = _gpu_transient(ch, model=model, hw=hw, needs=needs, device=device, **act_args)
+    in_flight = "grad in flight" if ch.needs_grad else "workspace"
     reserve = {"gpu": {"buffers": needs.buffers, "stream cache": cache, "activations": needs.activations,
-                       "grad in flight": transient - needs.activations},
+                       in_flight: transient - needs.activations},
                "host": {"nvme bounce": homes.bounce}}
     peak = {t: sum(by_tier[t].values()) + sum(reserve.get(t, {}).values()) for t in TIERS}
     chunk_homes = []

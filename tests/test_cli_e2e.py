@@ -224,10 +224,11 @@ def test_error_infeasible_budget_names_the_minimum(tmp_path):
 
 
 def test_error_budget_too_small_for_activations(tmp_path):
-    """Chunks fit but the measured activations do not: the warm-up step says how much."""
+    """Chunks fit but the activations do not: refused before the first step, naming the minimum."""
     line = _error_line(_invoke(*STREAM[:-2], "--gpu-mem", "300K", "--steps", "1",
                                "--output", str(tmp_path / "o")))
-    assert "gpu budget 300.00 KiB cannot hold this step: at least" in line
+    assert "gpu budget 300.00 KiB (307200 B) is below the minimum" in line
+    assert "(estimated:" in line and "activations 294.25 KiB" in line
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "galore", "apollo-mini", "mezo"])
