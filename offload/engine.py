@@ -32,6 +32,7 @@ from offload.cxl import CxlAllocator, detect_cxl_nodes
 from offload.executor import Executor, Ticket
 from offload.homes import assign_homes
 from offload.actoffload import Offloader
+from offload.gradspill import GradSpill
 from offload.hooks import ActivationTracker, checkpointed, install_module_hooks
 from offload.ledger import Ledger
 from offload.model_info import find_blocks, modules_with_params
@@ -179,6 +180,7 @@ class Engine:
                                 state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
                                 homes=tiers, nvme=self.nvme)
         self.bounce = Bounce(self.store, pin=self.device.type == "cuda") if self.homes.bounce else None
+        self.spill = GradSpill(self)
         self.streamed_storage: dict[int, int] = {}
         self.home_storage: set[int] = set()
 
@@ -334,8 +336,12 @@ class Engine:
         slot = self.plan.slots[self.param_names[p]]
         first = p not in self._seen
         self._seen.add(p)
-        dst = self.store.grad_view(slot)
         src = g.reshape(-1)
+        spilled = isinstance(self.store.chunks[slot.chunk].grad, SwapKind)
+        if spilled:
+            dst = self.spill.target(slot.chunk)[slot.offset: slot.offset + slot.numel]
+        else:
+            dst = self.store.grad_view(slot)
         if self.store.is_gpu_home(slot.chunk):
             dst.copy_(src) if first else dst.add_(src)
             return
@@ -346,6 +352,8 @@ class Engine:
             staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
         ticket = self.executor.copy("d2h", dst, src, accumulate=not first, staging=staging)
         self._inflight.append((ticket, nbytes, src))
+        if spilled:
+            self.spill.landed(slot.chunk, ticket)
 
     def _reserve_grad(self, nbytes: int) -> None:
         limit = max(self.needs.grad_reserve, nbytes)
@@ -369,6 +377,7 @@ class Engine:
         if not self._in_cycle:
             self._in_cycle = True
             self._seen = set()
+            self.spill.begin_cycle()
             self.follower.start_step()
             self._recording_timeline = self.steps == 1 or (self.steps == 0 and not self.timeline)
             if self._recording_timeline:
@@ -407,6 +416,7 @@ class Engine:
         try:
             loss.backward()
             self._drain_grads()
+            self.spill.end_backward()
         except BudgetExceeded as exc:
             err = self._budget_error(exc)
             self._abort_cycle()
@@ -415,6 +425,8 @@ class Engine:
 
     def _abort_cycle(self) -> None:
         self._drain_grads()
+        self.spill.finish_cycle()
+        self.spill = GradSpill(self)
         self._in_cycle = False
         self.store.zero_grads()
 
@@ -470,8 +482,9 @@ class Engine:
         self._drain_grads()
         if self.updater.needs_grad:
             self.store.zero_unseen_grads(self._seen, self.params)
+        self.spill.finish_cycle()
         if self.grad_clip is not None:
-            self.last_grad_norm = self.store.clip_grads_(self.grad_clip, list(self.params))
+            self.last_grad_norm = self.store.clip_grads_(self.grad_clip)
         update_all(self.store, self.updater, self.hyper, self.bounce)
         self.cache.evict_all()
         self._record_moment()

@@ -4,16 +4,19 @@ Shared by the engine (which allocates accordingly) and the planner (which predic
 so that plan and measurement agree by construction.
 
 Policy, CXL-aware:
-1. Gradients stay in host DRAM: every backward accumulates into them.
+1. Gradients come first in host DRAM (every backward accumulates into them); when DRAM is
+   short they overflow to CXL, then NVMe, where a chunk's gradients are accumulated in a host
+   staging buffer while they arrive and written out once complete.
 2. Compute copies (bf16 runs only; in fp32 the master is the compute copy) are
    latency-tolerant: they prefer CXL, then DRAM.
 3. The optimizer's working set — state, then master — fills the DRAM that is left, kind by
    kind (all states before any master, since states are read and written every step).
 4. What does not fit overflows to CXL, then NVMe (when an --nvme-path is given).
-When anything lives on NVMe, host DRAM also holds bounce buffers: two sets of the largest
-chunk's non-gradient bytes (the update works on one while the other is read or written) and
-one staging buffer of the largest compute source (compute copy, or master in fp32 runs) for
-streaming a chunk from NVMe to the device.
+When anything lives on NVMe, host DRAM also holds bounce buffers (4096-byte aligned): two
+update sets, each the largest chunk's NVMe-resident bytes (the update works on one while the
+other is read or written); one fetch staging buffer for the largest NVMe-resident compute
+source (compute copy, or master in fp32 runs) streamed to the device; and two gradient staging
+buffers when gradients live on NVMe.
 """
 
 from __future__ import annotations
@@ -56,10 +59,9 @@ def assign_homes(*, kinds: dict[int, dict[str, int]], host: "int | None", cxl: "
     Raises InfeasibleBudget with the smallest host budget that would work.
     """
     inf = float("inf")
-    for bounce in (0, None):
-        if bounce is None:
-            bounce = bounce_bytes(kinds)
-        free = {"host": (inf if host is None else host - bounce), "cxl": 0 if cxl is None else cxl,
+    reserve = 0
+    for attempt in range(2):
+        free = {"host": (inf if host is None else host - reserve), "cxl": 0 if cxl is None else cxl,
                 "nvme": inf if nvme else 0}
         out: dict[int, dict[str, str]] = {c: {} for c in kinds}
         by_kind = {k: [(c, k) for c in kinds if k in kinds[c]] for k in KIND_ORDER}
@@ -67,36 +69,46 @@ def assign_homes(*, kinds: dict[int, dict[str, int]], host: "int | None", cxl: "
         compute_left = _fill(kinds, by_kind["compute"], "cxl", free, out)
         working_left = _fill(kinds, by_kind["state"] + by_kind["master"], "host", free, out)
         compute_left = _fill(kinds, compute_left, "host", free, out)
-        rest = working_left + compute_left
-        rest = _fill(kinds, rest, "cxl", free, out)
+        rest = _fill(kinds, grads_left + working_left + compute_left, "cxl", free, out)
         rest = _fill(kinds, rest, "nvme", free, out)
-        on_nvme = any(t == "nvme" for d in out.values() for t in d.values())
-        if not grads_left and not rest and (bounce or not on_nvme):
+        bounce = bounce_bytes(kinds, out)
+        if rest or bounce <= reserve:
             break
-    if grads_left or rest:
+        reserve = bounce_bytes(kinds, {c: dict.fromkeys(k, "nvme") for c, k in kinds.items()})
+    host_used = sum(kinds[c][k] for c, d in out.items() for k, t in d.items() if t == "host")
+    if rest or (host is not None and host_used + bounce > host):
         _refuse(kinds, host=host, cxl=cxl, nvme=nvme)
     totals: dict[str, dict[str, int]] = {}
     for cid, d in out.items():
         for kind, tier in d.items():
             totals.setdefault(tier, {}).setdefault(kind, 0)
             totals[tier][kind] += kinds[cid][kind]
-    return Homes(tiers=out, bytes=totals, bounce=bounce if on_nvme else 0)
+    return Homes(tiers=out, bytes=totals, bounce=bounce)
 
 
-def bounce_bytes(kinds: dict[int, dict[str, int]]) -> int:
-    """Host bytes for NVMe bounce buffers: 2 update sets + 1 fetch staging buffer."""
-    update = max((sum(v for k, v in kk.items() if k != "grad") for kk in kinds.values()), default=0)
-    fetch = max((kk.get("compute", kk.get("master", 0)) for kk in kinds.values()), default=0)
-    return 2 * update + fetch
+def _up(n: int) -> int:
+    return (n + 4095) // 4096 * 4096
+
+
+def bounce_bytes(kinds: dict[int, dict[str, int]], tiers: dict[int, dict[str, str]]) -> int:
+    """Host bytes of NVMe bounce buffers for this placement (see the module docstring)."""
+    def on_nvme(c: int, kind: str) -> bool:
+        return tiers.get(c, {}).get(kind) == "nvme"
+
+    update = max((sum(_up(v) for k, v in kinds[c].items() if on_nvme(c, k)) for c in kinds), default=0)
+    fetch = max((_up(kinds[c]["compute" if "compute" in kinds[c] else "master"]) for c in kinds
+                 if on_nvme(c, "compute" if "compute" in kinds[c] else "master")), default=0)
+    grads = max((_up(kinds[c]["grad"]) for c in kinds if on_nvme(c, "grad")), default=0)
+    return 2 * update + fetch + 2 * grads
 
 
 def minimum_host(kinds: dict[int, dict[str, int]], *, cxl: "int | None", nvme: bool) -> int:
-    """The smallest host budget with which assign_homes succeeds."""
-    grads = sum(kk.get("grad", 0) for kk in kinds.values())
-    total = sum(sum(kk.values()) for kk in kinds.values())
+    """The smallest host budget with which assign_homes succeeds (with NVMe: the bounce buffers
+    of everything on NVMe, a slight over-estimate when CXL takes a share)."""
     if nvme:
-        return grads + bounce_bytes(kinds)
-    return max(grads, total - (cxl or 0))
+        return bounce_bytes(kinds, {c: dict.fromkeys(k, "nvme") for c, k in kinds.items()})
+    total = sum(sum(kk.values()) for kk in kinds.values())
+    return max(0, total - (cxl or 0))
 
 
 def _refuse(kinds: dict[int, dict[str, int]], *, host: "int | None", cxl: "int | None", nvme: bool) -> None:

@@ -3,15 +3,18 @@ or InfeasibleBudget naming the minimum budget that would work.
 
 The planner mirrors the engine byte for byte on the simulated device, by construction:
 - chunking: `pack_chunks` over the profile's parameters (HF registration order = first-use
-  order) with the same chunk size;
+  order) with the same chunk size; optimizer state bytes from the engine's own chunk updater
+  (`updaters.make_updater(...).state_bytes`);
 - the gpu side: the same `DeviceNeeds` (module buffers; the streaming window = the widest
-  module's chunks + the largest chunk; the gradient reserve = the largest parameter; the
-  activations, here computed in closed form by `perfmodel.activation_bytes`, which matches
-  what the engine measures in its warm-up step) handed to the engine's own
-  `placement.plan_device`, which picks the gpu-home chunks (a suffix of first-use order) and
-  the cache size for streamed compute copies;
-- the host side: the kinds of the streamed chunks placed by the engine's own
-  `homes.assign_homes` (DRAM, then CXL, then NVMe).
+  module's chunks + the largest chunk; the gradient reserve = the largest parameter, for MeZO
+  the perturbed copies of the widest module; the activations, here computed in closed form by
+  `perfmodel.activation_bytes`, which matches what the engine measures in its warm-up step)
+  handed to the engine's own `placement.plan_device`, which picks the gpu-home chunks (a
+  suffix of first-use order) and the cache size for streamed compute copies;
+- the host side: the kinds placed by the engine's own `homes.assign_homes` (DRAM, then CXL,
+  then NVMe) over the chunks the engine keeps host-side when it is built (`up_front`), and a
+  refusal where the engine would not fit (e.g. the CXL allocator's page rounding).
+Verified against the engine by tests/test_plan_vs_engine.py and tests/test_budget_matrix.py.
 What is left to a model is time: `perfmodel.predict_step`.
 """
 
@@ -82,9 +85,9 @@ class Plan:
     gpu_minimum: int
     """The smallest gpu budget the engine accepts for this run (its `minimum_gpu_bytes`)."""
     host_minimum: int
-    """The smallest host budget the engine accepts with these cxl/nvme tiers
-    (`homes.minimum_host` over every chunk: the engine places all of them host-side before the
-    warm-up step and promotes gpu-home chunks only after it)."""
+    """The smallest host budget the engine accepts with these cxl/nvme tiers (`homes.minimum_host`
+    over the chunks it places host-side when built -- see `make_plan(up_front=...)` -- raised
+    where the engine's real NVMe bounce buffers would not fit)."""
     cache_limit: int
     """Bytes the engine's resident cache may use for streamed compute copies."""
     chunk_homes: tuple[ChunkHome, ...] = field(repr=False)
@@ -171,6 +174,10 @@ class _Chunks:
         self.largest_param = max((s.numel for s in self.plan.slots.values()), default=0)
         # MeZO: the +eps z and -eps z copies of the widest module's parameters (engine._zo_workspace)
         self.zo_workspace = 2 * self.ce * max(owned.values(), default=0)
+        widest = max(owned, key=owned.__getitem__, default="")
+        tied_head = widest == "model.embed_tokens" and "lm_head.weight" not in self.plan.slots
+        self.zo_module = "lm_head" if tied_head else widest  # a tied head runs last, on the embedding's chunk
+        self.zo_chunks = sorted(modules.get(widest, ()))
 
     def device_needs(self, *, buffers: int, activations: int) -> DeviceNeeds:
         """What the engine's `_device_needs` computes for this model (placement.DeviceNeeds)."""
@@ -182,19 +189,6 @@ class _Chunks:
             home_bytes=tuple(sum(k.values()) for k in self.kinds),
             compute_bytes=tuple(self.compute),
         )
-
-    def bounce_bytes(self, homes: Homes) -> int:
-        """Host bytes of the engine's NVMe bounce buffers (`swapping.Bounce`) for `homes`:
-        two update sets of the largest chunk's swapped kinds, one staging buffer of the largest
-        swapped compute source, each kind rounded up to the O_DIRECT alignment."""
-        sets, fetch = 0, 0
-        for c, tiers in homes.tiers.items():
-            swapped = [k for k in ("master", "state", "compute") if tiers.get(k) == "nvme" and k in self.kinds[c]]
-            sets = max(sets, sum(round_up(self.kinds[c][k]) for k in swapped))
-            source = "compute" if self.bf16 else "master"
-            if source in swapped:
-                fetch = max(fetch, round_up(self.kinds[c][source]))
-        return 2 * sets + fetch
 
 
 def _updater(optimizer: str, plan: ChunkPlan, specs: list, *, rank: int | None, optimizer_kwargs: dict | None):
@@ -222,7 +216,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               cpu_mem: int | str | None, cxl_mem: int | str | None = None, nvme_path: str | None = None,
               nvme_mem: int | str | None = None, optimizer: str, precision: str, batch_size: int, seq_len: int,
               chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
-              optimizer_kwargs: dict | None = None, grad_accum: int = 1, **_ignored: Any) -> Plan:
+              optimizer_kwargs: dict | None = None, grad_accum: int = 1, up_front: bool = True,
+              **_ignored: Any) -> Plan:
     """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited).
 
     `model`: a profile, a profile name/path, or a transformers model/config (its shapes are read).
@@ -230,6 +225,10 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     (the engine splits a batch into `grad_accum` of them; activations follow the micro-batch).
     `optimizer_kwargs` as the Engine takes them (e.g. {"rank": 8} for GaLore/APOLLO; `rank`
     is a shorthand for it): they decide the optimizer state bytes.
+    `up_front`: the engine is given the planned activations (`Engine(activations=...)`, as
+    `finetune` does) and places every chunk before the first step; False: it measures them in
+    its warm-up step, with every chunk host-side until then (homes chosen for all chunks, the
+    gpu-home ones leaving theirs when promoted) -- the host-side bytes can differ.
     Raises InfeasibleBudget naming the minimum gpu / host / nvme bytes when they cannot fit."""
     model = _resolve_model(model)
     hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
@@ -265,12 +264,13 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     # MeZO keeps every master host-side (the engine allows no gpu-home chunks without gradients).
     device = plan_device(needs, gpu, allow_gpu_home=ch.needs_grad)
     streamed = [c for c in range(ch.n) if c not in device.gpu_home]
-    # As the engine: homes of EVERY chunk are assigned before the warm-up step (all chunks start
-    # host-side); gpu-home chunks leave their host-side homes when promoted after it.
-    homes_all = _engine_homes(ch, host=host, cxl=cxl, nvme=use_nvme)
-    homes = _streamed_homes(ch, homes_all, streamed)
-    host_min = _host_minimum(ch, cxl=cxl, nvme=use_nvme)
-    on_nvme = sum(homes_all.bytes.get("nvme", {}).values())  # the engine's preflight: before promotion
+    # The chunks the engine places host-side when it is built: the streamed ones when placed up
+    # front, else every chunk (gpu-home chunks leave their homes when promoted after the warm-up).
+    hosted = streamed if up_front else list(range(ch.n))
+    homes_built = _engine_homes(ch, hosted, host=host, cxl=cxl, nvme=use_nvme)
+    homes = _streamed_homes(ch, homes_built, streamed)
+    host_min = _host_minimum(ch, hosted, cxl=cxl, nvme=use_nvme)
+    on_nvme = sum(homes_built.bytes.get("nvme", {}).values())  # the engine's preflight, when built
     if nvme_cap is not None and on_nvme > nvme_cap:
         raise InfeasibleBudget(f"--nvme-path has {format_size(nvme_cap)} of space: needs at least "
                                f"{format_size(on_nvme)}; raise --cpu-mem / --cxl-mem or free disk space",
@@ -285,38 +285,37 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                   host_minimum=host_min)
 
 
-def _construction_bytes(ch: _Chunks, homes_all: Homes) -> tuple[int, int]:
-    """(host, cxl) bytes the engine takes at construction, when every chunk is host-side:
-    host = its kinds + the real bounce buffers (swapping.Bounce rounds each swapped kind up to
-    the O_DIRECT alignment, which homes.bounce_bytes does not); cxl = what the CXL allocator
-    charges (whole pages per kind, against the same --cxl-mem budget as the ledger)."""
-    host = sum(homes_all.bytes.get("host", {}).values()) + (ch.bounce_bytes(homes_all) if homes_all.bounce else 0)
-    cxl = sum(round_up(ch.kinds[c][k], CXL_PAGE) for c, d in homes_all.tiers.items() for k, t in d.items()
+def _construction_bytes(ch: _Chunks, homes: Homes) -> tuple[int, int]:
+    """(host, cxl) bytes the engine takes when built with `homes`: host = the kinds there + the
+    NVMe bounce buffers; cxl = what the CXL allocator charges (whole pages per kind, against the
+    same --cxl-mem budget as the ledger's)."""
+    host = sum(homes.bytes.get("host", {}).values()) + homes.bounce
+    cxl = sum(round_up(ch.kinds[c][k], CXL_PAGE) for c, d in homes.tiers.items() for k, t in d.items()
               if t == "cxl")
     return host, cxl
 
 
-def _engine_homes(ch: _Chunks, *, host: int | None, cxl: int, nvme: bool) -> Homes:
-    """homes.assign_homes over every chunk, as the engine calls it; InfeasibleBudget (naming the
-    smallest budget that works) also where the engine would fail later, at its bounce buffers
-    or at the CXL allocator's page rounding."""
-    kinds = dict(enumerate(ch.kinds))
-    homes_all = assign_homes(kinds=kinds, host=host, cxl=cxl or None, nvme=nvme)
-    used_host, charged_cxl = _construction_bytes(ch, homes_all)
+def _engine_homes(ch: _Chunks, hosted: list[int], *, host: int | None, cxl: int, nvme: bool) -> Homes:
+    """homes.assign_homes over the chunks `hosted`, as the engine calls it; InfeasibleBudget
+    (naming the smallest budget that works) also where the engine would fail later, at its
+    bounce buffers or at the CXL allocator's page rounding."""
+    kinds = {c: ch.kinds[c] for c in hosted}
+    homes = assign_homes(kinds=kinds, host=host, cxl=cxl or None, nvme=nvme)
+    used_host, charged_cxl = _construction_bytes(ch, homes)
     if host is not None and used_host > host:
-        need = _host_minimum(ch, cxl=cxl, nvme=nvme)
+        need = _host_minimum(ch, hosted, cxl=cxl, nvme=nvme)
         raise InfeasibleBudget(
             f"host budget {format_size(host)} cannot hold the streamed chunks and the NVMe bounce buffers "
             f"({format_size(used_host)}); at least {format_size(need)} ({need} B) needed; raise --cpu-mem",
             minimum={"host": need})
     if cxl and charged_cxl > cxl:
         need = _grow(lambda b: _construction_bytes(ch, assign_homes(kinds=kinds, host=host, cxl=b, nvme=nvme))[1],
-                     cxl, cap=sum(sum(k.values()) for k in ch.kinds) + CXL_PAGE * 4 * ch.n)
+                     cxl, cap=sum(sum(k.values()) for k in kinds.values()) + CXL_PAGE * 4 * len(kinds))
         raise InfeasibleBudget(
             f"--cxl-mem {format_size(cxl)}: the CXL allocator charges whole {CXL_PAGE} B pages, "
             f"{format_size(charged_cxl)} for what is placed there; use at least {format_size(need)} ({need} B)",
             minimum={"cxl": need})
-    return homes_all
+    return homes
 
 
 def _grow(used: Any, start: int, *, cap: int) -> int:
@@ -333,29 +332,31 @@ def _grow(used: Any, start: int, *, cap: int) -> int:
     return cap
 
 
-def _host_minimum(ch: _Chunks, *, cxl: int, nvme: bool) -> int:
-    """The smallest host budget the engine accepts: homes.minimum_host, raised where the real
-    bounce buffers do not fit in it; never more than every kind of every chunk (then nothing
-    goes to NVMe, and no bounce buffers are needed)."""
-    kinds = dict(enumerate(ch.kinds))
-    everything = sum(sum(k.values()) for k in ch.kinds)
+def _host_minimum(ch: _Chunks, hosted: list[int], *, cxl: int, nvme: bool) -> int:
+    """The smallest host budget the engine accepts: homes.minimum_host over the chunks it places
+    host-side, raised where the bounce buffers do not fit in it; never more than all their
+    kinds (then nothing goes to NVMe, and no bounce buffers are needed)."""
+    kinds = {c: ch.kinds[c] for c in hosted}
+    everything = sum(sum(k.values()) for k in kinds.values())
     start = minimum_host(kinds, cxl=cxl or None, nvme=nvme)
+    if not nvme:
+        return start
     if start >= everything:
-        return everything if nvme else start
+        return everything
     return min(everything, _grow(lambda b: _construction_bytes(
         ch, assign_homes(kinds=kinds, host=b, cxl=cxl or None, nvme=nvme))[0], start, cap=everything))
 
 
-def _streamed_homes(ch: _Chunks, homes_all: Homes, streamed: list[int]) -> Homes:
-    """The homes of the streamed chunks only (what stays host-side after promotion); the
-    bounce buffers are the engine's, sized at construction from every chunk's homes."""
-    tiers = {c: homes_all.tiers[c] for c in streamed}
+def _streamed_homes(ch: _Chunks, homes: Homes, streamed: list[int]) -> Homes:
+    """The homes of the streamed chunks only (what stays host-side in steady state); the bounce
+    buffers are the engine's, sized when it is built."""
+    tiers = {c: homes.tiers[c] for c in streamed}
     totals: dict[str, dict[str, int]] = {}
     for c, d in tiers.items():
         for kind, tier in d.items():
             totals.setdefault(tier, {}).setdefault(kind, 0)
             totals[tier][kind] += ch.kinds[c][kind]
-    return Homes(tiers=tiers, bytes=totals, bounce=ch.bounce_bytes(homes_all) if homes_all.bounce else 0)
+    return Homes(tiers=tiers, bytes=totals, bounce=homes.bounce)
 
 
 def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int], flops_fwd: float,
@@ -392,14 +393,22 @@ def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
     it in backward). The schedule keeps the chunks needed soonest: lm_head's chunk (in use),
     then the others in backward (reverse first-use) order, as many as fit in the cache limit;
     a chunk that does not fit is left out (Belady evicts it: e.g. a big embedding, needed
-    last). MeZO has no backward: the cache is simply as full as the limit allows."""
+    last). MeZO (no backward) peaks while its widest module runs (its perturbed copies): then
+    that module's chunks, the ones after it and the ones before it are resident, in that order
+    of preference (the cache is emptied after every step)."""
     streamed = [c for c in range(ch.n) if c not in device.gpu_home]
-    if not ch.needs_grad:
-        return min(device.cache_limit, sum(ch.compute[c] for c in streamed))
-    head = ch.plan.slots.get("lm_head.weight") or ch.plan.slots.get("model.embed_tokens.weight")
-    first = [head.chunk] if head is not None and head.chunk in streamed else []
+    if ch.needs_grad or ch.zo_module == "lm_head":
+        head = ch.plan.slots.get("lm_head.weight") or ch.plan.slots.get("model.embed_tokens.weight")
+        first = [head.chunk] if head is not None and head.chunk in streamed else []
+        order = first + [c for c in reversed(streamed) if c not in first]
+    else:  # MeZO peaks while its widest module runs: then the chunks after it (prefetched), then
+        # those before it, most recently used first
+        first = [c for c in ch.zo_chunks if c in streamed]
+        last = max(first, default=-1)
+        order = first + [c for c in streamed if c > last] + [c for c in reversed(streamed) if c < last
+                                                              and c not in first]
     resident = 0
-    for c in first + [c for c in reversed(streamed) if c not in first]:
+    for c in order:
         if resident + ch.compute[c] <= device.cache_limit:
             resident += ch.compute[c]
     return resident

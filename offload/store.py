@@ -55,15 +55,17 @@ Data = "torch.Tensor | SwapKind"
 class _Chunk:
     tiers: dict[str, str]  # kind -> tier
     master: Any
-    grad: torch.Tensor | None  # None when the optimizer needs no gradient (MeZO)
+    grad: Any  # None when the optimizer needs no gradient (MeZO); may be a SwapKind
     state: Any  # the optimizer's byte blob (offload.update), or None when it keeps none
     step: torch.Tensor
     compute: Any = None  # bf16 runs only
     names: tuple[str, ...] = field(default=())
 
     def kinds(self) -> Iterator[tuple[str, str, Any]]:
-        """(kind, name, data) for master, state tensors and compute."""
+        """(kind, name, data) for master, state, compute and grad (when they exist)."""
         yield "master", "master", self.master
+        if self.grad is not None:
+            yield "grad", "grad", self.grad
         if self.state is not None:
             yield "state", "state", self.state
         if self.compute is not None:
@@ -80,6 +82,7 @@ class ChunkStore:
         self.state_bytes, self.needs_grad = state_bytes, needs_grad
         self.nvme = nvme
         self.bf16 = compute_dtype != torch.float32
+        self.grad_scale: torch.Tensor | None = None  # clipping factor still owed to NVMe gradients
         self.chunks = [self._allocate(c.index, homes[c.index]) for c in plan.chunks]
 
     # -- allocation -----------------------------------------------------------------------
@@ -107,8 +110,7 @@ class ChunkStore:
         return _Chunk(
             tiers=tiers,
             master=self._new(cid, "master", "master", tiers["master"], torch.float32),
-            grad=self.tiers.zeros(tiers["grad"], "grad", self.plan.chunks[cid].numel, torch.float32)
-            if self.needs_grad else None,
+            grad=self._new(cid, "grad", "grad", tiers["grad"], torch.float32) if self.needs_grad else None,
             state=self._new(cid, "state", "state", tiers["state"], torch.uint8, nstate) if nstate else None,
             step=torch.zeros((), dtype=torch.float32,
                              device=self.tiers.device if tiers["master"] == "gpu" else "cpu"),
@@ -119,8 +121,6 @@ class ChunkStore:
     def _free(self, ch: _Chunk) -> None:
         for kind, _, data in ch.kinds():
             self._drop(ch.tiers[kind], kind, data)
-        if ch.grad is not None:
-            self.tiers.free(ch.tiers["grad"], "grad", ch.grad)
 
     def home_bytes(self, cid: int) -> int:
         """Bytes of every kind of chunk `cid` (what it costs to keep it gpu-home)."""
@@ -134,18 +134,16 @@ class ChunkStore:
         with self.opened(cid) as work:
             for name, t in work.items():
                 getattr(new, name).copy_(t)
-        if new.grad is not None:
-            new.grad.copy_(old.grad)
         new.step.copy_(old.step)
         self._free(old)
         self.chunks[cid] = new
         self.point_params(cid, self.compute_source(cid), params)
 
     # -- in-memory access to possibly swapped kinds ------------------------------------------
-    def opened(self, cid: int, *, write_back: bool = False) -> "_Opened":
+    def opened(self, cid: int, *, write_back: bool = False, only: tuple[str, ...] | None = None) -> "_Opened":
         """Context manager: {name: tensor} of chunk `cid`'s kinds in memory (swap files read
-        into temporary buffers; written back on exit if `write_back`)."""
-        return _Opened(self, cid, write_back=write_back)
+        into temporary buffers; written back on exit if `write_back`). `only`: just these."""
+        return _Opened(self, cid, write_back=write_back, only=only)
 
     # -- views ------------------------------------------------------------------------------
     def is_gpu_home(self, cid: int) -> bool:
@@ -206,26 +204,39 @@ class ChunkStore:
 
     def zero_grads(self) -> None:
         for ch in self.chunks:
-            if ch.grad is not None:
+            if isinstance(ch.grad, SwapKind):
+                self.nvme.write(ch.grad.key, torch.zeros(ch.grad.numel, dtype=torch.float32))
+            elif ch.grad is not None:
                 ch.grad.zero_()
 
     def zero_unseen_grads(self, seen: set, params: dict[str, torch.nn.Parameter]) -> None:
         """Parameters that got no gradient this cycle must not keep the previous cycle's."""
-        for name, p in params.items():
-            if p not in seen:
+        for name, p in params.items():  # (gradients on NVMe: offload.gradspill handles them)
+            if p not in seen and not isinstance(self.chunks[self.plan.slots[name].chunk].grad, SwapKind):
                 self.grad_view(self.plan.slots[name]).zero_()
 
-    def clip_grads_(self, max_norm: float, names: list[str]) -> torch.Tensor:
+    def clip_grads_(self, max_norm: float) -> torch.Tensor:
         """Global-norm clipping, computed as torch.nn.utils.clip_grad_norm_ does.
 
-        The norm is taken per parameter (same reduction order as the reference), the scaling
-        runs on whole chunks (padding is zero, so scaling it changes nothing).
+        The norm is taken per parameter with the same kernel and in the same order as the
+        reference (chunk by chunk, so gradients on NVMe are read one chunk at a time), then the
+        norm of those norms. In-memory gradients are scaled now, whole chunks at once (padding
+        is zero); gradients on NVMe get `grad_scale` applied when the update reads them.
         """
-        views = [self.grad_view(self.plan.slots[n]) for n in names]
-        total = torch.nn.utils.get_total_norm(views)
+        norms: list[torch.Tensor] = []
+        for cid, ch in enumerate(self.chunks):
+            with self.opened(cid, only=("grad",)) as work:
+                g = work["grad"]
+                views = [g[self.plan.slots[n].offset: self.plan.slots[n].offset + self.plan.slots[n].numel]
+                         for n in ch.names]
+                norms.extend(torch._foreach_norm(views, 2.0))
+        first = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for ch in self.chunks:
-            ch.grad.mul_(coef.to(ch.grad.device))
+            if not isinstance(ch.grad, SwapKind):
+                ch.grad.mul_(coef.to(ch.grad.device))
+        self.grad_scale = coef
         return total
 
     def named_master(self, params: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -260,13 +271,15 @@ class ChunkStore:
 class _Opened:
     """The kinds of one chunk as in-memory tensors, for the duration of a `with`."""
 
-    def __init__(self, store: ChunkStore, cid: int, *, write_back: bool):
-        self.store, self.cid, self.write_back = store, cid, write_back
+    def __init__(self, store: ChunkStore, cid: int, *, write_back: bool, only: tuple[str, ...] | None):
+        self.store, self.cid, self.write_back, self.only = store, cid, write_back, only
         self.tensors: dict[str, torch.Tensor] = {}
 
     def __enter__(self) -> dict[str, torch.Tensor]:
         ch = self.store.chunks[self.cid]
         for _, name, data in ch.kinds():
+            if self.only is not None and name not in self.only:
+                continue
             if isinstance(data, SwapKind):
                 buf = torch.empty(data.numel, dtype=data.dtype)
                 self.store.nvme.read(data.key, buf)
@@ -281,5 +294,5 @@ class _Opened:
             self.tensors["compute"].copy_(self.tensors["master"])
         if self.write_back and not exc[0]:
             for _, name, data in ch.kinds():
-                if isinstance(data, SwapKind):
+                if isinstance(data, SwapKind) and name in self.tensors:
                     self.store.nvme.write(data.key, self.tensors[name])

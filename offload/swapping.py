@@ -19,17 +19,21 @@ from offload.store import ChunkStore, SwapKind
 
 
 class Bounce:
-    """Two update sets and a fetch staging buffer in host DRAM (ledger kind 'buffer')."""
+    """Two update sets, a fetch staging buffer and two gradient staging buffers in host DRAM
+    (ledger kind 'buffer'); sizes as offload.homes.bounce_bytes counts them."""
 
     def __init__(self, store: ChunkStore, *, pin: bool):
         self.store = store
-        sets = max((self._set_bytes(c) for c in range(len(store.chunks))), default=0)
-        fetch = max((round_up(src.nbytes) for c in range(len(store.chunks))
+        n = range(len(store.chunks))
+        sets = max((self._set_bytes(c) for c in n), default=0)
+        fetch = max((round_up(src.nbytes) for c in n
                      if isinstance(src := store.compute_source(c), SwapKind)), default=0)
-        self.nbytes = 2 * sets + fetch
+        grads = max((round_up(g.nbytes) for c in n if isinstance(g := store.chunks[c].grad, SwapKind)), default=0)
+        self.nbytes = 2 * sets + fetch + 2 * grads
         store.tiers.ledger.reserve("host", "buffer", self.nbytes)
         self.sets = [aligned_empty(sets, pin=pin) for _ in range(2)]
         self.staging = aligned_empty(fetch, pin=pin)
+        self.grad_staging = [aligned_empty(grads, pin=pin) for _ in range(2 if grads else 0)]
 
     def _set_bytes(self, cid: int) -> int:
         return sum(round_up(d.nbytes) for _, _, d in self.store.chunks[cid].kinds() if isinstance(d, SwapKind))
@@ -78,16 +82,20 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
         for f in reads:
             f.result()
         ch = store.chunks[cid]
+        if "grad" in views and store.grad_scale is not None:
+            views["grad"].mul_(store.grad_scale)
         _step(ch, cid, updater, hyper, views)
-        writes[i % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)]
+        writes[i % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)
+                         if n != "grad"]  # the next cycle overwrites the gradient anyway
     for fs in writes.values():
         for f in fs:
             f.result()
+    store.grad_scale = None
 
 
 def _step(ch: Any, cid: int, updater: Any, hyper: Any, views: dict[str, torch.Tensor]) -> None:
     master = views.get("master", ch.master)
     blob = views.get("state", ch.state)
-    updater.step(master, ch.grad, blob, cid, ch.step, hyper)
+    updater.step(master, views.get("grad", ch.grad), blob, cid, ch.step, hyper)
     if ch.compute is not None:
         views.get("compute", ch.compute).copy_(master)

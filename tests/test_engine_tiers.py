@@ -139,3 +139,15 @@ def test_activation_offload_is_exact_and_lowers_the_device_minimum():
         assert not usage["gpu"].get("activation") and not usage["host"].get("activation")
     block_inputs = 8 * 4 * 64 * 64 * 4  # layers x tokens x hidden x fp32
     assert minimum[True] <= minimum[False] - block_inputs // 2
+
+
+def test_gradients_on_nvme_with_accumulation_and_clipping_bit_exact(tmp_path):
+    data = batches(4, batch=8)
+    ref_losses, ref = train_reference(tiny_llama(), data, grad_accum=2, clip=0.05)
+    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="600K", cpu_mem="400K", chunk_bytes=CHUNK,
+                 nvme_path=str(tmp_path), grad_clip=0.05)
+    assert eng.homes.bytes["nvme"]["grad"] > eng.homes.bytes["host"].get("grad", 0)
+    assert [eng.step(b, grad_accum=2) for b in data] == ref_losses
+    mine = weights(eng)
+    assert all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
+    assert eng.ledger.peaks()["host"] <= 400 << 10

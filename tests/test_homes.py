@@ -1,10 +1,12 @@
 import pytest
 
 from offload.errors import InfeasibleBudget
-from offload.homes import assign_homes, minimum_host
+from offload.homes import assign_homes, bounce_bytes, minimum_host
+
+U = 4096  # bounce buffers are 4096-byte aligned: test in whole pages
 
 
-def chunks(n, *, state=800, master=400, grad=400, compute=None):
+def chunks(n, *, state=2 * U, master=U, grad=U, compute=None):
     d = {"grad": grad, "state": state, "master": master}
     if compute:
         d["compute"] = compute
@@ -17,28 +19,39 @@ def test_everything_in_dram_when_it_fits():
 
 
 def test_working_set_prefers_dram_compute_prefers_cxl():
-    h = assign_homes(kinds=chunks(2, compute=200), host=10_000, cxl=10_000)
+    h = assign_homes(kinds=chunks(2, compute=U // 2), host=100 * U, cxl=100 * U)
     assert all(d["compute"] == "cxl" and d["state"] == "host" and d["master"] == "host" for d in h.tiers.values())
 
 
-def test_states_fill_dram_before_masters_then_overflow_to_nvme_with_bounce():
-    k = chunks(4)  # grads 1600, states 3200, masters 1600: 6400 in all
-    h = assign_homes(kinds=k, host=6000, nvme=True)
-    assert h.bounce == 2 * 1200 + 400  # two update sets (state + master) + a fetch staging buffer
-    assert [h.tiers[c]["state"] for c in range(4)] == ["host", "host", "nvme", "nvme"]
-    assert [h.tiers[c]["master"] for c in range(4)] == ["nvme"] * 4
-    assert h.bytes["nvme"] == {"state": 1600, "master": 1600}
-    assert sum(h.bytes["host"].values()) + h.bounce <= 6000
+def test_grads_then_states_then_masters_fill_dram_the_rest_goes_to_nvme_with_bounce():
+    k = chunks(8)  # grads 8U, states 16U, masters 8U: 32U in all
+    h = assign_homes(kinds=k, host=30 * U, nvme=True)
+    assert all(h.tiers[c]["grad"] == "host" for c in range(8))
+    assert h.bounce == bounce_bytes(k, h.tiers)
+    on_nvme = {(c, kind) for c, d in h.tiers.items() for kind, t in d.items() if t == "nvme"}
+    assert on_nvme and all(kind in ("state", "master") for _, kind in on_nvme)
+    # states are placed before masters (a master may still use a gap too small for a state)
+    in_dram = {kind: sum(h.tiers[c][kind] == "host" for c in range(8)) for kind in ("state", "master")}
+    assert in_dram["state"] > in_dram["master"] >= 0 and in_dram["state"] >= 5
+    assert sum(h.bytes["host"].values()) + h.bounce <= 30 * U
+
+
+def test_grads_overflow_to_nvme_when_dram_is_short():
+    k = chunks(16)
+    h = assign_homes(kinds=k, host=12 * U, nvme=True)
+    assert any(d["grad"] == "nvme" for d in h.tiers.values())
+    assert h.bounce >= 2 * U  # two gradient staging buffers
+    assert sum(h.bytes.get("host", {}).values()) + h.bounce <= 12 * U
 
 
 def test_refusal_names_minimum_host_and_minimum_works():
     k = chunks(4)
     with pytest.raises(InfeasibleBudget, match="--nvme-path") as e:
-        assign_homes(kinds=k, host=1000)
-    assert e.value.minimum["host"] == 6400
-    assign_homes(kinds=k, host=6400)
+        assign_homes(kinds=k, host=U)
+    assert e.value.minimum["host"] == 16 * U
+    assign_homes(kinds=k, host=16 * U)
     with pytest.raises(InfeasibleBudget):
-        assign_homes(kinds=k, host=6399)
+        assign_homes(kinds=k, host=16 * U - 1)
     need = minimum_host(k, cxl=None, nvme=True)
     assign_homes(kinds=k, host=need, nvme=True)
     with pytest.raises(InfeasibleBudget):
