@@ -111,7 +111,7 @@ class Engine:
         self.blocks = find_blocks(model)
         self.zo_batch: int | None = None  # MeZO: rows of the +εz half while a dual forward runs
         if not self.updater.needs_grad:
-            checkpointing, self.allow_gpu_home = False, False  # no backward; masters stay host-side
+            checkpointing = False  # no backward, nothing to recompute
         self._place(activations)
         self.store.load(weights, self.params)  # copy the weights in; the originals go when repointed
         del weights
