@@ -261,8 +261,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
             f"({needs.minimum} B: buffers {format_size(needs.buffers)}, streaming window "
             f"{format_size(needs.stream_window)}, gradient reserve {format_size(needs.grad_reserve)}, "
             f"activations {format_size(act)} at batch {batch_size} x {seq_len})", minimum={"gpu": needs.minimum})
-    # MeZO keeps every master host-side (the engine allows no gpu-home chunks without gradients).
-    device = plan_device(needs, gpu, allow_gpu_home=ch.needs_grad)
+    # MeZO too may keep chunks on the device: its perturbed weights are temporaries.
+    device = plan_device(needs, gpu, allow_gpu_home=True)
     streamed = [c for c in range(ch.n) if c not in device.gpu_home]
     # The chunks the engine places host-side when it is built: the streamed ones when placed up
     # front, else every chunk (gpu-home chunks leave their homes when promoted after the warm-up).
