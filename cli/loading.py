@@ -72,29 +72,71 @@ def safetensors_files(model_dir: "str | Path") -> list[Path]:
     return found
 
 
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _safetensors_index(path: Path) -> tuple[int, dict]:
+    """(offset of the data section, {name: entry}) from a .safetensors header."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ModelError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", head)
+        try:
+            meta = json.loads(f.read(n))
+        except ValueError as exc:
+            raise ModelError(f"{path}: corrupt safetensors header ({exc})") from None
+    meta.pop("__metadata__", None)
+    return 8 + n, meta
+
+
+def _read_tensor(f: Any, base: int, name: str, entry: dict, path: Path) -> torch.Tensor:
+    dtype = _ST_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise ModelError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
+    begin, end = entry["data_offsets"]
+    buf = torch.empty(end - begin, dtype=torch.uint8)
+    f.seek(base + begin)
+    if f.readinto(memoryview(buf.numpy())) != end - begin:
+        raise ModelError(f"{path}: truncated while reading {name!r}")
+    return buf.view(dtype).reshape(entry["shape"])
+
+
 def iter_safetensors(model_dir: "str | Path", *, order: Sequence[str] | None = None
                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) one at a time, read from the memory-mapped files.
+    """(name, tensor) one at a time, each read with plain file reads into its own buffer.
 
-    Without `order`: shard by shard, names in file order. With `order`: exactly those names in
-    that order (every shard stays open, which costs address space, not memory); a name not in
-    the checkpoint is a ModelError.
+    Not memory-mapped on purpose: the pages of a mapped shard count in the process's RSS until
+    the shard is closed, which would put a whole shard above the host budget; here only the
+    tensor being copied into its chunk is in memory. Without `order`: shard by shard, in file
+    order. With `order`: exactly those names in that order; a missing name is a ModelError.
     """
-    from safetensors import safe_open
-
     files = safetensors_files(model_dir)
-    if order is None:
-        for f in files:
-            with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():
-                    yield name, sf.get_tensor(name)
-        return
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    where = {name: h for h in handles for name in h.keys()}
-    for name in order:
-        if name not in where:
-            raise ModelError(f"{model_dir}: checkpoint has no tensor named {name!r}")
-        yield name, where[name].get_tensor(name)
+    index = {}
+    for path in files:
+        base, meta = _safetensors_index(path)
+        for name, entry in meta.items():
+            index[name] = (path, base, entry)
+    names = order if order is not None else list(index)
+    handles: dict[Path, Any] = {}
+    try:
+        for name in names:
+            if name not in index:
+                raise ModelError(f"{model_dir}: checkpoint has no tensor named {name!r}")
+            path, base, entry = index[name]
+            if path not in handles:
+                handles[path] = open(path, "rb")
+            yield name, _read_tensor(handles[path], base, name, entry, path)
+    finally:
+        for f in handles.values():
+            f.close()
 
 
 def resolve_model(spec: str | None) -> ModelSource:

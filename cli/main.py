@@ -213,17 +213,32 @@ def plan(
     hardware: Optional[str] = Opt(None, help="Hardware profile name (default: detect)."),
     chunk_size: str = Opt("64M", help="Bytes of fp32 weights per chunk."),
     json_out: bool = Opt(False, "--json", help="Print the plan as JSON."),
+    verify: bool = Opt(False, "--verify", help="Also run a few real steps with these settings "
+                       "on this machine (simulated device without CUDA) and print planned vs "
+                       "measured bytes per tier; exit 0 on PASS, 1 on FAIL."),
+    verify_steps: int = Opt(3, "--verify-steps", help="Steps --verify runs (the first is the "
+                            "warm-up)."),
+    data: Optional[str] = Opt(None, help="--verify on this data (JSONL or a `datasets` "
+                              "directory) instead of random tokens."),
     config: Optional[Path] = Opt(None, "--config", is_eager=True, callback=config_callback,
                                  dir_okay=False, help="TOML file of options (train keys that "
                                  "plan does not use are ignored)."),
 ) -> None:
     """Show where every chunk would live, the predicted peaks per tier and the step time."""
     raise_config_error(ctx)
-    cfg = TrainConfig(model=model, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
+    cfg = TrainConfig(model=model, data=data, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
                       cxl_node=cxl_node, nvme_path=nvme_path, optimizer=optimizer.value,
                       precision=precision.value, batch_size=batch_size, seq_len=seq_len,
                       grad_accum=grad_accum, hardware=hardware, chunk_size=chunk_size)
-    from cli.planning import make_plan, print_plan
+    from cli.planning import make_plan, print_plan, verify_plan
+
+    if verify:
+        if json_out:
+            raise TierwiseError("--verify prints a table: drop --json")
+        code = verify_plan(cfg, steps=verify_steps, console=Console())
+        if code:
+            raise typer.Exit(code)
+        return
 
     result = make_plan(cfg)
     if result is None:

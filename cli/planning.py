@@ -62,6 +62,32 @@ def print_plan(plan, *, console: Console, as_json: bool) -> None:
             console.print(table)
 
 
+def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
+    """`finetune plan --verify`: a few real steps with these settings on this machine, planned
+    against measured bytes per tier; returns 0 on PASS, 1 on FAIL (user errors raise)."""
+    from offload.verify import verify
+
+    src = resolve_model(cfg.model)
+    batches = None
+    if cfg.data is not None:
+        from cli.data import Batches, load_blocks
+        from cli.train import check_vocab
+
+        blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
+        check_vocab(blocks, src)
+        batches = iter(Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum, seed=cfg.seed))
+    with console.status(f"[bold]verifying[/]: {steps} steps of {src.name}"):
+        report = verify(model=src.config, name=src.name, hardware=cfg.hardware, gpu_mem=cfg.budgets["gpu"],
+                        cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"], nvme_path=cfg.nvme_path,
+                        optimizer=cfg.optimizer, precision=cfg.precision, batch_size=cfg.batch_size,
+                        seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
+                        lr=cfg.lr, steps=steps, batches=batches, seed=cfg.seed)
+    if src.has_weights:
+        console.print("(random weights: the bytes do not depend on their values)", highlight=False)
+    console.out(report.render(), highlight=False)
+    return 0 if report.passed else 1
+
+
 def summary_table(cfg: TrainConfig, *, name: str, params: int) -> Table:
     table = Table(title="finetune (dry run)", show_header=False)
     fmt = lambda b: "auto" if b is None else format_size(b)  # noqa: E731

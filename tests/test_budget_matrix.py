@@ -1,0 +1,353 @@
+"""The memory-budget matrix: model x gpu budget x optimizer x tier set x precision.
+
+Every case trains a tiny Llama-family model for a few steps inside the engine -- placed up
+front from the planner's activation estimate, as `finetune` runs it (a few cases of the other
+mode, placement after a measuring warm-up step, run too) -- and asserts
+  (a) the peak bytes of every tier stay within that tier's budget (the ledger's peaks, over
+      the whole run; on CUDA also the caching allocator's `max_memory_allocated`, with
+      `set_per_process_memory_fraction` making the device refuse anything past the budget);
+  (b) the planner's predicted steady-state peak of every tier is within +-10% of the measured
+      one (peaks are reset after the warm-up step, which records the access trace and streams
+      through the smallest window -- without an activation estimate it also keeps every chunk
+      host-side: `make_plan` predicts the steps after it, as in test_plan_vs_engine);
+  (c) the losses equal those of the same model, data and optimizer without offloading, bit for
+      bit (==): fp32 against the drop-in optimizer (torch `AdamW(fused=True)` for adamw, the
+      `optim` classes for the others, with the engine's low-rank parameter groups), bf16 against
+      the textbook mixed-precision loop (bf16 compute copy, fp32 master weights and gradients,
+      the same drop-in optimizer on the masters) -- the engine runs exactly that arithmetic.
+      On CUDA the engine computes on the device and updates streamed chunks on the CPU while
+      the reference runs on the CPU: different kernels, so there a relative tolerance applies
+      (CUDA_LOSS_RTOL).
+
+The default selection is a pairwise covering design (20 cases: every pair of values of any two
+axes appears in some case; `test_default_selection_covers_every_pair` checks it); the other
+340 cases are marked `matrix_full` and run with `pytest -m matrix_full`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import itertools
+
+import pytest
+import torch
+import transformers
+
+from offload import Engine
+from offload.errors import InfeasibleBudget
+from offload.ledger import Ledger
+from offload.planner import make_plan
+from offload.updaters import drop_in_groups
+from optim import AdamW8bit, ApolloAdamW, GaLoreAdamW, MeZO
+from optim.mezo import direction, tensor_seed
+from profiles import ModelProfile, load_hardware_profile
+from profiles.hardware import CxlSpec
+
+TOL = 0.10  # planned vs measured steady-state peak, relative to the measured
+CUDA = torch.cuda.is_available()
+CUDA_LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2}
+BATCH, SEQ, STEPS = 2, 16, 3  # 1 warm-up step + 2 steady-state steps
+CHUNK = 16 << 10
+HP = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
+MEZO_EPS = 1e-3
+OPT_KWARGS = {"galore": {"rank": 8, "update_proj_gap": 2}, "apollo": {"rank": 8, "update_proj_gap": 2},
+              "mezo": {"eps": MEZO_EPS}}
+
+
+def llama(name: str, *, h: int, i: int, layers: int, heads: int, kv: int, vocab: int,
+          tie: bool = False) -> ModelProfile:
+    return ModelProfile(name=name, family="llama", hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                        tie_word_embeddings=tie, max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5)
+
+
+MODELS = {
+    "dense": llama("dense", h=64, i=176, layers=3, heads=4, kv=2, vocab=256),
+    "tied": llama("tied", h=64, i=128, layers=2, heads=4, kv=2, vocab=256, tie=True),
+    "vocab": llama("vocab", h=32, i=64, layers=1, heads=2, kv=1, vocab=4096),  # embedding + head dominate
+}
+BUDGETS = ("roomy", "mid", "min")
+OPTIMIZERS = ("adamw", "adamw8bit", "galore", "apollo", "mezo")
+TIER_SETS = ("host", "host+nvme", "cxl+nvme", "hostmin+nvme")
+"""host: gpu + a roomy host; host+nvme: a host budget halfway between the planner's minimum with
+NVMe and everything, so part spills to disk; cxl+nvme: the minimum host, an emulated CXL node
+holding about half of what is left, the rest on NVMe; hostmin+nvme: the planner's minimum host
+(`Plan.host_minimum`, homes.minimum_host), everything but the gradients on NVMe."""
+PRECISIONS = ("fp32", "bf16")
+AXES = (tuple(MODELS), BUDGETS, OPTIMIZERS, TIER_SETS, PRECISIONS)
+
+
+def case_id(case: tuple[str, ...]) -> str:
+    return "-".join(case)
+
+
+def pairwise_design() -> list[tuple[str, ...]]:
+    """20 cases, one per (optimizer, tier set), the other axes by modular arithmetic: every pair
+    of values of any two axes occurs at least once (checked by a test below)."""
+    models, budgets, _, _, precs = AXES
+    return [(models[(o + t) % 3], budgets[(o + 2 * t) % 3], opt, tiers, precs[(o + t) % 2])
+            for o, opt in enumerate(OPTIMIZERS) for t, tiers in enumerate(TIER_SETS)]
+
+
+DEFAULT = pairwise_design()
+ALL = list(itertools.product(*AXES))
+MATRIX = [pytest.param(*c, id=case_id(c)) if c in DEFAULT
+          else pytest.param(*c, id=case_id(c), marks=pytest.mark.matrix_full) for c in ALL]
+
+
+def test_default_selection_covers_every_pair():
+    assert len(set(DEFAULT)) == len(DEFAULT) == 20 and len(ALL) == 360
+    for (i, a), (j, b) in itertools.combinations(enumerate(AXES), 2):
+        seen = {(c[i], c[j]) for c in DEFAULT}
+        assert seen == set(itertools.product(a, b)), (i, j)
+
+
+# -- budgets -----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def hardware(cxl: bool):
+    """The planner's view of the device the engine runs on (cpu-sim without CUDA); with an
+    (emulated) CXL node when the tier set has one."""
+    hw = load_hardware_profile("h200" if CUDA else "cpu-sim")
+    return dataclasses.replace(hw, cxl=CxlSpec(memory=1 << 40, bandwidth_gbps=20.0, latency_ns=300.0)) if cxl else hw
+
+
+def plan(model: str, opt: str, prec: str, *, gpu: int, host: int, cxl: int = 0, nvme: bool = False,
+         up_front: bool = True):
+    return make_plan(model=MODELS[model], hardware=hardware(bool(cxl)), gpu_mem=gpu, cpu_mem=host, cxl_mem=cxl,
+                     nvme_path="/unused" if nvme else None, optimizer=opt, precision=prec, batch_size=BATCH,
+                     seq_len=SEQ, chunk_bytes=CHUNK, optimizer_kwargs=OPT_KWARGS.get(opt), up_front=up_front)
+
+
+@functools.lru_cache(maxsize=None)
+def budgets(model: str, budget: str, opt: str, tiers: str, prec: str, up_front: bool = True) -> dict[str, int]:
+    """{"gpu", "host", "cxl"} bytes of a case, derived from the planner's minimums."""
+    roomy_host = 1 << 30
+    base = plan(model, opt, prec, gpu=1 << 30, host=roomy_host)
+    chunks = sum(sum(base.bytes[t].values()) for t in base.bytes)
+    gpu = {"roomy": 2 * (base.gpu_minimum + chunks), "mid": base.gpu_minimum + chunks // 2,
+           "min": base.gpu_minimum}[budget]
+    at = plan(model, opt, prec, gpu=gpu, host=roomy_host, up_front=up_front)
+    everything = at.host_minimum  # without NVMe: every kind of the host-side chunks in DRAM
+    grads = sum(at.bytes[t]["grad"] for t in ("host", "cxl", "nvme"))
+    nvme = tiers.endswith("nvme")
+    least = plan(model, opt, prec, gpu=gpu, host=roomy_host, nvme=True, up_front=up_front).host_minimum
+    host, cxl = {"host": (2 * everything + (1 << 20), 0),
+                 "host+nvme": (max(least, (least + everything) // 2), 0),
+                 "cxl+nvme": (least, (everything - grads) // 2),
+                 "hostmin+nvme": (least, 0)}[tiers]
+    for _ in range(8):  # the planner names a larger budget where the engine would not fit
+        try:
+            plan(model, opt, prec, gpu=gpu, host=host, cxl=cxl, nvme=nvme, up_front=up_front)
+            break
+        except InfeasibleBudget as exc:
+            assert set(exc.minimum) <= {"host", "cxl"}, exc
+            host, cxl = exc.minimum.get("host", host), exc.minimum.get("cxl", cxl)
+    return {"gpu": gpu, "host": host, "cxl": cxl}
+
+
+# -- references (plain PyTorch, no offloading), cached per (model, optimizer, precision) ------------
+@functools.lru_cache(maxsize=None)
+def _initial(model: str) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(MODELS[model].to_hf_config())
+
+
+def fresh_model(model: str) -> transformers.LlamaForCausalLM:
+    return copy.deepcopy(_initial(model))  # an engine takes its model over
+
+
+def data(model: str) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randint(0, MODELS[model].vocab_size, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+    return [{"input_ids": x, "labels": x.clone()} for x in xs]
+
+
+def drop_in(opt: str, params_of: torch.nn.Module) -> torch.optim.Optimizer:
+    """The drop-in optimizer the engine's chunk updater equals (see test_engine_optimizers)."""
+    if opt == "adamw":
+        return torch.optim.AdamW(params_of.parameters(), fused=True, **HP)
+    if opt == "adamw8bit":
+        return AdamW8bit(params_of.parameters(), **HP)
+    if opt == "galore":
+        return GaLoreAdamW(drop_in_groups(params_of, **OPT_KWARGS["galore"]), **HP)
+    if opt == "apollo":
+        return ApolloAdamW(drop_in_groups(params_of, **OPT_KWARGS["apollo"]), **HP)
+    raise ValueError(opt)
+
+
+def reference_losses(model: str, opt: str, prec: str) -> list[float]:
+    if opt == "mezo":
+        return _mezo_reference(model, prec)
+    master = fresh_model(model)
+    optimizer = drop_in(opt, master)
+    work = master
+    if prec == "bf16":  # mixed precision: bf16 compute copy, fp32 masters and gradients
+        work = copy.deepcopy(master)
+        for p in work.parameters():  # parameters only: buffers (rotary frequencies) stay fp32
+            p.data = p.data.to(torch.bfloat16)
+    losses = []
+    for b in data(model):
+        loss = work(**b).loss
+        loss.backward()
+        if work is not master:
+            for pm, pw in zip(master.parameters(), work.parameters()):
+                pm.grad, pw.grad = pw.grad.float(), None
+        optimizer.step()
+        optimizer.zero_grad()
+        if work is not master:
+            with torch.no_grad():
+                for pm, pw in zip(master.parameters(), work.parameters()):
+                    pw.copy_(pm)
+        losses.append(loss.float().item())
+    return losses
+
+
+def _mezo_reference(model: str, prec: str) -> list[float]:
+    """fp32: the drop-in MeZO. bf16: MeZO on fp32 masters with the two losses computed on a bf16
+    copy perturbed by +eps z and then -2 eps z (z drawn in fp32, rounded to bf16), the
+    arithmetic the engine's dual forward runs; the update is the drop-in's on the masters."""
+    master = fresh_model(model)
+    lr, wd = HP["lr"], HP["weight_decay"]
+    if prec == "fp32":
+        opt = MeZO(master.parameters(), lr=lr, eps=MEZO_EPS, weight_decay=wd)
+        return [float(opt.step(lambda b=b: master(**b).loss)) for b in data(model)]
+    work = copy.deepcopy(master)
+    for p in work.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    losses = []
+    with torch.no_grad():
+        for step, b in enumerate(data(model), start=1):
+            seed = tensor_seed(0, step)
+            params = list(work.parameters())
+            pristine = [p.data for p in params]
+            zs = [direction(t, seed=seed, index=i + 1) for i, t in enumerate(pristine)]
+            plus = [t.add(z, alpha=MEZO_EPS) for t, z in zip(pristine, zs)]
+            for p, t in zip(params, plus):
+                p.data = t
+            loss_pos = float(work(**b).loss)
+            for p, t, z in zip(params, plus, zs):
+                p.data = t.add(z, alpha=-2.0 * MEZO_EPS)
+            loss_neg = float(work(**b).loss)
+            for p, t in zip(params, pristine):
+                p.data = t
+            g = (loss_pos - loss_neg) / (2.0 * MEZO_EPS)
+            for i, p in enumerate(master.parameters()):
+                z = direction(p, seed=seed, index=i + 1)
+                for factor in (1.0, -2.0, 1.0):
+                    p.add_(z, alpha=factor * MEZO_EPS)
+                p.mul_(1.0 - lr * wd)
+                p.add_(z, alpha=-lr * g)
+            for pw, pm in zip(work.parameters(), master.parameters()):
+                pw.copy_(pm)
+            losses.append(loss_pos)
+    return losses
+
+
+@pytest.fixture(scope="module")
+def references():
+    """reference(model, optimizer, precision) -> losses, computed once per module."""
+    return functools.lru_cache(maxsize=None)(reference_losses)
+
+
+# -- one case ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def cuda_budget(budget: int):
+    """On CUDA: make the caching allocator refuse more than `budget` bytes beyond what is
+    allocated now, and report the peak allocated beyond it in box["peak"] (None without CUDA).
+
+    The fraction caps *reserved* memory, which includes the allocator's rounding and
+    fragmentation, so it is at least as strict as the budget on allocated bytes."""
+    box: dict[str, int | None] = {"peak": None}
+    if not CUDA:
+        yield box
+        return
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (base + budget) / total))
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        yield box
+    finally:
+        torch.cuda.synchronize()
+        box["peak"] = torch.cuda.max_memory_allocated() - base
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+def run_case(model: str, budget: str, opt: str, tiers: str, prec: str, *, tmp_path, reference,
+             up_front: bool = True) -> None:
+    """The body of one matrix case (AssertionError when a check fails). `up_front`: the engine
+    is given the planned activations and places chunks before the first step, as `finetune`
+    does; else it measures them in the warm-up step and places chunks after it."""
+    b = budgets(model, budget, opt, tiers, prec, up_front)
+    nvme = tiers.endswith("nvme")
+    planned = plan(model, opt, prec, gpu=b["gpu"], host=b["host"], cxl=b["cxl"], nvme=nvme, up_front=up_front)
+    activations = planned.reserve["gpu"]["activations"] if up_front else None
+    eng = Engine(fresh_model(model), optimizer=opt, optimizer_kwargs=OPT_KWARGS.get(opt), precision=prec,
+                 chunk_bytes=CHUNK, gpu_mem=b["gpu"], cpu_mem=b["host"], cxl_mem=b["cxl"] or None,
+                 nvme_path=str(tmp_path / "swap") if nvme else None, activations=activations, **HP)
+    where = f"{case_id((model, budget, opt, tiers, prec))} budgets {b}"
+    try:
+        batches = data(model)
+        with cuda_budget(b["gpu"]) as device:
+            losses = [eng.step(batches[0])]
+            warmup_peaks = eng.ledger.peaks()
+            eng.ledger.reset_peaks()  # steady state from here: what the planner predicts
+            losses += [eng.step(x) for x in batches[1:]]
+        peaks = eng.ledger.peaks()
+        budgets_ = eng.ledger.budgets
+    finally:
+        eng.close()
+    # (a) within budget, warm-up included
+    for tier, limit in budgets_.items():
+        if limit is not None:
+            assert max(warmup_peaks[tier], peaks[tier]) <= limit, (where, tier, warmup_peaks, peaks)
+    if device["peak"] is not None:
+        assert device["peak"] <= b["gpu"], (where, "cuda max_memory_allocated", device["peak"])
+    # (b) planned within +-10% of measured, every tier (a tier the run lacks measures 0)
+    for tier in ("gpu", "host", "cxl", "nvme"):
+        measured, predicted = peaks.get(tier, 0), planned.peak[tier]
+        assert abs(predicted - measured) <= TOL * measured, \
+            f"{where}: {tier} planned {predicted} B vs measured {measured} B (peaks {peaks}, plan {planned.peak})"
+    # (c) the same losses as without offloading
+    ref = reference(model, opt, prec)
+    if CUDA:
+        assert losses == pytest.approx(ref, rel=CUDA_LOSS_RTOL[prec]), where
+    else:
+        assert losses == ref, where
+
+
+@pytest.mark.parametrize("model, budget, opt, tiers, prec", MATRIX)
+def test_budget_matrix(model, budget, opt, tiers, prec, tmp_path, references):
+    run_case(model, budget, opt, tiers, prec, tmp_path=tmp_path, reference=references)
+
+
+WARMUP_CASES = [("dense", "mid", "adamw", "hostmin+nvme", "fp32"), ("tied", "mid", "galore", "cxl+nvme", "bf16"),
+                 ("vocab", "min", "adamw8bit", "host+nvme", "bf16"), ("dense", "min", "mezo", "cxl+nvme", "fp32")]
+
+
+@pytest.mark.parametrize("case", WARMUP_CASES, ids=[case_id(c) + "-warmup" for c in WARMUP_CASES])
+def test_budget_matrix_placed_after_warmup(case, tmp_path, references):
+    """The engine's other placement mode (no activation estimate: every chunk host-side until
+    the warm-up step has measured them) against `make_plan(up_front=False)`."""
+    run_case(*case, tmp_path=tmp_path, reference=references, up_front=False)
+
+
+def test_matrix_catches_an_under_counting_ledger(tmp_path, monkeypatch, references):
+    """A ledger that books only half of every optimizer state (consistently, so it never trips
+    over its own release) must make a matrix case fail: the checks are not vacuous."""
+    case = ("dense", "min", "adamw", "host", "fp32")  # every chunk streamed: state is half the host bytes
+    reserve, release = Ledger.reserve, Ledger.release
+
+    def half(fn):
+        return lambda self, tier, kind, nbytes: fn(self, tier, kind, nbytes // 2 if kind == "state" else nbytes)
+
+    monkeypatch.setattr(Ledger, "reserve", half(reserve))
+    monkeypatch.setattr(Ledger, "release", half(release))
+    with pytest.raises(AssertionError, match="host planned"):
+        run_case(*case, tmp_path=tmp_path, reference=references)

@@ -1,0 +1,74 @@
+"""`finetune plan --verify` and offload.verify: a few real steps, planned vs measured per tier."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from offload.errors import InfeasibleBudget, TierwiseError
+from offload.ledger import Ledger
+from offload.verify import verify
+from profiles import ModelProfile
+
+TINY = ModelProfile(name="tiny-verify", family="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=128,
+                    rope_theta=10000.0, rms_norm_eps=1e-5)
+RUN = dict(model=TINY, gpu_mem="1M", cpu_mem="64M", optimizer="adamw", precision="fp32", batch_size=2,
+           seq_len=32, chunk_bytes="16K")
+CLI = ["plan", "--model", "tiny", "--gpu-mem", "2M", "--cpu-mem", "64M", "--batch-size", "2",
+       "--seq-len", "32", "--chunk-size", "16K", "--verify"]
+
+
+def under_count_state(monkeypatch) -> None:
+    """A broken ledger: every optimizer state books half its bytes (consistently)."""
+    reserve, release = Ledger.reserve, Ledger.release
+
+    def half(fn):
+        return lambda self, tier, kind, nbytes: fn(self, tier, kind, nbytes // 2 if kind == "state" else nbytes)
+
+    monkeypatch.setattr(Ledger, "reserve", half(reserve))
+    monkeypatch.setattr(Ledger, "release", half(release))
+
+
+def test_verify_passes_and_reports_every_tier(tmp_path):
+    # 1108K: the CXL budget the planner names for this model (the allocator charges whole pages)
+    report = verify(**{**RUN, "cpu_mem": "2M", "cxl_mem": "1108K"}, nvme_path=str(tmp_path / "swap"), steps=3)
+    assert report.passed, report.render()
+    assert len(report.losses) == 3 and report.step_s > 0 and report.device_peak is None
+    assert report.measured["nvme"] > 0 and report.measured["cxl"] > 0  # the run spilled as planned
+    for tier in ("gpu", "host", "cxl", "nvme"):
+        assert report.measured[tier] == pytest.approx(report.plan.peak[tier], rel=0.10)
+        limit = report.budgets[tier]
+        assert limit is None or max(report.warmup[tier], report.measured[tier]) <= limit
+    text = report.render()
+    assert text.splitlines()[-1].startswith("PASS")
+    assert all(t in text for t in ("gpu", "host", "cxl", "nvme", "step", "planned", "measured"))
+
+
+def test_verify_fails_on_an_under_counting_ledger(monkeypatch):
+    under_count_state(monkeypatch)
+    report = verify(**RUN, steps=2)
+    assert not report.passed
+    assert any(f.startswith("host planned") for f in report.failures), report.failures
+    assert report.render().splitlines()[-1].startswith("FAIL: host planned")
+
+
+def test_verify_user_errors():
+    with pytest.raises(TierwiseError, match="at least 2 steps"):
+        verify(**RUN, steps=1)
+    with pytest.raises(InfeasibleBudget, match="too small"):
+        verify(**{**RUN, "gpu_mem": "64K"})
+
+
+def test_cli_plan_verify_exit_codes(monkeypatch):
+    runner = CliRunner()
+    ok = runner.invoke(app, CLI)
+    assert ok.exit_code == 0, (ok.output, ok.exception)
+    assert "PASS" in ok.output and "measured" in ok.output
+    bad_steps = runner.invoke(app, CLI + ["--verify-steps", "1"])
+    assert bad_steps.exit_code == 2 and "at least 2 steps" in bad_steps.stderr
+    under_count_state(monkeypatch)
+    failed = runner.invoke(app, CLI + ["--verify-steps", "2"])
+    assert failed.exit_code == 1, (failed.output, failed.exception)
+    assert "FAIL:" in failed.output and "host planned" in failed.output
