@@ -93,6 +93,8 @@ class TrainConfig:
     cxl_mem: str | None = None
     cxl_node: int | None = None
     nvme_path: str | None = None
+    offload_activations: bool = False
+    """Keep checkpointed blocks' inputs in host memory between forward and backward."""
     chunk_size: str = "64M"
     optimizer: str = "adamw"
     lr: float | None = None

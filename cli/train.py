@@ -51,6 +51,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig):
         optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
         gpu_mem=cfg.budgets["gpu"], cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"],
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
+        offload_activations=cfg.offload_activations or None,
         chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip,
     )
     kwargs["activations"] = activation_estimate(model, cfg)

@@ -329,3 +329,8 @@ def test_profile_name_without_weights_trains_random_init(tmp_path):
     assert len(_train_losses(out)) == 3
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["num_hidden_layers"] == 4  # the `tiny` profile's shapes
+
+
+def test_offload_activations_flag_trains(tmp_path):
+    _ok(_invoke("--offload-activations", "--steps", "2", "--output", str(tmp_path / "o")))
+    assert (tmp_path / "o" / "model" / "config.json").exists()
