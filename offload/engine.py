@@ -18,7 +18,6 @@ as the budget allows and later steps follow the trace (Belady eviction, look-ahe
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from typing import Any, Callable, Iterable, Iterator
@@ -27,7 +26,7 @@ import torch
 
 from offload.cache import ResidentCache
 from offload.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
-from offload.errors import BudgetExceeded, InfeasibleBudget, TierwiseError
+from offload.errors import BudgetExceeded, InfeasibleBudget
 from offload.cxl import CxlAllocator, detect_cxl_nodes
 from offload.executor import Executor, Ticket
 from offload.homes import assign_homes
@@ -148,7 +147,9 @@ class Engine:
         self.cxl = None
         if cxl_bytes:
             budgets["cxl"] = cxl_bytes
-            self.cxl = CxlAllocator(nodes=detect_cxl_nodes(), budget_bytes=cxl_bytes,
+            # the ledger enforces --cxl-mem (one budget, exact bytes); the allocator's own page-
+            # rounded count would refuse a tight budget the ledger accepts
+            self.cxl = CxlAllocator(nodes=detect_cxl_nodes(), budget_bytes=1 << 62,
                                     emulate_bandwidth=cxl_bandwidth, node=cxl_node)
         self.nvme = None
         if nvme_path is not None:

@@ -29,7 +29,6 @@ from typing import Any
 
 from offload.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, pack_chunks
 from offload.errors import InfeasibleBudget, TierwiseError
-from offload.aligned import round_up
 from offload.homes import Homes, assign_homes, minimum_host
 from offload.perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buffer_bytes, checkpoints_blocks,
                                compute_bytes, model_flops,
@@ -40,7 +39,6 @@ from profiles import HardwareProfile, ModelProfile, load_hardware_profile, load_
 
 log = logging.getLogger(__name__)
 TIERS = ("gpu", "host", "cxl", "nvme")
-CXL_PAGE = 4096  # the CXL allocator's charging unit (its SC_PAGE_SIZE; 4 KiB on x86-64 and most arm64)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,35 +284,26 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
 
 
 def _construction_bytes(ch: _Chunks, homes: Homes) -> tuple[int, int]:
-    """(host, cxl) bytes the engine takes when built with `homes`: host = the kinds there + the
-    NVMe bounce buffers; cxl = what the CXL allocator charges (whole pages per kind, against the
-    same --cxl-mem budget as the ledger's)."""
+    """(host, cxl) bytes the engine's ledger takes when built with `homes`: host = the kinds
+    there + the NVMe bounce buffers; cxl = the kinds there (the ledger is the one budget)."""
     host = sum(homes.bytes.get("host", {}).values()) + homes.bounce
-    cxl = sum(round_up(ch.kinds[c][k], CXL_PAGE) for c, d in homes.tiers.items() for k, t in d.items()
-              if t == "cxl")
+    cxl = sum(homes.bytes.get("cxl", {}).values())
     return host, cxl
 
 
 def _engine_homes(ch: _Chunks, hosted: list[int], *, host: int | None, cxl: int, nvme: bool) -> Homes:
     """homes.assign_homes over the chunks `hosted`, as the engine calls it; InfeasibleBudget
     (naming the smallest budget that works) also where the engine would fail later, at its
-    bounce buffers or at the CXL allocator's page rounding."""
+    bounce buffers."""
     kinds = {c: ch.kinds[c] for c in hosted}
     homes = assign_homes(kinds=kinds, host=host, cxl=cxl or None, nvme=nvme)
-    used_host, charged_cxl = _construction_bytes(ch, homes)
+    used_host, _ = _construction_bytes(ch, homes)
     if host is not None and used_host > host:
         need = _host_minimum(ch, hosted, cxl=cxl, nvme=nvme)
         raise InfeasibleBudget(
             f"host budget {format_size(host)} cannot hold the streamed chunks and the NVMe bounce buffers "
             f"({format_size(used_host)}); at least {format_size(need)} ({need} B) needed; raise --cpu-mem",
             minimum={"host": need})
-    if cxl and charged_cxl > cxl:
-        need = _grow(lambda b: _construction_bytes(ch, assign_homes(kinds=kinds, host=host, cxl=b, nvme=nvme))[1],
-                     cxl, cap=sum(sum(k.values()) for k in kinds.values()) + CXL_PAGE * 4 * len(kinds))
-        raise InfeasibleBudget(
-            f"--cxl-mem {format_size(cxl)}: the CXL allocator charges whole {CXL_PAGE} B pages, "
-            f"{format_size(charged_cxl)} for what is placed there; use at least {format_size(need)} ({need} B)",
-            minimum={"cxl": need})
     return homes
 
 

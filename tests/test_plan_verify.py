@@ -32,7 +32,7 @@ def under_count_state(monkeypatch) -> None:
 
 
 def test_verify_passes_and_reports_every_tier(tmp_path):
-    # 1108K: the CXL budget the planner names for this model (the allocator charges whole pages)
+    # a CXL budget that holds part of this model: host, CXL and NVMe are all in use
     report = verify(**{**RUN, "cpu_mem": "2M", "cxl_mem": "1108K"}, nvme_path=str(tmp_path / "swap"), steps=3)
     assert report.passed, report.render()
     assert len(report.losses) == 3 and report.step_s > 0 and report.device_peak is None
