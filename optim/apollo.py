@@ -13,8 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from .adamw import adamw_step_, init_adamw_state
-from .base import TierwiseOptimizer
+from .base import LowRankOptimizer
 from .costs import OptimizerCost
 from .galore import as_matrix, low_rank_shape, project, project_right
 
@@ -104,7 +103,7 @@ def apollo_state_bytes(shape: tuple[int, ...], rank: Optional[int], *, mini: boo
     return 8.0 * math.prod(low_rank_shape((rows, cols), r)) + 4.0
 
 
-class ApolloAdamW(TierwiseOptimizer):
+class ApolloAdamW(LowRankOptimizer):
     """APOLLO; `mini=True` (or ApolloMini) is rank-1 tensor-wise scaling. `rank` per group."""
 
     _mini_default = False
@@ -129,25 +128,14 @@ class ApolloAdamW(TierwiseOptimizer):
             note="state scales with rank: use state_bytes(shape, rank); per-param figures are the "
             "AdamW fallback", state_bytes=lambda shape, rank: apollo_state_bytes(shape, rank, mini=mini))
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
-        beta1, beta2 = group["betas"]
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                     weight_decay=group["weight_decay"])
-        master = p.data if p.dtype == torch.float32 else p.data.float()
-        if group.get("rank") and p.dim() >= 2:
-            if not state:
-                state.update(init_apollo_state(p, rank=1 if group["mini"] else group["rank"]), step=0)
-            state["step"] += 1
-            apollo_step_(master, p.grad, state, step=state["step"], rank=group["rank"],
-                         update_proj_gap=group["update_proj_gap"], scale=group["scale"],
-                         mini=group["mini"], seed=group["seed"] * 7919 + index, **hyper)
-        else:
-            if not state:
-                state.update(init_adamw_state(p), step=0)
-            state["step"] += 1
-            adamw_step_(master, p.grad, state, step=state["step"], **hyper)
-        if master is not p.data:
-            p.data.copy_(master)
+    def _projected_step(self, p: torch.Tensor, master: torch.Tensor, group: dict[str, Any],
+                        state: dict[str, Any], index: int, hyper: dict[str, float]) -> None:
+        if not state:
+            state.update(init_apollo_state(p, rank=1 if group["mini"] else group["rank"]), step=0)
+        state["step"] += 1
+        apollo_step_(master, p.grad, state, step=state["step"], rank=group["rank"],
+                     update_proj_gap=group["update_proj_gap"], scale=group["scale"],
+                     mini=group["mini"], seed=group["seed"] * 7919 + index, **hyper)
 
 
 class ApolloMini(ApolloAdamW):

@@ -52,6 +52,33 @@ class TierwiseOptimizer(torch.optim.Optimizer):
                                  for k, v in saved[pid].items()}
 
 
+class LowRankOptimizer(TierwiseOptimizer):
+    """GaLore / APOLLO plumbing: groups with a `rank` project their >= 2-D params through
+    `_projected_step`; every other param gets plain AdamW (the papers' choice for embeddings,
+    norms and biases). Non-fp32 params are updated through an fp32 copy."""
+
+    def _projected_step(self, p: torch.Tensor, master: torch.Tensor, group: dict[str, Any],
+                        state: dict[str, Any], index: int, hyper: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
+        from .adamw import adamw_step_, init_adamw_state
+
+        beta1, beta2 = group["betas"]
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"])
+        master = p.data if p.dtype == torch.float32 else p.data.float()
+        if group.get("rank") and p.dim() >= 2:
+            self._projected_step(p, master, group, state, index, hyper)
+        else:
+            if not state:
+                state.update(init_adamw_state(p), step=0)
+            state["step"] += 1
+            adamw_step_(master, p.grad, state, step=state["step"], **hyper)
+        if master is not p.data:
+            p.data.copy_(master)
+
+
 def write_back_(
     param: torch.Tensor,  # (...) bf16/fp16 model param
     master: torch.Tensor,  # (...) fp32 updated values

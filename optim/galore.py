@@ -12,9 +12,9 @@ from typing import Any, Optional
 
 import torch
 
-from .adamw import adamw_step_, init_adamw_state
+from .adamw import init_adamw_state
 from .adamw8bit import adamw8bit_step_, init_adamw8bit_state, state_bytes_8bit
-from .base import TierwiseOptimizer
+from .base import LowRankOptimizer
 from .costs import OptimizerCost
 
 
@@ -107,7 +107,7 @@ def galore_state_bytes(shape: tuple[int, ...], rank: Optional[int], *, eight_bit
     return proj + moments
 
 
-class GaLoreAdamW(TierwiseOptimizer):
+class GaLoreAdamW(LowRankOptimizer):
     """GaLore-AdamW. Put `rank` (and optionally update_proj_gap, scale) in a param group."""
 
     _eight_bit = False
@@ -129,25 +129,14 @@ class GaLoreAdamW(TierwiseOptimizer):
             "per-param figures are for the full-rank (AdamW) fallback, flops for r=128",
             state_bytes=lambda shape, rank: galore_state_bytes(shape, rank, eight_bit=eight))
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
-        beta1, beta2 = group["betas"]
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                     weight_decay=group["weight_decay"])
-        master = p.data if p.dtype == torch.float32 else p.data.float()
-        if group.get("rank") and p.dim() >= 2:
-            if not state:
-                state.update(init_galore_state(p, rank=group["rank"], eight_bit=self._eight_bit), step=0)
-            state["step"] += 1
-            galore_step_(master, p.grad, state, step=state["step"], rank=group["rank"],
-                         update_proj_gap=group["update_proj_gap"], scale=group["scale"],
-                         eight_bit=self._eight_bit, **hyper)
-        else:
-            if not state:
-                state.update(init_adamw_state(p), step=0)
-            state["step"] += 1
-            adamw_step_(master, p.grad, state, step=state["step"], **hyper)
-        if master is not p.data:
-            p.data.copy_(master)
+    def _projected_step(self, p: torch.Tensor, master: torch.Tensor, group: dict[str, Any],
+                        state: dict[str, Any], index: int, hyper: dict[str, float]) -> None:
+        if not state:
+            state.update(init_galore_state(p, rank=group["rank"], eight_bit=self._eight_bit), step=0)
+        state["step"] += 1
+        galore_step_(master, p.grad, state, step=state["step"], rank=group["rank"],
+                     update_proj_gap=group["update_proj_gap"], scale=group["scale"],
+                     eight_bit=self._eight_bit, **hyper)
 
 
 class GaLoreAdamW8bit(GaLoreAdamW):
