@@ -181,6 +181,7 @@ class Engine:
                                 state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
                                 homes=tiers, nvme=self.nvme)
         self.bounce = Bounce(self.store, pin=self.device.type == "cuda") if self.homes.bounce else None
+        self.store.bounce = self.bounce
         self.spill = GradSpill(self)
         self.streamed_storage: dict[int, int] = {}
         self.home_storage: set[int] = set()

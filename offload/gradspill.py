@@ -86,4 +86,4 @@ class GradSpill:
         store = self.engine.store
         for cid, ch in enumerate(store.chunks):
             if hasattr(ch.grad, "key") and cid not in self.written:
-                self.engine.nvme.write(ch.grad.key, torch.zeros(ch.grad.numel, dtype=torch.float32))
+                self.engine.nvme.zeros(ch.grad.key, ch.grad.nbytes)

@@ -234,6 +234,38 @@ class NvmeStore:
     def read(self, key: str, dst: torch.Tensor) -> None:
         self.read_async(key, dst).result()
 
+    def zeros(self, key: str, nbytes: int) -> None:
+        """Make `key` hold `nbytes` zero bytes without writing them: the file is preallocated
+        (the filesystem returns zeros for it), so no buffer of that size is ever needed."""
+        path = self.path(key)
+        with self._lock:
+            if self._closed:
+                raise NvmeError(f"NVMe store at {self.directory} is closed")
+            swap, last = self._files.get(key), self._last.pop(key, None)
+        if last is not None:
+            wait([last])
+        padded = round_up(nbytes)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                try:
+                    os.posix_fallocate(fd, 0, padded)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                        raise
+                    os.ftruncate(fd, padded)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._os_error(exc, "preallocate", path, padded) from exc
+        swap = swap or _SwapFile(path=path)
+        swap.nbytes, swap.allocated, swap.valid = nbytes, padded, True
+        if self.checksum:
+            bs = self.block_size
+            swap.crcs = [zlib.crc32(bytes(min(bs, nbytes - i * bs))) for i in range(-(-nbytes // bs))]
+        with self._lock:
+            self._files[key] = swap
+
     def path(self, key: str) -> str:
         """The swap file of `key`."""
         if not _KEY.fullmatch(key):

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from offload.aligned import aligned_empty
 from offload.chunks import ChunkPlan, Slot
 from offload.nvme import NvmeStore
 from offload.tiers import Tiers
@@ -83,6 +84,7 @@ class ChunkStore:
         self.nvme = nvme
         self.bf16 = compute_dtype != torch.float32
         self.grad_scale: torch.Tensor | None = None  # clipping factor still owed to NVMe gradients
+        self.bounce: Any = None  # offload.swapping.Bounce, set by the engine when NVMe is in use
         self.chunks = [self._allocate(c.index, homes[c.index]) for c in plan.chunks]
 
     # -- allocation -----------------------------------------------------------------------
@@ -92,7 +94,7 @@ class ChunkStore:
             return self.tiers.zeros(tier, kind, n, dtype)
         self.tiers.ledger.reserve("nvme", kind, n * dtype.itemsize)
         swap = SwapKind(f"c{cid}.{name}", n, dtype)
-        self.nvme.write(swap.key, torch.zeros(n, dtype=dtype))
+        self.nvme.zeros(swap.key, swap.nbytes)
         return swap
 
     def _drop(self, tier: str, kind: str, data: Any) -> None:
@@ -140,10 +142,12 @@ class ChunkStore:
         self.point_params(cid, self.compute_source(cid), params)
 
     # -- in-memory access to possibly swapped kinds ------------------------------------------
-    def opened(self, cid: int, *, write_back: bool = False, only: tuple[str, ...] | None = None) -> "_Opened":
+    def opened(self, cid: int, *, write_back: bool = False, only: tuple[str, ...] | None = None,
+               scratch: dict[str, torch.Tensor] | None = None) -> "_Opened":
         """Context manager: {name: tensor} of chunk `cid`'s kinds in memory (swap files read
-        into temporary buffers; written back on exit if `write_back`). `only`: just these."""
-        return _Opened(self, cid, write_back=write_back, only=only)
+        into `scratch` buffers, else temporary ones; written back on exit if `write_back`).
+        `only`: just these kinds."""
+        return _Opened(self, cid, write_back=write_back, only=only, scratch=scratch)
 
     # -- views ------------------------------------------------------------------------------
     def is_gpu_home(self, cid: int) -> bool:
@@ -183,6 +187,7 @@ class ChunkStore:
         """Copy (name, tensor) into master slots. Swapped chunks are assembled in memory one
         or two at a time (tensors arrive shard by shard, roughly in chunk order)."""
         open_chunks: dict[int, _Opened] = {}
+        free_slots = [0, 1]  # bounce update sets as scratch: no allocation per chunk
         try:
             for name, tensor in named_tensors:
                 s = self.plan.slots.get(name)
@@ -194,8 +199,14 @@ class ChunkStore:
                 if work is None:
                     if len(open_chunks) >= 2:  # bound the memory: write back the oldest
                         oldest = next(iter(open_chunks))
-                        open_chunks.pop(oldest).__exit__(None, None, None)
-                    work = open_chunks[s.chunk] = self.opened(s.chunk, write_back=True)
+                        done = open_chunks.pop(oldest)
+                        done.__exit__(None, None, None)
+                        free_slots.append(done.slot)
+                    slot = free_slots.pop(0)
+                    scratch = self.bounce.views(slot, s.chunk) if self.bounce is not None else None
+                    work = open_chunks[s.chunk] = self.opened(s.chunk, write_back=True, only=("master", "compute"),
+                                                              scratch=scratch)
+                    work.slot = slot
                     work.__enter__()
                 work.tensors["master"][s.offset: s.offset + s.numel].copy_(tensor.reshape(-1))
         finally:
@@ -205,7 +216,7 @@ class ChunkStore:
     def zero_grads(self) -> None:
         for ch in self.chunks:
             if isinstance(ch.grad, SwapKind):
-                self.nvme.write(ch.grad.key, torch.zeros(ch.grad.numel, dtype=torch.float32))
+                self.nvme.zeros(ch.grad.key, ch.grad.nbytes)
             elif ch.grad is not None:
                 ch.grad.zero_()
 
@@ -271,8 +282,11 @@ class ChunkStore:
 class _Opened:
     """The kinds of one chunk as in-memory tensors, for the duration of a `with`."""
 
-    def __init__(self, store: ChunkStore, cid: int, *, write_back: bool, only: tuple[str, ...] | None):
+    def __init__(self, store: ChunkStore, cid: int, *, write_back: bool, only: tuple[str, ...] | None,
+                 scratch: dict[str, torch.Tensor] | None = None):
         self.store, self.cid, self.write_back, self.only = store, cid, write_back, only
+        self.scratch = scratch or {}
+        self.slot = -1
         self.tensors: dict[str, torch.Tensor] = {}
 
     def __enter__(self) -> dict[str, torch.Tensor]:
@@ -281,7 +295,9 @@ class _Opened:
             if self.only is not None and name not in self.only:
                 continue
             if isinstance(data, SwapKind):
-                buf = torch.empty(data.numel, dtype=data.dtype)
+                buf = self.scratch.get(name)
+                if buf is None:  # aligned, so the NVMe engine reads in place (no bounce buffer)
+                    buf = aligned_empty(data.nbytes, pin=False)[: data.nbytes].view(data.dtype)
                 self.store.nvme.read(data.key, buf)
                 self.tensors[name] = buf
             else:
