@@ -31,6 +31,7 @@ from offload.cxl import CxlAllocator, detect_cxl_nodes
 from offload.executor import Executor, Ticket
 from offload.homes import assign_homes
 from offload.actoffload import Offloader
+from offload.early import EarlyUpdater
 from offload.gradspill import GradSpill
 from offload.hooks import ActivationTracker, checkpointed, install_module_hooks
 from offload.ledger import Ledger
@@ -75,12 +76,14 @@ class Engine:
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
                  prefetch_depth: int = 16, h2d_bandwidth: float | None = None,
                  d2h_bandwidth: float | None = None, allow_gpu_home: bool = True,
-                 offload_activations: bool = False):
+                 offload_activations: bool = False, overlap_update: bool = True):
         """`activations`: the expected peak of saved activations (e.g. the planner's estimate).
         Given, chunks are placed in their final tiers now; otherwise after the warm-up step,
         which measures it (until then every chunk lives host-side).
         `offload_activations`: keep checkpointed blocks' inputs in host memory between forward
-        and backward (offload.actoffload), for sequences whose activations outgrow the device."""
+        and backward (offload.actoffload), for sequences whose activations outgrow the device.
+        `overlap_update`: update a chunk as soon as its gradients are final, during backward
+        (offload.early); `engine.step` only, and not with clipping."""
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
         self.model, self.loss_fn = model, loss_fn
@@ -91,6 +94,7 @@ class Engine:
         self.prefetch_depth = prefetch_depth
         self.allow_gpu_home = allow_gpu_home
         self.offload_activations = offload_activations
+        self.overlap_update = overlap_update
         self.hyper = Hyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum)
         self._setup_tiers(gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
                           cxl_bandwidth=cxl_bandwidth, nvme_path=nvme_path, nvme_checksum=nvme_checksum)
@@ -203,6 +207,10 @@ class Engine:
         self._handles = install_module_hooks(self, list(self.module_chunks))
         for p in self.params.values():
             self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        self.early = EarlyUpdater(self) if self.overlap_update and self.updater.needs_grad else None
+        self._early_on = False
+        self._arrived: dict[int, int] = {}
+        self._chunk_tickets: dict[int, list] = {}
         self.tracker = ActivationTracker(self)
         if self.offload_activations:
             self.tracker.offloader = Offloader(self)
@@ -346,6 +354,7 @@ class Engine:
             dst = self.store.grad_view(slot)
         if self.store.is_gpu_home(slot.chunk):
             dst.copy_(src) if first else dst.add_(src)
+            self._arrived_grad(slot.chunk, None)
             return
         nbytes = src.numel() * src.element_size()
         self._reserve_grad(nbytes)
@@ -356,6 +365,18 @@ class Engine:
         self._inflight.append((ticket, nbytes, src))
         if spilled:
             self.spill.landed(slot.chunk, ticket)
+        self._arrived_grad(slot.chunk, ticket)
+
+    def _arrived_grad(self, cid: int, ticket: Any) -> None:
+        """Count a chunk's gradients; once all are in (last micro-batch, no clipping), its
+        update starts while backward goes on (offload.early)."""
+        if not self._early_on:
+            return
+        self._arrived[cid] = self._arrived.get(cid, 0) + 1
+        if ticket is not None:
+            self._chunk_tickets.setdefault(cid, []).append(ticket)
+        if self._arrived[cid] == len(self.plan.chunks[cid].params):
+            self.early.submit(cid, self._chunk_tickets.pop(cid, []))
 
     def _reserve_grad(self, nbytes: int) -> None:
         limit = max(self.needs.grad_reserve, nbytes)
@@ -416,9 +437,12 @@ class Engine:
         self.phase = "backward"
         t0 = time.perf_counter()
         try:
+            self._arrived, self._chunk_tickets = {}, {}
             loss.backward()
             self._drain_grads()
             self.spill.end_backward()
+            if self._early_on:
+                self.early.wait()
         except BudgetExceeded as exc:
             err = self._budget_error(exc)
             self._abort_cycle()
@@ -451,9 +475,15 @@ class Engine:
         if not self.updater.needs_grad:
             return self._zo_step(batch)
         losses = []
-        for mb in split_batch(batch, grad_accum):
+        micro = split_batch(batch, grad_accum)
+        for i, mb in enumerate(micro):
             loss = self.forward(mb)
-            self.backward(loss / grad_accum if grad_accum > 1 else loss)
+            # the last micro-batch's gradients are final: chunks may update as they complete
+            self._early_on = self.early is not None and self.grad_clip is None and i == len(micro) - 1
+            try:
+                self.backward(loss / grad_accum if grad_accum > 1 else loss)
+            finally:
+                self._early_on = False
             losses.append(loss.detach().float().item())
         self.optimizer_step()
         return sum(losses) / len(losses)
@@ -487,7 +517,11 @@ class Engine:
         self.spill.finish_cycle()
         if self.grad_clip is not None:
             self.last_grad_norm = self.store.clip_grads_(self.grad_clip)
-        update_all(self.store, self.updater, self.hyper, self.bounce)
+        early = self.early.done if self.early is not None else set()
+        update_all(self.store, self.updater, self.hyper, self.bounce,
+                   chunks=[c for c in range(len(self.plan.chunks)) if c not in early])
+        early.clear()
+        self.store.grad_scale = None
         self.cache.evict_all()
         self._record_moment()
         self.follower.end_step()
@@ -579,6 +613,8 @@ class Engine:
         """Stop the copy threads and remove the swap files."""
         self.executor.drain()
         self.executor.close()
+        if self.early is not None:
+            self.early.close()
         if self.nvme is not None:
             self.nvme.close()
         for h in self._handles:

@@ -58,9 +58,12 @@ def _swapped(store: ChunkStore, cid: int) -> list[tuple[str, SwapKind]]:
     return [(name, d) for _, name, d in store.chunks[cid].kinds() if isinstance(d, SwapKind)]
 
 
-def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | None) -> None:
-    """One optimizer step on every chunk: in-memory ones in place, swapped ones pipelined."""
-    swapped = [c for c in range(len(store.chunks)) if _swapped(store, c)]
+def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | None, *,
+               chunks: list[int] | None = None) -> None:
+    """One optimizer step on `chunks` (default: every chunk): in-memory ones in place, swapped
+    ones pipelined through the two bounce sets."""
+    todo = list(range(len(store.chunks))) if chunks is None else chunks
+    swapped = [c for c in todo if _swapped(store, c)]
     writes: dict[int, list[Future]] = {0: [], 1: []}
 
     def start(i: int) -> tuple[dict[str, torch.Tensor], list[Future]]:
@@ -72,9 +75,9 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
                        if n != "compute"]  # the compute copy is rewritten from the master
 
     pending = start(0) if swapped else None
-    for cid, ch in enumerate(store.chunks):  # while the first read is in flight
+    for cid in todo:  # while the first read is in flight
         if cid not in swapped:
-            _step(ch, cid, updater, hyper, {})
+            _step(store.chunks[cid], cid, updater, hyper, {})
     for i, cid in enumerate(swapped):
         views, reads = pending
         if i + 1 < len(swapped):
@@ -90,7 +93,6 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
     for fs in writes.values():
         for f in fs:
             f.result()
-    store.grad_scale = None
 
 
 def _step(ch: Any, cid: int, updater: Any, hyper: Any, views: dict[str, torch.Tensor]) -> None:
