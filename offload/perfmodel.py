@@ -335,10 +335,11 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     upd = {"cpu update": params / _cpu_rate(hw, cost) + load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12),
            "dispatch": 4 * load.num_chunks * overhead}
     phases, resources, tops = {}, {"forward": fwd, "backward": bwd, "update": upd}, {}
+    scale = hw.host.step_calibration or 1.0
     for name, busy, n in (("forward", fwd, cost.forwards * micro_batches), ("backward", bwd, micro_batches),
                           ("update", upd, 1)):
         if name == "backward" and not cost.needs_grad:
             continue
-        phases[name] = sum(busy.values()) * n
+        phases[name] = sum(busy.values()) * n * (scale if name != "update" else 1.0)
         tops[name] = max(busy, key=busy.__getitem__)
     return _finish(phases, resources, tops, tokens)

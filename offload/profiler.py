@@ -199,10 +199,52 @@ def measure(*, hardware: str | None = None, output: str | None = None, nvme_path
         results[name] = fn()
         say(f"[{i}/{len(steps)}] {name}: {_show(results[name])} ({time.perf_counter() - t:.1f} s)")
     text = to_toml(results, name=hardware or ("measured-cuda" if cuda else "measured-cpu-sim"), cuda=cuda)
+    if not cuda:
+        t = time.perf_counter()
+        scale = step_calibration(text, quick=quick)
+        say(f"[calibration] proxy model step measured / modelled: {scale:.3g} ({time.perf_counter() - t:.1f} s)")
+        text = text.replace("\n[nvme]", f"step_calibration = {scale:.6g}\n\n[nvme]", 1)
     if output:
         Path(output).write_text(text)
         say(f"wrote {output}")
     return text
+
+
+def step_calibration(profile_text: str, *, quick: bool) -> float:
+    """Run a small Llama through the engine (everything resident) and compare its step time
+    with the performance model's, on the profile just measured: the ratio calibrates the
+    simulated device's compute phases."""
+    import tempfile
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from offload.engine import Engine
+    from offload.planner import make_plan
+    from profiles import ModelProfile, load_hardware_profile
+
+    hidden, layers = (128, 2) if quick else (384, 4)
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    eng = Engine(LlamaForCausalLM(cfg), lr=1e-4, chunk_bytes=16 << 20)
+    g = torch.Generator().manual_seed(0)
+    batch, seq = 2, 64
+    x = torch.randint(0, 4096, (batch, seq), generator=g)
+    eng.step({"input_ids": x, "labels": x})  # warm-up: trace, placement
+    times = []
+    for _ in range(2 if quick else 4):
+        t = time.perf_counter()
+        eng.step({"input_ids": x, "labels": x})
+        times.append(time.perf_counter() - t)
+    eng.close()
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(profile_text)
+    plan = make_plan(model=ModelProfile.from_hf_config(cfg), hardware=load_hardware_profile(f.name),
+                     gpu_mem=None, cpu_mem=None, optimizer="adamw", precision="fp32", batch_size=batch,
+                     seq_len=seq, chunk_bytes=16 << 20)
+    os.unlink(f.name)
+    return sorted(times)[len(times) // 2] / plan.step_s
 
 
 def _show(v: object) -> str:

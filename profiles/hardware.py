@@ -72,6 +72,10 @@ class HostSpec:
     op_overhead_us: float | None = None
     """Host cost of dispatching one small op or module hook, in microseconds (None: not measured;
     counts only on the simulated device, where it adds to compute instead of hiding under it)."""
+    step_calibration: float | None = None
+    """Measured / modelled step time of a proxy model run by the engine (`finetune profile`);
+    scales the simulated device's compute phases (None: 1, uncalibrated). It absorbs what the
+    model does not price op by op: softmax, norms, elementwise work, allocator traffic."""
 
     def __post_init__(self) -> None:
         validate_fields(self)

@@ -159,3 +159,19 @@ def test_accepts_a_transformers_meta_model_and_default_hardware():
     b = make_plan(model="100m", hardware="cpu-sim", gpu_mem="1G", cpu_mem="4G", optimizer="adamw",
                   precision="fp32", batch_size=4, seq_len=128)
     assert a.num_params == b.num_params == 101_924_480 and a.bytes == b.bytes and a.step_s == b.step_s
+
+
+def test_step_calibration_scales_the_simulated_compute_phases():
+    import dataclasses
+
+    from offload.planner import make_plan
+    from profiles import load_hardware_profile
+
+    hw = load_hardware_profile("cpu-sim")
+    doubled = dataclasses.replace(hw, host=dataclasses.replace(hw.host, step_calibration=2.0))
+    kw = dict(model="tiny", gpu_mem=None, cpu_mem=None, optimizer="adamw", precision="fp32",
+              batch_size=2, seq_len=32)
+    base, cal = make_plan(hardware=hw, **kw), make_plan(hardware=doubled, **kw)
+    assert cal.phases["forward"] == pytest.approx(2 * base.phases["forward"])
+    assert cal.phases["backward"] == pytest.approx(2 * base.phases["backward"])
+    assert cal.phases["update"] == pytest.approx(base.phases["update"])
