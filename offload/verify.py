@@ -136,7 +136,7 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
                      optimizer_kwargs=optimizer_kwargs)
     data = _batches(batches, rows=batch_size * grad_accum, seq_len=seq_len, vocab=config.vocab_size, seed=seed)
     try:
-        with _cuda_peak(asked["gpu"]) as device:
+        with cuda_peak(asked["gpu"]) as device:
             losses = [engine.step(next(data), grad_accum=grad_accum)]
             warmup = engine.ledger.peaks()
             engine.ledger.reset_peaks()  # steady state from here: what the planner predicts
@@ -261,7 +261,7 @@ def _batches(batches: Iterable[dict] | None, *, rows: int, seq_len: int, vocab: 
 
 
 @contextlib.contextmanager
-def _cuda_peak(budget: int) -> Iterator[dict]:
+def cuda_peak(budget: int) -> Iterator[dict]:
     """On CUDA: cap the caching allocator at `budget` beyond what is allocated now
     (set_per_process_memory_fraction), and give its peak allocated bytes beyond that in
     box["peak"]. Without CUDA box["peak"] stays None."""

@@ -26,7 +26,6 @@ axes appears in some case; `test_default_selection_covers_every_pair` checks it)
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -36,6 +35,7 @@ import pytest
 import torch
 import transformers
 
+from offload.verify import cuda_peak
 from offload import Engine
 from offload.errors import InfeasibleBudget
 from offload.ledger import Ledger
@@ -253,30 +253,7 @@ def references():
 
 
 # -- one case ------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def cuda_budget(budget: int):
-    """On CUDA: make the caching allocator refuse more than `budget` bytes beyond what is
-    allocated now, and report the peak allocated beyond it in box["peak"] (None without CUDA).
-
-    The fraction caps *reserved* memory, which includes the allocator's rounding and
-    fragmentation, so it is at least as strict as the budget on allocated bytes."""
-    box: dict[str, int | None] = {"peak": None}
-    if not CUDA:
-        yield box
-        return
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (base + budget) / total))
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        yield box
-    finally:
-        torch.cuda.synchronize()
-        box["peak"] = torch.cuda.max_memory_allocated() - base
-        torch.cuda.set_per_process_memory_fraction(1.0)
-        torch.cuda.empty_cache()
+cuda_budget = cuda_peak  # the same check as `finetune plan --verify` makes
 
 
 def run_case(model: str, budget: str, opt: str, tiers: str, prec: str, *, tmp_path, reference,
