@@ -35,12 +35,12 @@ import pytest
 import torch
 import transformers
 
-from offload.verify import cuda_peak
 from offload import Engine
 from offload.errors import InfeasibleBudget
 from offload.ledger import Ledger
 from offload.planner import make_plan
 from offload.updaters import drop_in_groups
+from offload.verify import cuda_peak
 from optim import AdamW8bit, ApolloAdamW, GaLoreAdamW, MeZO
 from optim.mezo import direction, tensor_seed
 from profiles import ModelProfile, load_hardware_profile
