@@ -7,12 +7,15 @@
 Where the bytes live (every one of them reserved in `engine.ledger`):
 - gpu:  module buffers; compute copies of gpu-home chunks with their grad, master and state;
         compute copies of streamed chunks while cached; gradients in flight to the host;
-        activations saved for backward.
-- host: master (fp32, which is also the compute copy in fp32 runs), grad and optimizer
-        state of streamed chunks; a bf16 compute copy of them in bf16 runs.
-The first step is the warm-up: every chunk is streamed through the smallest window while the
-access trace and the activation peak are measured; then chunks are promoted to the device
-as the budget allows and later steps follow the trace (Belady eviction, look-ahead prefetch).
+        activations saved for backward (MeZO: its perturbed copies of one module's weights).
+- host / cxl / nvme (offload.homes): grad, optimizer state (one byte blob per chunk) and fp32
+        master of streamed chunks (in fp32 runs the master is also the streamed compute
+        copy; bf16 runs keep a bf16 copy too); NVMe bounce buffers in host memory.
+Placement happens at construction when `activations` (the planner's estimate) is given, else
+after the first step, which streams every chunk through the smallest window while measuring
+the activation peak. The first step also records the access trace; later steps follow the
+schedule made from it (offload.schedule: Belady eviction, look-ahead prefetch). In the last
+micro-batch, chunks whose gradients are final are updated during backward (offload.early).
 """
 
 from __future__ import annotations
