@@ -59,8 +59,11 @@ def assign_homes(*, kinds: dict[int, dict[str, int]], host: "int | None", cxl: "
     Raises InfeasibleBudget with the smallest host budget that would work.
     """
     inf = float("inf")
+    upper = bounce_bytes(kinds, {c: dict.fromkeys(k, "nvme") for c, k in kinds.items()})
     reserve = 0
-    for attempt in range(2):
+    # Reserve for the bounce buffers what the placement made under the last reserve needs,
+    # until that suffices (reserves only grow, up to `upper`: everything on NVMe).
+    for attempt in range(6):
         free = {"host": (inf if host is None else host - reserve), "cxl": 0 if cxl is None else cxl,
                 "nvme": inf if nvme else 0}
         out: dict[int, dict[str, str]] = {c: {} for c in kinds}
@@ -74,7 +77,7 @@ def assign_homes(*, kinds: dict[int, dict[str, int]], host: "int | None", cxl: "
         bounce = bounce_bytes(kinds, out)
         if rest or bounce <= reserve:
             break
-        reserve = bounce_bytes(kinds, {c: dict.fromkeys(k, "nvme") for c, k in kinds.items()})
+        reserve = upper if attempt >= 4 else max(bounce, reserve)
     host_used = sum(kinds[c][k] for c, d in out.items() for k, t in d.items() if t == "host")
     if rest or (host is not None and host_used + bounce > host):
         _refuse(kinds, host=host, cxl=cxl, nvme=nvme)

@@ -28,9 +28,11 @@ def test_fp32_bit_exact_with_state_on_nvme_and_cxl(tmp_path, tiers):
     budgets = {"host+nvme": dict(cpu_mem="1M"), "cxl+nvme": dict(cpu_mem="1M", cxl_mem="1M")}[tiers]
     eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, nvme_path=str(tmp_path / "swap"),
                  cxl_bandwidth=20e9, **budgets)
-    assert eng.homes.bytes["nvme"]["master"] > 0 and eng.homes.bytes["nvme"].get("state", 0) > 0
+    assert eng.homes.bytes["nvme"]["master"] > 0
     if tiers == "cxl+nvme":
         assert eng.homes.bytes["cxl"]["state"] > 0
+    else:
+        assert eng.homes.bytes["nvme"]["state"] > 0
     assert [eng.step(b) for b in data] == ref_losses
     assert eng.early.updated > 0  # chunks were updated during backward, and the result is the same
     mine = weights(eng)
