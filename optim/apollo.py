@@ -15,7 +15,7 @@ import torch
 
 from .base import LowRankOptimizer
 from .costs import OptimizerCost
-from .galore import as_matrix, low_rank_shape, project, project_right
+from .galore import adam_direction_, as_matrix, low_rank_shape, project, project_right
 
 LIMITER_GAMMA = 1.01
 
@@ -72,10 +72,7 @@ def apollo_step_(
         state["proj_seed"] = pseed
     proj = state["proj"]
     low = project(g, proj)
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    m.mul_(beta1).add_(low, alpha=1.0 - beta1)
-    v.mul_(beta2).addcmul_(low, low, value=1.0 - beta2)
-    norm_low = m / (v.sqrt() + eps)
+    norm_low = adam_direction_(state, low, beta1=beta1, beta2=beta2, eps=eps)
     if mini:
         factor = norm_low.norm() / (low.norm() + 1e-8)
     else:

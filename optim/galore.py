@@ -41,6 +41,16 @@ def project_back(low: torch.Tensor, proj: torch.Tensor, shape: tuple[int, int]) 
     return low @ proj if project_right(shape) else proj @ low
 
 
+def adam_direction_(state: dict[str, Any], low: torch.Tensor, *, beta1: float, beta2: float,
+                    eps: float) -> torch.Tensor:  # low: (r, c) projected gradient -> same shape
+    """Update the subspace moments in place and return m / (sqrt(v) + eps), no bias correction
+    (GaLore and APOLLO fold that into the step size)."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    m.mul_(beta1).add_(low, alpha=1.0 - beta1)
+    v.mul_(beta2).addcmul_(low, low, value=1.0 - beta2)
+    return m / (v.sqrt() + eps)
+
+
 def low_rank_shape(shape: tuple[int, int], rank: int) -> tuple[int, int]:
     return (shape[0], rank) if project_right(shape) else (rank, shape[1])
 
@@ -84,10 +94,7 @@ def galore_step_(
         norm_low = direction.view(low.shape).neg_()
         step_size = lr
     else:
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.mul_(beta1).add_(low, alpha=1.0 - beta1)
-        v.mul_(beta2).addcmul_(low, low, value=1.0 - beta2)
-        norm_low = m / (v.sqrt() + eps)
+        norm_low = adam_direction_(state, low, beta1=beta1, beta2=beta2, eps=eps)
         step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
     update = project_back(norm_low, state["proj"], shape) * scale
     param.add_(update.view(param.shape), alpha=-step_size)
