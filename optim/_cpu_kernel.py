@@ -1,9 +1,10 @@
 """A small C kernel for the fused 8-bit Adam step on CPU, built with the system C compiler.
 
-Per block of 256: dequantize (table gather), update p and both moments, new absmax, then
-requantize with an O(1) table lookup (quant.QuantTable) instead of a search. The path is
-chosen at run time: AVX-512 (F/BW/VBMI: the dequantization is in-register byte permutes, no
-gather), else AVX2 + FMA, else portable scalar; all three round every operation identically. Plain C + OpenMP loaded with ctypes: no torch headers, so it builds in about a second and
+Per block of 256: dequantize, update p and both moments, new absmax, then requantize by
+arithmetic (quant.DecadeTable: a few in-register table permutes and one fma, no search and
+no gather; a gather-based table lookup made the kernel 1.7x slower). The path is chosen at
+run time: AVX-512 (F/BW/VBMI: dequantization by in-register byte permutes), else AVX2 + FMA,
+else portable scalar; all three round every operation identically. Plain C + OpenMP loaded with ctypes: no torch headers, so it builds in about a second and
 needs no ninja. The library is cached per source hash under $TIERWISE_CACHE_DIR (default
 ~/.cache/tierwise). Without a compiler, `load()` returns None and callers use the torch path.
 """
@@ -34,44 +35,49 @@ _SOURCE = r"""
 #endif
 
 /* One AdamW step on fp32 params with both moments in blockwise 8-bit (256 values + one fp32
-   absmax per block), math and op order as the torch reference path:
-     m = fma(g, 1-b1, (code1[q1] * absmax1) * b1)      v = fma((1-b2) * g, g, (code2[q2] * absmax2) * b2)
-     p = p * decay + (step_size * m) / (sqrt(v) / bc2_sqrt + eps)
-   then each block is requantized to the nearest map entry of x / new_absmax (ties to the lower
-   entry) with an O(1) table (see optim/quant.py QuantTable). Built with -ffp-contract=off: the
+   absmax per block); the torch reference path's math, with two roundings moved to save a
+   multiply and a division per element (divisions are the slowest vector op):
+     m = fma(g, 1-b1, code1[q1] * (absmax1 * b1))      v = fma((1-b2) * g, g, code2[q2] * (absmax2 * b2))
+     p = p * decay + (step_size * m) / fma(sqrt(v), 1 / bc2_sqrt, eps)
+   then each block is requantized to the nearest map entry of x / new_absmax by arithmetic
+   (see optim/quant.py DecadeTable; packed tables qt: A[16] B[16] K[16] L[32] D[32] as floats). Built with -ffp-contract=off: the
    scalar and AVX2 paths round every operation identically, so results do not depend on the ISA. */
 
 typedef struct {
     const float *code1, *code2;
-    const int32_t *tab1, *tab2;
-    int shift1, tmin1, tmax1, nk1, shift2, tmin2, tmax2;
-    float b1, b2, omb1, omb2, eps, bc2_sqrt, decay, step_size;
+    const float *qt1, *qt2;
+    float b1, b2, omb1, omb2, eps, inv_bc2, decay, step_size;
 } ctx_t;
 
-/* the number of map midpoints strictly below x: its nearest code, ties to the lower one */
-static inline int quantize_one(float x, const int32_t *tab, int shift, int tmin, int tmax, int nk) {
-    uint32_t b;
-    memcpy(&b, &x, 4);
-    if (nk == 0) b &= 0x7fffffffu;  /* unsigned map: -0.0 is 0.0 */
-    const uint32_t neg = b >> 31, low_mask = (1u << shift) - 1u;
-    int32_t top = (int32_t)((b & 0x7fffffffu) >> shift);
-    top = top < tmin ? tmin : top;
-    top = top > tmax ? tmax : top;
-    const uint32_t low = (b & low_mask) ^ (neg ? low_mask : 0u);
-    const uint32_t e = (uint32_t)tab[top - tmin + (neg ? nk : 0)];
-    return (int)(e & 0xffu) + (low > (e >> 8) ? 1 : 0);
+/* nearest code of x (|x| <= 1 up to rounding) by DecadeTable arithmetic */
+static inline int quantize_one(float x, const float *qt, int is_signed) {
+    const float y = is_signed ? fabsf(x) : x;
+    uint32_t b, bx;
+    memcpy(&b, &y, 4);
+    memcpy(&bx, &x, 4);
+    uint32_t e = b >> 23;
+    e = (e < 96u ? 96u : e) & 31u;
+    const int grp = (int)qt[80 + e] + (y > qt[48 + e] ? 1 : 0);
+    float r = fmaf(y, qt[grp], -qt[16 + grp]);
+    r = r < qt[32 + grp] ? r : qt[32 + grp];  /* as min_ps: the second operand unless r < it */
+    int code = (int)r;
+    if (is_signed && (bx >> 31)) {
+        code = 254 - code;
+        code = code < 0 ? 0 : code;
+    }
+    return code;
 }
 
 static void block_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, uint8_t *q2,
                          float *absmax1, float *absmax2, int len) {
     float m[256], v[256];
-    const float a1 = *absmax1, a2 = *absmax2;
+    const float a1 = *absmax1 * c->b1, a2 = *absmax2 * c->b2;
     float n1 = 0.0f, n2 = 0.0f;
     for (int j = 0; j < len; ++j) {
         const float gj = g[j];
-        const float mj = fmaf(gj, c->omb1, (c->code1[q1[j]] * a1) * c->b1);
-        const float vj = fmaf(c->omb2 * gj, gj, (c->code2[q2[j]] * a2) * c->b2);
-        const float den = sqrtf(vj) / c->bc2_sqrt + c->eps;
+        const float mj = fmaf(gj, c->omb1, c->code1[q1[j]] * a1);
+        const float vj = fmaf(c->omb2 * gj, gj, c->code2[q2[j]] * a2);
+        const float den = fmaf(sqrtf(vj), c->inv_bc2, c->eps);
         p[j] = p[j] * c->decay + (c->step_size * mj) / den;
         m[j] = mj;
         v[j] = vj;
@@ -81,13 +87,8 @@ static void block_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, 
     }
     const float inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f, inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
     for (int j = 0; j < len; ++j) {
-        float x = m[j] * inv1, y = v[j] * inv2;
-        x = x < -1.0f ? -1.0f : x;
-        x = x > 1.0f ? 1.0f : x;
-        y = y < -1.0f ? -1.0f : y;
-        y = y > 1.0f ? 1.0f : y;
-        q1[j] = (uint8_t)quantize_one(x, c->tab1, c->shift1, c->tmin1, c->tmax1, c->nk1);
-        q2[j] = (uint8_t)quantize_one(y, c->tab2, c->shift2, c->tmin2, c->tmax2, 0);
+        q1[j] = (uint8_t)quantize_one(m[j] * inv1, c->qt1, 1);
+        q2[j] = (uint8_t)quantize_one(v[j] * inv2, c->qt2, 0);
     }
     *absmax1 = n1;
     *absmax2 = n2;
@@ -102,26 +103,33 @@ static void range_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, 
 #ifdef TW_X86
 #define TW_AVX2 __attribute__((target("avx2,fma")))
 
-TW_AVX2 static inline __m256i quantize8(__m256 x, const int32_t *tab, __m128i shift, __m256i tmin,
-                                        __m256i tmax, __m256i nk, __m256i low_mask, int is_signed) {
-    __m256i b = _mm256_castps_si256(x);
-    __m256i top, low, idx;
+/* t[idx] for idx in 0..15 (two registers) or 0..31 (four): permutes + blends on index bits */
+TW_AVX2 static inline __m256 lookup16_8(const __m256 *t, __m256i idx) {
+    const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[0], idx), _mm256_permutevar8x32_ps(t[1], idx), bit3);
+}
+
+TW_AVX2 static inline __m256 lookup32_8(const __m256 *t, __m256i idx) {
+    const __m256 bit4 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 27));
+    return _mm256_blendv_ps(lookup16_8(t, idx), lookup16_8(t + 2, idx), bit4);
+}
+
+/* the AVX2 form of quantize_one; qt: the packed table as 14 registers (A B K: 2 each, L D: 4) */
+TW_AVX2 static inline __m256i quantize8(__m256 x, const __m256 *qt, int is_signed) {
+    const __m256 y = is_signed ? _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))) : x;
+    __m256i e = _mm256_srli_epi32(_mm256_castps_si256(y), 23);
+    e = _mm256_max_epi32(e, _mm256_set1_epi32(96));  /* low 5 bits index the binade tables */
+    const __m256 lim = lookup32_8(qt + 6, e);
+    const __m256i dec = _mm256_cvttps_epi32(lookup32_8(qt + 10, e));
+    const __m256i grp = _mm256_sub_epi32(dec, _mm256_castps_si256(_mm256_cmp_ps(y, lim, _CMP_GT_OQ)));
+    const __m256 r = _mm256_fmsub_ps(y, lookup16_8(qt, grp), lookup16_8(qt + 2, grp));
+    __m256i code = _mm256_cvttps_epi32(_mm256_min_ps(r, lookup16_8(qt + 4, grp)));
     if (is_signed) {
-        const __m256i neg = _mm256_srai_epi32(b, 31);
-        top = _mm256_srl_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)), shift);
-        low = _mm256_xor_si256(_mm256_and_si256(b, low_mask), _mm256_and_si256(neg, low_mask));
-        top = _mm256_min_epi32(_mm256_max_epi32(top, tmin), tmax);
-        idx = _mm256_add_epi32(_mm256_sub_epi32(top, tmin), _mm256_and_si256(neg, nk));
-    } else {
-        b = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
-        top = _mm256_srl_epi32(b, shift);
-        low = _mm256_and_si256(b, low_mask);
-        top = _mm256_min_epi32(_mm256_max_epi32(top, tmin), tmax);
-        idx = _mm256_sub_epi32(top, tmin);
+        const __m256i neg = _mm256_srai_epi32(_mm256_castps_si256(x), 31);
+        const __m256i mirrored = _mm256_sub_epi32(_mm256_set1_epi32(254), code);
+        code = _mm256_max_epi32(_mm256_blendv_epi8(code, mirrored, neg), _mm256_setzero_si256());
     }
-    const __m256i e = _mm256_i32gather_epi32((const int *)tab, idx, 4);
-    const __m256i gt = _mm256_cmpgt_epi32(low, _mm256_srli_epi32(e, 8));  /* -1 where above */
-    return _mm256_sub_epi32(_mm256_and_si256(e, _mm256_set1_epi32(0xff)), gt);
+    return code;
 }
 
 /* 32 int32 codes in 0..255 -> 32 bytes in order */
@@ -139,26 +147,27 @@ TW_AVX2 static inline float hmax8(__m256 x) {
     return _mm_cvtss_f32(y);
 }
 
+/* the packed table's 112 floats as 14 registers: A B K (two each), L D (four each) */
+TW_AVX2 static void load_qt8(__m256 *r, const float *qt) {
+    for (int k = 0; k < 6; ++k) r[k] = _mm256_loadu_ps(qt + 8 * k);
+    for (int k = 0; k < 8; ++k) r[6 + k] = _mm256_loadu_ps(qt + 48 + 8 * k);
+}
+
 TW_AVX2 static void range_avx2(const ctx_t *c, float *p, const float *g, uint8_t *q1, uint8_t *q2,
                                float *absmax1, float *absmax2, int64_t b0, int64_t b1) {
     float m[256] __attribute__((aligned(32))), v[256] __attribute__((aligned(32)));
-    const __m256 b1v = _mm256_set1_ps(c->b1), b2v = _mm256_set1_ps(c->b2);
     const __m256 omb1 = _mm256_set1_ps(c->omb1), omb2 = _mm256_set1_ps(c->omb2);
-    const __m256 eps = _mm256_set1_ps(c->eps), bc2 = _mm256_set1_ps(c->bc2_sqrt);
+    const __m256 eps = _mm256_set1_ps(c->eps), inv_bc2 = _mm256_set1_ps(c->inv_bc2);
     const __m256 decay = _mm256_set1_ps(c->decay), step = _mm256_set1_ps(c->step_size);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 one = _mm256_set1_ps(1.0f), minus_one = _mm256_set1_ps(-1.0f);
-    const __m128i sh1 = _mm_cvtsi32_si128(c->shift1), sh2 = _mm_cvtsi32_si128(c->shift2);
-    const __m256i tmin1 = _mm256_set1_epi32(c->tmin1), tmax1 = _mm256_set1_epi32(c->tmax1);
-    const __m256i tmin2 = _mm256_set1_epi32(c->tmin2), tmax2 = _mm256_set1_epi32(c->tmax2);
-    const __m256i nk1 = _mm256_set1_epi32(c->nk1), zero = _mm256_setzero_si256();
-    const __m256i lm1 = _mm256_set1_epi32((int)((1u << c->shift1) - 1u));
-    const __m256i lm2 = _mm256_set1_epi32((int)((1u << c->shift2) - 1u));
+    __m256 qt1[14], qt2[14];
+    load_qt8(qt1, c->qt1);
+    load_qt8(qt2, c->qt2);
     for (int64_t b = b0; b < b1; ++b) {
         float *pb = p + b * 256;
         const float *gb = g + b * 256;
         uint8_t *c1 = q1 + b * 256, *c2 = q2 + b * 256;
-        const __m256 a1 = _mm256_set1_ps(absmax1[b]), a2 = _mm256_set1_ps(absmax2[b]);
+        const __m256 a1 = _mm256_set1_ps(absmax1[b] * c->b1), a2 = _mm256_set1_ps(absmax2[b] * c->b2);
         __m256 mx1 = _mm256_setzero_ps(), mx2 = _mm256_setzero_ps();
         for (int j = 0; j < 256; j += 8) {
             const __m256i i1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c1 + j)));
@@ -166,10 +175,9 @@ TW_AVX2 static void range_avx2(const ctx_t *c, float *p, const float *g, uint8_t
             const __m256 d1 = _mm256_i32gather_ps(c->code1, i1, 4);
             const __m256 d2 = _mm256_i32gather_ps(c->code2, i2, 4);
             const __m256 gj = _mm256_loadu_ps(gb + j);
-            const __m256 mj = _mm256_fmadd_ps(gj, omb1, _mm256_mul_ps(_mm256_mul_ps(d1, a1), b1v));
-            const __m256 vj = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gj), gj,
-                                              _mm256_mul_ps(_mm256_mul_ps(d2, a2), b2v));
-            const __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vj), bc2), eps);
+            const __m256 mj = _mm256_fmadd_ps(gj, omb1, _mm256_mul_ps(d1, a1));
+            const __m256 vj = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gj), gj, _mm256_mul_ps(d2, a2));
+            const __m256 den = _mm256_fmadd_ps(_mm256_sqrt_ps(vj), inv_bc2, eps);
             const __m256 pj = _mm256_mul_ps(_mm256_loadu_ps(pb + j), decay);
             _mm256_storeu_ps(pb + j, _mm256_add_ps(pj, _mm256_div_ps(_mm256_mul_ps(step, mj), den)));
             _mm256_store_ps(m + j, mj);
@@ -182,17 +190,11 @@ TW_AVX2 static void range_avx2(const ctx_t *c, float *p, const float *g, uint8_t
         const __m256 inv2 = _mm256_set1_ps(n2 > 0.0f ? 1.0f / n2 : 0.0f);
         for (int j = 0; j < 256; j += 32) {
             __m256i k[4];
-            for (int u = 0; u < 4; ++u) {
-                __m256 x = _mm256_mul_ps(_mm256_load_ps(m + j + 8 * u), inv1);
-                x = _mm256_min_ps(_mm256_max_ps(x, minus_one), one);
-                k[u] = quantize8(x, c->tab1, sh1, tmin1, tmax1, nk1, lm1, 1);
-            }
+            for (int u = 0; u < 4; ++u)
+                k[u] = quantize8(_mm256_mul_ps(_mm256_load_ps(m + j + 8 * u), inv1), qt1, 1);
             store32(c1 + j, k[0], k[1], k[2], k[3]);
-            for (int u = 0; u < 4; ++u) {
-                __m256 y = _mm256_mul_ps(_mm256_load_ps(v + j + 8 * u), inv2);
-                y = _mm256_min_ps(_mm256_max_ps(y, minus_one), one);
-                k[u] = quantize8(y, c->tab2, sh2, tmin2, tmax2, zero, lm2, 0);
-            }
+            for (int u = 0; u < 4; ++u)
+                k[u] = quantize8(_mm256_mul_ps(_mm256_load_ps(v + j + 8 * u), inv2), qt2, 0);
             store32(c2 + j, k[0], k[1], k[2], k[3]);
         }
         absmax1[b] = n1;
@@ -222,27 +224,34 @@ TW_AVX512 static inline void lookup64(const __m512i *planes, __m512i q, __m512i 
     out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(b01, b23));
 }
 
-TW_AVX512 static inline __m512i quantize16(__m512 x, const int32_t *tab, __m128i shift, __m512i tmin,
-                                           __m512i tmax, __m512i nk, __m512i low_mask, int is_signed) {
-    __m512i b = _mm512_castps_si512(x);
-    __m512i top, low, idx;
+typedef struct { __m512 a, b, k, lim_lo, lim_hi; __m512i dec_lo, dec_hi; } qt16_t;
+
+TW_AVX512 static inline void load_qt16(qt16_t *q, const float *qt) {
+    q->a = _mm512_loadu_ps(qt);
+    q->b = _mm512_loadu_ps(qt + 16);
+    q->k = _mm512_loadu_ps(qt + 32);
+    q->lim_lo = _mm512_loadu_ps(qt + 48);
+    q->lim_hi = _mm512_loadu_ps(qt + 64);
+    q->dec_lo = _mm512_cvttps_epi32(_mm512_loadu_ps(qt + 80));
+    q->dec_hi = _mm512_cvttps_epi32(_mm512_loadu_ps(qt + 96));
+}
+
+/* the AVX-512 form of quantize_one: 16 codes as bytes */
+TW_AVX512 static inline __m128i quantize16(__m512 x, const qt16_t *q, int is_signed) {
+    const __m512 y = is_signed ? _mm512_abs_ps(x) : x;
+    __m512i e = _mm512_srli_epi32(_mm512_castps_si512(y), 23);
+    e = _mm512_max_epi32(e, _mm512_set1_epi32(96));  /* permutes use the low 5 bits */
+    const __m512 lim = _mm512_permutex2var_ps(q->lim_lo, e, q->lim_hi);
+    __m512i grp = _mm512_permutex2var_epi32(q->dec_lo, e, q->dec_hi);
+    grp = _mm512_mask_add_epi32(grp, _mm512_cmp_ps_mask(y, lim, _CMP_GT_OQ), grp, _mm512_set1_epi32(1));
+    const __m512 r = _mm512_fmsub_ps(y, _mm512_permutexvar_ps(grp, q->a), _mm512_permutexvar_ps(grp, q->b));
+    __m512i code = _mm512_cvttps_epi32(_mm512_min_ps(r, _mm512_permutexvar_ps(grp, q->k)));
     if (is_signed) {
-        const __m512i neg = _mm512_srai_epi32(b, 31);
-        top = _mm512_srl_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), shift);
-        low = _mm512_xor_si512(_mm512_and_si512(b, low_mask), _mm512_and_si512(neg, low_mask));
-        top = _mm512_min_epi32(_mm512_max_epi32(top, tmin), tmax);
-        idx = _mm512_add_epi32(_mm512_sub_epi32(top, tmin), _mm512_and_si512(neg, nk));
-    } else {
-        b = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
-        top = _mm512_srl_epi32(b, shift);
-        low = _mm512_and_si512(b, low_mask);
-        top = _mm512_min_epi32(_mm512_max_epi32(top, tmin), tmax);
-        idx = _mm512_sub_epi32(top, tmin);
+        const __mmask16 neg = _mm512_cmplt_epi32_mask(_mm512_castps_si512(x), _mm512_setzero_si512());
+        code = _mm512_mask_sub_epi32(code, neg, _mm512_set1_epi32(254), code);
+        code = _mm512_max_epi32(code, _mm512_setzero_si512());
     }
-    const __m512i e = _mm512_i32gather_epi32(idx, (const void *)tab, 4);
-    const __mmask16 gt = _mm512_cmpgt_epi32_mask(low, _mm512_srli_epi32(e, 8));
-    const __m512i base = _mm512_and_si512(e, _mm512_set1_epi32(0xff));
-    return _mm512_mask_add_epi32(base, gt, base, _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi8(code);
 }
 
 TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uint8_t *q1, uint8_t *q2,
@@ -267,22 +276,17 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
         planes2[k] = _mm512_load_si512((const void *)(&pl[1][0][0] + 64 * k));
     }
     const __m512i perm = _mm512_load_si512((const void *)permb);
-    const __m512 b1v = _mm512_set1_ps(c->b1), b2v = _mm512_set1_ps(c->b2);
     const __m512 omb1 = _mm512_set1_ps(c->omb1), omb2 = _mm512_set1_ps(c->omb2);
-    const __m512 eps = _mm512_set1_ps(c->eps), bc2 = _mm512_set1_ps(c->bc2_sqrt);
+    const __m512 eps = _mm512_set1_ps(c->eps), inv_bc2 = _mm512_set1_ps(c->inv_bc2);
     const __m512 decay = _mm512_set1_ps(c->decay), step = _mm512_set1_ps(c->step_size);
-    const __m512 one = _mm512_set1_ps(1.0f), minus_one = _mm512_set1_ps(-1.0f);
-    const __m128i sh1 = _mm_cvtsi32_si128(c->shift1), sh2 = _mm_cvtsi32_si128(c->shift2);
-    const __m512i tmin1 = _mm512_set1_epi32(c->tmin1), tmax1 = _mm512_set1_epi32(c->tmax1);
-    const __m512i tmin2 = _mm512_set1_epi32(c->tmin2), tmax2 = _mm512_set1_epi32(c->tmax2);
-    const __m512i nk1 = _mm512_set1_epi32(c->nk1), zero = _mm512_setzero_si512();
-    const __m512i lm1 = _mm512_set1_epi32((int)((1u << c->shift1) - 1u));
-    const __m512i lm2 = _mm512_set1_epi32((int)((1u << c->shift2) - 1u));
+    qt16_t qt1, qt2;
+    load_qt16(&qt1, c->qt1);
+    load_qt16(&qt2, c->qt2);
     for (int64_t b = b0; b < b1; ++b) {
         float *pb = p + b * 256;
         const float *gb = g + b * 256;
         uint8_t *c1 = q1 + b * 256, *c2 = q2 + b * 256;
-        const __m512 a1 = _mm512_set1_ps(absmax1[b]), a2 = _mm512_set1_ps(absmax2[b]);
+        const __m512 a1 = _mm512_set1_ps(absmax1[b] * c->b1), a2 = _mm512_set1_ps(absmax2[b] * c->b2);
         __m512 mx1 = _mm512_setzero_ps(), mx2 = _mm512_setzero_ps();
         for (int j = 0; j < 256; j += 64) {
             __m512 d1[4], d2[4];
@@ -291,10 +295,9 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
             for (int u = 0; u < 4; ++u) {
                 const int o = j + 16 * u;
                 const __m512 gj = _mm512_loadu_ps(gb + o);
-                const __m512 mj = _mm512_fmadd_ps(gj, omb1, _mm512_mul_ps(_mm512_mul_ps(d1[u], a1), b1v));
-                const __m512 vj = _mm512_fmadd_ps(_mm512_mul_ps(omb2, gj), gj,
-                                                  _mm512_mul_ps(_mm512_mul_ps(d2[u], a2), b2v));
-                const __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vj), bc2), eps);
+                const __m512 mj = _mm512_fmadd_ps(gj, omb1, _mm512_mul_ps(d1[u], a1));
+                const __m512 vj = _mm512_fmadd_ps(_mm512_mul_ps(omb2, gj), gj, _mm512_mul_ps(d2[u], a2));
+                const __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(vj), inv_bc2, eps);
                 const __m512 pj = _mm512_mul_ps(_mm512_loadu_ps(pb + o), decay);
                 _mm512_storeu_ps(pb + o, _mm512_add_ps(pj, _mm512_div_ps(_mm512_mul_ps(step, mj), den)));
                 _mm512_store_ps(m + o, mj);
@@ -307,18 +310,34 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
         const __m512 inv1 = _mm512_set1_ps(n1 > 0.0f ? 1.0f / n1 : 0.0f);
         const __m512 inv2 = _mm512_set1_ps(n2 > 0.0f ? 1.0f / n2 : 0.0f);
         for (int j = 0; j < 256; j += 16) {
-            __m512 x = _mm512_mul_ps(_mm512_load_ps(m + j), inv1);
-            x = _mm512_min_ps(_mm512_max_ps(x, minus_one), one);
-            _mm_storeu_si128((__m128i *)(c1 + j),
-                             _mm512_cvtepi32_epi8(quantize16(x, c->tab1, sh1, tmin1, tmax1, nk1, lm1, 1)));
-            __m512 y = _mm512_mul_ps(_mm512_load_ps(v + j), inv2);
-            y = _mm512_min_ps(_mm512_max_ps(y, minus_one), one);
-            _mm_storeu_si128((__m128i *)(c2 + j),
-                             _mm512_cvtepi32_epi8(quantize16(y, c->tab2, sh2, tmin2, tmax2, zero, lm2, 0)));
+            _mm_storeu_si128((__m128i *)(c1 + j), quantize16(_mm512_mul_ps(_mm512_load_ps(m + j), inv1), &qt1, 1));
+            _mm_storeu_si128((__m128i *)(c2 + j), quantize16(_mm512_mul_ps(_mm512_load_ps(v + j), inv2), &qt2, 0));
         }
         absmax1[b] = n1;
         absmax2[b] = n2;
     }
+}
+
+/* tw_quantize's SIMD part: codes of the leading whole vectors; returns how many were done */
+TW_AVX512 static int64_t quantize_avx512(const float *x, uint8_t *q, const float *qt, int is_signed, int64_t n) {
+    qt16_t t;
+    load_qt16(&t, qt);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm_storeu_si128((__m128i *)(q + i), quantize16(_mm512_loadu_ps(x + i), &t, is_signed));
+    return i;
+}
+
+TW_AVX2 static int64_t quantize_avx2(const float *x, uint8_t *q, const float *qt, int is_signed, int64_t n) {
+    __m256 t[14];
+    load_qt8(t, qt);
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i k[4];
+        for (int u = 0; u < 4; ++u) k[u] = quantize8(_mm256_loadu_ps(x + i + 8 * u), t, is_signed);
+        store32(q + i, k[0], k[1], k[2], k[3]);
+    }
+    return i;
 }
 #endif
 
@@ -335,16 +354,14 @@ int tw_best_isa(void) {
 #endif
 }
 
-/* qmeta: shift, tmin, tmax, nk of map 1 (signed) then of map 2 (unsigned);
-   hyper: beta1, beta2, 1-beta1, 1-beta2, eps, sqrt(1-beta2^t), 1-lr*wd, -lr/(1-beta1^t);
+/* qt1, qt2: the packed DecadeTables of map 1 (signed) and map 2 (unsigned);
+   hyper: beta1, beta2, 1-beta1, 1-beta2, eps, 1/sqrt(1-beta2^t), 1-lr*wd, -lr/(1-beta1^t);
    isa: the most capable path to use (2 AVX-512, 1 AVX2, 0 scalar), lowered to what the CPU
    has. Returns the isa used. */
 int tw_adam8bit_step(float *p, const float *g, uint8_t *q1, uint8_t *q2, float *absmax1,
-                     float *absmax2, const float *code1, const float *code2, const int32_t *tab1,
-                     const int32_t *tab2, const int32_t *qmeta, const float *hyper, int64_t n,
-                     int nthreads, int isa) {
-    const ctx_t c = {code1, code2, tab1, tab2, qmeta[0], qmeta[1], qmeta[2], qmeta[3], qmeta[4],
-                     qmeta[5], qmeta[6], hyper[0], hyper[1], hyper[2], hyper[3], hyper[4],
+                     float *absmax2, const float *code1, const float *code2, const float *qt1,
+                     const float *qt2, const float *hyper, int64_t n, int nthreads, int isa) {
+    const ctx_t c = {code1, code2, qt1, qt2, hyper[0], hyper[1], hyper[2], hyper[3], hyper[4],
                      hyper[5], hyper[6], hyper[7]};
     const int best = tw_best_isa();
     if (isa > best) isa = best;
@@ -369,6 +386,22 @@ int tw_adam8bit_step(float *p, const float *g, uint8_t *q1, uint8_t *q2, float *
     if (tail)
         block_scalar(&c, p + full * 256, g + full * 256, q1 + full * 256, q2 + full * 256,
                      absmax1 + full, absmax2 + full, tail);
+    return isa;
+}
+
+/* codes of n already-scaled values (for tests): the path `isa` (lowered to what the CPU has)
+   on whole groups of 16, the scalar form on the rest. Returns the isa used. */
+int tw_quantize(const float *x, uint8_t *q, const float *qt, int is_signed, int64_t n, int isa) {
+    const int best = tw_best_isa();
+    if (isa > best) isa = best;
+    int64_t i = 0;
+#ifdef TW_X86
+    if (isa == 2)
+        i = quantize_avx512(x, q, qt, is_signed, n);
+    else if (isa == 1)
+        i = quantize_avx2(x, q, qt, is_signed, n);
+#endif
+    for (; i < n; ++i) q[i] = (uint8_t)quantize_one(x[i], qt, is_signed);
     return isa;
 }
 """
@@ -419,7 +452,9 @@ def load() -> Optional[ctypes.CDLL]:
         return None
     fn = lib.tw_adam8bit_step
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 12 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.tw_quantize.restype = ctypes.c_int
+    lib.tw_quantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     lib.tw_best_isa.restype = ctypes.c_int
     lib.tw_best_isa.argtypes = []
     return lib

@@ -17,7 +17,7 @@ import torch
 from . import _cpu_kernel
 from .base import TierwiseOptimizer, write_back_
 from .costs import OptimizerCost
-from .quant import BLOCK, dequantize_blockwise, dynamic_map, num_blocks, quant_table, quantize_blockwise
+from .quant import BLOCK, dequantize_blockwise, dynamic_map, num_blocks, decade_table, quantize_blockwise
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +111,10 @@ def adamw8bit_step_reference_(
 
 @functools.lru_cache(maxsize=1)
 def _kernel_tables() -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-    """The constant inputs of the C kernel (both maps, both lookup tables and their shapes),
-    and their data pointers; built once per process."""
-    t1, t2 = quant_table(signed=True), quant_table(signed=False)
-    meta = torch.tensor([t1.shift, t1.tmin, t1.tmax, t1.nk, t2.shift, t2.tmin, t2.tmax], dtype=torch.int32)
-    tables = (dynamic_map(signed=True), dynamic_map(signed=False), t1.entries, t2.entries, meta)
+    """The constant inputs of the C kernel (both maps and their decade tables) and their data
+    pointers; built once per process."""
+    tables = (dynamic_map(signed=True), dynamic_map(signed=False),
+              decade_table(signed=True).packed, decade_table(signed=False).packed)
     return tables, tuple(t.data_ptr() for t in tables)
 
 
@@ -130,14 +129,14 @@ def _c_step(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *,
     """
     lib = _cpu_kernel.load()
     assert lib is not None
-    code1, code2, tab1, tab2, meta = _kernel_tables()[1]
+    code1, code2, qt1, qt2 = _kernel_tables()[1]
     tensors = (p, g, state["state1"], state["state2"], state["absmax1"], state["absmax2"])
     for t in tensors:
         assert t.is_contiguous() and t.device.type == "cpu"
     decay = 1.0 - lr * weight_decay if weight_decay > 0.0 else 1.0
     hyper = (ctypes.c_float * 8)(beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps,
-                                 math.sqrt(1.0 - beta2**step), decay, -lr / (1.0 - beta1**step))
-    return lib.tw_adam8bit_step(*(t.data_ptr() for t in tensors), code1, code2, tab1, tab2, meta,
+                                 1.0 / math.sqrt(1.0 - beta2**step), decay, -lr / (1.0 - beta1**step))
+    return lib.tw_adam8bit_step(*(t.data_ptr() for t in tensors), code1, code2, qt1, qt2,
                                 ctypes.addressof(hyper), p.numel(), torch.get_num_threads(), isa)
 
 

@@ -115,70 +115,75 @@ def dequantize_blockwise(
     return values.reshape(-1)[:n].view(codes.shape)
 
 
-@dataclass(frozen=True)
-class QuantTable:
-    """O(1) nearest-code lookup for fp32 x in [-1, 1] (the C kernel's quantizer).
+def _decade_sizes(*, signed: bool) -> list[int]:
+    """Positive codes per decade, in the order create_dynamic_map builds them (default split)."""
+    return [2 ** (i + (0 if signed else 1)) for i in range(7)]
 
-    A bucket is every float sharing sign, exponent and top `23 - shift` mantissa bits:
-    top = (bits & 0x7fffffff) >> shift, clamped to [tmin, tmax] (below tmin all values share
-    one code and no boundary), index = top - tmin (+ nk if negative). entries[index] =
-    base | thr << 8: base is the number of midpoints below the bucket, thr the low `shift`
-    bits of the one midpoint inside it (oriented so larger means larger value: complemented
-    for negatives), or all ones if none. Code = base + (oriented low bits > thr), i.e. the
-    number of midpoints strictly below x: the nearest entry, ties to the lower one, exactly
-    as bucketize on the midpoints.
+
+@dataclass(frozen=True)
+class DecadeTable:
+    """Nearest-code quantization by arithmetic, the C kernel's quantizer (no table gather).
+
+    Within a decade the map's codes are evenly spaced, so for y = |x| the nearest code is
+    base + floor((y - first) / spacing + 1/2). Groups: 0 the zero code, 1..7 the decades,
+    8 the code 1.0. The group of y comes from its binary exponent E (a binade holds at most
+    one group boundary): group = D[E] + (y > L[E]). Then, all in fp32,
+        code = trunc(min(fma(y, A[group], -B[group]), K[group]))
+    (B folds the first code, the 1/2 and the base index; K the last index of the group).
+    A signed map mirrors negative x: code = max(254 - code, 0). This equals the nearest code
+    (bucketize on the midpoints) except within about one ulp of a midpoint, where either
+    neighbour may be chosen; every kernel path rounds the same way, so they agree exactly.
+    packed: (128,) fp32 = A[0:16] B[16:32] K[32:48] L[48:80] D[80:112] (indexed by E & 31,
+    E clamped to >= 96: every group boundary lies above 2^-30).
     """
 
-    entries: torch.Tensor  # (2 * nk,) int32 for a signed map, (nk,) for an unsigned one
-    shift: int
-    tmin: int
-    tmax: int
-    nk: int
+    packed: torch.Tensor
 
-    def lookup(self, x: torch.Tensor) -> torch.Tensor:  # x: (...) fp32 in [-1, 1] -> (...) int64
-        """The table lookup in torch integer ops (what the C kernel computes), for tests."""
-        bits = x.contiguous().view(torch.int32).to(torch.int64)
-        if self.entries.numel() == self.nk:  # unsigned map: one sign, -0.0 is 0.0
-            bits = bits & 0x7FFFFFFF
-        neg = bits < 0
-        low_mask = (1 << self.shift) - 1
-        top = ((bits & 0x7FFFFFFF) >> self.shift).clamp(self.tmin, self.tmax)
-        idx = top - self.tmin + torch.where(neg, self.nk, 0)
-        low = torch.where(neg, low_mask - (bits & low_mask), bits & low_mask)
-        e = self.entries.to(torch.int64)[idx]
-        return (e & 0xFF) + (low > (e >> 8)).to(torch.int64)
-
-
-def _float_of_bits(bits: torch.Tensor) -> torch.Tensor:  # (k,) int64 -> (k,) fp32
-    return bits.to(torch.int32).view(torch.float32)
+    def lookup(self, x: torch.Tensor, *, signed: bool) -> torch.Tensor:  # (...) fp32 -> (...) int64
+        """The kernel's arithmetic in torch (fma emulated in float64), for tests."""
+        t = self.packed
+        a, b, k, lim, dec = t[0:16], t[16:32], t[32:48], t[48:80], t[80:112].long()
+        y = x.abs() if signed else x
+        e = ((y.contiguous().view(torch.int32) >> 23).clamp(min=96) & 31).long()
+        group = dec[e] + (y > lim[e]).long()
+        r = (y.double() * a[group].double() - b[group].double()).float()
+        code = torch.minimum(r, k[group]).trunc().long()
+        if signed:
+            code = torch.where(x.view(torch.int32) < 0, (254 - code).clamp(min=0), code)
+        return code
 
 
 @functools.lru_cache(maxsize=None)
-def quant_table(*, signed: bool) -> QuantTable:
-    """The smallest exact QuantTable for the map (raises if none with <= 12 key mantissa bits)."""
-    mids = midpoints(signed=signed)[:-1].contiguous()
-    mag_bits = mids.abs().view(torch.int32).to(torch.int64)
-    if bool((mids == 0).any()):
-        raise ValueError("a midpoint at zero: no sign-symmetric lookup table")
-    for key_mantissa_bits in range(4, 13):
-        shift = 23 - key_mantissa_bits
-        low_mask = (1 << shift) - 1
-        tmax = 0x3F800000 >> shift  # the bucket of 1.0; scaled values never exceed it
-        tmin = int((mag_bits >> shift).min()) - 1  # below it: no boundary, one code
-        tops = torch.arange(tmin, tmax + 1, dtype=torch.int64)
-        parts, exact = [], True
-        for neg in ([False, True] if signed else [False]):
-            lo_mag, hi_mag = _float_of_bits(tops << shift), _float_of_bits((tops << shift) | low_mask)
-            lowest, highest = (-hi_mag, -lo_mag) if neg else (lo_mag, hi_mag)
-            base = torch.bucketize(lowest, mids)  # midpoints strictly below the bucket
-            inside = torch.bucketize(highest, mids, right=True) - base
-            if int(inside.max()) > 1:
-                exact = False
-                break
-            mid_low = mag_bits[base.clamp(max=mids.numel() - 1)] & low_mask
-            thr = torch.where(inside == 1, (low_mask - mid_low) if neg else mid_low, low_mask)
-            parts.append(base | (thr << 8))
-        if exact:
-            entries = torch.cat(parts).to(torch.int32)
-            return QuantTable(entries=entries, shift=shift, tmin=tmin, tmax=tmax, nk=tops.numel())
-    raise ValueError("dynamic map too fine for a lookup table")
+def decade_table(*, signed: bool) -> DecadeTable:
+    """The DecadeTable of the default dynamic map (raises if the map is not of that form)."""
+    code = dynamic_map(signed=signed).double()
+    mid = midpoints(signed=signed)[:-1].double()
+    zero = int((code == 0).nonzero()[0])
+    groups, first = [(zero, 1)], zero + 1
+    for size in _decade_sizes(signed=signed):
+        groups.append((first, size))
+        first += size
+    if first != 255 or float(code[255]) != 1.0:
+        raise ValueError("not the default dynamic map: no decade table")
+    groups.append((255, 1))
+    a, b, k, bounds = [], [], [], []
+    for g, (first, size) in enumerate(groups):
+        inv = 0.0 if size == 1 else (size - 1) / float(code[first + size - 1] - code[first])
+        a.append(inv)
+        b.append(float(code[first]) * inv - 0.5 - first)
+        k.append(first + size - 1 + 0.5)
+        if g:
+            bounds.append(float(mid[first - 1]))
+    bnd = torch.tensor(bounds, dtype=torch.float32)
+    if float(bnd.min()) <= 2.0**-30:
+        raise ValueError("a group boundary below 2^-30: no decade table")
+    packed = torch.zeros(128, dtype=torch.float32)
+    packed[0:9], packed[16:25], packed[32:41] = torch.tensor(a), torch.tensor(b), torch.tensor(k)
+    for e in range(96, 128):
+        lo, hi = 2.0 ** (e - 127), 2.0 ** (e - 126)
+        inside = [t for t in bnd.tolist() if lo <= t < hi]
+        if len(inside) > 1:
+            raise ValueError("two group boundaries in one binade: no decade table")
+        packed[48 + (e & 31)] = inside[0] if inside else 4.0  # 4.0: never exceeded
+        packed[80 + (e & 31)] = float((bnd < lo).sum()) if e > 96 else 0.0
+    return DecadeTable(packed=packed)
