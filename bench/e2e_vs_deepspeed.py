@@ -4,7 +4,9 @@ The same Llama (the `100m` profile: hidden 640, 12 layers, 10 heads, intermediat
 vocab 32000, untied; 101.9M parameters), the same seed, the same synthetic token batches,
 batch 4 x seq 128, fp32, AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay 0), trained
   ours  tierwise: offload.Engine(model, optimizer="adamw", lr=1e-4, gpu_mem=<small>,
-        cpu_mem=<tight>, nvme_path=<dir>)
+        cpu_mem=<tight>, nvme_path=<dir>, checkpointing=False); like DeepSpeed here, it keeps
+        every layer's activations (--recompute: ours with activation checkpointing, which
+        needs a smaller device budget but computes each layer's forward twice)
   ds    DeepSpeed ZeRO-3, offload_param and offload_optimizer to NVMe, configured as in
         shared/PEERS.md (zero.Init without dtype, sub_group_size 1, max_in_cpu 0,
         stage3_max_reuse_distance 0, stage3_prefetch_bucket_size 0, aio intra_op_parallelism)
@@ -145,6 +147,7 @@ def make_spec(a: argparse.Namespace, *, cuda: bool) -> dict:
         "device": "cuda" if cuda else "cpu", "gpu_mem": a.gpu_mem, "cpu_mem": a.cpu_mem,
         "nvme": not a.no_nvme, "aio_threads": a.aio_threads, "aio_block_size": a.aio_block_size,
         "ds_buffer_count": a.ds_buffer_count, "chunk_bytes": a.chunk_bytes or ("2M" if a.quick else "64M"),
+        "checkpointing": a.recompute,
     }
 
 
@@ -248,12 +251,21 @@ def child_ours(spec_file: str) -> None:
     nvme_path = spec["nvme_path"] if spec["nvme"] else None
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     raised = []
+    # the planner's activation peak, as `finetune` gives it: chunks are placed before the first
+    # step and a too-small budget is refused at construction with the exact minimum
+    from offload.perfmodel import activation_bytes
+    from profiles import ModelProfile
+
+    activations = activation_bytes(model=ModelProfile.from_hf_config(model.config), batch_size=spec["batch"],
+                                   seq_len=spec["seq"], precision="fp32",
+                                   checkpointing=spec.get("checkpointing", False))
     for _ in range(5):  # a budget below the engine's minimum is raised to that minimum (and said so)
         eng = None
         try:
             eng = Engine(model, optimizer="adamw", lr=spec["lr"], betas=tuple(spec["betas"]), eps=spec["eps"],
                          weight_decay=spec["weight_decay"], gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme_path=nvme_path,
-                         device=spec["device"], chunk_bytes=spec["chunk_bytes"])
+                         device=spec["device"], chunk_bytes=spec["chunk_bytes"],
+                         checkpointing=spec.get("checkpointing", False), activations=activations)
             print(f"engine: gpu_mem={gpu_mem} cpu_mem={cpu_mem} nvme_path={nvme_path} device={eng.device} "
                   f"chunks={len(eng.plan.chunks)}", flush=True)
             if cuda:
@@ -324,7 +336,8 @@ def report(runs: dict[str, list[dict]], spec: dict, *, cuda: bool) -> None:
           f"AdamW lr {spec['lr']:g} wd {spec['weight_decay']:g}; {WARMUP} warm-up + {spec['steps']} timed steps "
           f"per run; device {spec['device']}; {spec['threads']} threads")
     print(f"ours: gpu_mem {_size(ref['gpu_mem'])} (asked {spec['gpu_mem_asked']}), cpu_mem {_size(ref['cpu_mem'])} "
-          f"(asked {spec['cpu_mem_asked']}), NVMe {'on' if ref['nvme'] else 'OFF'}; {ref['gpu_home']}/{ref['chunks']} "
+          f"(asked {spec['cpu_mem_asked']}), NVMe {'on' if ref['nvme'] else 'OFF'}, recompute "
+          f"{'on' if spec.get('checkpointing') else 'off'}; {ref['gpu_home']}/{ref['chunks']} "
           f"chunks gpu-home; host-side homes: " + "; ".join(
               f"{t}: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in kinds.items())
               for t, kinds in ref["homes"].items()))
@@ -398,6 +411,9 @@ def main() -> None:
                     help="ours: host budget; 'min' (default) or a size below the engine's minimum: that minimum "
                          "(with NVMe: gradients + bounce buffers; weights and optimizer state go to NVMe)")
     ap.add_argument("--chunk-bytes", default=None, help="ours: chunk size (default 64M; --quick 2M)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="ours: activation checkpointing (DeepSpeed's run here keeps all activations; by "
+                         "default so does ours)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--nvme-dir", default=None, help="where both sides put their swap files (default: a temp dir)")
     ap.add_argument("--aio-threads", type=int, default=2, help="DeepSpeed aio intra_op_parallelism")

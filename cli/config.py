@@ -95,6 +95,8 @@ class TrainConfig:
     nvme_path: str | None = None
     offload_activations: bool = False
     """Keep checkpointed blocks' inputs in host memory between forward and backward."""
+    recompute: bool = True
+    """Activation checkpointing of the decoder layers (False: keep every layer's activations)."""
     chunk_size: str = "64M"
     optimizer: str = "adamw"
     lr: float | None = None

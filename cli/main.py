@@ -139,6 +139,12 @@ def train(
                                     help="Keep each block's input in host RAM between forward and "
                                     "backward: less GPU memory for long sequences.",
                                     rich_help_panel=MEMORY),
+    recompute: bool = Opt(True, "--recompute/--no-recompute",
+                          help="Recompute each decoder layer's activations in backward "
+                          "(activation checkpointing). --no-recompute keeps them all: about "
+                          "25% less compute, but --gpu-mem must hold every layer's "
+                          "activations (`finetune plan --no-recompute` shows how much).",
+                          rich_help_panel=MEMORY),
     optimizer: Optimizer = Opt(Optimizer.adamw, help="Optimizer.", rich_help_panel=OPTIM),
     lr: Optional[float] = Opt(None, help="Peak learning rate (default: 1e-4; 1e-3 for the "
                               "built-in demo).", rich_help_panel=OPTIM),
@@ -184,7 +190,8 @@ def train(
     cfg = TrainConfig(
         model=model, data=data, eval_data=eval_data, seq_len=seq_len, batch_size=batch_size,
         pack=pack, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
-        nvme_path=nvme_path, offload_activations=offload_activations, optimizer=optimizer.value,
+        nvme_path=nvme_path, offload_activations=offload_activations, recompute=recompute,
+        optimizer=optimizer.value,
         lr=lr, weight_decay=weight_decay, grad_accum=grad_accum, grad_clip=grad_clip, steps=steps, epochs=epochs,
         warmup_steps=warmup_steps, schedule=schedule.value, eval_every=eval_every, seed=seed,
         output=output, resume=resume, overwrite=overwrite, checkpoint_every=checkpoint_every,
@@ -209,6 +216,8 @@ def plan(
     cxl_mem: Optional[str] = Opt(None, help="CXL memory to use."),
     cxl_node: Optional[int] = Opt(None, help="NUMA node of the CXL memory."),
     nvme_path: Optional[str] = Opt(None, help="Directory on an NVMe drive for swap files."),
+    recompute: bool = Opt(True, "--recompute/--no-recompute",
+                          help="Plan with activation checkpointing (default) or without."),
     optimizer: Optimizer = Opt(Optimizer.adamw, help="Optimizer."),
     precision: Precision = Opt(Precision.fp32, help="Compute precision."),
     batch_size: int = Opt(4, help="Sequences per micro-batch."),
@@ -231,8 +240,8 @@ def plan(
     """Show where every chunk would live, the predicted peaks per tier and the step time."""
     raise_config_error(ctx)
     cfg = TrainConfig(model=model, data=data, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
-                      cxl_node=cxl_node, nvme_path=nvme_path, optimizer=optimizer.value,
-                      precision=precision.value, batch_size=batch_size, seq_len=seq_len,
+                      cxl_node=cxl_node, nvme_path=nvme_path, recompute=recompute,
+                      optimizer=optimizer.value, precision=precision.value, batch_size=batch_size, seq_len=seq_len,
                       grad_accum=grad_accum, hardware=hardware, chunk_size=chunk_size)
     from cli.planning import make_plan, print_plan, verify_plan
 

@@ -38,6 +38,7 @@ def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None):
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
+        checkpointing=None if cfg.recompute else False,
     )
 
 
@@ -81,7 +82,8 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
                         cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"], nvme_path=cfg.nvme_path,
                         optimizer=cfg.optimizer, precision=cfg.precision, batch_size=cfg.batch_size,
                         seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
-                        lr=cfg.lr, steps=steps, batches=batches, seed=cfg.seed)
+                        lr=cfg.lr, steps=steps, batches=batches, seed=cfg.seed,
+                        checkpointing=None if cfg.recompute else False)
     if src.has_weights:
         console.print("(random weights: the bytes do not depend on their values)", highlight=False)
     console.out(report.render(), highlight=False)

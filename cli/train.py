@@ -53,6 +53,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig):
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
         offload_activations=cfg.offload_activations or None,
         chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip,
+        checkpointing=None if cfg.recompute else False,
     )
     kwargs["activations"] = activation_estimate(model, cfg)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
@@ -81,7 +82,8 @@ def activation_estimate(model: torch.nn.Module, cfg: TrainConfig) -> int | None:
     except Exception:  # not a model family the planner knows: the engine measures instead
         return None
     return activation_bytes(model=profile, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                            precision=cfg.precision, backward=cfg.optimizer != "mezo")
+                            precision=cfg.precision, backward=cfg.optimizer != "mezo",
+                            checkpointing=None if cfg.recompute else False)
 
 
 def prepare_output(cfg: TrainConfig) -> Path:

@@ -114,7 +114,8 @@ def model_flops(*, model: ModelProfile, batch_size: int, seq_len: int) -> float:
     return 2.0 * model.matmul_params * tokens + attention
 
 
-def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str) -> dict[str, int]:
+def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
+                     checkpointing: bool | None = None) -> dict[str, int]:
     """Bytes autograd saves for backward, by part, as the engine counts them (per saved tensor
     storage, deduplicated) for a Hugging Face Llama-family model with SDPA attention, no padding
     mask and every decoder layer checkpointed. e = compute bytes, T = batch * seq tokens:
@@ -132,11 +133,11 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     final_norm  the part of head still saved once log_softmax's backward has run
     The peak is fixed + inputs + the larger of block (in backward) and head (end of forward).
 
-    A model with a single decoder layer is not checkpointed (the engine checkpoints blocks only
-    when there are several): then the layer's internals stay saved from forward to backward
-    (`block`), no position ids are saved (only the checkpoint keeps them) and `inputs` is the
-    first norm's saved fp32 input in fp32 runs (in bf16 the block input itself is not saved);
-    the peak is fixed + inputs + block + head.
+    Without checkpointing (`checkpointing=False`, or None with a single decoder layer: the
+    engine checkpoints blocks by default only when there are several) every layer's internals
+    stay saved from forward to backward (`block` per layer), no position ids are saved (only the
+    checkpoint keeps them) and `inputs` is each layer's first-norm fp32 input in fp32 runs (in
+    bf16 the block input itself is not saved); the peak is fixed + inputs + layers * block + head.
     """
     e = compute_bytes(precision)
     t, s, h, i = batch_size * seq_len, seq_len, model.hidden_size, model.intermediate_size
@@ -144,10 +145,11 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     norm = 4 * t + 2 * e * t * h + fp32_copy
     first_norm = norm - (fp32_copy if e == 4 else 0)
     attention = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s
-    checkpointed = checkpoints_blocks(model)
+    checkpointed = checkpoints_blocks(model, checkpointing)
+    layers = model.num_hidden_layers
     return {
         "fixed": 8 * t + 2 * s * model.dim_per_head * e + (8 * s if checkpointed else 0),
-        "inputs": model.num_hidden_layers * e * t * h if checkpointed else (e * t * h if e == 4 else 0),
+        "inputs": layers * e * t * h if checkpointed else layers * (e * t * h if e == 4 else 0),
         "block": first_norm + attention + norm + 4 * e * t * i,
         "final_norm": norm,
         # targets: the labels shifted in a padded S+1 copy; with one sequence a view of all of it
@@ -156,20 +158,22 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
 
 
 def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
-                     backward: bool = True) -> int:
+                     backward: bool = True, checkpointing: bool | None = None) -> int:
     """Peak bytes of saved activations in one step (see activation_parts). Without backward
     (zeroth-order optimizers) autograd saves nothing: 0."""
     if not backward:
         return 0
-    p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision)
-    if not checkpoints_blocks(model):
-        return p["fixed"] + p["inputs"] + p["block"] + p["head"]
+    p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                         checkpointing=checkpointing)
+    if not checkpoints_blocks(model, checkpointing):
+        return p["fixed"] + p["inputs"] + model.num_hidden_layers * p["block"] + p["head"]
     return p["fixed"] + p["inputs"] + max(p["block"], p["head"])
 
 
-def checkpoints_blocks(model: ModelProfile) -> bool:
-    """Whether the engine checkpoints the decoder layers: only when there are several."""
-    return model.num_hidden_layers > 1
+def checkpoints_blocks(model: ModelProfile, checkpointing: bool | None = None) -> bool:
+    """Whether the engine checkpoints the decoder layers: as asked, else (None) when there are
+    several (Engine(checkpointing=None) applies the same rule)."""
+    return model.num_hidden_layers > 1 if checkpointing is None else bool(checkpointing)
 
 
 def buffer_bytes(model: ModelProfile) -> int:
@@ -213,6 +217,8 @@ class StepLoad:
     """Chunks that are not gpu-home."""
     ops_per_forward: int = 0
     """Torch ops and module hooks one forward dispatches (each pays host.op_overhead_us)."""
+    recompute: bool = True
+    """Backward recomputes each checkpointed block's forward (3 forwards' flops, else 2)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,9 +299,10 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerCo
         + load.gpu_update_flops / (hw.gpu.fp32_tflops * 1e12)
     tail = load.chunk_params / rate if load.cpu_params else 0.0
 
-    if cost.needs_grad:  # backward with recompute; CPU updates overlap it, group by group
+    if cost.needs_grad:  # backward (with recompute by default); CPU updates overlap it, group by group
         bwd_busy = {
-            "gpu compute": 3 * load.tokens_flops_fwd / gpu_rate * micro_batches + gpu_update,
+            "gpu compute": (3 if load.recompute else 2) * load.tokens_flops_fwd / gpu_rate * micro_batches
+            + gpu_update,
             "pcie h2d": stream / h2d * micro_batches,
             "pcie d2h": load.grad_d2h_bytes / d2h * micro_batches,
             "nvme": nv_update,
@@ -329,8 +336,9 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     ops = load.ops_per_forward
     fwd = {"gpu compute": load.tokens_flops_fwd / rate, "pcie h2d": load.fetched_bytes / 3 / copy,
            "dispatch": ops * overhead}
-    bwd = {"gpu compute": 3 * load.tokens_flops_fwd / rate, "pcie h2d": 2 * load.fetched_bytes / 3 / copy,
-           "pcie d2h": load.grad_d2h_bytes / back, "dispatch": 3 * ops * overhead}
+    passes = 3 if load.recompute else 2
+    bwd = {"gpu compute": passes * load.tokens_flops_fwd / rate, "pcie h2d": 2 * load.fetched_bytes / 3 / copy,
+           "pcie d2h": load.grad_d2h_bytes / back, "dispatch": passes * ops * overhead}
     params = load.cpu_params + load.gpu_params
     upd = {"cpu update": params / _cpu_rate(hw, cost) + load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12),
            "dispatch": 4 * load.num_chunks * overhead}

@@ -96,6 +96,8 @@ class Plan:
     step_s: float
     bottleneck: str
     tokens_per_s: float
+    checkpointing: bool = True
+    """Whether backward recomputes the decoder blocks (activation checkpointing)."""
     feasible: bool = True
 
     def to_json(self) -> str:
@@ -117,7 +119,8 @@ class Plan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"{self.model} on {self.hardware}: {self.optimizer}, {self.precision}, "
                  f"batch {self.batch_size} x {self.seq_len}, {self.num_params / 1e9:.2f}B params, "
-                 f"{self.num_chunks} chunks of {format_size(self.chunk_bytes)}"]
+                 f"{self.num_chunks} chunks of {format_size(self.chunk_bytes)}, "
+                 f"recompute {'on' if self.checkpointing else 'off'}"]
         lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
                   for r in rows]
         total = max(self.num_params, 1)
@@ -215,7 +218,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               nvme_mem: int | str | None = None, optimizer: str, precision: str, batch_size: int, seq_len: int,
               chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
               optimizer_kwargs: dict | None = None, grad_accum: int = 1, up_front: bool = True,
-              **_ignored: Any) -> Plan:
+              checkpointing: bool | None = None, **_ignored: Any) -> Plan:
     """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited).
 
     `model`: a profile, a profile name/path, or a transformers model/config (its shapes are read).
@@ -227,6 +230,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     `finetune` does) and places every chunk before the first step; False: it measures them in
     its warm-up step, with every chunk host-side until then (homes chosen for all chunks, the
     gpu-home ones leaving theirs when promoted) -- the host-side bytes can differ.
+    `checkpointing` as the Engine takes it (None: recompute blocks when there are several).
     Raises InfeasibleBudget naming the minimum gpu / host / nvme bytes when they cannot fit."""
     model = _resolve_model(model)
     hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
@@ -250,8 +254,9 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
 
     ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_bytes, rank=rank,
                  optimizer_kwargs=optimizer_kwargs)
+    checkpointing = ch.needs_grad and checkpoints_blocks(model, checkpointing)  # resolved, as the engine does
     act = activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                           backward=ch.needs_grad)
+                           backward=ch.needs_grad, checkpointing=checkpointing)
     needs = ch.device_needs(buffers=buffer_bytes(model), activations=act)
     if gpu < needs.minimum:
         raise InfeasibleBudget(
@@ -274,13 +279,14 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                                f"{format_size(on_nvme)}; raise --cpu-mem / --cxl-mem or free disk space",
                                minimum={"nvme": on_nvme})
     flops_fwd = model_flops(model=model, batch_size=batch_size, seq_len=seq_len)
-    load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd, ops=ops_per_forward(model))
+    load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd, ops=ops_per_forward(model),
+                 recompute=checkpointing)
     pred = predict_step(hardware=hw, precision=precision, cost=ch.cost, tokens=batch_size * seq_len * grad_accum,
                         load=load, micro_batches=grad_accum)
     return _build(ch, model=model, hw=hw, needs=needs, device=device, homes=homes, pred=pred, precision=precision,
                   budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
                   batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes, optimizer=optimizer,
-                  host_minimum=host_min)
+                  host_minimum=host_min, checkpointing=checkpointing)
 
 
 def _construction_bytes(ch: _Chunks, homes: Homes) -> tuple[int, int]:
@@ -349,7 +355,7 @@ def _streamed_homes(ch: _Chunks, homes: Homes, streamed: list[int]) -> Homes:
 
 
 def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int], flops_fwd: float,
-          ops: int) -> StepLoad:
+          ops: int, recompute: bool) -> StepLoad:
     """What one step moves and computes with this placement (input of the performance model)."""
     source = "compute" if ch.bf16 else "master"
     stream = {t: homes.bytes.get(t, {}).get(source, 0) for t in ("host", "cxl", "nvme")}
@@ -368,7 +374,7 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
         gpu_update_bytes=sum(_update_bytes(ch, c) for c in home), gpu_update_flops=sum(ch.flops[c] for c in home),
         chunk_compute_bytes=max((ch.compute[c] for c in streamed), default=0),
         chunk_params=max((ch.params[c] for c in streamed), default=0),
-        num_chunks=ch.n, streamed_chunks=len(streamed), ops_per_forward=ops)
+        num_chunks=ch.n, streamed_chunks=len(streamed), ops_per_forward=ops, recompute=recompute)
 
 
 def _update_bytes(ch: _Chunks, c: int) -> int:
@@ -404,7 +410,8 @@ def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
 
 
 def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds,
-                   device: DevicePlan, batch_size: int, seq_len: int, precision: str) -> int:
+                   device: DevicePlan, batch_size: int, seq_len: int, precision: str,
+                   checkpointing: bool | None) -> int:
     """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
     forward (all activations); a block's recompute in backward; lm_head's gradient on its way to
     the host while the final norm's activations are still saved; the embedding's gradient at
@@ -412,10 +419,11 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     on CUDA up to the gradient reserve may be in flight at any time."""
     if not ch.needs_grad:  # MeZO: the perturbed copies of the module computing (dual_forward)
         return needs.activations + ch.zo_workspace
-    p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision)
+    p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                         checkpointing=checkpointing)
     held = p["fixed"] + p["inputs"]
-    if not checkpoints_blocks(model):  # a single layer: its internals stay saved until its backward
-        held += p["block"]
+    if not checkpoints_blocks(model, checkpointing):  # layers' internals stay saved until their backward
+        held += model.num_hidden_layers * p["block"]
         p = {**p, "block": 0}
     streamed_grad = {name: ch.ce * s.numel for name, s in ch.plan.slots.items() if s.chunk not in device.gpu_home}
     inflight = 0 if hw.simulated else (needs.grad_reserve if streamed_grad else 0)
@@ -426,7 +434,8 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
 
 def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, device: DevicePlan,
            homes: Homes, pred, precision: str, budgets: dict, **meta) -> Plan:
-    act_args = dict(batch_size=meta["batch_size"], seq_len=meta["seq_len"], precision=precision)
+    act_args = dict(batch_size=meta["batch_size"], seq_len=meta["seq_len"], precision=precision,
+                    checkpointing=meta["checkpointing"])
     by_tier = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
     for c in device.gpu_home:
         for kind, b in ch.kinds[c].items():

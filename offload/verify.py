@@ -71,6 +71,7 @@ class VerifyReport:
     def render(self) -> str:
         p = self.plan
         lines = [f"verify {p.model}: {p.optimizer}, {p.precision}, batch {p.batch_size} x {p.seq_len}, "
+                 f"recompute {'on' if p.checkpointing else 'off'}, "
                  f"{len(self.losses)} steps (1 warm-up) on the {self.device} device"]
         rows = [("tier", "planned", "measured", "diff", "warm-up", "budget")]
         for tier in TIERS:
@@ -107,18 +108,19 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
            grad_accum: int = 1, chunk_bytes: "int | str" = DEFAULT_CHUNK_BYTES,
            optimizer_kwargs: dict | None = None, lr: float = 1e-4, steps: int = 3,
            batches: Iterable[dict[str, torch.Tensor]] | None = None, seed: int = 0,
-           tolerance: float = 0.10, name: str | None = None) -> VerifyReport:
+           tolerance: float = 0.10, name: str | None = None, checkpointing: bool | None = None) -> VerifyReport:
     """Plan, then run `steps` real steps (the first is the warm-up) and compare; see the module
     docstring. `model`: a profile, a profile name, or a transformers config/model (its shapes).
     `batches`: batches of `batch_size * grad_accum` rows (default: random tokens). `name`: how
-    the report names a model given as a transformers config.
+    the report names a model given as a transformers config. `checkpointing` as the Engine takes it.
     Raises TierwiseError (InfeasibleBudget included) for settings that cannot run."""
     if steps < 2:
         raise TierwiseError(f"--verify needs at least 2 steps (a warm-up and a measured one), got {steps}")
     profile, config = _shapes(model, name=name)
     user_hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
     args = dict(model=profile, nvme_path=nvme_path, optimizer=optimizer, precision=precision, batch_size=batch_size,
-                seq_len=seq_len, grad_accum=grad_accum, chunk_bytes=chunk_bytes, optimizer_kwargs=optimizer_kwargs)
+                seq_len=seq_len, grad_accum=grad_accum, chunk_bytes=chunk_bytes, optimizer_kwargs=optimizer_kwargs,
+                checkpointing=checkpointing)
     # Budgets as `finetune plan` resolves them (unset: the --hardware profile's sizes) ...
     asked = make_plan(hardware=_with_cxl(user_hw, cxl_mem), gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
                       **args).budgets
@@ -222,7 +224,8 @@ def _engine(config: Any, *, plan: Plan, budgets: dict, nvme_path: str | None, lr
         engine = Engine(model, optimizer=plan.optimizer, optimizer_kwargs=optimizer_kwargs, lr=lr,
                         precision=plan.precision, chunk_bytes=plan.chunk_bytes, gpu_mem=budgets["gpu"],
                         cpu_mem=budgets["host"], cxl_mem=budgets.get("cxl"), nvme_path=nvme_path,
-                        cxl_bandwidth=cxl_bandwidth, activations=plan.reserve["gpu"]["activations"])
+                        cxl_bandwidth=cxl_bandwidth, activations=plan.reserve["gpu"]["activations"],
+                        checkpointing=plan.checkpointing)
     except ValueError as exc:
         if isinstance(exc, TierwiseError):
             raise

@@ -115,16 +115,19 @@ def hardware(cxl: bool):
 
 
 def plan(model: str, opt: str, prec: str, *, gpu: int, host: int, cxl: int = 0, nvme: bool = False,
-         up_front: bool = True):
+         up_front: bool = True, checkpointing: bool | None = None):
     return make_plan(model=MODELS[model], hardware=hardware(bool(cxl)), gpu_mem=gpu, cpu_mem=host, cxl_mem=cxl,
                      nvme_path="/unused" if nvme else None, optimizer=opt, precision=prec, batch_size=BATCH,
-                     seq_len=SEQ, chunk_bytes=CHUNK, optimizer_kwargs=OPT_KWARGS.get(opt), up_front=up_front)
+                     seq_len=SEQ, chunk_bytes=CHUNK, optimizer_kwargs=OPT_KWARGS.get(opt), up_front=up_front,
+                     checkpointing=checkpointing)
 
 
 @functools.lru_cache(maxsize=None)
-def budgets(model: str, budget: str, opt: str, tiers: str, prec: str, up_front: bool = True) -> dict[str, int]:
+def budgets(model: str, budget: str, opt: str, tiers: str, prec: str, up_front: bool = True,
+            checkpointing: bool | None = None) -> dict[str, int]:
     """{"gpu", "host", "cxl"} bytes of a case, derived from the planner's minimums."""
     roomy_host = 1 << 30
+    plan = functools.partial(_plan, checkpointing=checkpointing)
     base = plan(model, opt, prec, gpu=1 << 30, host=roomy_host)
     chunks = sum(sum(base.bytes[t].values()) for t in base.bytes)
     gpu = {"roomy": 2 * (base.gpu_minimum + chunks), "mid": base.gpu_minimum + chunks // 2,
@@ -146,6 +149,9 @@ def budgets(model: str, budget: str, opt: str, tiers: str, prec: str, up_front: 
             assert set(exc.minimum) <= {"host", "cxl"}, exc
             host, cxl = exc.minimum.get("host", host), exc.minimum.get("cxl", cxl)
     return {"gpu": gpu, "host": host, "cxl": cxl}
+
+
+_plan = plan
 
 
 # -- references (plain PyTorch, no offloading), cached per (model, optimizer, precision) ------------
@@ -257,18 +263,21 @@ cuda_budget = cuda_peak  # the same check as `finetune plan --verify` makes
 
 
 def run_case(model: str, budget: str, opt: str, tiers: str, prec: str, *, tmp_path, reference,
-             up_front: bool = True) -> None:
+             up_front: bool = True, checkpointing: bool | None = None) -> None:
     """The body of one matrix case (AssertionError when a check fails). `up_front`: the engine
     is given the planned activations and places chunks before the first step, as `finetune`
-    does; else it measures them in the warm-up step and places chunks after it."""
-    b = budgets(model, budget, opt, tiers, prec, up_front)
+    does; else it measures them in the warm-up step and places chunks after it.
+    `checkpointing` goes to both the planner and the engine (None: their default)."""
+    b = budgets(model, budget, opt, tiers, prec, up_front, checkpointing)
     nvme = tiers.endswith("nvme")
-    planned = plan(model, opt, prec, gpu=b["gpu"], host=b["host"], cxl=b["cxl"], nvme=nvme, up_front=up_front)
+    planned = plan(model, opt, prec, gpu=b["gpu"], host=b["host"], cxl=b["cxl"], nvme=nvme, up_front=up_front,
+                   checkpointing=checkpointing)
     activations = planned.reserve["gpu"]["activations"] if up_front else None
     eng = Engine(fresh_model(model), optimizer=opt, optimizer_kwargs=OPT_KWARGS.get(opt), precision=prec,
                  chunk_bytes=CHUNK, gpu_mem=b["gpu"], cpu_mem=b["host"], cxl_mem=b["cxl"] or None,
-                 nvme_path=str(tmp_path / "swap") if nvme else None, activations=activations, **HP)
-    where = f"{case_id((model, budget, opt, tiers, prec))} budgets {b}"
+                 nvme_path=str(tmp_path / "swap") if nvme else None, activations=activations,
+                 checkpointing=checkpointing, **HP)
+    where = f"{case_id((model, budget, opt, tiers, prec))} checkpointing {checkpointing} budgets {b}"
     try:
         batches = data(model)
         with cuda_budget(b["gpu"]) as device:
@@ -313,6 +322,17 @@ def test_budget_matrix_placed_after_warmup(case, tmp_path, references):
     """The engine's other placement mode (no activation estimate: every chunk host-side until
     the warm-up step has measured them) against `make_plan(up_front=False)`."""
     run_case(*case, tmp_path=tmp_path, reference=references, up_front=False)
+
+
+NO_RECOMPUTE_CASES = [("dense", "min", "adamw", "host+nvme", "fp32"), ("dense", "mid", "adamw8bit", "hostmin+nvme", "bf16"),
+                      ("tied", "min", "galore", "cxl+nvme", "bf16"), ("tied", "roomy", "apollo", "host", "fp32")]
+
+
+@pytest.mark.parametrize("case", NO_RECOMPUTE_CASES, ids=[case_id(c) + "-norecompute" for c in NO_RECOMPUTE_CASES])
+def test_budget_matrix_without_recompute(case, tmp_path, references):
+    """checkpointing=False (`finetune --no-recompute`): every layer's activations stay saved;
+    the planner's activation formula and minimum must follow, at the smallest budget too."""
+    run_case(*case, tmp_path=tmp_path, reference=references, checkpointing=False)
 
 
 def test_matrix_catches_an_under_counting_ledger(tmp_path, monkeypatch, references):

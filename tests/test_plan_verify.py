@@ -72,3 +72,17 @@ def test_cli_plan_verify_exit_codes(monkeypatch):
     failed = runner.invoke(app, CLI + ["--verify-steps", "2"])
     assert failed.exit_code == 1, (failed.output, failed.exception)
     assert "FAIL:" in failed.output and "host planned" in failed.output
+
+
+def test_cli_plan_without_recompute_needs_more_gpu_and_verifies():
+    """--no-recompute: every layer's activations stay saved; plan says so, refuses the budget
+    that suffices with recompute, and --verify passes at a budget that holds them."""
+    runner = CliRunner()
+    base = ["plan", "--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--chunk-size", "16K",
+            "--cpu-mem", "64M"]
+    on = runner.invoke(app, base + ["--gpu-mem", "1M"])  # minimum about 0.55 MiB with recompute
+    assert on.exit_code == 0 and "recompute on" in on.output, on.output
+    off = runner.invoke(app, base + ["--gpu-mem", "1M", "--no-recompute"])  # about 1.56 MiB without
+    assert off.exit_code == 2 and "too small" in off.stderr, (off.output, off.stderr)
+    ok = runner.invoke(app, base + ["--gpu-mem", "2M", "--no-recompute", "--verify"])
+    assert ok.exit_code == 0 and "PASS" in ok.output and "recompute off" in ok.output, (ok.output, ok.exception)
