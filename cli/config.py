@@ -16,7 +16,7 @@ from pathlib import Path
 from offload.errors import TierwiseError
 from offload.sizes import parse_size
 
-OPTIMIZERS = ("adamw", "adamw8bit", "galore", "apollo", "apollo-mini", "mezo", "sgd")
+OPTIMIZERS = ("adamw", "adamw8bit", "galore", "galore8bit", "apollo", "apollo-mini", "mezo", "sgd")
 PRECISIONS = ("bf16", "fp32")
 _META_ERROR = "tierwise.config_error"
 

@@ -47,6 +47,7 @@ class Optimizer(str, Enum):
     adamw = "adamw"
     adamw8bit = "adamw8bit"
     galore = "galore"
+    galore8bit = "galore8bit"
     apollo = "apollo"
     apollo_mini = "apollo-mini"
     mezo = "mezo"

@@ -51,9 +51,13 @@ OPTIMIZERS: dict[str, OptimizerCost] = {c.name: c for c in (
     # bitsandbytes blockwise 8-bit: 2 B of moments + 2 fp32 absmax per 256-element block.
     OptimizerCost(name="adamw8bit", state_bytes_per_param=2.0 + 8 / 256, cpu_rate="adamw8bit"),
     OptimizerCost(name="galore", state_bytes_per_param=8.0, lowrank="galore", default_rank=256),
+    OptimizerCost(name="galore8bit", state_bytes_per_param=2.0 + 8 / 256, cpu_rate="adamw8bit", lowrank="galore",
+                  default_rank=256),
     OptimizerCost(name="apollo", state_bytes_per_param=8.0, lowrank="apollo", default_rank=256),
     OptimizerCost(name="apollo-mini", state_bytes_per_param=8.0, lowrank="apollo", default_rank=1),
     OptimizerCost(name="mezo", state_bytes_per_param=0.0, cpu_rate_scale=2.0, needs_grad=False, forwards=2),
+    # SGD (the engine's momentum-free default): one multiply-add per element, ~2x an AdamW pass
+    OptimizerCost(name="sgd", state_bytes_per_param=0.0, cpu_rate_scale=2.0),
 )}
 
 

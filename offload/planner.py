@@ -118,17 +118,25 @@ class Plan:
             rows.append([tier] + cells)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"{self.model} on {self.hardware}: {self.optimizer}, {self.precision}, "
-                 f"batch {self.batch_size} x {self.seq_len}, {self.num_params / 1e9:.2f}B params, "
+                 f"batch {self.batch_size} x {self.seq_len}, {_count(self.num_params)} params, "
                  f"{self.num_chunks} chunks of {format_size(self.chunk_bytes)}, "
                  f"recompute {'on' if self.checkpointing else 'off'}"]
         lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
                   for r in rows]
         total = max(self.num_params, 1)
-        lines.append(f"update: GPU {self.gpu_update_params / 1e9:.3f}B params "
-                     f"({100 * self.gpu_update_params / total:.1f}%), CPU {self.cpu_update_params / 1e9:.3f}B")
+        lines.append(f"update: GPU {_count(self.gpu_update_params)} params "
+                     f"({100 * self.gpu_update_params / total:.1f}%), CPU {_count(self.cpu_update_params)}")
         lines.append("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in self.phases.items()))
         lines.append(f"step {self.step_s:.3f} s, {self.tokens_per_s:,.0f} tokens/s, bottleneck: {self.bottleneck}")
         return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    """A parameter count for people: 1.52B, 101.9M, 234.0K."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(n)
 
 
 def _module_of(name: str) -> str:

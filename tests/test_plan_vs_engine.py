@@ -36,13 +36,15 @@ CASES = [  # (profile, precision, batch, seq, chunk bytes)
 ]
 
 
-def plan_for(profile, precision, batch, seq, chunk, gpu):
-    return make_plan(model=profile, hardware="cpu-sim", gpu_mem=gpu, cpu_mem="64G", optimizer="adamw",
-                     precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk)
+def plan_for(profile, precision, batch, seq, chunk, gpu, optimizer="adamw", optimizer_kwargs=None):
+    return make_plan(model=profile, hardware="cpu-sim", gpu_mem=gpu, cpu_mem="64G", optimizer=optimizer,
+                     precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk,
+                     optimizer_kwargs=optimizer_kwargs)
 
 
-def run_engine(model, *, precision, batch, seq, chunk, gpu, vocab):
-    eng = Engine(model, gpu_mem=gpu, precision=precision, chunk_bytes=chunk)
+def run_engine(model, *, precision, batch, seq, chunk, gpu, vocab, optimizer="adamw", optimizer_kwargs=None):
+    eng = Engine(model, gpu_mem=gpu, precision=precision, chunk_bytes=chunk, optimizer=optimizer,
+                 optimizer_kwargs=optimizer_kwargs)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (batch, seq), generator=g)
     eng.step({"input_ids": x, "labels": x})  # warm-up: measures activations, places chunks
@@ -52,17 +54,24 @@ def run_engine(model, *, precision, batch, seq, chunk, gpu, vocab):
     return eng
 
 
+@pytest.mark.parametrize("optimizer, kwargs", [("sgd", None), ("galore8bit", {"rank": 8})])
+def test_planner_knows_every_engine_optimizer(optimizer, kwargs):
+    """Every optimizer training accepts, `plan` accepts too, with the engine's bytes."""
+    test_planner_predicts_engine_bytes(TINY, "fp32", 2, 32, 16 << 10, optimizer=optimizer, optimizer_kwargs=kwargs)
+
+
 @pytest.mark.parametrize("profile, precision, batch, seq, chunk", CASES)
-def test_planner_predicts_engine_bytes(profile, precision, batch, seq, chunk):
-    smallest = plan_for(profile, precision, batch, seq, chunk, gpu="64G")
+def test_planner_predicts_engine_bytes(profile, precision, batch, seq, chunk, optimizer="adamw", optimizer_kwargs=None):
+    opt = dict(optimizer=optimizer, optimizer_kwargs=optimizer_kwargs)
+    smallest = plan_for(profile, precision, batch, seq, chunk, gpu="64G", **opt)
     minimum = smallest.gpu_minimum
     all_home = sum(smallest.bytes["gpu"].values())
     for label, gpu in (("roomy", 2 * (minimum + all_home)), ("mid", minimum + all_home // 2), ("minimum", minimum)):
-        plan = plan_for(profile, precision, batch, seq, chunk, gpu=gpu)
+        plan = plan_for(profile, precision, batch, seq, chunk, gpu=gpu, **opt)
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(profile.to_hf_config())  # an engine takes over its model
         eng = run_engine(model, precision=precision, batch=batch, seq=seq, chunk=chunk, gpu=gpu,
-                         vocab=profile.vocab_size)
+                         vocab=profile.vocab_size, **opt)
         where = f"{label} budget {gpu} B"
         assert [c.params for c in eng.plan.chunks] == [c.params for c in pack(profile, chunk).chunks], where
         assert eng.minimum_gpu_bytes == pytest.approx(plan.gpu_minimum, rel=TOL), where
