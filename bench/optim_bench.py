@@ -11,7 +11,9 @@ not a step-time question); their projector refresh is timed separately.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,6 +59,11 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--core", action="store_true",
+                    help="only the flat-tensor AdamWs (torch fused, ours fp32 and 8-bit, DeepSpeedCPUAdam)")
+    ap.add_argument("--processes", type=int, default=0,
+                    help="then repeat the core set in this many fresh processes and print the median of "
+                         "their ratios (memory placement, hence bandwidth, differs from process to process)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n, lr_shape = args.numel, tuple(args.lowrank_shape)
@@ -77,18 +84,20 @@ def main() -> None:
         runs["DeepSpeedCPUAdam"] = (n, o.step, o)
     except Exception as exc:  # not a dependency: any import/build failure just skips it
         print(f"  DeepSpeedCPUAdam skipped: {type(exc).__name__}: {str(exc)[:80]}")
-    p, o = make("flat", (n,), MeZOSteps)
-    runs["tierwise MeZO (4 passes)"] = (n, o.step, None)
+    if not args.core:
+        p, o = make("flat", (n,), MeZOSteps)
+        runs["tierwise MeZO (4 passes)"] = (n, o.step, None)
     m = lr_shape[0] * lr_shape[1]
-    for name, cls in [("GaLoreAdamW", GaLoreAdamW), ("GaLoreAdamW8bit", GaLoreAdamW8bit),
+    for name, cls in [] if args.core else [("GaLoreAdamW", GaLoreAdamW), ("GaLoreAdamW8bit", GaLoreAdamW8bit),
                       ("ApolloAdamW", ApolloAdamW), ("ApolloMini", ApolloMini)]:
         p, o = make("lowrank", lr_shape, cls, lr=1e-3, rank=args.rank, update_proj_gap=10**9)
         t0 = time.perf_counter()
         o.step()  # first step includes the projector (SVD / random) build
         print(f"  {name}: first step incl. projector {time.perf_counter() - t0:.3f} s")
         runs[f"tierwise {name} (matrix)"] = (m, o.step, o)
-    p, o = make("flat", lr_shape, torch.optim.AdamW, lr=1e-3, fused=True)
-    runs["torch AdamW fused (matrix)"] = (m, o.step, o)
+    if not args.core:
+        p, o = make("flat", lr_shape, torch.optim.AdamW, lr=1e-3, fused=True)
+        runs["torch AdamW fused (matrix)"] = (m, o.step, o)
 
     times: dict[str, list[float]] = {k: [] for k in runs}
     cpu: dict[str, list[float]] = {k: [] for k in runs}  # process CPU time: robust to a busy host
@@ -103,6 +112,8 @@ def main() -> None:
 
     extra = {}
     try:
+        if args.core:
+            raise ImportError
         import bitsandbytes as bnb
 
         p, o = make("flat", (n,), bnb.optim.AdamW8bit, lr=1e-3)
@@ -116,9 +127,9 @@ def main() -> None:
         print("  bitsandbytes not importable: skipped")
 
     base = statistics.median(times["torch AdamW fused"]) / n
-    base_m = statistics.median(times["torch AdamW fused (matrix)"]) / m
+    base_m = statistics.median(times.get("torch AdamW fused (matrix)", [1.0])) / m
     cbase = statistics.median(cpu["torch AdamW fused"]) / n
-    cbase_m = statistics.median(cpu["torch AdamW fused (matrix)"]) / m
+    cbase_m = statistics.median(cpu.get("torch AdamW fused (matrix)", [1.0])) / m
     print(f"\n{'optimizer':42s} {'median s':>9s} {'Mparam/s':>9s} {'vs fused':>9s} {'cpu s':>8s} "
           f"{'cpu vs fused':>12s} {'state B/param':>14s}")
     rows = [(k, runs[k][0], times[k], runs[k][2]) for k in runs] + [(k, *v) for k, v in extra.items()]
@@ -140,6 +151,28 @@ def main() -> None:
     if bnb_name in med:
         print(f"  tierwise AdamW8bit vs bitsandbytes CPU:    "
               f"{med[bnb_name] / med['tierwise AdamW8bit']:.1f}x (goal >= 20)")
+    goals = {"8bit_vs_fused": med["torch AdamW fused"] / med["tierwise AdamW8bit"]}
+    if "DeepSpeedCPUAdam" in med:
+        goals["fp32_vs_deepspeed"] = med["DeepSpeedCPUAdam"] / med["tierwise AdamW (fp32)"]
+    print("GOALS " + json.dumps(goals), flush=True)
+    if args.processes:
+        across_processes(args)
+
+
+def across_processes(args: argparse.Namespace) -> None:
+    """The core set in fresh processes, one after another; the median of their ratios."""
+    cmd = [sys.executable, __file__, "--core", "--numel", str(args.numel), "--threads", str(args.threads),
+           "--repeats", str(args.repeats)]
+    seen: dict[str, list[float]] = {}
+    for i in range(args.processes):
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        goals = json.loads(next(line for line in out.splitlines() if line.startswith("GOALS "))[6:])
+        print(f"  process {i + 1}: " + ", ".join(f"{k} {v:.2f}x" for k, v in goals.items()), flush=True)
+        for k, v in goals.items():
+            seen.setdefault(k, []).append(v)
+    print(f"across {args.processes} processes (median, range):")
+    for k, vs in seen.items():
+        print(f"  {k}: {statistics.median(vs):.2f}x ({min(vs):.2f}-{max(vs):.2f}) (goal >= 1.0)")
 
 
 if __name__ == "__main__":
