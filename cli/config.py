@@ -95,8 +95,9 @@ class TrainConfig:
     nvme_path: str | None = None
     offload_activations: bool = False
     """Keep checkpointed blocks' inputs in host memory between forward and backward."""
-    recompute: bool = True
-    """Activation checkpointing of the decoder layers (False: keep every layer's activations)."""
+    recompute: bool | None = None
+    """Activation checkpointing of the decoder layers; False keeps every layer's activations;
+    None (auto): off when the planner finds that --gpu-mem holds them (cli.planning.resolve_recompute)."""
     chunk_size: str = "64M"
     optimizer: str = "adamw"
     lr: float | None = None

@@ -140,12 +140,12 @@ def train(
                                     help="Keep each block's input in host RAM between forward and "
                                     "backward: less GPU memory for long sequences.",
                                     rich_help_panel=MEMORY),
-    recompute: bool = Opt(True, "--recompute/--no-recompute",
-                          help="Recompute each decoder layer's activations in backward "
-                          "(activation checkpointing). --no-recompute keeps them all: about "
-                          "25% less compute, but --gpu-mem must hold every layer's "
-                          "activations (`finetune plan --no-recompute` shows how much).",
-                          rich_help_panel=MEMORY),
+    recompute: Optional[bool] = Opt(None, "--recompute/--no-recompute",
+                                    help="Recompute each decoder layer's activations in backward "
+                                    "(activation checkpointing: the smallest GPU budget), or keep "
+                                    "them all (about 25% less compute). Default: keep them when "
+                                    "--gpu-mem holds them, as `finetune plan` shows.",
+                                    rich_help_panel=MEMORY),
     optimizer: Optimizer = Opt(Optimizer.adamw, help="Optimizer.", rich_help_panel=OPTIM),
     lr: Optional[float] = Opt(None, help="Peak learning rate (default: 1e-4; 1e-3 for the "
                               "built-in demo).", rich_help_panel=OPTIM),
@@ -217,8 +217,9 @@ def plan(
     cxl_mem: Optional[str] = Opt(None, help="CXL memory to use."),
     cxl_node: Optional[int] = Opt(None, help="NUMA node of the CXL memory."),
     nvme_path: Optional[str] = Opt(None, help="Directory on an NVMe drive for swap files."),
-    recompute: bool = Opt(True, "--recompute/--no-recompute",
-                          help="Plan with activation checkpointing (default) or without."),
+    recompute: Optional[bool] = Opt(None, "--recompute/--no-recompute",
+                                    help="Plan with or without activation checkpointing (default: "
+                                    "without when --gpu-mem holds every layer's activations)."),
     optimizer: Optimizer = Opt(Optimizer.adamw, help="Optimizer."),
     precision: Precision = Opt(Precision.fp32, help="Compute precision."),
     batch_size: int = Opt(4, help="Sequences per micro-batch."),
@@ -244,8 +245,9 @@ def plan(
                       cxl_node=cxl_node, nvme_path=nvme_path, recompute=recompute,
                       optimizer=optimizer.value, precision=precision.value, batch_size=batch_size, seq_len=seq_len,
                       grad_accum=grad_accum, hardware=hardware, chunk_size=chunk_size)
-    from cli.planning import make_plan, print_plan, verify_plan
+    from cli.planning import make_plan, print_plan, resolve_recompute, verify_plan
 
+    cfg = resolve_recompute(cfg)
     if verify:
         if json_out:
             raise TierwiseError("--verify prints a table: drop --json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import logging
 
 from rich.console import Console
 from rich.table import Table
@@ -13,6 +14,8 @@ from cli.config import TrainConfig
 from cli.loading import ModelSource, build_meta_model, count_parameters, resolve_model
 from offload.errors import TierwiseError
 from offload.sizes import format_size
+
+log = logging.getLogger(__name__)
 
 
 def _call_with_known(fn, **candidates):
@@ -38,8 +41,22 @@ def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None):
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
-        checkpointing=None if cfg.recompute else False,
+        checkpointing=False if cfg.recompute is False else None,
     )
+
+
+def resolve_recompute(cfg: TrainConfig, *, src: ModelSource | None = None) -> TrainConfig:
+    """`cfg` with `recompute` decided. Unset (auto): off when the planner finds a placement
+    that keeps every layer's activations within the budgets (less compute), else on. A run the
+    planner cannot price (a model family it does not know, a planner error) recomputes."""
+    if cfg.recompute is not None:
+        return cfg
+    try:
+        feasible = make_plan(dataclasses.replace(cfg, recompute=False), src=src) is not None
+    except Exception:  # infeasible without recompute (or unplannable): the default
+        log.debug("no plan without recompute", exc_info=True)
+        feasible = False
+    return dataclasses.replace(cfg, recompute=not feasible)
 
 
 def plan_json(plan) -> str:
@@ -83,7 +100,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
                         optimizer=cfg.optimizer, precision=cfg.precision, batch_size=cfg.batch_size,
                         seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
                         lr=cfg.lr, steps=steps, batches=batches, seed=cfg.seed,
-                        checkpointing=None if cfg.recompute else False)
+                        checkpointing=False if cfg.recompute is False else None)
     if src.has_weights:
         console.print("(random weights: the bytes do not depend on their values)", highlight=False)
     console.out(report.render(), highlight=False)
@@ -104,6 +121,7 @@ def summary_table(cfg: TrainConfig, *, name: str, params: int) -> Table:
                       f"warmup {cfg.warmup_steps}"),
         ("precision", cfg.precision),
         ("batch", f"{cfg.batch_size} x {cfg.grad_accum} accum x {cfg.seq_len} tokens"),
+        ("recompute", {True: "on", False: "off", None: "auto"}[cfg.recompute]),
     ]
     for k, v in rows:
         table.add_row(k, v)
@@ -116,6 +134,7 @@ def dry_run(cfg: TrainConfig, *, console: Console) -> int:
     if src.note:
         console.print(f"[bold yellow]warning:[/] {src.note}", soft_wrap=True, highlight=False)
     model = build_meta_model(src.config)
+    cfg = resolve_recompute(cfg, src=src)
     console.print(summary_table(cfg, name=src.name, params=count_parameters(model)))
     plan = make_plan(cfg, src=src)
     if plan is None:

@@ -53,7 +53,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig):
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
         offload_activations=cfg.offload_activations or None,
         chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip,
-        checkpointing=None if cfg.recompute else False,
+        checkpointing=False if cfg.recompute is False else None,
     )
     kwargs["activations"] = activation_estimate(model, cfg)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
@@ -83,7 +83,7 @@ def activation_estimate(model: torch.nn.Module, cfg: TrainConfig) -> int | None:
         return None
     return activation_bytes(model=profile, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                             precision=cfg.precision, backward=cfg.optimizer != "mezo",
-                            checkpointing=None if cfg.recompute else False)
+                            checkpointing=False if cfg.recompute is False else None)
 
 
 def prepare_output(cfg: TrainConfig) -> Path:
@@ -149,6 +149,13 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     src = resolve_model(cfg.model)
     if src.note:
         warn(console, src.note)
+    from cli.planning import resolve_recompute
+
+    auto = cfg.recompute is None
+    cfg = resolve_recompute(cfg, src=src)
+    if auto and not cfg.recompute:
+        console.print("activations: kept for backward, no recompute (--gpu-mem holds them; "
+                      "--recompute saves GPU memory)", highlight=False)
     if cfg.model is None:
         console.print("no --model: training the built-in tiny model"
                       + (" on the built-in sample (a demo)" if cfg.data is None else ""),

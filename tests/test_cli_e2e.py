@@ -334,3 +334,27 @@ def test_profile_name_without_weights_trains_random_init(tmp_path):
 def test_offload_activations_flag_trains(tmp_path):
     _ok(_invoke("--offload-activations", "--steps", "2", "--output", str(tmp_path / "o")))
     assert (tmp_path / "o" / "model" / "config.json").exists()
+
+
+def test_recompute_is_automatic_and_can_be_forced(tmp_path, monkeypatch):
+    """Unset, --recompute follows the gpu budget (planner): off where every layer's activations
+    fit, on where they do not; either flag forces it. The engine gets the decision."""
+    from cli import train as train_mod
+    from cli.config import TrainConfig
+    from cli.planning import resolve_recompute
+
+    base = dict(model="tiny", batch_size=2, seq_len=32, chunk_size="16K", cpu_mem="64M")
+    assert resolve_recompute(TrainConfig(**base, gpu_mem="8M")).recompute is False
+    assert resolve_recompute(TrainConfig(**base, gpu_mem="1M")).recompute is True
+    assert resolve_recompute(TrainConfig(**base, gpu_mem="8M", recompute=True)).recompute is True
+
+    seen = []
+    real = train_mod.make_engine
+    monkeypatch.setattr(train_mod, "make_engine",
+                        lambda model, cfg: seen.append(cfg.recompute) or real(model, cfg))
+    roomy = _ok(_invoke("--steps", "1", "--output", str(tmp_path / "a")))
+    assert "no recompute" in roomy.output
+    _ok(_invoke("--steps", "1", "--recompute", "--output", str(tmp_path / "b")))
+    tight = _ok(_invoke(*STREAM, "--steps", "1", "--output", str(tmp_path / "c")))  # 700K: ~582K/984K needed
+    assert "no recompute" not in tight.output
+    assert seen == [False, True, True]
