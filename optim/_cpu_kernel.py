@@ -49,6 +49,13 @@ typedef struct {
     float b1, b2, omb1, omb2, eps, inv_bc2, decay, step_size;
 } ctx_t;
 
+/* 1 / a block's absmax: finite (an absmax below 2^-128 would make it inf, and inf * 0 = NaN,
+   while the quantizer needs |x| <= 1 up to rounding), 0 for an all-zero block */
+static inline float inverse(float n) {
+    const float inv = n > 0.0f ? 1.0f / n : 0.0f;
+    return inv < 3.4028234663852886e38f ? inv : 3.4028234663852886e38f;
+}
+
 /* nearest code of x (|x| <= 1 up to rounding) by DecadeTable arithmetic */
 static inline int quantize_one(float x, const float *qt, int is_signed) {
     const float y = is_signed ? fabsf(x) : x;
@@ -85,7 +92,7 @@ static void block_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, 
         n1 = amj > n1 ? amj : n1;
         n2 = vj > n2 ? vj : n2;
     }
-    const float inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f, inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
+    const float inv1 = inverse(n1), inv2 = inverse(n2);
     for (int j = 0; j < len; ++j) {
         q1[j] = (uint8_t)quantize_one(m[j] * inv1, c->qt1, 1);
         q2[j] = (uint8_t)quantize_one(v[j] * inv2, c->qt2, 0);
@@ -186,8 +193,7 @@ TW_AVX2 static void range_avx2(const ctx_t *c, float *p, const float *g, uint8_t
             mx2 = _mm256_max_ps(mx2, vj);
         }
         const float n1 = hmax8(mx1), n2 = hmax8(mx2);
-        const __m256 inv1 = _mm256_set1_ps(n1 > 0.0f ? 1.0f / n1 : 0.0f);
-        const __m256 inv2 = _mm256_set1_ps(n2 > 0.0f ? 1.0f / n2 : 0.0f);
+        const __m256 inv1 = _mm256_set1_ps(inverse(n1)), inv2 = _mm256_set1_ps(inverse(n2));
         for (int j = 0; j < 256; j += 32) {
             __m256i k[4];
             for (int u = 0; u < 4; ++u)
@@ -307,8 +313,7 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
             }
         }
         const float n1 = _mm512_reduce_max_ps(mx1), n2 = _mm512_reduce_max_ps(mx2);
-        const __m512 inv1 = _mm512_set1_ps(n1 > 0.0f ? 1.0f / n1 : 0.0f);
-        const __m512 inv2 = _mm512_set1_ps(n2 > 0.0f ? 1.0f / n2 : 0.0f);
+        const __m512 inv1 = _mm512_set1_ps(inverse(n1)), inv2 = _mm512_set1_ps(inverse(n2));
         for (int j = 0; j < 256; j += 16) {
             _mm_storeu_si128((__m128i *)(c1 + j), quantize16(_mm512_mul_ps(_mm512_load_ps(m + j), inv1), &qt1, 1));
             _mm_storeu_si128((__m128i *)(c2 + j), quantize16(_mm512_mul_ps(_mm512_load_ps(v + j), inv2), &qt2, 0));
@@ -390,7 +395,8 @@ int tw_adam8bit_step(float *p, const float *g, uint8_t *q1, uint8_t *q2, float *
 }
 
 /* codes of n already-scaled values (for tests): the path `isa` (lowered to what the CPU has)
-   on whole groups of 16, the scalar form on the rest. Returns the isa used. */
+   on whole vectors (16 values for AVX-512, 32 for AVX2), the scalar form on the rest.
+   Returns the isa used. */
 int tw_quantize(const float *x, uint8_t *q, const float *qt, int is_signed, int64_t n, int isa) {
     const int best = tw_best_isa();
     if (isa > best) isa = best;

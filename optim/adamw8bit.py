@@ -124,8 +124,9 @@ def _c_step(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *,
     """The C kernel on (n,) fp32 p and g; isa: the most capable path allowed (2 AVX-512,
     1 AVX2, 0 portable scalar), lowered to what the CPU has; all give identical results.
 
-    Scalars are computed in double here and rounded once, as the torch reference path does.
-    Returns the isa that ran.
+    Scalars are computed in double here and rounded once; the kernel folds absmax * beta and
+    multiplies by 1/sqrt(1 - beta2^t) (the torch reference path divides by its root), so the
+    two paths differ by a rounding. Returns the isa that ran.
     """
     lib = _cpu_kernel.load()
     assert lib is not None

@@ -131,8 +131,10 @@ class DecadeTable:
         code = trunc(min(fma(y, A[group], -B[group]), K[group]))
     (B folds the first code, the 1/2 and the base index; K the last index of the group).
     A signed map mirrors negative x: code = max(254 - code, 0). This equals the nearest code
-    (bucketize on the midpoints) except within about one ulp of a midpoint, where either
-    neighbour may be chosen; every kernel path rounds the same way, so they agree exactly.
+    (bucketize on the midpoints) except within ~3e-5 of a code spacing from a midpoint (the
+    fp32 codes sit a few ulps off an exact progression), where either neighbour may be chosen;
+    every kernel path rounds the same way, so they agree exactly. Inputs must satisfy |x| <= 1
+    up to rounding (the kernel scales by a finite 1/absmax); groups 9..15 repeat group 8.
     packed: (128,) fp32 = A[0:16] B[16:32] K[32:48] L[48:80] D[80:112] (indexed by E & 31,
     E clamped to >= 96: every group boundary lies above 2^-30).
     """
@@ -179,6 +181,8 @@ def decade_table(*, signed: bool) -> DecadeTable:
         raise ValueError("a group boundary below 2^-30: no decade table")
     packed = torch.zeros(128, dtype=torch.float32)
     packed[0:9], packed[16:25], packed[32:41] = torch.tensor(a), torch.tensor(b), torch.tensor(k)
+    for base in (0, 16, 32):  # defensive: an out-of-range group reads the top group, not zeros
+        packed[base + 9:base + 16] = packed[base + 8]
     for e in range(96, 128):
         lo, hi = 2.0 ** (e - 127), 2.0 ** (e - 126)
         inside = [t for t in bnd.tolist() if lo <= t < hi]
