@@ -97,7 +97,8 @@ class TrainConfig:
     """Keep checkpointed blocks' inputs in host memory between forward and backward."""
     recompute: bool | None = None
     """Activation checkpointing of the decoder layers; False keeps every layer's activations;
-    None (auto): off when the planner finds that --gpu-mem holds them (cli.planning.resolve_recompute)."""
+    None (auto): off when the planner finds that the GPU budget holds them, on with
+    --offload-activations (cli.planning.resolve_recompute)."""
     chunk_size: str = "64M"
     optimizer: str = "adamw"
     lr: float | None = None
@@ -152,6 +153,9 @@ class TrainConfig:
             raise ConfigError(f"unknown --precision {self.precision!r}: use bf16 or fp32")
         if self.steps is not None and self.epochs is not None:
             raise ConfigError("give --steps or --epochs, not both")
+        if self.offload_activations and self.recompute is False:
+            raise ConfigError("--offload-activations moves the inputs of recomputed layers: it needs "
+                              "recompute (drop --no-recompute)")
         for name in ("seq_len", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

@@ -144,7 +144,8 @@ def train(
                                     help="Recompute each decoder layer's activations in backward "
                                     "(activation checkpointing: the smallest GPU budget), or keep "
                                     "them all (about 25% less compute). Default: keep them when "
-                                    "--gpu-mem holds them, as `finetune plan` shows.",
+                                    "the GPU budget holds them, as `finetune plan` shows (on CUDA "
+                                    "only with --gpu-mem given).",
                                     rich_help_panel=MEMORY),
     optimizer: Optimizer = Opt(Optimizer.adamw, help="Optimizer.", rich_help_panel=OPTIM),
     lr: Optional[float] = Opt(None, help="Peak learning rate (default: 1e-4; 1e-3 for the "

@@ -41,16 +41,32 @@ def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None):
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
-        checkpointing=False if cfg.recompute is False else None,
+        checkpointing=checkpointing(cfg),
     )
+
+
+def checkpointing(cfg: TrainConfig) -> bool | None:
+    """The Engine's / planner's `checkpointing` for --recompute: False off; else None, their
+    default (recompute when the model has several decoder layers; one layer is never recomputed)."""
+    return False if cfg.recompute is False else None
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def resolve_recompute(cfg: TrainConfig, *, src: ModelSource | None = None) -> TrainConfig:
     """`cfg` with `recompute` decided. Unset (auto): off when the planner finds a placement
-    that keeps every layer's activations within the budgets (less compute), else on. A run the
-    planner cannot price (a model family it does not know, a planner error) recomputes."""
+    that keeps every layer's activations within the budgets (less compute), else on. On
+    with --offload-activations (it offloads recomputed layers' inputs), and on CUDA without
+    --gpu-mem (the planner would judge the hardware profile's memory, not this card's). A run
+    the planner cannot price (a model family it does not know, a planner error) recomputes."""
     if cfg.recompute is not None:
         return cfg
+    if cfg.offload_activations or (cfg.budgets["gpu"] is None and _has_cuda()):
+        return dataclasses.replace(cfg, recompute=True)
     try:
         feasible = make_plan(dataclasses.replace(cfg, recompute=False), src=src) is not None
     except Exception:  # infeasible without recompute (or unplannable): the default
@@ -100,7 +116,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
                         optimizer=cfg.optimizer, precision=cfg.precision, batch_size=cfg.batch_size,
                         seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
                         lr=cfg.lr, steps=steps, batches=batches, seed=cfg.seed,
-                        checkpointing=False if cfg.recompute is False else None)
+                        checkpointing=checkpointing(cfg))
     if src.has_weights:
         console.print("(random weights: the bytes do not depend on their values)", highlight=False)
     console.out(report.render(), highlight=False)

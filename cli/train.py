@@ -21,6 +21,7 @@ from cli.data import Batches, DataError, DataPosition, eval_batches, load_blocks
 from cli.export import export_hf
 from cli.loading import ModelSource, build_meta_model, iter_safetensors, resolve_model
 from cli.metrics import MetricsWriter, read_metrics, truncate_metrics
+from cli.planning import checkpointing, resolve_recompute
 from cli.plots import plot_loss, plot_timeline
 from cli.progress import TrainProgress
 from cli.report import phase_delta, summary, warmup_report
@@ -53,7 +54,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig):
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
         offload_activations=cfg.offload_activations or None,
         chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip,
-        checkpointing=False if cfg.recompute is False else None,
+        checkpointing=checkpointing(cfg),
     )
     kwargs["activations"] = activation_estimate(model, cfg)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
@@ -83,7 +84,7 @@ def activation_estimate(model: torch.nn.Module, cfg: TrainConfig) -> int | None:
         return None
     return activation_bytes(model=profile, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                             precision=cfg.precision, backward=cfg.optimizer != "mezo",
-                            checkpointing=False if cfg.recompute is False else None)
+                            checkpointing=checkpointing(cfg))
 
 
 def prepare_output(cfg: TrainConfig) -> Path:
@@ -149,12 +150,10 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     src = resolve_model(cfg.model)
     if src.note:
         warn(console, src.note)
-    from cli.planning import resolve_recompute
-
     auto = cfg.recompute is None
     cfg = resolve_recompute(cfg, src=src)
-    if auto and not cfg.recompute:
-        console.print("activations: kept for backward, no recompute (--gpu-mem holds them; "
+    if auto and not cfg.recompute and cfg.optimizer != "mezo":
+        console.print("activations: kept for backward, no recompute (the GPU budget holds them; "
                       "--recompute saves GPU memory)", highlight=False)
     if cfg.model is None:
         console.print("no --model: training the built-in tiny model"

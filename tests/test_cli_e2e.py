@@ -358,3 +358,16 @@ def test_recompute_is_automatic_and_can_be_forced(tmp_path, monkeypatch):
     tight = _ok(_invoke(*STREAM, "--steps", "1", "--output", str(tmp_path / "c")))  # 700K: ~582K/984K needed
     assert "no recompute" not in tight.output
     assert seen == [False, True, True]
+
+
+def test_offload_activations_implies_recompute(tmp_path):
+    """Activation offload moves the inputs of recomputed layers: auto keeps recompute on for it,
+    and asking for both it and --no-recompute is a one-line error."""
+    from cli.config import TrainConfig
+    from cli.planning import resolve_recompute
+
+    cfg = TrainConfig(model="tiny", batch_size=2, seq_len=32, gpu_mem="8M", offload_activations=True)
+    assert resolve_recompute(cfg).recompute is True
+    line = _error_line(_invoke("--offload-activations", "--no-recompute", "--steps", "1",
+                               "--output", str(tmp_path / "o")))
+    assert "--offload-activations" in line and "--no-recompute" in line
