@@ -83,6 +83,9 @@ class Engine:
         """`activations`: the expected peak of saved activations (e.g. the planner's estimate).
         Given, chunks are placed in their final tiers now; otherwise after the warm-up step,
         which measures it (until then every chunk lives host-side).
+        `checkpointing`: recompute each block in backward (True), keep every block's
+        activations (False: about a quarter less compute, perfmodel.activation_bytes says how
+        much more device memory), or None: recompute when the model has several blocks.
         `offload_activations`: keep checkpointed blocks' inputs in host memory between forward
         and backward (offload.actoffload), for sequences whose activations outgrow the device.
         `overlap_update`: update a chunk as soon as its gradients are final, during backward
