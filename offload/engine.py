@@ -203,6 +203,9 @@ class Engine:
                 mod.forward = dual_forward(mod.forward, mod, self)
         if checkpointing is None:
             checkpointing = len(self.blocks) > 1
+        if self.offload_activations and not checkpointing and self.updater.needs_grad:
+            raise ValueError("offload_activations moves the inputs of recomputed blocks: it needs "
+                             "checkpointing (a model with several blocks, checkpointing not False)")
         if checkpointing and getattr(getattr(model, "config", None), "use_cache", False):
             model.config.use_cache = False  # a KV cache would see each block twice (recompute)
         if checkpointing:

@@ -143,6 +143,12 @@ def test_activation_offload_is_exact_and_lowers_the_device_minimum():
     assert minimum[True] <= minimum[False] - block_inputs // 2
 
 
+def test_activation_offload_without_checkpointing_is_refused():
+    with pytest.raises(ValueError, match="needs checkpointing"):
+        Engine(tiny_llama(layers=2, vocab=32), gpu_mem="8M", chunk_bytes=CHUNK, offload_activations=True,
+               checkpointing=False)
+
+
 def test_gradients_on_nvme_with_accumulation_and_clipping_bit_exact(tmp_path):
     data = batches(4, batch=8)
     ref_losses, ref = train_reference(tiny_llama(), data, grad_accum=2, clip=0.05)
