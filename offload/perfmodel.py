@@ -132,16 +132,18 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             the normalised and the weighted output (e*T*h each)
     block   one layer's internals while it is recomputed: 2 norms, q/k/v after rotary and the
             attention output (e*T*(2 q_dim + 2 kv_dim)), the logsumexp (fp32, B*heads*S), the
-            MLP's gate, up, silu and product (4 e*T*i)
+            MLP's gate, up, silu and product (4 e*T*i); 0 without checkpointing
+    layers  without checkpointing, every layer's internals (layers * that), held from forward
+            to backward; 0 with it
     head    the final norm + log_softmax's fp32 output (4*T*V) + int64 targets + a scalar
     final_norm  the part of head still saved once log_softmax's backward has run
-    The peak is fixed + inputs + the larger of block (in backward) and head (end of forward).
+    The peak is fixed + inputs + layers + the larger of block (in backward) and head (end of
+    forward).
 
     Without checkpointing (`checkpointing=False`, or None with a single decoder layer: the
-    engine checkpoints blocks by default only when there are several) every layer's internals
-    stay saved from forward to backward (`block` per layer), no position ids are saved (only the
-    checkpoint keeps them) and `inputs` is each layer's first-norm fp32 input in fp32 runs (in
-    bf16 the block input itself is not saved); the peak is fixed + inputs + layers * block + head.
+    engine checkpoints blocks by default only when there are several) no position ids are
+    saved (only the checkpoint keeps them) and `inputs` is each layer's first-norm fp32 input
+    in fp32 runs (in bf16 the block input itself is not saved).
     """
     e = compute_bytes(precision)
     t, s, h, i = batch_size * seq_len, seq_len, model.hidden_size, model.intermediate_size
@@ -151,10 +153,12 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     attention = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s
     checkpointed = checkpoints_blocks(model, checkpointing)
     layers = model.num_hidden_layers
+    internals = first_norm + attention + norm + 4 * e * t * i
     return {
         "fixed": 8 * t + 2 * s * model.dim_per_head * e + (8 * s if checkpointed else 0),
         "inputs": layers * e * t * h if checkpointed else layers * (e * t * h if e == 4 else 0),
-        "block": first_norm + attention + norm + 4 * e * t * i,
+        "block": internals if checkpointed else 0,
+        "layers": 0 if checkpointed else layers * internals,
         "final_norm": norm,
         # targets: the labels shifted in a padded S+1 copy; with one sequence a view of all of it
         "head": norm + 4 * t * model.vocab_size + 8 * (t + (batch_size == 1)) + 4,
@@ -169,9 +173,7 @@ def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, prec
         return 0
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                          checkpointing=checkpointing)
-    if not checkpoints_blocks(model, checkpointing):
-        return p["fixed"] + p["inputs"] + model.num_hidden_layers * p["block"] + p["head"]
-    return p["fixed"] + p["inputs"] + max(p["block"], p["head"])
+    return p["fixed"] + p["inputs"] + p["layers"] + max(p["block"], p["head"])
 
 
 def checkpoints_blocks(model: ModelProfile, checkpointing: bool | None = None) -> bool:

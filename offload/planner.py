@@ -429,10 +429,7 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
         return needs.activations + ch.zo_workspace
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                          checkpointing=checkpointing)
-    held = p["fixed"] + p["inputs"]
-    if not checkpoints_blocks(model, checkpointing):  # layers' internals stay saved until their backward
-        held += model.num_hidden_layers * p["block"]
-        p = {**p, "block": 0}
+    held = p["fixed"] + p["inputs"] + p["layers"]  # without checkpointing, every layer's internals
     streamed_grad = {name: ch.ce * s.numel for name, s in ch.plan.slots.items() if s.chunk not in device.gpu_home}
     inflight = 0 if hw.simulated else (needs.grad_reserve if streamed_grad else 0)
     return max(held + p["head"], held + p["block"] + inflight,
