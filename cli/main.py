@@ -220,7 +220,8 @@ def plan(
     nvme_path: Optional[str] = Opt(None, help="Directory on an NVMe drive for swap files."),
     recompute: Optional[bool] = Opt(None, "--recompute/--no-recompute",
                                     help="Plan with or without activation checkpointing (default: "
-                                    "without when --gpu-mem holds every layer's activations)."),
+                                    "as training decides: without when the GPU budget holds every "
+                                    "layer's activations; on CUDA only with --gpu-mem given)."),
     optimizer: Optimizer = Opt(Optimizer.adamw, help="Optimizer."),
     precision: Precision = Opt(Precision.fp32, help="Compute precision."),
     batch_size: int = Opt(4, help="Sequences per micro-batch."),
