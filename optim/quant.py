@@ -15,14 +15,19 @@ import torch
 BLOCK = 256
 
 
+def _decade_sizes(*, signed: bool, max_exponent_bits: int = 7, total_bits: int = 8) -> list[int]:
+    """Positive codes per decade of the dynamic map, smallest decade first."""
+    shift = total_bits - 1 - max_exponent_bits + (0 if signed else 1)
+    return [2 ** (i + shift) for i in range(max_exponent_bits)]
+
+
 def create_dynamic_map(*, signed: bool, max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:
     """The sorted dynamic quantization map, equal to bnb.functional.create_dynamic_map."""
     values: list[float] = []
-    non_sign_bits = total_bits - 1
-    extra = 2 ** (non_sign_bits - max_exponent_bits) - 1
-    for i in range(max_exponent_bits):
-        n_frac = 2 ** (i + non_sign_bits - max_exponent_bits + (0 if signed else 1)) + 1
-        edges = torch.linspace(0.1, 1, n_frac, dtype=torch.float32)
+    extra = 2 ** (total_bits - 1 - max_exponent_bits) - 1
+    sizes = _decade_sizes(signed=signed, max_exponent_bits=max_exponent_bits, total_bits=total_bits)
+    for i, size in enumerate(sizes):
+        edges = torch.linspace(0.1, 1, size + 1, dtype=torch.float32)
         means = (edges[:-1] + edges[1:]) / 2.0
         magnitude = 10 ** (-(max_exponent_bits - 1) + i)
         values += (magnitude * means).tolist()  # fp32 product, as the reference rounds it
@@ -115,9 +120,6 @@ def dequantize_blockwise(
     return values.reshape(-1)[:n].view(codes.shape)
 
 
-def _decade_sizes(*, signed: bool) -> list[int]:
-    """Positive codes per decade, in the order create_dynamic_map builds them (default split)."""
-    return [2 ** (i + (0 if signed else 1)) for i in range(7)]
 
 
 @dataclass(frozen=True)
