@@ -44,7 +44,7 @@ class ModelLayout:
     its parameters for chunk views): the facts loading and export need."""
 
     canonical: dict[str, str]       # state-dict name -> the parameter's first name (the engine's)
-    shapes: dict[str, tuple]        # state-dict name -> shape (parameters and persistent buffers)
+    meta: dict[str, torch.Tensor]   # state-dict name -> meta tensor (params, persistent buffers)
     buffers: set[str]               # persistent buffers (in checkpoints, not trained)
     save_names: list[str]           # what save_pretrained writes, before reverting conversions
 
@@ -60,8 +60,9 @@ class ModelLayout:
         buffers = set(state) - set(canonical)
         kept = remove_tied_weights_from_state_dict(dict(state), model)
         ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
-        return cls(canonical=canonical, shapes={k: tuple(v.shape) for k, v in state.items()},
-                   buffers=buffers, save_names=[k for k in kept if k not in ignored])
+        meta = {k: torch.empty_like(v, device="meta") for k, v in state.items()}
+        return cls(canonical=canonical, meta=meta, buffers=buffers,
+                   save_names=[k for k in kept if k not in ignored])
 
     @property
     def ties(self) -> dict[str, list[str]]:
@@ -110,7 +111,7 @@ def plan_checkpoint(model: torch.nn.Module, layout: ModelLayout, model_dir: "str
     renamings = [t for t in mapping if not isinstance(t, WeightConverter)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
-    prefix, known = model.base_model_prefix, layout.shapes
+    prefix, known = model.base_model_prefix, layout.meta
     targets: dict[str, _Target] = {}
     unexpected = []
     for key in sorted(files, key=dot_natural_key):  # transformers' order: experts 0, 1, .. 10
@@ -121,6 +122,9 @@ def plan_checkpoint(model: torch.nn.Module, layout: ModelLayout, model_dir: "str
             unexpected.append(key)
             continue
         target = targets.setdefault(name, _Target(name))
+        if target.sources and (pattern is None or target.converter is None):
+            raise ModelError(f"{files[key][0]}: tensors {target.sources[0][0]!r} and {key!r} "
+                             f"both map to {name}")
         if pattern is not None and target.converter is None:
             target.converter = deepcopy(by_pattern[pattern])
         target.sources.append((key, pattern))
@@ -136,10 +140,10 @@ def plan_checkpoint(model: torch.nn.Module, layout: ModelLayout, model_dir: "str
     for t in targets.values():
         if t.converter is None:
             (key, _), = t.sources
-            shape = tuple(files[key][2]["shape"])
-            if shape != layout.shapes[t.name]:
+            shape, want = tuple(files[key][2]["shape"]), tuple(known[t.name].shape)
+            if shape != want:
                 raise ModelError(f"{files[key][0]}: tensor {key!r} has shape {shape}, the "
-                                 f"model's {t.name} {layout.shapes[t.name]}")
+                                 f"model's {t.name} {want}")
     order = sorted(targets.values(), key=lambda t: min(
         (str(files[k][0]), files[k][2]["data_offsets"][0]) for k, _ in t.sources))
     return CheckpointPlan(model_dir=model_dir, files=files, targets=order)
@@ -178,18 +182,20 @@ def iter_checkpoint(model: torch.nn.Module, layout: ModelLayout, model_dir: "str
     e.g. one layer's experts). Persistent buffers found in the checkpoint are copied into the
     model's buffers. Tied duplicates are checked equal to what was loaded, then skipped."""
     plan = plan_checkpoint(model, layout, model_dir)
+    shaped = _AsBuilt(model, layout)
     handles: dict[Path, Any] = {}
     loaded: dict[str, tuple] = {}  # tied parameter -> (digest, name) of what filled it
     ties = layout.ties
     done: set[str] = set()
     try:
         for target in plan.targets:
-            for name, tensor in _convert(target, plan, model, handles).items():
+            for name, tensor in _convert(target, plan, shaped, handles).items():
                 where = plan.where(target.sources[0][0])
-                if name not in layout.shapes or tuple(tensor.shape) != layout.shapes[name]:
+                want = tuple(layout.meta[name].shape) if name in layout.meta else None
+                if tuple(tensor.shape) != want:
                     raise ModelError(f"{plan.model_dir / where}: {target.sources[0][0]!r} converts "
                                      f"to {name} of shape {tuple(tensor.shape)}, the model's is "
-                                     f"{layout.shapes.get(name)}")
+                                     f"{want}")
                 if name in layout.buffers:
                     with torch.no_grad():
                         model.get_buffer(name).copy_(tensor)
@@ -217,6 +223,23 @@ def iter_checkpoint(model: torch.nn.Module, layout: ModelLayout, model_dir: "str
                          f"{missing[0]!r}")
 
 
+class _AsBuilt:
+    """The model as converters see it: its parameters as built (meta tensors of the right shape
+    and dtype; some ops size their output by them), since the engine has replaced them by the
+    time the weights stream in. Everything else is the model's."""
+
+    def __init__(self, model, layout: ModelLayout):
+        self._model, self._meta = model, layout.meta
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        return self._meta[name]
+
+    get_parameter_or_buffer = get_parameter
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
 def _digest(t: torch.Tensor) -> str:
     t = t.detach().to(torch.float32).contiguous()
     return hashlib.sha256(t.view(torch.uint8).numpy().data).hexdigest()
@@ -237,7 +260,7 @@ def _convert(target: _Target, plan: CheckpointPlan, model, handles) -> dict[str,
     for key, pattern in target.sources:
         conv.add_tensor(target.name, key, pattern, reader(key))
     try:
-        out = conv.convert(target.name, model=model, config=model.config)
+        out = conv.convert(target.name, model=model, config=model.config)  # model: _AsBuilt
     except Exception as e:
         key = target.sources[0][0]
         raise ModelError(f"{plan.files[key][0]}: cannot convert {key!r} and the other "
@@ -257,6 +280,7 @@ def iter_export(model: torch.nn.Module, layout: ModelLayout,
     converter needs, e.g. one layer's fused experts -> its per-expert tensors)."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    shaped = _AsBuilt(model, layout)
     saved = {layout.canonical.get(n, n): n for n in layout.save_names}
     group_of = _export_groups(model, layout.save_names)
     members: dict[tuple, list[str]] = {}
@@ -269,7 +293,7 @@ def iter_export(model: torch.nn.Module, layout: ModelLayout,
         got = pending.setdefault(g, {})
         got[name] = tensor
         if len(got) == len(members[g]):
-            yield from revert_weight_conversion(model, pending.pop(g)).items()
+            yield from revert_weight_conversion(shaped, pending.pop(g)).items()
 
     seen = set()
     for name, tensor in named:
@@ -283,8 +307,8 @@ def iter_export(model: torch.nn.Module, layout: ModelLayout,
     for name in layout.save_names:
         if name in layout.buffers:
             yield from add(name, model.get_buffer(name).detach().to("cpu", copy=True))
-    if pending:
-        left = sorted(set(members[next(iter(pending))]) - set(pending[next(iter(pending))]))
+    for g, got in pending.items():
+        left = sorted(set(members[g]) - set(got))
         raise ModelError(f"export: no tensor was given for {left[0]!r}")
 
 

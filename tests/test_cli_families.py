@@ -132,9 +132,9 @@ def _check_run(src: Path, data, tmp_path: Path, monkeypatch) -> None:
     with torch.no_grad():
         logits = model(**eval_batch).logits
     assert torch.equal(logits, engine["logits"])  # the engine's final logits, from the export
-    head, emb = model.get_output_embeddings().weight, model.get_input_embeddings().weight
-    assert (head is emb) == bool(model.config.tie_word_embeddings) == (ref.lm_head.weight is
-                                                                       ref.get_input_embeddings().weight)
+    tied = [m.get_output_embeddings().weight is m.get_input_embeddings().weight
+            for m in (model, ref)]
+    assert tied[0] == tied[1] == bool(model.config.tie_word_embeddings)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -145,7 +145,8 @@ def test_family_trains_like_pytorch_and_exports_like_save_pretrained(family, dat
 
 
 #: Checkpoints whose names on disk are not the module names (save_pretrained writes them so).
-LEGACY = {"gpt-neox": "embed_out.weight", "mixtral": "model.layers.0.block_sparse_moe.experts.3.w3.weight",
+LEGACY = {"gpt-neox": "embed_out.weight",
+          "mixtral": "model.layers.0.block_sparse_moe.experts.3.w3.weight",
           "qwen2-moe": "model.layers.1.mlp.experts.2.gate_proj.weight"}
 
 
@@ -229,7 +230,8 @@ def _error_line(src: Path, data, tmp_path) -> str:
 def test_a_key_that_maps_to_nothing_is_a_one_line_error(data, tmp_path):
     src = _edited(tmp_path, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.ones(2)}))
     line = _error_line(src, data, tmp_path)
-    assert "model.safetensors: tensor 'model.layers.0.mlp.extra.weight' maps to no parameter" in line
+    assert "model.safetensors: tensor 'model.layers.0.mlp.extra.weight' maps to no parameter" \
+        in line
 
 
 def test_a_parameter_the_checkpoint_lacks_is_a_one_line_error(data, tmp_path):
@@ -259,3 +261,47 @@ def test_loading_fused_experts_holds_one_target_at_a_time(tmp_path, monkeypatch)
         most = max(most, len(reads))
         reads.clear()
     assert most == 2 * 4  # w1 and w3 of the 4 experts of one layer make one gate_up_proj
+
+
+def test_fused_qkv_on_disk_splits_into_the_engine_and_back(tmp_path):
+    """A layout whose converter splits one tensor into several (Sarvam-MoE: `query_key_value`
+    -> q/k/v sized by the model's parameters, `word_embeddings`, per-expert tensors), loaded
+    into an Engine (whose parameters are placeholders by then) and exported back unchanged."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from cli.layout import iter_export
+    from offload import Engine
+
+    cfg = AutoConfig.for_model("sarvam_moe", vocab_size=288, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=8, moe_intermediate_size=16, n_routed_experts=4,
+                               num_experts_per_tok=2, first_k_dense_replace=1)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "src")
+    disk = _weights(tmp_path / "src")
+    assert "model.layers.0.attention.query_key_value.weight" in disk
+    ref = _from_pretrained(tmp_path / "src")
+    model = build_meta_model(ref.config)
+    layout = ModelLayout.of(model)
+    engine = Engine(model, chunk_bytes=16 << 10)
+    try:
+        engine.load_weights(iter_checkpoint(model, layout, tmp_path / "src"))
+        mine = dict(engine.named_parameters_fp32())
+        assert all(torch.equal(mine[n], p) for n, p in ref.named_parameters())
+        exported = dict(iter_export(model, layout, mine.items()))
+    finally:
+        engine.close()
+    assert sorted(exported) == sorted(disk)
+    assert all(torch.equal(exported[k], disk[k]) for k in disk)
+
+
+def test_two_keys_for_one_parameter_is_a_one_line_error(data, tmp_path):
+    """`embed_tokens.weight` (a base-model checkpoint's name) also maps to
+    model.embed_tokens.weight, as in transformers: two sources for one parameter."""
+    src = _edited(tmp_path, lambda t: t.update(
+        {"embed_tokens.weight": t["model.embed_tokens.weight"].clone()}))
+    line = _error_line(src, data, tmp_path)
+    assert "'embed_tokens.weight' and 'model.embed_tokens.weight' both map to " \
+           "model.embed_tokens.weight" in line or \
+           "'model.embed_tokens.weight' and 'embed_tokens.weight' both map to " \
+           "model.embed_tokens.weight" in line, line
