@@ -305,3 +305,16 @@ def test_two_keys_for_one_parameter_is_a_one_line_error(data, tmp_path):
            "model.embed_tokens.weight" in line or \
            "'model.embed_tokens.weight' and 'embed_tokens.weight' both map to " \
            "model.embed_tokens.weight" in line, line
+
+
+def test_resumed_run_exports_the_layout_it_was_loaded_from(data, tmp_path):
+    """--resume reads the weights from its own checkpoint, not the source: the source's names
+    are still read, so the export keeps a fused (module-named) layout as a full run does."""
+    src = make_tiny_family_dir(tmp_path / "src", "mixtral", save_original_format=False)
+    out = tmp_path / "run"
+    args = ["--model", str(src), "--data", str(data[0]), "--seq-len", "16", "--batch-size", "2",
+            "--output", str(out)]
+    for extra in (["--steps", "1"], ["--steps", "2", "--resume"]):
+        result = CliRunner().invoke(app, args + extra)
+        assert result.exit_code == 0, (result.output, result.exception)
+    assert sorted(_weights(out / "model")) == sorted(_weights(src))
