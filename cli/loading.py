@@ -1,4 +1,5 @@
-"""Resolve `--model`, build the model skeleton on the meta device, stream safetensors weights."""
+"""Resolve `--model`, build the model skeleton on the meta device, read safetensors tensors
+(cli.layout maps their names to the model's parameters)."""
 
 from __future__ import annotations
 

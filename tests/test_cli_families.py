@@ -307,10 +307,11 @@ def test_two_keys_for_one_parameter_is_a_one_line_error(data, tmp_path):
            "model.embed_tokens.weight" in line, line
 
 
-def test_resumed_run_exports_the_layout_it_was_loaded_from(data, tmp_path):
+@pytest.mark.parametrize("original", [True, False], ids=["legacy", "fused"])
+def test_resumed_run_exports_the_layout_it_was_loaded_from(original, data, tmp_path):
     """--resume reads the weights from its own checkpoint, not the source: the source's names
-    are still read, so the export keeps a fused (module-named) layout as a full run does."""
-    src = make_tiny_family_dir(tmp_path / "src", "mixtral", save_original_format=False)
+    are still read, so the export keeps the source's layout (e.g. fused) as a full run does."""
+    src = make_tiny_family_dir(tmp_path / "src", "mixtral", save_original_format=original)
     out = tmp_path / "run"
     args = ["--model", str(src), "--data", str(data[0]), "--seq-len", "16", "--batch-size", "2",
             "--output", str(out)]
