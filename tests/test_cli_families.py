@@ -144,6 +144,22 @@ def test_family_trains_like_pytorch_and_exports_like_save_pretrained(family, dat
     _check_run(src, data, tmp_path, monkeypatch)
 
 
+def test_meta_model_ties_what_transformers_ties_on_its_own_config():
+    from transformers import AutoModelForCausalLM
+
+    from cli.builtin import build_tokenizer
+    from tinyhf import family_config
+
+    tokenizer = build_tokenizer(vocab_size=288)
+    for family in FAMILIES:
+        cfg = family_config(family, tokenizer=tokenizer)
+        model, built = build_meta_model(cfg), AutoModelForCausalLM.from_config(cfg)
+        tied = [m.get_output_embeddings().weight is m.get_input_embeddings().weight
+                for m in (model, built)]
+        assert tied[0] == tied[1], family
+        assert model.config is not cfg  # the engine may change the model's config, not this one
+
+
 #: Checkpoints whose names on disk are not the module names (save_pretrained writes them so).
 LEGACY = {"gpt-neox": "embed_out.weight",
           "mixtral": "model.layers.0.block_sparse_moe.experts.3.w3.weight",
