@@ -1,7 +1,9 @@
 """Export trained weights as a Hugging Face model directory, streaming one tensor at a time.
 
-At most one shard's worth of converted tensors is held in memory. Shards are written as
-`model-00001-of-0000N.safetensors` plus `model.safetensors.index.json` when there is more
+The tensors and their names are what `save_pretrained` writes for the model (cli.layout: tied
+duplicates dropped, transformers' conversions reverted, e.g. fused experts back to per-expert
+tensors). At most one shard's worth of converted tensors is held in memory. Shards are written
+as `model-00001-of-0000N.safetensors` plus `model.safetensors.index.json` when there is more
 than one, or a single `model.safetensors` otherwise, exactly as `save_pretrained` does.
 """
 
@@ -25,14 +27,10 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def _tied(config) -> bool:
-    return bool(getattr(config, "tie_word_embeddings", False))
-
-
 def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: Path, *,
-                 dtype: torch.dtype, max_shard_bytes: int, skip: set[str] = frozenset()
-                 ) -> dict[str, str]:
-    """Stream (name, tensor) into safetensors shards; returns the weight map name -> file."""
+                 dtype: torch.dtype, max_shard_bytes: int) -> dict[str, str]:
+    """Stream (name, tensor) into safetensors shards; returns the weight map name -> file.
+    Floating-point tensors are cast to `dtype`, others (integer buffers) are kept as they are."""
     parts: list[tuple[Path, list[str]]] = []
     current: dict[str, torch.Tensor] = {}
     size = 0
@@ -46,9 +44,8 @@ def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: Path, *,
         current, size = {}, 0
 
     for name, tensor in named:
-        if name in skip:
-            continue
-        t = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+        t = tensor.detach().to(device="cpu", dtype=dtype if tensor.is_floating_point() else None)
+        t = t.contiguous()
         nbytes = t.numel() * t.element_size()
         if current and size + nbytes > max_shard_bytes:
             flush()
@@ -66,18 +63,27 @@ def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: Path, *,
 
 
 def export_hf(named: Iterable[tuple[str, torch.Tensor]], out_dir: "str | Path", *, config,
-              tokenizer=None, dtype: "str | torch.dtype" = "bf16",
+              model=None, layout=None, tokenizer=None, dtype: "str | torch.dtype" = "bf16",
               max_shard_size: "str | int" = "5G", generation_config=None) -> Path:
     """Write config.json, safetensors (+ index), tokenizer and generation config to `out_dir`.
 
-    `named` yields Hugging Face parameter names with CPU tensors (e.g.
-    engine.named_parameters_fp32()). With tied embeddings `lm_head.weight` is not written.
+    `named` yields the model's parameter names with CPU tensors (e.g.
+    engine.named_parameters_fp32(); a tied parameter once, under any of its names). `model`
+    (with its `layout`, cli.layout.ModelLayout, taken while it was still on the meta device) is
+    the trained module: its ties, the checkpoint layout it was loaded from and its persistent
+    buffers decide what is written; without it, a new model of `config` does. `config` is
+    written as given, with the export dtype.
     """
+    from cli.layout import ModelLayout, iter_export
+    from cli.loading import build_meta_model
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    skip = {"lm_head.weight"} if _tied(config) else set()
-    weight_map = write_shards(named, out_dir, dtype=dtype, skip=skip,
+    if model is None:
+        model = build_meta_model(config)
+    layout = layout or ModelLayout.of(model)
+    weight_map = write_shards(iter_export(model, layout, named), out_dir, dtype=dtype,
                               max_shard_bytes=parse_size(max_shard_size, what="--shard-size"))
     if len(set(weight_map.values())) > 1:
         total = 0

@@ -1,7 +1,9 @@
-"""Resolve `--model`, build the model skeleton on the meta device, stream safetensors weights."""
+"""Resolve `--model`, build the model skeleton on the meta device, read safetensors tensors
+(cli.layout maps their names to the model's parameters)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import dataclass
@@ -38,21 +40,30 @@ class ModelSource:
 def build_meta_model(config) -> torch.nn.Module:
     """The model of `config` with every parameter on the meta device (no memory).
 
+    The model gets its own copy of `config`: the engine may change the model's config (it turns
+    `use_cache` off while checkpointing), the caller's stays as loaded, for the export.
     Buffers stay real CPU tensors: non-persistent buffers such as the rotary `inv_freq` are
     computed in __init__ and are in no checkpoint, so they must not become meta (or garbage
     after `to_empty`). Needs accelerate; without it everything is meta and a warning says so.
+    Weights the model ties are tied again after construction: accelerate's init_empty_weights
+    re-creates each parameter as it is registered, which unties what __init__ tied (the output
+    head would be a second, never loaded parameter).
     """
     from transformers import AutoModelForCausalLM
 
+    config = copy.deepcopy(config)
     try:
         from accelerate import init_empty_weights
     except ImportError:
         log.warning("accelerate is not installed: buffers of the meta model are meta too "
                     "and must be recomputed before use")
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config)
+    else:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()
+    return model
 
 
 def safetensors_files(model_dir: "str | Path") -> list[Path]:
@@ -79,9 +90,8 @@ _ST_DTYPES = {
 }
 
 
-def _safetensors_index(path: Path) -> tuple[int, dict]:
+def _safetensors_header(path: Path) -> tuple[int, dict]:
     """(offset of the data section, {name: entry}) from a .safetensors header."""
-    import json
     import struct
 
     with open(path, "rb") as f:
@@ -97,7 +107,20 @@ def _safetensors_index(path: Path) -> tuple[int, dict]:
     return 8 + n, meta
 
 
-def _read_tensor(f: Any, base: int, name: str, entry: dict, path: Path) -> torch.Tensor:
+def read_safetensors_index(model_dir: "str | Path") -> dict[str, tuple[Path, int, dict]]:
+    """{tensor name: (file, data offset, header entry)} over every weight file (headers only)."""
+    index = {}
+    for path in safetensors_files(model_dir):
+        base, meta = _safetensors_header(path)
+        for name, entry in meta.items():
+            if name in index:
+                raise ModelError(f"{path}: tensor {name!r} is also in {index[name][0].name}")
+            index[name] = (path, base, entry)
+    return index
+
+
+def read_tensor(f: Any, base: int, name: str, entry: dict, path: Path) -> torch.Tensor:
+    """One tensor of an open safetensors file, read into its own buffer."""
     dtype = _ST_DTYPES.get(entry["dtype"])
     if dtype is None:
         raise ModelError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
@@ -111,19 +134,15 @@ def _read_tensor(f: Any, base: int, name: str, entry: dict, path: Path) -> torch
 
 def iter_safetensors(model_dir: "str | Path", *, order: Sequence[str] | None = None
                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) one at a time, each read with plain file reads into its own buffer.
+    """(name, tensor) one at a time, each read with plain file reads into its own buffer, under
+    the names on disk (cli.layout.iter_checkpoint maps them to the model's parameters).
 
     Not memory-mapped on purpose: the pages of a mapped shard count in the process's RSS until
     the shard is closed, which would put a whole shard above the host budget; here only the
     tensor being copied into its chunk is in memory. Without `order`: shard by shard, in file
     order. With `order`: exactly those names in that order; a missing name is a ModelError.
     """
-    files = safetensors_files(model_dir)
-    index = {}
-    for path in files:
-        base, meta = _safetensors_index(path)
-        for name, entry in meta.items():
-            index[name] = (path, base, entry)
+    index = read_safetensors_index(model_dir)
     names = order if order is not None else list(index)
     handles: dict[Path, Any] = {}
     try:
@@ -133,7 +152,7 @@ def iter_safetensors(model_dir: "str | Path", *, order: Sequence[str] | None = N
             path, base, entry = index[name]
             if path not in handles:
                 handles[path] = open(path, "rb")
-            yield name, _read_tensor(handles[path], base, name, entry, path)
+            yield name, read_tensor(handles[path], base, name, entry, path)
     finally:
         for f in handles.values():
             f.close()

@@ -19,7 +19,8 @@ from cli import checkpoint as ckpt
 from cli.config import DISK_FULL, ConfigError, TrainConfig
 from cli.data import Batches, DataError, DataPosition, eval_batches, load_blocks
 from cli.export import export_hf
-from cli.loading import ModelSource, build_meta_model, iter_safetensors, resolve_model
+from cli.layout import ModelLayout, iter_checkpoint, plan_checkpoint
+from cli.loading import ModelSource, build_meta_model, resolve_model
 from cli.metrics import MetricsWriter, read_metrics, truncate_metrics
 from cli.planning import checkpointing, resolve_recompute
 from cli.plots import plot_loss, plot_timeline
@@ -173,9 +174,12 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     schedule = LRSchedule(kind=cfg.schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                           total_steps=total)
     seed_everything(cfg.seed)
-    engine = make_engine(build_meta_model(src.config), cfg)
+    model = build_meta_model(src.config)
+    layout = ModelLayout.of(model)  # names, shapes and ties, before the engine takes the model
+    engine = make_engine(model, cfg)
     try:
-        start = _initial_state(engine, cfg, src, out, batches, console)
+        start = _initial_state(engine, cfg, src, out, batches, console, model=model,
+                               layout=layout)
         losses: list[float] = []
         t0 = time.perf_counter()
         code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule,
@@ -184,7 +188,7 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
         console.print(summary(losses, first_step=start + 1, seconds=time.perf_counter() - t0),
                       highlight=False, soft_wrap=True)
         if code == 0:
-            _finish(engine, cfg, src, out, console)
+            _finish(engine, cfg, src, out, console, model=model, layout=layout)
         return code
     except OSError as e:
         if e.errno not in DISK_FULL:
@@ -212,9 +216,15 @@ def check_vocab(blocks: list, src: ModelSource) -> None:
 
 
 def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batches: Batches,
-                   console: Console) -> int:
-    """Load a checkpoint (--resume) or the weights; returns the first step to run."""
+                   console: Console, *, model, layout: ModelLayout) -> int:
+    """Load a checkpoint (--resume) or the weights; returns the first step to run.
+
+    The weights stream from `src`'s checkpoint through transformers' key renaming and tensor
+    conversions (cli.layout); with --resume only its names are read, so the export writes the
+    same layout as an uninterrupted run."""
     if cfg.resume:
+        if src.has_weights:
+            plan_checkpoint(model, layout, src.model_dir)
         path = ckpt.latest_checkpoint(out)
         engine_state, trainer = ckpt.load_checkpoint(path)
         saved = trainer["config"]
@@ -230,8 +240,7 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
         console.print(f"resumed from {path.name} (step {trainer['step']})", highlight=False)
         return int(trainer["step"])
     if src.has_weights:
-        order = getattr(engine, "load_order", None)  # e.g. first-use order, if the engine has one
-        engine.load_weights(iter_safetensors(src.model_dir, order=order))
+        engine.load_weights(iter_checkpoint(model, layout, src.model_dir))
     else:
         engine.init_weights_(seed=cfg.seed, std=getattr(src.config, "initializer_range", 0.02))
     return 0
@@ -331,9 +340,12 @@ def _warmup_lines(engine, cfg: TrainConfig, src: ModelSource, before: dict) -> l
                          budgets=cfg.budgets)
 
 
-def _finish(engine, cfg: TrainConfig, src: ModelSource, out: Path, console: Console) -> None:
+def _finish(engine, cfg: TrainConfig, src: ModelSource, out: Path, console: Console, *,
+            model, layout: ModelLayout) -> None:
+    """Export as save_pretrained would for the trained model, with the source's config."""
     dtype = cfg.export_dtype or cfg.precision
     model_dir = export_hf(engine.named_parameters_fp32(), out / "model", config=src.config,
+                          model=model, layout=layout,
                           tokenizer=src.tokenizer, dtype=dtype,
                           generation_config=src.generation_config)
     plot_loss(read_metrics(out / "metrics.jsonl"), out / "loss.png")

@@ -1,5 +1,6 @@
 """Loading a checkpoint several times larger than --cpu-mem keeps the process's RSS within it:
-weights stream tensor by tensor from the safetensors shards into chunks on the NVMe tier."""
+weights stream tensor by tensor from the safetensors shards into chunks on the NVMe tier, through
+the CLI's loader (cli.layout.iter_checkpoint: transformers' renaming, tied weights)."""
 
 import json
 import subprocess
@@ -14,11 +15,13 @@ SCRIPT = textwrap.dedent("""
     import json, sys, threading, time
     import psutil, torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from cli.loading import build_meta_model, iter_safetensors
+    from cli.layout import ModelLayout, iter_checkpoint
+    from cli.loading import build_meta_model
     from offload import Engine
 
     model_dir, swap, cpu_mem = sys.argv[1], sys.argv[2], int(sys.argv[3])
     model = build_meta_model(AutoConfig.from_pretrained(model_dir))
+    layout = ModelLayout.of(model)
     eng = Engine(model, gpu_mem="64M", cpu_mem=cpu_mem, nvme_path=swap, chunk_bytes=512 << 10)
     proc = psutil.Process()
     base, peak, done = proc.memory_info().rss, [0], threading.Event()
@@ -29,7 +32,7 @@ SCRIPT = textwrap.dedent("""
             time.sleep(0.001)
 
     t = threading.Thread(target=watch); t.start()
-    eng.load_weights(iter_safetensors(model_dir))
+    eng.load_weights(iter_checkpoint(model, layout, model_dir))
     done.set(); t.join()
     growth = max(peak[0], proc.memory_info().rss) - base  # before the checks below allocate
     ref = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -42,7 +45,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_loading_a_checkpoint_bigger_than_cpu_mem_stays_within_it(tmp_path):
-    model_dir = make_tiny_llama_dir(tmp_path / "m", vocab_size=512, hidden=256, layers=8, shard=True)
+    model_dir = make_tiny_llama_dir(tmp_path / "m", vocab_size=512, hidden=256, layers=8, shard=True,
+                                    tie=True)
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     assert weights > 3 * CPU_MEM  # several times larger than the host budget
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), str(tmp_path / "swap"), str(CPU_MEM)],

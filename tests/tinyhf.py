@@ -152,3 +152,61 @@ class StandInEngine:
 
     def close(self) -> None:
         self.closed = True
+
+
+#: Tiny configs of each causal-LM family the CLI is tested on: hidden 32, 2 layers, 4 heads,
+#: no dropout (training runs are compared with plain PyTorch step for step).
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(intermediate_size=64, num_key_value_heads=2,
+                                  tie_word_embeddings=False)),
+    "llama-tied": ("LlamaConfig", dict(intermediate_size=64, num_key_value_heads=2,
+                                       tie_word_embeddings=True)),
+    "gpt2": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attn_pdrop=0.0)),
+    "gpt-neox": ("GPTNeoXConfig", dict(intermediate_size=64, max_position_embeddings=64,
+                                       hidden_dropout=0.0, attention_dropout=0.0)),
+    "qwen2": ("Qwen2Config", dict(intermediate_size=64, num_key_value_heads=2)),
+    "mistral": ("MistralConfig", dict(intermediate_size=64, num_key_value_heads=2)),
+    "phi3": ("Phi3Config", dict(intermediate_size=64, num_key_value_heads=2, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attention_dropout=0.0)),
+    "gemma2": ("Gemma2Config", dict(intermediate_size=64, num_key_value_heads=2, head_dim=8)),
+    "opt": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64,
+                              dropout=0.0, attention_dropout=0.0)),
+    "falcon": ("FalconConfig", dict(hidden_dropout=0.0, attention_dropout=0.0)),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(intermediate_size=64, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=32, num_experts=4,
+                                         num_experts_per_tok=2, num_key_value_heads=2)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=4,
+                                      num_experts_per_tok=2, num_key_value_heads=2)),
+}
+
+
+def family_config(family: str, *, vocab_size: int = 288, tokenizer=None):
+    """The tiny transformers config of `family` (a FAMILIES key)."""
+    import transformers
+
+    cls, extra = FAMILIES[family]
+    common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2,
+                  num_attention_heads=4)
+    if cls == "GPT2Config":
+        common = dict(vocab_size=vocab_size)
+    if tokenizer is not None:
+        common.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+    return getattr(transformers, cls)(**common, **extra)
+
+
+def make_tiny_family_dir(path, family: str, *, vocab_size: int = 288, seed: int = 0,
+                         **save) -> Path:
+    """A seeded random model of `family` saved by save_pretrained (fp32; `save` goes to it, e.g.
+    save_original_format=False), with the built-in tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    tokenizer = build_tokenizer(vocab_size=vocab_size)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family, vocab_size=vocab_size,
+                                                           tokenizer=tokenizer))
+    model.save_pretrained(path, **save)
+    tokenizer.save_pretrained(path)
+    return path
