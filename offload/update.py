@@ -3,8 +3,13 @@
 Optimizer state lives in one flat byte *blob* per chunk (ledger kind "state"), so it can be
 placed, swapped to NVMe and promoted to the device like any other kind. An updater says how
 big the blob of a chunk is and how to step a chunk given its master, grad and blob:
-- chunk-wise (AdamWChunks, SGDChunks): one kernel over the whole flat chunk. fp32 AdamW uses
-  torch's fused kernel; 64-byte aligned slots make it bit-for-bit the per-tensor result.
+- chunk-wise (AdamWChunks, SGDChunks): one kernel call per chunk. AdamW calls torch's fused
+  kernel with a list of per-slot views, so each parameter is its own tensor exactly as
+  torch.optim.AdamW(fused=True) sees it: the kernel computes a tensor's last numel % 16
+  elements on a scalar path whose rounding differs from its vector body, so one flat tensor
+  per chunk would differ (~1e-8) for every parameter whose numel is not a multiple of 16.
+  SGD's elementwise ops round the same on both paths: whole chunks, bit-exact with
+  torch.optim.SGD.
 - slot-wise (SlotUpdater): the optim/ pure function per parameter slot, with that slot's state
   carved out of the blob, so the engine equals the drop-in optimizer step for step (8-bit
   blocks, small-tensor fallbacks and low-rank projections all follow the parameter).
@@ -45,13 +50,15 @@ def _align(n: int) -> int:
 
 
 class AdamWChunks:
-    """Decoupled-weight-decay Adam (AdamW) on flat fp32 chunks, torch's fused kernel."""
+    """Decoupled-weight-decay Adam (AdamW) on fp32 chunks, torch's fused kernel per slot."""
 
     name = "adamw"
     needs_grad = True
 
     def __init__(self, plan: ChunkPlan):
         self.plan = plan
+        self.ranges = {c.index: [(plan.slots[n].offset, plan.slots[n].numel) for n in c.params]
+                       for c in plan.chunks}
 
     def state_bytes(self, cid: int) -> int:
         return 8 * self.plan.chunks[cid].numel
@@ -62,8 +69,13 @@ class AdamWChunks:
         n = master.numel()
         m, v = blob[: 4 * n].view(torch.float32), blob[4 * n: 8 * n].view(torch.float32)
         step += 1
+        ranges = self.ranges[cid]
+
+        def slots(t: torch.Tensor) -> list[torch.Tensor]:  # [numel] views, memory order
+            return [t[o: o + k] for o, k in ranges]
+
         torch._fused_adamw_(
-            [master], [grad], [m], [v], [], [step],
+            slots(master), slots(grad), slots(m), slots(v), [], [step] * len(ranges),
             amsgrad=False, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1],
             weight_decay=hp.weight_decay, eps=hp.eps, maximize=False,
         )
@@ -163,8 +175,7 @@ class SlotUpdater:
             views = {e.key: blob[e.offset: e.offset + math.prod(e.shape) * e.dtype.itemsize]
                      .view(e.dtype).view(e.shape) for e in lay.entries}
             state = dict(views) | self.meta.get(lay.name, {})
-            p = master[s.offset: s.offset + s.numel].view(s.shape)
-            g = grad[s.offset: s.offset + s.numel].view(s.shape)
+            p, g = s.view(master), s.view(grad)  # the parameter as the drop-in sees it
             self.run(p, g, state, step=k, index=lay.index, projected=lay.projected, hp=hp)
             for key, val in state.items():
                 if key in views:
