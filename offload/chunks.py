@@ -10,7 +10,9 @@ dense block and are refused (ParamLayoutError). Each chunk then exists in severa
 slot indexes every kind of its chunk the same way.
 
 Slots start at multiples of ALIGN elements (64 bytes in fp32) so that a flat, vectorised
-kernel over a chunk sees each parameter on the same vector boundaries as a per-tensor kernel.
+kernel over a chunk sees each parameter on the same vector boundaries as a per-tensor kernel
+(a parameter's tail, numel % ALIGN elements, may still round differently: offload.update
+passes such parameters to the fused AdamW kernel as tensors of their own).
 """
 
 from __future__ import annotations

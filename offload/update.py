@@ -3,13 +3,16 @@
 Optimizer state lives in one flat byte *blob* per chunk (ledger kind "state"), so it can be
 placed, swapped to NVMe and promoted to the device like any other kind. An updater says how
 big the blob of a chunk is and how to step a chunk given its master, grad and blob:
-- chunk-wise (AdamWChunks, SGDChunks): one kernel call per chunk. AdamW calls torch's fused
-  kernel with a list of per-slot views, so each parameter is its own tensor exactly as
-  torch.optim.AdamW(fused=True) sees it: the kernel computes a tensor's last numel % 16
-  elements on a scalar path whose rounding differs from its vector body, so one flat tensor
-  per chunk would differ (~1e-8) for every parameter whose numel is not a multiple of 16.
-  SGD's elementwise ops round the same on both paths: whole chunks, bit-exact with
-  torch.optim.SGD.
+- chunk-wise (AdamWChunks, SGDChunks): one kernel call per chunk. AdamW: torch's fused
+  kernel, which works in 64-byte units from each tensor's start and computes a tensor's last
+  numel % 8 (AVX2; % 16 with AVX-512) elements on a scalar path that rounds differently from
+  its vector body. So a parameter whose numel is not a multiple of ALIGN (16) is passed as a
+  tensor of its own, exactly as torch.optim.AdamW(fused=True) sees it; runs of consecutive
+  parameters that are multiples of 16 (no tail, no padding between them) go as one tensor,
+  every element on the vector path as in the per-tensor call (`fused_ranges`). Bit-exact for
+  every element count wherever the kernel's vector width divides 16 floats (x86 AVX2 and
+  AVX-512, ARM NEON). SGD's elementwise ops round the same on both paths: whole chunks,
+  bit-exact with torch.optim.SGD.
 - slot-wise (SlotUpdater): the optim/ pure function per parameter slot, with that slot's state
   carved out of the blob, so the engine equals the drop-in optimizer step for step (8-bit
   blocks, small-tensor fallbacks and low-rank projections all follow the parameter).
@@ -23,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from offload.chunks import ChunkPlan
+from offload.chunks import ALIGN, ChunkPlan, ChunkSpec
 
 ALIGN_BYTES = 64
 
@@ -49,16 +52,32 @@ def _align(n: int) -> int:
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
+def fused_ranges(plan: ChunkPlan, chunk: ChunkSpec) -> list[tuple[int, int]]:
+    """(offset, numel) of the tensors the fused kernel gets for `chunk`: each slot whose numel
+    is not a multiple of ALIGN alone, consecutive slots that are multiples of ALIGN merged."""
+    out: list[list[int]] = []
+    merge = False
+    for name in chunk.params:
+        s = plan.slots[name]
+        whole = s.numel % ALIGN == 0
+        if whole and merge and out[-1][0] + out[-1][1] == s.offset:
+            out[-1][1] += s.numel
+        else:
+            out.append([s.offset, s.numel])
+        merge = whole
+    return [(o, n) for o, n in out]
+
+
 class AdamWChunks:
-    """Decoupled-weight-decay Adam (AdamW) on fp32 chunks, torch's fused kernel per slot."""
+    """Decoupled-weight-decay Adam (AdamW) on fp32 chunks: torch's fused kernel, each
+    parameter seen as torch.optim.AdamW(fused=True) sees it (see the module docstring)."""
 
     name = "adamw"
     needs_grad = True
 
     def __init__(self, plan: ChunkPlan):
         self.plan = plan
-        self.ranges = {c.index: [(plan.slots[n].offset, plan.slots[n].numel) for n in c.params]
-                       for c in plan.chunks}
+        self.ranges = {c.index: fused_ranges(plan, c) for c in plan.chunks}
 
     def state_bytes(self, cid: int) -> int:
         return 8 * self.plan.chunks[cid].numel
@@ -71,7 +90,7 @@ class AdamWChunks:
         step += 1
         ranges = self.ranges[cid]
 
-        def slots(t: torch.Tensor) -> list[torch.Tensor]:  # [numel] views, memory order
+        def slots(t: torch.Tensor) -> list[torch.Tensor]:  # [numel] views of the chunk
             return [t[o: o + k] for o, k in ranges]
 
         torch._fused_adamw_(

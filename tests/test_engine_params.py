@@ -169,3 +169,36 @@ def test_other_optimizers_equal_drop_in_on_every_kind(name):
     losses = [eng.step(b) for b in data]
     assert_equal_to_reference(eng, losses, ref_losses, ref)
     eng.close()
+
+
+def test_adamw_chunks_equal_fused_adamw_for_every_element_count():
+    """The chunk updater alone, many sizes (tails of every length), a few steps: parameters and
+    both moments equal torch.optim.AdamW(fused=True)'s."""
+    from offload.chunks import ParamSpec, pack_chunks
+    from offload.update import AdamWChunks, Hyper
+
+    shapes = [(n,) for n in range(1, 41)] + [(), (4097,), (4104,), (7, 3), (16, 16)]
+    plan = pack_chunks([ParamSpec(name=f"p{i}", shape=s) for i, s in enumerate(shapes)], chunk_bytes=32 << 10)
+    g = torch.Generator().manual_seed(0)
+    ref = [nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    opt = torch.optim.AdamW(ref, fused=True, **HP)
+    up = AdamWChunks(plan)
+    kinds = [{k: torch.zeros(c.numel) for k in ("master", "grad")} | {"state": torch.zeros(8 * c.numel, dtype=torch.uint8),
+                                                                      "step": torch.zeros(())} for c in plan.chunks]
+    for i, p in enumerate(ref):
+        s = plan.slots[f"p{i}"]
+        s.view(kinds[s.chunk]["master"]).copy_(p.detach())
+    for _ in range(5):
+        for i, p in enumerate(ref):
+            p.grad = torch.randn(p.shape, generator=g)
+            s = plan.slots[f"p{i}"]
+            s.view(kinds[s.chunk]["grad"]).copy_(p.grad)
+        opt.step()
+        for c, k in zip(plan.chunks, kinds):
+            up.step(k["master"], k["grad"], k["state"], c.index, k["step"], Hyper(**HP))
+    for i, p in enumerate(ref):
+        s = plan.slots[f"p{i}"]
+        k, n = kinds[s.chunk], plan.chunks[s.chunk].numel
+        m, v = k["state"][: 4 * n].view(torch.float32), k["state"][4 * n:].view(torch.float32)
+        assert torch.equal(s.view(k["master"]), p.detach()), shapes[i]
+        assert torch.equal(s.view(m), opt.state[p]["exp_avg"]) and torch.equal(s.view(v), opt.state[p]["exp_avg_sq"]), shapes[i]
