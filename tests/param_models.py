@@ -4,7 +4,9 @@ Kinds of parameter a `Mixer` (in each `Block`, after an nn.Linear) can own:
 - "scalar":  a 0-dim learned temperature, nn.Parameter(torch.tensor(0.8));
 - "strided": non-contiguous weights: a matrix created transposed (strides (1, 2D)) and a
              permuted 3-D tensor;
-- "odd":     element counts 1, 3 and 4097 (not multiples of the fused kernels' vector width).
+- "odd":     element counts 1, 3 and 4097 (not multiples of the fused kernels' vector width),
+             of magnitude ~1e-3, so that a rounding difference in the optimizer's arithmetic
+             shows in the weights (their ulp is ~1e-10, about an update's rounding error).
 Every parameter takes part in the loss. Blocks sit in a ModuleList, so the engine checkpoints
 them; a linear stem before them makes their input require grad, as an embedding does in a
 language model.
@@ -36,9 +38,9 @@ class Mixer(nn.Module):
             self.u = nn.Parameter(torch.randn(2, 4, D).permute(2, 0, 1) / 4)  # (D, 2, 4), permuted
             self.strides_seen: set[tuple] = set()
         if "odd" in kinds:
-            self.a = nn.Parameter(torch.randn(1))
-            self.b = nn.Parameter(torch.randn(3) / 4)
-            self.c = nn.Parameter(torch.randn(4097) / 8)
+            self.a = nn.Parameter(torch.randn(1) / 1000)
+            self.b = nn.Parameter(torch.randn(3) / 1000)
+            self.c = nn.Parameter(torch.randn(4097) / 1000)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # h: (B, D)
         if "scalar" in self.kinds:
@@ -47,8 +49,8 @@ class Mixer(nn.Module):
             self.strides_seen.add((self.w.stride(), self.u.stride()))
             h = torch.cat([h, h.tanh()], dim=-1) @ self.w + torch.einsum("bd,dij->bij", h, self.u).mean((1, 2))[:, None]
         if "odd" in self.kinds:
-            h = h * self.a + self.b.sum() - self.b[1] * self.b[2]
-            h = h * self.c[0] + self.c[1:].view(D, -1).mean(1)
+            h = h * (1 + self.a) + self.b.sum() - self.b[1] * self.b[2]
+            h = h * (1 + self.c[0]) + self.c[1:].view(D, -1).mean(1)
         return h
 
 
