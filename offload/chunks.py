@@ -88,10 +88,6 @@ class Slot:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
-    def contiguous(self) -> bool:
-        return same_layout(self.shape, self.stride, contiguous_strides(self.shape))
-
     def flat(self, kind: Any) -> Any:
         """This slot of `kind` (a [numel] chunk tensor): [numel] in memory order."""
         return kind[self.offset: self.offset + self.numel]

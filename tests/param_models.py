@@ -93,7 +93,7 @@ def zoo_data(n: int, *, batch: int = 4, seed: int = 1) -> list[dict[str, torch.T
 
 
 def train_zoo_reference(model: nn.Module, data: list[dict], *, make_opt=None, grad_accum: int = 1,
-                        precision: str = "fp32") -> tuple[list[float], nn.Module]:
+                        precision: str = "fp32", clip: float | None = None) -> tuple[list[float], nn.Module]:
     """Plain PyTorch on a deep copy of `model` (default AdamW(fused=True), HP): (losses, model).
     bf16: the textbook mixed-precision loop (bf16 compute copy, fp32 master weights and grads)."""
     master = copy.deepcopy(model)
@@ -113,6 +113,8 @@ def train_zoo_reference(model: nn.Module, data: list[dict], *, make_opt=None, gr
         if work is not master:
             for pm, pw in zip(master.parameters(), work.parameters()):
                 pm.grad, pw.grad = pw.grad.float(), None
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         opt.step()
         opt.zero_grad()
         if work is not master:

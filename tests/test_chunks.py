@@ -41,7 +41,7 @@ def test_dense_layouts_and_slot_views():
     plan = pack_chunks([ParamSpec(name="s", shape=()), ParamSpec(name="t", shape=tuple(t.shape), stride=t.stride())])
     flat = torch.zeros(plan.chunks[0].numel)
     s, tt = plan.slots["s"], plan.slots["t"]
-    assert tt.offset == ALIGN and tt.stride == t.stride() and not tt.contiguous and s.numel == 1
+    assert tt.offset == ALIGN and tt.stride == t.stride() and s.numel == 1 and s.stride == ()
     tt.view(flat).copy_(t)
     assert tt.view(flat).stride() == t.stride() and torch.equal(tt.view(flat), t)
     assert torch.equal(tt.flat(flat), t.permute(1, 2, 0).reshape(-1))  # memory order

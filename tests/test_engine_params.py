@@ -120,6 +120,17 @@ def test_scalar_and_strided_survive_a_checkpoint(tmp_path):
     second.close()
 
 
+def test_gradient_clipping_with_every_kind(tmp_path):
+    """Per-parameter norms taken on the gradients as the parameters lay them out."""
+    kinds = ("scalar", "strided", "odd")
+    data = zoo_data(3)
+    ref_losses, ref = train_zoo_reference(Zoo(kinds), data, clip=0.05)
+    eng = engine(Zoo(kinds), grad_clip=0.05, **tight_budgets(kinds, tmp_path))
+    losses = [eng.step(b) for b in data]
+    assert_equal_to_reference(eng, losses, ref_losses, ref)
+    eng.close()
+
+
 def test_meta_model_loads_scalar_and_strided_weights():
     """A model built on the meta device keeps its parameters' strides; load_weights fills the
     slots from ordinary (name, tensor) pairs."""
