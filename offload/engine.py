@@ -42,7 +42,7 @@ from offload.model_info import find_blocks, modules_with_params
 from offload.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
 from offload.sizes import format_size, parse_size
 from offload.nvme import NvmeStore
-from offload.store import ChunkStore, SwapKind, kind_bytes
+from offload.store import ChunkStore, SwapKind, in_slot_order, kind_bytes
 from offload.swapping import Bounce, update_all
 from offload.tiers import Tiers, pick_device
 from offload.schedule import ACQUIRE, RELEASE
@@ -355,7 +355,7 @@ class Engine:
         slot = self.plan.slots[self.param_names[p]]
         first = p not in self._seen
         self._seen.add(p)
-        src = g.reshape(-1)
+        src = in_slot_order(g, slot)  # a transposed parameter's gradient lands in its memory order
         spilled = isinstance(self.store.chunks[slot.chunk].grad, SwapKind)
         if spilled:
             dst = self.spill.target(slot.chunk)[slot.offset: slot.offset + slot.numel]

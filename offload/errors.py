@@ -32,3 +32,7 @@ class InfeasibleBudget(TierwiseError):
 
 class NvmeError(TierwiseError, OSError):
     """Swap I/O failed: full disk, short read/write, checksum mismatch, bad directory."""
+
+
+class ParamLayoutError(TierwiseError, ValueError):
+    """A parameter's memory layout cannot be held in a chunk slot (it overlaps itself or has gaps)."""

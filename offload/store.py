@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from offload.aligned import aligned_empty
-from offload.chunks import ChunkPlan, Slot
+from offload.chunks import ChunkPlan, Slot, same_layout
 from offload.nvme import NvmeStore
 from offload.tiers import Tiers
 
@@ -50,6 +50,14 @@ class SwapKind:
 
 
 Data = "torch.Tensor | SwapKind"
+
+
+def in_slot_order(t: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """`t` (shaped like the parameter, e.g. its gradient) as [numel] in the slot's memory
+    order: a view when `t` is laid out as the slot, else a copy that is."""
+    if not same_layout(slot.shape, t.stride(), slot.stride):
+        t = t.new_empty_strided(slot.shape, slot.stride).copy_(t)
+    return t.as_strided((slot.numel,), (1,), t.storage_offset())
 
 
 @dataclass(kw_only=True)
@@ -163,13 +171,14 @@ class ChunkStore:
         return ch.tiers["compute" if ch.compute is not None else "master"]
 
     def grad_view(self, slot: Slot) -> torch.Tensor:
-        return self.chunks[slot.chunk].grad[slot.offset: slot.offset + slot.numel]
+        """[numel] in the slot's memory order (see offload.chunks)."""
+        return slot.flat(self.chunks[slot.chunk].grad)
 
     def point_params(self, cid: int, buf: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> None:
-        """Make the parameters of chunk `cid` views into `buf` ([numel] compute dtype)."""
+        """Make the parameters of chunk `cid` views into `buf` ([numel] compute dtype), with
+        their own shapes and strides."""
         for name in self.chunks[cid].names:
-            s = self.plan.slots[name]
-            params[name].data = buf[s.offset: s.offset + s.numel].view(s.shape)
+            params[name].data = self.plan.slots[name].view(buf)
 
     def unpoint_params(self, cid: int, params: dict[str, torch.nn.Parameter], *, device: torch.device) -> None:
         """Chunk `cid` left the device: its parameters hold no bytes until it comes back.
@@ -178,7 +187,7 @@ class ChunkStore:
         lands) over one NaN element, so a use of an absent parameter poisons the loss
         instead of silently computing with stale numbers.
         """
-        nan = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=device)
+        nan = torch.full((), float("nan"), dtype=self.compute_dtype, device=device)
         for name in self.chunks[cid].names:
             params[name].data = nan.expand(self.plan.slots[name].shape)
 
@@ -208,7 +217,7 @@ class ChunkStore:
                                                               scratch=scratch)
                     work.slot = slot
                     work.__enter__()
-                work.tensors["master"][s.offset: s.offset + s.numel].copy_(tensor.reshape(-1))
+                s.view(work.tensors["master"]).copy_(tensor)
         finally:
             for work in open_chunks.values():
                 work.__exit__(None, None, None)
@@ -237,9 +246,7 @@ class ChunkStore:
         norms: list[torch.Tensor] = []
         for cid, ch in enumerate(self.chunks):
             with self.opened(cid, only=("grad",)) as work:
-                g = work["grad"]
-                views = [g[self.plan.slots[n].offset: self.plan.slots[n].offset + self.plan.slots[n].numel]
-                         for n in ch.names]
+                views = [self.plan.slots[n].view(work["grad"]) for n in ch.names]  # as the reference's grads
                 norms.extend(torch._foreach_norm(views, 2.0))
         first = norms[0].device
         total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
@@ -251,12 +258,13 @@ class ChunkStore:
         return total
 
     def named_master(self, params: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, fp32 CPU copy) in chunk order, one chunk in memory at a time."""
+        """(name, fp32 CPU copy) in chunk order, one chunk in memory at a time. The copies are
+        contiguous (what an exporter writes), whatever the parameters' strides."""
         for cid, ch in enumerate(self.chunks):
             with self.opened(cid) as work:
                 for name in ch.names:
-                    s = self.plan.slots[name]
-                    yield name, work["master"][s.offset: s.offset + s.numel].view(s.shape).to("cpu", copy=True)
+                    view = self.plan.slots[name].view(work["master"])
+                    yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"chunk_numel": [c.numel for c in self.plan.chunks], "chunks": []}

@@ -3,8 +3,16 @@
 Optimizer state lives in one flat byte *blob* per chunk (ledger kind "state"), so it can be
 placed, swapped to NVMe and promoted to the device like any other kind. An updater says how
 big the blob of a chunk is and how to step a chunk given its master, grad and blob:
-- chunk-wise (AdamWChunks, SGDChunks): one kernel over the whole flat chunk. fp32 AdamW uses
-  torch's fused kernel; 64-byte aligned slots make it bit-for-bit the per-tensor result.
+- chunk-wise (AdamWChunks, SGDChunks): one kernel call per chunk. AdamW: torch's fused
+  kernel, which works in 64-byte units from each tensor's start and computes a tensor's last
+  numel % 8 (AVX2; % 16 with AVX-512) elements on a scalar path that rounds differently from
+  its vector body. So a parameter whose numel is not a multiple of ALIGN (16) is passed as a
+  tensor of its own, exactly as torch.optim.AdamW(fused=True) sees it; runs of consecutive
+  parameters that are multiples of 16 (no tail, no padding between them) go as one tensor,
+  every element on the vector path as in the per-tensor call (`fused_ranges`). Bit-exact for
+  every element count wherever the kernel's vector width divides 16 floats (x86 AVX2 and
+  AVX-512, ARM NEON). SGD's elementwise ops round the same on both paths: whole chunks,
+  bit-exact with torch.optim.SGD.
 - slot-wise (SlotUpdater): the optim/ pure function per parameter slot, with that slot's state
   carved out of the blob, so the engine equals the drop-in optimizer step for step (8-bit
   blocks, small-tensor fallbacks and low-rank projections all follow the parameter).
@@ -18,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from offload.chunks import ChunkPlan
+from offload.chunks import ALIGN, ChunkPlan, ChunkSpec
 
 ALIGN_BYTES = 64
 
@@ -44,14 +52,32 @@ def _align(n: int) -> int:
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
+def fused_ranges(plan: ChunkPlan, chunk: ChunkSpec) -> list[tuple[int, int]]:
+    """(offset, numel) of the tensors the fused kernel gets for `chunk`: each slot whose numel
+    is not a multiple of ALIGN alone, consecutive slots that are multiples of ALIGN merged."""
+    out: list[list[int]] = []
+    merge = False
+    for name in chunk.params:
+        s = plan.slots[name]
+        whole = s.numel % ALIGN == 0
+        if whole and merge and out[-1][0] + out[-1][1] == s.offset:
+            out[-1][1] += s.numel
+        else:
+            out.append([s.offset, s.numel])
+        merge = whole
+    return [(o, n) for o, n in out]
+
+
 class AdamWChunks:
-    """Decoupled-weight-decay Adam (AdamW) on flat fp32 chunks, torch's fused kernel."""
+    """Decoupled-weight-decay Adam (AdamW) on fp32 chunks: torch's fused kernel, each
+    parameter seen as torch.optim.AdamW(fused=True) sees it (see the module docstring)."""
 
     name = "adamw"
     needs_grad = True
 
     def __init__(self, plan: ChunkPlan):
         self.plan = plan
+        self.ranges = {c.index: fused_ranges(plan, c) for c in plan.chunks}
 
     def state_bytes(self, cid: int) -> int:
         return 8 * self.plan.chunks[cid].numel
@@ -62,8 +88,13 @@ class AdamWChunks:
         n = master.numel()
         m, v = blob[: 4 * n].view(torch.float32), blob[4 * n: 8 * n].view(torch.float32)
         step += 1
+        ranges = self.ranges[cid]
+
+        def slots(t: torch.Tensor) -> list[torch.Tensor]:  # [numel] views of the chunk
+            return [t[o: o + k] for o, k in ranges]
+
         torch._fused_adamw_(
-            [master], [grad], [m], [v], [], [step],
+            slots(master), slots(grad), slots(m), slots(v), [], [step] * len(ranges),
             amsgrad=False, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1],
             weight_decay=hp.weight_decay, eps=hp.eps, maximize=False,
         )
@@ -163,8 +194,7 @@ class SlotUpdater:
             views = {e.key: blob[e.offset: e.offset + math.prod(e.shape) * e.dtype.itemsize]
                      .view(e.dtype).view(e.shape) for e in lay.entries}
             state = dict(views) | self.meta.get(lay.name, {})
-            p = master[s.offset: s.offset + s.numel].view(s.shape)
-            g = grad[s.offset: s.offset + s.numel].view(s.shape)
+            p, g = s.view(master), s.view(grad)  # the parameter as the drop-in sees it
             self.run(p, g, state, step=k, index=lay.index, projected=lay.projected, hp=hp)
             for key, val in state.items():
                 if key in views:

@@ -45,7 +45,10 @@ def _hyper(hp: Hyper) -> dict:
 
 def _adam8(plan: ChunkPlan, order: list[str], proj: set[str]) -> SlotUpdater:
     def run(p: Any, g: Any, state: dict, *, step: int, index: int, projected: bool, hp: Hyper) -> None:
-        adamw8bit_step_(p, g, state, step=step, **_hyper(hp))
+        work = p if p.is_contiguous() else p.contiguous()  # as AdamW8bit does: blocks in logical order
+        adamw8bit_step_(work, g, state, step=step, **_hyper(hp))
+        if work is not p:
+            p.copy_(work)
 
     return SlotUpdater("adamw8bit", plan, order=order, projected=set(),
                        init=lambda meta, projected: init_adamw8bit_state(meta), run=run)

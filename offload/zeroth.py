@@ -53,7 +53,7 @@ class MeZOChunks:
         """master: [numel] fp32 chunk; grad and blob unused."""
         for name in self.plan.chunks[cid].params:
             s = self.plan.slots[name]
-            p = master[s.offset: s.offset + s.numel].view(s.shape)
+            p = s.view(master)  # the parameter's shape and strides, as the drop-in sees it
             z = self.z(name, p)
             for factor in (1.0, -2.0, 1.0):  # the drop-in's perturb / restore, same rounding
                 p.add_(z, alpha=factor * self.eps)

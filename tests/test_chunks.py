@@ -27,3 +27,38 @@ def test_no_overlap_and_everything_placed():
         assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
         assert ranges[-1][1] <= c.numel
     assert plan.param_numel == 1 + 17 + 33 + 64 + 100 + 3
+
+
+def test_dense_layouts_and_slot_views():
+    import torch
+
+    from offload.chunks import contiguous_strides, is_dense
+
+    assert contiguous_strides((2, 3, 4)) == (12, 4, 1) and contiguous_strides(()) == ()
+    assert is_dense((3, 4), (1, 3)) and is_dense((), ()) and is_dense((4, 1), (1, 99))  # size-1 dims never matter
+    assert not is_dense((3, 4), (0, 1)) and not is_dense((3, 4), (8, 1))  # expanded; sliced (gaps)
+    t = torch.randn(2, 3, 4).permute(2, 0, 1)
+    plan = pack_chunks([ParamSpec(name="s", shape=()), ParamSpec(name="t", shape=tuple(t.shape), stride=t.stride())])
+    flat = torch.zeros(plan.chunks[0].numel)
+    s, tt = plan.slots["s"], plan.slots["t"]
+    assert tt.offset == ALIGN and tt.stride == t.stride() and s.numel == 1 and s.stride == ()
+    tt.view(flat).copy_(t)
+    assert tt.view(flat).stride() == t.stride() and torch.equal(tt.view(flat), t)
+    assert torch.equal(tt.flat(flat), t.permute(1, 2, 0).reshape(-1))  # memory order
+    assert s.view(flat).shape == ()
+
+
+def test_overlapping_parameter_is_refused():
+    import pytest
+
+    from offload.errors import ParamLayoutError
+
+    with pytest.raises(ParamLayoutError, match="'w'"):
+        pack_chunks([ParamSpec(name="w", shape=(3, 4), stride=(0, 1))])
+
+
+def test_fused_ranges_merge_aligned_slots_and_isolate_odd_ones():
+    from offload.update import fused_ranges
+
+    plan = pack_chunks(specs((16,), (32,), (3,), (16,), (16,), (5,)))
+    assert fused_ranges(plan, plan.chunks[0]) == [(0, 48), (48, 3), (64, 32), (96, 5)]
