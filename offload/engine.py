@@ -13,7 +13,9 @@ Where the bytes live (every one of them reserved in `engine.ledger`):
         copy; bf16 runs keep a bf16 copy too); NVMe bounce buffers in host memory.
 Placement happens at construction when `activations` (the planner's estimate) is given, else
 after the first step, which streams every chunk through the smallest window while measuring
-the activation peak. The first step also records the access trace; later steps follow the
+the activation peak. Steps differ (a padded batch saves an attention mask a full one does
+not): `engine.measure(batch)` before the first step runs the largest batch without an update,
+so the placement holds it; a step that still does not fit raises StepOverBudget. The first step also records the access trace; later steps follow the
 schedule made from it (offload.schedule: Belady eviction, look-ahead prefetch). In the last
 micro-batch, chunks whose gradients are final are updated during backward (offload.early).
 """
