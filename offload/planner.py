@@ -9,7 +9,8 @@ The planner mirrors the engine byte for byte on the simulated device, by constru
 - the gpu side: the same `DeviceNeeds` (module buffers; the streaming window = the widest
   module's chunks + the largest chunk; the gradient reserve = the largest parameter, for MeZO
   the perturbed copies of the widest module; the activations, here computed in closed form by
-  `perfmodel.activation_bytes`, which matches what the engine measures in its warm-up step)
+  `perfmodel.activation_bytes`, which matches what the engine measures for a full or, with
+  `padded`, a padded batch: the run's worst step)
   handed to the engine's own `placement.plan_device`, which picks the gpu-home chunks (a
   suffix of first-use order) and the cache size for streamed compute copies;
 - the host side: the kinds placed by the engine's own `homes.assign_homes` (DRAM, then CXL,
