@@ -244,3 +244,14 @@ def test_cli_checkpoints_the_last_completed_step_and_exits_2(tmp_path, monkeypat
     r = CliRunner().invoke(app, [*fast, "--steps", "4", "--output", str(tmp_path / "whole")])
     assert r.exit_code == 0, (r.output, r.exception)
     assert resumed == [(s["step"], s["loss"]) for s in _steps(tmp_path / "whole")]
+
+
+def test_plan_verify_runs_the_worst_batch(tmp_path):
+    """`finetune plan --verify --data`: the plan is for the data's padded batch and the
+    measured steps include it (the first one after the warm-up): PASS within ±10%."""
+    path = _text_data(tmp_path / "d.jsonl")
+    args = ["plan", "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--chunk-size", "16K",
+            "--gpu-mem", "800K", "--data", str(path), "--verify"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, (result.output, result.stderr, result.exception)
+    assert "batch 2 x 32 padded" in result.output and "PASS" in result.output
