@@ -208,23 +208,28 @@ def test_measure_makes_the_placement_hold_the_worst_batch():
 class _OverBudgetAtStep3(StandInEngine):
     """Step 3 fails as a step the device cannot hold does, its weights untouched or not."""
 
-    intact = True
+    intact, done = True, False
 
     def step(self, batch, grad_accum=1):
         if self.steps == 2:
+            if self.done:  # as after the warm-up: the step completed, the next ones would not fit
+                super().step(batch, grad_accum)
             raise StepOverBudget("gpu budget 1.00 MiB (1048576 B) cannot hold this step: it needed at least "
-                                 "1.10 MiB (1153434 B)", minimum={"gpu": 1153434}, weights_intact=self.intact)
+                                 "1.10 MiB (1153434 B)", minimum={"gpu": 1153434}, weights_intact=self.intact,
+                                 step_done=self.done)
         return super().step(batch, grad_accum)
 
 
-@pytest.mark.parametrize("intact", [True, False], ids=["weights-intact", "weights-touched"])
-def test_cli_checkpoints_the_last_completed_step_and_exits_2(tmp_path, monkeypatch, intact):
+@pytest.mark.parametrize("intact, done", [(True, False), (False, False), (True, True)],
+                         ids=["weights-intact", "weights-touched", "step-completed"])
+def test_cli_checkpoints_the_last_completed_step_and_exits_2(tmp_path, monkeypatch, intact, done):
     """A step over budget: one `error:` line with the engine's numbers, exit 2; the last
     completed step is checkpointed (unless the failed step had touched the weights: then
     nothing is saved, and the line says so); --resume then continues with the losses of an
     uninterrupted run."""
     fast = ["--seq-len", "32", "--batch-size", "2", "--seed", "3"]
     monkeypatch.setattr(_OverBudgetAtStep3, "intact", intact)
+    monkeypatch.setattr(_OverBudgetAtStep3, "done", done)
     monkeypatch.setattr(cli.train, "engine_class", lambda: _OverBudgetAtStep3)
     out = tmp_path / "run"
     r = CliRunner().invoke(app, [*fast, "--steps", "4", "--output", str(out)])
@@ -235,15 +240,17 @@ def test_cli_checkpoints_the_last_completed_step_and_exits_2(tmp_path, monkeypat
     if not intact:
         assert "nothing was saved" in lines[0] and not (out / "latest").exists()
         return
-    assert "checkpoint ckpt-000002 saved" in lines[0]
-    assert (out / "latest").read_text().strip() == "ckpt-000002"
+    last = "ckpt-000003" if done else "ckpt-000002"
+    assert f"checkpoint {last} saved" in lines[0]
+    assert (out / "latest").read_text().strip() == last
     monkeypatch.setattr(cli.train, "engine_class", lambda: StandInEngine)
     r = CliRunner().invoke(app, [*fast, "--steps", "4", "--output", str(out), "--resume"])
     assert r.exit_code == 0, (r.output, r.exception)
     resumed = [(s["step"], s["loss"]) for s in _steps(out)]
     r = CliRunner().invoke(app, [*fast, "--steps", "4", "--output", str(tmp_path / "whole")])
     assert r.exit_code == 0, (r.output, r.exception)
-    assert resumed == [(s["step"], s["loss"]) for s in _steps(tmp_path / "whole")]
+    whole = [(s["step"], s["loss"]) for s in _steps(tmp_path / "whole")]
+    assert resumed == [w for w in whole if not (done and w[0] == 3)]  # a completed step's loss is not logged
 
 
 def test_plan_verify_runs_the_worst_batch(tmp_path):
