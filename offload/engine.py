@@ -461,6 +461,7 @@ class Engine:
         """Drop a failed step's gradients; True when its early updates (offload.early) had not
         reached any chunk, so the weights are those of the last completed step."""
         intact = True
+        self._drain_grads()
         if self.early is not None:
             try:
                 self.early.wait()  # never leave the worker writing while the caller saves
@@ -468,7 +469,6 @@ class Engine:
                 log.exception("an early update failed while a step was aborted")
             intact = not self.early.done
             self.early.done.clear()
-        self._drain_grads()
         self.spill.finish_cycle()
         self.spill = GradSpill(self)
         self._in_cycle = False
