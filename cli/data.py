@@ -254,6 +254,24 @@ class Batches:
             yield self.next()
 
 
+def has_padding(blocks: list) -> bool:
+    """Whether some block is padded (attention_mask zeros: a short last block, rows padded to
+    the sequence length). A batch holding one costs more device memory than a full batch of
+    the same shape (perfmodel.activation_parts), so the run is planned for it."""
+    return any(not bool(b[2].all()) for b in blocks)
+
+
+def padded_batch(blocks: list, *, batch_size: int) -> dict[str, torch.Tensor] | None:
+    """A batch of `batch_size` blocks that holds a padded one (the run's worst step), or None
+    when no block is padded."""
+    pad = next((b for b in blocks if not bool(b[2].all())), None)
+    if pad is None:
+        return None
+    picked = [pad] + [blocks[j % len(blocks)] for j in range(batch_size - 1)]
+    return {k: torch.stack([p[j] for p in picked])  # each [B, T]
+            for j, k in enumerate(("input_ids", "labels", "attention_mask"))}
+
+
 def eval_batches(blocks: list, *, batch_size: int) -> list[dict[str, torch.Tensor]]:
     """All blocks in order, in batches (the last may be smaller)."""
     out = []

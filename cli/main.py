@@ -235,8 +235,9 @@ def plan(
                        "measured bytes per tier; exit 0 on PASS, 1 on FAIL."),
     verify_steps: int = Opt(3, "--verify-steps", help="Steps --verify runs (the first is the "
                             "warm-up)."),
-    data: Optional[str] = Opt(None, help="--verify on this data (JSONL or a `datasets` "
-                              "directory) instead of random tokens."),
+    data: Optional[str] = Opt(None, help="The run's data (JSONL or a `datasets` directory): "
+                              "the plan is for its worst batch (padded or not; without it, "
+                              "padded) and --verify runs on it instead of random tokens."),
     config: Optional[Path] = Opt(None, "--config", is_eager=True, callback=config_callback,
                                  dir_okay=False, help="TOML file of options (train keys that "
                                  "plan does not use are ignored)."),

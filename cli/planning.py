@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import json
 import logging
 
@@ -26,23 +27,46 @@ def _call_with_known(fn, **candidates):
     return fn(**{k: v for k, v in candidates.items() if k in params})
 
 
-def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None):
-    """offload.planner.make_plan for this run, or None when the planner is not built yet."""
+def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None, padded: bool | None = None):
+    """offload.planner.make_plan for this run, or None when the planner is not built yet.
+    `padded`: whether the run's batches can hold padding (None: `data_padded`)."""
     try:
         from offload.planner import make_plan as planner
     except ImportError:
         return None
     src = src or resolve_model(cfg.model)
+    if padded is None:
+        padded = data_padded(cfg, src)
     # A profile goes by name (the planner reads its extra fields); else the HF config.
     model = cfg.model if (cfg.model and not src.has_weights) else src.config
     return _call_with_known(
-        planner, model=model, hardware=cfg.hardware,
+        planner, model=model, hardware=cfg.hardware, params=engine_params(src),
         gpu_mem=cfg.budgets["gpu"], cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"],
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
-        checkpointing=checkpointing(cfg),
+        checkpointing=checkpointing(cfg), padded=padded,
     )
+
+
+def engine_params(src: ModelSource) -> list:
+    """The parameters the engine will chunk: those of the module training builds
+    (cli.loading.build_meta_model), so the plan counts a tied head as the run does."""
+    from offload.chunks import specs_of
+
+    return specs_of(build_meta_model(src.config).named_parameters())
+
+
+def data_padded(cfg: TrainConfig, src: ModelSource) -> bool:
+    """Whether some batch of the run holds padding, so the plan is for a padded batch (the
+    run's worst step: transformers then materialises the attention mask). Read from --data
+    when given; without it True, the worst case (the built-in sample ends in a short block,
+    and so does most data)."""
+    if cfg.data is None:
+        return True
+    from cli.data import has_padding, load_blocks
+
+    return has_padding(load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack))
 
 
 def checkpointing(cfg: TrainConfig) -> bool | None:
@@ -57,7 +81,8 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve_recompute(cfg: TrainConfig, *, src: ModelSource | None = None) -> TrainConfig:
+def resolve_recompute(cfg: TrainConfig, *, src: ModelSource | None = None,
+                      padded: bool | None = None) -> TrainConfig:
     """`cfg` with `recompute` decided. Unset (auto): off when the planner finds a placement
     that keeps every layer's activations within the budgets (less compute), else on. On
     with --offload-activations (it offloads recomputed layers' inputs), and on CUDA without
@@ -68,7 +93,7 @@ def resolve_recompute(cfg: TrainConfig, *, src: ModelSource | None = None) -> Tr
     if cfg.offload_activations or (cfg.budgets["gpu"] is None and _has_cuda()):
         return dataclasses.replace(cfg, recompute=True)
     try:
-        feasible = make_plan(dataclasses.replace(cfg, recompute=False), src=src) is not None
+        feasible = make_plan(dataclasses.replace(cfg, recompute=False), src=src, padded=padded) is not None
     except Exception:  # infeasible without recompute (or unplannable): the default
         log.debug("no plan without recompute", exc_info=True)
         feasible = False
@@ -102,21 +127,25 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
     from offload.verify import verify
 
     src = resolve_model(cfg.model)
-    batches = None
+    batches, padded = None, True  # random tokens: every batch padded, the worst case
     if cfg.data is not None:
-        from cli.data import Batches, load_blocks
+        from cli.data import Batches, has_padding, load_blocks, padded_batch
         from cli.train import check_vocab
 
         blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
         check_vocab(blocks, src)
-        batches = iter(Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum, seed=cfg.seed))
+        rows = cfg.batch_size * cfg.grad_accum
+        batches = iter(Batches(blocks, batch_size=rows, seed=cfg.seed))
+        padded = has_padding(blocks)
+        if padded:  # the first measured step (after the warm-up) is the run's worst one
+            batches = itertools.chain([next(batches), padded_batch(blocks, batch_size=rows)], batches)
     with console.status(f"[bold]verifying[/]: {steps} steps of {src.name}"):
         report = verify(model=src.config, name=src.name, hardware=cfg.hardware, gpu_mem=cfg.budgets["gpu"],
                         cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"], nvme_path=cfg.nvme_path,
                         optimizer=cfg.optimizer, precision=cfg.precision, batch_size=cfg.batch_size,
                         seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
                         lr=cfg.lr, steps=steps, batches=batches, seed=cfg.seed,
-                        checkpointing=checkpointing(cfg))
+                        checkpointing=checkpointing(cfg), padded=padded, build=build_meta_model)
     if src.has_weights:
         console.print("(random weights: the bytes do not depend on their values)", highlight=False)
     console.out(report.render(), highlight=False)

@@ -52,7 +52,8 @@ def warmup_report(*, measured_times: dict[str, float], measured_peaks: dict[str,
     if gpu_budget:
         lines[1] += f"   (--gpu-mem {format_size(gpu_budget)})"
     if plan is not None:
-        lines[2] += f"   ({getattr(plan, 'hardware', '?')} profile)"
+        worst = ", for a padded batch" if getattr(plan, "padded", False) else ""  # the run's worst step
+        lines[2] += f"   ({getattr(plan, 'hardware', '?')} profile{worst})"
     else:
         lines.append(f"{'  planned'.ljust(widths[0])}   no prediction"
                      + (f": {plan_error}" if plan_error else ""))

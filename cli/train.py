@@ -17,7 +17,7 @@ from rich.console import Console
 
 from cli import checkpoint as ckpt
 from cli.config import DISK_FULL, ConfigError, TrainConfig
-from cli.data import Batches, DataError, DataPosition, eval_batches, load_blocks
+from cli.data import Batches, DataError, DataPosition, eval_batches, has_padding, load_blocks, padded_batch
 from cli.export import export_hf
 from cli.layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from cli.loading import ModelSource, build_meta_model, resolve_model
@@ -27,7 +27,7 @@ from cli.plots import plot_loss, plot_timeline
 from cli.progress import TrainProgress
 from cli.report import phase_delta, summary, warmup_report
 from cli.schedule import LRSchedule
-from offload.errors import TierwiseError
+from offload.errors import InfeasibleBudget, StepOverBudget, TierwiseError
 
 log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 130
@@ -42,8 +42,9 @@ def engine_class():
     return Engine
 
 
-def make_engine(model: torch.nn.Module, cfg: TrainConfig):
+def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True):
     """Engine(model, ...) from the config; options the Engine does not take are left out.
+    `padded`: some batch of the run holds padding (its worst step; see activation_estimate).
 
     The engine's own checks of its options (ValueError: an optimizer it has no chunk updater
     for, a chunk size below its minimum, ...) become one-line user errors.
@@ -57,7 +58,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig):
         chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip,
         checkpointing=checkpointing(cfg),
     )
-    kwargs["activations"] = activation_estimate(model, cfg)
+    kwargs["activations"] = activation_estimate(model, cfg, padded=padded)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     params = inspect.signature(cls).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -73,9 +74,10 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig):
         raise ConfigError(f"the engine cannot run with these options: {e}") from None
 
 
-def activation_estimate(model: torch.nn.Module, cfg: TrainConfig) -> int | None:
+def activation_estimate(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True) -> int | None:
     """The planner's activation peak for a Llama-family model, so the engine places chunks in
-    their final tiers before the first step; None (measure in the warm-up) for other models."""
+    their final tiers before the first step; None (measure in the warm-up) for other models.
+    `padded`: of a padded batch, the run's worst step when its data has any padding."""
     try:
         from offload.perfmodel import activation_bytes
         from profiles import ModelProfile
@@ -85,7 +87,7 @@ def activation_estimate(model: torch.nn.Module, cfg: TrainConfig) -> int | None:
         return None
     return activation_bytes(model=profile, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                             precision=cfg.precision, backward=cfg.optimizer != "mezo",
-                            checkpointing=checkpointing(cfg))
+                            checkpointing=checkpointing(cfg), padded=padded)
 
 
 def prepare_output(cfg: TrainConfig) -> Path:
@@ -151,8 +153,11 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     src = resolve_model(cfg.model)
     if src.note:
         warn(console, src.note)
+    blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
+    check_vocab(blocks, src)
+    padded = has_padding(blocks)  # then the worst step is a padded batch: planned for
     auto = cfg.recompute is None
-    cfg = resolve_recompute(cfg, src=src)
+    cfg = resolve_recompute(cfg, src=src, padded=padded)
     if auto and not cfg.recompute and cfg.optimizer != "mezo":
         console.print("activations: kept for backward, no recompute (the GPU budget holds them; "
                       "--recompute saves GPU memory)", highlight=False)
@@ -163,8 +168,6 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     if cfg.data is None:
         if cfg.model is not None:
             warn(console, "no --data: training on the built-in toy sample")
-    blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
-    check_vocab(blocks, src)
     eval_data = (eval_batches(load_blocks(cfg.eval_data, src.tokenizer, seq_len=cfg.seq_len,
                                           pack=cfg.pack), batch_size=cfg.batch_size)
                  if cfg.eval_data else [])
@@ -176,15 +179,17 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     seed_everything(cfg.seed)
     model = build_meta_model(src.config)
     layout = ModelLayout.of(model)  # names, shapes and ties, before the engine takes the model
-    engine = make_engine(model, cfg)
+    engine = make_engine(model, cfg, padded=padded)
     try:
         start = _initial_state(engine, cfg, src, out, batches, console, model=model,
                                layout=layout)
+        if padded:
+            _measure_worst(engine, padded_batch(blocks, batch_size=cfg.batch_size))
         losses: list[float] = []
         t0 = time.perf_counter()
         code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule,
                      start=start, total=total, eval_data=eval_data, console=console,
-                     losses=losses)
+                     losses=losses, padded=padded)
         console.print(summary(losses, first_step=start + 1, seconds=time.perf_counter() - t0),
                       highlight=False, soft_wrap=True)
         if code == 0:
@@ -204,6 +209,16 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
 
 class DiskFullError(TierwiseError):
     """No room to write a checkpoint, metrics or the exported model."""
+
+
+def _measure_worst(engine, batch: dict) -> None:
+    """An engine that places its chunks after the warm-up step (no activation estimate for
+    this model family) first runs the worst batch without updating (Engine.measure), so the
+    placement holds for every step. The RNG is left as it was: --resume replays exactly."""
+    if getattr(engine, "device_plan", False) is not None or not hasattr(engine, "measure"):
+        return  # placed up front for the worst batch already (activation_estimate)
+    with torch.random.fork_rng():
+        engine.measure(batch)
 
 
 def check_vocab(blocks: list, src: ModelSource) -> None:
@@ -247,8 +262,9 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
 
 
 def save(engine, cfg: TrainConfig, out: Path, *, step: int, batches: Batches,
-         schedule: LRSchedule) -> Path:
-    trainer = {"rng": ckpt.capture_rng(), "data": batches.position.to_dict(),
+         schedule: LRSchedule, rng: dict | None = None) -> Path:
+    """Checkpoint `step` (`rng`: the RNG state to record; default: now)."""
+    trainer = {"rng": rng or ckpt.capture_rng(), "data": batches.position.to_dict(),
                "schedule": schedule.to_dict(), "config": cfg.to_dict()}
     return ckpt.save_checkpoint(out, step=step, engine_state=engine.state_dict(),
                                 trainer_state=trainer, keep=cfg.keep_checkpoints)
@@ -268,8 +284,10 @@ def evaluate(engine, eval_data: list) -> float | None:
 
 def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
           schedule: LRSchedule, start: int, total: int, eval_data: list,
-          console: Console, losses: list[float]) -> int:
-    """Steps start+1..total; appends each train loss to `losses`; returns the exit code."""
+          console: Console, losses: list[float], padded: bool = True) -> int:
+    """Steps start+1..total; appends each train loss to `losses`; returns the exit code.
+    A step the device budget cannot hold (StepOverBudget) checkpoints the last completed
+    step and raises a one-line InfeasibleBudget (exit 2)."""
     if cfg.eval_every and eval_data and not hasattr(engine, "eval_loss"):
         warn(console, "this engine has no eval_loss(): --eval-every is ignored")
     step = start
@@ -278,10 +296,17 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
         while step < total:
             lr = schedule.lr_at(step)
             engine.set_lr(lr)
+            position, rng = batches.position, ckpt.capture_rng()
             batch = batches.next()
             before = dict(getattr(engine, "phase_times", {}) or {})
             t0 = time.perf_counter()
-            loss = float(engine.step(batch, grad_accum=cfg.grad_accum))
+            try:
+                loss = float(engine.step(batch, grad_accum=cfg.grad_accum))
+            except StepOverBudget as e:
+                if not e.step_done:  # the state is the last completed step's (or not at all)
+                    batches.position = position
+                raise _over_budget(e, engine, cfg, out, step=step, start=start, batches=batches,
+                                   schedule=schedule, rng=None if e.step_done else rng) from None
             dt = time.perf_counter() - t0
             step += 1
             losses.append(loss)
@@ -296,7 +321,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
             bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"],
                        usage=ledger.usage() if ledger is not None else None)
             if step == start + 1:  # the engine's warm-up step (it traces and plans in it)
-                for line in _warmup_lines(engine, cfg, src, before):
+                for line in _warmup_lines(engine, cfg, src, before, padded=padded):
                     bar.note(line)
             if cfg.eval_every and step % cfg.eval_every == 0:
                 ev = evaluate(engine, eval_data)
@@ -320,7 +345,24 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
     return 0
 
 
-def _warmup_lines(engine, cfg: TrainConfig, src: ModelSource, before: dict) -> list[str]:
+def _over_budget(e: StepOverBudget, engine, cfg: TrainConfig, out: Path, *, step: int, start: int,
+                 batches: Batches, schedule: LRSchedule, rng: dict | None) -> InfeasibleBudget:
+    """Checkpoint what the engine holds when it is a completed step's state, and say so."""
+    done = step + 1 if e.step_done else step
+    if not e.step_done and not e.weights_intact:
+        last = ckpt.latest_checkpoint(out)
+        saved = (f"step {step + 1} had already updated some weights, so nothing was saved; "
+                 + (f"--resume continues from {last.name}" if last else "no checkpoint to resume from"))
+    elif done == start:
+        saved = "no step completed in this run, nothing new to save"
+    else:
+        path = save(engine, cfg, out, step=done, batches=batches, schedule=schedule, rng=rng)
+        saved = f"checkpoint {path.name} saved (step {done}): --resume continues from it"
+    return InfeasibleBudget(f"step {step + 1}: {str(e).splitlines()[0]}; {saved}", minimum=e.minimum)
+
+
+def _warmup_lines(engine, cfg: TrainConfig, src: ModelSource, before: dict, *,
+                  padded: bool = True) -> list[str]:
     """Measured phase times / peaks of the warm-up step next to the planner's prediction."""
     ledger = getattr(engine, "ledger", None)
     if ledger is None or not hasattr(engine, "phase_times"):
@@ -329,7 +371,7 @@ def _warmup_lines(engine, cfg: TrainConfig, src: ModelSource, before: dict) -> l
     try:
         from cli.planning import make_plan
 
-        plan = make_plan(cfg, src=src)
+        plan = make_plan(cfg, src=src, padded=padded)
         if plan is None:
             error = "the planner is not available in this build"
     except Exception as e:  # informative only: a planner problem never stops training

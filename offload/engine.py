@@ -13,13 +13,16 @@ Where the bytes live (every one of them reserved in `engine.ledger`):
         copy; bf16 runs keep a bf16 copy too); NVMe bounce buffers in host memory.
 Placement happens at construction when `activations` (the planner's estimate) is given, else
 after the first step, which streams every chunk through the smallest window while measuring
-the activation peak. The first step also records the access trace; later steps follow the
+the activation peak. Steps differ (a padded batch saves an attention mask a full one does
+not): `engine.measure(batch)` before the first step runs the largest batch without an update,
+so the placement holds it; a step that still does not fit raises StepOverBudget. The first step also records the access trace; later steps follow the
 schedule made from it (offload.schedule: Belady eviction, look-ahead prefetch). In the last
 micro-batch, chunks whose gradients are final are updated during backward (offload.early).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -29,7 +32,7 @@ import torch
 
 from offload.cache import ResidentCache
 from offload.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
-from offload.errors import BudgetExceeded, InfeasibleBudget
+from offload.errors import BudgetExceeded, InfeasibleBudget, StepOverBudget
 from offload.cxl import CxlAllocator, detect_cxl_nodes
 from offload.executor import Executor, Ticket
 from offload.homes import assign_homes
@@ -435,9 +438,7 @@ class Engine:
             if self.tracker.offloader is not None:
                 self.tracker.offloader.end_forward()
         except BudgetExceeded as exc:
-            err = self._budget_error(exc)
-            self._abort_cycle()
-            raise err from exc
+            raise self._budget_error(exc, intact=self._abort_cycle()) from exc
         self.phase_times["forward"] += time.perf_counter() - t0
         return loss
 
@@ -453,31 +454,41 @@ class Engine:
             if self._early_on:
                 self.early.wait()
         except BudgetExceeded as exc:
-            err = self._budget_error(exc)
-            self._abort_cycle()
-            raise err from exc
+            raise self._budget_error(exc, intact=self._abort_cycle()) from exc
         self.phase_times["backward"] += time.perf_counter() - t0
 
-    def _abort_cycle(self) -> None:
+    def _abort_cycle(self) -> bool:
+        """Drop a failed step's gradients; True when its early updates (offload.early) had not
+        reached any chunk, so the weights are those of the last completed step."""
+        intact = True
         self._drain_grads()
+        if self.early is not None:
+            try:
+                self.early.wait()  # never leave the worker writing while the caller saves
+            except BaseException:  # noqa: BLE001 - the budget error is the one to report
+                log.exception("an early update failed while a step was aborted")
+            intact = not self.early.done
+            self.early.done.clear()
         self.spill.finish_cycle()
         self.spill = GradSpill(self)
         self._in_cycle = False
         self.store.zero_grads()
+        return intact
 
-    def _budget_error(self, exc: BudgetExceeded) -> Exception:
-        """A gpu reservation failed mid-step: say how much the device needs, at least."""
+    def _budget_error(self, exc: BudgetExceeded, *, intact: bool) -> Exception:
+        """A gpu reservation failed mid-step: what the step needed with this placement (in use +
+        asked, above the budget by construction) and the activations it had been placed for."""
         if exc.tier != "gpu":
             return exc
-        held = self.ledger.usage()["gpu"].get("activation", 0)
-        act = max(held + (exc.asked if exc.kind == "activation" else 0), self.needs.activations)
-        need = self._device_needs(activations=act).minimum
-        return InfeasibleBudget(
-            f"gpu budget {format_size(exc.budget)} cannot hold this step: at least "
-            f"{format_size(need)} ({need} B) needed (activations so far {format_size(act)}); "
-            f"raise --gpu-mem or lower batch size / sequence length",
-            minimum={"gpu": need},
-        )
+        need = exc.used + exc.asked
+        act = self.ledger.usage()["gpu"].get("activation", 0) + (exc.asked if exc.kind == "activation" else 0)
+        return StepOverBudget(
+            f"gpu budget {format_size(exc.budget)} ({exc.budget} B) cannot hold this step: it needed at least "
+            f"{format_size(need)} ({need} B): {format_size(exc.used)} in use + {format_size(exc.asked)} more for "
+            f"{exc.kind}, with activations at {format_size(act)} where the chunks were placed for "
+            f"{format_size(self.needs.activations)}; measure the largest batch before the first step "
+            f"(Engine.measure), or raise --gpu-mem or lower the batch size / sequence length",
+            minimum={"gpu": need}, weights_intact=intact)
 
     def step(self, batch: Any, *, grad_accum: int = 1) -> float:
         """Forward, backward and update on `batch`, split into `grad_accum` micro-batches."""
@@ -542,12 +553,30 @@ class Engine:
             self._after_warmup()
         self._schedule()
 
+    def measure(self, batch: Any) -> int:
+        """Forward and backward on `batch` with no update, before the first step, so that the
+        placement covers it: the warm-up step places chunks for the largest activations seen
+        so far (or checks the up-front `activations` against them). Give it the largest batch
+        the run will see, e.g. a padded one (transformers then saves an attention mask that a
+        full batch does without). Returns that activation peak in bytes (0 without backward)."""
+        if self.minimum_gpu_bytes is not None:
+            raise ValueError("Engine.measure() comes before the first step: the chunks are placed after it")
+        if self.updater.needs_grad:
+            try:
+                self.backward(self.forward(batch))
+            finally:
+                self._abort_cycle()
+                self.cache.evict_all()
+                self.phase, self.timeline = "idle", []
+        return self.ledger.kind_peak("gpu", "activation")
+
     def _after_warmup(self) -> None:
         """Activations are known now: place chunks on the device as the budget allows."""
         act = self.ledger.kind_peak("gpu", "activation")
         measured = self._device_needs(activations=act)
         self.minimum_gpu_bytes = measured.minimum
-        if self.device_plan is not None:  # placed up front from an estimate: keep it
+        if self.device_plan is not None:  # placed up front from an estimate: keep it if it holds
+            self._hold_estimate(act)
             return
         self.needs = measured
         self.device_plan = plan_device(self.needs, self.ledger.budgets["gpu"], allow_gpu_home=self.allow_gpu_home)
@@ -555,6 +584,30 @@ class Engine:
             self.store.promote(cid, self.params)
             self.home_storage.add(self.store.compute_source(cid).untyped_storage()._cdata)
         self.cache.limit = self.device_plan.cache_limit
+
+    def _hold_estimate(self, act: int) -> None:
+        """Chunks were placed for the estimated activations; more were measured: the cache of
+        streamed chunks gives way to them, or (when it cannot) StepOverBudget now, after a
+        completed step, rather than in the middle of a later one."""
+        over = act - self.needs.activations
+        if over <= 0:
+            return
+        budget = self.ledger.budgets["gpu"]
+        self.needs = dataclasses.replace(self.needs, activations=act)
+        if budget is None:
+            return
+        limit = self.cache.limit - over
+        if limit < self.needs.stream_window:
+            need = budget + self.needs.stream_window - limit
+            raise StepOverBudget(
+                f"gpu budget {format_size(budget)} ({budget} B) cannot hold the next steps: the chunks were placed "
+                f"for {format_size(act - over)} of activations, the warm-up step saved {format_size(act)}; with "
+                f"this placement at least {format_size(need)} ({need} B) is needed; raise --gpu-mem or lower "
+                f"the batch size / sequence length", minimum={"gpu": need}, step_done=True)
+        log.info("activations %s above the estimate: the stream cache shrinks to %s", format_size(over),
+                 format_size(limit))
+        self.cache.limit = limit
+        self.device_plan = dataclasses.replace(self.device_plan, cache_limit=limit)
 
     def _schedule(self) -> None:
         """A trace was just recorded (or the placement changed): plan fetches and evictions."""

@@ -30,6 +30,19 @@ class InfeasibleBudget(TierwiseError):
         super().__init__(message)
 
 
+class StepOverBudget(InfeasibleBudget):
+    """A step needed more device memory than the placement made for the run leaves it.
+
+    `step_done`: the step that raised completed (its update ran); `weights_intact`: otherwise,
+    whether nothing of the failed step reached the weights (no chunk was updated early), so
+    the engine holds the state of its last completed step and a checkpoint of it is exact."""
+
+    def __init__(self, message: str, *, minimum: dict[str, int] | None = None, step_done: bool = False,
+                 weights_intact: bool = True):
+        super().__init__(message, minimum=minimum)
+        self.step_done, self.weights_intact = step_done, weights_intact
+
+
 class NvmeError(TierwiseError, OSError):
     """Swap I/O failed: full disk, short read/write, checksum mismatch, bad directory."""
 

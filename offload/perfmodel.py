@@ -119,20 +119,23 @@ def model_flops(*, model: ModelProfile, batch_size: int, seq_len: int) -> float:
 
 
 def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
-                     checkpointing: bool | None = None) -> dict[str, int]:
+                     checkpointing: bool | None = None, padded: bool = False) -> dict[str, int]:
     """Bytes autograd saves for backward, by part, as the engine counts them (per saved tensor
-    storage, deduplicated) for a Hugging Face Llama-family model with SDPA attention, no padding
-    mask and every decoder layer checkpointed. e = compute bytes, T = batch * seq tokens:
+    storage, deduplicated) for a Hugging Face Llama-family model with SDPA attention and every
+    decoder layer checkpointed. e = compute bytes, T = batch * seq tokens:
 
     fixed   token ids (int64, the embedding) + rotary cos/sin (S x head_dim, e each, shared by
-            all layers) + position ids (int64, S)
+            all layers) + position ids (int64, S); with padding, the bool attention mask
+            (B x S x S, a checkpointed block input shared by all layers)
     inputs  one saved block input per layer, e*T*h (the last block's output is the final norm's)
     norm    an RMSNorm: its fp32 input (a new fp32 copy in bf16 runs; in fp32 the input itself,
             which for a block's first norm is the already-counted block input), rsqrt (fp32, T),
             the normalised and the weighted output (e*T*h each)
     block   one layer's internals while it is recomputed: 2 norms, q/k/v after rotary and the
             attention output (e*T*(2 q_dim + 2 kv_dim)), the logsumexp (fp32, B*heads*S), the
-            MLP's gate, up, silu and product (4 e*T*i); 0 without checkpointing
+            MLP's gate, up, silu and product (4 e*T*i); with padding also SDPA's additive mask
+            (e*B*S*S) and k/v repeated to every query head (2 e*T*(q_dim - kv_dim) more: SDPA
+            takes grouped heads only without a mask); 0 without checkpointing
     layers  without checkpointing, every layer's internals (layers * that), held from forward
             to backward; 0 with it
     head    the final norm + log_softmax's fp32 output (4*T*V) + int64 targets + a scalar
@@ -144,6 +147,11 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     engine checkpoints blocks by default only when there are several) no position ids are
     saved (only the checkpoint keeps them) and `inputs` is each layer's first-norm fp32 input
     in fp32 runs (in bf16 the block input itself is not saved).
+
+    `padded`: some row of the batch has attention_mask zeros (a short last block, rows padded
+    to the sequence length). transformers then builds the B x 1 x S x S mask that an unpadded
+    batch does without (it uses is_causal), so a padded batch of the same shape saves more:
+    the run's worst step is a padded one whenever its data has any padding.
     """
     e = compute_bytes(precision)
     t, s, h, i = batch_size * seq_len, seq_len, model.hidden_size, model.intermediate_size
@@ -153,9 +161,12 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     attention = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s
     checkpointed = checkpoints_blocks(model, checkpointing)
     layers = model.num_hidden_layers
+    if padded:  # the additive mask and k/v repeated per query head, as SDPA saves them
+        attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
     internals = first_norm + attention + norm + 4 * e * t * i
+    mask = batch_size * s * s if padded and checkpointed else 0  # bool, saved as a block input
     return {
-        "fixed": 8 * t + 2 * s * model.dim_per_head * e + (8 * s if checkpointed else 0),
+        "fixed": 8 * t + 2 * s * model.dim_per_head * e + (8 * s if checkpointed else 0) + mask,
         "inputs": layers * e * t * h if checkpointed else layers * (e * t * h if e == 4 else 0),
         "block": internals if checkpointed else 0,
         "layers": 0 if checkpointed else layers * internals,
@@ -166,13 +177,13 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
 
 
 def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
-                     backward: bool = True, checkpointing: bool | None = None) -> int:
-    """Peak bytes of saved activations in one step (see activation_parts). Without backward
-    (zeroth-order optimizers) autograd saves nothing: 0."""
+                     backward: bool = True, checkpointing: bool | None = None, padded: bool = False) -> int:
+    """Peak bytes of saved activations in one step (see activation_parts; `padded`: the step's
+    batch has padding). Without backward (zeroth-order optimizers) autograd saves nothing: 0."""
     if not backward:
         return 0
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                         checkpointing=checkpointing)
+                         checkpointing=checkpointing, padded=padded)
     return p["fixed"] + p["inputs"] + p["layers"] + max(p["block"], p["head"])
 
 

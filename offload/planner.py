@@ -2,13 +2,15 @@
 or InfeasibleBudget naming the minimum budget that would work.
 
 The planner mirrors the engine byte for byte on the simulated device, by construction:
-- chunking: `pack_chunks` over the profile's parameters (HF registration order = first-use
-  order) with the same chunk size; optimizer state bytes from the engine's own chunk updater
+- chunking: `pack_chunks` over the parameters of the module the run trains (`params`, as
+  `finetune` passes them; else the profile's, HF registration order = first-use order) with
+  the same chunk size; optimizer state bytes from the engine's own chunk updater
   (`updaters.make_updater(...).state_bytes`);
 - the gpu side: the same `DeviceNeeds` (module buffers; the streaming window = the widest
   module's chunks + the largest chunk; the gradient reserve = the largest parameter, for MeZO
   the perturbed copies of the widest module; the activations, here computed in closed form by
-  `perfmodel.activation_bytes`, which matches what the engine measures in its warm-up step)
+  `perfmodel.activation_bytes`, which matches what the engine measures for a full or, with
+  `padded`, a padded batch: the run's worst step)
   handed to the engine's own `placement.plan_device`, which picks the gpu-home chunks (a
   suffix of first-use order) and the cache size for streamed compute copies;
 - the host side: the kinds placed by the engine's own `homes.assign_homes` (DRAM, then CXL,
@@ -25,9 +27,9 @@ import logging
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from offload.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, pack_chunks
+from offload.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, ParamSpec, pack_chunks
 from offload.errors import InfeasibleBudget, TierwiseError
 from offload.homes import Homes, assign_homes, minimum_host
 from offload.perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buffer_bytes, checkpoints_blocks,
@@ -98,6 +100,9 @@ class Plan:
     tokens_per_s: float
     checkpointing: bool = True
     """Whether backward recomputes the decoder blocks (activation checkpointing)."""
+    padded: bool = False
+    """Planned for padded batches (attention_mask zeros): the run's worst step when its data
+    has any padding, e.g. a short last block."""
     feasible: bool = True
 
     def to_json(self) -> str:
@@ -118,7 +123,7 @@ class Plan:
             rows.append([tier] + cells)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"{self.model} on {self.hardware}: {self.optimizer}, {self.precision}, "
-                 f"batch {self.batch_size} x {self.seq_len}, {_count(self.num_params)} params, "
+                 f"batch {self.batch_size} x {self.seq_len}{' padded' if self.padded else ''}, {_count(self.num_params)} params, "
                  f"{self.num_chunks} chunks of {format_size(self.chunk_bytes)}, "
                  f"recompute {'on' if self.checkpointing else 'off'}"]
         lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -151,11 +156,13 @@ class _Chunks:
     alignment and low-rank projectors are counted exactly as the engine allocates them."""
 
     def __init__(self, *, model: ModelProfile, optimizer: str, precision: str, chunk_bytes: int,
-                 rank: int | None, optimizer_kwargs: dict | None = None) -> None:
+                 rank: int | None, optimizer_kwargs: dict | None = None,
+                 params: "Sequence[ParamSpec] | None" = None) -> None:
         self.cost = optimizer_cost(optimizer)
         self.ce = compute_bytes(precision)
         self.bf16 = precision == "bf16"
-        specs = model.param_specs()
+        specs = list(params) if params is not None else model.param_specs()
+        self.num_params = sum(s.numel for s in specs)
         by_name = {s.name: s for s in specs}
         self.plan: ChunkPlan = pack_chunks(specs, chunk_bytes=chunk_bytes, element_size=4)
         self.n = len(self.plan.chunks)
@@ -226,7 +233,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               nvme_mem: int | str | None = None, optimizer: str, precision: str, batch_size: int, seq_len: int,
               chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
               optimizer_kwargs: dict | None = None, grad_accum: int = 1, up_front: bool = True,
-              checkpointing: bool | None = None, **_ignored: Any) -> Plan:
+              checkpointing: bool | None = None, padded: bool = False,
+              params: "Sequence[ParamSpec] | None" = None, **_ignored: Any) -> Plan:
     """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited).
 
     `model`: a profile, a profile name/path, or a transformers model/config (its shapes are read).
@@ -239,6 +247,11 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     its warm-up step, with every chunk host-side until then (homes chosen for all chunks, the
     gpu-home ones leaving theirs when promoted) -- the host-side bytes can differ.
     `checkpointing` as the Engine takes it (None: recompute blocks when there are several).
+    `params`: the parameters the engine will chunk, in its order (`chunks.specs_of(
+    model.named_parameters())` of the module the run trains: a tied head counted once, as
+    that module ties it); default: the profile's `param_specs()`.
+    `padded`: some batch of the run has padding (attention_mask zeros): the activations are
+    then those of a padded batch, the run's worst step (perfmodel.activation_parts).
     Raises InfeasibleBudget naming the minimum gpu / host / nvme bytes when they cannot fit."""
     model = _resolve_model(model)
     hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
@@ -261,17 +274,18 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     chunk_bytes = parse_size(chunk_bytes, what="chunk size")
 
     ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_bytes, rank=rank,
-                 optimizer_kwargs=optimizer_kwargs)
+                 optimizer_kwargs=optimizer_kwargs, params=params)
     checkpointing = ch.needs_grad and checkpoints_blocks(model, checkpointing)  # resolved, as the engine does
     act = activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                           backward=ch.needs_grad, checkpointing=checkpointing)
+                           backward=ch.needs_grad, checkpointing=checkpointing, padded=padded)
     needs = ch.device_needs(buffers=buffer_bytes(model), activations=act)
     if gpu < needs.minimum:
         raise InfeasibleBudget(
             f"--gpu-mem {format_size(gpu)} is too small: needs at least {format_size(needs.minimum)} "
             f"({needs.minimum} B: buffers {format_size(needs.buffers)}, streaming window "
             f"{format_size(needs.stream_window)}, gradient reserve {format_size(needs.grad_reserve)}, "
-            f"activations {format_size(act)} at batch {batch_size} x {seq_len})", minimum={"gpu": needs.minimum})
+            f"activations {format_size(act)} at batch {batch_size} x {seq_len}{' padded' if padded else ''})",
+            minimum={"gpu": needs.minimum})
     # MeZO too may keep chunks on the device: its perturbed weights are temporaries.
     device = plan_device(needs, gpu, allow_gpu_home=True)
     streamed = [c for c in range(ch.n) if c not in device.gpu_home]
@@ -294,7 +308,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     return _build(ch, model=model, hw=hw, needs=needs, device=device, homes=homes, pred=pred, precision=precision,
                   budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
                   batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes, optimizer=optimizer,
-                  host_minimum=host_min, checkpointing=checkpointing)
+                  host_minimum=host_min, checkpointing=checkpointing, padded=padded)
 
 
 def _construction_bytes(ch: _Chunks, homes: Homes) -> tuple[int, int]:
@@ -419,7 +433,7 @@ def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
 
 def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds,
                    device: DevicePlan, batch_size: int, seq_len: int, precision: str,
-                   checkpointing: bool | None) -> int:
+                   checkpointing: bool | None, padded: bool = False) -> int:
     """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
     forward (all activations); a block's recompute in backward; lm_head's gradient on its way to
     the host while the final norm's activations are still saved; the embedding's gradient at
@@ -428,7 +442,7 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     if not ch.needs_grad:  # MeZO: the perturbed copies of the module computing (dual_forward)
         return needs.activations + ch.zo_workspace
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                         checkpointing=checkpointing)
+                         checkpointing=checkpointing, padded=padded)
     held = p["fixed"] + p["inputs"] + p["layers"]  # without checkpointing, every layer's internals
     streamed_grad = {name: ch.ce * s.numel for name, s in ch.plan.slots.items() if s.chunk not in device.gpu_home}
     inflight = 0 if hw.simulated else (needs.grad_reserve if streamed_grad else 0)
@@ -440,7 +454,7 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
 def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, device: DevicePlan,
            homes: Homes, pred, precision: str, budgets: dict, **meta) -> Plan:
     act_args = dict(batch_size=meta["batch_size"], seq_len=meta["seq_len"], precision=precision,
-                    checkpointing=meta["checkpointing"])
+                    checkpointing=meta["checkpointing"], padded=meta["padded"])
     by_tier = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
     for c in device.gpu_home:
         for kind, b in ch.kinds[c].items():
@@ -468,8 +482,8 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
              len(device.gpu_home), ch.n, pred.step_s, pred.bottleneck)
     gpu_params = sum(ch.params[c] for c in device.gpu_home)
     return Plan(model=model.name, hardware=hw.name, precision=precision, budgets=budgets,
-                num_params=model.num_params, num_chunks=ch.n, bytes=by_tier, reserve=reserve, peak=peak,
+                num_params=ch.num_params, num_chunks=ch.n, bytes=by_tier, reserve=reserve, peak=peak,
                 gpu_minimum=needs.minimum, cache_limit=device.cache_limit, chunk_homes=tuple(chunk_homes),
-                gpu_update_params=gpu_params, cpu_update_params=model.num_params - gpu_params,
+                gpu_update_params=gpu_params, cpu_update_params=ch.num_params - gpu_params,
                 phases=pred.phases, step_s=pred.step_s, bottleneck=pred.bottleneck,
                 tokens_per_s=pred.tokens_per_s, **meta)

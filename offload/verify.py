@@ -5,8 +5,9 @@
     print(report.render()); sys.exit(0 if report.passed else 1)
 
 The engine trains the plan's model (random weights: the bytes do not depend on their values)
-for `steps` steps on random tokens of the plan's batch shape (or on the given batches), placed
-up front from the planned activations as `finetune` runs it. The first step is the warm-up
+for `steps` steps on random tokens of the plan's batch shape, padded as the worst step of a
+run whose data has padding (or on the given batches), placed up front from the planned
+activations as `finetune` runs it. The first step is the warm-up
 (it records the access trace); the ledger's peaks are then reset, so the measured peaks are
 the steady state the planner predicts. The verdict passes when every tier's peak, warm-up
 included, stays within its budget (on CUDA also the allocator's `max_memory_allocated`), and
@@ -24,11 +25,11 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from offload.chunks import DEFAULT_CHUNK_BYTES
+from offload.chunks import DEFAULT_CHUNK_BYTES, specs_of
 from offload.errors import TierwiseError
 from offload.planner import TIERS, Plan, make_plan
 from offload.sizes import format_size
@@ -70,7 +71,8 @@ class VerifyReport:
 
     def render(self) -> str:
         p = self.plan
-        lines = [f"verify {p.model}: {p.optimizer}, {p.precision}, batch {p.batch_size} x {p.seq_len}, "
+        lines = [f"verify {p.model}: {p.optimizer}, {p.precision}, batch {p.batch_size} x {p.seq_len}"
+                 f"{' padded' if p.padded else ''}, "
                  f"recompute {'on' if p.checkpointing else 'off'}, "
                  f"{len(self.losses)} steps (1 warm-up) on the {self.device} device"]
         rows = [("tier", "planned", "measured", "diff", "warm-up", "budget")]
@@ -108,19 +110,25 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
            grad_accum: int = 1, chunk_bytes: "int | str" = DEFAULT_CHUNK_BYTES,
            optimizer_kwargs: dict | None = None, lr: float = 1e-4, steps: int = 3,
            batches: Iterable[dict[str, torch.Tensor]] | None = None, seed: int = 0,
-           tolerance: float = 0.10, name: str | None = None, checkpointing: bool | None = None) -> VerifyReport:
+           tolerance: float = 0.10, name: str | None = None, checkpointing: bool | None = None,
+           padded: bool = True, build: Callable[[Any], torch.nn.Module] | None = None) -> VerifyReport:
     """Plan, then run `steps` real steps (the first is the warm-up) and compare; see the module
     docstring. `model`: a profile, a profile name, or a transformers config/model (its shapes).
     `batches`: batches of `batch_size * grad_accum` rows (default: random tokens). `name`: how
     the report names a model given as a transformers config. `checkpointing` as the Engine takes it.
+    `build`: makes the meta-device module the engine trains from the config (the default ties
+    tied weights as `from_pretrained` does); the plan chunks that module's parameters.
+    `padded`: plan for padded batches, the worst step of a run whose data has padding (as
+    `finetune` plans a run); the random batches are then padded too (the tail of one row).
     Raises TierwiseError (InfeasibleBudget included) for settings that cannot run."""
     if steps < 2:
         raise TierwiseError(f"--verify needs at least 2 steps (a warm-up and a measured one), got {steps}")
     profile, config = _shapes(model, name=name)
+    module = (build or _meta_model)(config)
     user_hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
     args = dict(model=profile, nvme_path=nvme_path, optimizer=optimizer, precision=precision, batch_size=batch_size,
                 seq_len=seq_len, grad_accum=grad_accum, chunk_bytes=chunk_bytes, optimizer_kwargs=optimizer_kwargs,
-                checkpointing=checkpointing)
+                checkpointing=checkpointing, padded=padded, params=specs_of(module.named_parameters()))
     # Budgets as `finetune plan` resolves them (unset: the --hardware profile's sizes) ...
     asked = make_plan(hardware=_with_cxl(user_hw, cxl_mem), gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
                       **args).budgets
@@ -133,10 +141,11 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
     budgets = {"gpu": asked["gpu"], "host": asked["host"]}
     if asked["cxl"]:
         budgets["cxl"] = asked["cxl"]
-    engine = _engine(config, plan=plan, budgets=budgets, nvme_path=nvme_path, lr=lr, seed=seed,
+    engine = _engine(module, config, plan=plan, budgets=budgets, nvme_path=nvme_path, lr=lr, seed=seed,
                      cxl_bandwidth=(user_hw.cxl or EMULATED_CXL).bandwidth_gbps * 1e9,
                      optimizer_kwargs=optimizer_kwargs)
-    data = _batches(batches, rows=batch_size * grad_accum, seq_len=seq_len, vocab=config.vocab_size, seed=seed)
+    data = _batches(batches, rows=batch_size * grad_accum, seq_len=seq_len, vocab=config.vocab_size, seed=seed,
+                    padded=padded)
     try:
         with cuda_peak(asked["gpu"]) as device:
             losses = [engine.step(next(data), grad_accum=grad_accum)]
@@ -214,11 +223,10 @@ def _check_memory(plan: Plan, *, cuda: bool) -> None:
                             f"{format_size(avail)} is available: verify a smaller model or on the target machine")
 
 
-def _engine(config: Any, *, plan: Plan, budgets: dict, nvme_path: str | None, lr: float, seed: int,
+def _engine(model: torch.nn.Module, config: Any, *, plan: Plan, budgets: dict, nvme_path: str | None, lr: float, seed: int,
             cxl_bandwidth: float, optimizer_kwargs: dict | None) -> Any:
     from offload.engine import Engine
 
-    model = _meta_model(config)
     try:
         # placed up front from the planned activations, as `finetune` runs (cli.train.activation_estimate)
         engine = Engine(model, optimizer=plan.optimizer, optimizer_kwargs=optimizer_kwargs, lr=lr,
@@ -236,7 +244,8 @@ def _engine(config: Any, *, plan: Plan, budgets: dict, nvme_path: str | None, lr
 
 def _meta_model(config: Any) -> torch.nn.Module:
     """The model with its parameters on the meta device (the engine allocates them chunk by
-    chunk); buffers stay real (the rotary frequencies are computed in __init__)."""
+    chunk); buffers stay real (the rotary frequencies are computed in __init__). Tied weights
+    are tied again: built under init_empty_weights a tied head is a parameter of its own."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -245,22 +254,24 @@ def _meta_model(config: Any) -> torch.nn.Module:
         log.warning("accelerate is not installed: building the model in host memory first")
         return AutoModelForCausalLM.from_config(config)
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()
+    return model
 
 
 def _batches(batches: Iterable[dict] | None, *, rows: int, seq_len: int, vocab: int,
-             seed: int) -> Iterator[dict[str, torch.Tensor]]:
+             seed: int, padded: bool) -> Iterator[dict[str, torch.Tensor]]:
     if batches is not None:
-        for b in batches:
-            mask = b.get("attention_mask")
-            if mask is not None and bool(mask.all()):  # no padding: as the planner assumes
-                b = {k: v for k, v in b.items() if k != "attention_mask"}
-            yield b
+        yield from batches
         raise TierwiseError("--verify ran out of batches")
     g = torch.Generator().manual_seed(seed)
     while True:
         x = torch.randint(0, vocab, (rows, seq_len), generator=g)
-        yield {"input_ids": x, "labels": x.clone()}
+        mask = torch.ones_like(x)
+        if padded:  # the second half of the last row is padding, as in a short last block
+            mask[-1, seq_len // 2:] = 0
+        labels = x.masked_fill(mask == 0, -100)
+        yield {"input_ids": x, "labels": labels, "attention_mask": mask}
 
 
 @contextlib.contextmanager
