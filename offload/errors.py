@@ -32,3 +32,8 @@ class InfeasibleBudget(TierwiseError):
 
 class NvmeError(TierwiseError, OSError):
     """Swap I/O failed: full disk, short read/write, checksum mismatch, bad directory."""
+
+
+class UnsupportedModel(TierwiseError, ValueError):
+    """The model does something the engine cannot run exactly; the message names the
+    parameter and the module."""
