@@ -253,7 +253,7 @@ class Engine:
         """What a checkpointed block's recompute runs under: the saved-tensor hooks, the read
         guard, and the block's own frame (its forward hooks do not run for a recompute)."""
         with self.tracker.hooks(), self.guard:
-            self.enter_module(block)
+            self._push(block)
             try:
                 yield
             finally:
@@ -352,6 +352,13 @@ class Engine:
 
     def enter_module(self, mod: torch.nn.Module) -> None:
         """A module's forward starts: a new frame; its own chunks become resident."""
+        if not self._frames:
+            raise UnsupportedModel(
+                f"{self._module_name(mod)} ran outside engine.step / forward / eval_loss: the engine "
+                f"makes parameters resident only there (read trained weights with named_parameters_fp32)")
+        self._push(mod)
+
+    def _push(self, mod: torch.nn.Module) -> None:
         with Paused(self.guard):
             self._frames.append((mod, []))
             if mod in self.module_chunks:
@@ -772,9 +779,10 @@ class Engine:
         self.steps = int(sd["steps"])
 
     def close(self) -> None:
-        """Stop the copy threads, remove the swap files, the hooks and the patched forwards
-        (the model's parameters stay views of the engine's chunks: read the trained weights
-        with named_parameters_fp32 before closing)."""
+        """Stop the copy threads, remove the swap files, the hooks and the patched forwards.
+        The model's parameters become meta tensors (shared ones stay shared): read the trained
+        weights with named_parameters_fp32 before closing, and load_state_dict(..., assign=True)
+        to use the model again."""
         self.executor.drain()
         self.executor.close()
         if self.early is not None:
@@ -793,6 +801,13 @@ class Engine:
         if self._use_cache_flipped:
             self.model.config.use_cache = True
             self._use_cache_flipped = False
+        # no placeholder values left: a use of the closed model fails loudly (meta tensors)
+        meta = {p: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
+                for p in self.params.values()}
+        for mod in self.model.modules():
+            for key, p in list(mod._parameters.items()):
+                if p in meta:
+                    setattr(mod, key, meta[p])
 
 
 def split_batch(batch: Any, n: int) -> list[Any]:

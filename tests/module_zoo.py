@@ -6,6 +6,8 @@ recomputes blocks and counts gradients; with their data, loss and a plain-PyTorc
 - tied:      an output head tied to the embedding through F.linear(h, emb.weight)
 - batchnorm: blocks with BatchNorm1d (forward updates running stats and num_batches_tracked)
 - shared:    one Linear shared by every (checkpointed) block, plus a block reused twice
+- datafed:   the first checkpointed block takes the data itself (no input needs grad); the
+             blocks own a parameter directly (read in the block's recompute too)
 """
 
 from __future__ import annotations
@@ -104,7 +106,35 @@ class SharedNet(nn.Module):
         return self.head(h)
 
 
-BUILDERS = {"encoder": Encoder, "tied": TiedHead, "batchnorm": BatchNormNet, "shared": SharedNet}
+class GainMlp(Mlp):
+    """`gain` is the block's own parameter: read in the block's forward (and its recompute)."""
+
+    def __init__(self, d: int):
+        super().__init__(d)
+        self.gain = nn.Parameter(torch.full((d,), 0.5))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.gain * self.down(F.gelu(self.up(h)))
+
+
+class DataFed(nn.Module):
+    """The first (checkpointed) block is fed the data itself: an input that needs no grad."""
+
+    def __init__(self, d: int = 32, layers: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(GainMlp(d) for _ in range(layers))
+        self.head = nn.Linear(d, VOCAB)
+        self.d = d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.one_hot(x, VOCAB)[..., :self.d].float()
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+BUILDERS = {"encoder": Encoder, "tied": TiedHead, "batchnorm": BatchNormNet, "shared": SharedNet,
+            "datafed": DataFed}
 
 
 def build(kind: str, *, seed: int = 0, **kw) -> nn.Module:
