@@ -16,6 +16,20 @@ after the first step, which streams every chunk through the smallest window whil
 the activation peak. The first step also records the access trace; later steps follow the
 schedule made from it (offload.schedule: Belady eviction, look-ahead prefetch). In the last
 micro-batch, chunks whose gradients are final are updated during backward (offload.early).
+
+Any nn.Module, with plain PyTorch's numbers:
+- Residency: a module's own parameters are resident around its forward (offload.hooks); a
+  parameter read elsewhere (nn.MultiheadAttention's out_proj.weight, a head tied through
+  F.linear) is seen by a TorchFunctionMode and made resident for the innermost running module
+  (offload.reads), or refused with an error naming parameter and module (MeZO).
+- Recompute: blocks (model_info.find_blocks) are checkpointed by default when there are
+  several. Buffers a block's forward changes (BatchNorm) are recomputed from copies taken
+  before the forward, then set back to the forward's results (hooks.BufferGuard): each
+  forward updates them once, as without recompute.
+- Gradients: the first backward counts each parameter's contributions (one per graph using
+  it: per recomputed block for a shared weight); later backwards sum them in p.grad in
+  PyTorch's order and hand each chunk one sum per parameter; a chunk is updated early only
+  when all of its parameters' sums are in.
 """
 
 from __future__ import annotations
