@@ -252,6 +252,7 @@ class Engine:
         self._submitted: set[int] = set()
         self._held_back: set[int] = set()
         self._gathered: dict[torch.nn.Parameter, int] = {}  # p.grad kept for more contributions: bytes
+        self._gather_bytes = 0
         self._flushing = False
         self.tracker = ActivationTracker(self)
         if self.offload_activations:
@@ -536,6 +537,9 @@ class Engine:
         self._uses = dict(self._counts)
         self._expected = {c.index: len(c.params) for c in self.plan.chunks
                           if all(self._uses.get(name, 0) for name in c.params)}
+        # the sums later backwards hold in p.grad (at most all at once): the warm-up held none
+        self._gather_bytes = sum(self.plan.slots[n].numel for n, k in self._uses.items() if k > 1) \
+            * self.compute_dtype.itemsize
 
     def _reserve_grad(self, nbytes: int) -> None:
         limit = max(self.needs.grad_reserve, nbytes)
@@ -717,7 +721,7 @@ class Engine:
 
     def _after_warmup(self) -> None:
         """Activations are known now: place chunks on the device as the budget allows."""
-        act = self.ledger.kind_peak("gpu", "activation")
+        act = self.ledger.kind_peak("gpu", "activation") + self._gather_bytes
         measured = self._device_needs(activations=act, pinned=self.cache.pinned_peak)
         self.minimum_gpu_bytes = measured.minimum
         if self.device_plan is not None:  # placed up front from an estimate: keep it
