@@ -364,7 +364,8 @@ MODULE_OPTIMIZERS = ("adamw", "adamw8bit")
 MODULE_DEFAULT = [("encoder", "min", "hostmin+nvme", "adamw"), ("tied", "mid", "host", "adamw8bit"),
                   ("batchnorm", "min", "host", "adamw"), ("shared", "roomy", "hostmin+nvme", "adamw8bit"),
                   ("datafed", "mid", "hostmin+nvme", "adamw")]
-MODULE_MATRIX = [pytest.param(*c, id="module-" + case_id(c), marks=() if c in MODULE_DEFAULT else pytest.mark.matrix_full)
+MODULE_MATRIX = [pytest.param(*c, id="module-" + case_id(c),
+                              marks=() if c in MODULE_DEFAULT else pytest.mark.matrix_full)
                  for c in itertools.product(MODULE_KINDS, MODULE_BUDGETS, MODULE_TIERS, MODULE_OPTIMIZERS)]
 MODULE_CHUNK = 4 << 10  # several chunks even for these tiny models
 

@@ -152,7 +152,8 @@ def test_more_gradient_contributions_than_traced_are_refused_not_applied_early()
         eng.step(data[0])
         eng.step(data[1])
         eng.model.extra = 1
-        with pytest.raises(UnsupportedModel, match=r"parameter 'net\.blocks\.[01]\.\w+\.\w+' got gradient contribution 3 .*overlap_update=False"):
+        more = r"parameter 'net\.blocks\.[01]\.\w+\.\w+' got gradient contribution 3 .*overlap_update=False"
+        with pytest.raises(UnsupportedModel, match=more):
             eng.step(data[2])
     finally:
         eng.close()
