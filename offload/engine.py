@@ -34,8 +34,8 @@ Any nn.Module, with plain PyTorch's numbers:
 
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
 import time
 from collections import deque
 from typing import Any, Callable, Iterable, Iterator
