@@ -3,8 +3,11 @@
 The cache holds at most `limit` bytes. A chunk is *pinned* while a module computes with it.
 It carries out the schedule's actions (`apply`: evict, fetch ahead); a chunk acquired while
 absent is fetched on demand, making room by evicting the least recently used unpinned chunk
-(that only happens before a schedule exists, or after the control flow changed). Compute
-copies are read-only on the device, so eviction never writes back: the home copy is the truth.
+(that only happens before a schedule exists, or after the control flow changed). `limit` bounds
+what is cached, not what is pinned: chunks pinned at once may exceed it (the ledger's device
+budget is the hard limit), and `pinned_peak` records the most bytes ever pinned at once, the
+streaming window a step really needs. Compute copies are read-only on the device, so eviction
+never writes back: the home copy is the truth.
 """
 
 from __future__ import annotations
@@ -42,10 +45,16 @@ class ResidentCache:
         self.fetches = 0
         self.prefetches = 0  # fetches started ahead of use
         self.fetched_bytes = 0
+        self.pinned_bytes = 0
+        self.pinned_peak = 0
 
     # -- queries ---------------------------------------------------------------------
     def resident(self, cid: int) -> bool:
         return cid in self.entries
+
+    def pinned(self, cid: int) -> bool:
+        entry = self.entries.get(cid)
+        return entry is not None and entry.pins > 0
 
     def _nbytes(self, cid: int) -> int:
         return self.numel(cid) * self.dtype.itemsize
@@ -58,6 +67,9 @@ class ResidentCache:
         if entry is None:
             self._make_room(self._nbytes(cid))
             entry = self._fetch(cid)
+        if entry.pins == 0:
+            self.pinned_bytes += self._nbytes(cid)
+            self.pinned_peak = max(self.pinned_peak, self.pinned_bytes)
         entry.pins += 1
         entry.last_use = self.clock
         if entry.ticket is not None:
@@ -70,6 +82,8 @@ class ResidentCache:
         if entry.pins <= 0:
             raise AssertionError(f"chunk {cid} released more often than acquired")
         entry.pins -= 1
+        if entry.pins == 0:
+            self.pinned_bytes -= self._nbytes(cid)
 
     def apply(self, evict: tuple[int, ...], prefetch: tuple[int, ...]) -> bool:
         """Evict, then start fetching ahead, as the schedule says. False if it cannot (the
@@ -115,11 +129,9 @@ class ResidentCache:
         self.tiers.free("gpu", "compute", entry.buf)
 
     def _make_room(self, need: int) -> None:
-        """Evict least recently used unpinned chunks until `need` bytes fit."""
+        """Evict least recently used unpinned chunks until `need` bytes fit (or none is left:
+        then the pinned chunks outgrow `limit`, within the ledger's budget)."""
         victims = sorted((c for c, e in self.entries.items() if e.pins == 0),
                          key=lambda c: self.entries[c].last_use)
-        while self.limit - self.bytes < need:
-            if not victims:
-                pinned = sum(e.buf.numel() * e.buf.element_size() for e in self.entries.values() if e.pins)
-                raise AssertionError(f"resident cache cannot fit {need} B: limit {self.limit}, pinned {pinned}")
+        while self.limit - self.bytes < need and victims:
             self._evict(victims.pop(0))

@@ -2,6 +2,9 @@
 backward goes on with earlier layers (its disk reads and writes, and on a GPU machine its CPU
 work, overlap the rest of backward). Only when nothing can still change its gradient: the last
 micro-batch of a step, and no global-norm clipping (which needs every gradient first).
+"Complete" is counted from the first backward (Engine._learn_uses): every parameter of the
+chunk has delivered its sum of as many contributions as that backward gave it (a weight
+shared by several recomputed blocks gets one per block).
 
 One worker thread takes the chunks in the order they complete, in batches, and runs the same
 `update_all` as the end of the step; the step's own update then skips them.

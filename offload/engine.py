@@ -18,10 +18,25 @@ not): `engine.measure(batch)` before the first step runs the largest batch witho
 so the placement holds it; a step that still does not fit raises StepOverBudget. The first step also records the access trace; later steps follow the
 schedule made from it (offload.schedule: Belady eviction, look-ahead prefetch). In the last
 micro-batch, chunks whose gradients are final are updated during backward (offload.early).
+
+Any nn.Module, with plain PyTorch's numbers:
+- Residency: a module's own parameters are resident around its forward (offload.hooks); a
+  parameter read elsewhere (nn.MultiheadAttention's out_proj.weight, a head tied through
+  F.linear) is seen by a TorchFunctionMode and made resident for the innermost running module
+  (offload.reads), or refused with an error naming parameter and module (MeZO).
+- Recompute: blocks (model_info.find_blocks) are checkpointed by default when there are
+  several. Buffers a block's forward changes (BatchNorm) are recomputed from copies taken
+  before the forward, then set back to the forward's results (hooks.BufferGuard): each
+  forward updates them once, as without recompute.
+- Gradients: the first backward counts each parameter's contributions (one per graph using
+  it: per recomputed block for a shared weight); later backwards sum them in p.grad in
+  PyTorch's order and hand each chunk one sum per parameter; a chunk is updated early only
+  when all of its parameters' sums are in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -32,17 +47,18 @@ import torch
 
 from offload.cache import ResidentCache
 from offload.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
-from offload.errors import BudgetExceeded, InfeasibleBudget, StepOverBudget
+from offload.errors import BudgetExceeded, StepOverBudget, UnsupportedModel
 from offload.cxl import CxlAllocator, detect_cxl_nodes
 from offload.executor import Executor, Ticket
 from offload.homes import assign_homes
 from offload.actoffload import Offloader
 from offload.early import EarlyUpdater
 from offload.gradspill import GradSpill
-from offload.hooks import ActivationTracker, checkpointed, install_module_hooks
+from offload.hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from offload.ledger import Ledger
 from offload.model_info import find_blocks, modules_with_params
 from offload.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
+from offload.reads import Paused, ReadGuard
 from offload.sizes import format_size, parse_size
 from offload.nvme import NvmeStore
 from offload.store import ChunkStore, SwapKind, in_slot_order, kind_bytes
@@ -200,10 +216,13 @@ class Engine:
         self.home_storage: set[int] = set()
 
     def _install_hooks(self, model: torch.nn.Module, checkpointing: bool | None) -> None:
-        """Module hooks, gradient hooks, block checkpointing (or MeZO's dual forward)."""
+        """Module hooks, gradient hooks, block checkpointing (or MeZO's dual forward); what it
+        patches on the model, close() puts back."""
+        self._patched: list[tuple[torch.nn.Module, Any]] = []  # (module, its own forward attribute)
+        self._use_cache_flipped = False
         if not self.updater.needs_grad:
             for mod in self.module_chunks:
-                mod.forward = dual_forward(mod.forward, mod, self)
+                self._patch_forward(mod, lambda f, m=mod: dual_forward(f, m, self))
         if checkpointing is None:
             checkpointing = len(self.blocks) > 1
         if self.offload_activations and not checkpointing and self.updater.needs_grad:
@@ -211,22 +230,52 @@ class Engine:
                              "checkpointing (a model with several blocks, checkpointing not False)")
         if checkpointing and getattr(getattr(model, "config", None), "use_cache", False):
             model.config.use_cache = False  # a KV cache would see each block twice (recompute)
+            self._use_cache_flipped = True
         if checkpointing:
+            guard = dict(reserve=lambda n: self.ledger.reserve("gpu", "activation", n),
+                         release=lambda n: self.ledger.release("gpu", "activation", n))
             for block in self.blocks:
-                block.forward = checkpointed(block.forward, hooks=lambda: self.tracker.hooks(),
-                                             saving=lambda: self.tracker.saving_block_inputs())
+                self._patch_forward(block, lambda f, b=block: checkpointed(
+                    f, context=lambda: self._recompute(b), saving=lambda: self.tracker.saving_block_inputs(),
+                    buffers=BufferGuard(b, **guard)))
         self.checkpointing = checkpointing
-        self._handles = install_module_hooks(self, list(self.module_chunks))
+        self.guard = ReadGuard(self._on_read)
+        # per running module (None: the loss function), the chunks read there that it does not own
+        self._frames: list[tuple[torch.nn.Module | None, list[int]]] = []
+        self._handles = install_module_hooks(self, model)
         for p in self.params.values():
             self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         self.early = EarlyUpdater(self) if self.overlap_update and self.updater.needs_grad else None
         self._early_on = False
+        self._uses: dict[str, int] | None = None  # gradients per backward, per parameter (traced)
+        self._expected: dict[int, int] = {}  # per chunk, when every parameter in it gets some
+        self._counts: dict[str, int] = {}
         self._arrived: dict[int, int] = {}
         self._chunk_tickets: dict[int, list] = {}
+        self._submitted: set[int] = set()
+        self._held_back: set[int] = set()
+        self._gathered: dict[torch.nn.Parameter, int] = {}  # p.grad kept for more contributions: bytes
+        self._gather_bytes = 0
+        self._flushing = False
         self.tracker = ActivationTracker(self)
         if self.offload_activations:
             self.tracker.offloader = Offloader(self)
         self.follower = TraceFollower()
+
+    def _patch_forward(self, mod: torch.nn.Module, wrap: Callable[[Callable], Callable]) -> None:
+        self._patched.append((mod, mod.__dict__.get("forward")))
+        mod.forward = wrap(mod.forward)
+
+    @contextlib.contextmanager
+    def _recompute(self, block: torch.nn.Module) -> Iterator[None]:
+        """What a checkpointed block's recompute runs under: the saved-tensor hooks, the read
+        guard, and the block's own frame (its forward hooks do not run for a recompute)."""
+        with self.tracker.hooks(), self.guard:
+            self._push(block)
+            try:
+                yield
+            finally:
+                self.exit_module(block)
 
     @staticmethod
     def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -271,10 +320,13 @@ class Engine:
                 out[mod] = cids
         return out
 
-    def _device_needs(self, *, activations: int) -> DeviceNeeds:
+    def _device_needs(self, *, activations: int, pinned: int = 0) -> DeviceNeeds:
+        """`pinned`: the most chunk bytes pinned at once so far (nested modules, parameters read
+        outside their owner): the window is at least that, and at least the widest module."""
         csize = self.compute_dtype.itemsize
         compute = tuple(c.numel * csize for c in self.plan.chunks)
         widest = max((sum(compute[c] for c in cids) for cids in self.module_chunks.values()), default=0)
+        widest = max(widest, pinned)
         largest_param = max((s.numel for s in self.plan.slots.values()), default=0) * csize
         return DeviceNeeds(
             buffers=self.buffer_bytes,
@@ -316,6 +368,57 @@ class Engine:
         self.streamed_storage = {k: v for k, v in self.streamed_storage.items() if v != cid}
         self.store.unpoint_params(cid, self.params, device=self.device)
 
+    def enter_module(self, mod: torch.nn.Module) -> None:
+        """A module's forward starts: a new frame; its own chunks become resident."""
+        if not self._frames:
+            raise UnsupportedModel(
+                f"{self._module_name(mod)} ran outside engine.step / forward / eval_loss: the engine "
+                f"makes parameters resident only there (read trained weights with named_parameters_fp32)")
+        self._push(mod)
+
+    def _push(self, mod: torch.nn.Module) -> None:
+        with Paused(self.guard):
+            self._frames.append((mod, []))
+            if mod in self.module_chunks:
+                self.acquire_module(mod)
+
+    def exit_module(self, mod: torch.nn.Module) -> None:
+        """A module's forward ended: release its own chunks and those read in its frame."""
+        with Paused(self.guard):
+            if mod in self.module_chunks:
+                self.release_module(mod)
+            if self._frames:
+                for cid in self._frames.pop()[1]:
+                    self._release(cid)
+
+    def _on_read(self, p: torch.nn.Parameter) -> None:
+        """A torch call reads `p` (offload.reads): make its chunk resident for the innermost
+        running module if no running module holds it already."""
+        name = self.param_names.get(p)
+        if name is None:
+            return  # not a parameter of this model
+        cid = self.plan.slots[name].chunk
+        if self.store.is_gpu_home(cid) or self.cache.pinned(cid):
+            return
+        if not self._frames:
+            raise UnsupportedModel(f"parameter {name!r} is read outside the forward and the loss function; "
+                                   f"the engine cannot make it resident there")
+        mod, borrowed = self._frames[-1]
+        if not self.updater.needs_grad:
+            raise UnsupportedModel(
+                f"parameter {name!r} is read by {self._module_name(mod)} outside the forward of the module "
+                f"that owns it; {self.optimizer_name} perturbs a parameter in its owner's forward only, so "
+                f"this read would see it unperturbed")
+        self._acquire(cid)
+        borrowed.append(cid)
+        self._record_moment()
+
+    def _module_name(self, mod: "torch.nn.Module | None") -> str:
+        if mod is None:
+            return "the loss function"
+        name = next((n for n, m in self.model.named_modules() if m is mod), None)
+        return f"module {name!r} ({type(mod).__name__})" if name else f"the model ({type(mod).__name__})"
+
     def acquire_module(self, mod: torch.nn.Module) -> None:
         for cid in self.module_chunks[mod]:
             if not self.store.is_gpu_home(cid):
@@ -353,6 +456,8 @@ class Engine:
 
     # -- gradients ----------------------------------------------------------------------
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        if self._gathering(p):
+            return
         g = p.grad
         p.grad = None
         slot = self.plan.slots[self.param_names[p]]
@@ -366,7 +471,7 @@ class Engine:
             dst = self.store.grad_view(slot)
         if self.store.is_gpu_home(slot.chunk):
             dst.copy_(src) if first else dst.add_(src)
-            self._arrived_grad(slot.chunk, None)
+            self._arrived_grad(slot, None)
             return
         nbytes = src.numel() * src.element_size()
         self._reserve_grad(nbytes)
@@ -377,18 +482,67 @@ class Engine:
         self._inflight.append((ticket, nbytes, src))
         if spilled:
             self.spill.landed(slot.chunk, ticket)
-        self._arrived_grad(slot.chunk, ticket)
+        self._arrived_grad(slot, ticket)
 
-    def _arrived_grad(self, cid: int, ticket: Any) -> None:
-        """Count a chunk's gradients; once all are in (last micro-batch, no clipping), its
-        update starts while backward goes on (offload.early)."""
+    def _gathering(self, p: torch.nn.Parameter) -> bool:
+        """Count `p`'s gradient contributions of this backward: its post-accumulate hook runs
+        once per graph that uses it (a weight used twice in one graph: once; in two recomputed
+        blocks: twice). While more are due (as many as the first backward counted), leave the
+        sum in p.grad for autograd to add the next one to, in plain PyTorch's order: the grad
+        chunk then gets one sum per backward, as p.grad does across micro-batches. The held
+        p.grad is device memory of this backward only, booked as an activation."""
+        name = self.param_names[p]
+        n = self._counts[name] = self._counts.get(name, 0) + 1
+        if not self._flushing and self._uses is not None and n < self._uses.get(name, 0):
+            if p not in self._gathered:
+                self._gathered[p] = p.grad.numel() * p.grad.element_size()
+                self.ledger.reserve("gpu", "activation", self._gathered[p])
+            return True
+        if p in self._gathered:
+            self.ledger.release("gpu", "activation", self._gathered.pop(p))
+        return False
+
+    def _flush_gathered(self) -> None:
+        """After backward: sums still waiting for contributions that did not come this time."""
+        self._flushing = True
+        try:
+            for p in list(self._gathered):
+                self._grad_ready(p)
+        finally:
+            self._flushing = False
+
+    def _arrived_grad(self, slot: Any, ticket: Any) -> None:
+        """A parameter's gradient sum reached its grad chunk. Once every parameter of a chunk has
+        sent its sum (last micro-batch, no clipping), the chunk's update starts while backward
+        goes on (offload.early)."""
         if not self._early_on:
             return
-        self._arrived[cid] = self._arrived.get(cid, 0) + 1
+        cid = slot.chunk
+        n, traced = self._counts[slot.name], self._uses.get(slot.name, 0)
+        if n > traced:  # a contribution more than the first backward had: the control flow changed
+            if cid in self._submitted:
+                raise UnsupportedModel(
+                    f"parameter {slot.name!r} got gradient contribution {n} in this backward (the first "
+                    f"backward had {traced}) after its chunk was updated early; use overlap_update=False "
+                    f"for a model whose backward changes from step to step")
+            self._held_back.add(cid)  # updated at the end of the step instead
         if ticket is not None:
             self._chunk_tickets.setdefault(cid, []).append(ticket)
-        if self._arrived[cid] == len(self.plan.chunks[cid].params):
+        self._arrived[cid] = self._arrived.get(cid, 0) + 1
+        if cid not in self._held_back and self._arrived[cid] == self._expected.get(cid):
+            self._submitted.add(cid)
             self.early.submit(cid, self._chunk_tickets.pop(cid, []))
+
+    def _learn_uses(self) -> None:
+        """After the first backward: the contributions each parameter gets per backward (the
+        trace of gradients). A chunk expects one sum per parameter; one with a parameter that
+        got none is not updated early (that slot is zeroed at the end of the step)."""
+        self._uses = dict(self._counts)
+        self._expected = {c.index: len(c.params) for c in self.plan.chunks
+                          if all(self._uses.get(name, 0) for name in c.params)}
+        # the sums later backwards hold in p.grad (at most all at once): the warm-up held none
+        self._gather_bytes = sum(self.plan.slots[n].numel for n, k in self._uses.items() if k > 1) \
+            * self.compute_dtype.itemsize
 
     def _reserve_grad(self, nbytes: int) -> None:
         limit = max(self.needs.grad_reserve, nbytes)
@@ -433,7 +587,7 @@ class Engine:
         self.phase = "forward"
         t0 = time.perf_counter()
         try:
-            with self.tracker.hooks():
+            with self.tracker.hooks(), self._reading():
                 loss = self.loss_fn(self.model, self._to_device(batch))
             if self.tracker.offloader is not None:
                 self.tracker.offloader.end_forward()
@@ -447,8 +601,12 @@ class Engine:
         self.phase = "backward"
         t0 = time.perf_counter()
         try:
-            self._arrived, self._chunk_tickets = {}, {}
+            self._arrived, self._chunk_tickets, self._counts = {}, {}, {}
+            self._submitted, self._held_back = set(), set()
             loss.backward()
+            self._flush_gathered()
+            if self._uses is None:
+                self._learn_uses()
             self._drain_grads()
             self.spill.end_backward()
             if self._early_on:
@@ -457,10 +615,27 @@ class Engine:
             raise self._budget_error(exc, intact=self._abort_cycle()) from exc
         self.phase_times["backward"] += time.perf_counter() - t0
 
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Around the loss function: the read guard, and the loss function's own frame."""
+        self._frames = [(None, [])]
+        try:
+            with self.guard:
+                yield
+        finally:
+            frames, self._frames = self._frames, []
+            for _, borrowed in reversed(frames):
+                for cid in borrowed:
+                    self._release(cid)
+
     def _abort_cycle(self) -> bool:
         """Drop a failed step's gradients; True when its early updates (offload.early) had not
         reached any chunk, so the weights are those of the last completed step."""
         intact = True
+        for p, nbytes in self._gathered.items():
+            p.grad = None
+            self.ledger.release("gpu", "activation", nbytes)
+        self._gathered = {}
         self._drain_grads()
         if self.early is not None:
             try:
@@ -499,7 +674,9 @@ class Engine:
         for i, mb in enumerate(micro):
             loss = self.forward(mb)
             # the last micro-batch's gradients are final: chunks may update as they complete
-            self._early_on = self.early is not None and self.grad_clip is None and i == len(micro) - 1
+            # (once the first backward has counted each chunk's gradients)
+            self._early_on = (self.early is not None and self.grad_clip is None and i == len(micro) - 1
+                              and self._uses is not None)
             try:
                 self.backward(loss / grad_accum if grad_accum > 1 else loss)
             finally:
@@ -518,7 +695,7 @@ class Engine:
         half = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
         self.zo_batch = half
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._reading():
                 loss_pos, loss_neg = hf_split_losses(self.model, batch, half)
         finally:
             self.zo_batch = None
@@ -572,8 +749,8 @@ class Engine:
 
     def _after_warmup(self) -> None:
         """Activations are known now: place chunks on the device as the budget allows."""
-        act = self.ledger.kind_peak("gpu", "activation")
-        measured = self._device_needs(activations=act)
+        act = self.ledger.kind_peak("gpu", "activation") + self._gather_bytes
+        measured = self._device_needs(activations=act, pinned=self.cache.pinned_peak)
         self.minimum_gpu_bytes = measured.minimum
         if self.device_plan is not None:  # placed up front from an estimate: keep it if it holds
             self._hold_estimate(act)
@@ -653,7 +830,8 @@ class Engine:
         phase = self.phase
         self.phase = "eval"
         try:
-            return float(self.loss_fn(self.model, self._to_device(batch)).float().item())
+            with self._reading():
+                return float(self.loss_fn(self.model, self._to_device(batch)).float().item())
         finally:
             self.phase = phase
             self.cache.evict_all()  # the schedule of the next step starts from an empty cache
@@ -672,7 +850,10 @@ class Engine:
         self.steps = int(sd["steps"])
 
     def close(self) -> None:
-        """Stop the copy threads and remove the swap files."""
+        """Stop the copy threads, remove the swap files, the hooks and the patched forwards.
+        The model's parameters become meta tensors (shared ones stay shared): read the trained
+        weights with named_parameters_fp32 before closing, and load_state_dict(..., assign=True)
+        to use the model again."""
         self.executor.drain()
         self.executor.close()
         if self.early is not None:
@@ -681,6 +862,23 @@ class Engine:
             self.nvme.close()
         for h in self._handles:
             h.remove()
+        self._handles = []
+        for mod, own in reversed(self._patched):
+            if own is None:
+                del mod.forward  # the class's forward again
+            else:
+                mod.forward = own
+        self._patched = []
+        if self._use_cache_flipped:
+            self.model.config.use_cache = True
+            self._use_cache_flipped = False
+        # no placeholder values left: a use of the closed model fails loudly (meta tensors)
+        meta = {p: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
+                for p in self.params.values()}
+        for mod in self.model.modules():
+            for key, p in list(mod._parameters.items()):
+                if p in meta:
+                    setattr(mod, key, meta[p])
 
 
 def split_batch(batch: Any, n: int) -> list[Any]:

@@ -49,3 +49,8 @@ class NvmeError(TierwiseError, OSError):
 
 class ParamLayoutError(TierwiseError, ValueError):
     """A parameter's memory layout cannot be held in a chunk slot (it overlaps itself or has gaps)."""
+
+
+class UnsupportedModel(TierwiseError, ValueError):
+    """The model does something the engine cannot run exactly; the message names the
+    parameter and the module."""

@@ -6,7 +6,13 @@
   chunk (kept as a small reference, re-fetched on unpack, so the chunk may leave the device
   in between) or an activation (its bytes reserved in the ledger until autograd drops it).
 - Block checkpointing: a repeated block runs without keeping its internals; backward
-  recomputes it. Its inputs are the only activations kept per block.
+  recomputes it. Its inputs are the only activations kept per block. Buffers its forward
+  changes (BatchNorm's running statistics) are recomputed from copies of their values before
+  the forward, so they are updated once, as without recompute, and the recompute sees the
+  values the forward saw (BufferGuard).
+- Module stack: every module's forward is a frame on the engine's stack (`enter_module`,
+  `exit_module`); a parameter read outside its owner's forward is made resident for the
+  innermost frame (offload.reads).
 """
 
 from __future__ import annotations
@@ -107,21 +113,85 @@ class _Flag:
             self.offloader.active = False
 
 
-def install_module_hooks(engine: "Engine", modules: list[torch.nn.Module]) -> list[Any]:
-    """Acquire a module's chunks before its forward, release them after."""
+def install_module_hooks(engine: "Engine", model: torch.nn.Module) -> list[Any]:
+    """Every module's forward is a frame of the engine's module stack: `enter_module` before
+    it (acquires the module's own chunks), `exit_module` after it, also when it raises."""
     handles = []
-    for m in modules:
-        handles.append(m.register_forward_pre_hook(lambda mod, args: engine.acquire_module(mod)))
-        handles.append(m.register_forward_hook(lambda mod, args, out: engine.release_module(mod)))
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(lambda mod, args: engine.enter_module(mod)))
+        handles.append(m.register_forward_hook(lambda mod, args, out: engine.exit_module(mod), always_call=True))
     return handles
 
 
+class BufferGuard:
+    """A checkpointed block's buffers, as its forward found them, for its recompute.
+
+    Before each forward that backward will recompute, every buffer of the block is copied;
+    after it, the copies of buffers the forward left unchanged (same object, equal values)
+    are dropped. The recompute then runs on the kept copies, and the block's buffers are set
+    back to the forward's results: one update per forward, as without recompute. The copies
+    are device bytes, reserved as activations (`reserve(n)` / `release(n)`).
+    (Version counters cannot tell: batch_norm updates running stats without bumping them.)
+    """
+
+    def __init__(self, block: torch.nn.Module, *, reserve: Callable[[int], None], release: Callable[[int], None]):
+        self.block, self.reserve, self.release = block, reserve, release
+
+    def before(self) -> list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]:
+        taken = [(m, n, b, b.clone()) for m in self.block.modules() for n, b in m._buffers.items()
+                 if b is not None]
+        self.reserve(sum(_nbytes(c) for *_, c in taken))
+        return taken
+
+    def after(self, taken: list) -> "_Snapshot":
+        changed = [(m, n, copy) for m, n, b, copy in taken
+                   if m._buffers[n] is not b or not torch.equal(b, copy)]
+        kept = sum(_nbytes(c) for *_, c in changed)
+        self.release(sum(_nbytes(c) for *_, c in taken) - kept)
+        return _Snapshot(changed, lambda: self.release(kept))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Snapshot:
+    """Buffers as one forward found them; `restored()` runs the recompute on them."""
+
+    def __init__(self, changed: list, release: Callable[[], None]):
+        self.changed, self._release = changed, release
+
+    def restored(self) -> Any:
+        return _Swap(self.changed)
+
+    def __del__(self) -> None:
+        self._release()
+
+
+class _Swap:
+    def __init__(self, changed: list):
+        self.changed, self.current = changed, []
+
+    def __enter__(self) -> None:
+        for m, n, copy in self.changed:
+            self.current.append(m._buffers[n])
+            m._buffers[n] = copy.clone()  # the recompute's updates land in a throw-away copy
+
+    def __exit__(self, *exc: object) -> None:
+        for (m, n, _), cur in zip(self.changed, self.current):
+            m._buffers[n] = cur
+
+
 class _Checkpoint(torch.autograd.Function):
-    """Run a block without saving its internals; recompute it in backward."""
+    """Run a block without saving its internals; recompute it in backward.
+
+    `anchor` is an empty tensor that requires grad: the outputs require grad even when the
+    block's inputs do not (a first block fed by data), so its parameters get gradients."""
 
     @staticmethod
-    def forward(ctx, run: Callable, spec: Any, n_tensors: int, *flat: Any) -> Any:  # type: ignore[override]
-        ctx.run, ctx.spec, ctx.n_tensors = run, spec, n_tensors  # run: (saved-tensor hooks, callable)
+    def forward(ctx, run: Any, spec: Any, n_tensors: int, anchor: torch.Tensor,  # type: ignore[override]
+                *flat: Any) -> Any:
+        ctx.run, ctx.spec, ctx.n_tensors = run, spec, n_tensors  # run: (context, callable, [snapshot])
         tensors = flat[:n_tensors]
         ctx.others = flat[n_tensors:]
         ctx.grad_mask = [isinstance(t, torch.Tensor) and t.requires_grad for t in tensors]
@@ -140,7 +210,8 @@ class _Checkpoint(torch.autograd.Function):
             torch.set_rng_state(ctx.rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng)
-            with torch.enable_grad(), ctx.run[0]():
+            snapshot = ctx.run[2][0]
+            with torch.enable_grad(), ctx.run[0](), snapshot.restored():
                 out = ctx.run[1](*_rebuild(ctx.spec, ctx.n_tensors, flat))
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads)
@@ -148,7 +219,7 @@ class _Checkpoint(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         del out, outs, pairs
-        return (None, None, None) + tuple(
+        return (None, None, None, None) + tuple(
             t.grad if g else None for t, g in zip(inputs, ctx.grad_mask)
         ) + (None,) * len(ctx.others)
 
@@ -160,12 +231,16 @@ def _rebuild(spec: Any, n_tensors: int, flat: Any) -> tuple[tuple, dict]:
     return tree_unflatten([next(tensors) if t else next(others) for t in is_tensor], treespec)
 
 
-def checkpointed(forward: Callable, *, hooks: Callable[[], Any], saving: Callable[[], Any]) -> Callable:
+def checkpointed(forward: Callable, *, context: Callable[[], Any], saving: Callable[[], Any],
+                 buffers: BufferGuard) -> Callable:
     """Wrap a block's forward so that backward recomputes it instead of keeping its internals.
 
-    `hooks()` gives the saved-tensor hooks the recomputation runs under (the engine's);
-    `saving()` wraps the saving of the block's inputs (activation offload picks them there).
+    `context()` is what the recomputation runs under (the engine's saved-tensor hooks, read
+    guard and the block's frame: its own forward hooks do not run then);
+    `saving()` wraps the saving of the block's inputs (activation offload picks them there);
+    `buffers` restores the buffers the forward changed for the recompute.
     """
+    anchor = torch.empty(0, requires_grad=True)
 
     def run(args: tuple, kwargs: dict) -> Any:
         return forward(*args, **kwargs)
@@ -177,7 +252,12 @@ def checkpointed(forward: Callable, *, hooks: Callable[[], Any], saving: Callabl
         is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         tensors = [x for x, t in zip(leaves, is_tensor) if t]
         others = [x for x, t in zip(leaves, is_tensor) if not t]
+        snapshot: list = [None]
+        taken = buffers.before()
         with saving():  # autograd packs the saved inputs when apply returns: inside this block
-            return _Checkpoint.apply((hooks, run), (treespec, is_tensor), len(tensors), *tensors, *others)
+            out = _Checkpoint.apply((context, run, snapshot), (treespec, is_tensor), len(tensors), anchor,
+                                    *tensors, *others)
+        snapshot[0] = buffers.after(taken)
+        return out
 
     return wrapper

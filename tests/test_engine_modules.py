@@ -1,0 +1,209 @@
+"""Ordinary nn.Modules in the engine (tests/module_zoo.py), against plain PyTorch on the same
+seed and data: losses, final weights and buffers bit for bit, at a roomy budget, at 1.2x the
+engine's minimum device budget with everything else on NVMe, and with grad_accum=2."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from offload import Engine, InfeasibleBudget
+from offload.errors import UnsupportedModel
+from tests import module_zoo as zoo
+
+ONE_CHUNK, SMALL = 64 << 20, 4 << 10  # the default chunk size holds these models whole
+STEPS = 3
+CASES = [("encoder", ONE_CHUNK), ("encoder", SMALL), ("tied", SMALL), ("batchnorm", SMALL), ("shared", SMALL),
+         ("datafed", SMALL)]
+MODES = ("roomy", "nvme-1.2x-min", "accum2")
+
+
+def engine(kind: str, chunk: int, **kw) -> Engine:
+    return Engine(zoo.build(kind), lr=1e-3, chunk_bytes=chunk, loss_fn=zoo.lm_loss, **kw)
+
+
+def train(eng: Engine, data: list, *, grad_accum: int = 1) -> list[float]:
+    torch.manual_seed(2)  # dropout: as the reference seeds it
+    return [eng.step(b, grad_accum=grad_accum) for b in data]
+
+
+@functools.lru_cache(maxsize=None)
+def minimum_gpu(kind: str, chunk: int) -> int:
+    """The engine's measured minimum device budget (a warm-up step without a budget)."""
+    eng = engine(kind, chunk)
+    try:
+        train(eng, zoo.data(1))
+        return eng.minimum_gpu_bytes
+    finally:
+        eng.close()
+
+
+def minimum_host(kind: str, chunk: int, gpu: int, nvme: str) -> int:
+    with pytest.raises(InfeasibleBudget) as exc:
+        engine(kind, chunk, gpu_mem=gpu, cpu_mem=1, nvme_path=nvme)
+    return exc.value.minimum["host"]
+
+
+def assert_same_as_reference(eng: Engine, model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    mine = dict(eng.named_parameters_fp32())
+    for name, p in ref.named_parameters():
+        assert torch.equal(mine[name], p.detach()), name
+    for (name, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers()):
+        assert torch.equal(b.cpu(), rb), name
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind, chunk", CASES, ids=[f"{k}-{'one' if c == ONE_CHUNK else 'small'}-chunk"
+                                                    for k, c in CASES])
+def test_module_bit_exact_with_pytorch(kind, chunk, mode, tmp_path):
+    data = zoo.data(STEPS)
+    accum = 2 if mode == "accum2" else 1
+    ref_losses, ref = zoo.reference(zoo.build(kind), data, grad_accum=accum)
+    kw: dict = {"gpu_mem": "64M"}
+    if mode == "nvme-1.2x-min":
+        gpu = int(1.2 * minimum_gpu(kind, chunk))
+        nvme = str(tmp_path / "swap")
+        kw = dict(gpu_mem=gpu, cpu_mem=minimum_host(kind, chunk, gpu, nvme), nvme_path=nvme)
+    eng = engine(kind, chunk, **kw)
+    model = eng.model
+    try:
+        assert train(eng, data, grad_accum=accum) == ref_losses
+        assert_same_as_reference(eng, model, ref)
+        assert eng.early.updated > 0  # overlap_update (the default) ran, and changed nothing
+        for tier, peak in eng.ledger.peaks().items():
+            budget = eng.ledger.budgets[tier]
+            assert budget is None or peak <= budget, tier
+        if mode == "nvme-1.2x-min":
+            assert len(eng.device_plan.gpu_home) < len(eng.plan.chunks)  # chunks stream
+            if chunk == SMALL:  # (one chunk: its bounce buffers would outweigh keeping it in DRAM)
+                assert eng.homes.bytes["nvme"]["state"] > 0
+        if kind == "batchnorm":  # the running stats were updated once per forward, as in PyTorch
+            assert all(int(m.bn.num_batches_tracked) == STEPS * accum for m in model.blocks)
+            model.eval()
+            ref.eval()
+            with torch.no_grad():
+                assert eng.eval_loss(data[0]) == zoo.lm_loss(ref, data[0]).item()
+    finally:
+        eng.close()
+
+
+def test_transformer_encoder_reads_out_proj_outside_its_forward():
+    """nn.MultiheadAttention reads out_proj.weight itself: its chunk is acquired for the
+    attention module, the trace has it, and later steps prefetch it like any other."""
+    data = zoo.data(STEPS)
+    eng = engine("encoder", SMALL, gpu_mem=int(1.2 * minimum_gpu("encoder", SMALL)))
+    try:
+        train(eng, data)
+        out_proj = eng.plan.slots["encoder.layers.0.self_attn.out_proj.weight"].chunk
+        assert ("acquire", out_proj) in eng.follower.events
+        assert eng.follower.retraces == 0  # the borrowed reads are the same every step
+    finally:
+        eng.close()
+
+
+class ExtraUse(torch.nn.Module):
+    """SharedNet whose forward applies the reused block `extra` more times (0, 1, ...) or skips it (-1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = zoo.build("shared")
+        self.extra = 0
+
+    def forward(self, x):
+        blocks = list(self.net.blocks)
+        blocks = blocks[:-1] if self.extra < 0 else blocks + [blocks[1]] * self.extra
+        h = self.net.emb(x)
+        for b in blocks:
+            h = b(h)
+        return self.net.head(h)
+
+
+def test_fewer_gradient_contributions_than_traced_stay_exact():
+    """A step whose backward reaches the shared weight fewer times than the first one did:
+    the held sums are delivered after backward and the update is still exact."""
+    data = zoo.data(4)
+    torch.manual_seed(0)
+    ref = ExtraUse()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
+    torch.manual_seed(0)
+    eng = Engine(ExtraUse(), lr=1e-3, chunk_bytes=SMALL, gpu_mem="64M", loss_fn=zoo.lm_loss)
+    model = eng.model
+    try:
+        for i, b in enumerate(data):
+            model.extra = ref.extra = -1 if i == 2 else 0
+            loss = zoo.lm_loss(ref, b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert eng.step(b) == loss.item(), i
+        assert_same_as_reference(eng, model, ref)
+    finally:
+        eng.close()
+
+
+def test_more_gradient_contributions_than_traced_are_refused_not_applied_early():
+    eng = Engine(ExtraUse(), lr=1e-3, chunk_bytes=SMALL, gpu_mem="64M", loss_fn=zoo.lm_loss)
+    data = zoo.data(3)
+    try:
+        eng.step(data[0])
+        eng.step(data[1])
+        eng.model.extra = 1
+        more = r"parameter 'net\.blocks\.[01]\.\w+\.\w+' got gradient contribution 3 .*overlap_update=False"
+        with pytest.raises(UnsupportedModel, match=more):
+            eng.step(data[2])
+    finally:
+        eng.close()
+    eng = Engine(ExtraUse(), lr=1e-3, chunk_bytes=SMALL, gpu_mem="64M", loss_fn=zoo.lm_loss, overlap_update=False)
+    try:
+        eng.step(data[0])
+        eng.model.extra = 1
+        assert torch.isfinite(torch.tensor(eng.step(data[1])))
+    finally:
+        eng.close()
+
+
+class HfLike(torch.nn.Module):
+    """Just enough of a Hugging Face causal LM for MeZO's dual forward."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner, self.config = inner, SimpleNamespace(vocab_size=zoo.VOCAB, use_cache=False)
+
+    def forward(self, input_ids, **kw):
+        return SimpleNamespace(logits=self.inner(input_ids))
+
+    def loss_function(self, *, logits, labels, vocab_size):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_mezo_refuses_a_read_outside_the_owner_naming_parameter_and_module():
+    eng = Engine(HfLike(zoo.build("encoder")), optimizer="mezo", chunk_bytes=SMALL)
+    b = zoo.data(1)[0]
+    try:
+        with pytest.raises(UnsupportedModel, match=r"'inner\.encoder\.layers\.0\.self_attn\.out_proj\.weight' "
+                                                   r"is read by module 'inner\.encoder\.layers\.0\.self_attn'"):
+            eng.step({"input_ids": b["x"], "labels": b["y"]})
+    finally:
+        eng.close()
+
+
+def test_a_module_run_outside_the_engine_is_refused_and_close_undoes_the_patches():
+    model = zoo.build("batchnorm")
+    x = zoo.data(1)[0]["x"]
+    eng = Engine(model, chunk_bytes=SMALL, loss_fn=zoo.lm_loss)
+    assert all("forward" in b.__dict__ for b in model.blocks)  # checkpointed
+    eng.step(zoo.data(1)[0])
+    with pytest.raises(UnsupportedModel, match=r"the model \(BatchNormNet\) ran outside engine.step"):
+        model(x)
+    weights = dict(eng.named_parameters_fp32())
+    eng.close()
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        model(x)  # meta placeholders: a loud failure, never NaN
+    model.load_state_dict(weights, strict=False, assign=True)
+    assert torch.isfinite(model(x)).all()
