@@ -365,30 +365,30 @@ def test_matrix_catches_an_under_counting_ledger(tmp_path, monkeypatch, referenc
 # arbitrary nn.Module, so budgets derive from the engine's own measured minimum (a probe run) and
 # its chunk kinds, and the checks are (a) and (c): within every budget, losses (==) and final
 # weights (torch.equal) equal to the drop-in optimizer's (fp32) or the mixed-precision loop's (bf16).
-MODULE_KINDS = ("scalar", "strided", "odd")
-MODULE_OPTIMIZERS = ("adamw", "adamw8bit", "galore", "apollo")
-MODULE_CHUNK = 4 << 10
-MODULE_AXES = (MODULE_KINDS, BUDGETS, MODULE_OPTIMIZERS, TIER_SETS, PRECISIONS)
-MODULE_DEFAULT = [("scalar", "min", "galore", "hostmin+nvme", "fp32"), ("strided", "mid", "adamw8bit", "cxl+nvme", "fp32"),
+PARAM_KINDS = ("scalar", "strided", "odd")
+PARAM_OPTIMIZERS = ("adamw", "adamw8bit", "galore", "apollo")
+PARAM_CHUNK = 4 << 10
+PARAM_AXES = (PARAM_KINDS, BUDGETS, PARAM_OPTIMIZERS, TIER_SETS, PRECISIONS)
+PARAM_DEFAULT = [("scalar", "min", "galore", "hostmin+nvme", "fp32"), ("strided", "mid", "adamw8bit", "cxl+nvme", "fp32"),
                   ("odd", "roomy", "adamw", "host+nvme", "fp32")]
-MODULE_MATRIX = [pytest.param(*c, id=case_id(c)) if c in MODULE_DEFAULT
+PARAM_MATRIX = [pytest.param(*c, id=case_id(c)) if c in PARAM_DEFAULT
                  else pytest.param(*c, id=case_id(c), marks=pytest.mark.matrix_full)
-                 for c in itertools.product(*MODULE_AXES)]
+                 for c in itertools.product(*PARAM_AXES)]
 
 
-def module_engine(kind: str, opt: str, prec: str, **budgets) -> Engine:
+def param_engine(kind: str, opt: str, prec: str, **budgets) -> Engine:
     from tests.param_models import Zoo, zoo_loss
 
     return Engine(Zoo((kind,)), loss_fn=zoo_loss, optimizer=opt, optimizer_kwargs=OPT_KWARGS.get(opt), precision=prec,
-                  chunk_bytes=MODULE_CHUNK, **budgets, **HP)
+                  chunk_bytes=PARAM_CHUNK, **budgets, **HP)
 
 
 @functools.lru_cache(maxsize=None)
-def module_probe(kind: str, opt: str, prec: str) -> tuple[int, dict]:
+def param_probe(kind: str, opt: str, prec: str) -> tuple[int, dict]:
     """(measured minimum gpu bytes, chunk kinds) of an unbudgeted engine after its warm-up."""
     from tests.param_models import zoo_data
 
-    eng = module_engine(kind, opt, prec)
+    eng = param_engine(kind, opt, prec)
     try:
         eng.step(zoo_data(1, batch=BATCH)[0])
         return eng.minimum_gpu_bytes, eng.kinds
@@ -399,7 +399,7 @@ def module_probe(kind: str, opt: str, prec: str) -> tuple[int, dict]:
 def module_budgets(kind: str, budget: str, opt: str, tiers: str, prec: str, nvme_dir) -> dict:
     from offload.homes import minimum_host
 
-    minimum, kinds = module_probe(kind, opt, prec)
+    minimum, kinds = param_probe(kind, opt, prec)
     everything = sum(sum(k.values()) for k in kinds.values())
     gpu = {"roomy": 2 * (minimum + everything), "mid": minimum + everything // 2, "min": minimum}[budget]
     grads = sum(k.get("grad", 0) for k in kinds.values())
@@ -409,7 +409,7 @@ def module_budgets(kind: str, budget: str, opt: str, tiers: str, prec: str, nvme
     nvme = str(nvme_dir) if tiers.endswith("nvme") else None
     for _ in range(8):  # the engine names a larger host (or cxl) budget where it would not fit
         try:
-            module_engine(kind, opt, prec, gpu_mem=gpu, cpu_mem=host, cxl_mem=cxl or None, nvme_path=nvme).close()
+            param_engine(kind, opt, prec, gpu_mem=gpu, cpu_mem=host, cxl_mem=cxl or None, nvme_path=nvme).close()
             break
         except InfeasibleBudget as exc:
             assert set(exc.minimum) <= {"host", "cxl"}, exc
@@ -418,7 +418,7 @@ def module_budgets(kind: str, budget: str, opt: str, tiers: str, prec: str, nvme
 
 
 @functools.lru_cache(maxsize=None)
-def module_reference(kind: str, opt: str, prec: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def param_reference(kind: str, opt: str, prec: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """(losses, final fp32 weights) without offloading."""
     from tests.param_models import Zoo, train_zoo_reference, zoo_data
 
@@ -427,13 +427,13 @@ def module_reference(kind: str, opt: str, prec: str) -> tuple[list[float], dict[
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("kind, budget, opt, tiers, prec", MODULE_MATRIX)
+@pytest.mark.parametrize("kind, budget, opt, tiers, prec", PARAM_MATRIX)
 def test_budget_matrix_custom_modules(kind, budget, opt, tiers, prec, tmp_path):
     from tests.param_models import zoo_data
 
     b = module_budgets(kind, budget, opt, tiers, prec, tmp_path / "swap")
     where = f"{case_id((kind, budget, opt, tiers, prec))} budgets {b}"
-    eng = module_engine(kind, opt, prec, **b)
+    eng = param_engine(kind, opt, prec, **b)
     try:
         with cuda_budget(b["gpu_mem"]) as device:
             losses = [eng.step(x) for x in zoo_data(STEPS, batch=BATCH)]
@@ -446,7 +446,7 @@ def test_budget_matrix_custom_modules(kind, budget, opt, tiers, prec, tmp_path):
             assert peaks[tier] <= limit, (where, tier, peaks)
     if device["peak"] is not None:
         assert device["peak"] <= b["gpu_mem"], (where, "cuda max_memory_allocated", device["peak"])
-    ref, ref_weights = module_reference(kind, opt, prec)
+    ref, ref_weights = param_reference(kind, opt, prec)
     if CUDA:
         assert losses == pytest.approx(ref, rel=CUDA_LOSS_RTOL[prec]), where
     else:
