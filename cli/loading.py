@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from dataclasses import dataclass
@@ -38,32 +37,10 @@ class ModelSource:
 
 
 def build_meta_model(config) -> torch.nn.Module:
-    """The model of `config` with every parameter on the meta device (no memory).
+    """The model `finetune` trains, on the meta device, ties tied (offload.model_info.hf_meta_model)."""
+    from offload.model_info import hf_meta_model
 
-    The model gets its own copy of `config`: the engine may change the model's config (it turns
-    `use_cache` off while checkpointing), the caller's stays as loaded, for the export.
-    Buffers stay real CPU tensors: non-persistent buffers such as the rotary `inv_freq` are
-    computed in __init__ and are in no checkpoint, so they must not become meta (or garbage
-    after `to_empty`). Needs accelerate; without it everything is meta and a warning says so.
-    Weights the model ties are tied again after construction: accelerate's init_empty_weights
-    re-creates each parameter as it is registered, which unties what __init__ tied (the output
-    head would be a second, never loaded parameter).
-    """
-    from transformers import AutoModelForCausalLM
-
-    config = copy.deepcopy(config)
-    try:
-        from accelerate import init_empty_weights
-    except ImportError:
-        log.warning("accelerate is not installed: buffers of the meta model are meta too "
-                    "and must be recomputed before use")
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    else:
-        with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config)
-    model.tie_weights()
-    return model
+    return hf_meta_model(config)
 
 
 def safetensors_files(model_dir: "str | Path") -> list[Path]:

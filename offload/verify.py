@@ -31,6 +31,7 @@ import torch
 
 from offload.chunks import DEFAULT_CHUNK_BYTES, specs_of
 from offload.errors import TierwiseError
+from offload.model_info import hf_meta_model
 from offload.planner import TIERS, Plan, make_plan
 from offload.sizes import format_size
 from profiles import HardwareProfile, ModelProfile, load_hardware_profile
@@ -124,7 +125,7 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
     if steps < 2:
         raise TierwiseError(f"--verify needs at least 2 steps (a warm-up and a measured one), got {steps}")
     profile, config = _shapes(model, name=name)
-    module = (build or _meta_model)(config)
+    module = (build or hf_meta_model)(config)
     user_hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
     args = dict(model=profile, nvme_path=nvme_path, optimizer=optimizer, precision=precision, batch_size=batch_size,
                 seq_len=seq_len, grad_accum=grad_accum, chunk_bytes=chunk_bytes, optimizer_kwargs=optimizer_kwargs,
@@ -240,23 +241,6 @@ def _engine(model: torch.nn.Module, config: Any, *, plan: Plan, budgets: dict, n
         raise TierwiseError(f"the engine cannot run with these options: {exc}") from None
     engine.init_weights_(seed=seed, std=getattr(config, "initializer_range", 0.02))
     return engine
-
-
-def _meta_model(config: Any) -> torch.nn.Module:
-    """The model with its parameters on the meta device (the engine allocates them chunk by
-    chunk); buffers stay real (the rotary frequencies are computed in __init__). Tied weights
-    are tied again: built under init_empty_weights a tied head is a parameter of its own."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        from accelerate import init_empty_weights
-    except ImportError:  # small models only: a real CPU copy first
-        log.warning("accelerate is not installed: building the model in host memory first")
-        return AutoModelForCausalLM.from_config(config)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config)
-    model.tie_weights()
-    return model
 
 
 def _batches(batches: Iterable[dict] | None, *, rows: int, seq_len: int, vocab: int,
