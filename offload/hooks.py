@@ -150,6 +150,10 @@ class BufferGuard:
         self.release(sum(_nbytes(c) for *_, c in taken) - kept)
         return _Snapshot(changed, lambda: self.release(kept))
 
+    def drop(self, taken: list) -> None:
+        """The forward raised: no recompute will need the copies."""
+        self.release(sum(_nbytes(c) for *_, c in taken))
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -254,9 +258,13 @@ def checkpointed(forward: Callable, *, context: Callable[[], Any], saving: Calla
         others = [x for x, t in zip(leaves, is_tensor) if not t]
         snapshot: list = [None]
         taken = buffers.before()
-        with saving():  # autograd packs the saved inputs when apply returns: inside this block
-            out = _Checkpoint.apply((context, run, snapshot), (treespec, is_tensor), len(tensors), anchor,
-                                    *tensors, *others)
+        try:
+            with saving():  # autograd packs the saved inputs when apply returns: inside this block
+                out = _Checkpoint.apply((context, run, snapshot), (treespec, is_tensor), len(tensors), anchor,
+                                        *tensors, *others)
+        except BaseException:  # e.g. BudgetExceeded mid-block: the copies' bytes go back
+            buffers.drop(taken)
+            raise
         snapshot[0] = buffers.after(taken)
         return out
 

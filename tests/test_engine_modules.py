@@ -5,6 +5,7 @@ engine's minimum device budget with everything else on NVMe, and with grad_accum
 from __future__ import annotations
 
 import functools
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from offload import Engine, InfeasibleBudget
-from offload.errors import UnsupportedModel
+from offload.errors import StepOverBudget, UnsupportedModel
 from tests import module_zoo as zoo
 
 ONE_CHUNK, SMALL = 64 << 20, 4 << 10  # the default chunk size holds these models whole
@@ -207,3 +208,26 @@ def test_a_module_run_outside_the_engine_is_refused_and_close_undoes_the_patches
         model(x)  # meta placeholders: a loud failure, never NaN
     model.load_state_dict(weights, strict=False, assign=True)
     assert torch.isfinite(model(x)).all()
+
+
+def test_a_step_over_budget_inside_a_block_releases_the_buffer_copies():
+    """A BudgetExceeded raised inside a checkpointed BatchNorm block: the copies of its buffers
+    (taken for the recompute, booked as activations) are released with the failed step."""
+    small, big = zoo.data(2, batch=2), zoo.data(1, batch=16, seed=5)[0]
+    probe = engine("batchnorm", SMALL)
+    try:
+        probe.step(small[0])
+        gpu = int(1.05 * probe.minimum_gpu_bytes)
+    finally:
+        probe.close()
+    eng = engine("batchnorm", SMALL, gpu_mem=gpu)
+    try:
+        eng.step(small[0])
+        with pytest.raises(StepOverBudget):
+            eng.step(big)
+        gc.collect()  # the failed step's graph
+        assert eng.ledger.usage()["gpu"].get("activation", 0) == 0
+        eng.step(small[1])
+        assert eng.ledger.usage()["gpu"].get("activation", 0) == 0
+    finally:
+        eng.close()
