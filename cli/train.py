@@ -214,11 +214,10 @@ class DiskFullError(TierwiseError):
 def _measure_worst(engine, batch: dict) -> None:
     """An engine that places its chunks after the warm-up step (no activation estimate for
     this model family) first runs the worst batch without updating (Engine.measure), so the
-    placement holds for every step. The RNG is left as it was: --resume replays exactly."""
+    placement holds for every step. measure() leaves the RNG as it was: --resume replays exactly."""
     if getattr(engine, "device_plan", False) is not None or not hasattr(engine, "measure"):
         return  # placed up front for the worst batch already (activation_estimate)
-    with torch.random.fork_rng():
-        engine.measure(batch)
+    engine.measure(batch)
 
 
 def check_vocab(blocks: list, src: ModelSource) -> None:

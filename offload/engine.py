@@ -735,16 +735,26 @@ class Engine:
         placement covers it: the warm-up step places chunks for the largest activations seen
         so far (or checks the up-front `activations` against them). Give it the largest batch
         the run will see, e.g. a padded one (transformers then saves an attention mask that a
-        full batch does without). Returns that activation peak in bytes (0 without backward)."""
+        full batch does without). Returns that activation peak in bytes (0 without backward).
+        The model's buffers (BatchNorm's running statistics) and the RNG are left as they were:
+        the run's numbers are those of a run without measure()."""
         if self.minimum_gpu_bytes is not None:
             raise ValueError("Engine.measure() comes before the first step: the chunks are placed after it")
         if self.updater.needs_grad:
-            try:
-                self.backward(self.forward(batch))
-            finally:
-                self._abort_cycle()
-                self.cache.evict_all()
-                self.phase, self.timeline = "idle", []
+            found = [(m, n, b, b.detach().to("cpu", copy=True)) for m in self.model.modules()
+                     for n, b in m._buffers.items() if b is not None]
+            cuda = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):  # dropout draws as if measure had not run
+                try:
+                    self.backward(self.forward(batch))
+                finally:
+                    self._abort_cycle()
+                    self.cache.evict_all()
+                    self.phase, self.timeline = "idle", []
+                    with torch.no_grad():
+                        for m, n, b, value in found:
+                            m._buffers[n] = b
+                            b.copy_(value)
         return self.ledger.kind_peak("gpu", "activation")
 
     def _after_warmup(self) -> None:

@@ -231,3 +231,20 @@ def test_a_step_over_budget_inside_a_block_releases_the_buffer_copies():
         assert eng.ledger.usage()["gpu"].get("activation", 0) == 0
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("kind", ["batchnorm", "encoder"])
+def test_measure_leaves_buffers_and_rng_as_they_were(kind):
+    """Engine.measure() runs a forward and backward without an update; BatchNorm's running
+    statistics and the dropout RNG must not see it: the run equals plain PyTorch's."""
+    data = zoo.data(STEPS)
+    ref_losses, ref = zoo.reference(zoo.build(kind), data)
+    eng = engine(kind, SMALL, gpu_mem="64M")
+    model = eng.model
+    try:
+        torch.manual_seed(2)  # as the reference seeds it; measure() must not draw from it
+        eng.measure(zoo.data(1, batch=8, seed=7)[0])
+        assert [eng.step(b) for b in data] == ref_losses
+        assert_same_as_reference(eng, model, ref)
+    finally:
+        eng.close()
