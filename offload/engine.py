@@ -851,13 +851,28 @@ class Engine:
         yield from self.store.named_master(self.params)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.store.state_dict() | {"steps": self.steps, "optimizer_meta": self.updater.meta_state()}
+        """Weights, optimizer state, step count and the model's persistent buffers (BatchNorm's
+        running statistics change in training too)."""
+        buffers = {n: b.to("cpu", copy=True) for n, b in self._persistent_buffers().items()}
+        return self.store.state_dict() | {"steps": self.steps, "optimizer_meta": self.updater.meta_state(),
+                                          "buffers": buffers}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        own = self._persistent_buffers()
+        unknown = sorted(set(sd.get("buffers", {})) - set(own))
+        if unknown:
+            raise ValueError(f"checkpoint has buffers this model lacks: {unknown[:3]}")
         self.cache.evict_all()
         self.store.load_state_dict(sd)
         self.updater.load_meta_state(sd.get("optimizer_meta", {}))
         self.steps = int(sd["steps"])
+        with torch.no_grad():
+            for name, value in sd.get("buffers", {}).items():
+                own[name].copy_(value)
+
+    def _persistent_buffers(self) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.{n}" if prefix else n: b for prefix, m in self.model.named_modules()
+                for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set}
 
     def close(self) -> None:
         """Stop the copy threads, remove the swap files, the hooks and the patched forwards.

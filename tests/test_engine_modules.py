@@ -248,3 +248,25 @@ def test_measure_leaves_buffers_and_rng_as_they_were(kind):
         assert_same_as_reference(eng, model, ref)
     finally:
         eng.close()
+
+
+def test_state_dict_resume_keeps_batchnorm_running_stats():
+    """Two steps, state_dict, a fresh engine load_state_dict, two more steps: weights and
+    BatchNorm's running statistics equal four steps of plain PyTorch."""
+    data = zoo.data(4)
+    ref_losses, ref = zoo.reference(zoo.build("batchnorm"), data)
+    first = engine("batchnorm", SMALL)
+    try:
+        losses = train(first, data[:2])
+        sd = first.state_dict()
+    finally:
+        first.close()
+    eng = engine("batchnorm", SMALL)
+    model = eng.model
+    try:
+        eng.load_state_dict(sd)
+        losses += [eng.step(b) for b in data[2:]]
+        assert losses == ref_losses
+        assert_same_as_reference(eng, model, ref)
+    finally:
+        eng.close()
