@@ -495,8 +495,9 @@ class Engine:
         n = self._counts[name] = self._counts.get(name, 0) + 1
         if not self._flushing and self._uses is not None and n < self._uses.get(name, 0):
             if p not in self._gathered:
-                self._gathered[p] = p.grad.numel() * p.grad.element_size()
-                self.ledger.reserve("gpu", "activation", self._gathered[p])
+                nbytes = p.grad.numel() * p.grad.element_size()
+                self.ledger.reserve("gpu", "activation", nbytes)  # first: _abort_cycle releases what is here
+                self._gathered[p] = nbytes
             return True
         if p in self._gathered:
             self.ledger.release("gpu", "activation", self._gathered.pop(p))

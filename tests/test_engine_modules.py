@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -268,5 +269,33 @@ def test_state_dict_resume_keeps_batchnorm_running_stats():
         losses += [eng.step(b) for b in data[2:]]
         assert losses == ref_losses
         assert_same_as_reference(eng, model, ref)
+    finally:
+        eng.close()
+
+
+def test_a_budget_error_while_holding_a_shared_gradient_sum_keeps_the_ledger_right(monkeypatch):
+    """The device cannot hold a shared weight's gradient sum (BudgetExceeded in the gradient
+    hook): the step fails with StepOverBudget, and after the next step the ledger holds no
+    activation bytes (nothing was released that had not been reserved)."""
+    from offload.errors import BudgetExceeded
+
+    data = zoo.data(3)
+    eng = engine("shared", SMALL, gpu_mem="64M")
+    try:
+        eng.step(data[0])  # counts the contributions: later backwards hold the shared sums
+        reserve = eng.ledger.reserve
+
+        def refuse_the_sum(tier, kind, nbytes):
+            if kind == "activation" and sys._getframe(1).f_code.co_name == "_gathering":
+                raise BudgetExceeded(tier=tier, budget=1, used=1, asked=nbytes, kind=kind)
+            reserve(tier, kind, nbytes)
+
+        monkeypatch.setattr(eng.ledger, "reserve", refuse_the_sum)
+        with pytest.raises(StepOverBudget):
+            eng.step(data[1])
+        monkeypatch.undo()
+        eng.step(data[2])  # (autograd lets go of the failed backward's last saved tensor here)
+        gc.collect()
+        assert eng.ledger.usage()["gpu"].get("activation", 0) == 0
     finally:
         eng.close()
