@@ -45,8 +45,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = DeepRegressor()
     target = torch.randn(128)
-    # Chunks of 256 KiB and a 1 MiB device budget: most of the model streams every step.
-    engine = Engine(model, optimizer="adamw", lr=1e-3, gpu_mem="1M", cpu_mem="1G",
+    # Chunks of 256 KiB and a 2 MiB device budget: most of the model streams every step.
+    engine = Engine(model, optimizer="adamw", lr=1e-3, gpu_mem="2M", cpu_mem="1G",
                     chunk_bytes=256 << 10, loss_fn=mse_loss)
     xs = torch.randn(8, 64, 128)  # 8 fixed batches of [B=64, D=128]
     try:
