@@ -653,11 +653,19 @@ class Engine:
 
     def _budget_error(self, exc: BudgetExceeded, *, intact: bool) -> Exception:
         """A gpu reservation failed mid-step: what the step needed with this placement (in use +
-        asked, above the budget by construction) and the activations it had been placed for."""
+        asked, above the budget by construction) and the activations it had been placed for; in
+        the first step (nothing placed yet), the engine's minimum with the activations so far."""
         if exc.tier != "gpu":
             return exc
         need = exc.used + exc.asked
         act = self.ledger.usage()["gpu"].get("activation", 0) + (exc.asked if exc.kind == "activation" else 0)
+        if self.minimum_gpu_bytes is None:  # the warm-up (or measure): nothing placed yet, every chunk streams
+            need = max(need, self._device_needs(activations=act, pinned=self.cache.pinned_peak).minimum)
+            return StepOverBudget(
+                f"gpu budget {format_size(exc.budget)} ({exc.budget} B) is below the engine's minimum for this "
+                f"batch: at least {format_size(need)} ({need} B), with activations so far {format_size(act)} "
+                f"(the first step streams every chunk through the smallest window); raise --gpu-mem or lower "
+                f"the batch size / sequence length", minimum={"gpu": need}, weights_intact=intact)
         return StepOverBudget(
             f"gpu budget {format_size(exc.budget)} ({exc.budget} B) cannot hold this step: it needed at least "
             f"{format_size(need)} ({need} B): {format_size(exc.used)} in use + {format_size(exc.asked)} more for "

@@ -262,3 +262,27 @@ def test_plan_verify_runs_the_worst_batch(tmp_path):
     result = CliRunner().invoke(app, args, env={"COLUMNS": "120"})
     assert result.exit_code == 0, (result.output, result.stderr, result.exception)
     assert "batch 2 x 32 padded" in result.output and "PASS" in result.output
+
+
+def test_a_first_step_below_the_minimum_says_so_and_does_not_point_at_measure():
+    """The warm-up step streams every chunk: a budget it cannot run in is below the engine's
+    minimum (Engine.measure would fail the same way). The error's minimum is a lower bound of
+    the minimum the engine measures without a budget, and above the budget."""
+    from tests import module_zoo as zoo
+
+    batch = zoo.data(1)[0]
+    free = Engine(zoo.build("tied"), lr=1e-3, chunk_bytes=4 << 10, loss_fn=zoo.lm_loss)
+    try:
+        free.step(batch)
+        true_minimum = free.minimum_gpu_bytes
+    finally:
+        free.close()
+    budget = true_minimum // 2
+    eng = Engine(zoo.build("tied"), lr=1e-3, chunk_bytes=4 << 10, loss_fn=zoo.lm_loss, gpu_mem=budget)
+    try:
+        with pytest.raises(StepOverBudget, match="below the engine's minimum") as exc:
+            eng.step(batch)
+        assert "measure" not in str(exc.value)
+        assert budget < exc.value.minimum["gpu"] <= true_minimum
+    finally:
+        eng.close()
