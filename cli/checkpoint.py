@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from offload.errors import TierwiseError
+from ..offload.core.errors import TierwiseError
 
 LATEST = "latest"
 _NAME = re.compile(r"^ckpt-(\d+)$")

@@ -13,8 +13,8 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from offload.errors import TierwiseError
-from offload.sizes import parse_size
+from ..offload.core.errors import TierwiseError
+from ..offload.core.sizes import parse_size
 
 OPTIMIZERS = ("adamw", "adamw8bit", "galore", "galore8bit", "apollo", "apollo-mini", "mezo", "sgd")
 PRECISIONS = ("bf16", "fp32")

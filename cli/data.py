@@ -23,12 +23,15 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 import torch
 
-from offload.errors import TierwiseError
+from ..offload.core.errors import TierwiseError
+
+if TYPE_CHECKING:
+    from .loading import ModelSource
 
 log = logging.getLogger(__name__)
 IGNORE = -100
@@ -261,6 +264,15 @@ def has_padding(blocks: list) -> bool:
     return any(not bool(b[2].all()) for b in blocks)
 
 
+def check_vocab(blocks: list, src: ModelSource) -> None:
+    """Every token id must be an embedding row: a tokenizer bigger than the model is an error."""
+    vocab = getattr(src.config, "vocab_size", None)
+    top = max(int(b[0].max()) for b in blocks)
+    if vocab and top >= vocab:
+        raise DataError(f"the tokenizer produced token id {top} but the model's vocab_size is "
+                        f"{vocab}: --model and its tokenizer do not match")
+
+
 def padded_batch(blocks: list, *, batch_size: int) -> dict[str, torch.Tensor] | None:
     """A batch of `batch_size` blocks that holds a padded one (the run's worst step), or None
     when no block is padded."""
@@ -285,7 +297,7 @@ def eval_batches(blocks: list, *, batch_size: int) -> list[dict[str, torch.Tenso
 def load_blocks(path: "str | Path | None", tokenizer, *, seq_len: int, pack: bool = True) -> list:
     """Blocks from `path`, or from the built-in sample when `path` is None."""
     if path is None:
-        from cli.builtin import sample_rows
+        from .builtin import sample_rows
 
         rows = [Row(data=r, where=f"<sample>:{i + 1}") for i, r in enumerate(sample_rows())]
     else:

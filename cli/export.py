@@ -18,8 +18,8 @@ from typing import Iterable
 
 import torch
 
-from cli.checkpoint import write_safetensors
-from offload.sizes import parse_size
+from .checkpoint import write_safetensors
+from ..offload.core.sizes import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ def export_hf(named: Iterable[tuple[str, torch.Tensor]], out_dir: "str | Path", 
     buffers decide what is written; without it, a new model of `config` does. `config` is
     written as given, with the export dtype.
     """
-    from cli.layout import ModelLayout, iter_export
-    from cli.loading import build_meta_model
+    from .layout import ModelLayout, iter_export
+    from .loading import build_meta_model
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from cli.loading import ModelError, read_safetensors_index, read_tensor
+from .loading import ModelError, read_safetensors_index, read_tensor
 
 log = logging.getLogger(__name__)
 

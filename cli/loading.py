@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from offload.errors import TierwiseError
+from ..offload.core.errors import TierwiseError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class ModelSource:
 
 def build_meta_model(config) -> torch.nn.Module:
     """The model `finetune` trains, on the meta device, ties tied (offload.model_info.hf_meta_model)."""
-    from offload.model_info import hf_meta_model
+    from ..offload.engine.model_info import hf_meta_model
 
     return hf_meta_model(config)
 
@@ -138,7 +138,7 @@ def iter_safetensors(model_dir: "str | Path", *, order: Sequence[str] | None = N
 def resolve_model(spec: str | None) -> ModelSource:
     """A local HF dir (has config.json), a model profile name, or None for the built-in tiny."""
     if spec is None:
-        from cli.builtin import build_tokenizer, tiny_llama_config
+        from .builtin import build_tokenizer, tiny_llama_config
 
         tok = build_tokenizer()
         return ModelSource(name="builtin-tiny", config=tiny_llama_config(tokenizer=tok),
@@ -172,12 +172,12 @@ def _from_dir(path: Path) -> ModelSource:
 
 def _from_profile(name: str) -> ModelSource:
     try:
-        from profiles import load_model_profile
+        from ..profiles import load_model_profile
     except ImportError:
         raise ModelError(f"--model {name}: not a directory, and model profiles are not "
                          "available in this build") from None
     profile = load_model_profile(name)  # raises a TierwiseError for an unknown name
-    from cli.builtin import build_tokenizer
+    from .builtin import build_tokenizer
 
     tokenizer, config = build_tokenizer(), profile.to_hf_config()
     if len(tokenizer) > config.vocab_size:  # e.g. the 256-token `tiny` profile

@@ -21,8 +21,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from cli.config import DISK_FULL, TrainConfig, config_callback, raise_config_error
-from offload.errors import TierwiseError
+from .config import DISK_FULL, TrainConfig, config_callback, raise_config_error
+from ..offload.core.errors import TierwiseError
 
 EXIT_USER_ERROR = 2
 #: errno values of a path the user gave that cannot be used.
@@ -201,7 +201,7 @@ def train(
         export_dtype=export_dtype.value if export_dtype else None, precision=precision.value,
         hardware=hardware, chunk_size=chunk_size, dry_run=dry_run,
     )
-    from cli.train import run
+    from .train import run
 
     code = run(cfg, console=Console())
     if code:
@@ -248,7 +248,7 @@ def plan(
                       cxl_node=cxl_node, nvme_path=nvme_path, recompute=recompute,
                       optimizer=optimizer.value, precision=precision.value, batch_size=batch_size, seq_len=seq_len,
                       grad_accum=grad_accum, hardware=hardware, chunk_size=chunk_size)
-    from cli.planning import make_plan, print_plan, resolve_recompute, verify_plan
+    from .planning import make_plan, print_plan, resolve_recompute, verify_plan
 
     cfg = resolve_recompute(cfg)
     if verify:
@@ -273,7 +273,7 @@ def profile(
     output: Optional[str] = Opt(None, help="Write the profile TOML here."),
 ) -> None:
     """Measure this machine's link bandwidths and compute speed into a hardware profile."""
-    from cli.planning import profile as run_profile
+    from .planning import profile as run_profile
 
     run_profile(hardware=hardware, output=output, console=Console())
 

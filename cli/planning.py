@@ -11,10 +11,10 @@ import logging
 from rich.console import Console
 from rich.table import Table
 
-from cli.config import TrainConfig
-from cli.loading import ModelSource, build_meta_model, count_parameters, resolve_model
-from offload.errors import TierwiseError
-from offload.sizes import format_size
+from .config import TrainConfig
+from .loading import ModelSource, build_meta_model, count_parameters, resolve_model
+from ..offload.core.errors import TierwiseError
+from ..offload.core.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None, padded: bool 
     """offload.planner.make_plan for this run, or None when the planner is not built yet.
     `padded`: whether the run's batches can hold padding (None: `data_padded`)."""
     try:
-        from offload.planner import make_plan as planner
+        from ..offload.plan.planner import make_plan as planner
     except ImportError:
         return None
     src = src or resolve_model(cfg.model)
@@ -52,7 +52,7 @@ def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None, padded: bool 
 def engine_params(src: ModelSource) -> list:
     """The parameters the engine will chunk: those of the module training builds
     (cli.loading.build_meta_model), so the plan counts a tied head as the run does."""
-    from offload.chunks import specs_of
+    from ..offload.core.chunks import specs_of
 
     return specs_of(build_meta_model(src.config).named_parameters())
 
@@ -64,7 +64,7 @@ def data_padded(cfg: TrainConfig, src: ModelSource) -> bool:
     and so does most data)."""
     if cfg.data is None:
         return True
-    from cli.data import has_padding, load_blocks
+    from .data import has_padding, load_blocks
 
     return has_padding(load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack))
 
@@ -124,13 +124,12 @@ def print_plan(plan, *, console: Console, as_json: bool) -> None:
 def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
     """`finetune plan --verify`: a few real steps with these settings on this machine, planned
     against measured bytes per tier; returns 0 on PASS, 1 on FAIL (user errors raise)."""
-    from offload.verify import verify
+    from ..offload.tools.verify import verify
 
     src = resolve_model(cfg.model)
     batches, padded = None, True  # random tokens: every batch padded, the worst case
     if cfg.data is not None:
-        from cli.data import Batches, has_padding, load_blocks, padded_batch
-        from cli.train import check_vocab
+        from .data import Batches, check_vocab, has_padding, load_blocks, padded_batch
 
         blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
         check_vocab(blocks, src)
@@ -196,7 +195,7 @@ def profile(*, hardware: str | None, output: str | None, console: Console, nvme_
     Each measurement is printed as it completes; the TOML goes to `output` (then
     `--hardware PATH` uses it), else to the console."""
     try:
-        from offload.profiler import measure
+        from ..offload.tools.profiler import measure
     except ImportError:
         raise TierwiseError("finetune profile is not yet available in this build "
                             "(offload.profiler is missing)") from None

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 
-from offload.sizes import format_size
+from ..offload.core.units import format_size
 
 
 def format_usage(usage: dict | None) -> str:

@@ -3,7 +3,7 @@ and the closing summary. Pure formatting; the numbers come from the engine and t
 
 from __future__ import annotations
 
-from offload.sizes import format_size
+from ..offload.core.units import format_size
 
 PHASES = ("forward", "backward", "update")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from offload.errors import TierwiseError
+from ..offload.core.errors import TierwiseError
 
 SCHEDULES = ("cosine", "linear", "constant")
 

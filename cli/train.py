@@ -15,19 +15,19 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from cli import checkpoint as ckpt
-from cli.config import DISK_FULL, ConfigError, TrainConfig
-from cli.data import Batches, DataError, DataPosition, eval_batches, has_padding, load_blocks, padded_batch
-from cli.export import export_hf
-from cli.layout import ModelLayout, iter_checkpoint, plan_checkpoint
-from cli.loading import ModelSource, build_meta_model, resolve_model
-from cli.metrics import MetricsWriter, read_metrics, truncate_metrics
-from cli.planning import checkpointing, resolve_recompute
-from cli.plots import plot_loss, plot_timeline
-from cli.progress import TrainProgress
-from cli.report import phase_delta, summary, warmup_report
-from cli.schedule import LRSchedule
-from offload.errors import InfeasibleBudget, StepOverBudget, TierwiseError
+from . import checkpoint as ckpt
+from .config import DISK_FULL, ConfigError, TrainConfig
+from .data import Batches, DataError, DataPosition, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
+from .export import export_hf
+from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
+from .loading import ModelSource, build_meta_model, resolve_model
+from .metrics import MetricsWriter, read_metrics, truncate_metrics
+from .planning import checkpointing, resolve_recompute
+from .plots import plot_loss, plot_timeline
+from .progress import TrainProgress
+from .report import phase_delta, summary, warmup_report
+from .schedule import LRSchedule
+from ..offload.core.errors import InfeasibleBudget, StepOverBudget, TierwiseError
 
 log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 130
@@ -36,7 +36,7 @@ EXIT_INTERRUPTED = 130
 def engine_class():
     """offload.Engine (tests replace this function with a stand-in)."""
     try:
-        from offload import Engine
+        from ..offload import Engine
     except ImportError:
         raise TierwiseError("the offload engine is not available in this build") from None
     return Engine
@@ -79,8 +79,8 @@ def activation_estimate(model: torch.nn.Module, cfg: TrainConfig, *, padded: boo
     their final tiers before the first step; None (measure in the warm-up) for other models.
     `padded`: of a padded batch, the run's worst step when its data has any padding."""
     try:
-        from offload.perfmodel import activation_bytes
-        from profiles import ModelProfile
+        from ..offload.plan.perfmodel import activation_bytes
+        from ..profiles import ModelProfile
 
         profile = ModelProfile.from_hf_config(model.config)
     except Exception:  # not a model family the planner knows: the engine measures instead
@@ -143,11 +143,11 @@ def warn(console: Console, text: str) -> None:
 def run(cfg: TrainConfig, *, console: Console) -> int:
     """Train as configured; returns the process exit code (0, or 130 after Ctrl-C)."""
     if cfg.dry_run:
-        from cli.planning import dry_run
+        from .planning import dry_run
 
         return dry_run(cfg, console=console)
     if cfg.hardware:
-        from profiles import load_hardware_profile
+        from ..profiles import load_hardware_profile
 
         load_hardware_profile(cfg.hardware)  # an unknown name is an error naming the known ones
     src = resolve_model(cfg.model)
@@ -218,15 +218,6 @@ def _measure_worst(engine, batch: dict) -> None:
     if getattr(engine, "device_plan", False) is not None or not hasattr(engine, "measure"):
         return  # placed up front for the worst batch already (activation_estimate)
     engine.measure(batch)
-
-
-def check_vocab(blocks: list, src: ModelSource) -> None:
-    """Every token id must be an embedding row: a tokenizer bigger than the model is an error."""
-    vocab = getattr(src.config, "vocab_size", None)
-    top = max(int(b[0].max()) for b in blocks)
-    if vocab and top >= vocab:
-        raise DataError(f"the tokenizer produced token id {top} but the model's vocab_size is "
-                        f"{vocab}: --model and its tokenizer do not match")
 
 
 def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batches: Batches,
@@ -368,7 +359,7 @@ def _warmup_lines(engine, cfg: TrainConfig, src: ModelSource, before: dict, *,
         return []
     plan, error = None, None
     try:
-        from cli.planning import make_plan
+        from .planning import make_plan
 
         plan = make_plan(cfg, src=src, padded=padded)
         if plan is None:

@@ -1,8 +1,34 @@
-"""tierwise's heterogeneous memory manager: chunks, tiers, ledger, executor, engine."""
+"""tierwise's heterogeneous memory manager, one sub-package per stage of a step, each
+importing only those above it in this list (tests/test_structure.py holds the order):
 
-from offload.engine import Engine
-from offload.errors import BudgetExceeded, InfeasibleBudget, SizeError, TierwiseError
-from offload.sizes import format_size, parse_size
+    core     errors, byte sizes, parameter specs and chunk packing   (no torch)
+    update   optimizer math on chunk storage (updaters, MeZO)
+    plan     placement, homes, performance model, planner, schedule  (no torch)
+    runtime  ledger, tiers, links, aligned/CXL/NVMe storage, executor, store, cache, trace
+    engine   the Engine and the helpers that hook it into the model
+    tools    verify and profiler (run engines and planner against each other)
 
-__all__ = ["Engine", "BudgetExceeded", "InfeasibleBudget", "SizeError", "TierwiseError",
-           "format_size", "parse_size"]
+This face is lazy (module `__getattr__`): `import tierwise.offload` and its torch-free stages
+work without torch; `Engine` imports it on first use."""
+
+from importlib import import_module
+
+_EXPORTS = {
+    "Engine": ".engine.engine",
+    "BudgetExceeded": ".core.errors", "InfeasibleBudget": ".core.errors", "SizeError": ".core.errors",
+    "TierwiseError": ".core.errors",
+    "format_size": ".core.units", "parse_size": ".core.sizes",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,15 +1,15 @@
 """Hardware and model profiles: TOML data files plus a small validating loader.
 
-    >>> from profiles import load_model_profile, load_hardware_profile
+    >>> from tierwise.profiles import load_model_profile, load_hardware_profile
     >>> load_model_profile("7b").num_params
     6738415616
 """
 
-from profiles.hardware import CxlSpec, GpuSpec, HardwareProfile, HostSpec, NvmeSpec, PcieSpec
-from profiles.model import ModelProfile
-from profiles.registry import known_profiles, load_hardware_profile, load_model_profile
-from profiles.schema import (FieldTypeError, FieldValueError, MissingFieldError, ProfileError,
-                             ProfileFieldError, UnknownFieldError, UnknownProfileError)
+from .hardware import CxlSpec, GpuSpec, HardwareProfile, HostSpec, NvmeSpec, PcieSpec
+from .model import ModelProfile
+from .registry import known_profiles, load_hardware_profile, load_model_profile
+from .schema import (FieldTypeError, FieldValueError, MissingFieldError, ProfileError,
+                     ProfileFieldError, UnknownFieldError, UnknownProfileError)
 
 __all__ = [
     "CxlSpec", "GpuSpec", "HardwareProfile", "HostSpec", "NvmeSpec", "PcieSpec", "ModelProfile",

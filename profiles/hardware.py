@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from profiles.schema import validate_fields
+from .schema import validate_fields
 
 _SIZE = {"size": True}
 

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from offload.chunks import ParamSpec
-from profiles.schema import FieldValueError, validate_fields
+from ..offload.core.chunks import ParamSpec
+from .schema import FieldValueError, validate_fields
 
 #: family -> (transformers config class name, whether q/k/v projections carry a bias)
 FAMILIES: dict[str, tuple[str, bool]] = {

@@ -7,9 +7,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from profiles.hardware import HardwareProfile
-from profiles.model import ModelProfile
-from profiles.schema import FieldTypeError, ProfileError, UnknownProfileError, from_table
+from .hardware import HardwareProfile
+from .model import ModelProfile
+from .schema import FieldTypeError, ProfileError, UnknownProfileError, from_table
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import types
 import typing
 from typing import Any, TypeVar
 
-from offload.errors import SizeError, TierwiseError
-from offload.sizes import parse_size
+from ..offload.core.errors import SizeError, TierwiseError
+from ..offload.core.sizes import parse_size
 
 T = TypeVar("T")
 

@@ -1,4 +1,16 @@
+"""Test setup. `tierwise` resolves to THIS checkout (tests/devtree/tierwise; README,
+Development), here and in every subprocess a test starts, whichever checkout is installed."""
+
 import os
+import sys
+from pathlib import Path
+
+_DEVTREE = str(Path(__file__).resolve().parent / "devtree")
+if sys.path[:1] != [_DEVTREE]:
+    sys.path.insert(0, _DEVTREE)
+for _name in [n for n in sys.modules if n == "tierwise" or n.startswith("tierwise.")]:
+    del sys.modules[_name]  # imported from elsewhere before this ran (a plugin): rebind
+os.environ["PYTHONPATH"] = os.pathsep.join([_DEVTREE, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 import pytest
 import torch

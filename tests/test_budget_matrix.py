@@ -44,16 +44,16 @@ import pytest
 import torch
 import transformers
 
-from offload import Engine
-from offload.errors import InfeasibleBudget
-from offload.ledger import Ledger
-from offload.planner import make_plan
-from offload.updaters import drop_in_groups
-from offload.verify import cuda_peak
-from optim import AdamW8bit, ApolloAdamW, GaLoreAdamW, MeZO
-from optim.mezo import direction, tensor_seed
-from profiles import ModelProfile, load_hardware_profile
-from profiles.hardware import CxlSpec
+from tierwise.offload import Engine
+from tierwise.offload.core.errors import InfeasibleBudget
+from tierwise.offload.runtime.ledger import Ledger
+from tierwise.offload.plan.planner import make_plan
+from tierwise.offload.update.updaters import drop_in_groups
+from tierwise.offload.tools.verify import cuda_peak
+from tierwise.optim import AdamW8bit, ApolloAdamW, GaLoreAdamW, MeZO
+from tierwise.optim.mezo import direction, tensor_seed
+from tierwise.profiles import ModelProfile, load_hardware_profile
+from tierwise.profiles.hardware import CxlSpec
 from tests import module_zoo as zoo
 
 TOL = 0.10  # planned vs measured steady-state peak, relative to the measured
@@ -397,7 +397,7 @@ def param_probe(kind: str, opt: str, prec: str) -> tuple[int, dict]:
 
 
 def module_budgets(kind: str, budget: str, opt: str, tiers: str, prec: str, nvme_dir) -> dict:
-    from offload.homes import minimum_host
+    from tierwise.offload.plan.homes import minimum_host
 
     minimum, kinds = param_probe(kind, opt, prec)
     everything = sum(sum(k.values()) for k in kinds.values())

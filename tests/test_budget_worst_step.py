@@ -22,14 +22,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from models import tiny_llama  # noqa: E402
 from tinyhf import StandInEngine, write_jsonl  # noqa: E402
 
-import cli.train  # noqa: E402
-from cli.config import TrainConfig  # noqa: E402
-from cli.main import app  # noqa: E402
-from cli.planning import make_plan  # noqa: E402
-from offload import Engine  # noqa: E402
-from offload.errors import StepOverBudget  # noqa: E402
-from offload.perfmodel import activation_bytes  # noqa: E402
-from profiles import ModelProfile  # noqa: E402
+from tierwise.cli import train as cli_train  # noqa: E402
+from tierwise.cli.config import TrainConfig  # noqa: E402
+from tierwise.cli.main import app  # noqa: E402
+from tierwise.cli.planning import make_plan  # noqa: E402
+from tierwise.offload import Engine  # noqa: E402
+from tierwise.offload.core.errors import StepOverBudget  # noqa: E402
+from tierwise.offload.plan.perfmodel import activation_bytes  # noqa: E402
+from tierwise.profiles import ModelProfile  # noqa: E402
 
 RUN = dict(model="tiny", seq_len=32, batch_size=2, chunk_size="16K")
 
@@ -91,8 +91,8 @@ def _steps(out: Path) -> list[dict]:
 @pytest.fixture
 def engines(monkeypatch) -> list:
     """The engines `finetune` builds in this test (to read their ledgers afterwards)."""
-    made, real = [], cli.train.make_engine
-    monkeypatch.setattr(cli.train, "make_engine", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    made, real = [], cli_train.make_engine
+    monkeypatch.setattr(cli_train, "make_engine", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
     return made
 
 
@@ -139,7 +139,7 @@ def test_the_reported_run_trains_through_its_short_batch(tmp_path, engines, monk
     the planner does not know, the engine places chunks after measuring, so `finetune` first
     measures the padded batch (Engine.measure); without that, step 2 would not fit."""
     if placed == "measured":
-        monkeypatch.setattr(cli.train, "activation_estimate", lambda *a, **kw: None)
+        monkeypatch.setattr(cli_train, "activation_estimate", lambda *a, **kw: None)
     args = ["--model", "tiny", "--gpu-mem", "4M", "--cpu-mem", "1.4M", "--chunk-size", "128K",
             "--nvme-path", str(tmp_path / "nvme"), "--seed", "4"]
     plan = make_plan(TrainConfig(model="tiny", gpu_mem="4M", cpu_mem="1.4M", chunk_size="128K",
@@ -230,7 +230,7 @@ def test_cli_checkpoints_the_last_completed_step_and_exits_2(tmp_path, monkeypat
     fast = ["--seq-len", "32", "--batch-size", "2", "--seed", "3"]
     monkeypatch.setattr(_OverBudgetAtStep3, "intact", intact)
     monkeypatch.setattr(_OverBudgetAtStep3, "done", done)
-    monkeypatch.setattr(cli.train, "engine_class", lambda: _OverBudgetAtStep3)
+    monkeypatch.setattr(cli_train, "engine_class", lambda: _OverBudgetAtStep3)
     out = tmp_path / "run"
     r = CliRunner().invoke(app, [*fast, "--steps", "4", "--output", str(out)])
     assert r.exit_code == 2, (r.output, r.exception)
@@ -243,7 +243,7 @@ def test_cli_checkpoints_the_last_completed_step_and_exits_2(tmp_path, monkeypat
     last = "ckpt-000003" if done else "ckpt-000002"
     assert f"checkpoint {last} saved" in lines[0]
     assert (out / "latest").read_text().strip() == last
-    monkeypatch.setattr(cli.train, "engine_class", lambda: StandInEngine)
+    monkeypatch.setattr(cli_train, "engine_class", lambda: StandInEngine)
     r = CliRunner().invoke(app, [*fast, "--steps", "4", "--output", str(out), "--resume"])
     assert r.exit_code == 0, (r.output, r.exception)
     resumed = [(s["step"], s["loss"]) for s in _steps(out)]

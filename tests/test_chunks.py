@@ -1,4 +1,4 @@
-from offload.chunks import ALIGN, ParamSpec, pack_chunks
+from tierwise.offload.core.chunks import ALIGN, ParamSpec, pack_chunks
 
 
 def specs(*shapes):
@@ -32,7 +32,7 @@ def test_no_overlap_and_everything_placed():
 def test_dense_layouts_and_slot_views():
     import torch
 
-    from offload.chunks import contiguous_strides, is_dense
+    from tierwise.offload.core.chunks import contiguous_strides, is_dense
 
     assert contiguous_strides((2, 3, 4)) == (12, 4, 1) and contiguous_strides(()) == ()
     assert is_dense((3, 4), (1, 3)) and is_dense((), ()) and is_dense((4, 1), (1, 99))  # size-1 dims never matter
@@ -51,14 +51,14 @@ def test_dense_layouts_and_slot_views():
 def test_overlapping_parameter_is_refused():
     import pytest
 
-    from offload.errors import ParamLayoutError
+    from tierwise.offload.core.errors import ParamLayoutError
 
     with pytest.raises(ParamLayoutError, match="'w'"):
         pack_chunks([ParamSpec(name="w", shape=(3, 4), stride=(0, 1))])
 
 
 def test_fused_ranges_merge_aligned_slots_and_isolate_odd_ones():
-    from offload.update import fused_ranges
+    from tierwise.offload.update.update import fused_ranges
 
     plan = pack_chunks(specs((16,), (32,), (3,), (16,), (16,), (5,)))
     assert fused_ranges(plan, plan.chunks[0]) == [(0, 48), (48, 3), (64, 32), (96, 5)]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from cli import checkpoint as ckpt
+from tierwise.cli import checkpoint as ckpt
 
 
 def _engine_state(scale: float) -> dict:
@@ -90,7 +90,7 @@ def test_process_killed_mid_write_keeps_previous_checkpoint(tmp_path):
     """SIGKILL the writer while the new checkpoint's files are being fsynced."""
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from cli import checkpoint as ckpt
+        from tierwise.cli import checkpoint as ckpt
         state = {{"w": torch.ones(4)}}
         ckpt.save_checkpoint({str(tmp_path)!r}, step=1, engine_state=state, trainer_state={{}})
         calls = []

@@ -9,8 +9,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tinyhf import write_jsonl  # noqa: E402
 
-from cli.builtin import build_tokenizer  # noqa: E402
-from cli.data import (IGNORE, Batches, DataError, DataPosition, Row, encode_row,  # noqa: E402
+from tierwise.cli.builtin import build_tokenizer  # noqa: E402
+from tierwise.cli.data import (IGNORE, Batches, DataError, DataPosition, Row, encode_row,  # noqa: E402
                       load_blocks, make_blocks, read_rows)
 
 

@@ -24,9 +24,9 @@ from typer.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).parent))
 from tinyhf import make_tiny_llama_dir, write_jsonl  # noqa: E402
 
-from cli import checkpoint as ckpt  # noqa: E402
-from cli.main import app  # noqa: E402
-from cli.metrics import read_metrics  # noqa: E402
+from tierwise.cli import checkpoint as ckpt  # noqa: E402
+from tierwise.cli.main import app  # noqa: E402
+from tierwise.cli.metrics import read_metrics  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_BUDGET = 700 << 10
@@ -35,12 +35,12 @@ STEPS = 6
 
 
 def _env(**extra) -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "120", **extra}
+    return {**os.environ, "COLUMNS": "120", **extra}  # PYTHONPATH: conftest binds tierwise
 
 
 def _finetune(*args: str, **popen) -> subprocess.Popen:
     """`finetune ARGS` in a subprocess that imports this checkout."""
-    return subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=popen.pop("cwd", REPO),
+    return subprocess.Popen([sys.executable, "-m", "tierwise.cli.main", *args], cwd=popen.pop("cwd", REPO),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=popen.pop("env", _env()), **popen)
 
@@ -107,7 +107,7 @@ def _mean_loss(model, batches) -> float:
 def test_hf_dir_trains_streams_and_exports_the_trained_model(assets, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cli.data import eval_batches, load_blocks
+    from tierwise.cli.data import eval_batches, load_blocks
 
     model_dir, _ = assets
     data = write_jsonl(tmp_path / "eval.jsonl", [{"text": "The tiny model streams chunk 3 "
@@ -302,7 +302,7 @@ def test_error_disk_full_subprocess_real_write_failure(assets, tmp_path):
 
 def test_quickstart_demo_under_a_minute(tmp_path):
     exe = shutil.which("finetune")
-    cmd = [exe] if exe else [sys.executable, "-m", "cli.main"]
+    cmd = [exe] if exe else [sys.executable, "-m", "tierwise.cli.main"]
     out = tmp_path / "demo"
     out.mkdir()
     (out / "old.txt").write_text("an earlier run")  # --overwrite replaces it
@@ -340,9 +340,9 @@ def test_offload_activations_flag_trains(tmp_path):
 def test_recompute_is_automatic_and_can_be_forced(tmp_path, monkeypatch):
     """Unset, --recompute follows the gpu budget (planner): off where every layer's activations
     fit, on where they do not; either flag forces it. The engine gets the decision."""
-    from cli import train as train_mod
-    from cli.config import TrainConfig
-    from cli.planning import resolve_recompute
+    from tierwise.cli import train as train_mod
+    from tierwise.cli.config import TrainConfig
+    from tierwise.cli.planning import resolve_recompute
 
     base = dict(model="tiny", batch_size=2, seq_len=32, chunk_size="16K", cpu_mem="64M")
     assert resolve_recompute(TrainConfig(**base, gpu_mem="8M")).recompute is False
@@ -364,8 +364,8 @@ def test_recompute_is_automatic_and_can_be_forced(tmp_path, monkeypatch):
 def test_offload_activations_implies_recompute(tmp_path):
     """Activation offload moves the inputs of recomputed layers: auto keeps recompute on for it,
     and asking for both it and --no-recompute is a one-line error."""
-    from cli.config import TrainConfig
-    from cli.planning import resolve_recompute
+    from tierwise.cli.config import TrainConfig
+    from tierwise.cli.planning import resolve_recompute
 
     cfg = TrainConfig(model="tiny", batch_size=2, seq_len=32, gpu_mem="8M", offload_activations=True)
     assert resolve_recompute(cfg).recompute is True

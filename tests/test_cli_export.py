@@ -10,8 +10,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tinyhf import make_tiny_llama_dir  # noqa: E402
 
-from cli.export import export_hf  # noqa: E402
-from cli.loading import (ModelError, build_meta_model, iter_safetensors,  # noqa: E402
+from tierwise.cli.export import export_hf  # noqa: E402
+from tierwise.cli.loading import (ModelError, build_meta_model, iter_safetensors,  # noqa: E402
                          resolve_model)
 
 

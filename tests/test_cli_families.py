@@ -25,15 +25,15 @@ from typer.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).parent))
 from tinyhf import FAMILIES, make_tiny_family_dir, write_jsonl  # noqa: E402
 
-from cli import train  # noqa: E402
-from cli.builtin import sample_rows  # noqa: E402
-from cli.config import TrainConfig  # noqa: E402
-from cli.data import Batches, eval_batches, load_blocks  # noqa: E402
-from cli.layout import ModelLayout, iter_checkpoint  # noqa: E402
-from cli.loading import ModelError, build_meta_model  # noqa: E402
-from cli.main import app  # noqa: E402
-from cli.metrics import read_metrics  # noqa: E402
-from cli.schedule import LRSchedule  # noqa: E402
+from tierwise.cli import train  # noqa: E402
+from tierwise.cli.builtin import sample_rows  # noqa: E402
+from tierwise.cli.config import TrainConfig  # noqa: E402
+from tierwise.cli.data import Batches, eval_batches, load_blocks  # noqa: E402
+from tierwise.cli.layout import ModelLayout, iter_checkpoint  # noqa: E402
+from tierwise.cli.loading import ModelError, build_meta_model  # noqa: E402
+from tierwise.cli.main import app  # noqa: E402
+from tierwise.cli.metrics import read_metrics  # noqa: E402
+from tierwise.cli.schedule import LRSchedule  # noqa: E402
 
 OPTIONS = dict(seq_len=16, batch_size=2, steps=3, lr=1e-2, warmup_steps=1, chunk_size="16K",
                recompute=True)  # recompute: the engine turns use_cache off, the export must not
@@ -61,7 +61,7 @@ def _from_pretrained(model_dir):
 
 def _finetune(model_dir: Path, data, out: Path, monkeypatch) -> dict:
     """Run the real CLI in-process; returns the engine's logits of the last eval batch."""
-    from offload import Engine
+    from tierwise.offload import Engine
 
     seen = {}
 
@@ -147,7 +147,7 @@ def test_family_trains_like_pytorch_and_exports_like_save_pretrained(family, dat
 def test_meta_model_ties_what_transformers_ties_on_its_own_config():
     from transformers import AutoModelForCausalLM
 
-    from cli.builtin import build_tokenizer
+    from tierwise.cli.builtin import build_tokenizer
     from tinyhf import family_config
 
     tokenizer = build_tokenizer(vocab_size=288)
@@ -265,7 +265,7 @@ def test_a_tensor_of_the_wrong_shape_is_a_one_line_error(data, tmp_path):
 def test_loading_fused_experts_holds_one_target_at_a_time(tmp_path, monkeypatch):
     """Between two tensors handed to the engine, the loader reads at most the sources of one
     target (e.g. 2 x 4 expert matrices for one gate_up_proj), never a whole shard or file."""
-    import cli.layout as layout_mod
+    import tierwise.cli.layout as layout_mod
 
     src = make_tiny_family_dir(tmp_path / "src", "mixtral", max_shard_size="24KB")
     reads = []
@@ -285,8 +285,8 @@ def test_fused_qkv_on_disk_splits_into_the_engine_and_back(tmp_path):
     into an Engine (whose parameters are placeholders by then) and exported back unchanged."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from cli.layout import iter_export
-    from offload import Engine
+    from tierwise.cli.layout import iter_export
+    from tierwise.offload import Engine
 
     cfg = AutoConfig.for_model("sarvam_moe", vocab_size=288, hidden_size=32, intermediate_size=64,
                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -15,9 +15,9 @@ SCRIPT = textwrap.dedent("""
     import json, sys, threading, time
     import psutil, torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from cli.layout import ModelLayout, iter_checkpoint
-    from cli.loading import build_meta_model
-    from offload import Engine
+    from tierwise.cli.layout import ModelLayout, iter_checkpoint
+    from tierwise.cli.loading import build_meta_model
+    from tierwise.offload import Engine
 
     model_dir, swap, cpu_mem = sys.argv[1], sys.argv[2], int(sys.argv[3])
     model = build_meta_model(AutoConfig.from_pretrained(model_dir))

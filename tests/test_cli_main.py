@@ -13,15 +13,15 @@ from typer.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).parent))
 from tinyhf import StandInEngine, write_jsonl  # noqa: E402
 
-import cli.train  # noqa: E402
-from cli.main import app  # noqa: E402
+from tierwise.cli import train as cli_train  # noqa: E402
+from tierwise.cli.main import app  # noqa: E402
 
 FAST = ["--seq-len", "32", "--batch-size", "2"]
 
 
 @pytest.fixture
 def runner(monkeypatch):
-    monkeypatch.setattr(cli.train, "engine_class", lambda: StandInEngine)
+    monkeypatch.setattr(cli_train, "engine_class", lambda: StandInEngine)
     return CliRunner()
 
 
@@ -66,7 +66,7 @@ def test_non_empty_output_needs_resume_or_overwrite(runner, tmp_path):
 
 def test_config_file_merges_and_cli_wins(runner, tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr(cli.train, "run", lambda cfg, console: seen.setdefault("cfg", cfg) and 0)
+    monkeypatch.setattr(cli_train, "run", lambda cfg, console: seen.setdefault("cfg", cfg) and 0)
     toml = tmp_path / "run.toml"
     toml.write_text('gpu-mem = "24G"\nlr = 0.001\nsteps = 7\noptimizer = "adamw8bit"\n'
                     'dry_run = true\nprecision = "bf16"\n')
@@ -86,7 +86,7 @@ def test_config_file_unknown_key_and_bad_value(runner, tmp_path):
 
 
 def test_plan_without_planner_is_a_clear_error(runner, monkeypatch):
-    monkeypatch.setitem(sys.modules, "offload.planner", None)
+    monkeypatch.setitem(sys.modules, "tierwise.offload.plan.planner", None)
     assert "not yet available" in _error_line(runner.invoke(app, ["plan"]))
 
 
@@ -121,9 +121,8 @@ def test_train_resume_export_and_plots(runner, tmp_path):
 
 
 def test_console_script_error_has_no_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "--gpu-mem", "lots"],
-                          capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    proc = subprocess.run([sys.executable, "-m", "tierwise.cli.main", "--gpu-mem", "lots"],
+                          capture_output=True, text=True, cwd=tmp_path)  # conftest: PYTHONPATH
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: bad --gpu-mem 'lots'") and "Traceback" not in proc.stderr
 
@@ -139,13 +138,13 @@ class _InterruptAtStep2(StandInEngine):
 
 
 def test_ctrl_c_checkpoints_and_exits_130(runner, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli.train, "engine_class", lambda: _InterruptAtStep2)
+    monkeypatch.setattr(cli_train, "engine_class", lambda: _InterruptAtStep2)
     out = tmp_path / "run"
     r = runner.invoke(app, [*FAST, "--steps", "5", "--output", str(out)])
     assert r.exit_code == 130, (r.output, r.exception)
     assert (out / "latest").read_text().strip() == "ckpt-000002"
     assert not (out / "model").exists()
-    monkeypatch.setattr(cli.train, "engine_class", lambda: StandInEngine)
+    monkeypatch.setattr(cli_train, "engine_class", lambda: StandInEngine)
     r = runner.invoke(app, [*FAST, "--steps", "4", "--output", str(out), "--resume"])
     assert r.exit_code == 0, (r.output, r.exception)
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]

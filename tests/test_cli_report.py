@@ -12,9 +12,9 @@ from safetensors import SafetensorError
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from cli import checkpoint as ckpt  # noqa: E402
-from cli.metrics import MetricsWriter, read_metrics, truncate_metrics  # noqa: E402
-from cli.report import phase_delta, summary, warmup_report  # noqa: E402
+from tierwise.cli import checkpoint as ckpt  # noqa: E402
+from tierwise.cli.metrics import MetricsWriter, read_metrics, truncate_metrics  # noqa: E402
+from tierwise.cli.report import phase_delta, summary, warmup_report  # noqa: E402
 
 MEASURED = {"forward": 0.0123, "backward": 0.5, "update": 0.0004}
 PEAKS = {"gpu": 700 << 10, "host": 3 << 20}

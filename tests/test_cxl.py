@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from offload.aligned import aligned_empty
-from offload.cxl import (CxlAllocator, NumaNode, bind_to_nodes, cxl_aware_kinds,
+from tierwise.offload.runtime.aligned import aligned_empty
+from tierwise.offload.runtime.cxl import (CxlAllocator, NumaNode, bind_to_nodes, cxl_aware_kinds,
                          detect_cxl_nodes, detect_numa_nodes, nodemask, parse_cpulist,
                          place_kinds)
-from offload.errors import BudgetExceeded, TierwiseError
+from tierwise.offload.core.errors import BudgetExceeded, TierwiseError
 
 GIB = 1 << 30
 

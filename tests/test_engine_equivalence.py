@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from offload import Engine, InfeasibleBudget
+from tierwise.offload import Engine, InfeasibleBudget
 from tests.models import batches, tiny_llama, train_reference
 
 CHUNK = 16 << 10  # small chunks so a 4-layer toy model spans ~30 of them
@@ -129,8 +129,8 @@ def test_changed_control_flow_retraces_instead_of_deadlocking():
 
 
 def test_placed_up_front_from_the_planner_estimate():
-    from offload.perfmodel import activation_bytes
-    from profiles import ModelProfile
+    from tierwise.offload.plan.perfmodel import activation_bytes
+    from tierwise.profiles import ModelProfile
 
     data = batches(4)
     ref_losses, ref = train_reference(tiny_llama(), data)

@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from offload import Engine
-from optim import MeZO
+from tierwise.offload import Engine
+from tierwise.optim import MeZO
 from tests.models import batches, tiny_llama
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from offload import Engine, InfeasibleBudget
-from offload.errors import StepOverBudget, UnsupportedModel
+from tierwise.offload import Engine, InfeasibleBudget
+from tierwise.offload.core.errors import StepOverBudget, UnsupportedModel
 from tests import module_zoo as zoo
 
 ONE_CHUNK, SMALL = 64 << 20, 4 << 10  # the default chunk size holds these models whole
@@ -277,7 +277,7 @@ def test_a_budget_error_while_holding_a_shared_gradient_sum_keeps_the_ledger_rig
     """The device cannot hold a shared weight's gradient sum (BudgetExceeded in the gradient
     hook): the step fails with StepOverBudget, and after the next step the ledger holds no
     activation bytes (nothing was released that had not been reserved)."""
-    from offload.errors import BudgetExceeded
+    from tierwise.offload.core.errors import BudgetExceeded
 
     data = zoo.data(3)
     eng = engine("shared", SMALL, gpu_mem="64M")

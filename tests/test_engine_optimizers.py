@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
-from offload import Engine
-from offload.updaters import drop_in_groups
-from optim import AdamW8bit, ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit
+from tierwise.offload import Engine
+from tierwise.offload.update.updaters import drop_in_groups
+from tierwise.optim import AdamW8bit, ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit
 from tests.models import batches, tiny_llama
 
 HP = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)

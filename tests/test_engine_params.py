@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from offload import Engine
-from offload.errors import InfeasibleBudget, ParamLayoutError
-from offload.homes import minimum_host
-from offload.updaters import drop_in_groups
-from optim import AdamW8bit, ApolloAdamW, GaLoreAdamW
+from tierwise.offload import Engine
+from tierwise.offload.core.errors import InfeasibleBudget, ParamLayoutError
+from tierwise.offload.plan.homes import minimum_host
+from tierwise.offload.update.updaters import drop_in_groups
+from tierwise.optim import AdamW8bit, ApolloAdamW, GaLoreAdamW
 from tests.param_models import D, HP, KINDS, Zoo, train_zoo_reference, zoo_data, zoo_loss
 
 CHUNK = 4 << 10
@@ -185,8 +185,8 @@ def test_other_optimizers_equal_drop_in_on_every_kind(name):
 def test_adamw_chunks_equal_fused_adamw_for_every_element_count():
     """The chunk updater alone, many sizes (tails of every length), a few steps: parameters and
     both moments equal torch.optim.AdamW(fused=True)'s."""
-    from offload.chunks import ParamSpec, pack_chunks
-    from offload.update import AdamWChunks, Hyper
+    from tierwise.offload.core.chunks import ParamSpec, pack_chunks
+    from tierwise.offload.update.update import AdamWChunks, Hyper
 
     shapes = [(n,) for n in range(1, 41)] + [(), (4097,), (4104,), (7, 3), (16, 16)]
     plan = pack_chunks([ParamSpec(name=f"p{i}", shape=s) for i, s in enumerate(shapes)], chunk_bytes=32 << 10)

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from offload import Engine
-from offload.errors import NvmeError
+from tierwise.offload import Engine
+from tierwise.offload.core.errors import NvmeError
 from tests.models import batches, tiny_llama, train_reference
 
 CHUNK = 16 << 10
@@ -111,7 +111,7 @@ def test_swap_files_removed_on_ctrl_c(tmp_path):
         import sys, time
         sys.path.insert(0, {os.getcwd()!r})
         from tests.models import tiny_llama, batches
-        from offload import Engine
+        from tierwise.offload import Engine
         eng = Engine(tiny_llama(), gpu_mem="500K", cpu_mem="1M", chunk_bytes={CHUNK}, nvme_path={str(swap)!r})
         eng.step(batches(1)[0])
         print("ready", flush=True)

@@ -1,7 +1,7 @@
 import pytest
 
-from offload.errors import InfeasibleBudget
-from offload.homes import assign_homes, bounce_bytes, minimum_host
+from tierwise.offload.core.errors import InfeasibleBudget
+from tierwise.offload.plan.homes import assign_homes, bounce_bytes, minimum_host
 
 U = 4096  # bounce buffers are 4096-byte aligned: test in whole pages
 

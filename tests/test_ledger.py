@@ -1,7 +1,7 @@
 import pytest
 
-from offload.errors import BudgetExceeded
-from offload.ledger import Ledger
+from tierwise.offload.core.errors import BudgetExceeded
+from tierwise.offload.runtime.ledger import Ledger
 
 
 def test_reserve_release_peak_and_kinds():

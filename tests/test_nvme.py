@@ -13,10 +13,10 @@ import threading
 import pytest
 import torch
 
-from offload import nvme
-from offload.aligned import aligned_empty, is_aligned
-from offload.errors import NvmeError
-from offload.nvme import NvmeStore
+from tierwise.offload import nvme
+from tierwise.offload.runtime.aligned import aligned_empty, is_aligned
+from tierwise.offload.core.errors import NvmeError
+from tierwise.offload.runtime.nvme import NvmeStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 16 << 10  # small blocks so a few KiB already take the multi-block path
@@ -158,8 +158,8 @@ def test_disk_full_from_file_size_limit(tmp_path):
     """A real full disk, without root: RLIMIT_FSIZE makes writes past 1 MiB fail (EFBIG)."""
     script = textwrap.dedent(f"""
         import resource, signal, torch
-        from offload.nvme import NvmeStore
-        from offload.errors import NvmeError
+        from tierwise.offload.runtime.nvme import NvmeStore
+        from tierwise.offload.core.errors import NvmeError
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         with NvmeStore({str(tmp_path)!r}, block_size=65536) as s:
@@ -251,7 +251,7 @@ def test_ctrl_c_removes_swap_files(tmp_path, use_with):
                else f"s = NvmeStore({str(directory)!r})\nif True:")
     script = f"""
 import time, torch
-from offload.nvme import NvmeStore
+from tierwise.offload.runtime.nvme import NvmeStore
 {opening}
     s.write('a', torch.zeros(10000))
     s.write('b', torch.ones(10000))
@@ -269,7 +269,7 @@ from offload.nvme import NvmeStore
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": ROOT}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([os.environ["PYTHONPATH"], ROOT])}  # conftest binds tierwise
 
 
 def _python(script: str) -> subprocess.CompletedProcess:

@@ -4,10 +4,10 @@ import math
 import pytest
 import torch
 
-from optim import AdamW8bit, adamw8bit_step_, init_adamw8bit_state
-from optim import _cpu_kernel
-from optim.adamw8bit import _c_step, adamw8bit_step_reference_
-from optim.quant import create_dynamic_map, dequantize_blockwise, dynamic_map, midpoints, decade_table, quantize_blockwise
+from tierwise.optim import AdamW8bit, adamw8bit_step_, init_adamw8bit_state
+from tierwise.optim import _cpu_kernel
+from tierwise.optim.adamw8bit import _c_step, adamw8bit_step_reference_
+from tierwise.optim.quant import create_dynamic_map, dequantize_blockwise, dynamic_map, midpoints, decade_table, quantize_blockwise
 
 bnb = pytest.importorskip("bitsandbytes")
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)

@@ -4,7 +4,7 @@ import io
 import pytest
 import torch
 
-from optim import OPTIMIZERS, OptimizerCost, get_optimizer
+from tierwise.optim import OPTIMIZERS, OptimizerCost, get_optimizer
 
 KWARGS = {"galore": dict(rank=4, update_proj_gap=3), "galore8bit": dict(rank=4, update_proj_gap=3),
           "apollo": dict(rank=4, update_proj_gap=3), "apollo-mini": dict(rank=4, update_proj_gap=3),

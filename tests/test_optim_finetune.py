@@ -3,7 +3,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from optim import AdamW8bit, ApolloAdamW, GaLoreAdamW, MeZO  # noqa: E402
+from tierwise.optim import AdamW8bit, ApolloAdamW, GaLoreAdamW, MeZO  # noqa: E402
 
 STEPS = 200
 

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from optim import ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit, galore_step_, init_galore_state
-from optim.apollo import random_projector
-from optim.galore import project, project_back, svd_projector
+from tierwise.optim import ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit, galore_step_, init_galore_state
+from tierwise.optim.apollo import random_projector
+from tierwise.optim.galore import project, project_back, svd_projector
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0)
 
@@ -90,7 +90,7 @@ def test_apollo_channel_scaling_and_limiter_match_paper():
     w0 = w.detach().clone()
     w.grad = g.clone()
     opt.step()
-    from optim.apollo import projection_seed
+    from tierwise.optim.apollo import projection_seed
     proj = random_projector((32, 8), 2, seed=projection_seed(5 * 7919 + 1, 1, 100))
     r = g @ proj.T  # (32, 2): channels are the 32 rows
     n = (0.1 * r) / ((0.001 * r * r).sqrt() + 1e-6)

@@ -1,8 +1,8 @@
 """MeZO: seed-regenerated perturbations, round trip, update formula, and a loss that decreases."""
 import torch
 
-from optim import MeZO, mezo_update_, perturb_
-from optim.mezo import direction
+from tierwise.optim import MeZO, mezo_update_, perturb_
+from tierwise.optim.mezo import direction
 
 
 def test_perturbation_is_regenerated_per_tensor_index():

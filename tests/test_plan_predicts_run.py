@@ -18,11 +18,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tinyhf import make_tiny_llama_dir, write_jsonl  # noqa: E402
 
-from cli.config import TrainConfig  # noqa: E402
-from cli.data import has_padding, load_blocks, padded_batch  # noqa: E402
-from cli.loading import build_meta_model, iter_safetensors, resolve_model  # noqa: E402
-from cli.planning import make_plan  # noqa: E402
-from cli.train import make_engine  # noqa: E402
+from tierwise.cli.config import TrainConfig  # noqa: E402
+from tierwise.cli.data import has_padding, load_blocks, padded_batch  # noqa: E402
+from tierwise.cli.loading import build_meta_model, iter_safetensors, resolve_model  # noqa: E402
+from tierwise.cli.planning import make_plan  # noqa: E402
+from tierwise.cli.train import make_engine  # noqa: E402
 
 TOL = 0.10
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
-from offload.errors import InfeasibleBudget, TierwiseError
-from offload.ledger import Ledger
-from offload.verify import verify
-from profiles import ModelProfile
+from tierwise.cli.main import app
+from tierwise.offload.core.errors import InfeasibleBudget, TierwiseError
+from tierwise.offload.runtime.ledger import Ledger
+from tierwise.offload.tools.verify import verify
+from tierwise.profiles import ModelProfile
 
 TINY = ModelProfile(name="tiny-verify", family="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=128,

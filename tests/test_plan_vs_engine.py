@@ -12,10 +12,10 @@ import pytest
 import torch
 import transformers
 
-from offload import Engine
-from offload.chunks import pack_chunks
-from offload.planner import make_plan
-from profiles import ModelProfile
+from tierwise.offload import Engine
+from tierwise.offload.core.chunks import pack_chunks
+from tierwise.offload.plan.planner import make_plan
+from tierwise.profiles import ModelProfile
 
 TOL = 0.10
 

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from offload.errors import InfeasibleBudget, TierwiseError
-from offload.perfmodel import activation_bytes, activation_parts, model_flops, optimizer_cost
-from offload.planner import make_plan
-from profiles import load_model_profile
+from tierwise.offload.core.errors import InfeasibleBudget, TierwiseError
+from tierwise.offload.plan.perfmodel import activation_bytes, activation_parts, model_flops, optimizer_cost
+from tierwise.offload.plan.planner import make_plan
+from tierwise.profiles import load_model_profile
 
 GiB, MiB = 1 << 30, 1 << 20
 N7B = 6_738_415_616
@@ -164,8 +164,8 @@ def test_accepts_a_transformers_meta_model_and_default_hardware():
 def test_step_calibration_scales_the_simulated_compute_phases():
     import dataclasses
 
-    from offload.planner import make_plan
-    from profiles import load_hardware_profile
+    from tierwise.offload.plan.planner import make_plan
+    from tierwise.profiles import load_hardware_profile
 
     hw = load_hardware_profile("cpu-sim")
     doubled = dataclasses.replace(hw, host=dataclasses.replace(hw.host, step_calibration=2.0))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from offload.planner import make_plan
-from offload.profiler import measure
-from profiles import load_hardware_profile
+from tierwise.offload.plan.planner import make_plan
+from tierwise.offload.tools.profiler import measure
+from tierwise.profiles import load_hardware_profile
 
 
 def test_quick_profile_writes_a_loadable_hardware_profile(tmp_path):

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload.errors import TierwiseError
-from profiles import (FieldTypeError, FieldValueError, MissingFieldError, ProfileError, UnknownFieldError,
+from tierwise.offload.core.errors import TierwiseError
+from tierwise.profiles import (FieldTypeError, FieldValueError, MissingFieldError, ProfileError, UnknownFieldError,
                       UnknownProfileError, known_profiles, load_hardware_profile, load_model_profile)
 
 TINY = """name = "t"

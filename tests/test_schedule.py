@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from offload.schedule import ACQUIRE, RELEASE, plan_schedule, resident_bytes
+from tierwise.offload.plan.schedule import ACQUIRE, RELEASE, plan_schedule, resident_bytes
 
 
 def touches(seq):

@@ -1,7 +1,8 @@
 import pytest
 
-from offload.errors import SizeError
-from offload.sizes import format_size, parse_size
+from tierwise.offload.core.errors import SizeError
+from tierwise.offload.core.units import format_size
+from tierwise.offload.core.sizes import parse_size
 
 
 @pytest.mark.parametrize("text,expected", [

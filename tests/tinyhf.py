@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from cli.builtin import build_tokenizer, tiny_llama_config
+from tierwise.cli.builtin import build_tokenizer, tiny_llama_config
 
 
 def make_tiny_llama_dir(path, *, vocab_size: int = 384, hidden: int = 64, layers: int = 2,

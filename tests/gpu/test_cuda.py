@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from offload import Engine
+from tierwise.offload import Engine
 from tests.models import batches, tiny_llama
 
 pytestmark = pytest.mark.gpu
@@ -59,7 +59,7 @@ def test_cuda_allocator_stays_near_the_ledger_budget():
 
 def test_adamw8bit_cuda_kernel_against_bitsandbytes():
     bnb = pytest.importorskip("bitsandbytes")
-    from optim import AdamW8bit
+    from tierwise.optim import AdamW8bit
 
     torch.manual_seed(0)
     p1 = torch.nn.Parameter(torch.randn(4096 * 4, device="cuda"))

@@ -1,0 +1,1 @@
+"""Stage 1: errors, byte sizes, parameter specs and chunk packing. No torch at import."""

@@ -1,0 +1,84 @@
+"""Updates that start during backward: a chunk whose gradients are complete is updated while
+backward goes on with earlier layers (its disk reads and writes, and on a GPU machine its CPU
+work, overlap the rest of backward). Only when nothing can still change its gradient: the last
+micro-batch of a step, and no global-norm clipping (which needs every gradient first).
+"Complete" is counted from the first backward (Engine._learn_uses): every parameter of the
+chunk has delivered its sum of as many contributions as that backward gave it (a weight
+shared by several recomputed blocks gets one per block).
+
+One worker thread takes the chunks in the order they complete, in batches, and runs the same
+`update_all` as the end of the step; the step's own update then skips them.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import TYPE_CHECKING, Any
+
+from ..runtime.swapping import update_all
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class EarlyUpdater:
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self.jobs: queue.Queue = queue.Queue()
+        self.done: set[int] = set()
+        self.updated = 0  # chunks updated during backward, over the run
+        self.error: BaseException | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._work, daemon=True, name="tierwise-update")
+        self._thread.start()
+
+    def submit(self, cid: int, tickets: list[Any]) -> None:
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self.jobs.put((cid, tickets))
+
+    def _work(self) -> None:
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            batch = [item]
+            while True:  # take every chunk already complete: one pipelined pass over them
+                try:
+                    nxt = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self.jobs.put(None)
+                    break
+                batch.append(nxt)
+            try:
+                for _, tickets in batch:
+                    for t in tickets:
+                        t.wait()  # the gradient has landed in host memory
+                eng = self.engine
+                update_all(eng.store, eng.updater, eng.hyper, eng.bounce, chunks=[c for c, _ in batch])
+                self.done.update(c for c, _ in batch)
+                self.updated += len(batch)
+            except BaseException as exc:  # raised on the compute thread by wait()
+                self.error = exc
+            with self._lock:
+                self._pending -= len(batch)
+                if self._pending == 0:
+                    self._idle.set()
+
+    def wait(self) -> None:
+        """Block until every submitted chunk is updated; re-raise a failure."""
+        self._idle.wait()
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self._thread.join(timeout=30)

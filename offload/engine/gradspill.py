@@ -1,0 +1,89 @@
+"""Gradients whose home is NVMe: accumulated in a host staging buffer while they arrive.
+
+In backward, a chunk's parameters get their gradients one after another. For a chunk whose
+gradient lives on NVMe, the first arrival of a micro-batch opens a staging buffer (zeros in the
+first micro-batch of an optimizer step, else the sum so far, read back from the swap file);
+each gradient lands in its slot as it does for a DRAM-resident chunk (copy the first time a
+parameter is seen this step, add afterwards: the reference's order), and once every parameter
+of the chunk has arrived the buffer is written out. Two staging buffers (host kind "buffer",
+counted in the bounce bytes); a third open chunk first flushes the oldest one.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class GradSpill:
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self.free = list(range(len(engine.bounce.grad_staging))) if engine.bounce is not None else []
+        self.open: dict[int, int] = {}  # chunk -> staging buffer index
+        self.arrived: dict[int, int] = {}
+        self.tickets: dict[int, list[Any]] = {}
+        self.writes: dict[int, tuple[Future, int]] = {}  # staging index -> pending write
+        self.written: set[int] = set()  # chunks whose swap file holds this step's sum
+
+    def begin_cycle(self) -> None:
+        self.written = set()
+
+    def _staging(self, idx: int, cid: int) -> torch.Tensor:
+        g = self.engine.store.chunks[cid].grad
+        return self.engine.bounce.grad_staging[idx][: g.nbytes].view(torch.float32)
+
+    def target(self, cid: int) -> torch.Tensor:
+        """The host buffer [numel] fp32 the gradients of chunk `cid` land in now."""
+        idx = self.open.get(cid)
+        if idx is None:
+            if not self.free:
+                self.flush(next(iter(self.open)))
+            idx = self.free.pop(0)
+            pending = self.writes.pop(idx, None)
+            if pending is not None:
+                pending[0].result()  # the buffer is still being written out
+            buf = self._staging(idx, cid)
+            if cid in self.written:
+                self.engine.nvme.read(self.engine.store.chunks[cid].grad.key, buf)
+            else:
+                buf.zero_()
+            self.open[cid], self.arrived[cid], self.tickets[cid] = idx, 0, []
+        return self._staging(idx, cid)
+
+    def landed(self, cid: int, ticket: Any) -> None:
+        """One parameter's gradient of chunk `cid` is on its way; flush when all have come."""
+        self.tickets[cid].append(ticket)
+        self.arrived[cid] += 1
+        if self.arrived[cid] == len(self.engine.plan.chunks[cid].params):
+            self.flush(cid)
+
+    def flush(self, cid: int) -> None:
+        idx = self.open.pop(cid)
+        for t in self.tickets.pop(cid):
+            self.engine.executor.wait(t)
+        del self.arrived[cid]
+        key = self.engine.store.chunks[cid].grad.key
+        self.writes[idx] = (self.engine.nvme.write_async(key, self._staging(idx, cid)), cid)
+        self.written.add(cid)
+        self.free.append(idx)
+
+    def end_backward(self) -> None:
+        """Chunks some of whose parameters got no gradient this micro-batch: write them too."""
+        for cid in list(self.open):
+            self.flush(cid)
+
+    def finish_cycle(self) -> None:
+        """Before the update: every write has landed; unused chunks hold zeros, not old sums."""
+        self.end_backward()
+        for fut, _ in self.writes.values():
+            fut.result()
+        self.writes.clear()
+        store = self.engine.store
+        for cid, ch in enumerate(store.chunks):
+            if hasattr(ch.grad, "key") and cid not in self.written:
+                self.engine.nvme.zeros(ch.grad.key, ch.grad.nbytes)

@@ -1,0 +1,124 @@
+"""Host-side homes (pure): which tier holds each kind of each streamed chunk.
+
+Shared by the engine (which allocates accordingly) and the planner (which predicts from it),
+so that plan and measurement agree by construction.
+
+Policy, CXL-aware:
+1. Gradients come first in host DRAM (every backward accumulates into them); when DRAM is
+   short they overflow to CXL, then NVMe, where a chunk's gradients are accumulated in a host
+   staging buffer while they arrive and written out once complete.
+2. Compute copies (bf16 runs only; in fp32 the master is the compute copy) are
+   latency-tolerant: they prefer CXL, then DRAM.
+3. The optimizer's working set — state, then master — fills the DRAM that is left, kind by
+   kind (all states before any master, since states are read and written every step).
+4. What does not fit overflows to CXL, then NVMe (when an --nvme-path is given).
+When anything lives on NVMe, host DRAM also holds bounce buffers (4096-byte aligned): two
+update sets, each the largest chunk's NVMe-resident bytes (the update works on one while the
+other is read or written); one fetch staging buffer for the largest NVMe-resident compute
+source (compute copy, or master in fp32 runs) streamed to the device; and two gradient staging
+buffers when gradients live on NVMe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.errors import InfeasibleBudget
+from ..core.units import format_size
+
+KIND_ORDER = ("grad", "state", "master", "compute")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Homes:
+    """tiers[c][kind] for every streamed chunk c; bytes per tier per kind; host bounce bytes."""
+
+    tiers: dict[int, dict[str, str]]
+    bytes: dict[str, dict[str, int]]
+    bounce: int
+
+
+def _fill(kinds: dict[int, dict[str, int]], order: list[tuple[int, str]], tier: str,
+          free: dict[str, float], out: dict[int, dict[str, str]]) -> list[tuple[int, str]]:
+    left = []
+    for cid, kind in order:
+        n = kinds[cid][kind]
+        if n <= free[tier]:
+            free[tier] -= n
+            out[cid][kind] = tier
+        else:
+            left.append((cid, kind))
+    return left
+
+
+def assign_homes(*, kinds: dict[int, dict[str, int]], host: "int | None", cxl: "int | None" = None,
+                 nvme: bool = False) -> Homes:
+    """Place the kinds of the streamed chunks `kinds` ({chunk: {kind: bytes}}).
+
+    host/cxl: byte budgets (None: host unlimited / no cxl tier); nvme: an NVMe tier exists.
+    Raises InfeasibleBudget with the smallest host budget that would work.
+    """
+    inf = float("inf")
+    upper = bounce_bytes(kinds, {c: dict.fromkeys(k, "nvme") for c, k in kinds.items()})
+    reserve = 0
+    # Reserve for the bounce buffers what the placement made under the last reserve needs,
+    # until that suffices (reserves only grow, up to `upper`: everything on NVMe).
+    for attempt in range(6):
+        free = {"host": (inf if host is None else host - reserve), "cxl": 0 if cxl is None else cxl,
+                "nvme": inf if nvme else 0}
+        out: dict[int, dict[str, str]] = {c: {} for c in kinds}
+        by_kind = {k: [(c, k) for c in kinds if k in kinds[c]] for k in KIND_ORDER}
+        grads_left = _fill(kinds, by_kind["grad"], "host", free, out)
+        compute_left = _fill(kinds, by_kind["compute"], "cxl", free, out)
+        working_left = _fill(kinds, by_kind["state"] + by_kind["master"], "host", free, out)
+        compute_left = _fill(kinds, compute_left, "host", free, out)
+        rest = _fill(kinds, grads_left + working_left + compute_left, "cxl", free, out)
+        rest = _fill(kinds, rest, "nvme", free, out)
+        bounce = bounce_bytes(kinds, out)
+        if rest or bounce <= reserve:
+            break
+        reserve = upper if attempt >= 4 else max(bounce, reserve)
+    host_used = sum(kinds[c][k] for c, d in out.items() for k, t in d.items() if t == "host")
+    if rest or (host is not None and host_used + bounce > host):
+        _refuse(kinds, host=host, cxl=cxl, nvme=nvme)
+    totals: dict[str, dict[str, int]] = {}
+    for cid, d in out.items():
+        for kind, tier in d.items():
+            totals.setdefault(tier, {}).setdefault(kind, 0)
+            totals[tier][kind] += kinds[cid][kind]
+    return Homes(tiers=out, bytes=totals, bounce=bounce)
+
+
+def _up(n: int) -> int:
+    return (n + 4095) // 4096 * 4096
+
+
+def bounce_bytes(kinds: dict[int, dict[str, int]], tiers: dict[int, dict[str, str]]) -> int:
+    """Host bytes of NVMe bounce buffers for this placement (see the module docstring)."""
+    def on_nvme(c: int, kind: str) -> bool:
+        return tiers.get(c, {}).get(kind) == "nvme"
+
+    update = max((sum(_up(v) for k, v in kinds[c].items() if on_nvme(c, k)) for c in kinds), default=0)
+    fetch = max((_up(kinds[c]["compute" if "compute" in kinds[c] else "master"]) for c in kinds
+                 if on_nvme(c, "compute" if "compute" in kinds[c] else "master")), default=0)
+    grads = max((_up(kinds[c]["grad"]) for c in kinds if on_nvme(c, "grad")), default=0)
+    return 2 * update + fetch + 2 * grads
+
+
+def minimum_host(kinds: dict[int, dict[str, int]], *, cxl: "int | None", nvme: bool) -> int:
+    """The smallest host budget with which assign_homes succeeds (with NVMe: the bounce buffers
+    of everything on NVMe, a slight over-estimate when CXL takes a share)."""
+    if nvme:
+        return bounce_bytes(kinds, {c: dict.fromkeys(k, "nvme") for c, k in kinds.items()})
+    total = sum(sum(kk.values()) for kk in kinds.values())
+    return max(0, total - (cxl or 0))
+
+
+def _refuse(kinds: dict[int, dict[str, int]], *, host: "int | None", cxl: "int | None", nvme: bool) -> None:
+    need = minimum_host(kinds, cxl=cxl, nvme=nvme)
+    hint = "" if nvme else " or give --nvme-path to spill optimizer state and weights to disk"
+    raise InfeasibleBudget(
+        f"host budget {format_size(host or 0)} cannot hold the streamed chunks: at least "
+        f"{format_size(need)} ({need} B) needed; raise --cpu-mem{hint}",
+        minimum={"host": need},
+    )

@@ -1,0 +1,370 @@
+"""Performance model (pure): bytes and seconds of one training step, phase by phase.
+
+No torch, no allocation: arithmetic on a model profile, a hardware profile and the byte counts
+the planner places on each tier. A phase lasts as long as its busiest resource (GPU compute,
+PCIe each way, NVMe, CXL, host DRAM bandwidth, CPU update) since transfers on independent
+links overlap compute, plus a non-overlappable startup of one chunk. CPU cores that run the
+optimizer also drive NVMe I/O; host DRAM bandwidth is shared by the CPU update and all DMA.
+
+Per-optimizer numbers live in OPTIMIZERS below. TODO(optim): once `optim/costs.py` lands, read
+them from each optimizer's `cost()` (OptimizerCost) instead of this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..core.chunks import ParamSpec
+from ..core.errors import TierwiseError
+from ...profiles.hardware import HardwareProfile
+from ...profiles.model import ModelProfile
+
+GB = 1e9
+PRECISIONS = {"fp32": 4, "bf16": 2}
+KINDS = ("compute", "grad", "master", "state")
+TIERS = ("gpu", "host", "cxl", "nvme")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerCost:
+    """What an optimizer costs per parameter (dense part) and how it runs."""
+
+    name: str
+    state_bytes_per_param: float
+    """Optimizer state of a dense (non-projected) parameter, bytes per parameter."""
+    cpu_rate: str = "adamw"
+    """Which host throughput applies: "adamw" or "adamw8bit" (HostSpec.<rate>_params_per_s)."""
+    cpu_rate_scale: float = 1.0
+    """Multiplier on that throughput (a cheaper update runs faster)."""
+    lowrank: str | None = None
+    """None, "galore" (stores an SVD projector) or "apollo" (random projector, regenerated)."""
+    default_rank: int = 0
+    """Rank of the projection for low-rank optimizers."""
+    needs_grad: bool = True
+    """False for zeroth-order optimizers: no gradient chunks, no backward."""
+    forwards: int = 1
+    """Forward passes per step (MeZO: 2, with +eps and -eps perturbations)."""
+
+
+OPTIMIZERS: dict[str, OptimizerCost] = {c.name: c for c in (
+    OptimizerCost(name="adamw", state_bytes_per_param=8.0),
+    # bitsandbytes blockwise 8-bit: 2 B of moments + 2 fp32 absmax per 256-element block.
+    OptimizerCost(name="adamw8bit", state_bytes_per_param=2.0 + 8 / 256, cpu_rate="adamw8bit"),
+    OptimizerCost(name="galore", state_bytes_per_param=8.0, lowrank="galore", default_rank=256),
+    OptimizerCost(name="galore8bit", state_bytes_per_param=2.0 + 8 / 256, cpu_rate="adamw8bit", lowrank="galore",
+                  default_rank=256),
+    OptimizerCost(name="apollo", state_bytes_per_param=8.0, lowrank="apollo", default_rank=256),
+    OptimizerCost(name="apollo-mini", state_bytes_per_param=8.0, lowrank="apollo", default_rank=1),
+    OptimizerCost(name="mezo", state_bytes_per_param=0.0, cpu_rate_scale=2.0, needs_grad=False, forwards=2),
+    # SGD (the engine's momentum-free default): one multiply-add per element, ~2x an AdamW pass
+    OptimizerCost(name="sgd", state_bytes_per_param=0.0, cpu_rate_scale=2.0),
+)}
+
+
+def optimizer_cost(name: str) -> OptimizerCost:
+    try:
+        return OPTIMIZERS[name.lower()]
+    except KeyError:
+        raise TierwiseError(f"unknown optimizer '{name}' (known: {', '.join(OPTIMIZERS)})") from None
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes per element of the compute copy."""
+    try:
+        return PRECISIONS[precision]
+    except KeyError:
+        raise TierwiseError(f"unknown precision '{precision}' (use fp32 or bf16)") from None
+
+
+def _projected(spec: ParamSpec, cost: OptimizerCost) -> bool:
+    return cost.lowrank is not None and len(spec.shape) == 2 and ".layers." in spec.name
+
+
+def param_state_bytes(spec: ParamSpec, *, cost: OptimizerCost, rank: int | None = None) -> float:
+    """Optimizer state bytes of one parameter.
+
+    Low-rank (GaLore/APOLLO) on a layer matrix m x n (r = rank): Adam moments of the r x max(m,n)
+    projected gradient, 2 * 4 * r * max(m,n); GaLore also keeps its fp32 projector min(m,n) x r.
+    Everything else (norms, embedding, lm_head) keeps dense state.
+    """
+    if not _projected(spec, cost):
+        return spec.numel * cost.state_bytes_per_param
+    m, n = spec.shape
+    r = min(rank or cost.default_rank, m, n)
+    moments = 8.0 * r * max(m, n)
+    return moments + (4.0 * r * min(m, n) if cost.lowrank == "galore" else 0.0)
+
+
+def param_update_flops(spec: ParamSpec, *, cost: OptimizerCost, rank: int | None = None) -> float:
+    """Matmul flops of the update beyond elementwise work: project the gradient down and the
+    update back up, 2 * 2*m*n*r (GaLore's periodic SVD is amortised away)."""
+    if not _projected(spec, cost):
+        return 0.0
+    m, n = spec.shape
+    return 4.0 * m * n * min(rank or cost.default_rank, m, n)
+
+
+def ops_per_forward(model: ModelProfile) -> int:
+    """Ops one forward dispatches, counting a module hook as an op: per decoder layer ~48 (2
+    RMSNorms of 8, 7 linears, rotary, SDPA, reshapes, residuals, SwiGLU, 9 hooked modules), plus
+    the embedding, the final norm, lm_head and the loss."""
+    return 48 * model.num_hidden_layers + 24
+
+
+def model_flops(*, model: ModelProfile, batch_size: int, seq_len: int) -> float:
+    """Forward flops of one step: 2 per matmul parameter per token, plus attention scores."""
+    tokens = batch_size * seq_len
+    attention = 4.0 * batch_size * seq_len**2 * model.q_dim * model.num_hidden_layers
+    return 2.0 * model.matmul_params * tokens + attention
+
+
+def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
+                     checkpointing: bool | None = None, padded: bool = False) -> dict[str, int]:
+    """Bytes autograd saves for backward, by part, as the engine counts them (per saved tensor
+    storage, deduplicated) for a Hugging Face Llama-family model with SDPA attention and every
+    decoder layer checkpointed. e = compute bytes, T = batch * seq tokens:
+
+    fixed   token ids (int64, the embedding) + rotary cos/sin (S x head_dim, e each, shared by
+            all layers) + position ids (int64, S); with padding, the bool attention mask
+            (B x S x S, a checkpointed block input shared by all layers)
+    inputs  one saved block input per layer, e*T*h (the last block's output is the final norm's)
+    norm    an RMSNorm: its fp32 input (a new fp32 copy in bf16 runs; in fp32 the input itself,
+            which for a block's first norm is the already-counted block input), rsqrt (fp32, T),
+            the normalised and the weighted output (e*T*h each)
+    block   one layer's internals while it is recomputed: 2 norms, q/k/v after rotary and the
+            attention output (e*T*(2 q_dim + 2 kv_dim)), the logsumexp (fp32, B*heads*S), the
+            MLP's gate, up, silu and product (4 e*T*i); with padding also SDPA's additive mask
+            (e*B*S*S) and k/v repeated to every query head (2 e*T*(q_dim - kv_dim) more: SDPA
+            takes grouped heads only without a mask); 0 without checkpointing
+    layers  without checkpointing, every layer's internals (layers * that), held from forward
+            to backward; 0 with it
+    head    the final norm + log_softmax's fp32 output (4*T*V) + int64 targets + a scalar
+    final_norm  the part of head still saved once log_softmax's backward has run
+    The peak is fixed + inputs + layers + the larger of block (in backward) and head (end of
+    forward).
+
+    Without checkpointing (`checkpointing=False`, or None with a single decoder layer: the
+    engine checkpoints blocks by default only when there are several) no position ids are
+    saved (only the checkpoint keeps them) and `inputs` is each layer's first-norm fp32 input
+    in fp32 runs (in bf16 the block input itself is not saved).
+
+    `padded`: some row of the batch has attention_mask zeros (a short last block, rows padded
+    to the sequence length). transformers then builds the B x 1 x S x S mask that an unpadded
+    batch does without (it uses is_causal), so a padded batch of the same shape saves more:
+    the run's worst step is a padded one whenever its data has any padding.
+    """
+    e = compute_bytes(precision)
+    t, s, h, i = batch_size * seq_len, seq_len, model.hidden_size, model.intermediate_size
+    fp32_copy = 4 * t * h
+    norm = 4 * t + 2 * e * t * h + fp32_copy
+    first_norm = norm - (fp32_copy if e == 4 else 0)
+    attention = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s
+    checkpointed = checkpoints_blocks(model, checkpointing)
+    layers = model.num_hidden_layers
+    if padded:  # the additive mask and k/v repeated per query head, as SDPA saves them
+        attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
+    internals = first_norm + attention + norm + 4 * e * t * i
+    mask = batch_size * s * s if padded and checkpointed else 0  # bool, saved as a block input
+    return {
+        "fixed": 8 * t + 2 * s * model.dim_per_head * e + (8 * s if checkpointed else 0) + mask,
+        "inputs": layers * e * t * h if checkpointed else layers * (e * t * h if e == 4 else 0),
+        "block": internals if checkpointed else 0,
+        "layers": 0 if checkpointed else layers * internals,
+        "final_norm": norm,
+        # targets: the labels shifted in a padded S+1 copy; with one sequence a view of all of it
+        "head": norm + 4 * t * model.vocab_size + 8 * (t + (batch_size == 1)) + 4,
+    }
+
+
+def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
+                     backward: bool = True, checkpointing: bool | None = None, padded: bool = False) -> int:
+    """Peak bytes of saved activations in one step (see activation_parts; `padded`: the step's
+    batch has padding). Without backward (zeroth-order optimizers) autograd saves nothing: 0."""
+    if not backward:
+        return 0
+    p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                         checkpointing=checkpointing, padded=padded)
+    return p["fixed"] + p["inputs"] + p["layers"] + max(p["block"], p["head"])
+
+
+def checkpoints_blocks(model: ModelProfile, checkpointing: bool | None = None) -> bool:
+    """Whether the engine checkpoints the decoder layers: as asked, else (None) when there are
+    several (Engine(checkpointing=None) applies the same rule)."""
+    return model.num_hidden_layers > 1 if checkpointing is None else bool(checkpointing)
+
+
+def buffer_bytes(model: ModelProfile) -> int:
+    """Module buffers: the rotary embedding's inv_freq and original_inv_freq (fp32, head_dim/2)."""
+    return 2 * 4 * (model.dim_per_head // 2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepLoad:
+    """What one step moves and computes, as placed by the planner."""
+
+    tokens_flops_fwd: float
+    """Forward flops of the model over one micro-batch."""
+    placed: dict[str, dict[str, int]]
+    """Bytes per tier per kind of the streamed chunks (tiers host/cxl/nvme), as the ledger names them."""
+    stream_bytes: dict[str, int]
+    """Per host-side tier: bytes of the compute sources (bf16 compute copies, or fp32 masters) there."""
+    fetched_bytes: int
+    """Compute-copy bytes copied host -> device per micro-batch (forward + backward, less cache hits)."""
+    grad_d2h_bytes: int
+    """Gradient bytes sent device -> host per micro-batch (compute dtype, streamed chunks)."""
+    cpu_params: int
+    """Parameters updated on the CPU (streamed chunks)."""
+    cpu_flops: float
+    """Matmul flops of the CPU update (low-rank projections)."""
+    cpu_update_bytes: int
+    """Host-memory bytes read and written by the CPU update."""
+    gpu_params: int
+    """Parameters updated on the device (gpu-home chunks)."""
+    gpu_update_bytes: int
+    """Device-memory bytes read and written by the device update."""
+    gpu_update_flops: float
+    """Matmul flops of the device update."""
+    chunk_compute_bytes: int
+    """Compute-copy bytes of the largest streamed chunk (startup of a pass)."""
+    chunk_params: int
+    """Parameters of the largest CPU-updated chunk (the update tail after backward)."""
+    num_chunks: int = 0
+    """Chunks in all (the update runs one kernel call per chunk)."""
+    streamed_chunks: int = 0
+    """Chunks that are not gpu-home."""
+    ops_per_forward: int = 0
+    """Torch ops and module hooks one forward dispatches (each pays host.op_overhead_us)."""
+    recompute: bool = True
+    """Backward recomputes each checkpointed block's forward (3 forwards' flops, else 2)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPrediction:
+    """Predicted seconds of a step, phase by phase and resource by resource."""
+
+    phases: dict[str, float]
+    """Seconds of each phase ("forward", "backward", "update"); they run one after another."""
+    resources: dict[str, dict[str, float]] = field(hash=False)
+    """Busy seconds of each resource in each phase."""
+    step_s: float
+    bottleneck: str
+    """Resource that bounds the most step time."""
+    tokens_per_s: float
+
+
+def _phase(busy: dict[str, float], startup: float) -> tuple[float, str]:
+    busy = {k: v for k, v in busy.items() if v > 0}
+    top = max(busy, key=busy.__getitem__, default="gpu compute")
+    return busy.get(top, 0.0) + startup, top
+
+
+def _finish(phases: dict[str, float], resources: dict, tops: dict[str, str], tokens: int) -> StepPrediction:
+    step = sum(phases.values())
+    share: dict[str, float] = {}
+    for name, seconds in phases.items():
+        share[tops[name]] = share.get(tops[name], 0.0) + seconds
+    bottleneck = max(share, key=share.__getitem__) if share else "gpu compute"
+    return StepPrediction(phases=phases, resources=resources, step_s=step, bottleneck=bottleneck,
+                          tokens_per_s=tokens / step if step > 0 else float("inf"))
+
+
+def _cpu_rate(hw: HardwareProfile, cost: OptimizerCost) -> float:
+    return getattr(hw.host, f"{cost.cpu_rate}_params_per_s") * cost.cpu_rate_scale
+
+
+def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerCost, load: StepLoad,
+                 tokens: int, micro_batches: int = 1) -> StepPrediction:
+    """Price one step of `load` on `hardware` (see the module docstring for the model)."""
+    if hardware.simulated:
+        return _predict_simulated(hardware=hardware, precision=precision, cost=cost, load=load, tokens=tokens,
+                                  micro_batches=micro_batches)
+    hw, pl = hardware, load.placed
+    get = lambda tier, kind: pl.get(tier, {}).get(kind, 0)  # noqa: E731
+    gpu_rate = hw.gpu_tflops(precision) * 1e12
+    h2d, d2h = hw.pcie.h2d_pinned_gbps * GB, hw.pcie.d2h_pinned_gbps * GB
+    dram = hw.host.dram_bandwidth_gbps * GB
+    nv_r = hw.nvme.read_gbps * GB if hw.nvme else 1.0
+    nv_w = hw.nvme.write_gbps * GB if hw.nvme else 1.0
+    cxl = hw.cxl.bandwidth_gbps * GB if hw.cxl else 1.0
+    src = load.stream_bytes
+    stream = load.fetched_bytes / 2  # per pass
+    on_nvme = src.get("nvme", 0)
+
+    # forward: stream every streamed compute source in; nvme sources pass a DRAM bounce buffer.
+    fwd_busy = {
+        "gpu compute": load.tokens_flops_fwd / gpu_rate,
+        "pcie h2d": stream / h2d,
+        "nvme read": on_nvme / nv_r,
+        "cxl": src.get("cxl", 0) / cxl,
+        "host dram": (src.get("host", 0) + 2 * on_nvme) / dram,
+    }
+    startup = load.chunk_compute_bytes / h2d + (load.chunk_compute_bytes / nv_r if on_nvme else 0)
+    phases, resources, tops = {}, {}, {}
+    t, top = _phase(fwd_busy, startup if stream else 0.0)
+    phases["forward"], resources["forward"], tops["forward"] = t * cost.forwards * micro_batches, fwd_busy, top
+
+    nv_read = on_nvme + sum(get("nvme", k) for k in ("master", "state", "grad"))
+    nv_write = sum(get("nvme", k) for k in KINDS if k != "grad")
+    nv_update = nv_read / nv_r + nv_write / nv_w
+    io_cores = 1 if nv_update > 0 and hw.host.cpu_cores > 1 else 0
+    rate = _cpu_rate(hw, cost) * (hw.host.cpu_cores - io_cores) / hw.host.cpu_cores
+    host_share = sum(get("host", k) for k in KINDS) / max(1, sum(get(t, k) for t in pl for k in KINDS))
+    cxl_share = sum(get("cxl", k) for k in KINDS) / max(1, sum(get(t, k) for t in pl for k in KINDS))
+    cpu_update = max(load.cpu_params / rate, load.cpu_update_bytes * host_share / dram,
+                     load.cpu_update_bytes * cxl_share / cxl, load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12))
+    gpu_update = load.gpu_update_bytes / (hw.gpu.memory_bandwidth_gbps * GB) \
+        + load.gpu_update_flops / (hw.gpu.fp32_tflops * 1e12)
+    tail = load.chunk_params / rate if load.cpu_params else 0.0
+
+    if cost.needs_grad:  # backward (with recompute by default); CPU updates overlap it, group by group
+        bwd_busy = {
+            "gpu compute": (3 if load.recompute else 2) * load.tokens_flops_fwd / gpu_rate * micro_batches
+            + gpu_update,
+            "pcie h2d": stream / h2d * micro_batches,
+            "pcie d2h": load.grad_d2h_bytes / d2h * micro_batches,
+            "nvme": nv_update,
+            "cxl": (src.get("cxl", 0) * micro_batches + load.cpu_update_bytes * cxl_share) / cxl,
+            "cpu update": cpu_update,
+            "host dram": (src.get("host", 0) + load.grad_d2h_bytes) * micro_batches / dram
+            + (load.cpu_update_bytes * host_share + 2 * (nv_read + nv_write)) / dram,
+        }
+        t, top = _phase(bwd_busy, (startup if stream else 0.0) + tail)
+        phases["backward"], resources["backward"], tops["backward"] = t, bwd_busy, top
+    else:  # zeroth order: the update follows the second forward
+        upd_busy = {"cpu update": cpu_update, "gpu compute": gpu_update, "nvme": nv_update,
+                    "cxl": load.cpu_update_bytes * cxl_share / cxl,
+                    "host dram": (load.cpu_update_bytes * host_share + 2 * (nv_read + nv_write)) / dram}
+        t, top = _phase(upd_busy, 0.0)
+        phases["update"], resources["update"], tops["update"] = t, upd_busy, top
+    return _finish(phases, resources, tops, tokens)
+
+
+def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: OptimizerCost, load: StepLoad,
+                       tokens: int, micro_batches: int) -> StepPrediction:
+    """The simulated device: "gpu" compute, the copy threads and the optimizer all run on the
+    same CPU cores, so their times add up instead of overlapping; the engine (today) updates
+    after backward, chunk by chunk, device-home chunks with the same CPU kernels.
+    Each op also pays a fixed dispatch cost (`host.op_overhead_us`), which dominates tiny models."""
+    hw = hardware
+    rate = hw.gpu_tflops(precision) * 1e12
+    copy = hw.pcie.h2d_pinned_gbps * GB
+    back = hw.pcie.d2h_pinned_gbps * GB
+    overhead = (hw.host.op_overhead_us or 0.0) * 1e-6
+    ops = load.ops_per_forward
+    fwd = {"gpu compute": load.tokens_flops_fwd / rate, "pcie h2d": load.fetched_bytes / 3 / copy,
+           "dispatch": ops * overhead}
+    passes = 3 if load.recompute else 2
+    bwd = {"gpu compute": passes * load.tokens_flops_fwd / rate, "pcie h2d": 2 * load.fetched_bytes / 3 / copy,
+           "pcie d2h": load.grad_d2h_bytes / back, "dispatch": passes * ops * overhead}
+    params = load.cpu_params + load.gpu_params
+    upd = {"cpu update": params / _cpu_rate(hw, cost) + load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12),
+           "dispatch": 4 * load.num_chunks * overhead}
+    phases, resources, tops = {}, {"forward": fwd, "backward": bwd, "update": upd}, {}
+    scale = hw.host.step_calibration or 1.0
+    for name, busy, n in (("forward", fwd, cost.forwards * micro_batches), ("backward", bwd, micro_batches),
+                          ("update", upd, 1)):
+        if name == "backward" and not cost.needs_grad:
+            continue
+        phases[name] = sum(busy.values()) * n * (scale if name != "update" else 1.0)
+        tops[name] = max(busy, key=busy.__getitem__)
+    return _finish(phases, resources, tops, tokens)

@@ -1,0 +1,78 @@
+"""Placement (pure): which chunks live in the `gpu` tier whole, which are streamed.
+
+A *gpu-home* chunk keeps every kind (compute copy, grad, master, optimizer state) in device
+memory and is updated there: no transfer at all. A *streamed* chunk lives in host-side tiers;
+its compute copy visits the device when a module needs it, its gradient goes straight back.
+The device budget is spent, in this order, on: module buffers, the streaming window (the
+chunks of the widest module plus one chunk being prefetched), the in-flight gradient
+reserve, the activations measured in the warm-up step, gpu-home chunks (taken from the end
+of the first-use order: their gradients arrive first in backward), and the rest on caching
+streamed compute copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.errors import InfeasibleBudget
+from ..core.units import format_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceNeeds:
+    """Bytes the device tier must hold besides chunks, and per-chunk sizes."""
+
+    buffers: int
+    stream_window: int  # widest module's chunks + one prefetch chunk (compute dtype)
+    grad_reserve: int  # largest parameter's gradient (compute dtype), in flight to the host
+    activations: int  # peak saved activations (measured in the warm-up step; 0 before)
+    home_bytes: tuple[int, ...]  # per chunk: all kinds, if the chunk were gpu-home
+    compute_bytes: tuple[int, ...]  # per chunk: its compute copy
+
+    @property
+    def minimum(self) -> int:
+        return self.buffers + self.stream_window + self.grad_reserve + self.activations
+
+
+@dataclass(frozen=True, kw_only=True)
+class DevicePlan:
+    gpu_home: frozenset[int]
+    cache_limit: int  # bytes for streamed compute copies
+
+
+def check_minimum(needs: DeviceNeeds, budget: "int | None", *, measured: bool) -> None:
+    """Refuse a device budget below what one step needs, naming the minimum."""
+    if budget is None or budget >= needs.minimum:
+        return
+    what = "measured" if measured else ("estimated" if needs.activations else "before activations")
+    raise InfeasibleBudget(
+        f"gpu budget {format_size(budget)} ({budget} B) is below the minimum "
+        f"{format_size(needs.minimum)} ({needs.minimum} B) "
+        f"({what}: buffers {format_size(needs.buffers)}, streaming window "
+        f"{format_size(needs.stream_window)}, gradient reserve {format_size(needs.grad_reserve)}, "
+        f"activations {format_size(needs.activations)}); raise --gpu-mem "
+        f"or lower the batch size / sequence length",
+        minimum={"gpu": needs.minimum},
+    )
+
+
+def plan_device(needs: DeviceNeeds, budget: "int | None", *, allow_gpu_home: bool = True) -> DevicePlan:
+    """Choose gpu-home chunks and the cache size within `budget` (None: everything fits)."""
+    check_minimum(needs, budget, measured=True)
+    n = len(needs.home_bytes)
+    if budget is None:
+        return DevicePlan(gpu_home=frozenset(range(n)) if allow_gpu_home else frozenset(),
+                          cache_limit=sum(needs.compute_bytes) + needs.stream_window)
+    spare = budget - needs.minimum
+    if allow_gpu_home and sum(needs.home_bytes) <= spare + needs.stream_window:
+        # Everything fits whole: no streaming at all, so no streaming window either.
+        return DevicePlan(gpu_home=frozenset(range(n)), cache_limit=needs.stream_window)
+    home: set[int] = set()
+    if allow_gpu_home:
+        for cid in reversed(range(n)):
+            if needs.home_bytes[cid] <= spare:
+                home.add(cid)
+                spare -= needs.home_bytes[cid]
+            else:
+                break
+    return DevicePlan(gpu_home=frozenset(home), cache_limit=needs.stream_window + spare)

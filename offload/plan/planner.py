@@ -1,0 +1,490 @@
+"""Planner (pure): the home tier of every chunk kind, predicted peaks per tier and step time,
+or InfeasibleBudget naming the minimum budget that would work.
+
+The planner mirrors the engine byte for byte on the simulated device, by construction:
+- chunking: `pack_chunks` over the parameters of the module the run trains (`params`, as
+  `finetune` passes them; else the profile's, HF registration order = first-use order) with
+  the same chunk size; optimizer state bytes from the engine's own chunk updater
+  (`updaters.make_updater(...).state_bytes`);
+- the gpu side: the same `DeviceNeeds` (module buffers; the streaming window = the widest
+  module's chunks + the largest chunk; the gradient reserve = the largest parameter, for MeZO
+  the perturbed copies of the widest module; the activations, here computed in closed form by
+  `perfmodel.activation_bytes`, which matches what the engine measures for a full or, with
+  `padded`, a padded batch: the run's worst step)
+  handed to the engine's own `placement.plan_device`, which picks the gpu-home chunks (a
+  suffix of first-use order) and the cache size for streamed compute copies;
+- the host side: the kinds placed by the engine's own `homes.assign_homes` (DRAM, then CXL,
+  then NVMe) over the chunks the engine keeps host-side when it is built (`up_front`), and a
+  refusal where the engine would not fit (e.g. the CXL allocator's page rounding).
+Verified against the engine by tests/test_plan_vs_engine.py and tests/test_budget_matrix.py.
+What is left to a model is time: `perfmodel.predict_step`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..core.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, ParamSpec, pack_chunks
+from ..core.errors import InfeasibleBudget, TierwiseError
+from .homes import Homes, assign_homes, minimum_host
+from .perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buffer_bytes, checkpoints_blocks,
+                               compute_bytes, model_flops,
+                               ops_per_forward, optimizer_cost, param_update_flops, predict_step)
+from .placement import DeviceNeeds, DevicePlan, plan_device
+from ..core.units import format_size
+from ..core.sizes import parse_size
+from ...profiles import HardwareProfile, ModelProfile, load_hardware_profile, load_model_profile
+
+log = logging.getLogger(__name__)
+TIERS = ("gpu", "host", "cxl", "nvme")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkHome:
+    """Where the kinds of one chunk live (None: the kind does not exist) and who updates it."""
+
+    index: int
+    params: int
+    update: str
+    """"gpu" or "cpu"."""
+    compute: str
+    """Tier the compute copy streams from (in fp32 runs: the master's tier; "gpu" when gpu-home)."""
+    grad: str | None
+    master: str | None
+    state: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A feasible placement and its predicted cost."""
+
+    model: str
+    hardware: str
+    optimizer: str
+    precision: str
+    batch_size: int
+    seq_len: int
+    chunk_bytes: int
+    budgets: dict[str, int | None]
+    """Budget per tier in bytes (None: unlimited; 0: tier absent)."""
+    num_params: int
+    num_chunks: int
+    bytes: dict[str, dict[str, int]]
+    """bytes[tier][kind] of chunk home storage ("compute", "grad", "master", "state"), as the
+    engine's ledger names them: fp32 runs have no separate compute copy (the master is streamed)."""
+    reserve: dict[str, dict[str, int]]
+    """Non-chunk bytes: gpu "buffers", "stream cache" (streamed compute copies, at most the cache
+    limit), "grad in flight" (MeZO: "workspace", its perturbed parameter copies), "activations";
+    host "nvme bounce"."""
+    peak: dict[str, int]
+    """Predicted peak bytes per tier in steady state (after the warm-up step)."""
+    gpu_minimum: int
+    """The smallest gpu budget the engine accepts for this run (its `minimum_gpu_bytes`)."""
+    host_minimum: int
+    """The smallest host budget the engine accepts with these cxl/nvme tiers (`homes.minimum_host`
+    over the chunks it places host-side when built -- see `make_plan(up_front=...)` -- raised
+    where the engine's real NVMe bounce buffers would not fit)."""
+    cache_limit: int
+    """Bytes the engine's resident cache may use for streamed compute copies."""
+    chunk_homes: tuple[ChunkHome, ...] = field(repr=False)
+    gpu_update_params: int
+    cpu_update_params: int
+    phases: dict[str, float]
+    """Predicted seconds per phase."""
+    step_s: float
+    bottleneck: str
+    tokens_per_s: float
+    checkpointing: bool = True
+    """Whether backward recomputes the decoder blocks (activation checkpointing)."""
+    padded: bool = False
+    """Planned for padded batches (attention_mask zeros): the run's worst step when its data
+    has any padding, e.g. a short last block."""
+    feasible: bool = True
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    def render_table(self) -> str:
+        """Bytes per tier and kind, the update split, predicted step time and bottleneck."""
+        cols = list(KINDS) + ["reserve", "peak", "budget"]
+        rows = [["tier"] + cols]
+        for tier in ("gpu", "host", "cxl", "nvme"):
+            budget = self.budgets.get(tier)
+            if not self.peak.get(tier) and not budget:
+                continue
+            cells = [format_size(self.bytes[tier][k]) if self.bytes[tier][k] else "-" for k in KINDS]
+            res = sum(self.reserve.get(tier, {}).values())
+            cells += [format_size(res) if res else "-", format_size(self.peak[tier]),
+                      "unlimited" if budget is None else format_size(budget)]
+            rows.append([tier] + cells)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [f"{self.model} on {self.hardware}: {self.optimizer}, {self.precision}, "
+                 f"batch {self.batch_size} x {self.seq_len}{' padded' if self.padded else ''}, {_count(self.num_params)} params, "
+                 f"{self.num_chunks} chunks of {format_size(self.chunk_bytes)}, "
+                 f"recompute {'on' if self.checkpointing else 'off'}"]
+        lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                  for r in rows]
+        total = max(self.num_params, 1)
+        lines.append(f"update: GPU {_count(self.gpu_update_params)} params "
+                     f"({100 * self.gpu_update_params / total:.1f}%), CPU {_count(self.cpu_update_params)}")
+        lines.append("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in self.phases.items()))
+        lines.append(f"step {self.step_s:.3f} s, {self.tokens_per_s:,.0f} tokens/s, bottleneck: {self.bottleneck}")
+        return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    """A parameter count for people: 1.52B, 101.9M, 234.0K."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(n)
+
+
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+class _Chunks:
+    """The engine's chunking of `model` and the bytes of every kind of every chunk.
+
+    Optimizer state bytes come from the engine's own chunk updater
+    (`offload.updaters.make_updater(...).state_bytes(cid)`), so 8-bit blocks, 64-byte slot
+    alignment and low-rank projectors are counted exactly as the engine allocates them."""
+
+    def __init__(self, *, model: ModelProfile, optimizer: str, precision: str, chunk_bytes: int,
+                 rank: int | None, optimizer_kwargs: dict | None = None,
+                 params: "Sequence[ParamSpec] | None" = None) -> None:
+        self.cost = optimizer_cost(optimizer)
+        self.ce = compute_bytes(precision)
+        self.bf16 = precision == "bf16"
+        specs = list(params) if params is not None else model.param_specs()
+        self.num_params = sum(s.numel for s in specs)
+        by_name = {s.name: s for s in specs}
+        self.plan: ChunkPlan = pack_chunks(specs, chunk_bytes=chunk_bytes, element_size=4)
+        self.n = len(self.plan.chunks)
+        updater = _updater(optimizer, self.plan, specs, rank=rank, optimizer_kwargs=optimizer_kwargs)
+        self.needs_grad = bool(updater.needs_grad)
+        self.kinds: list[dict[str, int]] = []  # per chunk, as the engine's store.kind_bytes
+        self.params: list[int] = []
+        self.flops: list[float] = []
+        for c in self.plan.chunks:
+            ps = [by_name[n] for n in c.params]
+            k = {"grad": 4 * c.numel if self.needs_grad else 0, "state": int(updater.state_bytes(c.index)),
+                 "master": 4 * c.numel}
+            if self.bf16:
+                k["compute"] = self.ce * c.numel
+            self.kinds.append({kind: b for kind, b in k.items() if b})
+            self.params.append(sum(p.numel for p in ps))
+            self.flops.append(sum(param_update_flops(p, cost=self.cost, rank=rank) for p in ps))
+        self.compute = [self.ce * c.numel for c in self.plan.chunks]
+        modules: dict[str, set[int]] = defaultdict(set)
+        owned: dict[str, int] = defaultdict(int)
+        for name, slot in self.plan.slots.items():
+            modules[_module_of(name)].add(slot.chunk)
+            owned[_module_of(name)] += slot.numel
+        self.widest = max((sum(self.compute[c] for c in cids) for cids in modules.values()), default=0)
+        self.largest_param = max((s.numel for s in self.plan.slots.values()), default=0)
+        # MeZO: the +eps z and -eps z copies of the widest module's parameters (engine._zo_workspace)
+        self.zo_workspace = 2 * self.ce * max(owned.values(), default=0)
+        widest = max(owned, key=owned.__getitem__, default="")
+        tied_head = widest == "model.embed_tokens" and "lm_head.weight" not in self.plan.slots
+        self.zo_module = "lm_head" if tied_head else widest  # a tied head runs last, on the embedding's chunk
+        self.zo_chunks = sorted(modules.get(widest, ()))
+
+    def device_needs(self, *, buffers: int, activations: int) -> DeviceNeeds:
+        """What the engine's `_device_needs` computes for this model (placement.DeviceNeeds)."""
+        return DeviceNeeds(
+            buffers=buffers,
+            stream_window=self.widest + max(self.compute, default=0),
+            grad_reserve=self.largest_param * self.ce if self.needs_grad else self.zo_workspace,
+            activations=activations,
+            home_bytes=tuple(sum(k.values()) for k in self.kinds),
+            compute_bytes=tuple(self.compute),
+        )
+
+
+def _updater(optimizer: str, plan: ChunkPlan, specs: list, *, rank: int | None, optimizer_kwargs: dict | None):
+    """The engine's chunk updater for this chunking (state bytes and whether it needs grads)."""
+    from ..update.updaters import LOW_RANK, make_updater  # torch: imported only when planning
+
+    kwargs = dict(optimizer_kwargs or {})
+    if rank is not None and optimizer in LOW_RANK:
+        kwargs.setdefault("rank", rank)
+    try:
+        return make_updater(optimizer, plan, shapes={s.name: tuple(s.shape) for s in specs}, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise TierwiseError(f"optimizer {optimizer!r}: {exc}") from None
+
+
+def _resolve_model(model: Any) -> ModelProfile:
+    if isinstance(model, (str, Path)):
+        return load_model_profile(model)
+    if isinstance(model, ModelProfile):
+        return model
+    return ModelProfile.from_hf_config(model)
+
+
+def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | str | None, gpu_mem: int | str | None,
+              cpu_mem: int | str | None, cxl_mem: int | str | None = None, nvme_path: str | None = None,
+              nvme_mem: int | str | None = None, optimizer: str, precision: str, batch_size: int, seq_len: int,
+              chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
+              optimizer_kwargs: dict | None = None, grad_accum: int = 1, up_front: bool = True,
+              checkpointing: bool | None = None, padded: bool = False,
+              params: "Sequence[ParamSpec] | None" = None, **_ignored: Any) -> Plan:
+    """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited).
+
+    `model`: a profile, a profile name/path, or a transformers model/config (its shapes are read).
+    `hardware`: a profile or name/path; None means "cpu-sim". `batch_size` is the micro-batch
+    (the engine splits a batch into `grad_accum` of them; activations follow the micro-batch).
+    `optimizer_kwargs` as the Engine takes them (e.g. {"rank": 8} for GaLore/APOLLO; `rank`
+    is a shorthand for it): they decide the optimizer state bytes.
+    `up_front`: the engine is given the planned activations (`Engine(activations=...)`, as
+    `finetune` does) and places every chunk before the first step; False: it measures them in
+    its warm-up step, with every chunk host-side until then (homes chosen for all chunks, the
+    gpu-home ones leaving theirs when promoted) -- the host-side bytes can differ.
+    `checkpointing` as the Engine takes it (None: recompute blocks when there are several).
+    `params`: the parameters the engine will chunk, in its order (`chunks.specs_of(
+    model.named_parameters())` of the module the run trains: a tied head counted once, as
+    that module ties it); default: the profile's `param_specs()`.
+    `padded`: some batch of the run has padding (attention_mask zeros): the activations are
+    then those of a padded batch, the run's worst step (perfmodel.activation_parts).
+    Raises InfeasibleBudget naming the minimum gpu / host / nvme bytes when they cannot fit."""
+    model = _resolve_model(model)
+    hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
+    if batch_size <= 0 or seq_len <= 0 or grad_accum <= 0:
+        raise TierwiseError(f"batch size, sequence length and grad_accum must be positive, got "
+                            f"{batch_size} x {seq_len} (x {grad_accum})")
+    gpu = parse_size(gpu_mem, what="--gpu-mem")
+    gpu = hw.gpu.memory if gpu is None else gpu
+    host = parse_size(cpu_mem, what="--cpu-mem")
+    host = hw.host.memory if host is None else host
+    cxl = parse_size(cxl_mem, what="--cxl-mem")
+    cxl = (hw.cxl.memory if hw.cxl else 0) if cxl is None else cxl
+    if cxl and hw.cxl is None:
+        raise TierwiseError(f"a CXL budget was given but hardware profile '{hw.name}' has no [cxl] table")
+    if nvme_path is not None and hw.nvme is None:
+        raise TierwiseError(f"--nvme-path was given but hardware profile '{hw.name}' has no [nvme] table")
+    nvme_cap = parse_size(nvme_mem, what="--nvme-mem")
+    nvme_cap = (hw.nvme.capacity if hw.nvme else None) if nvme_cap is None else nvme_cap
+    use_nvme = nvme_path is not None
+    chunk_bytes = parse_size(chunk_bytes, what="chunk size")
+
+    ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_bytes, rank=rank,
+                 optimizer_kwargs=optimizer_kwargs, params=params)
+    checkpointing = ch.needs_grad and checkpoints_blocks(model, checkpointing)  # resolved, as the engine does
+    act = activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                           backward=ch.needs_grad, checkpointing=checkpointing, padded=padded)
+    needs = ch.device_needs(buffers=buffer_bytes(model), activations=act)
+    if gpu < needs.minimum:
+        raise InfeasibleBudget(
+            f"--gpu-mem {format_size(gpu)} is too small: needs at least {format_size(needs.minimum)} "
+            f"({needs.minimum} B: buffers {format_size(needs.buffers)}, streaming window "
+            f"{format_size(needs.stream_window)}, gradient reserve {format_size(needs.grad_reserve)}, "
+            f"activations {format_size(act)} at batch {batch_size} x {seq_len}{' padded' if padded else ''})",
+            minimum={"gpu": needs.minimum})
+    # MeZO too may keep chunks on the device: its perturbed weights are temporaries.
+    device = plan_device(needs, gpu, allow_gpu_home=True)
+    streamed = [c for c in range(ch.n) if c not in device.gpu_home]
+    # The chunks the engine places host-side when it is built: the streamed ones when placed up
+    # front, else every chunk (gpu-home chunks leave their homes when promoted after the warm-up).
+    hosted = streamed if up_front else list(range(ch.n))
+    homes_built = _engine_homes(ch, hosted, host=host, cxl=cxl, nvme=use_nvme)
+    homes = _streamed_homes(ch, homes_built, streamed)
+    host_min = _host_minimum(ch, hosted, cxl=cxl, nvme=use_nvme)
+    on_nvme = sum(homes_built.bytes.get("nvme", {}).values())  # the engine's preflight, when built
+    if nvme_cap is not None and on_nvme > nvme_cap:
+        raise InfeasibleBudget(f"--nvme-path has {format_size(nvme_cap)} of space: needs at least "
+                               f"{format_size(on_nvme)}; raise --cpu-mem / --cxl-mem or free disk space",
+                               minimum={"nvme": on_nvme})
+    flops_fwd = model_flops(model=model, batch_size=batch_size, seq_len=seq_len)
+    load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd, ops=ops_per_forward(model),
+                 recompute=checkpointing)
+    pred = predict_step(hardware=hw, precision=precision, cost=ch.cost, tokens=batch_size * seq_len * grad_accum,
+                        load=load, micro_batches=grad_accum)
+    return _build(ch, model=model, hw=hw, needs=needs, device=device, homes=homes, pred=pred, precision=precision,
+                  budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
+                  batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes, optimizer=optimizer,
+                  host_minimum=host_min, checkpointing=checkpointing, padded=padded)
+
+
+def _construction_bytes(ch: _Chunks, homes: Homes) -> tuple[int, int]:
+    """(host, cxl) bytes the engine's ledger takes when built with `homes`: host = the kinds
+    there + the NVMe bounce buffers; cxl = the kinds there (the ledger is the one budget)."""
+    host = sum(homes.bytes.get("host", {}).values()) + homes.bounce
+    cxl = sum(homes.bytes.get("cxl", {}).values())
+    return host, cxl
+
+
+def _engine_homes(ch: _Chunks, hosted: list[int], *, host: int | None, cxl: int, nvme: bool) -> Homes:
+    """homes.assign_homes over the chunks `hosted`, as the engine calls it; InfeasibleBudget
+    (naming the smallest budget that works) also where the engine would fail later, at its
+    bounce buffers."""
+    kinds = {c: ch.kinds[c] for c in hosted}
+    homes = assign_homes(kinds=kinds, host=host, cxl=cxl or None, nvme=nvme)
+    used_host, _ = _construction_bytes(ch, homes)
+    if host is not None and used_host > host:
+        need = _host_minimum(ch, hosted, cxl=cxl, nvme=nvme)
+        raise InfeasibleBudget(
+            f"host budget {format_size(host)} cannot hold the streamed chunks and the NVMe bounce buffers "
+            f"({format_size(used_host)}); at least {format_size(need)} ({need} B) needed; raise --cpu-mem",
+            minimum={"host": need})
+    return homes
+
+
+def _grow(used: Any, start: int, *, cap: int) -> int:
+    """The smallest budget b >= start, found by fixpoint iteration, with used(b) <= b (else cap)."""
+    b = start
+    for _ in range(64):
+        try:
+            u = used(b)
+        except InfeasibleBudget:
+            return cap
+        if u <= b:
+            return b
+        b = u
+    return cap
+
+
+def _host_minimum(ch: _Chunks, hosted: list[int], *, cxl: int, nvme: bool) -> int:
+    """The smallest host budget the engine accepts: homes.minimum_host over the chunks it places
+    host-side, raised where the bounce buffers do not fit in it; never more than all their
+    kinds (then nothing goes to NVMe, and no bounce buffers are needed)."""
+    kinds = {c: ch.kinds[c] for c in hosted}
+    everything = sum(sum(k.values()) for k in kinds.values())
+    start = minimum_host(kinds, cxl=cxl or None, nvme=nvme)
+    if not nvme:
+        return start
+    if start >= everything:
+        return everything
+    return min(everything, _grow(lambda b: _construction_bytes(
+        ch, assign_homes(kinds=kinds, host=b, cxl=cxl or None, nvme=nvme))[0], start, cap=everything))
+
+
+def _streamed_homes(ch: _Chunks, homes: Homes, streamed: list[int]) -> Homes:
+    """The homes of the streamed chunks only (what stays host-side in steady state); the bounce
+    buffers are the engine's, sized when it is built."""
+    tiers = {c: homes.tiers[c] for c in streamed}
+    totals: dict[str, dict[str, int]] = {}
+    for c, d in tiers.items():
+        for kind, tier in d.items():
+            totals.setdefault(tier, {}).setdefault(kind, 0)
+            totals[tier][kind] += ch.kinds[c][kind]
+    return Homes(tiers=tiers, bytes=totals, bounce=homes.bounce)
+
+
+def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int], flops_fwd: float,
+          ops: int, recompute: bool) -> StepLoad:
+    """What one step moves and computes with this placement (input of the performance model)."""
+    source = "compute" if ch.bf16 else "master"
+    stream = {t: homes.bytes.get(t, {}).get(source, 0) for t in ("host", "cxl", "nvme")}
+    streamed_compute = sum(ch.compute[c] for c in streamed)
+    home = sorted(device.gpu_home)
+    # Belady over a forward and a backward pass: the cache keeps what fits across the turn.
+    fetched = max(0, 2 * streamed_compute - max(0, device.cache_limit - ch.widest)) if streamed else 0
+    return StepLoad(
+        tokens_flops_fwd=flops_fwd,
+        placed={t: dict(homes.bytes.get(t, {})) for t in ("host", "cxl", "nvme")},
+        stream_bytes=stream, fetched_bytes=fetched,
+        grad_d2h_bytes=streamed_compute if ch.needs_grad else 0,
+        cpu_params=sum(ch.params[c] for c in streamed), cpu_flops=sum(ch.flops[c] for c in streamed),
+        cpu_update_bytes=sum(_update_bytes(ch, c) for c in streamed),
+        gpu_params=sum(ch.params[c] for c in home),
+        gpu_update_bytes=sum(_update_bytes(ch, c) for c in home), gpu_update_flops=sum(ch.flops[c] for c in home),
+        chunk_compute_bytes=max((ch.compute[c] for c in streamed), default=0),
+        chunk_params=max((ch.params[c] for c in streamed), default=0),
+        num_chunks=ch.n, streamed_chunks=len(streamed), ops_per_forward=ops, recompute=recompute)
+
+
+def _update_bytes(ch: _Chunks, c: int) -> int:
+    """Memory traffic of one chunk's update: read+write master and state, read grad, write compute."""
+    k = ch.kinds[c]
+    return 2 * (k.get("master", 0) + k.get("state", 0)) + k.get("grad", 0) + k.get("compute", 0)
+
+
+def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
+    """Streamed compute copies resident when the gpu peaks (the end of forward, or just after
+    it in backward). The schedule keeps the chunks needed soonest: lm_head's chunk (in use),
+    then the others in backward (reverse first-use) order, as many as fit in the cache limit;
+    a chunk that does not fit is left out (Belady evicts it: e.g. a big embedding, needed
+    last). MeZO (no backward) peaks while its widest module runs (its perturbed copies): then
+    that module's chunks, the ones after it and the ones before it are resident, in that order
+    of preference (the cache is emptied after every step)."""
+    streamed = [c for c in range(ch.n) if c not in device.gpu_home]
+    if ch.needs_grad or ch.zo_module == "lm_head":
+        head = ch.plan.slots.get("lm_head.weight") or ch.plan.slots.get("model.embed_tokens.weight")
+        first = [head.chunk] if head is not None and head.chunk in streamed else []
+        order = first + [c for c in reversed(streamed) if c not in first]
+    else:  # MeZO peaks while its widest module runs: then the chunks after it (prefetched), then
+        # those before it, most recently used first
+        first = [c for c in ch.zo_chunks if c in streamed]
+        last = max(first, default=-1)
+        order = first + [c for c in streamed if c > last] + [c for c in reversed(streamed) if c < last
+                                                              and c not in first]
+    resident = 0
+    for c in order:
+        if resident + ch.compute[c] <= device.cache_limit:
+            resident += ch.compute[c]
+    return resident
+
+
+def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds,
+                   device: DevicePlan, batch_size: int, seq_len: int, precision: str,
+                   checkpointing: bool | None, padded: bool = False) -> int:
+    """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
+    forward (all activations); a block's recompute in backward; lm_head's gradient on its way to
+    the host while the final norm's activations are still saved; the embedding's gradient at
+    the very end. The simulated device's copy thread drains small gradients as they come;
+    on CUDA up to the gradient reserve may be in flight at any time."""
+    if not ch.needs_grad:  # MeZO: the perturbed copies of the module computing (dual_forward)
+        return needs.activations + ch.zo_workspace
+    p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                         checkpointing=checkpointing, padded=padded)
+    held = p["fixed"] + p["inputs"] + p["layers"]  # without checkpointing, every layer's internals
+    streamed_grad = {name: ch.ce * s.numel for name, s in ch.plan.slots.items() if s.chunk not in device.gpu_home}
+    inflight = 0 if hw.simulated else (needs.grad_reserve if streamed_grad else 0)
+    return max(held + p["head"], held + p["block"] + inflight,
+               held + p["final_norm"] + max(streamed_grad.get("lm_head.weight", 0), inflight),
+               p["fixed"] + max(streamed_grad.get("model.embed_tokens.weight", 0), inflight))
+
+
+def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, device: DevicePlan,
+           homes: Homes, pred, precision: str, budgets: dict, **meta) -> Plan:
+    act_args = dict(batch_size=meta["batch_size"], seq_len=meta["seq_len"], precision=precision,
+                    checkpointing=meta["checkpointing"], padded=meta["padded"])
+    by_tier = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
+    for c in device.gpu_home:
+        for kind, b in ch.kinds[c].items():
+            by_tier["gpu"][kind] += b
+    for tier, kinds in homes.bytes.items():
+        for kind, b in kinds.items():
+            by_tier[tier][kind] += b
+    cache = _resident_at_peak(ch, device)
+    transient = _gpu_transient(ch, model=model, hw=hw, needs=needs, device=device, **act_args)
+    in_flight = "grad in flight" if ch.needs_grad else "workspace"
+    reserve = {"gpu": {"buffers": needs.buffers, "stream cache": cache, "activations": needs.activations,
+                       in_flight: transient - needs.activations},
+               "host": {"nvme bounce": homes.bounce}}
+    peak = {t: sum(by_tier[t].values()) + sum(reserve.get(t, {}).values()) for t in TIERS}
+    chunk_homes = []
+    for j in range(ch.n):
+        if j in device.gpu_home:
+            tiers = {kind: "gpu" for kind in ch.kinds[j]}
+        else:
+            tiers = homes.tiers[j]
+        chunk_homes.append(ChunkHome(index=j, params=ch.params[j], update="gpu" if j in device.gpu_home else "cpu",
+                                     compute=tiers.get("compute", tiers["master"]), grad=tiers.get("grad"),
+                                     master=tiers["master"], state=tiers.get("state")))
+    log.info("plan %s on %s: %d of %d chunks gpu-home, step %.3f s (%s)", model.name, hw.name,
+             len(device.gpu_home), ch.n, pred.step_s, pred.bottleneck)
+    gpu_params = sum(ch.params[c] for c in device.gpu_home)
+    return Plan(model=model.name, hardware=hw.name, precision=precision, budgets=budgets,
+                num_params=ch.num_params, num_chunks=ch.n, bytes=by_tier, reserve=reserve, peak=peak,
+                gpu_minimum=needs.minimum, cache_limit=device.cache_limit, chunk_homes=tuple(chunk_homes),
+                gpu_update_params=gpu_params, cpu_update_params=ch.num_params - gpu_params,
+                phases=pred.phases, step_s=pred.step_s, bottleneck=pred.bottleneck,
+                tokens_per_s=pred.tokens_per_s, **meta)

@@ -1,0 +1,137 @@
+"""The resident cache: compute copies of streamed chunks that are in the `gpu` tier now.
+
+The cache holds at most `limit` bytes. A chunk is *pinned* while a module computes with it.
+It carries out the schedule's actions (`apply`: evict, fetch ahead); a chunk acquired while
+absent is fetched on demand, making room by evicting the least recently used unpinned chunk
+(that only happens before a schedule exists, or after the control flow changed). `limit` bounds
+what is cached, not what is pinned: chunks pinned at once may exceed it (the ledger's device
+budget is the hard limit), and `pinned_peak` records the most bytes ever pinned at once, the
+streaming window a step really needs. Compute copies are read-only on the device, so eviction
+never writes back: the home copy is the truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .executor import Executor, Ticket
+from .tiers import Tiers
+
+
+@dataclass(kw_only=True)
+class _Entry:
+    buf: torch.Tensor  # [numel] compute dtype, in the gpu tier
+    ticket: Ticket | None
+    pins: int = 0
+    last_use: int = 0
+
+
+class ResidentCache:
+    """Chunk id -> device buffer, within `limit` bytes, with pinning, eviction and prefetch."""
+
+    def __init__(self, *, tiers: Tiers, executor: Executor, limit: int, dtype: torch.dtype,
+                 numel: Callable[[int], int], fetch: Callable[[int, torch.Tensor], Ticket],
+                 on_resident: Callable[[int, torch.Tensor], None],
+                 on_evict: Callable[[int], None]):
+        self.tiers, self.executor, self.limit, self.dtype = tiers, executor, limit, dtype
+        self.numel, self.fetch = numel, fetch  # fetch(cid, device_buffer) starts the copy in
+        self.on_resident, self.on_evict = on_resident, on_evict
+        self.entries: dict[int, _Entry] = {}
+        self.bytes = 0
+        self.clock = 0
+        self.fetches = 0
+        self.prefetches = 0  # fetches started ahead of use
+        self.fetched_bytes = 0
+        self.pinned_bytes = 0
+        self.pinned_peak = 0
+
+    # -- queries ---------------------------------------------------------------------
+    def resident(self, cid: int) -> bool:
+        return cid in self.entries
+
+    def pinned(self, cid: int) -> bool:
+        entry = self.entries.get(cid)
+        return entry is not None and entry.pins > 0
+
+    def _nbytes(self, cid: int) -> int:
+        return self.numel(cid) * self.dtype.itemsize
+
+    # -- actions ---------------------------------------------------------------------
+    def acquire(self, cid: int) -> torch.Tensor:
+        """Make `cid` resident (waiting for its bytes) and pin it."""
+        self.clock += 1
+        entry = self.entries.get(cid)
+        if entry is None:
+            self._make_room(self._nbytes(cid))
+            entry = self._fetch(cid)
+        if entry.pins == 0:
+            self.pinned_bytes += self._nbytes(cid)
+            self.pinned_peak = max(self.pinned_peak, self.pinned_bytes)
+        entry.pins += 1
+        entry.last_use = self.clock
+        if entry.ticket is not None:
+            self.executor.wait(entry.ticket)
+            entry.ticket = None
+        return entry.buf
+
+    def release(self, cid: int) -> None:
+        entry = self.entries[cid]
+        if entry.pins <= 0:
+            raise AssertionError(f"chunk {cid} released more often than acquired")
+        entry.pins -= 1
+        if entry.pins == 0:
+            self.pinned_bytes -= self._nbytes(cid)
+
+    def apply(self, evict: tuple[int, ...], prefetch: tuple[int, ...]) -> bool:
+        """Evict, then start fetching ahead, as the schedule says. False if it cannot (the
+        cache does not look as the schedule expects), so the caller drops the schedule."""
+        for cid in evict:
+            entry = self.entries.get(cid)
+            if entry is not None:
+                if entry.pins:
+                    return False
+                self._evict(cid)
+        for cid in prefetch:
+            if cid in self.entries:
+                continue
+            if self.bytes + self._nbytes(cid) > self.limit:
+                return False
+            self._fetch(cid)
+            self.prefetches += 1
+        return True
+
+    def evict_all(self) -> None:
+        """Drop every unpinned chunk (after an update their compute copies are stale)."""
+        for cid in [c for c, e in self.entries.items() if e.pins == 0]:
+            self._evict(cid)
+
+    # -- internals -------------------------------------------------------------------
+    def _fetch(self, cid: int) -> _Entry:
+        buf = self.tiers.empty("gpu", "compute", self.numel(cid), self.dtype)
+        ticket = self.fetch(cid, buf)
+        entry = _Entry(buf=buf, ticket=ticket, last_use=self.clock)
+        self.entries[cid] = entry
+        self.bytes += buf.numel() * buf.element_size()
+        self.fetches += 1
+        self.fetched_bytes += buf.numel() * buf.element_size()
+        self.on_resident(cid, buf)
+        return entry
+
+    def _evict(self, cid: int) -> None:
+        entry = self.entries.pop(cid)
+        if entry.ticket is not None:  # the copy thread may still be writing into it
+            entry.ticket.wait()
+        self.on_evict(cid)
+        self.bytes -= entry.buf.numel() * entry.buf.element_size()
+        self.tiers.free("gpu", "compute", entry.buf)
+
+    def _make_room(self, need: int) -> None:
+        """Evict least recently used unpinned chunks until `need` bytes fit (or none is left:
+        then the pinned chunks outgrow `limit`, within the ledger's budget)."""
+        victims = sorted((c for c, e in self.entries.items() if e.pins == 0),
+                         key=lambda c: self.entries[c].last_use)
+        while self.limit - self.bytes < need and victims:
+            self._evict(victims.pop(0))

@@ -1,0 +1,322 @@
+"""Chunk storage: the home copies of every chunk kind, each in its home tier.
+
+For chunk c (flat tensors of plan.chunks[c].numel elements, sharing the slot layout):
+- master  fp32, the truth the optimizer updates (in fp32 runs also the compute copy that
+          is streamed to the device);
+- compute bf16 copy for streaming (bf16 runs only), refreshed after every update;
+- grad    fp32 accumulator (host DRAM, or the device for gpu-home chunks);
+- state   the optimizer's tensors (e.g. exp_avg, exp_avg_sq), and a step counter (host).
+A kind lives in `host`, `cxl` (tensors bound to a CXL node), `nvme` (a swap file, see
+SwapKind) or, after `promote`, `gpu`. NVMe-resident kinds are brought into bounce buffers
+for the update (`offload.update_loop`) and streamed through a staging buffer to the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from .aligned import aligned_empty
+from ..core.chunks import ChunkPlan, Slot, same_layout
+from .nvme import NvmeStore
+from .tiers import Tiers
+
+
+def kind_bytes(numel: int, *, state_bytes: int, compute_dtype: torch.dtype,
+               needs_grad: bool = True) -> dict[str, int]:
+    """Bytes of each kind of a chunk of `numel` elements (input of homes.assign_homes)."""
+    out = {"grad": 4 * numel} if needs_grad else {}
+    out["master"] = 4 * numel
+    if state_bytes:
+        out["state"] = state_bytes
+    if compute_dtype != torch.float32:
+        out["compute"] = numel * compute_dtype.itemsize
+    return out
+
+
+@dataclass(frozen=True)
+class SwapKind:
+    """A kind that lives in a swap file: its key, length and dtype."""
+
+    key: str
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+Data = "torch.Tensor | SwapKind"
+
+
+def in_slot_order(t: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """`t` (shaped like the parameter, e.g. its gradient) as [numel] in the slot's memory
+    order: a view when `t` is laid out as the slot, else a copy that is."""
+    if not same_layout(slot.shape, t.stride(), slot.stride):
+        t = t.new_empty_strided(slot.shape, slot.stride).copy_(t)
+    return t.as_strided((slot.numel,), (1,), t.storage_offset())
+
+
+@dataclass(kw_only=True)
+class _Chunk:
+    tiers: dict[str, str]  # kind -> tier
+    master: Any
+    grad: Any  # None when the optimizer needs no gradient (MeZO); may be a SwapKind
+    state: Any  # the optimizer's byte blob (offload.update), or None when it keeps none
+    step: torch.Tensor
+    compute: Any = None  # bf16 runs only
+    names: tuple[str, ...] = field(default=())
+
+    def kinds(self) -> Iterator[tuple[str, str, Any]]:
+        """(kind, name, data) for master, state, compute and grad (when they exist)."""
+        yield "master", "master", self.master
+        if self.grad is not None:
+            yield "grad", "grad", self.grad
+        if self.state is not None:
+            yield "state", "state", self.state
+        if self.compute is not None:
+            yield "compute", "compute", self.compute
+
+
+class ChunkStore:
+    """Home copies of all chunks, with ledger-accounted allocation in their tiers."""
+
+    def __init__(self, *, plan: ChunkPlan, tiers: Tiers, compute_dtype: torch.dtype,
+                 state_bytes: "Callable[[int], int]", needs_grad: bool, homes: dict[int, dict[str, str]],
+                 nvme: NvmeStore | None = None):
+        self.plan, self.tiers, self.compute_dtype = plan, tiers, compute_dtype
+        self.state_bytes, self.needs_grad = state_bytes, needs_grad
+        self.nvme = nvme
+        self.bf16 = compute_dtype != torch.float32
+        self.grad_scale: torch.Tensor | None = None  # clipping factor still owed to NVMe gradients
+        self.bounce: Any = None  # offload.swapping.Bounce, set by the engine when NVMe is in use
+        self.chunks = [self._allocate(c.index, homes[c.index]) for c in plan.chunks]
+
+    # -- allocation -----------------------------------------------------------------------
+    def _new(self, cid: int, kind: str, name: str, tier: str, dtype: torch.dtype, numel: int | None = None) -> Any:
+        n = self.plan.chunks[cid].numel if numel is None else numel
+        if tier != "nvme":
+            return self.tiers.zeros(tier, kind, n, dtype)
+        self.tiers.ledger.reserve("nvme", kind, n * dtype.itemsize)
+        swap = SwapKind(f"c{cid}.{name}", n, dtype)
+        self.nvme.zeros(swap.key, swap.nbytes)
+        return swap
+
+    def _drop(self, tier: str, kind: str, data: Any) -> None:
+        if isinstance(data, SwapKind):
+            self.nvme.remove(data.key)
+            self.tiers.ledger.release("nvme", kind, data.nbytes)
+        else:
+            self.tiers.free(tier, kind, data)
+
+    def _allocate(self, cid: int, tiers: dict[str, str]) -> _Chunk:
+        tiers = dict(tiers)
+        tiers.setdefault("state", tiers.get("master", "host"))
+        tiers.setdefault("grad", "host")
+        nstate = self.state_bytes(cid)
+        return _Chunk(
+            tiers=tiers,
+            master=self._new(cid, "master", "master", tiers["master"], torch.float32),
+            grad=self._new(cid, "grad", "grad", tiers["grad"], torch.float32) if self.needs_grad else None,
+            state=self._new(cid, "state", "state", tiers["state"], torch.uint8, nstate) if nstate else None,
+            step=torch.zeros((), dtype=torch.float32,
+                             device=self.tiers.device if tiers["master"] == "gpu" else "cpu"),
+            compute=self._new(cid, "compute", "compute", tiers["compute"], self.compute_dtype) if self.bf16 else None,
+            names=self.plan.chunks[cid].params,
+        )
+
+    def _free(self, ch: _Chunk) -> None:
+        for kind, _, data in ch.kinds():
+            self._drop(ch.tiers[kind], kind, data)
+
+    def home_bytes(self, cid: int) -> int:
+        """Bytes of every kind of chunk `cid` (what it costs to keep it gpu-home)."""
+        return sum(kind_bytes(self.plan.chunks[cid].numel, state_bytes=self.state_bytes(cid),
+                              compute_dtype=self.compute_dtype, needs_grad=self.needs_grad).values())
+
+    def promote(self, cid: int, params: dict[str, torch.nn.Parameter]) -> None:
+        """Move every kind of chunk `cid` into the gpu tier; its params point there for good."""
+        old = self.chunks[cid]
+        new = self._allocate(cid, {k: "gpu" for k in ("master", "grad", "state", "compute")})
+        with self.opened(cid) as work:
+            for name, t in work.items():
+                getattr(new, name).copy_(t)
+        new.step.copy_(old.step)
+        self._free(old)
+        self.chunks[cid] = new
+        self.point_params(cid, self.compute_source(cid), params)
+
+    # -- in-memory access to possibly swapped kinds ------------------------------------------
+    def opened(self, cid: int, *, write_back: bool = False, only: tuple[str, ...] | None = None,
+               scratch: dict[str, torch.Tensor] | None = None) -> "_Opened":
+        """Context manager: {name: tensor} of chunk `cid`'s kinds in memory (swap files read
+        into `scratch` buffers, else temporary ones; written back on exit if `write_back`).
+        `only`: just these kinds."""
+        return _Opened(self, cid, write_back=write_back, only=only, scratch=scratch)
+
+    # -- views ------------------------------------------------------------------------------
+    def is_gpu_home(self, cid: int) -> bool:
+        return self.chunks[cid].tiers["master"] == "gpu"
+
+    def compute_source(self, cid: int) -> Any:
+        """The home compute copy of chunk `cid` ([numel] compute dtype), or its SwapKind."""
+        ch = self.chunks[cid]
+        return ch.compute if ch.compute is not None else ch.master
+
+    def compute_tier(self, cid: int) -> str:
+        ch = self.chunks[cid]
+        return ch.tiers["compute" if ch.compute is not None else "master"]
+
+    def grad_view(self, slot: Slot) -> torch.Tensor:
+        """[numel] in the slot's memory order (see offload.chunks)."""
+        return slot.flat(self.chunks[slot.chunk].grad)
+
+    def point_params(self, cid: int, buf: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> None:
+        """Make the parameters of chunk `cid` views into `buf` ([numel] compute dtype), with
+        their own shapes and strides."""
+        for name in self.chunks[cid].names:
+            params[name].data = self.plan.slots[name].view(buf)
+
+    def unpoint_params(self, cid: int, params: dict[str, torch.nn.Parameter], *, device: torch.device) -> None:
+        """Chunk `cid` left the device: its parameters hold no bytes until it comes back.
+
+        The placeholder keeps the parameter's shape (autograd checks it when a gradient
+        lands) over one NaN element, so a use of an absent parameter poisons the loss
+        instead of silently computing with stale numbers.
+        """
+        nan = torch.full((), float("nan"), dtype=self.compute_dtype, device=device)
+        for name in self.chunks[cid].names:
+            params[name].data = nan.expand(self.plan.slots[name].shape)
+
+    # -- data -------------------------------------------------------------------------------
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], params: dict[str, Any]) -> None:
+        """Copy (name, tensor) into master slots. Swapped chunks are assembled in memory one
+        or two at a time (tensors arrive shard by shard, roughly in chunk order)."""
+        open_chunks: dict[int, _Opened] = {}
+        free_slots = [0, 1]  # bounce update sets as scratch: no allocation per chunk
+        try:
+            for name, tensor in named_tensors:
+                s = self.plan.slots.get(name)
+                if s is None:
+                    raise KeyError(f"no parameter named {name!r} in this model")
+                if tuple(tensor.shape) != s.shape:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {s.shape}")
+                work = open_chunks.get(s.chunk)
+                if work is None:
+                    if len(open_chunks) >= 2:  # bound the memory: write back the oldest
+                        oldest = next(iter(open_chunks))
+                        done = open_chunks.pop(oldest)
+                        done.__exit__(None, None, None)
+                        free_slots.append(done.slot)
+                    slot = free_slots.pop(0)
+                    scratch = self.bounce.views(slot, s.chunk) if self.bounce is not None else None
+                    work = open_chunks[s.chunk] = self.opened(s.chunk, write_back=True, only=("master", "compute"),
+                                                              scratch=scratch)
+                    work.slot = slot
+                    work.__enter__()
+                s.view(work.tensors["master"]).copy_(tensor)
+        finally:
+            for work in open_chunks.values():
+                work.__exit__(None, None, None)
+
+    def zero_grads(self) -> None:
+        for ch in self.chunks:
+            if isinstance(ch.grad, SwapKind):
+                self.nvme.zeros(ch.grad.key, ch.grad.nbytes)
+            elif ch.grad is not None:
+                ch.grad.zero_()
+
+    def zero_unseen_grads(self, seen: set, params: dict[str, torch.nn.Parameter]) -> None:
+        """Parameters that got no gradient this cycle must not keep the previous cycle's."""
+        for name, p in params.items():  # (gradients on NVMe: offload.gradspill handles them)
+            if p not in seen and not isinstance(self.chunks[self.plan.slots[name].chunk].grad, SwapKind):
+                self.grad_view(self.plan.slots[name]).zero_()
+
+    def clip_grads_(self, max_norm: float) -> torch.Tensor:
+        """Global-norm clipping, computed as torch.nn.utils.clip_grad_norm_ does.
+
+        The norm is taken per parameter with the same kernel and in the same order as the
+        reference (chunk by chunk, so gradients on NVMe are read one chunk at a time), then the
+        norm of those norms. In-memory gradients are scaled now, whole chunks at once (padding
+        is zero); gradients on NVMe get `grad_scale` applied when the update reads them.
+        """
+        norms: list[torch.Tensor] = []
+        for cid, ch in enumerate(self.chunks):
+            with self.opened(cid, only=("grad",)) as work:
+                views = [self.plan.slots[n].view(work["grad"]) for n in ch.names]  # as the reference's grads
+                norms.extend(torch._foreach_norm(views, 2.0))
+        first = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for ch in self.chunks:
+            if not isinstance(ch.grad, SwapKind):
+                ch.grad.mul_(coef.to(ch.grad.device))
+        self.grad_scale = coef
+        return total
+
+    def named_master(self, params: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, fp32 CPU copy) in chunk order, one chunk in memory at a time. The copies are
+        contiguous (what an exporter writes), whatever the parameters' strides."""
+        for cid, ch in enumerate(self.chunks):
+            with self.opened(cid) as work:
+                for name in ch.names:
+                    view = self.plan.slots[name].view(work["master"])
+                    yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"chunk_numel": [c.numel for c in self.plan.chunks], "chunks": []}
+        for cid, ch in enumerate(self.chunks):
+            with self.opened(cid) as work:
+                out["chunks"].append({"step": ch.step.cpu().clone()} | {
+                    k: work[k].to("cpu", copy=True) for k in ("master", "state") if k in work})
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if list(sd["chunk_numel"]) != [c.numel for c in self.plan.chunks]:
+            raise ValueError("checkpoint was written with another chunk layout (model or --chunk-size differ)")
+        for cid, (ch, saved) in enumerate(zip(self.chunks, sd["chunks"])):
+            with self.opened(cid, write_back=True) as work:
+                work["master"].copy_(saved["master"])
+                if "state" in work:
+                    work["state"].copy_(saved["state"])
+                if "compute" in work:
+                    work["compute"].copy_(work["master"])
+            ch.step.copy_(saved["step"])
+
+
+class _Opened:
+    """The kinds of one chunk as in-memory tensors, for the duration of a `with`."""
+
+    def __init__(self, store: ChunkStore, cid: int, *, write_back: bool, only: tuple[str, ...] | None,
+                 scratch: dict[str, torch.Tensor] | None = None):
+        self.store, self.cid, self.write_back, self.only = store, cid, write_back, only
+        self.scratch = scratch or {}
+        self.slot = -1
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def __enter__(self) -> dict[str, torch.Tensor]:
+        ch = self.store.chunks[self.cid]
+        for _, name, data in ch.kinds():
+            if self.only is not None and name not in self.only:
+                continue
+            if isinstance(data, SwapKind):
+                buf = self.scratch.get(name)
+                if buf is None:  # aligned, so the NVMe engine reads in place (no bounce buffer)
+                    buf = aligned_empty(data.nbytes, pin=False)[: data.nbytes].view(data.dtype)
+                self.store.nvme.read(data.key, buf)
+                self.tensors[name] = buf
+            else:
+                self.tensors[name] = data
+        return self.tensors
+
+    def __exit__(self, *exc: object) -> None:
+        ch = self.store.chunks[self.cid]
+        if self.write_back and "compute" in self.tensors:
+            self.tensors["compute"].copy_(self.tensors["master"])
+        if self.write_back and not exc[0]:
+            for _, name, data in ch.kinds():
+                if isinstance(data, SwapKind) and name in self.tensors:
+                    self.store.nvme.write(data.key, self.tensors[name])

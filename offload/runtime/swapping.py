@@ -1,0 +1,103 @@
+"""Bounce buffers and the pipelined update of chunks whose kinds live on NVMe.
+
+Host DRAM holds two *update sets* (each big enough for the largest chunk's swapped kinds)
+and one *fetch staging* buffer (the largest compute source), all 4096-byte aligned so the
+NVMe engine reads and writes them in place with O_DIRECT. The update of swapped chunk i runs
+in one set while chunk i+1 is read into the other and chunk i-1's write-back drains: with
+separate read and write queues the disk and the CPU optimizer overlap.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from .aligned import aligned_empty, round_up
+from .store import ChunkStore, SwapKind
+
+
+class Bounce:
+    """Two update sets, a fetch staging buffer and two gradient staging buffers in host DRAM
+    (ledger kind 'buffer'); sizes as offload.homes.bounce_bytes counts them."""
+
+    def __init__(self, store: ChunkStore, *, pin: bool):
+        self.store = store
+        n = range(len(store.chunks))
+        sets = max((self._set_bytes(c) for c in n), default=0)
+        fetch = max((round_up(src.nbytes) for c in n
+                     if isinstance(src := store.compute_source(c), SwapKind)), default=0)
+        grads = max((round_up(g.nbytes) for c in n if isinstance(g := store.chunks[c].grad, SwapKind)), default=0)
+        self.nbytes = 2 * sets + fetch + 2 * grads
+        store.tiers.ledger.reserve("host", "buffer", self.nbytes)
+        self.sets = [aligned_empty(sets, pin=pin) for _ in range(2)]
+        self.staging = aligned_empty(fetch, pin=pin)
+        self.grad_staging = [aligned_empty(grads, pin=pin) for _ in range(2 if grads else 0)]
+
+    def _set_bytes(self, cid: int) -> int:
+        return sum(round_up(d.nbytes) for _, _, d in self.store.chunks[cid].kinds() if isinstance(d, SwapKind))
+
+    def views(self, slot: int, cid: int) -> dict[str, torch.Tensor]:
+        """Tensors for chunk `cid`'s swapped kinds, carved from update set `slot`."""
+        out, off = {}, 0
+        for _, name, d in self.store.chunks[cid].kinds():
+            if isinstance(d, SwapKind):
+                out[name] = self.sets[slot][off: off + d.nbytes].view(d.dtype)
+                off += round_up(d.nbytes)
+        return out
+
+    def staging_for(self, swap: SwapKind) -> torch.Tensor:
+        return self.staging[: swap.nbytes].view(swap.dtype)
+
+    def release(self) -> None:
+        self.store.tiers.ledger.release("host", "buffer", self.nbytes)
+
+
+def _swapped(store: ChunkStore, cid: int) -> list[tuple[str, SwapKind]]:
+    return [(name, d) for _, name, d in store.chunks[cid].kinds() if isinstance(d, SwapKind)]
+
+
+def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | None, *,
+               chunks: list[int] | None = None) -> None:
+    """One optimizer step on `chunks` (default: every chunk): in-memory ones in place, swapped
+    ones pipelined through the two bounce sets."""
+    todo = list(range(len(store.chunks))) if chunks is None else chunks
+    swapped = [c for c in todo if _swapped(store, c)]
+    writes: dict[int, list[Future]] = {0: [], 1: []}
+
+    def start(i: int) -> tuple[dict[str, torch.Tensor], list[Future]]:
+        slot = i % 2
+        for f in writes[slot]:  # the set is free once its last write-back finished
+            f.result()
+        views = bounce.views(slot, swapped[i])
+        return views, [store.nvme.read_async(d.key, views[n]) for n, d in _swapped(store, swapped[i])
+                       if n != "compute"]  # the compute copy is rewritten from the master
+
+    pending = start(0) if swapped else None
+    for cid in todo:  # while the first read is in flight
+        if cid not in swapped:
+            _step(store.chunks[cid], cid, updater, hyper, {})
+    for i, cid in enumerate(swapped):
+        views, reads = pending
+        if i + 1 < len(swapped):
+            pending = start(i + 1)
+        for f in reads:
+            f.result()
+        ch = store.chunks[cid]
+        if "grad" in views and store.grad_scale is not None:
+            views["grad"].mul_(store.grad_scale)
+        _step(ch, cid, updater, hyper, views)
+        writes[i % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)
+                         if n != "grad"]  # the next cycle overwrites the gradient anyway
+    for fs in writes.values():
+        for f in fs:
+            f.result()
+
+
+def _step(ch: Any, cid: int, updater: Any, hyper: Any, views: dict[str, torch.Tensor]) -> None:
+    master = views.get("master", ch.master)
+    blob = views.get("state", ch.state)
+    updater.step(master, views.get("grad", ch.grad), blob, cid, ch.step, hyper)
+    if ch.compute is not None:
+        views.get("compute", ch.compute).copy_(master)

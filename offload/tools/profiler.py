@@ -1,0 +1,291 @@
+"""Profiler: measure this machine into a hardware profile TOML that `load_hardware_profile` reads.
+
+What is measured (each a short timed loop; `quick=True` shrinks every size for tests):
+- host <-> device copies, both ways, pinned and pageable (CUDA); on the simulated device the
+  memcpy bandwidth stands for the link;
+- NVMe read/write through the engine's own IO path (`offload.nvme.NvmeStore`, O_DIRECT);
+- DRAM bandwidth (a large copy: read + write bytes);
+- each CXL node (`offload.cxl.detect_cxl_nodes`): copies into a buffer bound to it;
+- CPU optimizer throughput: torch fused AdamW and `optim.adamw8bit.adamw8bit_step_`;
+- matmul throughput on the device (bf16 and fp32) and on the CPU (fp32);
+- the dispatch cost of one small op through a hooked module (the simulated device pays it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..core.units import format_size
+
+log = logging.getLogger(__name__)
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sizes:
+    """Bytes / elements of each measurement."""
+
+    copy_bytes: int
+    nvme_bytes: int
+    optim_numel: int
+    gemm_n: int
+    repeats: int
+
+
+FULL = Sizes(copy_bytes=256 << 20, nvme_bytes=512 << 20, optim_numel=16 << 20, gemm_n=1024, repeats=3)
+QUICK = Sizes(copy_bytes=8 << 20, nvme_bytes=16 << 20, optim_numel=1 << 20, gemm_n=256, repeats=2)
+
+
+def _best(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Fastest of `repeats` timed runs (after one warm-up), in seconds."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return max(best, 1e-9)
+
+
+def _cuda_sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidths(sz: Sizes) -> dict[str, float]:
+    """GB/s of h2d/d2h, pinned and pageable; on the simulated device a memcpy (all four alike)."""
+    n = sz.copy_bytes
+    if not torch.cuda.is_available():
+        src, dst = torch.empty(n, dtype=torch.uint8).fill_(1), torch.empty(n, dtype=torch.uint8)
+        bw = n / _best(lambda: dst.copy_(src), sz.repeats) / GB
+        return {"h2d_pinned": bw, "d2h_pinned": bw, "h2d_pageable": bw, "d2h_pageable": bw}
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    out = {}
+    for kind, pin in (("pinned", True), ("pageable", False)):
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=pin).fill_(1)
+        out[f"h2d_{kind}"] = n / _best(lambda: dev.copy_(host, non_blocking=pin), sz.repeats, _cuda_sync) / GB
+        out[f"d2h_{kind}"] = n / _best(lambda: host.copy_(dev, non_blocking=pin), sz.repeats, _cuda_sync) / GB
+    return out
+
+
+def dram_bandwidth(sz: Sizes) -> float:
+    """GB/s of a large CPU copy, counting the bytes read and written."""
+    src = torch.empty(sz.copy_bytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    return 2 * sz.copy_bytes / _best(lambda: dst.copy_(src), sz.repeats) / GB
+
+
+def nvme_bandwidth(sz: Sizes, path: str | None) -> tuple[float, float]:
+    """(read, write) GB/s through NvmeStore under `path` (default: a temporary directory)."""
+    from ..runtime.nvme import NvmeStore
+
+    with tempfile.TemporaryDirectory(dir=path) as tmp:
+        store = NvmeStore(Path(tmp) / "profile")
+        try:
+            n = sz.nvme_bytes
+            buf = torch.empty(n, dtype=torch.uint8).fill_(7)
+            back = torch.empty_like(buf)
+            write = n / _best(lambda: store.write("probe", buf), sz.repeats)
+            read = n / _best(lambda: store.read("probe", back), sz.repeats)
+            if not torch.equal(buf[:4096], back[:4096]):
+                raise RuntimeError("NVMe probe read back different bytes")
+            store.remove("probe")
+        finally:
+            store.close()
+    return read / GB, write / GB
+
+
+def cxl_bandwidths(sz: Sizes) -> dict[int, float]:
+    """GB/s of a copy into a buffer bound to each CXL node (empty when there is none)."""
+    from ..runtime.cxl import CxlAllocator, detect_cxl_nodes
+
+    out = {}
+    for node in detect_cxl_nodes():
+        try:
+            alloc = CxlAllocator(nodes=[node.id], budget_bytes=2 * sz.copy_bytes)
+            dst = alloc.allocate(sz.copy_bytes)
+            src = torch.empty(sz.copy_bytes, dtype=torch.uint8).fill_(1)
+            out[node.id] = sz.copy_bytes / _best(lambda: dst.copy_(src), sz.repeats) / GB
+            alloc.free(dst)
+        except Exception as exc:  # a node we cannot bind to is reported, not fatal
+            log.warning("CXL node %d: not measured (%s)", node.id, exc)
+    return out
+
+
+def optimizer_rates(sz: Sizes) -> dict[str, float]:
+    """Parameters per second of one CPU step of fused AdamW and of 8-bit AdamW."""
+    n = sz.optim_numel
+    p, g = torch.randn(n), torch.randn(n) * 1e-3
+    m, v, step = torch.zeros(n), torch.zeros(n), torch.zeros(())
+
+    def adamw():
+        step.add_(1)
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], amsgrad=False, lr=1e-4, beta1=0.9, beta2=0.999,
+                            weight_decay=0.0, eps=1e-8, maximize=False)
+
+    out = {"adamw": n / _best(adamw, sz.repeats)}
+    try:
+        from ...optim.adamw8bit import adamw8bit_step_, init_adamw8bit_state
+
+        state = init_adamw8bit_state(p)
+        count = [0]
+
+        def adamw8bit():
+            count[0] += 1
+            adamw8bit_step_(p, g, state, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                            step=count[0])
+
+        out["adamw8bit"] = n / _best(adamw8bit, sz.repeats)
+    except ImportError:
+        out["adamw8bit"] = out["adamw"] / 10
+    return out
+
+
+def gemm_tflops(sz: Sizes, *, device: str, dtype: torch.dtype) -> float:
+    """Achieved TFLOPS of an n x n x n matmul."""
+    n = sz.gemm_n
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    sync = _cuda_sync if device == "cuda" else (lambda: None)
+    return 2 * n**3 / _best(lambda: torch.mm(a, b), sz.repeats, sync) / 1e12
+
+
+def op_overhead_us(sz: Sizes) -> float:
+    """Microseconds per small op + module hook: a hooked tiny Linear's forward and backward."""
+    lin = torch.nn.Linear(16, 16)
+    lin.register_forward_pre_hook(lambda mod, args: None)
+    lin.register_forward_hook(lambda mod, args, out: None)
+    x = torch.randn(4, 16, requires_grad=True)
+    calls = 200 if sz is QUICK else 1000
+
+    def run():
+        for _ in range(calls):
+            lin(x).sum().backward()
+
+    return _best(run, sz.repeats) / calls / 4 * 1e6  # ~4 ops each: linear, sum, their backwards
+
+
+def measure(*, hardware: str | None = None, output: str | None = None, nvme_path: str | None = None,
+            quick: bool = False, progress: Callable[[str], None] | None = None) -> str:
+    """Measure this machine; write (and return) a hardware profile TOML named `hardware`."""
+    sz = QUICK if quick else FULL
+    say = progress or (lambda msg: log.info("%s", msg))
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    results: dict[str, object] = {}
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("host <-> device copies", lambda: copy_bandwidths(sz)),
+        ("DRAM bandwidth", lambda: dram_bandwidth(sz)),
+        ("NVMe read/write", lambda: nvme_bandwidth(sz, nvme_path)),
+        ("CXL nodes", lambda: cxl_bandwidths(sz)),
+        ("CPU optimizer steps", lambda: optimizer_rates(sz)),
+        ("device matmul bf16", lambda: gemm_tflops(sz, device=device, dtype=torch.bfloat16)),
+        ("device matmul fp32", lambda: gemm_tflops(sz, device=device, dtype=torch.float32)),
+        ("CPU matmul fp32", lambda: gemm_tflops(sz, device="cpu", dtype=torch.float32)),
+        ("op dispatch overhead", lambda: op_overhead_us(sz)),
+    ]
+    for i, (name, fn) in enumerate(steps, 1):
+        t = time.perf_counter()
+        results[name] = fn()
+        say(f"[{i}/{len(steps)}] {name}: {_show(results[name])} ({time.perf_counter() - t:.1f} s)")
+    text = to_toml(results, name=hardware or ("measured-cuda" if cuda else "measured-cpu-sim"), cuda=cuda)
+    if not cuda:
+        t = time.perf_counter()
+        scale = step_calibration(text, quick=quick)
+        say(f"[calibration] proxy model step measured / modelled: {scale:.3g} ({time.perf_counter() - t:.1f} s)")
+        text = text.replace("\n[nvme]", f"step_calibration = {scale:.6g}\n\n[nvme]", 1)
+    if output:
+        Path(output).write_text(text)
+        say(f"wrote {output}")
+    return text
+
+
+def step_calibration(profile_text: str, *, quick: bool) -> float:
+    """Run a small Llama through the engine (everything resident) and compare its step time
+    with the performance model's, on the profile just measured: the ratio calibrates the
+    simulated device's compute phases."""
+    import tempfile
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..engine.engine import Engine
+    from ..plan.planner import make_plan
+    from ...profiles import ModelProfile, load_hardware_profile
+
+    hidden, layers = (128, 2) if quick else (384, 4)
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    eng = Engine(LlamaForCausalLM(cfg), lr=1e-4, chunk_bytes=16 << 20)
+    g = torch.Generator().manual_seed(0)
+    batch, seq = 2, 64
+    x = torch.randint(0, 4096, (batch, seq), generator=g)
+    eng.step({"input_ids": x, "labels": x})  # warm-up: trace, placement
+    times = []
+    for _ in range(2 if quick else 4):
+        t = time.perf_counter()
+        eng.step({"input_ids": x, "labels": x})
+        times.append(time.perf_counter() - t)
+    eng.close()
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(profile_text)
+    plan = make_plan(model=ModelProfile.from_hf_config(cfg), hardware=load_hardware_profile(f.name),
+                     gpu_mem=None, cpu_mem=None, optimizer="adamw", precision="fp32", batch_size=batch,
+                     seq_len=seq, chunk_bytes=16 << 20)
+    os.unlink(f.name)
+    return sorted(times)[len(times) // 2] / plan.step_s
+
+
+def _show(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, tuple):
+        return ", ".join(f"{x:.3g}" for x in v)
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {x:.3g}" for k, x in v.items()) or "none"
+    return str(v)
+
+
+def to_toml(r: dict, *, name: str, cuda: bool) -> str:
+    """The hardware profile TOML of the measurements `r` (keys as in `measure`)."""
+    copies = r["host <-> device copies"]
+    read, write = r["NVMe read/write"]
+    opt = r["CPU optimizer steps"]
+    cxl = r["CXL nodes"]
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        gpu_mem, gpu_bw, desc = props.total_memory, r["DRAM bandwidth"] * 10, f"measured: {props.name}"
+    else:
+        gpu_mem, gpu_bw, desc = 8 << 30, r["DRAM bandwidth"], "measured: simulated device on this CPU"
+    lines = [f'name = "{name}"', f'description = "{desc}"', "", "[gpu]", f"memory = {gpu_mem}",
+             f"bf16_tflops = {r['device matmul bf16']:.6g}", f"fp32_tflops = {r['device matmul fp32']:.6g}",
+             f"memory_bandwidth_gbps = {gpu_bw:.6g}", f"simulated = {'false' if cuda else 'true'}", "", "[pcie]",
+             f"gen = {4 if cuda else 0}"]
+    lines += [f"{k}_gbps = {v:.6g}" for k, v in copies.items()]
+    host_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    lines += ["", "[host]", f"memory = {host_mem}", f"dram_bandwidth_gbps = {r['DRAM bandwidth']:.6g}",
+              f"cpu_cores = {torch.get_num_threads()}", f"cpu_fp32_tflops = {r['CPU matmul fp32']:.6g}",
+              f"adamw_params_per_s = {opt['adamw']:.6g}", f"adamw8bit_params_per_s = {opt['adamw8bit']:.6g}",
+              f"op_overhead_us = {r['op dispatch overhead']:.6g}", "", "[nvme]", f"read_gbps = {read:.6g}",
+              f"write_gbps = {write:.6g}"]
+    if cxl:
+        from ..runtime.cxl import detect_cxl_nodes
+
+        total = sum(n.mem_total for n in detect_cxl_nodes() if n.id in cxl)
+        lines += ["", "[cxl]", f"memory = {total}", f"bandwidth_gbps = {sum(cxl.values()):.6g}",
+                  "latency_ns = 250"]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["measure", "to_toml", "format_size"]

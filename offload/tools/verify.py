@@ -1,0 +1,282 @@
+"""Verify a plan by measurement: a few real steps with the plan's settings, on this machine.
+
+    report = verify(model="tiny", gpu_mem="2M", cpu_mem="64M", optimizer="adamw",
+                    precision="fp32", batch_size=2, seq_len=32, chunk_bytes="16K")
+    print(report.render()); sys.exit(0 if report.passed else 1)
+
+The engine trains the plan's model (random weights: the bytes do not depend on their values)
+for `steps` steps on random tokens of the plan's batch shape, padded as the worst step of a
+run whose data has padding (or on the given batches), placed up front from the planned
+activations as `finetune` runs it. The first step is the warm-up
+(it records the access trace); the ledger's peaks are then reset, so the measured peaks are
+the steady state the planner predicts. The verdict passes when every tier's peak, warm-up
+included, stays within its budget (on CUDA also the allocator's `max_memory_allocated`), and
+the planned steady-state peak of every tier is within `tolerance` of the measured one.
+
+On a machine without CUDA the `gpu` tier is the simulated device, planned with the
+`cpu-sim` hardware profile; budgets left unset come from the `--hardware` profile, as in
+`finetune plan`. A CXL budget without a CXL node runs on an emulated node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from ..core.chunks import DEFAULT_CHUNK_BYTES, specs_of
+from ..core.errors import TierwiseError
+from ..engine.model_info import hf_meta_model
+from ..plan.planner import TIERS, Plan, make_plan
+from ..core.units import format_size
+from ...profiles import HardwareProfile, ModelProfile, load_hardware_profile
+from ...profiles.hardware import CxlSpec
+
+log = logging.getLogger(__name__)
+
+#: Used when a CXL budget is given and the hardware profile has no [cxl] table (emulated node).
+EMULATED_CXL = CxlSpec(memory=1 << 40, bandwidth_gbps=20.0, latency_ns=300.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyReport:
+    """Planned against measured bytes per tier and step time, and the verdict."""
+
+    plan: Plan
+    """The plan the run was compared with (for the device the engine ran on)."""
+    budgets: dict[str, int | None]
+    """Budget per tier the engine ran under (None: unlimited)."""
+    measured: dict[str, int]
+    """Steady-state ledger peak per tier (after the warm-up step)."""
+    warmup: dict[str, int]
+    """Ledger peak per tier during the warm-up step."""
+    device_peak: int | None
+    """CUDA only: the caching allocator's peak allocated bytes during the run (else None)."""
+    step_s: float
+    """Measured seconds per steady-state step (mean)."""
+    losses: tuple[float, ...]
+    device: str
+    """Where the `gpu` tier was: "cuda" or "simulated (cpu)"."""
+    tolerance: float
+    failures: tuple[str, ...]
+    """One line per failed check; empty when the run passed."""
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def render(self) -> str:
+        p = self.plan
+        lines = [f"verify {p.model}: {p.optimizer}, {p.precision}, batch {p.batch_size} x {p.seq_len}"
+                 f"{' padded' if p.padded else ''}, "
+                 f"recompute {'on' if p.checkpointing else 'off'}, "
+                 f"{len(self.losses)} steps (1 warm-up) on the {self.device} device"]
+        rows = [("tier", "planned", "measured", "diff", "warm-up", "budget")]
+        for tier in TIERS:
+            budget = self.budgets.get(tier, 0)
+            planned, measured = p.peak.get(tier, 0), self.measured.get(tier, 0)
+            if tier not in self.budgets and not planned:
+                continue
+            rows.append((tier, format_size(planned), format_size(measured), _diff(planned, measured),
+                         format_size(self.warmup.get(tier, 0)), "unlimited" if budget is None else format_size(budget)))
+        if self.device_peak is not None:
+            rows.append(("cuda alloc", "-", format_size(self.device_peak), "-", "-", format_size(self.budgets["gpu"])))
+        rows.append(("step", f"{p.step_s:.3f} s", f"{self.step_s:.3f} s", _diff(p.step_s, self.step_s), "-", "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+        lines.append("losses: " + " ".join(f"{x:.4f}" for x in self.losses))
+        pct = f"{100 * self.tolerance:.0f}%"
+        if self.passed:
+            lines.append(f"PASS: every tier within its budget; planned peaks within ±{pct} of measured "
+                         "(step time is informative, not checked)")
+        else:
+            lines.append(f"FAIL: {'; '.join(self.failures)}")
+        return "\n".join(lines)
+
+
+def _diff(planned: float, measured: float) -> str:
+    if not measured:
+        return "-" if not planned else "+inf"
+    return f"{100 * (planned - measured) / measured:+.1f}%"
+
+
+def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_mem: "int | str | None" = None,
+           cpu_mem: "int | str | None" = None, cxl_mem: "int | str | None" = None, nvme_path: str | None = None,
+           optimizer: str = "adamw", precision: str = "fp32", batch_size: int = 4, seq_len: int = 128,
+           grad_accum: int = 1, chunk_bytes: "int | str" = DEFAULT_CHUNK_BYTES,
+           optimizer_kwargs: dict | None = None, lr: float = 1e-4, steps: int = 3,
+           batches: Iterable[dict[str, torch.Tensor]] | None = None, seed: int = 0,
+           tolerance: float = 0.10, name: str | None = None, checkpointing: bool | None = None,
+           padded: bool = True, build: Callable[[Any], torch.nn.Module] | None = None) -> VerifyReport:
+    """Plan, then run `steps` real steps (the first is the warm-up) and compare; see the module
+    docstring. `model`: a profile, a profile name, or a transformers config/model (its shapes).
+    `batches`: batches of `batch_size * grad_accum` rows (default: random tokens). `name`: how
+    the report names a model given as a transformers config. `checkpointing` as the Engine takes it.
+    `build`: makes the meta-device module the engine trains from the config (the default ties
+    tied weights as `from_pretrained` does); the plan chunks that module's parameters.
+    `padded`: plan for padded batches, the worst step of a run whose data has padding (as
+    `finetune` plans a run); the random batches are then padded too (the tail of one row).
+    Raises TierwiseError (InfeasibleBudget included) for settings that cannot run."""
+    if steps < 2:
+        raise TierwiseError(f"--verify needs at least 2 steps (a warm-up and a measured one), got {steps}")
+    profile, config = _shapes(model, name=name)
+    module = (build or hf_meta_model)(config)
+    user_hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
+    args = dict(model=profile, nvme_path=nvme_path, optimizer=optimizer, precision=precision, batch_size=batch_size,
+                seq_len=seq_len, grad_accum=grad_accum, chunk_bytes=chunk_bytes, optimizer_kwargs=optimizer_kwargs,
+                checkpointing=checkpointing, padded=padded, params=specs_of(module.named_parameters()))
+    # Budgets as `finetune plan` resolves them (unset: the --hardware profile's sizes) ...
+    asked = make_plan(hardware=_with_cxl(user_hw, cxl_mem), gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
+                      **args).budgets
+    # ... then the plan of the device the engine runs on here.
+    cuda = torch.cuda.is_available()
+    local = user_hw if cuda and not user_hw.simulated else load_hardware_profile("cpu-sim")
+    plan = make_plan(hardware=_with_cxl(local, asked["cxl"]), gpu_mem=asked["gpu"], cpu_mem=asked["host"],
+                     cxl_mem=asked["cxl"], **args)
+    _check_memory(plan, cuda=cuda)
+    budgets = {"gpu": asked["gpu"], "host": asked["host"]}
+    if asked["cxl"]:
+        budgets["cxl"] = asked["cxl"]
+    engine = _engine(module, config, plan=plan, budgets=budgets, nvme_path=nvme_path, lr=lr, seed=seed,
+                     cxl_bandwidth=(user_hw.cxl or EMULATED_CXL).bandwidth_gbps * 1e9,
+                     optimizer_kwargs=optimizer_kwargs)
+    data = _batches(batches, rows=batch_size * grad_accum, seq_len=seq_len, vocab=config.vocab_size, seed=seed,
+                    padded=padded)
+    try:
+        with cuda_peak(asked["gpu"]) as device:
+            losses = [engine.step(next(data), grad_accum=grad_accum)]
+            warmup = engine.ledger.peaks()
+            engine.ledger.reset_peaks()  # steady state from here: what the planner predicts
+            t0 = time.perf_counter()
+            losses += [engine.step(next(data), grad_accum=grad_accum) for _ in range(steps - 1)]
+            step_s = (time.perf_counter() - t0) / (steps - 1)
+        measured = engine.ledger.peaks()
+        limits = dict(engine.ledger.budgets)
+    finally:
+        engine.close()
+    failures = _check(plan, limits=limits, warmup=warmup, measured=measured, device_peak=device["peak"],
+                      gpu_budget=asked["gpu"], tolerance=tolerance)
+    return VerifyReport(plan=plan, budgets=limits, measured=measured, warmup=warmup, device_peak=device["peak"],
+                        step_s=step_s, losses=tuple(losses), device="cuda" if cuda else "simulated (cpu)",
+                        tolerance=tolerance, failures=tuple(failures))
+
+
+def _check(plan: Plan, *, limits: dict, warmup: dict, measured: dict, device_peak: int | None,
+           gpu_budget: int, tolerance: float) -> list[str]:
+    out = []
+    for tier, limit in limits.items():
+        peak = max(warmup.get(tier, 0), measured.get(tier, 0))
+        if limit is not None and peak > limit:
+            out.append(f"{tier} peak {format_size(peak)} exceeds its budget {format_size(limit)}")
+    if device_peak is not None and device_peak > gpu_budget:
+        out.append(f"cuda allocator peak {format_size(device_peak)} exceeds the gpu budget {format_size(gpu_budget)}")
+    for tier in TIERS:
+        planned, got = plan.peak.get(tier, 0), measured.get(tier, 0)
+        if abs(planned - got) > tolerance * got:
+            out.append(f"{tier} planned {format_size(planned)} ({planned} B) vs measured {format_size(got)} "
+                       f"({got} B): {_diff(planned, got)}, allowed ±{100 * tolerance:.0f}%")
+    return out
+
+
+def _shapes(model: Any, *, name: str | None = None) -> tuple[ModelProfile, Any]:
+    """(profile the planner plans, transformers config the engine builds): the same shapes."""
+    if isinstance(model, str):
+        from ...profiles import load_model_profile
+
+        model = load_model_profile(model)
+    if isinstance(model, ModelProfile):
+        return model, model.to_hf_config()
+    config = getattr(model, "config", model)
+    return ModelProfile.from_hf_config(config, name=name), config
+
+
+def _with_cxl(hw: HardwareProfile, cxl_mem: Any) -> HardwareProfile:
+    """A CXL budget on a profile without a [cxl] table: an emulated node (no real one here)."""
+    if cxl_mem and hw.cxl is None:
+        return dataclasses.replace(hw, cxl=EMULATED_CXL)
+    return hw
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(plan: Plan, *, cuda: bool) -> None:
+    """Refuse a run this machine's memory cannot hold (the gpu tier is host memory here)."""
+    tiers = ("host", "cxl") if cuda else ("gpu", "host", "cxl")
+    chunks = sum(sum(plan.bytes[t].values()) for t in ("gpu", "host", "cxl"))  # all start host-side
+    need = max(sum(plan.peak[t] for t in tiers), chunks) + (0 if cuda else plan.peak["gpu"])
+    avail = _available_memory()
+    if avail is not None and need > 0.8 * avail:
+        raise TierwiseError(f"--verify would need about {format_size(need)} of memory on this machine, "
+                            f"{format_size(avail)} is available: verify a smaller model or on the target machine")
+
+
+def _engine(model: torch.nn.Module, config: Any, *, plan: Plan, budgets: dict, nvme_path: str | None, lr: float, seed: int,
+            cxl_bandwidth: float, optimizer_kwargs: dict | None) -> Any:
+    from ..engine.engine import Engine
+
+    try:
+        # placed up front from the planned activations, as `finetune` runs (cli.train.activation_estimate)
+        engine = Engine(model, optimizer=plan.optimizer, optimizer_kwargs=optimizer_kwargs, lr=lr,
+                        precision=plan.precision, chunk_bytes=plan.chunk_bytes, gpu_mem=budgets["gpu"],
+                        cpu_mem=budgets["host"], cxl_mem=budgets.get("cxl"), nvme_path=nvme_path,
+                        cxl_bandwidth=cxl_bandwidth, activations=plan.reserve["gpu"]["activations"],
+                        checkpointing=plan.checkpointing)
+    except ValueError as exc:
+        if isinstance(exc, TierwiseError):
+            raise
+        raise TierwiseError(f"the engine cannot run with these options: {exc}") from None
+    engine.init_weights_(seed=seed, std=getattr(config, "initializer_range", 0.02))
+    return engine
+
+
+def _batches(batches: Iterable[dict] | None, *, rows: int, seq_len: int, vocab: int,
+             seed: int, padded: bool) -> Iterator[dict[str, torch.Tensor]]:
+    if batches is not None:
+        yield from batches
+        raise TierwiseError("--verify ran out of batches")
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randint(0, vocab, (rows, seq_len), generator=g)
+        mask = torch.ones_like(x)
+        if padded:  # the second half of the last row is padding, as in a short last block
+            mask[-1, seq_len // 2:] = 0
+        labels = x.masked_fill(mask == 0, -100)
+        yield {"input_ids": x, "labels": labels, "attention_mask": mask}
+
+
+@contextlib.contextmanager
+def cuda_peak(budget: int) -> Iterator[dict]:
+    """On CUDA: cap the caching allocator at `budget` beyond what is allocated now
+    (set_per_process_memory_fraction), and give its peak allocated bytes beyond that in
+    box["peak"]. Without CUDA box["peak"] stays None."""
+    box: dict[str, int | None] = {"peak": None}
+    if not torch.cuda.is_available():
+        yield box
+        return
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (base + budget) / total))
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        yield box
+    finally:
+        torch.cuda.synchronize()
+        box["peak"] = torch.cuda.max_memory_allocated() - base
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()

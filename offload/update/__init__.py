@@ -1,0 +1,1 @@
+"""Stage 2: optimizer math on chunk storage (AdamW/SGD/8-bit/low-rank updaters, MeZO)."""

@@ -1,0 +1,212 @@
+"""The optimizer step on chunks: each optimizer's pure step function run on chunk storage.
+
+Optimizer state lives in one flat byte *blob* per chunk (ledger kind "state"), so it can be
+placed, swapped to NVMe and promoted to the device like any other kind. An updater says how
+big the blob of a chunk is and how to step a chunk given its master, grad and blob:
+- chunk-wise (AdamWChunks, SGDChunks): one kernel call per chunk. AdamW: torch's fused
+  kernel, which works in 64-byte units from each tensor's start and computes a tensor's last
+  numel % 8 (AVX2; % 16 with AVX-512) elements on a scalar path that rounds differently from
+  its vector body. So a parameter whose numel is not a multiple of ALIGN (16) is passed as a
+  tensor of its own, exactly as torch.optim.AdamW(fused=True) sees it; runs of consecutive
+  parameters that are multiples of 16 (no tail, no padding between them) go as one tensor,
+  every element on the vector path as in the per-tensor call (`fused_ranges`). Bit-exact for
+  every element count wherever the kernel's vector width divides 16 floats (x86 AVX2 and
+  AVX-512, ARM NEON). SGD's elementwise ops round the same on both paths: whole chunks,
+  bit-exact with torch.optim.SGD.
+- slot-wise (SlotUpdater): the optim/ pure function per parameter slot, with that slot's state
+  carved out of the blob, so the engine equals the drop-in optimizer step for step (8-bit
+  blocks, small-tensor fallbacks and low-rank projections all follow the parameter).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..core.chunks import ALIGN, ChunkPlan, ChunkSpec
+
+ALIGN_BYTES = 64
+
+
+@dataclass(kw_only=True)
+class Hyper:
+    """Hyper-parameters shared by the chunk updaters (lr may change every step)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.lr < 0 or self.eps < 0 or self.weight_decay < 0:
+            raise ValueError("lr, eps and weight_decay must be >= 0")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be in [0, 1): {self.betas}")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def fused_ranges(plan: ChunkPlan, chunk: ChunkSpec) -> list[tuple[int, int]]:
+    """(offset, numel) of the tensors the fused kernel gets for `chunk`: each slot whose numel
+    is not a multiple of ALIGN alone, consecutive slots that are multiples of ALIGN merged."""
+    out: list[list[int]] = []
+    merge = False
+    for name in chunk.params:
+        s = plan.slots[name]
+        whole = s.numel % ALIGN == 0
+        if whole and merge and out[-1][0] + out[-1][1] == s.offset:
+            out[-1][1] += s.numel
+        else:
+            out.append([s.offset, s.numel])
+        merge = whole
+    return [(o, n) for o, n in out]
+
+
+class AdamWChunks:
+    """Decoupled-weight-decay Adam (AdamW) on fp32 chunks: torch's fused kernel, each
+    parameter seen as torch.optim.AdamW(fused=True) sees it (see the module docstring)."""
+
+    name = "adamw"
+    needs_grad = True
+
+    def __init__(self, plan: ChunkPlan):
+        self.plan = plan
+        self.ranges = {c.index: fused_ranges(plan, c) for c in plan.chunks}
+
+    def state_bytes(self, cid: int) -> int:
+        return 8 * self.plan.chunks[cid].numel
+
+    def step(self, master: torch.Tensor, grad: torch.Tensor, blob: torch.Tensor, cid: int,
+             step: torch.Tensor, hp: Hyper) -> None:
+        """master, grad: [numel] fp32; blob: [8 numel] uint8 (exp_avg, exp_avg_sq); step: [] fp32."""
+        n = master.numel()
+        m, v = blob[: 4 * n].view(torch.float32), blob[4 * n: 8 * n].view(torch.float32)
+        step += 1
+        ranges = self.ranges[cid]
+
+        def slots(t: torch.Tensor) -> list[torch.Tensor]:  # [numel] views of the chunk
+            return [t[o: o + k] for o, k in ranges]
+
+        torch._fused_adamw_(
+            slots(master), slots(grad), slots(m), slots(v), [], [step] * len(ranges),
+            amsgrad=False, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1],
+            weight_decay=hp.weight_decay, eps=hp.eps, maximize=False,
+        )
+
+    def meta_state(self) -> dict:
+        return {}
+
+    def load_meta_state(self, meta: dict) -> None:
+        pass
+
+
+class SGDChunks(AdamWChunks):
+    """SGD with optional momentum and L2 weight decay, as torch.optim.SGD computes it."""
+
+    name = "sgd"
+
+    def __init__(self, plan: ChunkPlan, momentum: float = 0.0):
+        super().__init__(plan)
+        self.momentum = momentum
+
+    def state_bytes(self, cid: int) -> int:
+        return 4 * self.plan.chunks[cid].numel if self.momentum else 0
+
+    def step(self, master: torch.Tensor, grad: torch.Tensor, blob: torch.Tensor, cid: int,
+             step: torch.Tensor, hp: Hyper) -> None:
+        """master, grad: [numel] fp32; blob: [4 numel] uint8 momentum buffer or empty."""
+        d_p = grad if hp.weight_decay == 0 else grad.add(master, alpha=hp.weight_decay)
+        if self.momentum:
+            buf = blob.view(torch.float32)
+            if step.item() == 0:
+                buf.copy_(d_p)
+            else:
+                buf.mul_(self.momentum).add_(d_p)
+            d_p = buf
+        master.add_(d_p, alpha=-hp.lr)
+        step += 1
+
+
+@dataclass(kw_only=True)
+class _Entry:
+    key: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(kw_only=True)
+class _SlotLayout:
+    name: str
+    index: int  # 1-based position in the drop-in optimizer's parameter order
+    projected: bool
+    entries: list[_Entry] = field(default_factory=list)
+
+
+class SlotUpdater:
+    """A drop-in optimizer's pure step function, run per parameter slot on chunk storage.
+
+    `init(meta_param, projected) -> state dict` and `run(param, grad, state, step, index,
+    projected, hp)` adapt one optim/ algorithm. Tensor state lives in the chunk's blob;
+    non-tensor state (e.g. which projection is in force) lives in `meta`.
+    """
+
+    needs_grad = True
+
+    def __init__(self, name: str, plan: ChunkPlan, *, order: list[str], projected: set[str],
+                 init: Callable[[torch.Tensor, bool], dict], run: Callable[..., None]):
+        self.name, self.plan, self.init, self.run = name, plan, init, run
+        index = {n: i + 1 for i, n in enumerate(order)}
+        self.layouts: dict[int, list[_SlotLayout]] = {}
+        self.nbytes: dict[int, int] = {}
+        self.meta: dict[str, dict[str, Any]] = {}
+        for c in plan.chunks:
+            off, slots = 0, []
+            for name in c.params:
+                s = plan.slots[name]
+                lay = _SlotLayout(name=name, index=index[name], projected=name in projected)
+                proto = init(torch.empty(s.shape, device="meta"), lay.projected)
+                for key, val in proto.items():
+                    if isinstance(val, torch.Tensor):
+                        lay.entries.append(_Entry(key=key, offset=off, shape=tuple(val.shape), dtype=val.dtype))
+                        off += _align(val.numel() * val.element_size())
+                    else:
+                        self.meta.setdefault(name, {})[key] = val
+                slots.append(lay)
+            self.layouts[c.index], self.nbytes[c.index] = slots, off
+
+    def state_bytes(self, cid: int) -> int:
+        return self.nbytes[cid]
+
+    def step(self, master: torch.Tensor, grad: torch.Tensor, blob: torch.Tensor, cid: int,
+             step: torch.Tensor, hp: Hyper) -> None:
+        """master, grad: [numel] fp32 chunk tensors; blob: [state_bytes(cid)] uint8."""
+        step += 1
+        k = int(step.item())
+        for lay in self.layouts[cid]:
+            s = self.plan.slots[lay.name]
+            views = {e.key: blob[e.offset: e.offset + math.prod(e.shape) * e.dtype.itemsize]
+                     .view(e.dtype).view(e.shape) for e in lay.entries}
+            state = dict(views) | self.meta.get(lay.name, {})
+            p, g = s.view(master), s.view(grad)  # the parameter as the drop-in sees it
+            self.run(p, g, state, step=k, index=lay.index, projected=lay.projected, hp=hp)
+            for key, val in state.items():
+                if key in views:
+                    if val is not views[key]:  # the step replaced a tensor (e.g. a new projector)
+                        views[key].copy_(val)
+                else:
+                    self.meta.setdefault(lay.name, {})[key] = val
+
+    def meta_state(self) -> dict:
+        """Non-tensor state (checkpointed beside the blobs)."""
+        return {n: {k: v for k, v in d.items() if not isinstance(v, torch.Tensor)} for n, d in self.meta.items()}
+
+    def load_meta_state(self, meta: dict) -> None:
+        for n, d in meta.items():
+            self.meta.setdefault(n, {}).update(d)

@@ -1,0 +1,124 @@
+"""Chunk updaters by optimizer name: how the engine runs each optim/ algorithm.
+
+Projection rule of the low-rank optimizers (GaLore, APOLLO): parameters with two or more
+dimensions are projected, except embeddings and the output head (vocabulary-sized rows that
+the papers keep in full AdamW); norms and biases are 1-D and stay AdamW. The drop-in
+equivalent is two param groups, [projected (rank=r), the rest], in model order — which is
+also the order `SlotUpdater` numbers parameters in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.chunks import ChunkPlan
+from .update import AdamWChunks, Hyper, SGDChunks, SlotUpdater
+from ...optim.adamw import adamw_step_, init_adamw_state
+from ...optim.adamw8bit import adamw8bit_step_, init_adamw8bit_state
+from ...optim.apollo import apollo_step_, init_apollo_state
+from ...optim.galore import as_matrix, galore_step_, init_galore_state, svd_projector
+
+NAMES = ("adamw", "adamw8bit", "galore", "galore8bit", "apollo", "apollo-mini", "sgd", "mezo")
+LOW_RANK = ("galore", "galore8bit", "apollo", "apollo-mini")
+
+
+def projected_params(shapes: dict[str, tuple[int, ...]]) -> set[str]:
+    """Names the low-rank optimizers project (see the module docstring)."""
+    skip = ("embed", "lm_head", "wte", "wpe", "output")
+    return {n for n, s in shapes.items() if len(s) >= 2 and not any(k in n for k in skip)}
+
+
+def drop_in_groups(model: torch.nn.Module, *, rank: int, **extra: Any) -> list[dict]:
+    """Param groups giving the drop-in optimizer the engine's projection rule."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    proj = projected_params(shapes)
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n in proj], "rank": rank, **extra},
+            {"params": [p for n, p in named if n not in proj]}]
+
+
+def _hyper(hp: Hyper) -> dict:
+    return dict(lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], eps=hp.eps, weight_decay=hp.weight_decay)
+
+
+def _adam8(plan: ChunkPlan, order: list[str], proj: set[str]) -> SlotUpdater:
+    def run(p: Any, g: Any, state: dict, *, step: int, index: int, projected: bool, hp: Hyper) -> None:
+        work = p if p.is_contiguous() else p.contiguous()  # as AdamW8bit does: blocks in logical order
+        adamw8bit_step_(work, g, state, step=step, **_hyper(hp))
+        if work is not p:
+            p.copy_(work)
+
+    return SlotUpdater("adamw8bit", plan, order=order, projected=set(),
+                       init=lambda meta, projected: init_adamw8bit_state(meta), run=run)
+
+
+def _galore(plan: ChunkPlan, order: list[str], proj: set[str], *, eight_bit: bool, rank: int,
+            update_proj_gap: int = 200, scale: float = 0.25) -> SlotUpdater:
+    def init(meta: torch.Tensor, projected: bool) -> dict:
+        if not projected:
+            return init_adamw_state(meta)
+        st = init_galore_state(meta, rank=rank, eight_bit=eight_bit)
+        st["proj"] = svd_projector(as_matrix(meta), min(rank, *as_matrix(meta).shape))  # room for it
+        return st
+
+    def run(p: Any, g: Any, state: dict, *, step: int, index: int, projected: bool, hp: Hyper) -> None:
+        if projected:
+            galore_step_(p, g, state, step=step, rank=rank, update_proj_gap=update_proj_gap, scale=scale,
+                         eight_bit=eight_bit, **_hyper(hp))
+        else:
+            adamw_step_(p, g, state, step=step, **_hyper(hp))
+
+    return SlotUpdater("galore8bit" if eight_bit else "galore", plan, order=order, projected=proj, init=init, run=run)
+
+
+def _apollo(plan: ChunkPlan, order: list[str], proj: set[str], *, mini: bool, rank: int = 256,
+            update_proj_gap: int = 200, scale: float = 1.0, seed: int = 0) -> SlotUpdater:
+    r = 1 if mini else rank  # defaults as the drop-in ApolloAdamW / ApolloMini
+
+    def init(meta: torch.Tensor, projected: bool) -> dict:
+        if not projected:
+            return init_adamw_state(meta)
+        st = init_apollo_state(meta, rank=r)
+        rows, cols = as_matrix(meta).shape
+        k = min(r, rows, cols)
+        st["proj"] = torch.empty(_apollo_proj_shape(rows, cols, k), device="meta")
+        return st
+
+    def run(p: Any, g: Any, state: dict, *, step: int, index: int, projected: bool, hp: Hyper) -> None:
+        if projected:
+            apollo_step_(p, g, state, step=step, rank=rank, update_proj_gap=update_proj_gap, scale=scale,
+                         mini=mini, seed=seed * 7919 + index, **_hyper(hp))
+        else:
+            adamw_step_(p, g, state, step=step, **_hyper(hp))
+
+    return SlotUpdater("apollo-mini" if mini else "apollo", plan, order=order, projected=proj, init=init, run=run)
+
+
+def _apollo_proj_shape(rows: int, cols: int, k: int) -> tuple[int, int]:
+    from ...optim.apollo import random_projector
+
+    return tuple(random_projector((rows, cols), k, seed=0, device="meta").shape)
+
+
+def make_updater(name: str, plan: ChunkPlan, *, shapes: dict[str, tuple[int, ...]], momentum: float = 0.0,
+                 **kwargs: Any):
+    """The chunk updater for optimizer `name` (kwargs: rank, update_proj_gap, scale, seed)."""
+    proj = projected_params(shapes) if name in LOW_RANK else set()
+    order = [n for n in shapes if n in proj] + [n for n in shapes if n not in proj]
+    if name == "adamw":
+        return AdamWChunks(plan)
+    if name == "sgd":
+        return SGDChunks(plan, momentum)
+    if name == "adamw8bit":
+        return _adam8(plan, order, proj)
+    if name in ("galore", "galore8bit"):
+        return _galore(plan, order, proj, eight_bit=name == "galore8bit", rank=kwargs.pop("rank", 128), **kwargs)
+    if name in ("apollo", "apollo-mini"):
+        return _apollo(plan, order, proj, mini=name == "apollo-mini", rank=kwargs.pop("rank", 256), **kwargs)
+    if name == "mezo":
+        from .zeroth import MeZOChunks
+
+        return MeZOChunks(plan, order=list(shapes), **kwargs)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(NAMES)}")

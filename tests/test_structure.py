@@ -1,0 +1,161 @@
+"""The package's shape, read from its source (ast): offload's stages import only downward,
+no import cycle among modules (but the engine's known one, listed by name), and the
+torch-free layers import without torch.
+
+STAGES is the one statement of offload's layer order (README, Layout, repeats it)."""
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPS = ("offload", "optim", "cli", "profiles")
+
+# offload's sub-packages, lowest first: a module may import its own stage and those before it.
+STAGES = ["core", "update", "plan", "runtime", "engine", "tools"]
+
+# The engine's helpers take the whole Engine back (TYPE_CHECKING imports for their type hints):
+# issue 13, phase 3 (the Engine as a composition) removes these. Any other cycle fails.
+KNOWN_CYCLE_EDGES = {
+    ("tierwise.offload.engine.hooks", "tierwise.offload.engine.engine"),
+    ("tierwise.offload.engine.early", "tierwise.offload.engine.engine"),
+    ("tierwise.offload.engine.gradspill", "tierwise.offload.engine.engine"),
+    ("tierwise.offload.engine.actoffload", "tierwise.offload.engine.engine"),
+}
+
+
+def modules(root: Path = ROOT, prefix: str = "tierwise.") -> dict[str, Path]:
+    """Dotted name -> file for every module of the package (packages by their __init__)."""
+    found = {}
+    for top in TOPS:
+        for path in sorted((root / top).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[prefix + ".".join(parts)] = path
+    return found
+
+
+def import_graph(root: Path = ROOT, prefix: str = "tierwise.") -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere (top level, functions, TYPE_CHECKING)."""
+    mods = modules(root, prefix)
+    graph = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                bases, names = [a.name for a in node.names], []
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                else:
+                    base = node.module
+                bases, names = [base], [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in names + bases:
+                if target in mods:
+                    targets.add(target)
+                    if target in names:
+                        break  # `from pkg import submodule`: the submodule, not pkg's face
+        targets.discard(name)
+        graph[name] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_graph_sees_imports():
+    graph = import_graph()
+    assert "tierwise.offload.core.errors" in graph["tierwise.offload.engine.engine"]
+    assert "tierwise.cli.checkpoint" in graph["tierwise.cli.train"]  # `from . import checkpoint`
+    assert "tierwise.profiles" in graph["tierwise.offload.plan.planner"]
+
+
+def test_offload_stages_import_only_downward():
+    assert sorted(p.name for p in (ROOT / "offload").iterdir() if (p / "__init__.py").exists()) == sorted(STAGES)
+    rank = {stage: i for i, stage in enumerate(STAGES)}
+    up = []
+    for mod, targets in import_graph().items():
+        parts = mod.split(".")
+        if parts[1] != "offload" or len(parts) < 4:
+            continue  # offload's face (lazy) and the other top-level packages
+        for target in targets:
+            tparts = target.split(".")
+            if tparts[1] == "offload" and len(tparts) >= 3 and rank[tparts[2]] > rank[parts[2]]:
+                up.append(f"{mod} -> {target}")
+    assert not up, "imports running up offload's stages:\n" + "\n".join(up)
+
+
+def test_profiles_and_optim_stay_below_the_engine():
+    """profiles reads only offload.core (the planner imports profiles); optim imports none of ours."""
+    bad = [f"{m} -> {t}" for m, ts in import_graph().items() for t in ts
+           if (m.startswith("tierwise.profiles") and not t.startswith(("tierwise.profiles", "tierwise.offload.core")))
+           or (m.startswith("tierwise.optim") and not t.startswith("tierwise.optim"))]
+    assert not bad, bad
+
+
+def test_no_import_cycle_but_the_known_one():
+    graph = import_graph()
+    stale = [e for e in KNOWN_CYCLE_EDGES if e[1] not in graph.get(e[0], ())]
+    assert not stale, f"no longer imported, remove from KNOWN_CYCLE_EDGES: {stale}"
+    pruned = {m: {t for t in ts if (m, t) not in KNOWN_CYCLE_EDGES} for m, ts in graph.items()}
+    assert cycles(pruned) == [], "new import cycle(s)"
+
+
+def test_layers_import_without_torch():
+    """profiles, offload's face, core, the planner's modules and the CLI's entry import on a
+    machine without torch/transformers. (make_plan itself asks the engine's updater for the
+    optimizer state bytes, one formula for plan and run, and that is torch: issue 13 phase 2.)"""
+    script = textwrap.dedent("""
+        import sys
+        class NoTorch:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "transformers"):
+                    raise ImportError("no " + name)
+        sys.meta_path.insert(0, NoTorch())
+        import tierwise.cli.main, tierwise.offload.core.chunks
+        import tierwise.offload.plan.homes, tierwise.offload.plan.perfmodel, tierwise.offload.plan.placement
+        import tierwise.offload.plan.planner, tierwise.offload.plan.schedule
+        from tierwise.offload import TierwiseError, format_size, parse_size
+        from tierwise.profiles import load_hardware_profile, load_model_profile
+        assert load_model_profile("7b").num_params > 6e9 and load_hardware_profile("h100").gpu
+        assert format_size(parse_size("24G")) == "24.00 GiB"
+        assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
