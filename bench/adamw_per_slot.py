@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from offload.chunks import pack_chunks
-from offload.update import fused_ranges
-from profiles import load_model_profile
+from tierwise.offload.core.chunks import pack_chunks
+from tierwise.offload.update.update import fused_ranges
+from tierwise.profiles import load_model_profile
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 The same Llama (the `100m` profile: hidden 640, 12 layers, 10 heads, intermediate 1792,
 vocab 32000, untied; 101.9M parameters), the same seed, the same synthetic token batches,
 batch 4 x seq 128, fp32, AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay 0), trained
-  ours  tierwise: offload.Engine(model, optimizer="adamw", lr=1e-4, gpu_mem=<small>,
+  ours  tierwise: tierwise.offload.Engine(model, optimizer="adamw", lr=1e-4, gpu_mem=<small>,
         cpu_mem=<tight>, nvme_path=<dir>, checkpointing=False); like DeepSpeed here, it keeps
         every layer's activations (--recompute: ours with activation checkpointing, which
         needs a smaller device budget but computes each layer's forward twice)
@@ -20,7 +20,8 @@ PyTorch + torch AdamW without offload (the reference; --no-reference skips it).
 Budgets of ours: --gpu-mem / --cpu-mem, 'min' by default: a probe process (warm-up steps
 only) finds the engine's minimums first, so the timed runs hold no refused attempt. With
 NVMe the host minimum is the gradients plus bounce buffers: weights and optimizer state live
-on NVMe, as DeepSpeed's do here. PYTHONPATH=<a tierwise checkout> benchmarks that checkout.
+on NVMe, as DeepSpeed's do here. It benchmarks the installed tierwise;
+PYTHONPATH=<a checkout>/tests/devtree benchmarks that checkout (README, Development).
 
 DeepSpeed lives in its own venv, bench/.ds-venv, made on first use by
 `pip install torch==<this torch> deepspeed==0.19.8 transformers==<this transformers>` (one
@@ -52,7 +53,6 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
-sys.path.append(str(ROOT))  # after PYTHONPATH: PYTHONPATH=<a tierwise checkout> benchmarks that one
 
 import e2e_common as common  # noqa: E402
 
@@ -127,7 +127,7 @@ def build_ds_ops(*, cuda: bool) -> None:
 
 # -- the run specification -----------------------------------------------------------------------
 def model_config(quick: bool) -> dict:
-    from profiles import load_model_profile
+    from tierwise.profiles import load_model_profile
 
     cfg = load_model_profile("100m").to_hf_config()
     cfg.tie_word_embeddings = False
@@ -232,7 +232,7 @@ def child_ours(spec_file: str) -> None:
     """The tierwise side (system python)."""
     import torch
 
-    from offload import Engine, InfeasibleBudget, TierwiseError
+    from tierwise.offload import Engine, InfeasibleBudget, TierwiseError
 
     spec = common.load_spec(spec_file)
     if spec.get("side") == "plain":
@@ -253,8 +253,8 @@ def child_ours(spec_file: str) -> None:
     raised = []
     # the planner's activation peak, as `finetune` gives it: chunks are placed before the first
     # step and a too-small budget is refused at construction with the exact minimum
-    from offload.perfmodel import activation_bytes
-    from profiles import ModelProfile
+    from tierwise.offload.plan.perfmodel import activation_bytes
+    from tierwise.profiles import ModelProfile
 
     activations = activation_bytes(model=ModelProfile.from_hf_config(model.config), batch_size=spec["batch"],
                                    seq_len=spec["seq"], precision="fp32",

@@ -3,11 +3,10 @@ budget, two steps: the engine's losses against plain PyTorch's (fused AdamW).
 
     python bench/encoder_1024.py
 """
-import copy, sys, time
-sys.path.insert(0, ".")
+import copy, time
 import torch, torch.nn.functional as F
 from torch import nn
-from offload import Engine
+from tierwise.offload import Engine
 torch.manual_seed(0)
 V, D = 256, 1024
 class M(nn.Module):

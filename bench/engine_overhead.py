@@ -29,7 +29,7 @@ import torch
 def build(layers: int, vocab: int):
     from transformers import LlamaForCausalLM
 
-    from profiles import load_model_profile
+    from tierwise.profiles import load_model_profile
 
     cfg = load_model_profile("100m").to_hf_config()
     cfg.num_hidden_layers = layers
@@ -39,7 +39,7 @@ def build(layers: int, vocab: int):
 
 
 def child(mode: str, steps: int, layers: int, budget_frac: float, vocab: int) -> dict:
-    from offload import Engine
+    from tierwise.offload import Engine
 
     torch.set_num_threads(2)
     model = build(layers, vocab)
@@ -57,9 +57,9 @@ def child(mode: str, steps: int, layers: int, budget_frac: float, vocab: int) ->
             opt.zero_grad()
             return loss.item()
     else:
-        from offload.perfmodel import activation_bytes
-        from offload.planner import make_plan
-        from profiles import ModelProfile
+        from tierwise.offload.plan.perfmodel import activation_bytes
+        from tierwise.offload.plan.planner import make_plan
+        from tierwise.profiles import ModelProfile
 
         profile = ModelProfile.from_hf_config(model.config)
         gpu = None

@@ -98,7 +98,7 @@ def main() -> None:
     del ref, opt
     torch.cuda.empty_cache()
 
-    from offload import Engine
+    from tierwise.offload import Engine
 
     eng = Engine(model, lr=1e-5, precision="bf16", gpu_mem=a.gpu_mem, device="cuda",
                  chunk_bytes="64M", checkpointing=True)

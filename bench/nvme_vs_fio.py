@@ -23,11 +23,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from offload.aligned import aligned_empty  # noqa: E402
-from offload.nvme import DEFAULT_BLOCK_SIZE, DEFAULT_THREADS, NvmeStore  # noqa: E402
-from offload.sizes import format_size, parse_size  # noqa: E402
+from tierwise.offload.runtime.aligned import aligned_empty
+from tierwise.offload.runtime.nvme import DEFAULT_BLOCK_SIZE, DEFAULT_THREADS, NvmeStore
+from tierwise.offload.core.units import format_size
+from tierwise.offload.core.sizes import parse_size
 
 
 def run_ours(store: NvmeStore, bufs: list, *, nchunks: int, write: bool) -> float:

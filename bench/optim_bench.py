@@ -16,13 +16,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from optim import AdamW, AdamW8bit, ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit, perturb_  # noqa: E402
-from optim.mezo import mezo_update_  # noqa: E402
+from tierwise.optim import AdamW, AdamW8bit, ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit, perturb_
+from tierwise.optim.mezo import mezo_update_
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:

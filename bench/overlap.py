@@ -25,7 +25,7 @@ import torch
 def build(layers: int, seed: int = 0):
     from transformers import LlamaForCausalLM
 
-    from profiles import load_model_profile
+    from tierwise.profiles import load_model_profile
 
     cfg = load_model_profile("100m").to_hf_config()
     cfg.num_hidden_layers = layers
@@ -35,7 +35,7 @@ def build(layers: int, seed: int = 0):
 
 
 def run(*, layers: int, steps: int, gpu: int | None, bandwidth: float | None, data: list) -> dict:
-    from offload import Engine
+    from tierwise.offload import Engine
 
     eng = Engine(build(layers), lr=1e-4, gpu_mem=gpu, chunk_bytes=16 << 20,
                  h2d_bandwidth=bandwidth, d2h_bandwidth=bandwidth)

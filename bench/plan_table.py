@@ -15,15 +15,11 @@ It counts model states only, no activations, and has no NVMe variant.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from offload.errors import InfeasibleBudget  # noqa: E402
-from offload.planner import make_plan  # noqa: E402
-from offload.sizes import format_size  # noqa: E402
-from profiles import ModelProfile, load_hardware_profile, load_model_profile  # noqa: E402
+from tierwise.offload.core.errors import InfeasibleBudget
+from tierwise.offload.plan.planner import make_plan
+from tierwise.offload.core.units import format_size
+from tierwise.profiles import ModelProfile, load_hardware_profile, load_model_profile
 
 MODELS = ("7b", "13b", "70b", "175b")
 OPTIMIZERS = ("adamw", "adamw8bit", "galore", "mezo")

@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import transformers
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-from offload import Engine  # noqa: E402
-from offload.planner import make_plan  # noqa: E402
-from offload.profiler import measure  # noqa: E402
-from offload.sizes import format_size  # noqa: E402
-from profiles import ModelProfile, load_model_profile  # noqa: E402
+from tierwise.offload import Engine
+from tierwise.offload.plan.planner import make_plan
+from tierwise.offload.tools.profiler import measure
+from tierwise.offload.core.units import format_size
+from tierwise.profiles import ModelProfile, load_model_profile
 
 TINY = ModelProfile(name="tiny", family="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,

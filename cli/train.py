@@ -17,7 +17,7 @@ from rich.console import Console
 
 from . import checkpoint as ckpt
 from .config import DISK_FULL, ConfigError, TrainConfig
-from .data import Batches, DataError, DataPosition, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
+from .data import Batches, DataPosition, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
 from .export import export_hf
 from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model

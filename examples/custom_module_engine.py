@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from offload import Engine
+from tierwise.offload import Engine
 
 
 class Block(nn.Module):

@@ -2,13 +2,10 @@
 
     python examples/dropin_optimizer.py
 """
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
-from optim import AdamW8bit  # noqa: E402
+from tierwise.optim import AdamW8bit
 
 
 def main() -> None:

@@ -14,10 +14,10 @@ import tempfile
 import torch
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments, get_cosine_schedule_with_warmup
 
-from cli.builtin import build_tokenizer, sample_lines, tiny_llama_config
+from tierwise.cli.builtin import build_tokenizer, sample_lines, tiny_llama_config
 
 try:
-    from optim import AdamW8bit as Optimizer  # 8-bit moments: a quarter of AdamW's state
+    from tierwise.optim import AdamW8bit as Optimizer  # 8-bit moments: a quarter of AdamW's state
 except ImportError:  # an older tierwise: plain AdamW works the same way
     from torch.optim import AdamW as Optimizer
 
