@@ -2,7 +2,7 @@
 
 torch's fused CPU AdamW rounds a tensor's last numel % 8 (AVX2) elements differently from its
 body, so one flat tensor per chunk differs (~1e-8) from torch.optim.AdamW(fused=True) on every
-parameter whose numel is not a multiple of 8. The engine (offload.update.fused_ranges) passes
+parameter whose numel is not a multiple of 8. The engine (offload.update.update.fused_ranges) passes
 such parameters as tensors of their own and merges the others into runs. This times one
 optimizer pass over all chunks of a model three ways, alternating so drift hits all alike:
   whole chunk  one tensor per chunk (the engine before: not exact for odd sizes)

@@ -37,7 +37,7 @@ class ModelSource:
 
 
 def build_meta_model(config) -> torch.nn.Module:
-    """The model `finetune` trains, on the meta device, ties tied (offload.model_info.hf_meta_model)."""
+    """The model `finetune` trains, on the meta device, ties tied (offload.engine.model_info.hf_meta_model)."""
     from ..offload.engine.model_info import hf_meta_model
 
     return hf_meta_model(config)

@@ -262,7 +262,7 @@ def plan(
     result = make_plan(cfg)
     if result is None:
         raise TierwiseError("finetune plan is not yet available in this build "
-                            "(offload.planner is missing)")
+                            "(offload.plan.planner is missing)")
     print_plan(result, console=Console(), as_json=json_out)
 
 

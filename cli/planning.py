@@ -28,7 +28,7 @@ def _call_with_known(fn, **candidates):
 
 
 def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None, padded: bool | None = None):
-    """offload.planner.make_plan for this run, or None when the planner is not built yet.
+    """offload.plan.planner.make_plan for this run, or None when the planner is not built yet.
     `padded`: whether the run's batches can hold padding (None: `data_padded`)."""
     try:
         from ..offload.plan.planner import make_plan as planner
@@ -190,7 +190,7 @@ def dry_run(cfg: TrainConfig, *, console: Console) -> int:
 
 def profile(*, hardware: str | None, output: str | None, console: Console, nvme_path: str | None = None,
             quick: bool = False) -> int:
-    """`finetune profile`: measure this machine's links and compute via offload.profiler.
+    """`finetune profile`: measure this machine's links and compute via offload.tools.profiler.
 
     Each measurement is printed as it completes; the TOML goes to `output` (then
     `--hardware PATH` uses it), else to the console."""
@@ -198,7 +198,7 @@ def profile(*, hardware: str | None, output: str | None, console: Console, nvme_
         from ..offload.tools.profiler import measure
     except ImportError:
         raise TierwiseError("finetune profile is not yet available in this build "
-                            "(offload.profiler is missing)") from None
+                            "(offload.tools.profiler is missing)") from None
     with console.status("[bold]measuring this machine[/] (under a minute)") as status:
         def progress(msg: str) -> None:
             console.print(f"  {msg}", highlight=False)

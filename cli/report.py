@@ -27,7 +27,7 @@ def warmup_report(*, measured_times: dict[str, float], measured_peaks: dict[str,
                   plan=None, plan_error: str | None = None,
                   budgets: dict[str, int | None] | None = None) -> list[str]:
     """A header and two rows: the warm-up step's phase times and peak bytes per tier as
-    measured, then as the planner predicted (`plan`: an offload.planner.Plan) or why there
+    measured, then as the planner predicted (`plan`: an offload.plan.planner.Plan) or why there
     is no prediction.
 
     measured_times: {"forward": s, "backward": s, "update": s} of the warm-up step;

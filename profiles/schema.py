@@ -3,7 +3,7 @@
 A profile section is a `@dataclass(frozen=True, kw_only=True)`. Its fields' type hints are the
 schema: `int`, `float` (an int is accepted), `str`, `bool`, `tuple[str, ...]`, a nested
 section dataclass, or any of these `| None` (optional). A field with `metadata={"size": True}`
-is a byte size: an int or a string such as "24GiB" (parsed by `offload.sizes.parse_size`).
+is a byte size: an int or a string such as "24GiB" (parsed by `offload.core.sizes.parse_size`).
 Every number must be > 0 unless its metadata says `{"min": 0}`.
 """
 

@@ -2,7 +2,6 @@
 `offload`, `optim`, `cli`, `profiles` that would collide with other distributions), with the
 public imports, the `finetune` console script and the profiles' TOML data."""
 
-import os
 import shutil
 import subprocess
 import sys

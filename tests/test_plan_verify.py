@@ -1,4 +1,4 @@
-"""`finetune plan --verify` and offload.verify: a few real steps, planned vs measured per tier."""
+"""`finetune plan --verify` and offload.tools.verify: a few real steps, planned vs measured per tier."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ slot indexes every kind of its chunk the same way.
 
 Slots start at multiples of ALIGN elements (64 bytes in fp32) so that a flat, vectorised
 kernel over a chunk sees each parameter on the same vector boundaries as a per-tensor kernel
-(a parameter's tail, numel % ALIGN elements, may still round differently: offload.update
+(a parameter's tail, numel % ALIGN elements, may still round differently: offload.update.update
 passes such parameters to the fused AdamW kernel as tensors of their own).
 """
 

@@ -8,7 +8,7 @@ Where the bytes live (every one of them reserved in `engine.ledger`):
 - gpu:  module buffers; compute copies of gpu-home chunks with their grad, master and state;
         compute copies of streamed chunks while cached; gradients in flight to the host;
         activations saved for backward (MeZO: its perturbed copies of one module's weights).
-- host / cxl / nvme (offload.homes): grad, optimizer state (one byte blob per chunk) and fp32
+- host / cxl / nvme (offload.plan.homes): grad, optimizer state (one byte blob per chunk) and fp32
         master of streamed chunks (in fp32 runs the master is also the streamed compute
         copy; bf16 runs keep a bf16 copy too); NVMe bounce buffers in host memory.
 Placement happens at construction when `activations` (the planner's estimate) is given, else
@@ -16,14 +16,14 @@ after the first step, which streams every chunk through the smallest window whil
 the activation peak. Steps differ (a padded batch saves an attention mask a full one does
 not): `engine.measure(batch)` before the first step runs the largest batch without an update,
 so the placement holds it; a step that still does not fit raises StepOverBudget. The first step also records the access trace; later steps follow the
-schedule made from it (offload.schedule: Belady eviction, look-ahead prefetch). In the last
-micro-batch, chunks whose gradients are final are updated during backward (offload.early).
+schedule made from it (offload.plan.schedule: Belady eviction, look-ahead prefetch). In the last
+micro-batch, chunks whose gradients are final are updated during backward (offload.engine.early).
 
 Any nn.Module, with plain PyTorch's numbers:
-- Residency: a module's own parameters are resident around its forward (offload.hooks); a
+- Residency: a module's own parameters are resident around its forward (offload.engine.hooks); a
   parameter read elsewhere (nn.MultiheadAttention's out_proj.weight, a head tied through
   F.linear) is seen by a TorchFunctionMode and made resident for the innermost running module
-  (offload.reads), or refused with an error naming parameter and module (MeZO).
+  (offload.engine.reads), or refused with an error naming parameter and module (MeZO).
 - Recompute: blocks (model_info.find_blocks) are checkpointed by default when there are
   several. Buffers a block's forward changes (BatchNorm) are recomputed from copies taken
   before the forward, then set back to the forward's results (hooks.BufferGuard): each
@@ -107,9 +107,9 @@ class Engine:
         activations (False: about a quarter less compute, perfmodel.activation_bytes says how
         much more device memory), or None: recompute when the model has several blocks.
         `offload_activations`: keep checkpointed blocks' inputs in host memory between forward
-        and backward (offload.actoffload), for sequences whose activations outgrow the device.
+        and backward (offload.engine.actoffload), for sequences whose activations outgrow the device.
         `overlap_update`: update a chunk as soon as its gradients are final, during backward
-        (offload.early); `engine.step` only, and not with clipping."""
+        (offload.engine.early); `engine.step` only, and not with clipping."""
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
         self.model, self.loss_fn = model, loss_fn
@@ -393,7 +393,7 @@ class Engine:
                     self._release(cid)
 
     def _on_read(self, p: torch.nn.Parameter) -> None:
-        """A torch call reads `p` (offload.reads): make its chunk resident for the innermost
+        """A torch call reads `p` (offload.engine.reads): make its chunk resident for the innermost
         running module if no running module holds it already."""
         name = self.param_names.get(p)
         if name is None:
@@ -516,7 +516,7 @@ class Engine:
     def _arrived_grad(self, slot: Any, ticket: Any) -> None:
         """A parameter's gradient sum reached its grad chunk. Once every parameter of a chunk has
         sent its sum (last micro-batch, no clipping), the chunk's update starts while backward
-        goes on (offload.early)."""
+        goes on (offload.engine.early)."""
         if not self._early_on:
             return
         cid = slot.chunk
@@ -631,7 +631,7 @@ class Engine:
                     self._release(cid)
 
     def _abort_cycle(self) -> bool:
-        """Drop a failed step's gradients; True when its early updates (offload.early) had not
+        """Drop a failed step's gradients; True when its early updates (offload.engine.early) had not
         reached any chunk, so the weights are those of the last completed step."""
         intact = True
         for p, nbytes in self._gathered.items():

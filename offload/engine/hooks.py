@@ -12,7 +12,7 @@
   values the forward saw (BufferGuard).
 - Module stack: every module's forward is a frame on the engine's stack (`enter_module`,
   `exit_module`); a parameter read outside its owner's forward is made resident for the
-  innermost frame (offload.reads).
+  innermost frame (offload.engine.reads).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class ActivationTracker:
     def __init__(self, engine: "Engine"):
         self.engine = engine
         self._live: dict[int, list[int]] = {}  # storage key -> [refcount, nbytes]
-        self.offloader = None  # an offload.actoffload.Offloader when activation offload is on
+        self.offloader = None  # an offload.engine.actoffload.Offloader when activation offload is on
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

@@ -153,7 +153,7 @@ class _Chunks:
     """The engine's chunking of `model` and the bytes of every kind of every chunk.
 
     Optimizer state bytes come from the engine's own chunk updater
-    (`offload.updaters.make_updater(...).state_bytes(cid)`), so 8-bit blocks, 64-byte slot
+    (`offload.update.updaters.make_updater(...).state_bytes(cid)`), so 8-bit blocks, 64-byte slot
     alignment and low-rank projectors are counted exactly as the engine allocates them."""
 
     def __init__(self, *, model: ModelProfile, optimizer: str, precision: str, chunk_bytes: int,

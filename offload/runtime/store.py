@@ -65,7 +65,7 @@ class _Chunk:
     tiers: dict[str, str]  # kind -> tier
     master: Any
     grad: Any  # None when the optimizer needs no gradient (MeZO); may be a SwapKind
-    state: Any  # the optimizer's byte blob (offload.update), or None when it keeps none
+    state: Any  # the optimizer's byte blob (offload.update.update), or None when it keeps none
     step: torch.Tensor
     compute: Any = None  # bf16 runs only
     names: tuple[str, ...] = field(default=())
@@ -92,7 +92,7 @@ class ChunkStore:
         self.nvme = nvme
         self.bf16 = compute_dtype != torch.float32
         self.grad_scale: torch.Tensor | None = None  # clipping factor still owed to NVMe gradients
-        self.bounce: Any = None  # offload.swapping.Bounce, set by the engine when NVMe is in use
+        self.bounce: Any = None  # offload.runtime.swapping.Bounce, set by the engine when NVMe is in use
         self.chunks = [self._allocate(c.index, homes[c.index]) for c in plan.chunks]
 
     # -- allocation -----------------------------------------------------------------------
@@ -171,7 +171,7 @@ class ChunkStore:
         return ch.tiers["compute" if ch.compute is not None else "master"]
 
     def grad_view(self, slot: Slot) -> torch.Tensor:
-        """[numel] in the slot's memory order (see offload.chunks)."""
+        """[numel] in the slot's memory order (see offload.core.chunks)."""
         return slot.flat(self.chunks[slot.chunk].grad)
 
     def point_params(self, cid: int, buf: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> None:
@@ -231,7 +231,7 @@ class ChunkStore:
 
     def zero_unseen_grads(self, seen: set, params: dict[str, torch.nn.Parameter]) -> None:
         """Parameters that got no gradient this cycle must not keep the previous cycle's."""
-        for name, p in params.items():  # (gradients on NVMe: offload.gradspill handles them)
+        for name, p in params.items():  # (gradients on NVMe: offload.engine.gradspill handles them)
             if p not in seen and not isinstance(self.chunks[self.plan.slots[name].chunk].grad, SwapKind):
                 self.grad_view(self.plan.slots[name]).zero_()
 

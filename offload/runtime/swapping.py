@@ -20,7 +20,7 @@ from .store import ChunkStore, SwapKind
 
 class Bounce:
     """Two update sets, a fetch staging buffer and two gradient staging buffers in host DRAM
-    (ledger kind 'buffer'); sizes as offload.homes.bounce_bytes counts them."""
+    (ledger kind 'buffer'); sizes as offload.plan.homes.bounce_bytes counts them."""
 
     def __init__(self, store: ChunkStore, *, pin: bool):
         self.store = store

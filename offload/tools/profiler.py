@@ -3,9 +3,9 @@
 What is measured (each a short timed loop; `quick=True` shrinks every size for tests):
 - host <-> device copies, both ways, pinned and pageable (CUDA); on the simulated device the
   memcpy bandwidth stands for the link;
-- NVMe read/write through the engine's own IO path (`offload.nvme.NvmeStore`, O_DIRECT);
+- NVMe read/write through the engine's own IO path (`offload.runtime.nvme.NvmeStore`, O_DIRECT);
 - DRAM bandwidth (a large copy: read + write bytes);
-- each CXL node (`offload.cxl.detect_cxl_nodes`): copies into a buffer bound to it;
+- each CXL node (`offload.runtime.cxl.detect_cxl_nodes`): copies into a buffer bound to it;
 - CPU optimizer throughput: torch fused AdamW and `optim.adamw8bit.adamw8bit_step_`;
 - matmul throughput on the device (bf16 and fp32) and on the CPU (fp32);
 - the dispatch cost of one small op through a hooked module (the simulated device pays it).
