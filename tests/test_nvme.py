@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from tierwise.offload import nvme
+from tierwise.offload.runtime import nvme
 from tierwise.offload.runtime.aligned import aligned_empty, is_aligned
 from tierwise.offload.core.errors import NvmeError
 from tierwise.offload.runtime.nvme import NvmeStore

@@ -45,31 +45,31 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from ..runtime.cache import ResidentCache
 from ..core.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
 from ..core.errors import BudgetExceeded, StepOverBudget, UnsupportedModel
+from ..core.sizes import parse_size
+from ..core.units import format_size
+from ..plan.homes import assign_homes
+from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
+from ..plan.schedule import ACQUIRE, RELEASE
+from ..runtime.cache import ResidentCache
 from ..runtime.cxl import CxlAllocator, detect_cxl_nodes
 from ..runtime.executor import Executor, Ticket
-from ..plan.homes import assign_homes
-from .actoffload import Offloader
-from .early import EarlyUpdater
-from .gradspill import GradSpill
-from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from ..runtime.ledger import Ledger
-from .model_info import find_blocks, modules_with_params
-from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
-from .reads import Paused, ReadGuard
-from ..core.units import format_size
-from ..core.sizes import parse_size
 from ..runtime.nvme import NvmeStore
 from ..runtime.store import ChunkStore, SwapKind, in_slot_order, kind_bytes
 from ..runtime.swapping import Bounce, update_all
 from ..runtime.tiers import Tiers, pick_device
-from ..plan.schedule import ACQUIRE, RELEASE
 from ..runtime.trace import TraceFollower
 from ..update.update import Hyper
 from ..update.updaters import make_updater
 from ..update.zeroth import dual_forward, hf_split_losses
+from .actoffload import Offloader
+from .early import EarlyUpdater
+from .gradspill import GradSpill
+from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
+from .model_info import find_blocks, modules_with_params
+from .reads import Paused, ReadGuard
 
 log = logging.getLogger(__name__)
 
