@@ -105,6 +105,18 @@ def test_graph_sees_imports():
     assert "tierwise.profiles" in graph["tierwise.offload.plan.planner"]
 
 
+def test_no_bare_top_level_imports():
+    """Inside the package imports are relative; tests, bench and examples import `tierwise.…`.
+    A bare `offload`/`optim`/`cli`/`profiles` works in a checkout and breaks once installed."""
+    bare = []
+    for path in sorted(p for d in (*TOPS, "tests", "bench", "examples") for p in (ROOT / d).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bare += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n and n.split(".")[0] in TOPS]
+    assert not bare, "bare imports:\n" + "\n".join(bare)
+
+
 def test_offload_stages_import_only_downward():
     assert sorted(p.name for p in (ROOT / "offload").iterdir() if (p / "__init__.py").exists()) == sorted(STAGES)
     rank = {stage: i for i, stage in enumerate(STAGES)}
