@@ -169,6 +169,11 @@ class TrainConfig:
             raise ConfigError("give --resume or --overwrite, not both")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.nvme_path is not None:
+            where = Path(self.nvme_path).expanduser().resolve()
+            if where in (Path("/"), Path.home().resolve()):
+                raise ConfigError(f"--nvme-path {self.nvme_path} is {'/' if where == Path('/') else 'your home directory'}: "
+                                  "give a directory for swap files, e.g. /mnt/nvme/tierwise-swap")
         if self.cxl_node is not None and self.cxl_mem is None:
             raise ConfigError("--cxl-node needs --cxl-mem (how much of that node to use)")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import logging
 import random
-import shutil
 import signal
 import threading
 import time
@@ -16,6 +15,7 @@ import torch
 from rich.console import Console
 
 from cli import checkpoint as ckpt
+from cli import rundir
 from cli.config import DISK_FULL, ConfigError, TrainConfig
 from cli.data import Batches, DataError, DataPosition, eval_batches, has_padding, load_blocks, padded_batch
 from cli.export import export_hf
@@ -30,7 +30,7 @@ from cli.schedule import LRSchedule
 from offload.errors import InfeasibleBudget, StepOverBudget, TierwiseError
 
 log = logging.getLogger(__name__)
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM 143, SIGHUP 129
 
 
 def engine_class():
@@ -90,50 +90,40 @@ def activation_estimate(model: torch.nn.Module, cfg: TrainConfig, *, padded: boo
                             checkpointing=checkpointing(cfg), padded=padded)
 
 
-def prepare_output(cfg: TrainConfig) -> Path:
-    """Create the output dir; refuse a non-empty one unless --resume or --overwrite."""
-    out = Path(cfg.output)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--output {out} exists and is not a directory")
-    nonempty = out.is_dir() and any(out.iterdir())
-    if cfg.resume:
-        if ckpt.latest_checkpoint(out) is None:
-            raise ConfigError(f"--resume: no checkpoint in {out}")
-    elif nonempty and cfg.overwrite:
-        shutil.rmtree(out)
-    elif nonempty:
-        raise ConfigError(f"output directory {out} is not empty: pass --resume to continue "
-                          "its run or --overwrite to replace it")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
 
 
-class _SigintFlag:
-    """First Ctrl-C sets the flag (finish the step, checkpoint, exit 130); second one aborts."""
+class _StopFlag:
+    """The first SIGINT (Ctrl-C), SIGTERM (a scheduler, `docker stop`) or SIGHUP (a closed
+    terminal) sets the flag: finish the step, checkpoint, clean up, exit 128 + the signal's
+    number. A second one aborts (KeyboardInterrupt: the swap files are still removed)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self):
-        self.set = False
-        self._previous = None
+        self.signum = 0
+        self._previous: dict = {}
+
+    @property
+    def set(self) -> bool:
+        return self.signum != 0
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def _handle(self, signum, frame):
         if self.set:
             raise KeyboardInterrupt
-        self.set = True
+        self.signum = signum
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
 
 
 def warn(console: Console, text: str) -> None:
@@ -141,7 +131,8 @@ def warn(console: Console, text: str) -> None:
 
 
 def run(cfg: TrainConfig, *, console: Console) -> int:
-    """Train as configured; returns the process exit code (0, or 130 after Ctrl-C)."""
+    """Train as configured; returns the process exit code (0; 130 after Ctrl-C, 143 after
+    SIGTERM, 129 after SIGHUP: each checkpointed first)."""
     if cfg.dry_run:
         from cli.planning import dry_run
 
@@ -172,7 +163,18 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
                                           pack=cfg.pack), batch_size=cfg.batch_size)
                  if cfg.eval_data else [])
     batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum, seed=cfg.seed)
-    out = prepare_output(cfg)  # after every input is validated: --overwrite deletes
+    # after every input is validated (--overwrite deletes); held until the run ends
+    claimed = rundir.claim(cfg.output, resume=cfg.resume, overwrite=cfg.overwrite)
+    try:
+        return _train(cfg, src=src, blocks=blocks, batches=batches, eval_data=eval_data,
+                      padded=padded, out=claimed.path, console=console)
+    finally:
+        claimed.release()
+
+
+def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches, eval_data: list,
+           padded: bool, out: Path, console: Console) -> int:
+    """The run in its claimed --output: engine, loop, export."""
     total = cfg.steps or (cfg.epochs or 1) * batches.batches_per_epoch
     schedule = LRSchedule(kind=cfg.schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                           total_steps=total)
@@ -180,6 +182,8 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     model = build_meta_model(src.config)
     layout = ModelLayout.of(model)  # names, shapes and ties, before the engine takes the model
     engine = make_engine(model, cfg, padded=padded)
+    for note in getattr(getattr(engine, "nvme", None), "notices", None) or []:
+        warn(console, note)
     try:
         start = _initial_state(engine, cfg, src, out, batches, console, model=model,
                                layout=layout)
@@ -290,7 +294,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
     if cfg.eval_every and eval_data and not hasattr(engine, "eval_loss"):
         warn(console, "this engine has no eval_loss(): --eval-every is ignored")
     step = start
-    with MetricsWriter(out / "metrics.jsonl") as metrics, _SigintFlag() as sigint, \
+    with MetricsWriter(out / "metrics.jsonl") as metrics, _StopFlag() as stop, \
             TrainProgress(console=console, total=total, start=start) as bar:
         while step < total:
             lr = schedule.lr_at(step)
@@ -327,11 +331,11 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                 if ev is not None:
                     metrics.write(kind="eval", step=step, loss=ev)
                     bar.note(f"step {step}: eval loss {ev:.4f}")
-            if sigint.set:
+            if stop.set:
                 path = save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
-                bar.note(f"interrupted: checkpoint {path.name} saved; "
-                         "run again with --resume to continue")
-                return EXIT_INTERRUPTED
+                bar.note(f"interrupted ({signal.Signals(stop.signum).name}): checkpoint "
+                         f"{path.name} saved; run again with --resume to continue")
+                return 128 + stop.signum
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
         evaluated = cfg.eval_every and step % cfg.eval_every == 0

@@ -305,6 +305,7 @@ def test_quickstart_demo_under_a_minute(tmp_path):
     cmd = [exe] if exe else [sys.executable, "-m", "cli.main"]
     out = tmp_path / "demo"
     out.mkdir()
+    (out / ".tierwise-run").write_text("")  # an earlier run's directory:
     (out / "old.txt").write_text("an earlier run")  # --overwrite replaces it
     t0 = time.monotonic()
     proc = subprocess.run([*cmd, "--output", str(out), "--overwrite"], cwd=tmp_path, env=_env(),
