@@ -93,6 +93,9 @@ class TrainConfig:
     cxl_mem: str | None = None
     cxl_node: int | None = None
     nvme_path: str | None = None
+    nvme_checksum: bool = True
+    """crc32 of every swap block, checked on read: a corrupted swap file stops the run instead
+    of training on garbage (cost measured in the README's "Safety" section)."""
     offload_activations: bool = False
     """Keep checkpointed blocks' inputs in host memory between forward and backward."""
     recompute: bool | None = None
@@ -179,6 +182,9 @@ class TrainConfig:
 
     #: Options that change which batch comes next; a resumed run must keep them.
     DATA_KEYS = ("model", "data", "seq_len", "batch_size", "grad_accum", "pack", "seed")
+    #: Options that shape the checkpointed engine state (optimizer moments, chunk layout,
+    #: master dtype): a resumed run must keep them too.
+    STATE_KEYS = ("optimizer", "chunk_size", "precision")
 
     def to_dict(self) -> dict:
         d = asdict(self)

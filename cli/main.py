@@ -136,6 +136,9 @@ def train(
                                   rich_help_panel=MEMORY),
     nvme_path: Optional[str] = Opt(None, help="Directory on an NVMe drive for swap files.",
                                    rich_help_panel=MEMORY),
+    nvme_checksum: bool = Opt(True, "--nvme-checksum/--no-nvme-checksum",
+                              help="Checksum every swap block and verify it on read (a corrupted "
+                              "swap file stops the run).", rich_help_panel=MEMORY),
     offload_activations: bool = Opt(False, "--offload-activations",
                                     help="Keep each block's input in host RAM between forward and "
                                     "backward: less GPU memory for long sequences.",
@@ -192,8 +195,8 @@ def train(
     cfg = TrainConfig(
         model=model, data=data, eval_data=eval_data, seq_len=seq_len, batch_size=batch_size,
         pack=pack, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
-        nvme_path=nvme_path, offload_activations=offload_activations, recompute=recompute,
-        optimizer=optimizer.value,
+        nvme_path=nvme_path, nvme_checksum=nvme_checksum, offload_activations=offload_activations,
+        recompute=recompute, optimizer=optimizer.value,
         lr=lr, weight_decay=weight_decay, grad_accum=grad_accum, grad_clip=grad_clip, steps=steps, epochs=epochs,
         warmup_steps=warmup_steps, schedule=schedule.value, eval_every=eval_every, seed=seed,
         output=output, resume=resume, overwrite=overwrite, checkpoint_every=checkpoint_every,

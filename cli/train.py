@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import random
 import signal
 import threading
@@ -28,6 +29,7 @@ from cli.progress import TrainProgress
 from cli.report import phase_delta, summary, warmup_report
 from cli.schedule import LRSchedule
 from offload.errors import InfeasibleBudget, StepOverBudget, TierwiseError
+from offload.sizes import parse_size
 
 log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM 143, SIGHUP 129
@@ -54,6 +56,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True
         optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
         gpu_mem=cfg.budgets["gpu"], cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"],
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
+        nvme_checksum=cfg.nvme_checksum if cfg.nvme_path is not None else None,
         offload_activations=cfg.offload_activations or None,
         chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip,
         checkpointing=checkpointing(cfg),
@@ -179,6 +182,8 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
     schedule = LRSchedule(kind=cfg.schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                           total_steps=total)
     seed_everything(cfg.seed)
+    if cfg.resume:
+        check_resumable(cfg, out)  # before the engine allocates anything
     model = build_meta_model(src.config)
     layout = ModelLayout.of(model)  # names, shapes and ties, before the engine takes the model
     engine = make_engine(model, cfg, padded=padded)
@@ -209,6 +214,25 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
                             f"{hint}") from None
     finally:
         engine.close()
+
+
+class NonFiniteLoss(TierwiseError):
+    """A step's loss or gradient norm is NaN or infinite: the weights can no longer be trusted."""
+
+
+def _check_finite(engine, loss: float, out: Path, *, step: int) -> None:
+    """Stop on a NaN/inf loss or gradient norm before anything of that step is saved."""
+    norm = getattr(engine, "last_grad_norm", None)
+    norm = float(norm) if isinstance(norm, (torch.Tensor, float)) else None
+    bad = ("loss", loss) if not math.isfinite(loss) else (
+        ("gradient norm", norm) if norm is not None and not math.isfinite(norm) else None)
+    if bad is None:
+        return
+    last = ckpt.latest_checkpoint(out)
+    kept = (f"the last good checkpoint {last.name} is kept: --resume continues from it"
+            if last else "no checkpoint was saved before it")
+    raise NonFiniteLoss(f"step {step}: the {bad[0]} is {bad[1]}: training stopped and nothing of "
+                        f"this step was saved; {kept} (a lower --lr or --grad-clip may help)")
 
 
 class DiskFullError(TierwiseError):
@@ -245,12 +269,15 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
             plan_checkpoint(model, layout, src.model_dir)
         path = ckpt.latest_checkpoint(out)
         engine_state, trainer = ckpt.load_checkpoint(path)
-        saved = trainer["config"]
-        changed = [k for k in TrainConfig.DATA_KEYS if saved.get(k) != getattr(cfg, k)]
-        if changed:
-            raise ConfigError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)}"
-                              f" differ from the checkpointed run in {out}")
-        engine.load_state_dict(engine_state)
+        check_resumable(cfg, out, trainer)
+        try:
+            engine.load_state_dict(engine_state)
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            if isinstance(e, TierwiseError):
+                raise
+            why = (f"its engine state has no {e.args[0]!r}" if isinstance(e, KeyError)
+                   else (str(e).splitlines() or [type(e).__name__])[0])
+            raise ckpt.CheckpointError(f"checkpoint {path} does not fit this run: {why}") from None
         ckpt.restore_rng(trainer["rng"])
         batches.position = DataPosition.from_dict(trainer["data"])
         # A killed run may have logged steps after its last checkpoint; they run again now.
@@ -264,12 +291,54 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
     return 0
 
 
+def _first_nonfinite(obj, path: str = "state") -> str | None:
+    """The path of the first floating tensor in nested `obj` holding NaN or inf, else None."""
+    if isinstance(obj, torch.Tensor):
+        ok = not obj.is_floating_point() or bool(torch.isfinite(obj).all())
+        return None if ok else path
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        found = _first_nonfinite(v, f"{path}.{k}")
+        if found:
+            return found
+    return None
+
+
+def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None) -> None:
+    """Refuse --resume with options that change the batches or the engine state's layout."""
+    if trainer is None:
+        trainer = ckpt.load_trainer(ckpt.latest_checkpoint(out))
+    saved = trainer.get("config", {}) if isinstance(trainer, dict) else {}
+    changed = [k for k in TrainConfig.DATA_KEYS + TrainConfig.STATE_KEYS
+               if not _same_option(k, saved.get(k), getattr(cfg, k))]
+    if changed:
+        was = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)}" for k in changed)
+        raise ConfigError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)}"
+                          f" differ from the checkpointed run in {out} (it used {was})")
+
+
+def _same_option(key: str, saved, now) -> bool:
+    if key == "chunk_size":  # "64M" and "64MiB" are one size
+        try:
+            return parse_size(saved, what="chunk_size") == parse_size(now, what="chunk_size")
+        except TierwiseError:
+            return False
+    return saved == now
+
+
 def save(engine, cfg: TrainConfig, out: Path, *, step: int, batches: Batches,
          schedule: LRSchedule, rng: dict | None = None) -> Path:
     """Checkpoint `step` (`rng`: the RNG state to record; default: now)."""
     trainer = {"rng": rng or ckpt.capture_rng(), "data": batches.position.to_dict(),
                "schedule": schedule.to_dict(), "config": cfg.to_dict()}
-    return ckpt.save_checkpoint(out, step=step, engine_state=engine.state_dict(),
+    state = engine.state_dict()
+    where = _first_nonfinite(state)
+    if where is not None:  # never write damaged weights over the last good checkpoint
+        last = ckpt.latest_checkpoint(out)
+        kept = f"the last good checkpoint {last.name} is kept" if last else "no checkpoint was saved"
+        raise NonFiniteLoss(f"step {step}: the engine's state holds NaN or inf ({where}): the "
+                            f"checkpoint was not written; {kept}")
+    return ckpt.save_checkpoint(out, step=step, engine_state=state,
                                 trainer_state=trainer, keep=cfg.keep_checkpoints)
 
 
@@ -311,6 +380,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                 raise _over_budget(e, engine, cfg, out, step=step, start=start, batches=batches,
                                    schedule=schedule, rng=None if e.step_done else rng) from None
             dt = time.perf_counter() - t0
+            _check_finite(engine, loss, out, step=step + 1)
             step += 1
             losses.append(loss)
             tokens = int(batch["attention_mask"].sum())
