@@ -139,6 +139,11 @@ class TrainConfig:
             self.lr = self.DEMO_LR if self.is_demo else self.DEFAULT_LR
         if self.is_demo and self.steps is None and self.epochs is None:
             self.epochs = self.DEMO_EPOCHS
+        for flag, text in (("--gpu-mem", self.gpu_mem), ("--cpu-mem", self.cpu_mem),
+                           ("--cxl-mem", self.cxl_mem), ("--chunk-size", self.chunk_size)):
+            if text is not None and str(text).strip().replace(".", "", 1).isdigit():
+                raise ConfigError(f"{flag} {text} has no unit: write {str(text).strip()}G for GiB "
+                                  f"(or M, K, T; a bare number would be bytes)")
         self.budgets = {
             "gpu": parse_size(self.gpu_mem, what="--gpu-mem"),
             "cpu": parse_size(self.cpu_mem, what="--cpu-mem"),

@@ -11,9 +11,10 @@ import logging
 from rich.console import Console
 from rich.table import Table
 
-from cli.config import TrainConfig
+from cli.config import ConfigError, TrainConfig
 from cli.loading import ModelSource, build_meta_model, count_parameters, resolve_model
-from offload.errors import TierwiseError
+from cli.machine import free_disk, physical_ram
+from offload.errors import InfeasibleBudget, TierwiseError
 from offload.sizes import format_size
 
 log = logging.getLogger(__name__)
@@ -35,18 +36,64 @@ def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None, padded: bool 
     except ImportError:
         return None
     src = src or resolve_model(cfg.model)
+    check_seq_len(cfg, src)
     if padded is None:
         padded = data_padded(cfg, src)
     # A profile goes by name (the planner reads its extra fields); else the HF config.
     model = cfg.model if (cfg.model and not src.has_weights) else src.config
     return _call_with_known(
         planner, model=model, hardware=cfg.hardware, params=engine_params(src),
-        gpu_mem=cfg.budgets["gpu"], cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"],
-        cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, optimizer=cfg.optimizer,
+        gpu_mem=cfg.budgets["gpu"], cpu_mem=host_budget(cfg, planning=True), cxl_mem=cfg.budgets["cxl"],
+        cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, nvme_mem=nvme_budget(cfg),
+        optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
         checkpointing=checkpointing(cfg), padded=padded,
     )
+
+
+def host_budget(cfg: TrainConfig, *, planning: bool = False) -> int | None:
+    """The host RAM budget: --cpu-mem, else this machine's RAM (never more than it has). A plan
+    for another machine (--hardware NAME) uses that profile's host memory instead (None)."""
+    if cfg.budgets["cpu"] is not None:
+        return cfg.budgets["cpu"]
+    return None if planning and cfg.hardware else physical_ram()
+
+
+def nvme_budget(cfg: TrainConfig) -> int | None:
+    """The free space at --nvme-path (the planner refuses a run whose swap needs more)."""
+    return free_disk(cfg.nvme_path) if cfg.nvme_path is not None else None
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the model's position embeddings (or RoPE setup) were built for."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(cfg: TrainConfig, src: ModelSource) -> None:
+    limit = max_positions(src.config)
+    if limit is not None and cfg.seq_len > limit:
+        raise ConfigError(f"--seq-len {cfg.seq_len} is longer than {src.name} was built for "
+                          f"({limit} positions): use --seq-len {limit} or less")
+
+
+def preflight(cfg: TrainConfig, *, src: ModelSource, padded: bool):
+    """The feasibility checks every path runs before anything is allocated: --seq-len, the
+    planner's budgets (gpu, host, NVMe free space; InfeasibleBudget names the minimum). A model
+    family the planner cannot price passes (the engine then checks its budgets itself).
+    Returns the plan, or None."""
+    check_seq_len(cfg, src)
+    try:
+        return make_plan(cfg, src=src, padded=padded)
+    except InfeasibleBudget:
+        raise
+    except Exception:  # e.g. a family the planner has no profile for
+        log.debug("preflight: no plan for this model", exc_info=True)
+        return None
 
 
 def engine_params(src: ModelSource) -> list:
@@ -127,6 +174,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
     from offload.verify import verify
 
     src = resolve_model(cfg.model)
+    check_seq_len(cfg, src)
     batches, padded = None, True  # random tokens: every batch padded, the worst case
     if cfg.data is not None:
         from cli.data import Batches, has_padding, load_blocks, padded_batch

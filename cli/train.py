@@ -23,7 +23,7 @@ from cli.export import export_hf
 from cli.layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from cli.loading import ModelSource, build_meta_model, resolve_model
 from cli.metrics import MetricsWriter, read_metrics, truncate_metrics
-from cli.planning import checkpointing, resolve_recompute
+from cli.planning import checkpointing, host_budget, preflight, resolve_recompute
 from cli.plots import plot_loss, plot_timeline
 from cli.progress import TrainProgress
 from cli.report import phase_delta, summary, warmup_report
@@ -54,7 +54,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True
     cls = engine_class()
     kwargs = dict(  # --hardware is the planner's (link speeds), not the engine's
         optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-        gpu_mem=cfg.budgets["gpu"], cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"],
+        gpu_mem=cfg.budgets["gpu"], cpu_mem=host_budget(cfg), cxl_mem=cfg.budgets["cxl"],
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
         nvme_checksum=cfg.nvme_checksum if cfg.nvme_path is not None else None,
         offload_activations=cfg.offload_activations or None,
@@ -152,6 +152,7 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     padded = has_padding(blocks)  # then the worst step is a padded batch: planned for
     auto = cfg.recompute is None
     cfg = resolve_recompute(cfg, src=src, padded=padded)
+    preflight(cfg, src=src, padded=padded)  # refuses what `plan` refuses, before allocating
     if auto and not cfg.recompute and cfg.optimizer != "mezo":
         console.print("activations: kept for backward, no recompute (the GPU budget holds them; "
                       "--recompute saves GPU memory)", highlight=False)
