@@ -152,7 +152,11 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     padded = has_padding(blocks)  # then the worst step is a padded batch: planned for
     auto = cfg.recompute is None
     cfg = resolve_recompute(cfg, src=src, padded=padded)
-    preflight(cfg, src=src, padded=padded)  # refuses what `plan` refuses, before allocating
+    try:
+        preflight(cfg, src=src, padded=padded)  # refuses what `plan` refuses, before allocating
+    except InfeasibleBudget as e:
+        raise InfeasibleBudget(f"{str(e).splitlines()[0]} (`finetune plan` with these options "
+                               "lists changes that fit)", minimum=e.minimum) from None
     if auto and not cfg.recompute and cfg.optimizer != "mezo":
         console.print("activations: kept for backward, no recompute (the GPU budget holds them; "
                       "--recompute saves GPU memory)", highlight=False)
