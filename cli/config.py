@@ -171,7 +171,7 @@ class TrainConfig:
                            ("--cxl-mem", self.cxl_mem), ("--chunk-size", self.chunk_size)):
             if text is not None and str(text).strip().replace(".", "", 1).isdigit():
                 raise ConfigError(f"{flag} {text} has no unit: write {str(text).strip()}G for GiB "
-                                  f"(or M, K, T; a bare number would be bytes)")
+                                  f"(or M, K, T; {str(text).strip()}B for bytes)")
         self.budgets = {
             "gpu": parse_size(self.gpu_mem, what="--gpu-mem"),
             "cpu": parse_size(self.cpu_mem, what="--cpu-mem"),

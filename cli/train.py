@@ -152,6 +152,8 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     padded = has_padding(blocks)  # then the worst step is a padded batch: planned for
     auto = cfg.recompute is None
     cfg = resolve_recompute(cfg, src=src, padded=padded)
+    if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:
+        check_resumable(cfg, Path(cfg.output))  # a changed option says so before any budget does
     try:
         preflight(cfg, src=src, padded=padded)  # refuses what `plan` refuses, before allocating
     except InfeasibleBudget as e:
@@ -187,8 +189,6 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
     schedule = LRSchedule(kind=cfg.schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                           total_steps=total)
     seed_everything(cfg.seed)
-    if cfg.resume:
-        check_resumable(cfg, out)  # before the engine allocates anything
     model = build_meta_model(src.config)
     layout = ModelLayout.of(model)  # names, shapes and ties, before the engine takes the model
     engine = make_engine(model, cfg, padded=padded)

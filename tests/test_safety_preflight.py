@@ -82,7 +82,7 @@ def test_a_size_without_a_unit_is_refused_with_a_hint(command, tmp_path):
     line = _error_line(_invoke(*command, "--gpu-mem", "24"))
     assert "--gpu-mem 24 has no unit: write 24G" in line
     toml = tmp_path / "run.toml"
-    toml.write_text("cpu-mem = 64\n")
+    toml.write_text('cpu-mem = "64"\n')
     line = _error_line(_invoke(*command, "--config", str(toml)))
     assert "--cpu-mem 64 has no unit" in line
 
