@@ -263,7 +263,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
             batches = itertools.chain([next(batches), padded_batch(blocks, batch_size=rows)], batches)
     with console.status(f"[bold]verifying[/]: {steps} steps of {src.name}"):
         report = verify(model=src.config, name=src.name, hardware=cfg.hardware, gpu_mem=cfg.budgets["gpu"],
-                        cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"], nvme_path=cfg.nvme_path,
+                        cpu_mem=host_budget(cfg, planning=True), cxl_mem=cfg.budgets["cxl"], nvme_path=cfg.nvme_path,
                         optimizer=cfg.optimizer, precision=cfg.precision, batch_size=cfg.batch_size,
                         seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
                         lr=cfg.lr, steps=steps, batches=batches, seed=cfg.seed,
