@@ -601,11 +601,13 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss`; gradients accumulate (fp32) in their grad chunks."""
         self.phase = "backward"
+        self._record_moment()  # without recompute no module hook fires in backward: mark it
         t0 = time.perf_counter()
         try:
             self._arrived, self._chunk_tickets, self._counts = {}, {}, {}
             self._submitted, self._held_back = set(), set()
             loss.backward()
+            self._record_moment()  # every gradient accumulated, before the drain
             self._flush_gathered()
             if self._uses is None:
                 self._learn_uses()

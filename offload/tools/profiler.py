@@ -197,7 +197,8 @@ def measure(*, hardware: str | None = None, output: str | None = None, nvme_path
     for i, (name, fn) in enumerate(steps, 1):
         t = time.perf_counter()
         results[name] = fn()
-        say(f"[{i}/{len(steps)}] {name}: {_show(results[name])} ({time.perf_counter() - t:.1f} s)")
+        say(f"[{i}/{len(steps)}] {name}: {_show(results[name], UNITS[name])} "
+            f"({time.perf_counter() - t:.1f} s)")
     text = to_toml(results, name=hardware or ("measured-cuda" if cuda else "measured-cpu-sim"), cuda=cuda)
     if not cuda:
         t = time.perf_counter()
@@ -247,13 +248,20 @@ def step_calibration(profile_text: str, *, quick: bool) -> float:
     return sorted(times)[len(times) // 2] / plan.step_s
 
 
-def _show(v: object) -> str:
+#: The unit of each measurement of `measure`, printed on its progress line.
+UNITS = {"host <-> device copies": "GB/s", "DRAM bandwidth": "GB/s", "NVMe read/write": "GB/s",
+         "CXL nodes": "GB/s", "CPU optimizer steps": "params/s", "device matmul bf16": "TFLOPS",
+         "device matmul fp32": "TFLOPS", "CPU matmul fp32": "TFLOPS", "op dispatch overhead": "µs/op"}
+
+
+def _show(v: object, unit: str = "") -> str:
+    u = f" {unit}" if unit else ""
     if isinstance(v, float):
-        return f"{v:.3g}"
-    if isinstance(v, tuple):
-        return ", ".join(f"{x:.3g}" for x in v)
+        return f"{v:.3g}{u}"
+    if isinstance(v, tuple):  # NVMe: (read, write)
+        return ", ".join(f"{k} {x:.3g}{u}" for k, x in zip(("read", "write"), v))
     if isinstance(v, dict):
-        return ", ".join(f"{k} {x:.3g}" for k, x in v.items()) or "none"
+        return ", ".join(f"{k} {x:.3g}{u}" for k, x in v.items()) or "none"
     return str(v)
 
 
