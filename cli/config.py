@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from offload.errors import TierwiseError
+from offload.cxl import parse_node_list
 from offload.sizes import parse_size
 
 OPTIMIZERS = ("adamw", "adamw8bit", "galore", "galore8bit", "apollo", "apollo-mini", "mezo", "sgd")
@@ -91,7 +92,8 @@ class TrainConfig:
     gpu_mem: str | None = None
     cpu_mem: str | None = None
     cxl_mem: str | None = None
-    cxl_node: int | None = None
+    cxl_node: "int | str | tuple[int, ...] | None" = None
+    """CXL NUMA node(s): 1, "1,2" or [1, 2]; parsed to a tuple of ids (None: every CXL node)."""
     nvme_path: str | None = None
     offload_activations: bool = False
     """Keep checkpointed blocks' inputs in host memory between forward and backward."""
@@ -169,6 +171,10 @@ class TrainConfig:
             raise ConfigError("give --resume or --overwrite, not both")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        try:
+            self.cxl_node = parse_node_list(self.cxl_node)
+        except TierwiseError as exc:
+            raise ConfigError(str(exc)) from None
         if self.cxl_node is not None and self.cxl_mem is None:
             raise ConfigError("--cxl-node needs --cxl-mem (how much of that node to use)")
 

@@ -198,8 +198,10 @@ def run_guest(argv: list[str], *, devices: int, timeout: float = 900,
         result = json.loads((out / "result.json").read_text())
     report = {"rc": rc, "wall_s": round(wall, 1), "kernel": kver, "devices": devices,
               "log": log, "console_tail": console[-4000:], "result": result, "work": str(work)}
+    for raw in work.glob("*.raw"):
+        raw.unlink()  # the device files: what the guest wrote there is host memory or disk
     if rc is not None and result is not None:
-        shutil.rmtree(work, ignore_errors=True)  # the device files are big (sparse) and done
+        shutil.rmtree(work, ignore_errors=True)
     return report
 
 
