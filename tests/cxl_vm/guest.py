@@ -105,6 +105,23 @@ def on_cxl(buffers: list[dict], nodes: list[int], page: int) -> dict:
             "bytes_on_nodes": sum(v for k, v in pages.items() if k in nodes) * page}
 
 
+def numa_maps(nodes: list[int]) -> dict:
+    """/proc/self/numa_maps, the kernel's second view: pages per node of the mappings whose
+    policy names the CXL nodes (bind:1 or interleave:1-2; only the CXL buffers have one)."""
+    wanted = set(nodes)
+    pages, mappings = Counter(), 0
+    for line in open("/proc/self/numa_maps"):
+        fields = line.split()
+        policy = fields[1]
+        kind, _, nodelist = policy.partition(":")
+        if kind in ("bind", "interleave") and set(parse_node_list(nodelist) or ()) == wanted:
+            mappings += 1
+            for f in fields[2:]:
+                if m := re.fullmatch(r"N(\d+)=(\d+)", f):
+                    pages[int(m.group(1))] += int(m.group(2))
+    return {"mappings": mappings, "pages_per_node": {str(k): v for k, v in sorted(pages.items())}}
+
+
 def train(nodes: list[int]) -> dict:
     page = os.sysconf("SC_PAGE_SIZE")
     batches = data()
@@ -116,7 +133,8 @@ def train(nodes: list[int]) -> dict:
     eng = engine(cxl_mem="4M", cxl_node=",".join(map(str, nodes)))
     # built: every home is allocated and filled, so the ledger's CXL use is at its peak here
     at_build = on_cxl(home_buffers(eng), nodes, page) | {"ledger_used": eng.ledger.used("cxl"),
-                                                         "ledger_peak": eng.ledger.peaks()["cxl"]}
+                                                         "ledger_peak": eng.ledger.peaks()["cxl"],
+                                                         "numa_maps": numa_maps(nodes)}
     losses = [eng.step(b) for b in batches]
     after = {n: mem_used(n) for n in nodes}
     buffers = home_buffers(eng)
@@ -127,7 +145,8 @@ def train(nodes: list[int]) -> dict:
         "buffers": buffers,
         "at_build": at_build,
         "after_training": on_cxl(buffers, nodes, page) | {"ledger_used": eng.ledger.used("cxl"),
-                                                          "ledger_peak": eng.ledger.peaks()["cxl"]},
+                                                          "ledger_peak": eng.ledger.peaks()["cxl"],
+                                                          "numa_maps": numa_maps(nodes)},
         "mem_used_delta": {str(n): after[n] - before[n] for n in nodes},
         "page": page,
         "train_s": round(time.monotonic() - t, 1),
@@ -155,6 +174,11 @@ def main() -> None:
         result["cxl_nodes"] = [{"id": n.id, "mem_total": n.mem_total, "cxl": n.cxl,
                                 "distance": list(n.distance)} for n in cxl]
         result["describe"] = describe_cxl_nodes(cxl)
+        from cli.planning import cxl_lines
+        from offload.profiler import cxl_node_lines
+
+        result["plan_lines"] = cxl_lines()  # what `finetune plan` prints with a CXL budget
+        result["profile_lines"] = cxl_node_lines({})  # `finetune profile` (bandwidth not measured)
         forced = parse_node_list(os.environ.get("CXLVM_FORCE_NODES") or None)
         nodes = list(forced) if forced else [n.id for n in cxl]
         if nodes:

@@ -4,9 +4,10 @@
 #   cxl_acpi/cxl_pci/cxl_mem -> pmem region (one per device and window) -> nvdimm region
 #   -> devdax namespace -> kmem (daxctl system-ram).
 # QEMU 7.2 has no volatile CXL memory and kernel 6.1 cannot create a RAM region, hence pmem.
-# Usage: guest.sh DEVICES
+# Usage: guest.sh DEVICES nodes|interleave  (interleave: one region across all devices)
 set -u
 want=$1
+layout=${2:-nodes}
 t0=$(cut -d' ' -f1 /proc/uptime)
 echo "guest.sh: start at uptime $t0 s, kernel $(uname -r)"
 for m in cxl_acpi cxl_pci cxl_port cxl_mem cxl_pmem libnvdimm nd_pmem dax_pmem device_dax kmem; do
@@ -19,7 +20,16 @@ while [ "$(ls -d /sys/bus/cxl/devices/mem* 2>/dev/null | wc -l)" -lt "$want" ] &
 done
 sleep 2
 made=0
-for dec in $(ls /sys/bus/cxl/devices | grep -E '^decoder0\.[0-9]+$'); do
+if [ "$layout" = interleave ]; then
+    mems=$(ls /sys/bus/cxl/devices | grep -E '^mem[0-9]+$' | tr '\n' ' ')
+    # the kernel wants the targets in the window's host-bridge order: try both orders
+    for order in "$mems" "$(echo $mems | tr ' ' '\n' | sort -r | tr '\n' ' ')"; do
+        if cxl create-region -m -d decoder0.0 -t pmem -w "$want" -g 256 $order; then
+            echo "guest.sh: one $want-way region on decoder0.0 with $order"; made=$want; break
+        fi
+    done
+fi
+[ "$layout" = interleave ] || for dec in $(ls /sys/bus/cxl/devices | grep -E '^decoder0\.[0-9]+$'); do
     for mem in $(ls /sys/bus/cxl/devices | grep -E '^mem[0-9]+$'); do
         if cxl create-region -m -d "$dec" -t pmem -w 1 -g 256 "$mem" >/dev/null 2>&1; then
             echo "guest.sh: region on $dec with $mem"; made=$((made + 1)); break

@@ -131,9 +131,10 @@ def build_initramfs(kver: str, dest: Path) -> Path:
 
 
 def qemu_command(*, vmlinuz: str, initrd: Path, work: Path, out: Path, devices: int,
-                 smp: int = 2) -> list[str]:
+                 interleave: bool = False, smp: int = 2) -> list[str]:
     """The QEMU line: q35 with CXL, `devices` Type-3 devices, each behind its own host bridge
-    (two root ports each) and fixed memory window."""
+    (two root ports each); each bridge its own fixed memory window, or (`interleave`) one
+    window interleaved across all bridges."""
     cmd = ["qemu-system-x86_64", "-accel", "tcg,thread=multi", "-cpu", "max", "-smp", str(smp),
            "-nographic", "-no-reboot", "-M", "q35,cxl=on",
            "-m", f"{GUEST_MB}M,maxmem=16G,slots=4",
@@ -155,12 +156,16 @@ def qemu_command(*, vmlinuz: str, initrd: Path, work: Path, out: Path, devices: 
                 "-device", f"cxl-rp,port=1,bus=cxl.{i + 1},id=rp{2 * i + 1},chassis=0,slot={3 + 2 * i}",
                 "-device", f"cxl-type3,bus=rp{2 * i},memdev=cxl-mem{i},lsa=cxl-lsa{i},id=cxl-pmem{i}"]
     # one -M for all windows: QEMU refuses cxl-fmw.* spread over several
-    cmd += ["-M", ",".join(f"cxl-fmw.{i}.targets.0=cxl.{i + 1},cxl-fmw.{i}.size=4G"
-                           for i in range(devices))]
+    if interleave:
+        cmd += ["-M", ",".join([f"cxl-fmw.0.targets.{i}=cxl.{i + 1}" for i in range(devices)]
+                               + ["cxl-fmw.0.size=4G"])]
+    else:
+        cmd += ["-M", ",".join(f"cxl-fmw.{i}.targets.0=cxl.{i + 1},cxl-fmw.{i}.size=4G"
+                               for i in range(devices))]
     return cmd
 
 
-def run_guest(argv: list[str], *, devices: int, timeout: float = 900,
+def run_guest(argv: list[str], *, devices: int, interleave: bool = False, timeout: float = 900,
               workdir: str | None = None) -> dict:
     """Boot a guest with `devices` CXL devices, run `argv` (in this repository, as root) after
     the memory is online, and return {"rc", "wall_s", "log", "result"}: `result` is the JSON
@@ -175,10 +180,12 @@ def run_guest(argv: list[str], *, devices: int, timeout: float = 900,
     (out / "run.sh").write_text(
         f"cd {shlex.quote(str(REPO))}\n"
         f"export CXLVM_OUT=/cxlvm-out CXLVM_DEVICES={devices} PYTHONDONTWRITEBYTECODE=1\n"
-        f"/bin/sh {shlex.quote(str(HERE / 'guest.sh'))} {devices} || exit 3\n"
+        f"/bin/sh {shlex.quote(str(HERE / 'guest.sh'))} {devices} "
+        f"{'interleave' if interleave else 'nodes'} || exit 3\n"
         f"{shlex.join(argv)}\n"
         f"echo \"guest: program exited with $?\"\n")
-    cmd = qemu_command(vmlinuz=vmlinuz, initrd=initrd, work=work, out=out, devices=devices)
+    cmd = qemu_command(vmlinuz=vmlinuz, initrd=initrd, work=work, out=out, devices=devices,
+                       interleave=interleave)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(work / "console.log", "wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -208,11 +215,13 @@ def run_guest(argv: list[str], *, devices: int, timeout: float = 900,
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--devices", type=int, default=1, choices=(1, 2))
+    p.add_argument("--interleave", action="store_true",
+                   help="one window and region interleaved across the devices (one node)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("argv", nargs="*", default=["python", "-m", "tests.cxl_vm.guest"])
     args = p.parse_args()
     argv = [sys.executable if a == "python" else a for a in args.argv]
-    report = run_guest(argv, devices=args.devices, timeout=args.timeout)
+    report = run_guest(argv, devices=args.devices, interleave=args.interleave, timeout=args.timeout)
     print(report["log"])
     if report["result"] is None:
         print(report["console_tail"], file=sys.stderr)
