@@ -19,19 +19,28 @@ while [ "$(ls -d /sys/bus/cxl/devices/mem* 2>/dev/null | wc -l)" -lt "$want" ] &
     sleep 1; i=$((i + 1))
 done
 sleep 2
+# region DECODER WAYS MEMDEV...: create a pmem region; cxl create-region exits 0 even when it
+# made nothing ("created 0 regions"), so read what it says
+region() {
+    dec=$1 ways=$2; shift 2
+    said=$(cxl create-region -m -d "$dec" -t pmem -w "$ways" -g 256 "$@" 2>&1)
+    case "$said" in *"created 1 region"*) return 0 ;; esac
+    echo "guest.sh: no region on $dec with $*: $(echo "$said" | grep -v '^ \|^{\|^}' | tr '\n' ' ')"
+    return 1
+}
 made=0
 if [ "$layout" = interleave ]; then
-    mems=$(ls /sys/bus/cxl/devices | grep -E '^mem[0-9]+$' | tr '\n' ' ')
-    # the kernel wants the targets in the window's host-bridge order: try both orders
-    for order in "$mems" "$(echo $mems | tr ' ' '\n' | sort -r | tr '\n' ' ')"; do
-        if cxl create-region -m -d decoder0.0 -t pmem -w "$want" -g 256 $order; then
-            echo "guest.sh: one $want-way region on decoder0.0 with $order"; made=$want; break
-        fi
-    done
+    # targets in the window's order: host bridge cxl.1 (bus 0x0c) first, then cxl.2 (0x20);
+    # a memdev's sysfs path names its bridge (pci0000:0c/...), so sorting the paths does it
+    mems=$(for m in $(ls /sys/bus/cxl/devices | grep -E '^mem[0-9]+$'); do
+               echo "$(readlink -f /sys/bus/cxl/devices/$m) $m"; done | sort | cut -d' ' -f2 | tr '\n' ' ')
+    if region decoder0.0 "$want" $mems; then
+        echo "guest.sh: one $want-way region on decoder0.0 with $mems"; made=$want
+    fi
 fi
 [ "$layout" = interleave ] || for dec in $(ls /sys/bus/cxl/devices | grep -E '^decoder0\.[0-9]+$'); do
     for mem in $(ls /sys/bus/cxl/devices | grep -E '^mem[0-9]+$'); do
-        if cxl create-region -m -d "$dec" -t pmem -w 1 -g 256 "$mem" >/dev/null 2>&1; then
+        if region "$dec" 1 "$mem" >/dev/null; then
             echo "guest.sh: region on $dec with $mem"; made=$((made + 1)); break
         fi
     done
