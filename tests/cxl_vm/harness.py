@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import os
 import shlex
@@ -77,7 +78,9 @@ mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 out /newroot/cxlvm-out
 for d in proc sys dev; do mount --bind /$d /newroot/$d; done
 mount -t tmpfs tmpfs /newroot/tmp
 mount -t tmpfs tmpfs /newroot/run
-chroot /newroot /bin/sh /cxlvm-out/run.sh > /newroot/cxlvm-out/guest.log 2>&1
+# the guest's own deadline: a hung program still powers the VM off (no orphaned QEMU)
+timeout -s KILL "$(cat /newroot/cxlvm-out/timeout)" chroot /newroot /bin/sh /cxlvm-out/run.sh \
+    > /newroot/cxlvm-out/guest.log 2>&1
 echo "init: guest exited with $?"
 sync
 echo o > /proc/sysrq-trigger
@@ -86,8 +89,10 @@ sleep 30
 
 
 def build_initramfs(kver: str, dest: Path) -> Path:
-    """A busybox initramfs with the 9p/overlay modules of `kver` (cached by kernel version)."""
-    out = dest / f"cxlvm-initrd-{kver}.cpio.gz"
+    """A busybox initramfs with the 9p/overlay modules of `kver` (cached by kernel version
+    and init script)."""
+    tag = hashlib.sha1((INIT + " ".join(MODULES)).encode()).hexdigest()[:10]
+    out = dest / f"cxlvm-initrd-{kver}-{tag}.cpio.gz"
     if out.exists():
         return out
     root = Path(tempfile.mkdtemp(prefix="cxlvm-initrd-", dir=dest))
@@ -177,6 +182,7 @@ def run_guest(argv: list[str], *, devices: int, interleave: bool = False, timeou
     work = Path(tempfile.mkdtemp(prefix="cxlvm-", dir=cache))
     out = work / "out"
     out.mkdir()
+    (out / "timeout").write_text(f"{max(int(timeout) - 60, 60)}\n")
     (out / "run.sh").write_text(
         f"cd {shlex.quote(str(REPO))}\n"
         f"export CXLVM_OUT=/cxlvm-out CXLVM_DEVICES={devices} PYTHONDONTWRITEBYTECODE=1\n"
@@ -220,6 +226,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("argv", nargs="*", default=["python", "-m", "tests.cxl_vm.guest"])
     args = p.parse_args()
+    # SIGTERM as an exception, so that run_guest's cleanup kills QEMU before we go
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     argv = [sys.executable if a == "python" else a for a in args.argv]
     report = run_guest(argv, devices=args.devices, interleave=args.interleave, timeout=args.timeout)
     print(report["log"])
