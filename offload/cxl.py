@@ -232,14 +232,15 @@ def describe_cxl_nodes(nodes: Sequence[NumaNode] | None = None) -> list[str]:
 
 def parse_node_list(value: "int | str | Sequence[int] | None", *, what: str = "--cxl-node"
                     ) -> tuple[int, ...] | None:
-    """1, "1", "1,2", "1-2" or [1, 2] -> (sorted, unique ids); None -> None."""
+    """1, "1", "1,2", "1-2", "[1, 2]" (a TOML list through the CLI) or [1, 2] -> (sorted,
+    unique ids); None -> None."""
     if value is None:
         return None
     try:
         if isinstance(value, int):
             ids = [value]
         elif isinstance(value, str):
-            ids = list(parse_cpulist(value.replace(" ", "")))
+            ids = list(parse_cpulist(value.replace(" ", "").strip("[]")))
         else:
             ids = [int(v) for v in value]
     except (TypeError, ValueError):

@@ -137,7 +137,7 @@ def test_describe_real_machine_lists_only_cxl_nodes():
     assert len(describe_cxl_nodes()) == len(detect_cxl_nodes())
 
 
-@pytest.mark.parametrize("value,ids", [(1, (1,)), ("1", (1,)), ("2,1", (1, 2)), ("1-3", (1, 2, 3)),
+@pytest.mark.parametrize("value,ids", [(1, (1,)), ("1", (1,)), ("2,1", (1, 2)), ("1-3", (1, 2, 3)), ("[1, 2]", (1, 2)),
                                        ([2, 1, 2], (1, 2)), (None, None)], ids=repr)
 def test_parse_node_list(value, ids):
     assert parse_node_list(value) == ids

@@ -47,8 +47,8 @@ def find_kernel() -> tuple[str, str]:
         kver = vmlinuz.split("vmlinuz-", 1)[1]
         if os.path.isdir(f"/lib/modules/{kver}/kernel/drivers/cxl") and os.access(vmlinuz, os.R_OK):
             return vmlinuz, kver
-    raise Missing("no kernel image with CXL modules under /boot and /lib/modules "
-                  "(apt-get install linux-image-amd64)")
+    raise Missing("no readable kernel image with CXL modules under /boot and /lib/modules "
+                  "(apt-get install linux-image-amd64; Debian's images are readable by root only)")
 
 
 def check_tools() -> None:
