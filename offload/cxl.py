@@ -4,8 +4,8 @@ CXL memory expanders appear to Linux as NUMA nodes that have memory but no CPUs.
 CPUs is not proof (HBM and a GPU's coherent memory look the same), so `detect_cxl_nodes` asks
 sysfs: a node whose memory lies in a region of the CXL bus (/sys/bus/cxl/devices/regionN) is
 CXL; where the kernel shows no CXL regions, a node in a slower memory tier than the CPUs'
-(/sys/devices/virtual/memory_tiering) is taken as CXL, and with neither tree, any CPU-less
-node with memory (the old rule, said so in the node's `cxl` note). Buffers are bound to such
+(/sys/devices/virtual/memory_tiering), or any CPU-less node when the bus shows CXL memory
+devices or there is no CXL bus in sysfs to ask (each node's `cxl` note says which). Buffers are bound to such
 nodes with the `mbind` syscall (through ctypes; MPOL_BIND for one node, MPOL_INTERLEAVE to
 stripe pages across several). Where no CXL node exists (or the kernel
 does not show it), `CxlAllocator` *emulates* one: plain host memory behind a throttled
@@ -184,18 +184,22 @@ def detect_cxl_nodes(sysfs_root: str = SYSFS_NODES, *, cxl_root: str = SYSFS_CXL
 
     A CPU-less node with memory is CXL when (in this order of trust):
     1. a memory block of it lies in a region of the CXL bus (`cxl_root`): "CXL region0 ...";
-       when the bus shows regions, a CPU-less node outside all of them is not CXL;
-    2. without CXL regions: it sits in a slower memory tier than every CPU node's (one in the
-       CPUs' tier is not CXL);
-    3. with neither tree (an older kernel, a container without that sysfs): it has no CPUs.
+       when the bus shows regions, a CPU-less node outside all of them is not CXL (HBM, a
+       GPU's memory);
+    2. it sits in a slower memory tier than every CPU node's (kmem-onlined memory);
+    3. the CXL bus shows memory devices but no regions (memory the firmware set up, on a
+       kernel that does not show its regions);
+    4. there is no CXL bus in sysfs at all (no cxl_core, a container): it has no CPUs.
+    A CXL bus without memory devices says there is no CXL memory: such a node is not CXL.
     """
     nodes = detect_numa_nodes(sysfs_root)
     candidates = [n for n in nodes if n.mem_total > 0 and n.cpu_less]
     if not candidates:
         return []
     regions = cxl_regions(cxl_root)
+    memdevs = _memdevs(cxl_root)
     tiers = memory_tiers(tiers_root)
-    cpu_tiers = [tiers[n.id] for n in nodes if n.cpus and n.id in tiers]
+    cpu_tier = max((tiers[n.id] for n in nodes if n.cpus and n.id in tiers), default=None)
     block = _int("0x" + _read(f"{memory_root}/block_size_bytes").strip())  # hex, no 0x
     found = []
     for node in candidates:
@@ -203,24 +207,30 @@ def detect_cxl_nodes(sysfs_root: str = SYSFS_NODES, *, cxl_root: str = SYSFS_CXL
         if regions:
             ranges = _node_ranges(os.path.join(sysfs_root, f"node{node.id}"), block) if block else []
             hits = [r for r in regions if any(lo < r.start + r.size and r.start < hi for lo, hi in ranges)]
-            if hits:
-                why = "CXL " + ", ".join(f"{r.name} ({format_size(r.size)}, {len(r.targets)}-way: "
-                                         f"{' '.join(r.targets)})" for r in hits)
-            else:
-                log.info("NUMA node %d has no CPUs but none of its memory is in a CXL region "
-                         "(%s): not CXL", node.id, ", ".join(r.name for r in regions))
-        elif cpu_tiers and node.id in tiers:
-            if tiers[node.id] > max(cpu_tiers):
-                why = f"memory tier {tiers[node.id]}, below the CPUs' tier {max(cpu_tiers)}"
-            else:
-                log.info("NUMA node %d has no CPUs but shares the CPUs' memory tier: not taken "
-                         "as CXL (name it with --cxl-node to use it anyway)", node.id)
-        else:
-            why = "CPU-less (no CXL regions or memory tiers in sysfs to confirm)"
+            why = "CXL " + ", ".join(f"{r.name} ({format_size(r.size)}, {len(r.targets)}-way: "
+                                     f"{' '.join(r.targets)})" for r in hits) if hits else ""
+        elif cpu_tier is not None and tiers.get(node.id, cpu_tier) > cpu_tier:
+            why = f"memory tier {tiers[node.id]}, below the CPUs' tier {cpu_tier}"
+        elif memdevs:
+            why = f"CPU-less; the CXL bus shows memory devices ({' '.join(memdevs)}) but no regions"
+        elif not os.path.isdir(cxl_root):
+            why = "CPU-less (no CXL bus in sysfs to confirm)"
         if why:
             found.append(NumaNode(id=node.id, mem_total=node.mem_total, cpus=node.cpus,
                                   distance=node.distance, cxl=why))
+        else:
+            log.info("NUMA node %d has no CPUs but is not CXL memory (%s); name it with "
+                     "--cxl-node to use it anyway", node.id,
+                     "in no CXL region" if regions else "the CXL bus shows no memory devices")
     return found
+
+
+def _memdevs(cxl_root: str) -> list[str]:
+    try:
+        return sorted((n for n in os.listdir(cxl_root) if re.fullmatch(r"mem\d+", n)),
+                      key=lambda n: int(n[3:]))
+    except FileNotFoundError:
+        return []
 
 
 def describe_cxl_nodes(nodes: Sequence[NumaNode] | None = None) -> list[str]:

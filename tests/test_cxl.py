@@ -65,7 +65,7 @@ def test_detect_on_fake_sysfs(tmp_path):
 BLOCK = 0x8000000
 
 
-def _fake_sys(tmp_path, *, regions: bool, tiers: bool):
+def _fake_sys(tmp_path, *, regions: bool, tiers: bool, memdevs: bool = True):
     """A /sys with node 0 (CPUs), nodes 1 and 2 (CXL, in regions 0 and 1), node 3 (CPU-less,
     memory outside every CXL region: HBM or a GPU's memory)."""
     sys = tmp_path / "sys"
@@ -84,7 +84,7 @@ def _fake_sys(tmp_path, *, regions: bool, tiers: bool):
     (sys / "devices/system/memory/block_size_bytes").write_text(f"{BLOCK:x}\n")
     cxl = sys / "bus/cxl/devices"
     cxl.mkdir(parents=True)
-    for name in ("root0", "decoder0.0", "mem0", "mem1"):
+    for name in ("root0", "decoder0.0") + (("mem0", "mem1") if memdevs else ()):
         (cxl / name).mkdir()
     if regions:
         for i, (start, target) in enumerate([(0x590000000, "decoder4.0"), (0x690000000, "decoder3.0")]):
@@ -119,18 +119,28 @@ def test_detect_trusts_cxl_regions_over_being_cpu_less(tmp_path, tiers):
                                         "(CXL region0 (512.00 MiB, 1-way: decoder4.0))")
 
 
-def test_detect_by_memory_tier_without_cxl_regions(tmp_path):
-    roots = _fake_sys(tmp_path, regions=False, tiers=True)
+@pytest.mark.parametrize("memdevs", [True, False], ids=["memdevs", "no-memdevs"])
+def test_detect_by_memory_tier_without_cxl_regions(tmp_path, memdevs):
+    roots = _fake_sys(tmp_path, regions=False, tiers=True, memdevs=memdevs)
     assert memory_tiers(roots["tiers_root"]) == {0: 4, 3: 4, 1: 22, 2: 22}
     found = detect_cxl_nodes(roots.pop("sysfs_root"), **roots)
-    assert [(n.id, n.cxl) for n in found] == [(1, "memory tier 22, below the CPUs' tier 4"),
-                                             (2, "memory tier 22, below the CPUs' tier 4")]
+    tier = "memory tier 22, below the CPUs' tier 4"
+    # node 3 shares the CPUs' tier: CXL only because the bus shows memory devices
+    assert [(n.id, n.cxl) for n in found] == [(1, tier), (2, tier)] + (
+        [(3, "CPU-less; the CXL bus shows memory devices (mem0 mem1) but no regions")] if memdevs else [])
 
 
-def test_detect_falls_back_to_cpu_less_without_evidence(tmp_path):
+def test_detect_a_cxl_bus_without_memory_devices_means_no_cxl(tmp_path):
+    roots = _fake_sys(tmp_path, regions=False, tiers=False, memdevs=False)
+    assert detect_cxl_nodes(roots.pop("sysfs_root"), **roots) == []
+
+
+def test_detect_falls_back_to_cpu_less_without_a_cxl_bus(tmp_path):
     roots = _fake_sys(tmp_path, regions=False, tiers=False)
+    roots["cxl_root"] = str(tmp_path / "no-cxl-bus")
     found = detect_cxl_nodes(roots.pop("sysfs_root"), **roots)
-    assert [n.id for n in found] == [1, 2, 3] and all("CPU-less" in n.cxl for n in found)
+    assert [(n.id, n.cxl) for n in found] == [(i, "CPU-less (no CXL bus in sysfs to confirm)")
+                                             for i in (1, 2, 3)]
 
 
 def test_describe_real_machine_lists_only_cxl_nodes():
