@@ -310,3 +310,23 @@ def test_place_kinds_keeps_working_set_in_dram_first():
     out = place_kinds({"cold": 24, "state": 24}, dram_free=24, cxl_free=100)
     assert out == {"cold": "cxl", "state": "host"}
     assert set(cxl_aware_kinds()) == {"host", "cxl"}
+
+
+def test_plan_and_profile_list_each_cxl_node(monkeypatch):
+    import offload.cxl as cxl
+    from cli.planning import cxl_lines
+    from offload.profiler import cxl_node_lines
+
+    cpu = NumaNode(id=0, mem_total=16 * BLOCK, cpus=(0, 1), distance=(10, 20, 20))
+    found = [NumaNode(id=i, mem_total=3 * BLOCK, cpus=(), distance=d, cxl=f"CXL region{i - 1}")
+             for i, d in ((1, (20, 10, 20)), (2, (21, 20, 10)))]
+    monkeypatch.setattr(cxl, "detect_numa_nodes", lambda *a, **k: [cpu] + found)
+    monkeypatch.setattr(cxl, "detect_cxl_nodes", lambda *a, **k: found)
+    assert cxl_lines() == ["CXL nodes here (pages interleave across those used):",
+                           "  node 1: 384.00 MiB, distance 20 (CXL region0)",
+                           "  node 2: 384.00 MiB, distance 21 (CXL region1)"]
+    assert cxl_node_lines({1: 0.0213}) == [
+        "CXL node 1: 384.00 MiB, distance 20 (CXL region0): 0.0213 GB/s copy in",
+        "CXL node 2: 384.00 MiB, distance 21 (CXL region1): not measured"]
+    monkeypatch.setattr(cxl, "detect_cxl_nodes", lambda *a, **k: [])
+    assert cxl_lines() == ["CXL nodes here: none (the engine emulates one in host memory)"]
