@@ -24,8 +24,8 @@ WORKING_SET = ("master", "state", "grad")
 # (devices, one region interleaved across them, CXL nodes the guest should see)
 SETUPS = [pytest.param((1, False, 1), id="one-device"),
           pytest.param((2, False, 2), id="two-devices"),  # two windows: two nodes, MPOL_INTERLEAVE
-          # one 2-way region (hardware interleave): one node; by hand (-m cxl_vm_full), since
-          # each VM costs 2-4 minutes here
+          # one 2-way region (hardware interleave): one node; by hand (-m cxl_vm, or
+          # -m cxl_vm_full for it alone), since each VM costs 2-5 minutes here
           pytest.param((2, True, 1), id="two-devices-one-region", marks=pytest.mark.cxl_vm_full)]
 
 
