@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..offload.core.errors import TierwiseError
 from ..offload.core.sizes import parse_size
+from ..offload.runtime.cxl import parse_node_list
 
 OPTIMIZERS = ("adamw", "adamw8bit", "galore", "galore8bit", "apollo", "apollo-mini", "mezo", "sgd")
 PRECISIONS = ("bf16", "fp32")
@@ -119,7 +120,8 @@ class TrainConfig:
     gpu_mem: str | None = None
     cpu_mem: str | None = None
     cxl_mem: str | None = None
-    cxl_node: int | None = None
+    cxl_node: "int | str | tuple[int, ...] | None" = None
+    """CXL NUMA node(s): 1, "1,2" or [1, 2]; parsed to a tuple of ids (None: every CXL node)."""
     nvme_path: str | None = None
     nvme_checksum: bool = True
     """crc32 of every swap block, checked on read: a corrupted swap file stops the run instead
@@ -216,6 +218,10 @@ class TrainConfig:
             if where in (Path("/"), Path.home().resolve()):
                 raise ConfigError(f"--nvme-path {self.nvme_path} is {'/' if where == Path('/') else 'your home directory'}: "
                                   "give a directory for swap files, e.g. /mnt/nvme/tierwise-swap")
+        try:
+            self.cxl_node = parse_node_list(self.cxl_node)
+        except TierwiseError as exc:
+            raise ConfigError(str(exc)) from None
         if self.cxl_node is not None and self.cxl_mem is None:
             raise ConfigError("--cxl-node needs --cxl-mem (how much of that node to use)")
 

@@ -132,7 +132,8 @@ def train(
     cpu_mem: Optional[str] = Opt(None, help="Host RAM to use, e.g. 256G.", rich_help_panel=MEMORY),
     cxl_mem: Optional[str] = Opt(None, help="CXL memory to use, e.g. 512G.",
                                  rich_help_panel=MEMORY),
-    cxl_node: Optional[int] = Opt(None, help="NUMA node of the CXL memory.",
+    cxl_node: Optional[str] = Opt(None, help="NUMA node(s) of the CXL memory, e.g. 1 or 1,2 "
+                                  "(pages interleave across several; default: every CXL node).",
                                   rich_help_panel=MEMORY),
     nvme_path: Optional[str] = Opt(None, help="Directory on an NVMe drive for swap files.",
                                    rich_help_panel=MEMORY),
@@ -220,7 +221,7 @@ def plan(
     gpu_mem: Optional[str] = Opt(None, help="GPU memory to use, e.g. 24G."),
     cpu_mem: Optional[str] = Opt(None, help="Host RAM to use."),
     cxl_mem: Optional[str] = Opt(None, help="CXL memory to use."),
-    cxl_node: Optional[int] = Opt(None, help="NUMA node of the CXL memory."),
+    cxl_node: Optional[str] = Opt(None, help="NUMA node(s) of the CXL memory, e.g. 1 or 1,2."),
     nvme_path: Optional[str] = Opt(None, help="Directory on an NVMe drive for swap files."),
     offload_activations: bool = Opt(False, "--offload-activations",
                                     help="Plan for a run with --offload-activations (it recomputes "

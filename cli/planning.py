@@ -240,6 +240,18 @@ def print_plan(plan, *, console: Console, as_json: bool) -> None:
             console.out(table, highlight=False)  # pre-formatted: never re-wrap
         else:
             console.print(table)
+        if getattr(plan, "budgets", {}).get("cxl"):
+            console.out("\n".join(cxl_lines()), highlight=False)
+
+
+def cxl_lines() -> list[str]:
+    """The CXL nodes of this machine (size, distance, sysfs evidence), for the plan's reader."""
+    from ..offload.runtime.cxl import describe_cxl_nodes
+
+    lines = describe_cxl_nodes()
+    if not lines:
+        return ["CXL nodes here: none (the engine emulates one in host memory)"]
+    return ["CXL nodes here (pages interleave across those used):"] + [f"  {x}" for x in lines]
 
 
 def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:

@@ -93,7 +93,7 @@ class Engine:
                  precision: str = "fp32", chunk_bytes: "str | int" = DEFAULT_CHUNK_BYTES,
                  grad_clip: float | None = None, checkpointing: bool | None = None,
                  activations: int | None = None,
-                 cxl_node: int | None = None, cxl_bandwidth: float | None = None,
+                 cxl_node: "int | str | Iterable[int] | None" = None, cxl_bandwidth: float | None = None,
                  nvme_checksum: bool = False,
                  device: "str | torch.device | None" = None,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
@@ -181,6 +181,7 @@ class Engine:
             # rounded count would refuse a tight budget the ledger accepts
             self.cxl = CxlAllocator(nodes=detect_cxl_nodes(), budget_bytes=1 << 62,
                                     emulate_bandwidth=cxl_bandwidth, node=cxl_node)
+            self.cxl.check_fits(cxl_bytes)
         self.nvme = None
         if nvme_path is not None:
             budgets["nvme"] = None  # bounded by the disk: checked by preflight in _place
