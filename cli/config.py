@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..offload.core.errors import TierwiseError
 from ..offload.core.sizes import parse_size
-from ..offload.runtime.cxl import parse_node_list
+from ..offload.core.nodes import parse_node_list
 
 OPTIMIZERS = ("adamw", "adamw8bit", "galore", "galore8bit", "apollo", "apollo-mini", "mezo", "sgd")
 PRECISIONS = ("bf16", "fp32")

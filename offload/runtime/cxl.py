@@ -33,6 +33,7 @@ import torch
 from .aligned import aligned_empty
 from ..core.errors import BudgetExceeded, TierwiseError
 from .link import Link
+from ..core.nodes import parse_cpulist, parse_node_list  # noqa: F401 (the planner's and CLI's parsing)
 from ..core.units import format_size
 
 log = logging.getLogger(__name__)
@@ -73,17 +74,6 @@ class NumaNode:
         near = near or [d for i, d in enumerate(self.distance) if i != self.id]
         dist = f", distance {min(near)}" if near else ""
         return f"node {self.id}: {format_size(self.mem_total)}{dist} ({self.cxl or 'not CXL'})"
-
-
-def parse_cpulist(text: str) -> tuple[int, ...]:
-    """'0-3,8,10-11' -> (0, 1, 2, 3, 8, 10, 11); '' -> ()."""
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return tuple(cpus)
 
 
 def _mem_total(meminfo: str) -> int:
@@ -238,26 +228,6 @@ def describe_cxl_nodes(nodes: Sequence[NumaNode] | None = None) -> list[str]:
     nodes = detect_cxl_nodes() if nodes is None else nodes
     cpu_nodes = [n for n in detect_numa_nodes() if n.cpus]
     return [n.describe(cpu_nodes) for n in nodes]
-
-
-def parse_node_list(value: "int | str | Sequence[int] | None", *, what: str = "--cxl-node"
-                    ) -> tuple[int, ...] | None:
-    """1, "1", "1,2", "1-2", "[1, 2]" (a TOML list through the CLI) or [1, 2] -> (sorted,
-    unique ids); None -> None."""
-    if value is None:
-        return None
-    try:
-        if isinstance(value, int):
-            ids = [value]
-        elif isinstance(value, str):
-            ids = list(parse_cpulist(value.replace(" ", "").strip("[]")))
-        else:
-            ids = [int(v) for v in value]
-    except (TypeError, ValueError):
-        ids = []
-    if not ids or min(ids) < 0 or isinstance(value, bool):
-        raise TierwiseError(f"{what} {value!r}: give NUMA node ids >= 0, e.g. 1 or 1,2")
-    return tuple(sorted(set(ids)))
 
 
 def nodemask(node_ids: Sequence[int]) -> tuple[list[int], int]:
