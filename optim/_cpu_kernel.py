@@ -1,12 +1,15 @@
 """A small C kernel for the fused 8-bit Adam step on CPU, built with the system C compiler.
 
 Per block of 256: dequantize, update p and both moments, new absmax, then requantize by
-arithmetic (quant.DecadeTable: a few in-register table permutes and one fma, no search and
-no gather; a gather-based table lookup made the kernel 1.7x slower). The path is chosen at
-run time: AVX-512 (F/BW/VBMI: dequantization by in-register byte permutes), else AVX2 + FMA,
-else portable scalar; all three round every operation identically. Plain C + OpenMP loaded with ctypes: no torch headers, so it builds in about a second and
-needs no ninja. The library is cached per source hash under $TIERWISE_CACHE_DIR (default
-~/.cache/tierwise). Without a compiler, `load()` returns None and callers use the torch path.
+arithmetic (quant.DecadeTable: no search and no gather). The path is chosen at run time:
+AVX-512 (F/BW/VBMI: dequantization by in-register byte permutes), else AVX2 + FMA (scalar
+table loads inserted into vectors, the quantizer as one byte shuffle and four 8-lane
+permutes), else portable scalar; all three round every operation identically, so they give
+the same bytes. $TIERWISE_CPU_ISA (scalar, avx2 or avx512) caps the path, e.g. to measure
+the AVX2 path on an AVX-512 host. Plain C + OpenMP loaded with ctypes: no torch headers, so
+it builds in about a second and needs no ninja. The library is cached per source hash under
+$TIERWISE_CACHE_DIR (default ~/.cache/tierwise). Without a compiler, `load()` returns None
+and callers use the torch path.
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ from pathlib import Path
 from typing import Optional
 
 logger = logging.getLogger(__name__)
+
+ISA_NAMES = ("scalar", "avx2", "avx512")  # the kernel's isa argument is the index
+ISA_ENV = "TIERWISE_CPU_ISA"
 
 _SOURCE = r"""
 #include <math.h>
@@ -523,3 +529,27 @@ def load() -> Optional[ctypes.CDLL]:
     lib.tw_best_isa.restype = ctypes.c_int
     lib.tw_best_isa.argtypes = []
     return lib
+
+
+def isa_limit() -> int:
+    """The most capable path allowed: $TIERWISE_CPU_ISA (scalar, avx2, avx512), else avx512.
+    The kernel lowers it further to what the CPU has."""
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if not value:
+        return len(ISA_NAMES) - 1
+    if value not in ISA_NAMES:
+        raise ValueError(f"{ISA_ENV}={value!r}: expected one of {', '.join(ISA_NAMES)}")
+    return ISA_NAMES.index(value)
+
+
+def best_isa() -> int:
+    """The most capable path this CPU runs (0 without the compiled kernel)."""
+    lib = load()
+    return lib.tw_best_isa() if lib is not None else 0
+
+
+def isa_in_use() -> str:
+    """The path the 8-bit step takes on CPU here and now ('torch' without the C kernel)."""
+    if load() is None:
+        return "torch"
+    return ISA_NAMES[min(isa_limit(), best_isa())]
