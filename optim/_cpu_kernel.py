@@ -440,16 +440,12 @@ int tw_adam8bit_step(float *p, const float *g, uint8_t *q1, uint8_t *q2, float *
     if (isa < 0) isa = 0;
     const int64_t full = n / 256;
     const int tail = (int)(n - full * 256);
-    /* chunks of 16..256 blocks (at least 4 per thread) handed out dynamically: a thread the
-       OS preempts on a shared host delays the step by one chunk, not by its static share */
     if (nthreads < 1) nthreads = 1;
-    int64_t chunk = full / (4 * (int64_t)nthreads);
-    chunk = chunk < 16 ? 16 : chunk > 256 ? 256 : chunk;
-    const int64_t chunks = (full + chunk - 1) / chunk;
-    if (chunks < nthreads) nthreads = chunks > 0 ? (int)chunks : 1;
-    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t ch = 0; ch < chunks; ++ch) {
-        const int64_t b0 = ch * chunk, b1 = b0 + chunk < full ? b0 + chunk : full;
+    if (full < nthreads) nthreads = full > 0 ? (int)full : 1;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t b0 = full * t / nt, b1 = full * (t + 1) / nt;
 #ifdef TW_X86
         if (isa == 2)
             range_avx512(&c, p, g, q1, q2, absmax1, absmax2, b0, b1);
