@@ -159,10 +159,12 @@ static void range_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, 
 #ifdef TW_X86
 #define TW_AVX2 __attribute__((target("avx2,fma")))
 
-/* The AVX2 path. Measured on Zen 4 (AVX2 only): a gather-based decode cost ~2 cycles per
-   value and the 32-entry permute lookups of the old quantizer ~17 cycles per 8 values; here
-   the codes are decoded by scalar table loads inserted into vectors (load ports and integer
-   ALUs, idle otherwise), and the quantizer is the regrouped one (quantize_one). */
+/* The AVX2 path. Measured on Zen 4 (AVX2 only): gathers cost ~1-2 cycles per decoded value
+   and the 32-entry permute lookups of the former quantizer ~16 cycles per 8 values; here the
+   codes are decoded by scalar table loads inserted into vectors (integer ALUs and load ports,
+   little used by the float math), and the quantizer is the regrouped one (quantize_one). An
+   arithmetic decode (exact with a 2-bit ulp correction table) and software pipelining of
+   block b's update with block b-1's requantization measured slower. */
 typedef struct { __m256i dtab; __m256 bnd, a, b, k; } qreg_t;
 
 TW_AVX2 static inline void load_qreg(qreg_t *r, const qtab_t *t) {
