@@ -1,6 +1,5 @@
 """The package's shape, read from its source (ast): offload's stages import only downward,
-no import cycle among modules, and the
-torch-free layers import without torch.
+no import cycle among modules, and the torch-free layers import without torch.
 
 STAGES is the one statement of offload's layer order (README, Layout, repeats it)."""
 

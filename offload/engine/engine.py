@@ -19,19 +19,16 @@ so the placement holds it; a step that still does not fit raises StepOverBudget.
 schedule made from it (offload.plan.schedule: Belady eviction, look-ahead prefetch). In the last
 micro-batch, chunks whose gradients are final are updated during backward (offload.engine.early).
 
-Any nn.Module, with plain PyTorch's numbers:
-- Residency: a module's own parameters are resident around its forward (offload.engine.hooks); a
-  parameter read elsewhere (nn.MultiheadAttention's out_proj.weight, a head tied through
-  F.linear) is seen by a TorchFunctionMode and made resident for the innermost running module
-  (offload.engine.reads), or refused with an error naming parameter and module (MeZO).
-- Recompute: blocks (model_info.find_blocks) are checkpointed by default when there are
-  several. Buffers a block's forward changes (BatchNorm) are recomputed from copies taken
-  before the forward, then set back to the forward's results (hooks.BufferGuard): each
-  forward updates them once, as without recompute.
-- Gradients: the first backward counts each parameter's contributions (one per graph using
-  it: per recomputed block for a shared weight); later backwards sum them in p.grad in
-  PyTorch's order and hand each chunk one sum per parameter; a chunk is updated early only
-  when all of its parameters' sums are in.
+Any nn.Module, with plain PyTorch's numbers. The Engine is a composition; each collaborator
+gets the few objects it uses, never the Engine:
+- residency (offload.engine.residency): a module's own chunks are resident around its forward;
+  a parameter read elsewhere is made resident for the innermost running module (reads.py);
+  cache, trace follower and fetch.
+- gradients (offload.engine.gradients): arrival, accumulation in PyTorch's order, the NVMe
+  gradient spill (gradspill.py), early updates (early.py).
+- timeline (offload.engine.timeline): the phase, the time per phase, one step's memory moments.
+- surgery (offload.engine.surgery): meta parameters, buffers, hooks, checkpointed blocks
+  (hooks.py), MeZO's dual forward; close() undoes every change.
 """
 
 from __future__ import annotations
@@ -43,28 +40,28 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
-from ..core.errors import BudgetExceeded, StepOverBudget
+from ..core.errors import BudgetExceeded
 from ..core.sizes import parse_size
 from ..core.units import format_size
 from ..plan.homes import assign_homes
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
-from ..runtime.cxl import CxlAllocator, detect_cxl_nodes
 from ..runtime.executor import Executor
-from ..runtime.ledger import Ledger
-from ..runtime.nvme import NvmeStore
 from ..runtime.store import ChunkStore, kind_bytes
 from ..runtime.swapping import Bounce, update_all
-from ..runtime.tiers import Tiers, pick_device
+from ..runtime.tiers import pick_device
 from ..runtime.trace import Phase
 from ..update.update import Hyper
 from ..update.updaters import make_updater
 from ..update.zeroth import dual_forward, hf_split_losses
 from .actoffload import Offloader
+from .batches import default_loss, split_batch, to_device
 from .early import EarlyUpdater
 from .gradients import GradientRouter
 from .gradspill import GradSpill
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
-from .model_info import find_blocks, modules_with_params
+from .model_info import find_blocks
+from .needs import device_needs, module_chunks, open_tiers
+from .overbudget import estimate_over_budget, step_over_budget, warmup_over_budget
 from .residency import Residency
 from .surgery import ModelSurgery, booked
 from .timeline import Timeline
@@ -72,11 +69,6 @@ from .timeline import Timeline
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def default_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Hugging Face convention: the model computes the loss from `labels`."""
-    return model(**batch).loss
 
 
 class Engine:
@@ -127,8 +119,9 @@ class Engine:
         self.offload_activations = offload_activations
         self.overlap_update = overlap_update
         self.hyper = Hyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum)
-        self._setup_tiers(gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
-                          cxl_bandwidth=cxl_bandwidth, nvme_path=nvme_path, nvme_checksum=nvme_checksum)
+        self.ledger, self.tiers, self.cxl, self.nvme = open_tiers(
+            device=self.device, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
+            cxl_bandwidth=cxl_bandwidth, nvme_path=nvme_path, nvme_checksum=nvme_checksum)
         self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
         self.moments = Timeline(self.ledger)
 
@@ -144,7 +137,7 @@ class Engine:
         self.param_names = {p: n for n, p in named}
         self.buffer_bytes = self.surgery.move_buffers(self.device)
         self.ledger.reserve("gpu", "buffer", self.buffer_bytes)
-        self.module_chunks = self._module_chunks(model)
+        self.module_chunks = module_chunks(model, self.plan, self.param_names)
         self.blocks = find_blocks(model)
         self.zo_batch: int | None = None  # MeZO: rows of the +εz half while a dual forward runs
         if not self.updater.needs_grad:
@@ -195,25 +188,6 @@ class Engine:
         return self.grads.early
 
     # -- setup helpers -------------------------------------------------------------------
-    def _setup_tiers(self, *, gpu_mem: Any, cpu_mem: Any, cxl_mem: Any, cxl_node: Any, cxl_bandwidth: Any,
-                     nvme_path: Any, nvme_checksum: bool) -> None:
-        """Budgets, the ledger and the allocators of every tier in use."""
-        budgets = {"gpu": parse_size(gpu_mem, what="--gpu-mem"), "host": parse_size(cpu_mem, what="--cpu-mem")}
-        cxl_bytes = parse_size(cxl_mem, what="--cxl-mem")
-        self.cxl = None
-        if cxl_bytes:
-            budgets["cxl"] = cxl_bytes
-            # the ledger enforces --cxl-mem (one budget, exact bytes); the allocator's own page-
-            # rounded count would refuse a tight budget the ledger accepts
-            self.cxl = CxlAllocator(nodes=detect_cxl_nodes(), budget_bytes=1 << 62,
-                                    emulate_bandwidth=cxl_bandwidth, node=cxl_node)
-        self.nvme = None
-        if nvme_path is not None:
-            budgets["nvme"] = None  # bounded by the disk: checked by preflight in _place
-            self.nvme = NvmeStore(nvme_path, checksum=nvme_checksum)
-        self.ledger = Ledger(budgets)
-        self.tiers = Tiers(ledger=self.ledger, device=self.device, cxl=self.cxl)
-
     def _place(self, activations: int | None) -> None:
         """Decide every chunk kind's tier and allocate the chunk store there."""
         self.kinds = {c.index: kind_bytes(c.numel, state_bytes=self.updater.state_bytes(c.index),
@@ -284,38 +258,10 @@ class Engine:
             raise ValueError(f"frozen parameters are not supported yet: {frozen[:3]}...")
         return list(model.named_parameters())
 
-    def _module_chunks(self, model: torch.nn.Module) -> dict[torch.nn.Module, list[int]]:
-        out = {}
-        for mod in modules_with_params(model):
-            cids = sorted({self.plan.slots[self.param_names[p]].chunk for p in mod._parameters.values()
-                           if p is not None and p in self.param_names})
-            if cids:
-                out[mod] = cids
-        return out
-
     def _device_needs(self, *, activations: int, pinned: int = 0) -> DeviceNeeds:
-        """`pinned`: the most chunk bytes pinned at once so far (nested modules, parameters read
-        outside their owner): the window is at least that, and at least the widest module."""
-        csize = self.compute_dtype.itemsize
-        compute = tuple(c.numel * csize for c in self.plan.chunks)
-        widest = max((sum(compute[c] for c in cids) for cids in self.module_chunks.values()), default=0)
-        widest = max(widest, pinned)
-        largest_param = max((s.numel for s in self.plan.slots.values()), default=0) * csize
-        return DeviceNeeds(
-            buffers=self.buffer_bytes,
-            stream_window=widest + max(compute, default=0),
-            grad_reserve=largest_param if self.updater.needs_grad else self._zo_workspace(),
-            activations=activations,
-            home_bytes=tuple(sum(self.kinds[c].values()) for c in range(len(compute))),
-            compute_bytes=compute,
-        )
-
-    def _zo_workspace(self) -> int:
-        """MeZO's perturbed copies of the widest module's parameters (+εz and -εz)."""
-        csize = self.compute_dtype.itemsize
-        return max((2 * csize * sum(self.plan.slots[self.param_names[p]].numel
-                                    for p in m._parameters.values() if p is not None)
-                    for m in self.module_chunks), default=0)
+        return device_needs(self.plan, self.module_chunks, self.param_names, kinds=self.kinds,
+                            buffers=self.buffer_bytes, itemsize=self.compute_dtype.itemsize,
+                            needs_grad=self.updater.needs_grad, activations=activations, pinned=pinned)
 
     def _module_name(self, mod: "torch.nn.Module | None") -> str:
         if mod is None:
@@ -331,22 +277,13 @@ class Engine:
             self.residency.follower.start_step()
             self.moments.begin_step(self.steps)
 
-    def _to_device(self, batch: Any) -> Any:
-        if isinstance(batch, torch.Tensor):
-            return batch.to(self.device)
-        if isinstance(batch, dict):
-            return {k: self._to_device(v) for k, v in batch.items()}
-        if isinstance(batch, (list, tuple)):
-            return type(batch)(self._to_device(v) for v in batch)
-        return batch
-
     def forward(self, batch: Any) -> torch.Tensor:
         """Run the loss function on `batch`; returns the loss tensor (graph kept for backward)."""
         self._begin_cycle()
         try:
             with self.moments.timed(Phase.FORWARD):
                 with self.tracker.hooks(), self.residency.reading():
-                    loss = self.loss_fn(self.model, self._to_device(batch))
+                    loss = self.loss_fn(self.model, to_device(batch, self.device))
                 if self.tracker.offloader is not None:
                     self.tracker.offloader.end_forward()
         except BudgetExceeded as exc:
@@ -371,27 +308,14 @@ class Engine:
         return intact
 
     def _budget_error(self, exc: BudgetExceeded, *, intact: bool) -> Exception:
-        """A gpu reservation failed mid-step: what the step needed with this placement (in use +
-        asked, above the budget by construction) and the activations it had been placed for; in
-        the first step (nothing placed yet), the engine's minimum with the activations so far."""
+        """A gpu reservation failed mid-step (offload.engine.overbudget says what it needed)."""
         if exc.tier != "gpu":
             return exc
-        need = exc.used + exc.asked
         act = self.ledger.usage()["gpu"].get("activation", 0) + (exc.asked if exc.kind == "activation" else 0)
         if self.minimum_gpu_bytes is None:  # the warm-up (or measure): nothing placed yet, every chunk streams
-            need = max(need, self._device_needs(activations=act, pinned=self.residency.cache.pinned_peak).minimum)
-            return StepOverBudget(
-                f"gpu budget {format_size(exc.budget)} ({exc.budget} B) is below the engine's minimum for this "
-                f"batch: at least {format_size(need)} ({need} B), with activations so far {format_size(act)} "
-                f"(the first step streams every chunk through the smallest window); raise --gpu-mem or lower "
-                f"the batch size / sequence length", minimum={"gpu": need}, weights_intact=intact)
-        return StepOverBudget(
-            f"gpu budget {format_size(exc.budget)} ({exc.budget} B) cannot hold this step: it needed at least "
-            f"{format_size(need)} ({need} B): {format_size(exc.used)} in use + {format_size(exc.asked)} more for "
-            f"{exc.kind}, with activations at {format_size(act)} where the chunks were placed for "
-            f"{format_size(self.needs.activations)}; measure the largest batch before the first step "
-            f"(Engine.measure), or raise --gpu-mem or lower the batch size / sequence length",
-            minimum={"gpu": need}, weights_intact=intact)
+            minimum = self._device_needs(activations=act, pinned=self.residency.cache.pinned_peak).minimum
+            return warmup_over_budget(exc, act, minimum, intact=intact)
+        return step_over_budget(exc, act, self.needs.activations, intact=intact)
 
     def step(self, batch: Any, *, grad_accum: int = 1) -> float:
         """Forward, backward and update on `batch`, split into `grad_accum` micro-batches."""
@@ -418,7 +342,7 @@ class Engine:
         self._begin_cycle()
         with self.moments.timed(Phase.FORWARD):
             self.updater.begin_step()
-            batch = self._to_device(batch)
+            batch = to_device(batch, self.device)
             half = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
             self.zo_batch = half
             try:
@@ -507,12 +431,7 @@ class Engine:
             return
         limit = self.residency.cache.limit - over
         if limit < self.needs.stream_window:
-            need = budget + self.needs.stream_window - limit
-            raise StepOverBudget(
-                f"gpu budget {format_size(budget)} ({budget} B) cannot hold the next steps: the chunks were placed "
-                f"for {format_size(act - over)} of activations, the warm-up step saved {format_size(act)}; with "
-                f"this placement at least {format_size(need)} ({need} B) is needed; raise --gpu-mem or lower "
-                f"the batch size / sequence length", minimum={"gpu": need}, step_done=True)
+            raise estimate_over_budget(budget, act, over, need=budget + self.needs.stream_window - limit)
         log.info("activations %s above the estimate: the stream cache shrinks to %s", format_size(over),
                  format_size(limit))
         self.residency.cache.limit = limit
@@ -553,7 +472,7 @@ class Engine:
         self.moments.phase = Phase.EVAL
         try:
             with self.residency.reading():
-                return float(self.loss_fn(self.model, self._to_device(batch)).float().item())
+                return float(self.loss_fn(self.model, to_device(batch, self.device)).float().item())
         finally:
             self.moments.phase = phase
             self.residency.cache.evict_all()  # the schedule of the next step starts from an empty cache
@@ -565,12 +484,12 @@ class Engine:
     def state_dict(self) -> dict[str, Any]:
         """Weights, optimizer state, step count and the model's persistent buffers (BatchNorm's
         running statistics change in training too)."""
-        buffers = {n: b.to("cpu", copy=True) for n, b in self._persistent_buffers().items()}
+        buffers = {n: b.to("cpu", copy=True) for n, b in self.surgery.persistent_buffers().items()}
         return self.store.state_dict() | {"steps": self.steps, "optimizer_meta": self.updater.meta_state(),
                                           "buffers": buffers}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        own = self._persistent_buffers()
+        own = self.surgery.persistent_buffers()
         unknown = sorted(set(sd.get("buffers", {})) - set(own))
         if unknown:
             raise ValueError(f"checkpoint has buffers this model lacks: {unknown[:3]}")
@@ -581,10 +500,6 @@ class Engine:
         with torch.no_grad():
             for name, value in sd.get("buffers", {}).items():
                 own[name].copy_(value)
-
-    def _persistent_buffers(self) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.{n}" if prefix else n: b for prefix, m in self.model.named_modules()
-                for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set}
 
     def close(self) -> None:
         """Stop the copy threads, remove the swap files, the hooks and the patched forwards.
@@ -600,17 +515,3 @@ class Engine:
         self.surgery.close()
         # no placeholder values left: a use of the closed model fails loudly (meta tensors)
         self.surgery.to_meta(self.params.values())
-
-
-def split_batch(batch: Any, n: int) -> list[Any]:
-    """Split a dict/tensor batch along dim 0 into `n` equal micro-batches."""
-    if n == 1:
-        return [batch]
-    if isinstance(batch, torch.Tensor):
-        if batch.shape[0] % n:
-            raise ValueError(f"batch of {batch.shape[0]} does not split into {n} micro-batches")
-        return list(batch.chunk(n))
-    if isinstance(batch, dict):
-        parts = {k: split_batch(v, n) for k, v in batch.items()}
-        return [{k: parts[k][i] for k in batch} for i in range(n)]
-    raise TypeError(f"cannot split a batch of type {type(batch).__name__}")

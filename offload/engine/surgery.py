@@ -102,6 +102,11 @@ class ModelSurgery:
         self._replace_params({p: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
                               for p in params})
 
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """The model's buffers a state_dict holds, by full name."""
+        return {f"{prefix}.{n}" if prefix else n: b for prefix, m in self.model.named_modules()
+                for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set}
+
     def _replace_params(self, swap: dict[torch.nn.Parameter, torch.nn.Parameter]) -> None:
         for mod in self.model.modules():
             for key, p in list(mod._parameters.items()):
