@@ -15,8 +15,8 @@ from pathlib import Path
 
 from ..offload.core.errors import TierwiseError
 from ..offload.core.sizes import parse_size
+from ..offload.update.table import NAMES as OPTIMIZERS
 
-OPTIMIZERS = ("adamw", "adamw8bit", "galore", "galore8bit", "apollo", "apollo-mini", "mezo", "sgd")
 PRECISIONS = ("bf16", "fp32")
 _META_ERROR = "tierwise.config_error"
 

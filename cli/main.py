@@ -21,7 +21,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from .config import DISK_FULL, TrainConfig, config_callback, raise_config_error
+from .config import DISK_FULL, OPTIMIZERS, TrainConfig, config_callback, raise_config_error
 from ..offload.core.errors import TierwiseError
 
 EXIT_USER_ERROR = 2
@@ -43,15 +43,8 @@ app = typer.Typer(
 )
 
 
-class Optimizer(str, Enum):
-    adamw = "adamw"
-    adamw8bit = "adamw8bit"
-    galore = "galore"
-    galore8bit = "galore8bit"
-    apollo = "apollo"
-    apollo_mini = "apollo-mini"
-    mezo = "mezo"
-    sgd = "sgd"
+#: --optimizer's choices: the optimizer table's names (offload.update.table).
+Optimizer = Enum("Optimizer", {n.replace("-", "_"): n for n in OPTIMIZERS}, type=str)
 
 
 class Precision(str, Enum):
