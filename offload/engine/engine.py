@@ -49,7 +49,8 @@ from ..core.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
 from ..core.errors import BudgetExceeded, StepOverBudget, UnsupportedModel
 from ..core.sizes import parse_size
 from ..core.units import format_size
-from ..plan.homes import assign_homes
+from ..plan.homes import assign_homes, bounce_sizes
+from ..plan.needs import device_needs
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
 from ..plan.schedule import ACQUIRE, RELEASE
 from ..runtime.cache import ResidentCache
@@ -210,7 +211,7 @@ class Engine:
         self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
                                 state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
                                 homes=tiers, nvme=self.nvme)
-        self.bounce = Bounce(self.store, pin=self.device.type == "cuda") if self.homes.bounce else None
+        self.bounce = Bounce(self.store, bounce_sizes(streamed, self.homes.tiers), pin=self.device.type == "cuda") if self.homes.bounce else None
         self.store.bounce = self.bounce
         self.spill = GradSpill(self)
         self.streamed_storage: dict[int, int] = {}
@@ -322,28 +323,18 @@ class Engine:
         return out
 
     def _device_needs(self, *, activations: int, pinned: int = 0) -> DeviceNeeds:
-        """`pinned`: the most chunk bytes pinned at once so far (nested modules, parameters read
-        outside their owner): the window is at least that, and at least the widest module."""
+        """`needs.device_needs` for this model (the planner calls the same formula). `pinned`:
+        the most chunk bytes pinned at once so far (nested modules, parameters read outside
+        their owner): the window is at least that, and at least the widest module."""
         csize = self.compute_dtype.itemsize
-        compute = tuple(c.numel * csize for c in self.plan.chunks)
-        widest = max((sum(compute[c] for c in cids) for cids in self.module_chunks.values()), default=0)
-        widest = max(widest, pinned)
-        largest_param = max((s.numel for s in self.plan.slots.values()), default=0) * csize
-        return DeviceNeeds(
-            buffers=self.buffer_bytes,
-            stream_window=widest + max(compute, default=0),
-            grad_reserve=largest_param if self.updater.needs_grad else self._zo_workspace(),
-            activations=activations,
-            home_bytes=tuple(sum(self.kinds[c].values()) for c in range(len(compute))),
-            compute_bytes=compute,
-        )
-
-    def _zo_workspace(self) -> int:
-        """MeZO's perturbed copies of the widest module's parameters (+εz and -εz)."""
-        csize = self.compute_dtype.itemsize
-        return max((2 * csize * sum(self.plan.slots[self.param_names[p]].numel
-                                    for p in m._parameters.values() if p is not None)
-                    for m in self.module_chunks), default=0)
+        owned = [sum(self.plan.slots[self.param_names[p]].numel for p in m._parameters.values() if p is not None)
+                 for m in self.module_chunks]
+        return device_needs(compute=[c.numel * csize for c in self.plan.chunks],
+                            home=[sum(self.kinds[c.index].values()) for c in self.plan.chunks],
+                            module_chunks=self.module_chunks.values(), module_numels=owned,
+                            largest_param=max((s.numel for s in self.plan.slots.values()), default=0),
+                            element_size=csize, needs_grad=self.updater.needs_grad, buffers=self.buffer_bytes,
+                            activations=activations, pinned=pinned)
 
     # -- residency callbacks (compute thread) --------------------------------------------
     def _fetch(self, cid: int, buf: torch.Tensor) -> Ticket:

@@ -36,6 +36,7 @@ from .perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buf
                                compute_bytes, model_flops,
                                ops_per_forward, param_update_flops, predict_step)
 from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
+from .needs import device_needs, zo_workspace
 from .placement import DeviceNeeds, DevicePlan, plan_device
 from ..core.units import format_size
 from ..core.sizes import parse_size
@@ -193,23 +194,19 @@ class _Chunks:
             owned[_module_of(name)] += slot.numel
         self.widest = max((sum(self.compute[c] for c in cids) for cids in modules.values()), default=0)
         self.largest_param = max((s.numel for s in self.plan.slots.values()), default=0)
-        # MeZO: the +eps z and -eps z copies of the widest module's parameters (engine._zo_workspace)
-        self.zo_workspace = 2 * self.ce * max(owned.values(), default=0)
+        self.modules, self.owned = modules, owned
+        self.zo_workspace = zo_workspace(owned.values(), self.ce)
         widest = max(owned, key=owned.__getitem__, default="")
         tied_head = widest == "model.embed_tokens" and "lm_head.weight" not in self.plan.slots
         self.zo_module = "lm_head" if tied_head else widest  # a tied head runs last, on the embedding's chunk
         self.zo_chunks = sorted(modules.get(widest, ()))
 
     def device_needs(self, *, buffers: int, activations: int) -> DeviceNeeds:
-        """What the engine's `_device_needs` computes for this model (placement.DeviceNeeds)."""
-        return DeviceNeeds(
-            buffers=buffers,
-            stream_window=self.widest + max(self.compute, default=0),
-            grad_reserve=self.largest_param * self.ce if self.needs_grad else self.zo_workspace,
-            activations=activations,
-            home_bytes=tuple(sum(k.values()) for k in self.kinds),
-            compute_bytes=tuple(self.compute),
-        )
+        """`needs.device_needs` for this model, as the engine's `_device_needs` calls it."""
+        return device_needs(compute=self.compute, home=[sum(k.values()) for k in self.kinds],
+                            module_chunks=self.modules.values(), module_numels=self.owned.values(),
+                            largest_param=self.largest_param, element_size=self.ce,
+                            needs_grad=self.needs_grad, buffers=buffers, activations=activations)
 
 
 #: Engine optimizer options that do not change any byte the planner counts.
