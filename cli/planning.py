@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
-import json
 import logging
 
 from rich.console import Console
@@ -13,36 +11,27 @@ from rich.table import Table
 
 from .config import TrainConfig
 from .loading import ModelSource, build_meta_model, count_parameters, resolve_model
-from ..offload.core.errors import TierwiseError
+from ..offload.core.errors import InfeasibleBudget, UnsupportedModel
 from ..offload.core.units import format_size
+from ..offload.plan import planner
+from ..offload.plan.planner import Plan
+from ..profiles import ProfileError
 
 log = logging.getLogger(__name__)
 
 
-def _call_with_known(fn, **candidates):
-    """fn(**the candidates its signature names); all of them if it takes **kwargs."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn(**candidates)
-    return fn(**{k: v for k, v in candidates.items() if k in params})
-
-
-def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None, padded: bool | None = None):
-    """offload.plan.planner.make_plan for this run, or None when the planner is not built yet.
-    `padded`: whether the run's batches can hold padding (None: `data_padded`)."""
-    try:
-        from ..offload.plan.planner import make_plan as planner
-    except ImportError:
-        return None
+def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None, padded: bool | None = None) -> Plan:
+    """offload.plan.planner.make_plan for this run. `padded`: whether the run's batches can
+    hold padding (None: `data_padded`)."""
     src = src or resolve_model(cfg.model)
     if padded is None:
         padded = data_padded(cfg, src)
     # A profile goes by name (the planner reads its extra fields); else the HF config.
     model = cfg.model if (cfg.model and not src.has_weights) else src.config
-    return _call_with_known(
-        planner, model=model, hardware=cfg.hardware, params=engine_params(src),
+    return planner.make_plan(
+        model=model, hardware=cfg.hardware, params=engine_params(src),
         gpu_mem=cfg.budgets["gpu"], cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"],
-        cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, optimizer=cfg.optimizer,
+        nvme_path=cfg.nvme_path, optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
         checkpointing=checkpointing(cfg), padded=padded,
@@ -93,32 +82,19 @@ def resolve_recompute(cfg: TrainConfig, *, src: ModelSource | None = None,
     if cfg.offload_activations or (cfg.budgets["gpu"] is None and _has_cuda()):
         return dataclasses.replace(cfg, recompute=True)
     try:
-        feasible = make_plan(dataclasses.replace(cfg, recompute=False), src=src, padded=padded) is not None
-    except Exception:  # infeasible without recompute (or unplannable): the default
-        log.debug("no plan without recompute", exc_info=True)
+        make_plan(dataclasses.replace(cfg, recompute=False), src=src, padded=padded)
+        feasible = True
+    except (InfeasibleBudget, UnsupportedModel, ProfileError) as e:  # infeasible without recompute,
+        log.debug("no plan without recompute: %s", e)  # or a model family the planner cannot price
         feasible = False
     return dataclasses.replace(cfg, recompute=not feasible)
 
 
-def plan_json(plan) -> str:
-    if hasattr(plan, "to_json"):
-        return plan.to_json()
-    if hasattr(plan, "to_dict"):
-        return json.dumps(plan.to_dict(), indent=2, default=str)
-    if dataclasses.is_dataclass(plan):
-        return json.dumps(dataclasses.asdict(plan), indent=2, default=str)
-    raise TierwiseError("this planner's plan cannot be written as JSON")
-
-
-def print_plan(plan, *, console: Console, as_json: bool) -> None:
+def print_plan(plan: Plan, *, console: Console, as_json: bool) -> None:
     if as_json:
-        console.out(plan_json(plan), highlight=False)
+        console.out(plan.to_json(), highlight=False)
     else:
-        table = plan.render_table()
-        if isinstance(table, str):
-            console.out(table, highlight=False)  # pre-formatted: never re-wrap
-        else:
-            console.print(table)
+        console.out(plan.render_table(), highlight=False)  # pre-formatted: never re-wrap
 
 
 def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
@@ -180,11 +156,7 @@ def dry_run(cfg: TrainConfig, *, console: Console) -> int:
     model = build_meta_model(src.config)
     cfg = resolve_recompute(cfg, src=src)
     console.print(summary_table(cfg, name=src.name, params=count_parameters(model)))
-    plan = make_plan(cfg, src=src)
-    if plan is None:
-        console.print("[yellow]the planner is not available in this build: no plan shown[/]")
-    else:
-        print_plan(plan, console=console, as_json=False)
+    print_plan(make_plan(cfg, src=src), console=console, as_json=False)
     return 0
 
 
@@ -194,18 +166,14 @@ def profile(*, hardware: str | None, output: str | None, console: Console, nvme_
 
     Each measurement is printed as it completes; the TOML goes to `output` (then
     `--hardware PATH` uses it), else to the console."""
-    try:
-        from ..offload.tools.profiler import measure
-    except ImportError:
-        raise TierwiseError("finetune profile is not yet available in this build "
-                            "(offload.tools.profiler is missing)") from None
+    from ..offload.tools.profiler import measure
+
     with console.status("[bold]measuring this machine[/] (under a minute)") as status:
         def progress(msg: str) -> None:
             console.print(f"  {msg}", highlight=False)
             status.update(f"[bold]measuring[/] after {msg.split(':')[0]}")
 
-        text = _call_with_known(measure, hardware=hardware, output=output, nvme_path=nvme_path, quick=quick,
-                                progress=progress)
+        text = measure(hardware=hardware, output=output, nvme_path=nvme_path, quick=quick, progress=progress)
     if output is None and text:
         console.out(text, highlight=False)
     elif output:
