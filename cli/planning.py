@@ -5,31 +5,40 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from .config import TrainConfig
-from .loading import ModelSource, build_meta_model, count_parameters, resolve_model
+from .profilemodel import is_profile, profile_params
 from ..offload.core.errors import InfeasibleBudget, UnsupportedModel
 from ..offload.core.units import format_size
 from ..offload.plan import planner
 from ..offload.plan.planner import Plan
 from ..profiles import ProfileError
 
+if TYPE_CHECKING:
+    from .loading import ModelSource
+
 log = logging.getLogger(__name__)
 
 
-def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None, padded: bool | None = None) -> Plan:
+def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: bool | None = None) -> Plan:
     """offload.plan.planner.make_plan for this run. `padded`: whether the run's batches can
-    hold padding (None: `data_padded`)."""
-    src = src or resolve_model(cfg.model)
+    hold padding (None: `data_padded`). A model profile (`--model 7b`) plans by name, on a
+    machine without torch or transformers too (unless --data must be tokenized); a model
+    directory or the built-in model needs them (their parameters are read off the module
+    training builds, on the meta device)."""
+    if is_profile(cfg.model):  # the planner reads the profile's extra fields
+        model, params = cfg.model, profile_params(cfg.model)
+    else:
+        src = src or resolve_model(cfg.model)
+        model, params = src.config, engine_params(src)
     if padded is None:
         padded = data_padded(cfg, src)
-    # A profile goes by name (the planner reads its extra fields); else the HF config.
-    model = cfg.model if (cfg.model and not src.has_weights) else src.config
     return planner.make_plan(
-        model=model, hardware=cfg.hardware, params=engine_params(src),
+        model=model, hardware=cfg.hardware, params=params,
         gpu_mem=cfg.budgets["gpu"], cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"],
         nvme_path=cfg.nvme_path, optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
@@ -38,15 +47,22 @@ def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None, padded: bool 
     )
 
 
-def engine_params(src: ModelSource) -> list:
+def resolve_model(spec: str | None) -> "ModelSource":
+    from .loading import resolve_model as resolve  # transformers: only for a directory or the built-in
+
+    return resolve(spec)
+
+
+def engine_params(src: "ModelSource") -> list:
     """The parameters the engine will chunk: those of the module training builds
     (cli.loading.build_meta_model), so the plan counts a tied head as the run does."""
     from ..offload.core.chunks import specs_of
+    from .loading import build_meta_model
 
     return specs_of(build_meta_model(src.config).named_parameters())
 
 
-def data_padded(cfg: TrainConfig, src: ModelSource) -> bool:
+def data_padded(cfg: TrainConfig, src: "ModelSource | None" = None) -> bool:
     """Whether some batch of the run holds padding, so the plan is for a padded batch (the
     run's worst step: transformers then materialises the attention mask). Read from --data
     when given; without it True, the worst case (the built-in sample ends in a short block,
@@ -55,6 +71,7 @@ def data_padded(cfg: TrainConfig, src: ModelSource) -> bool:
         return True
     from .data import has_padding, load_blocks
 
+    src = src or resolve_model(cfg.model)
     return has_padding(load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack))
 
 
@@ -65,7 +82,10 @@ def checkpointing(cfg: TrainConfig) -> bool | None:
 
 
 def _has_cuda() -> bool:
-    import torch
+    try:
+        import torch
+    except ModuleNotFoundError:  # `finetune plan` on a machine without torch: no CUDA either
+        return False
 
     return torch.cuda.is_available()
 
@@ -101,6 +121,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
     """`finetune plan --verify`: a few real steps with these settings on this machine, planned
     against measured bytes per tier; returns 0 on PASS, 1 on FAIL (user errors raise)."""
     from ..offload.tools.verify import verify
+    from .loading import build_meta_model
 
     src = resolve_model(cfg.model)
     batches, padded = None, True  # random tokens: every batch padded, the worst case
@@ -150,6 +171,8 @@ def summary_table(cfg: TrainConfig, *, name: str, params: int) -> Table:
 
 def dry_run(cfg: TrainConfig, *, console: Console) -> int:
     """Resolve the model and budgets, print a summary and the plan; touch nothing on disk."""
+    from .loading import build_meta_model, count_parameters
+
     src = resolve_model(cfg.model)
     if src.note:
         console.print(f"[bold yellow]warning:[/] {src.note}", soft_wrap=True, highlight=False)

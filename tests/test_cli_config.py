@@ -2,6 +2,7 @@
 metadata), and the CLI's engine contract is a Protocol the real Engine satisfies."""
 
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -115,3 +116,17 @@ def test_make_engine_refuses_an_option_the_engine_does_not_take(monkeypatch):
     monkeypatch.setattr(cli_train, "engine_class", lambda: NoClip)
     with pytest.raises(TypeError, match="grad_clip"):
         cli_train.make_engine(tiny_llama(layers=2, hidden=32), TrainConfig(grad_clip=1.0, model="x"))
+
+
+@pytest.mark.parametrize("name", ["tiny", "100m", "llama-7b", "qwen2.5-7b", "mistral-7b", "llama-8b"])
+def test_profile_params_are_the_built_modules(name):
+    """`finetune plan --model PROFILE` reads the parameters off the profile (no torch); they
+    are the ones of the module training builds from it (vocabulary grown to the built-in
+    tokenizer's, a tied head once), so the torch-free plan is the plan."""
+    from tierwise.cli import planning
+    from tierwise.cli.loading import resolve_model
+    from tierwise.cli.profilemodel import profile_params
+
+    built = planning.engine_params(resolve_model(name))
+    assert [(s.name, s.shape) for s in profile_params(name)] == [(s.name, s.shape) for s in built]
+    assert all(s.stride in (None, tuple(math.prod(s.shape[i + 1:]) for i in range(len(s.shape)))) for s in built)
