@@ -57,8 +57,18 @@ def build_tokenizer(*, vocab_size: int = 384):
     It has bos/eos/pad/unk tokens, prepends <s> when `add_special_tokens=True`, and carries
     CHAT_TEMPLATE. `vocab_size` must be at least 256 + len(SPECIAL_TOKENS).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
+
+    tok = _bpe(vocab_size)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>", chat_template=CHAT_TEMPLATE, model_max_length=4096,
+    )
+
+
+def _bpe(vocab_size: int):
+    """The trained `tokenizers.Tokenizer` behind build_tokenizer (no transformers, no torch)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -72,10 +82,14 @@ def build_tokenizer(*, vocab_size: int = 384):
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
     )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        unk_token="<unk>", chat_template=CHAT_TEMPLATE, model_max_length=4096,
-    )
+    return tok
+
+
+@functools.lru_cache(maxsize=2)
+def builtin_vocab_size(vocab_size: int = 384) -> int:
+    """len(build_tokenizer(vocab_size=...)), without transformers: what a model profile's
+    vocabulary grows to (cli.loading)."""
+    return _bpe(vocab_size).get_vocab_size()
 
 
 def tiny_llama_config(*, vocab_size: int = 384, hidden: int = 64, layers: int = 2,

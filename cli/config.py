@@ -2,6 +2,8 @@
 
 `--config FILE.toml` holds any option of `finetune` (dashes or underscores, e.g.
 `gpu-mem = "24G"`); options given on the command line win; an unknown key is an error.
+Flags and TOML keys come from one place: the fields of TrainConfig and their `option`
+metadata (cli.main builds the typer options from them).
 Mechanism: the eager `--config` callback loads the file into click's `default_map`, so file
 values go through exactly the same type conversion as command-line values.
 """
@@ -18,8 +20,8 @@ from pathlib import Path
 from ..offload.core.errors import TierwiseError
 from ..offload.core.sizes import parse_size
 from ..offload.core.nodes import parse_node_list
+from ..offload.update.table import NAMES as OPTIMIZERS
 
-OPTIMIZERS = ("adamw", "adamw8bit", "galore", "galore8bit", "apollo", "apollo-mini", "mezo", "sgd")
 PRECISIONS = ("bf16", "fp32")
 _META_ERROR = "tierwise.config_error"
 
@@ -58,8 +60,7 @@ def config_callback(ctx, param, value):
     """
     if not value:
         return value
-    root = ctx.find_root().command
-    known = {p.name for p in root.params} - {"config", "help"}
+    known = set(TOML_KEYS)
     mine = {p.name for p in ctx.command.params}
     try:
         data = load_toml(value)
@@ -90,6 +91,8 @@ def check_toml_type(path, key: str, value) -> None:
         ok, want = isinstance(value, int) and not isinstance(value, bool), "a whole number"
     elif kinds == {"float"}:
         ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif key == "cxl_node":  # 1, "1,2" or [1, 2]
+        ok, want = isinstance(value, (int, str, list)) and not isinstance(value, bool), "a node id or a list"
     elif key in ("gpu_mem", "cpu_mem", "cxl_mem", "chunk_size"):
         ok, want = isinstance(value, str), 'a size in quotes, e.g. "24G"'
     else:
@@ -98,61 +101,106 @@ def check_toml_type(path, key: str, value) -> None:
         raise ConfigError(f"{path}: {key.replace('_', '-')} = {json.dumps(value)}: expected {want}")
 
 
+def option_fields() -> list:
+    """TrainConfig's fields that are options (flags and TOML keys), in declaration order."""
+    return [f for f in fields(TrainConfig) if "cli" in f.metadata]
+
+
 def raise_config_error(ctx) -> None:
     if _META_ERROR in ctx.meta:
         raise ConfigError(ctx.meta[_META_ERROR])
 
 
+# Panels of `finetune --help`.
+PANELS = MODEL, MEMORY, OPTIM, SCHED, OUTPUT, HW = ("Model & data", "Memory budget", "Optimizer",
+                                                    "Schedule", "Output & resume", "Hardware & plan")
+PRECISIONS_EXPORT = ("bf16", "fp16", "fp32")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+def option(help: str, *, panel: str, flag: str | None = None, choices: tuple[str, ...] | None = None,
+           plan: bool = False) -> dict:
+    """A TrainConfig field's command-line option (dataclass field metadata): cli.main builds
+    the typer options from these, and --config's TOML keys are the same field names, so a flag,
+    its default and its TOML key cannot drift apart. `flag`: click's declaration when not the
+    plain `--field-name` (e.g. "--recompute/--no-recompute"); `choices`: the allowed values;
+    `plan`: `finetune plan` takes it too."""
+    return {"cli": {"help": help, "panel": panel, "flag": flag, "choices": choices, "plan": plan}}
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata=option(help, **kw))
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Everything one `finetune` run needs; built from the merged options."""
+    """Everything one `finetune` run needs; built from the merged options. Each field with
+    `option` metadata is a command-line flag and a --config TOML key (see `option`)."""
 
-    model: str | None = None
+    model: str | None = _f(None, "Hugging Face model directory, or a model profile name (random init). "
+                           "Default: the built-in tiny model.", panel=MODEL, plan=True)
     """HF model dir or model profile name; None = the built-in tiny model."""
-    data: str | None = None
+    data: str | None = _f(None, "JSONL ({\"text\"} | {\"prompt\",\"completion\"} | {\"messages\"}) or a "
+                          "`datasets` directory. Default: built-in sample. (`plan`: the plan is for its "
+                          "worst batch, padded or not; without it, padded; --verify runs on it.)",
+                          panel=MODEL, plan=True)
     """JSONL file or `datasets` directory; None = the built-in sample."""
-    eval_data: str | None = None
-    seq_len: int = 128
-    batch_size: int = 4
+    eval_data: str | None = _f(None, "Held-out data in the same formats.", panel=MODEL)
+    seq_len: int = _f(128, "Tokens per sequence (rows are packed to this length).", panel=MODEL, plan=True)
+    batch_size: int = _f(4, "Sequences per micro-batch.", panel=MODEL, plan=True)
     """Micro-batch size; one optimizer step sees batch_size * grad_accum sequences."""
-    grad_accum: int = 1
-    pack: bool = True
-    gpu_mem: str | None = None
-    cpu_mem: str | None = None
-    cxl_mem: str | None = None
-    cxl_node: "int | str | tuple[int, ...] | None" = None
+    grad_accum: int = _f(1, "Micro-batches per optimizer step.", panel=OPTIM, plan=True)
+    pack: bool = _f(True, "Pack rows into full sequences (else truncate/pad each row).", panel=MODEL)
+    gpu_mem: str | None = _f(None, "GPU memory to use, e.g. 24G (default: engine's).", panel=MEMORY, plan=True)
+    cpu_mem: str | None = _f(None, "Host RAM to use, e.g. 256G.", panel=MEMORY, plan=True)
+    cxl_mem: str | None = _f(None, "CXL memory to use, e.g. 512G.", panel=MEMORY, plan=True)
+    cxl_node: "str | int | tuple[int, ...] | None" = _f(
+        None, "NUMA node(s) of the CXL memory, e.g. 1 or 1,2 (pages interleave across several; default: every "
+        "CXL node).", panel=MEMORY, plan=True)
     """CXL NUMA node(s): 1, "1,2" or [1, 2]; parsed to a tuple of ids (None: every CXL node)."""
-    nvme_path: str | None = None
-    nvme_checksum: bool = True
+    nvme_path: str | None = _f(None, "Directory on an NVMe drive for swap files.", panel=MEMORY, plan=True)
+    nvme_checksum: bool = _f(True, "Checksum every swap block and verify it on read (a corrupted swap file "
+                             "stops the run).", panel=MEMORY, flag="--nvme-checksum/--no-nvme-checksum")
     """crc32 of every swap block, checked on read: a corrupted swap file stops the run instead
     of training on garbage (cost measured in the README's "Safety" section)."""
-    offload_activations: bool = False
+    offload_activations: bool = _f(False, "Keep each block's input in host RAM between forward and backward: "
+                                   "less GPU memory for long sequences.", panel=MEMORY,
+                                   flag="--offload-activations", plan=True)
     """Keep checkpointed blocks' inputs in host memory between forward and backward."""
-    recompute: bool | None = None
+    recompute: bool | None = _f(None, "Recompute each decoder layer's activations in backward (activation "
+                                "checkpointing: the smallest GPU budget), or keep them all (about 25% less "
+                                "compute). Default: keep them when the GPU budget holds them, as `finetune "
+                                "plan` shows (on CUDA only with --gpu-mem given).", panel=MEMORY,
+                                flag="--recompute/--no-recompute", plan=True)
     """Activation checkpointing of the decoder layers; False keeps every layer's activations;
     None (auto): off when the planner finds that the GPU budget holds them, on with
     --offload-activations (cli.planning.resolve_recompute)."""
-    chunk_size: str = "64M"
-    optimizer: str = "adamw"
-    lr: float | None = None
+    chunk_size: str = _f("64M", "Bytes of fp32 weights per chunk.", panel=HW, plan=True)
+    optimizer: str = _f("adamw", "Optimizer.", panel=OPTIM, choices=OPTIMIZERS, plan=True)
+    lr: float | None = _f(None, "Peak learning rate (default: 1e-4; 1e-3 for the built-in demo).", panel=OPTIM)
     """Peak learning rate; None: DEFAULT_LR, or DEMO_LR for the built-in demo."""
-    weight_decay: float = 0.0
-    grad_clip: float | None = None
-    precision: str = "fp32"
-    steps: int | None = None
-    epochs: int | None = None
-    warmup_steps: int = 0
-    schedule: str = "cosine"
-    eval_every: int = 0
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    seed: int = 0
-    output: str = "output"
-    resume: bool = False
-    overwrite: bool = False
-    export_dtype: str | None = None
-    hardware: str | None = None
-    dry_run: bool = False
+    weight_decay: float = _f(0.0, "Decoupled weight decay.", panel=OPTIM)
+    grad_clip: float | None = _f(None, "Clip the global grad norm to this value.", panel=OPTIM)
+    precision: str = _f("fp32", "Compute precision.", panel=HW, choices=PRECISIONS, plan=True)
+    steps: int | None = _f(None, "Optimizer steps (default: one epoch; three epochs for the built-in demo).",
+                           panel=SCHED)
+    epochs: int | None = _f(None, "Epochs over --data (instead of --steps).", panel=SCHED)
+    warmup_steps: int = _f(0, "Linear warmup steps.", panel=SCHED)
+    schedule: str = _f("cosine", "LR decay after warmup.", panel=SCHED, choices=SCHEDULES)
+    eval_every: int = _f(0, "Evaluate on --eval-data every N steps (0: at the end only).", panel=SCHED)
+    checkpoint_every: int = _f(0, "Checkpoint every N steps (always at the end and on Ctrl-C).", panel=OUTPUT)
+    keep_checkpoints: int = _f(2, "Complete checkpoints to keep (0: all).", panel=OUTPUT)
+    seed: int = _f(0, "Seed for init, data order and sampling.", panel=SCHED)
+    output: str = _f("output", "Run directory: checkpoints, metrics, plots, model/.", panel=OUTPUT)
+    resume: bool = _f(False, "Continue the run in --output from its latest checkpoint, on exactly the next "
+                      "batch.", panel=OUTPUT, flag="--resume")
+    overwrite: bool = _f(False, "Empty --output first (only a directory an earlier finetune run made).",
+                         panel=OUTPUT, flag="--overwrite")
+    export_dtype: str | None = _f(None, "Dtype of the exported model (default: --precision).", panel=OUTPUT,
+                                  choices=PRECISIONS_EXPORT)
+    hardware: str | None = _f(None, "Hardware profile name or TOML file (default: detect).", panel=HW, plan=True)
+    dry_run: bool = _f(False, "Resolve model and budgets, print the plan, train nothing.", panel=HW,
+                       flag="--dry-run")
     budgets: dict = field(init=False)
     """Parsed bytes: {"gpu": int|None, "cpu": ..., "cxl": ..., "chunk": int}."""
 
@@ -235,3 +283,7 @@ class TrainConfig:
         d = asdict(self)
         d.pop("budgets")
         return d
+
+
+#: --config's keys: every option field (a file may hold train keys `plan` does not use).
+TOML_KEYS = tuple(f.name for f in option_fields())

@@ -13,6 +13,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..offload.core.errors import TierwiseError
+from .profilemodel import is_profile
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +154,10 @@ def resolve_model(spec: str | None) -> ModelSource:
     path = Path(spec).expanduser()
     if path.is_dir():
         return _from_dir(path)
-    if path.suffix == ".toml":  # a model profile given as a file
+    if is_profile(spec):  # a profile name, or a profile given as a .toml file
         return _from_profile(spec)
-    if path.exists() or "/" in spec or spec.startswith("."):
-        raise ModelError(f"--model {spec}: not a Hugging Face model directory "
-                         "(expected a directory with config.json)")
-    return _from_profile(spec)
+    raise ModelError(f"--model {spec}: not a Hugging Face model directory "
+                     "(expected a directory with config.json)")
 
 
 def _from_dir(path: Path) -> ModelSource:
@@ -207,11 +206,8 @@ def _config_json(path: Path) -> dict:
 
 
 def _from_profile(name: str) -> ModelSource:
-    try:
-        from ..profiles import load_model_profile
-    except ImportError:
-        raise ModelError(f"--model {name}: not a directory, and model profiles are not "
-                         "available in this build") from None
+    from ..profiles import load_model_profile
+
     profile = load_model_profile(name)  # raises a TierwiseError for an unknown name
     from .builtin import build_tokenizer
 

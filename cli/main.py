@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import errno
 import functools
+import inspect
 import sys
+import typing
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -21,7 +23,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from .config import DISK_FULL, TrainConfig, config_callback, raise_config_error
+from .config import DISK_FULL, OUTPUT, PANELS, TrainConfig, config_callback, option_fields, raise_config_error
 from ..offload.core.errors import InfeasibleBudget, TierwiseError
 
 EXIT_USER_ERROR = 2
@@ -41,34 +43,6 @@ app = typer.Typer(
           "Example: finetune --model ./llama-8b --data train.jsonl --gpu-mem 24G "
           "--cpu-mem 64G --optimizer adamw8bit --precision bf16 --steps 500"),
 )
-
-
-class Optimizer(str, Enum):
-    adamw = "adamw"
-    adamw8bit = "adamw8bit"
-    galore = "galore"
-    galore8bit = "galore8bit"
-    apollo = "apollo"
-    apollo_mini = "apollo-mini"
-    mezo = "mezo"
-    sgd = "sgd"
-
-
-class Precision(str, Enum):
-    bf16 = "bf16"
-    fp32 = "fp32"
-
-
-class Schedule(str, Enum):
-    cosine = "cosine"
-    linear = "linear"
-    constant = "constant"
-
-
-class ExportDtype(str, Enum):
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
 
 
 def _fail(message: str) -> None:
@@ -100,10 +74,47 @@ def user_errors(fn):
     return wrapper
 
 
-# Panels of `finetune --help`.
-MODEL, MEMORY, OPTIM, SCHED, OUTPUT, HW = ("Model & data", "Memory budget", "Optimizer",
-                                           "Schedule", "Output & resume", "Hardware & plan")
 Opt = functools.partial(typer.Option, show_default=True)
+
+
+def config_options(*, plan: bool = False):
+    """Give the decorated command one typer option per TrainConfig option field (all of them,
+    or with `plan` those marked for `finetune plan`), grouped by panel, between its first
+    parameter (the context) and its own options: each with the field's default, help, panel,
+    flag and choices. The command receives them as plain keywords (choices as strings)."""
+    hints = typing.get_type_hints(TrainConfig)
+
+    def decorate(fn):
+        own = list(inspect.signature(fn).parameters.values())
+        extra = []
+        for f in sorted(option_fields(), key=lambda f: PANELS.index(f.metadata["cli"]["panel"])):
+            meta = f.metadata["cli"]
+            if plan and not meta["plan"]:
+                continue
+            kind = hints[f.name]
+            args = [a for a in typing.get_args(kind) if a is not type(None)]
+            if meta["choices"]:  # typer shows an Enum's values as the choices
+                args = [Enum(f.name, {c: c for c in meta["choices"]}, type=str)]
+            annotation = Optional[args[0]] if args else kind
+            decls = [meta["flag"]] if meta["flag"] else []
+            info = Opt(f.default, *decls, help=meta["help"], rich_help_panel=None if plan else meta["panel"])
+            extra.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info,
+                                           annotation=annotation))
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            plain = {k: v.value if isinstance(v, Enum) else v for k, v in kwargs.items()}
+            return fn(*args, **plain)
+
+        own = [p for p in own if p.kind is not p.VAR_KEYWORD]
+        params = own[:1] + extra + [p.replace(kind=p.KEYWORD_ONLY) for p in own[1:]]  # ctx, the options, its own
+        command.__signature__ = inspect.Signature(params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
+
+
 CONFIG_OPTION = Opt(None, "--config", help="TOML file holding any of these options "
                     "(e.g. gpu-mem = \"24G\"); command-line flags win; unknown keys are errors.",
                     is_eager=True, callback=config_callback, rich_help_panel=OUTPUT,
@@ -112,100 +123,13 @@ CONFIG_OPTION = Opt(None, "--config", help="TOML file holding any of these optio
 
 @app.callback(invoke_without_command=True)
 @user_errors
-def train(
-    ctx: typer.Context,
-    model: Optional[str] = Opt(None, help="Hugging Face model directory, or a model profile "
-                               "name (random init). Default: the built-in tiny model.",
-                               rich_help_panel=MODEL),
-    data: Optional[str] = Opt(None, help="JSONL ({\"text\"} | {\"prompt\",\"completion\"} | "
-                              "{\"messages\"}) or a `datasets` directory. Default: built-in sample.",
-                              rich_help_panel=MODEL),
-    eval_data: Optional[str] = Opt(None, help="Held-out data in the same formats.",
-                                   rich_help_panel=MODEL),
-    seq_len: int = Opt(128, help="Tokens per sequence (rows are packed to this length).",
-                       rich_help_panel=MODEL),
-    batch_size: int = Opt(4, help="Sequences per micro-batch.", rich_help_panel=MODEL),
-    pack: bool = Opt(True, help="Pack rows into full sequences (else truncate/pad each row).",
-                     rich_help_panel=MODEL),
-    gpu_mem: Optional[str] = Opt(None, help="GPU memory to use, e.g. 24G (default: engine's).",
-                                 rich_help_panel=MEMORY),
-    cpu_mem: Optional[str] = Opt(None, help="Host RAM to use, e.g. 256G.", rich_help_panel=MEMORY),
-    cxl_mem: Optional[str] = Opt(None, help="CXL memory to use, e.g. 512G.",
-                                 rich_help_panel=MEMORY),
-    cxl_node: Optional[str] = Opt(None, help="NUMA node(s) of the CXL memory, e.g. 1 or 1,2 "
-                                  "(pages interleave across several; default: every CXL node).",
-                                  rich_help_panel=MEMORY),
-    nvme_path: Optional[str] = Opt(None, help="Directory on an NVMe drive for swap files.",
-                                   rich_help_panel=MEMORY),
-    nvme_checksum: bool = Opt(True, "--nvme-checksum/--no-nvme-checksum",
-                              help="Checksum every swap block and verify it on read (a corrupted "
-                              "swap file stops the run).", rich_help_panel=MEMORY),
-    offload_activations: bool = Opt(False, "--offload-activations",
-                                    help="Keep each block's input in host RAM between forward and "
-                                    "backward: less GPU memory for long sequences.",
-                                    rich_help_panel=MEMORY),
-    recompute: Optional[bool] = Opt(None, "--recompute/--no-recompute",
-                                    help="Recompute each decoder layer's activations in backward "
-                                    "(activation checkpointing: the smallest GPU budget), or keep "
-                                    "them all (about 25% less compute). Default: keep them when "
-                                    "the GPU budget holds them, as `finetune plan` shows (on CUDA "
-                                    "only with --gpu-mem given).",
-                                    rich_help_panel=MEMORY),
-    optimizer: Optimizer = Opt(Optimizer.adamw, help="Optimizer.", rich_help_panel=OPTIM),
-    lr: Optional[float] = Opt(None, help="Peak learning rate (default: 1e-4; 1e-3 for the "
-                              "built-in demo).", rich_help_panel=OPTIM),
-    weight_decay: float = Opt(0.0, help="Decoupled weight decay.", rich_help_panel=OPTIM),
-    grad_accum: int = Opt(1, help="Micro-batches per optimizer step.", rich_help_panel=OPTIM),
-    grad_clip: Optional[float] = Opt(None, help="Clip the global grad norm to this value.",
-                                     rich_help_panel=OPTIM),
-    steps: Optional[int] = Opt(None, help="Optimizer steps (default: one epoch; three "
-                               "epochs for the built-in demo).",
-                               rich_help_panel=SCHED),
-    epochs: Optional[int] = Opt(None, help="Epochs over --data (instead of --steps).",
-                                rich_help_panel=SCHED),
-    warmup_steps: int = Opt(0, help="Linear warmup steps.", rich_help_panel=SCHED),
-    schedule: Schedule = Opt(Schedule.cosine, help="LR decay after warmup.",
-                             rich_help_panel=SCHED),
-    eval_every: int = Opt(0, help="Evaluate on --eval-data every N steps (0: at the end only).",
-                          rich_help_panel=SCHED),
-    seed: int = Opt(0, help="Seed for init, data order and sampling.", rich_help_panel=SCHED),
-    output: str = Opt("output", help="Run directory: checkpoints, metrics, plots, model/.",
-                      rich_help_panel=OUTPUT),
-    resume: bool = Opt(False, "--resume", help="Continue the run in --output from its latest "
-                       "checkpoint, on exactly the next batch.", rich_help_panel=OUTPUT),
-    overwrite: bool = Opt(False, "--overwrite", help="Empty --output first (only a directory "
-                          "an earlier finetune run made).",
-                          rich_help_panel=OUTPUT),
-    checkpoint_every: int = Opt(0, help="Checkpoint every N steps (always at the end and on "
-                                "Ctrl-C).", rich_help_panel=OUTPUT),
-    keep_checkpoints: int = Opt(2, help="Complete checkpoints to keep (0: all).",
-                                rich_help_panel=OUTPUT),
-    export_dtype: Optional[ExportDtype] = Opt(None, help="Dtype of the exported model "
-                                              "(default: --precision).", rich_help_panel=OUTPUT),
-    config: Optional[Path] = CONFIG_OPTION,
-    precision: Precision = Opt(Precision.fp32, help="Compute precision.", rich_help_panel=HW),
-    hardware: Optional[str] = Opt(None, help="Hardware profile name (default: detect).",
-                                  rich_help_panel=HW),
-    chunk_size: str = Opt("64M", help="Bytes of fp32 weights per chunk.", rich_help_panel=HW),
-    dry_run: bool = Opt(False, "--dry-run", help="Resolve model and budgets, print the plan, "
-                        "train nothing.", rich_help_panel=HW),
-) -> None:
+@config_options()
+def train(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION, **options) -> None:
     """Fine-tune a model (the default command). See the panels below; `finetune plan --help`."""
     if ctx.invoked_subcommand is not None:
         return
     raise_config_error(ctx)
-    cfg = TrainConfig(
-        model=model, data=data, eval_data=eval_data, seq_len=seq_len, batch_size=batch_size,
-        pack=pack, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
-        nvme_path=nvme_path, nvme_checksum=nvme_checksum, offload_activations=offload_activations,
-        recompute=recompute, optimizer=optimizer.value,
-        lr=lr, weight_decay=weight_decay, grad_accum=grad_accum, grad_clip=grad_clip, steps=steps, epochs=epochs,
-        warmup_steps=warmup_steps, schedule=schedule.value, eval_every=eval_every, seed=seed,
-        output=output, resume=resume, overwrite=overwrite, checkpoint_every=checkpoint_every,
-        keep_checkpoints=keep_checkpoints,
-        export_dtype=export_dtype.value if export_dtype else None, precision=precision.value,
-        hardware=hardware, chunk_size=chunk_size, dry_run=dry_run,
-    )
+    cfg = TrainConfig(**options)
     from .train import run
 
     code = run(cfg, console=Console())
@@ -215,47 +139,23 @@ def train(
 
 @app.command()
 @user_errors
+@config_options(plan=True)
 def plan(
     ctx: typer.Context,
-    model: Optional[str] = Opt(None, help="HF model directory or model profile name."),
-    gpu_mem: Optional[str] = Opt(None, help="GPU memory to use, e.g. 24G."),
-    cpu_mem: Optional[str] = Opt(None, help="Host RAM to use."),
-    cxl_mem: Optional[str] = Opt(None, help="CXL memory to use."),
-    cxl_node: Optional[str] = Opt(None, help="NUMA node(s) of the CXL memory, e.g. 1 or 1,2."),
-    nvme_path: Optional[str] = Opt(None, help="Directory on an NVMe drive for swap files."),
-    offload_activations: bool = Opt(False, "--offload-activations",
-                                    help="Plan for a run with --offload-activations (it recomputes "
-                                    "the decoder layers)."),
-    recompute: Optional[bool] = Opt(None, "--recompute/--no-recompute",
-                                    help="Plan with or without activation checkpointing (default: "
-                                    "as training decides: without when the GPU budget holds every "
-                                    "layer's activations; on CUDA only with --gpu-mem given)."),
-    optimizer: Optimizer = Opt(Optimizer.adamw, help="Optimizer."),
-    precision: Precision = Opt(Precision.fp32, help="Compute precision."),
-    batch_size: int = Opt(4, help="Sequences per micro-batch."),
-    seq_len: int = Opt(128, help="Tokens per sequence."),
-    grad_accum: int = Opt(1, help="Micro-batches per optimizer step."),
-    hardware: Optional[str] = Opt(None, help="Hardware profile name (default: detect)."),
-    chunk_size: str = Opt("64M", help="Bytes of fp32 weights per chunk."),
     json_out: bool = Opt(False, "--json", help="Print the plan as JSON."),
     verify: bool = Opt(False, "--verify", help="Also run a few real steps with these settings "
                        "on this machine (simulated device without CUDA) and print planned vs "
                        "measured bytes per tier; exit 0 on PASS, 1 on FAIL."),
     verify_steps: int = Opt(3, "--verify-steps", help="Steps --verify runs (the first is the "
                             "warm-up)."),
-    data: Optional[str] = Opt(None, help="The run's data (JSONL or a `datasets` directory): "
-                              "the plan is for its worst batch (padded or not; without it, "
-                              "padded) and --verify runs on it instead of random tokens."),
     config: Optional[Path] = Opt(None, "--config", is_eager=True, callback=config_callback,
                                  dir_okay=False, help="TOML file of options (train keys that "
                                  "plan does not use are ignored)."),
+    **options,
 ) -> None:
     """Show where every chunk would live, the predicted peaks per tier and the step time."""
     raise_config_error(ctx)
-    cfg = TrainConfig(model=model, data=data, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
-                      cxl_node=cxl_node, nvme_path=nvme_path, recompute=recompute,
-                      offload_activations=offload_activations, optimizer=optimizer.value, precision=precision.value, batch_size=batch_size, seq_len=seq_len,
-                      grad_accum=grad_accum, hardware=hardware, chunk_size=chunk_size)
+    cfg = TrainConfig(**options)
     from .planning import advise, make_plan, print_plan, resolve_recompute, verify_plan
 
     cfg = resolve_recompute(cfg)
@@ -266,16 +166,12 @@ def plan(
         if code:
             raise typer.Exit(code)
         return
-
     try:
         result = make_plan(cfg)
     except InfeasibleBudget as e:
         if not json_out:
             advise(cfg, e, console=Console())
         raise
-    if result is None:
-        raise TierwiseError("finetune plan is not yet available in this build "
-                            "(offload.plan.planner is missing)")
     print_plan(result, console=Console(), as_json=json_out)
 
 

@@ -3,54 +3,57 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
-import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from .config import ConfigError, TrainConfig
-from .loading import ModelSource, build_meta_model, count_parameters, resolve_model
 from .machine import free_disk, physical_ram
-from ..offload.core.errors import InfeasibleBudget, TierwiseError
+from .profilemodel import is_profile, profile_params
+from ..offload.core.errors import InfeasibleBudget, UnsupportedModel
 from ..offload.core.units import format_size
+from ..offload.plan import planner
+from ..offload.plan.planner import Plan
+from ..profiles import ProfileError
+
+if TYPE_CHECKING:
+    from .loading import ModelSource
 
 log = logging.getLogger(__name__)
 
 
-def _call_with_known(fn, **candidates):
-    """fn(**the candidates its signature names); all of them if it takes **kwargs."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn(**candidates)
-    return fn(**{k: v for k, v in candidates.items() if k in params})
-
-
-def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None, padded: bool | None = None):
-    """offload.plan.planner.make_plan for this run, or None when the planner is not built yet.
-    `padded`: whether the run's batches can hold padding (None: `data_padded`)."""
-    try:
-        from ..offload.plan.planner import make_plan as planner
-    except ImportError:
-        return None
-    src = src or resolve_model(cfg.model)
-    check_seq_len(cfg, src)
+def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: bool | None = None) -> Plan:
+    """offload.plan.planner.make_plan for this run. `padded`: whether the run's batches can
+    hold padding (None: `data_padded`). A model profile (`--model 7b`) plans by name, on a
+    machine without torch or transformers too (unless --data must be tokenized); a model
+    directory or the built-in model needs them (their parameters are read off the module
+    training builds, on the meta device)."""
+    if is_profile(cfg.model):  # the planner reads the profile's extra fields
+        model, params = cfg.model, profile_params(cfg.model)
+    else:
+        src = src or resolve_model(cfg.model)
+        check_seq_len(cfg, src)
+        model, params = src.config, engine_params(src)
     if padded is None:
         padded = data_padded(cfg, src)
-    # A profile goes by name (the planner reads its extra fields); else the HF config.
-    model = cfg.model if (cfg.model and not src.has_weights) else src.config
-    return _call_with_known(
-        planner, model=model, hardware=cfg.hardware, params=engine_params(src),
+    return planner.make_plan(
+        model=model, hardware=cfg.hardware, params=params,
         gpu_mem=cfg.budgets["gpu"], cpu_mem=host_budget(cfg, planning=True), cxl_mem=cfg.budgets["cxl"],
-        cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, nvme_mem=nvme_budget(cfg),
-        optimizer=cfg.optimizer,
+        nvme_path=cfg.nvme_path, nvme_mem=nvme_budget(cfg), optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
         checkpointing=checkpointing(cfg), padded=padded,
     )
+
+
+def resolve_model(spec: str | None) -> "ModelSource":
+    from .loading import resolve_model as resolve  # transformers: only for a directory or the built-in
+
+    return resolve(spec)
 
 
 def host_budget(cfg: TrainConfig, *, planning: bool = False) -> int | None:
@@ -78,14 +81,14 @@ def max_positions(config) -> int | None:
     return None
 
 
-def check_seq_len(cfg: TrainConfig, src: ModelSource) -> None:
+def check_seq_len(cfg: TrainConfig, src: "ModelSource") -> None:
     limit = max_positions(src.config)
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"--seq-len {cfg.seq_len} is longer than {src.name} was built for "
                           f"({limit} positions): use --seq-len {limit} or less")
 
 
-def preflight(cfg: TrainConfig, *, src: ModelSource, padded: bool):
+def preflight(cfg: TrainConfig, *, src: "ModelSource", padded: bool) -> "Plan | None":
     """The feasibility checks every path runs before anything is allocated: --seq-len, the
     planner's budgets (gpu, host, NVMe free space; InfeasibleBudget names the minimum). A model
     family the planner cannot price passes (the engine then checks its budgets itself).
@@ -93,18 +96,17 @@ def preflight(cfg: TrainConfig, *, src: ModelSource, padded: bool):
     check_seq_len(cfg, src)
     try:
         return make_plan(cfg, src=src, padded=padded)
-    except InfeasibleBudget:
-        raise
-    except Exception:  # e.g. a family the planner has no profile for
+    except (UnsupportedModel, ProfileError):  # e.g. a family the planner has no profile for
         log.debug("preflight: no plan for this model", exc_info=True)
         return None
 
 
-def engine_params(src: ModelSource) -> list:
+def engine_params(src: "ModelSource") -> list:
     """The parameters the engine will chunk: those of the module training builds
     (cli.loading.build_meta_model), so the plan counts a tied head as the run does.
     Kept on `src`: the advice on a refusal plans the same model many times."""
     from ..offload.core.chunks import specs_of
+    from .loading import build_meta_model
 
     cached = getattr(src, "_engine_params", None)
     if cached is None:
@@ -113,7 +115,7 @@ def engine_params(src: ModelSource) -> list:
     return cached
 
 
-def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: ModelSource,
+def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource | None",
                  padded: bool | None = None, limit: int = 5) -> list[tuple[str, object]]:
     """Changes to a refused run that the planner itself finds feasible: [(flags, plan)],
     fastest predicted step first, at most `limit`. Each is one change (chunk size, recompute,
@@ -147,11 +149,10 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: ModelSource,
     def attempt(flags: str, change: dict) -> bool:
         try:
             plan = make_plan(dataclasses.replace(cfg, **change), src=src, padded=padded)
-        except Exception:  # still infeasible (or unplannable) with this change
+        except (InfeasibleBudget, UnsupportedModel, ProfileError):  # still infeasible with this change
             return False
-        if plan is not None:
-            fits.append((flags, plan))
-        return plan is not None
+        fits.append((flags, plan))
+        return True
 
     failed += [(f, c) for f, c in tries if not attempt(f, c)]
     if cfg.nvme_path is None:  # what does not fit in memory may fit with swap (free space here)
@@ -162,9 +163,10 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: ModelSource,
 
 
 def advise(cfg: TrainConfig, error: InfeasibleBudget, *, console: Console,
-           src: ModelSource | None = None, padded: bool | None = None) -> None:
+           src: "ModelSource | None" = None, padded: bool | None = None) -> None:
     """Print the verdict of a refused plan and the cheapest changes that would fit."""
-    src = src or resolve_model(cfg.model)
+    if src is None and not is_profile(cfg.model):
+        src = resolve_model(cfg.model)
     console.out(f"verdict: does not fit: {str(error).splitlines()[0]}", highlight=False)
     fits = alternatives(cfg, error, src=src, padded=padded)
     if not fits:
@@ -178,7 +180,7 @@ def advise(cfg: TrainConfig, error: InfeasibleBudget, *, console: Console,
         console.out(f"  {flags.ljust(width)}   step {plan.step_s:.3f} s, peaks {peak}", highlight=False)
 
 
-def data_padded(cfg: TrainConfig, src: ModelSource) -> bool:
+def data_padded(cfg: TrainConfig, src: "ModelSource | None" = None) -> bool:
     """Whether some batch of the run holds padding, so the plan is for a padded batch (the
     run's worst step: transformers then materialises the attention mask). Read from --data
     when given; without it True, the worst case (the built-in sample ends in a short block,
@@ -187,6 +189,7 @@ def data_padded(cfg: TrainConfig, src: ModelSource) -> bool:
         return True
     from .data import has_padding, load_blocks
 
+    src = src or resolve_model(cfg.model)
     return has_padding(load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack))
 
 
@@ -197,12 +200,15 @@ def checkpointing(cfg: TrainConfig) -> bool | None:
 
 
 def _has_cuda() -> bool:
-    import torch
+    try:
+        import torch
+    except ModuleNotFoundError:  # `finetune plan` on a machine without torch: no CUDA either
+        return False
 
     return torch.cuda.is_available()
 
 
-def resolve_recompute(cfg: TrainConfig, *, src: ModelSource | None = None,
+def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
                       padded: bool | None = None) -> TrainConfig:
     """`cfg` with `recompute` decided. Unset (auto): off when the planner finds a placement
     that keeps every layer's activations within the budgets (less compute), else on. On
@@ -214,33 +220,20 @@ def resolve_recompute(cfg: TrainConfig, *, src: ModelSource | None = None,
     if cfg.offload_activations or (cfg.budgets["gpu"] is None and _has_cuda()):
         return dataclasses.replace(cfg, recompute=True)
     try:
-        feasible = make_plan(dataclasses.replace(cfg, recompute=False), src=src, padded=padded) is not None
-    except Exception:  # infeasible without recompute (or unplannable): the default
-        log.debug("no plan without recompute", exc_info=True)
+        make_plan(dataclasses.replace(cfg, recompute=False), src=src, padded=padded)
+        feasible = True
+    except (InfeasibleBudget, UnsupportedModel, ProfileError) as e:  # infeasible without recompute,
+        log.debug("no plan without recompute: %s", e)  # or a model family the planner cannot price
         feasible = False
     return dataclasses.replace(cfg, recompute=not feasible)
 
 
-def plan_json(plan) -> str:
-    if hasattr(plan, "to_json"):
-        return plan.to_json()
-    if hasattr(plan, "to_dict"):
-        return json.dumps(plan.to_dict(), indent=2, default=str)
-    if dataclasses.is_dataclass(plan):
-        return json.dumps(dataclasses.asdict(plan), indent=2, default=str)
-    raise TierwiseError("this planner's plan cannot be written as JSON")
-
-
-def print_plan(plan, *, console: Console, as_json: bool) -> None:
+def print_plan(plan: Plan, *, console: Console, as_json: bool) -> None:
     if as_json:
-        console.out(plan_json(plan), highlight=False)
+        console.out(plan.to_json(), highlight=False)
     else:
-        table = plan.render_table()
-        if isinstance(table, str):
-            console.out(table, highlight=False)  # pre-formatted: never re-wrap
-        else:
-            console.print(table)
-        if getattr(plan, "budgets", {}).get("cxl"):
+        console.out(plan.render_table(), highlight=False)  # pre-formatted: never re-wrap
+        if plan.budgets.get("cxl"):
             console.out("\n".join(cxl_lines()), highlight=False)
 
 
@@ -258,6 +251,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
     """`finetune plan --verify`: a few real steps with these settings on this machine, planned
     against measured bytes per tier; returns 0 on PASS, 1 on FAIL (user errors raise)."""
     from ..offload.tools.verify import verify
+    from .loading import build_meta_model
 
     src = resolve_model(cfg.model)
     check_seq_len(cfg, src)
@@ -308,17 +302,15 @@ def summary_table(cfg: TrainConfig, *, name: str, params: int) -> Table:
 
 def dry_run(cfg: TrainConfig, *, console: Console) -> int:
     """Resolve the model and budgets, print a summary and the plan; touch nothing on disk."""
+    from .loading import build_meta_model, count_parameters
+
     src = resolve_model(cfg.model)
     if src.note:
         console.print(f"[bold yellow]warning:[/] {src.note}", soft_wrap=True, highlight=False)
     model = build_meta_model(src.config)
     cfg = resolve_recompute(cfg, src=src)
     console.print(summary_table(cfg, name=src.name, params=count_parameters(model)))
-    plan = make_plan(cfg, src=src)
-    if plan is None:
-        console.print("[yellow]the planner is not available in this build: no plan shown[/]")
-    else:
-        print_plan(plan, console=console, as_json=False)
+    print_plan(make_plan(cfg, src=src), console=console, as_json=False)
     return 0
 
 
@@ -328,18 +320,14 @@ def profile(*, hardware: str | None, output: str | None, console: Console, nvme_
 
     Each measurement is printed as it completes; the TOML goes to `output` (then
     `--hardware PATH` uses it), else to the console."""
-    try:
-        from ..offload.tools.profiler import measure
-    except ImportError:
-        raise TierwiseError("finetune profile is not yet available in this build "
-                            "(offload.tools.profiler is missing)") from None
+    from ..offload.tools.profiler import measure
+
     with console.status("[bold]measuring this machine[/] (under a minute)") as status:
         def progress(msg: str) -> None:
             console.print(f"  {msg}", highlight=False)
             status.update(f"[bold]measuring[/] after {msg.split(':')[0]}")
 
-        text = _call_with_known(measure, hardware=hardware, output=output, nvme_path=nvme_path, quick=quick,
-                                progress=progress)
+        text = measure(hardware=hardware, output=output, nvme_path=nvme_path, quick=quick, progress=progress)
     if output is None and text:
         console.out(text, highlight=False)
         console.print("save it with --output FILE.toml, then plan and train with --hardware FILE.toml",

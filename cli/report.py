@@ -33,7 +33,7 @@ def warmup_report(*, measured_times: dict[str, float], measured_peaks: dict[str,
     measured_times: {"forward": s, "backward": s, "update": s} of the warm-up step;
     measured_peaks: engine.ledger.peaks(), {tier: bytes}.
     """
-    planned_peaks = dict(getattr(plan, "peak", None) or {})
+    planned_peaks = dict(plan.peak) if plan is not None else {}
     tiers = [t for t in ("gpu", "host", "cxl", "nvme")
              if measured_peaks.get(t) or planned_peaks.get(t)]
     header = ["warm-up step", *PHASES, *(f"peak {t}" for t in tiers)]
@@ -44,7 +44,7 @@ def warmup_report(*, measured_times: dict[str, float], measured_peaks: dict[str,
 
     rows = [header, cells("  measured", measured_times, measured_peaks)]
     if plan is not None:
-        rows.append(cells("  planned", dict(getattr(plan, "phases", {}) or {}), planned_peaks))
+        rows.append(cells("  planned", dict(plan.phases), planned_peaks))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [r[0].ljust(widths[0]) + "".join(c.rjust(w + 3) for c, w in zip(r[1:], widths[1:]))
              for r in rows]
@@ -52,8 +52,8 @@ def warmup_report(*, measured_times: dict[str, float], measured_peaks: dict[str,
     if gpu_budget:
         lines[1] += f"   (--gpu-mem {format_size(gpu_budget)})"
     if plan is not None:
-        worst = ", for a padded batch" if getattr(plan, "padded", False) else ""  # the run's worst step
-        lines[2] += f"   ({getattr(plan, 'hardware', '?')} profile{worst})"
+        worst = ", for a padded batch" if plan.padded else ""  # the run's worst step
+        lines[2] += f"   ({plan.hardware} profile{worst})"
     else:
         lines.append(f"{'  planned'.ljust(widths[0])}   no prediction"
                      + (f": {plan_error}" if plan_error else ""))

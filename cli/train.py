@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import random
@@ -10,6 +9,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -35,23 +35,42 @@ log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM 143, SIGHUP 129
 
 
-def engine_class():
+@runtime_checkable
+class TrainingEngine(Protocol):
+    """What `finetune` needs from an engine: offload.Engine is one (tests substitute a
+    stand-in through `engine_class`). Everything here is called unconditionally."""
+
+    ledger: Any  # .peaks() -> {tier: bytes}, .usage()
+    phase_times: dict[str, float]  # cumulative seconds per phase
+    timeline: list[dict]  # the memory timeline of the last recorded step
+    device_plan: Any  # None until chunks are placed for a known activation peak
+
+    def set_lr(self, lr: float) -> None: ...
+    def step(self, batch: dict, grad_accum: int = 1) -> float: ...
+    def eval_loss(self, batch: dict) -> float: ...
+    def measure(self, batch: dict) -> None: ...
+    def load_weights(self, named: Iterable) -> None: ...
+    def init_weights_(self, *, seed: int = 0, std: float = 0.02) -> None: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    def named_parameters_fp32(self) -> Iterator: ...
+    def close(self) -> None: ...
+
+
+def engine_class() -> Callable[..., TrainingEngine]:
     """offload.Engine (tests replace this function with a stand-in)."""
-    try:
-        from ..offload import Engine
-    except ImportError:
-        raise TierwiseError("the offload engine is not available in this build") from None
+    from ..offload import Engine
+
     return Engine
 
 
-def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True):
-    """Engine(model, ...) from the config; options the Engine does not take are left out.
+def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True) -> TrainingEngine:
+    """Engine(model, ...) from the config (options left at the engine's default are not passed).
     `padded`: some batch of the run holds padding (its worst step; see activation_estimate).
 
     The engine's own checks of its options (ValueError: an optimizer it has no chunk updater
     for, a chunk size below its minimum, ...) become one-line user errors.
     """
-    cls = engine_class()
     kwargs = dict(  # --hardware is the planner's (link speeds), not the engine's
         optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
         gpu_mem=cfg.budgets["gpu"], cpu_mem=host_budget(cfg), cxl_mem=cfg.budgets["cxl"],
@@ -63,14 +82,8 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True
     )
     kwargs["activations"] = activation_estimate(model, cfg, padded=padded)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    params = inspect.signature(cls).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        dropped = sorted(set(kwargs) - set(params))
-        for k in dropped:
-            log.warning("the engine takes no %s option; ignoring it", k)
-            kwargs.pop(k)
     try:
-        return cls(model, **kwargs)
+        return engine_class()(model, **kwargs)
     except ValueError as e:
         if isinstance(e, TierwiseError):
             raise
@@ -81,12 +94,12 @@ def activation_estimate(model: torch.nn.Module, cfg: TrainConfig, *, padded: boo
     """The planner's activation peak for a Llama-family model, so the engine places chunks in
     their final tiers before the first step; None (measure in the warm-up) for other models.
     `padded`: of a padded batch, the run's worst step when its data has any padding."""
-    try:
-        from ..offload.plan.perfmodel import activation_bytes
-        from ..profiles import ModelProfile
+    from ..offload.plan.perfmodel import activation_bytes
+    from ..profiles import ModelProfile, ProfileError
 
+    try:
         profile = ModelProfile.from_hf_config(model.config)
-    except Exception:  # not a model family the planner knows: the engine measures instead
+    except ProfileError:  # not a model family the planner knows: the engine measures instead
         return None
     return activation_bytes(model=profile, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                             precision=cfg.precision, backward=cfg.optimizer != "mezo",
@@ -248,7 +261,7 @@ def _measure_worst(engine, batch: dict) -> None:
     """An engine that places its chunks after the warm-up step (no activation estimate for
     this model family) first runs the worst batch without updating (Engine.measure), so the
     placement holds for every step. measure() leaves the RNG as it was: --resume replays exactly."""
-    if getattr(engine, "device_plan", False) is not None or not hasattr(engine, "measure"):
+    if engine.device_plan is not None:
         return  # placed up front for the worst batch already (activation_estimate)
     engine.measure(batch)
 
@@ -339,8 +352,8 @@ def save(engine, cfg: TrainConfig, out: Path, *, step: int, batches: Batches,
 
 
 def evaluate(engine, eval_data: list) -> float | None:
-    """Token-weighted mean eval loss; needs engine.eval_loss(batch) -> float."""
-    if not eval_data or not hasattr(engine, "eval_loss"):
+    """Token-weighted mean eval loss (engine.eval_loss(batch) -> float); None without data."""
+    if not eval_data:
         return None
     total = weight = 0.0
     for batch in eval_data:
@@ -356,8 +369,6 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
     """Steps start+1..total; appends each train loss to `losses`; returns the exit code.
     A step the device budget cannot hold (StepOverBudget) checkpoints the last completed
     step and raises a one-line InfeasibleBudget (exit 2)."""
-    if cfg.eval_every and eval_data and not hasattr(engine, "eval_loss"):
-        warn(console, "this engine has no eval_loss(): --eval-every is ignored")
     step = start
     with MetricsWriter(out / "metrics.jsonl") as metrics, _StopFlag() as stop, \
             TrainProgress(console=console, total=total, start=start) as bar:
@@ -366,7 +377,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
             engine.set_lr(lr)
             position, rng = batches.position, ckpt.capture_rng()
             batch = batches.next()
-            before = dict(getattr(engine, "phase_times", {}) or {})
+            before = dict(engine.phase_times)
             t0 = time.perf_counter()
             try:
                 loss = float(engine.step(batch, grad_accum=cfg.grad_accum))
@@ -383,12 +394,9 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
             record = {"kind": "train", "step": step, "loss": loss, "lr": lr,
                       "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9),
                       "step_s": dt, "epoch": batches.position.epoch}
-            ledger = getattr(engine, "ledger", None)
-            if ledger is not None:
-                record["peak_bytes"] = dict(ledger.peaks())
+            record["peak_bytes"] = dict(engine.ledger.peaks())
             metrics.write(**record)
-            bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"],
-                       usage=ledger.usage() if ledger is not None else None)
+            bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"], usage=engine.ledger.usage())
             if step == start + 1:  # the engine's warm-up step (it traces and plans in it)
                 for line in _warmup_lines(engine, cfg, src, before, padded=padded):
                     bar.note(line)
@@ -433,21 +441,16 @@ def _over_budget(e: StepOverBudget, engine, cfg: TrainConfig, out: Path, *, step
 def _warmup_lines(engine, cfg: TrainConfig, src: ModelSource, before: dict, *,
                   padded: bool = True) -> list[str]:
     """Measured phase times / peaks of the warm-up step next to the planner's prediction."""
-    ledger = getattr(engine, "ledger", None)
-    if ledger is None or not hasattr(engine, "phase_times"):
-        return []
+    from .planning import make_plan
+
     plan, error = None, None
     try:
-        from .planning import make_plan
-
         plan = make_plan(cfg, src=src, padded=padded)
-        if plan is None:
-            error = "the planner is not available in this build"
-    except Exception as e:  # informative only: a planner problem never stops training
-        log.debug("planner failed", exc_info=True)
+    except TierwiseError as e:  # informative only: a model the planner cannot price still trains
+        log.debug("no plan", exc_info=True)
         error = (str(e).splitlines() or [type(e).__name__])[0]
     return warmup_report(measured_times=phase_delta(dict(engine.phase_times), before),
-                         measured_peaks=dict(ledger.peaks()), plan=plan, plan_error=error,
+                         measured_peaks=dict(engine.ledger.peaks()), plan=plan, plan_error=error,
                          budgets=cfg.budgets)
 
 
@@ -460,8 +463,7 @@ def _finish(engine, cfg: TrainConfig, src: ModelSource, out: Path, console: Cons
                           tokenizer=src.tokenizer, dtype=dtype,
                           generation_config=src.generation_config)
     plot_loss(read_metrics(out / "metrics.jsonl"), out / "loss.png")
-    timeline = getattr(engine, "timeline", None)
-    if timeline:
-        plot_timeline(timeline, out / "memory_timeline.png")
+    if engine.timeline:
+        plot_timeline(engine.timeline, out / "memory_timeline.png")
     console.print(f"done: model exported to {model_dir} ({dtype}); metrics.jsonl, plots and "
                   f"checkpoints in {out}", highlight=False, soft_wrap=True)

@@ -2,8 +2,8 @@
 importing only those above it in this list (tests/test_structure.py holds the order):
 
     core     errors, byte sizes, parameter specs and chunk packing   (no torch)
-    update   optimizer math on chunk storage (updaters, MeZO)
-    plan     placement, homes, performance model, planner, schedule  (no torch)
+    update   the optimizer table (no torch); optimizer math on chunk storage (updaters, MeZO)
+    plan     needs, placement, homes, performance model, planner, schedule  (no torch)
     runtime  ledger, tiers, links, aligned/CXL/NVMe storage, executor, store, cache, trace
     engine   the Engine and the helpers that hook it into the model
     tools    verify and profiler (run engines and planner against each other)

@@ -85,11 +85,6 @@ def test_config_file_unknown_key_and_bad_value(runner, tmp_path):
     assert "--cpu-mem" in _error_line(runner.invoke(app, ["--config", str(toml)]))
 
 
-def test_plan_without_planner_is_a_clear_error(runner, monkeypatch):
-    monkeypatch.setitem(sys.modules, "tierwise.offload.plan.planner", None)
-    assert "not yet available" in _error_line(runner.invoke(app, ["plan"]))
-
-
 def test_train_resume_export_and_plots(runner, tmp_path):
     """6 steps straight == 3 steps, then --resume to 6 (same losses, same weights)."""
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"the cat sees {i} moons."}

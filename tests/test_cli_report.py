@@ -26,7 +26,7 @@ def test_phase_delta():
 
 
 def test_warmup_report_with_plan_is_aligned():
-    plan = SimpleNamespace(hardware="cpu-sim", phases={"forward": 0.002, "backward": 0.004},
+    plan = SimpleNamespace(hardware="cpu-sim", padded=False, phases={"forward": 0.002, "backward": 0.004},
                            peak={"gpu": 1 << 20, "host": 3 << 20, "cxl": 0, "nvme": 0})
     lines = warmup_report(measured_times=MEASURED, measured_peaks=PEAKS, plan=plan,
                           budgets={"gpu": 800 << 10})

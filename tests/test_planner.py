@@ -8,7 +8,8 @@ import time
 import pytest
 
 from tierwise.offload.core.errors import InfeasibleBudget, TierwiseError
-from tierwise.offload.plan.perfmodel import activation_bytes, activation_parts, model_flops, optimizer_cost
+from tierwise.offload.plan.perfmodel import activation_bytes, activation_parts, model_flops
+from tierwise.offload.update.table import optimizer_spec
 from tierwise.offload.plan.planner import make_plan
 from tierwise.profiles import load_model_profile
 
@@ -138,9 +139,9 @@ def test_perfmodel_pieces():
     assert activation_bytes(model=m, batch_size=2, seq_len=8, precision="bf16") == \
         parts["fixed"] + parts["inputs"] + max(parts["head"], parts["block"])
     assert parts["inputs"] == 32 * 2 * 16 * 4096  # one bf16 block input per layer
-    assert optimizer_cost("AdamW").state_bytes_per_param == 8
+    assert optimizer_spec("AdamW").dense_state_per_param == 8
     with pytest.raises(TierwiseError, match="unknown optimizer 'lion'"):
-        optimizer_cost("lion")
+        optimizer_spec("lion")
     with pytest.raises(TierwiseError, match="unknown precision 'fp8'"):
         plan7b(precision="fp8")
     with pytest.raises(TierwiseError, match="no \\[cxl\\] table"):

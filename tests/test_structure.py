@@ -144,14 +144,15 @@ def test_no_import_cycle_but_the_known_one():
 
 def test_layers_import_without_torch():
     """profiles, offload's face, core, the planner's modules and the CLI's entry import on a
-    machine without torch/transformers. (make_plan itself asks the engine's updater for the
-    optimizer state bytes, one formula for plan and run, and that is torch: issue 13 phase 2.)"""
+    machine without torch/transformers, and plan: make_plan for every shipped model profile
+    (the optimizer table's state bytes are closed-form) and `finetune plan --model 7b
+    --hardware h100` (a profile plans by name; a model directory still needs transformers)."""
     script = textwrap.dedent("""
-        import sys
+        import contextlib, io, pathlib, sys
         class NoTorch:
             def find_spec(self, name, path=None, target=None):
                 if name.split(".")[0] in ("torch", "transformers"):
-                    raise ImportError("no " + name)
+                    raise ModuleNotFoundError("no " + name)
         sys.meta_path.insert(0, NoTorch())
         import tierwise.cli.main, tierwise.offload.core.chunks
         import tierwise.offload.plan.homes, tierwise.offload.plan.perfmodel, tierwise.offload.plan.placement
@@ -160,6 +161,21 @@ def test_layers_import_without_torch():
         from tierwise.profiles import load_hardware_profile, load_model_profile
         assert load_model_profile("7b").num_params > 6e9 and load_hardware_profile("h100").gpu
         assert format_size(parse_size("24G")) == "24.00 GiB"
+        from tierwise.offload.plan.planner import make_plan
+        from tierwise.offload.update.table import NAMES
+        for i, toml in enumerate(sorted(pathlib.Path("profiles/models").glob("*.toml"))):
+            for optimizer in (NAMES[i % len(NAMES)],):  # every table entry, one per profile
+                plan = make_plan(model=toml.stem, hardware="h100", gpu_mem="80G", cpu_mem="8T",
+                                 optimizer=optimizer, precision="bf16", batch_size=1, seq_len=128)
+                assert plan.step_s > 0 and plan.peak["gpu"] <= 80 << 30, (toml.stem, optimizer)
+        out = io.StringIO()
+        sys.argv = ["finetune", "plan", "--model", "7b", "--hardware", "h100", "--optimizer", "galore"]
+        with contextlib.redirect_stdout(out):
+            try:
+                tierwise.cli.main.main()
+            except SystemExit as e:
+                assert not e.code, e.code
+        assert "llama-2-7b" in out.getvalue().lower() and "bottleneck" in out.getvalue(), out.getvalue()
         assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
         print("ok")
     """)

@@ -89,6 +89,7 @@ class StandInEngine:
         self.ledger = _Ledger(model)
         self.timeline: list[dict] = []
         self.phase_times: dict = {}
+        self.device_plan = None  # nothing placed: measure() has nothing to adjust
         self.closed = False
         self.steps = 0
 
@@ -107,6 +108,9 @@ class StandInEngine:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
                 else:
                     p.fill_(1.0 if "norm" in name else 0.0)
+
+    def measure(self, batch: dict) -> None:
+        pass
 
     def set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:

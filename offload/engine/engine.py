@@ -43,7 +43,7 @@ from ..core.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
 from ..core.errors import BudgetExceeded
 from ..core.sizes import parse_size
 from ..core.units import format_size
-from ..plan.homes import assign_homes
+from ..plan.homes import assign_homes, bounce_sizes
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
 from ..runtime.executor import Executor
 from ..runtime.store import ChunkStore, kind_bytes
@@ -210,7 +210,7 @@ class Engine:
         self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
                                 state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
                                 homes=tiers, nvme=self.nvme)
-        self.bounce = Bounce(self.store, pin=self.device.type == "cuda") if self.homes.bounce else None
+        self.bounce = Bounce(self.store, bounce_sizes(streamed, self.homes.tiers), pin=self.device.type == "cuda") if self.homes.bounce else None
         self.store.bounce = self.bounce
 
     def _install_hooks(self, model: torch.nn.Module, checkpointing: bool | None) -> None:

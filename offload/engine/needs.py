@@ -8,6 +8,7 @@ import torch
 
 from ..core.chunks import ChunkPlan
 from ..core.sizes import parse_size
+from ..plan.needs import device_needs as plan_device_needs
 from ..plan.placement import DeviceNeeds
 from ..runtime.cxl import CxlAllocator, detect_cxl_nodes
 from ..runtime.ledger import Ledger
@@ -53,22 +54,14 @@ def module_chunks(model: torch.nn.Module, plan: ChunkPlan,
 def device_needs(plan: ChunkPlan, chunks_of: dict[torch.nn.Module, list[int]],
                  param_names: dict[torch.nn.Parameter, str], *, kinds: dict[int, dict[str, int]], buffers: int,
                  itemsize: int, needs_grad: bool, activations: int, pinned: int = 0) -> DeviceNeeds:
-    """`pinned`: the most chunk bytes pinned at once so far (nested modules, parameters read
-    outside their owner): the window is at least that, and at least the widest module.
-    Without backward (MeZO) the gradient reserve is its perturbed copies of the widest module's
-    parameters (+εz and -εz)."""
-    compute = tuple(c.numel * itemsize for c in plan.chunks)
-    widest = max((sum(compute[c] for c in cids) for cids in chunks_of.values()), default=0)
-    widest = max(widest, pinned)
-    largest_param = max((s.numel for s in plan.slots.values()), default=0) * itemsize
-    zo_workspace = 0 if needs_grad else max(
-        (2 * itemsize * sum(plan.slots[param_names[p]].numel for p in m._parameters.values() if p is not None)
-         for m in chunks_of), default=0)
-    return DeviceNeeds(
-        buffers=buffers,
-        stream_window=widest + max(compute, default=0),
-        grad_reserve=largest_param if needs_grad else zo_workspace,
-        activations=activations,
-        home_bytes=tuple(sum(kinds[c].values()) for c in range(len(compute))),
-        compute_bytes=compute,
-    )
+    """This model's inputs to THE formula (offload.plan.needs.device_needs, which the planner
+    calls too). `pinned`: the most chunk bytes pinned at once so far (nested modules, parameters
+    read outside their owner): the window is at least that, and at least the widest module."""
+    owned = [sum(plan.slots[param_names[p]].numel for p in m._parameters.values() if p is not None)
+             for m in chunks_of]
+    return plan_device_needs(compute=[c.numel * itemsize for c in plan.chunks],
+                             home=[sum(kinds[c.index].values()) for c in plan.chunks],
+                             module_chunks=chunks_of.values(), module_numels=owned,
+                             largest_param=max((s.numel for s in plan.slots.values()), default=0),
+                             element_size=itemsize, needs_grad=needs_grad, buffers=buffers,
+                             activations=activations, pinned=pinned)

@@ -93,16 +93,37 @@ def _up(n: int) -> int:
     return (n + 4095) // 4096 * 4096
 
 
-def bounce_bytes(kinds: dict[int, dict[str, int]], tiers: dict[int, dict[str, str]]) -> int:
-    """Host bytes of NVMe bounce buffers for this placement (see the module docstring)."""
+@dataclass(frozen=True)
+class BounceSizes:
+    """Bytes of each NVMe bounce buffer (see the module docstring): THE sizes, counted here for
+    the planner and allocated from here by the engine (runtime.swapping.Bounce)."""
+
+    update_set: int  # one of two; the largest chunk's NVMe-resident kinds, each 4096-aligned
+    fetch: int  # the largest NVMe-resident compute source (compute copy, or master in fp32)
+    grad: int  # one of two (0: no gradient on NVMe)
+
+    @property
+    def total(self) -> int:
+        return 2 * self.update_set + self.fetch + 2 * self.grad
+
+
+def bounce_sizes(kinds: dict[int, dict[str, int]], tiers: dict[int, dict[str, str]]) -> BounceSizes:
+    """The bounce buffers of this placement ({chunk: {kind: bytes}}, {chunk: {kind: tier}})."""
     def on_nvme(c: int, kind: str) -> bool:
         return tiers.get(c, {}).get(kind) == "nvme"
 
-    update = max((sum(_up(v) for k, v in kinds[c].items() if on_nvme(c, k)) for c in kinds), default=0)
-    fetch = max((_up(kinds[c]["compute" if "compute" in kinds[c] else "master"]) for c in kinds
-                 if on_nvme(c, "compute" if "compute" in kinds[c] else "master")), default=0)
-    grads = max((_up(kinds[c]["grad"]) for c in kinds if on_nvme(c, "grad")), default=0)
-    return 2 * update + fetch + 2 * grads
+    def source(c: int) -> str:
+        return "compute" if "compute" in kinds[c] else "master"
+
+    return BounceSizes(
+        update_set=max((sum(_up(v) for k, v in kinds[c].items() if on_nvme(c, k)) for c in kinds), default=0),
+        fetch=max((_up(kinds[c][source(c)]) for c in kinds if on_nvme(c, source(c))), default=0),
+        grad=max((_up(kinds[c]["grad"]) for c in kinds if on_nvme(c, "grad")), default=0))
+
+
+def bounce_bytes(kinds: dict[int, dict[str, int]], tiers: dict[int, dict[str, str]]) -> int:
+    """Host bytes of NVMe bounce buffers for this placement (see the module docstring)."""
+    return bounce_sizes(kinds, tiers).total
 
 
 def minimum_host(kinds: dict[int, dict[str, int]], *, cxl: "int | None", nvme: bool) -> int:

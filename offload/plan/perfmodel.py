@@ -6,8 +6,8 @@ PCIe each way, NVMe, CXL, host DRAM bandwidth, CPU update) since transfers on in
 links overlap compute, plus a non-overlappable startup of one chunk. CPU cores that run the
 optimizer also drive NVMe I/O; host DRAM bandwidth is shared by the CPU update and all DMA.
 
-Per-optimizer numbers live in OPTIMIZERS below. TODO(optim): once `optim/costs.py` lands, read
-them from each optimizer's `cost()` (OptimizerCost) instead of this table.
+Per-optimizer numbers (CPU rate, forwards, whether there is a backward, the rank) come from
+the optimizer table, `offload.update.table`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..core.chunks import ParamSpec
 from ..core.errors import TierwiseError
+from ..update.table import OptimizerSpec
 from ...profiles.hardware import HardwareProfile
 from ...profiles.model import ModelProfile
 
@@ -23,49 +24,6 @@ GB = 1e9
 PRECISIONS = {"fp32": 4, "bf16": 2}
 KINDS = ("compute", "grad", "master", "state")
 TIERS = ("gpu", "host", "cxl", "nvme")
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimizerCost:
-    """What an optimizer costs per parameter (dense part) and how it runs."""
-
-    name: str
-    state_bytes_per_param: float
-    """Optimizer state of a dense (non-projected) parameter, bytes per parameter."""
-    cpu_rate: str = "adamw"
-    """Which host throughput applies: "adamw" or "adamw8bit" (HostSpec.<rate>_params_per_s)."""
-    cpu_rate_scale: float = 1.0
-    """Multiplier on that throughput (a cheaper update runs faster)."""
-    lowrank: str | None = None
-    """None, "galore" (stores an SVD projector) or "apollo" (random projector, regenerated)."""
-    default_rank: int = 0
-    """Rank of the projection for low-rank optimizers."""
-    needs_grad: bool = True
-    """False for zeroth-order optimizers: no gradient chunks, no backward."""
-    forwards: int = 1
-    """Forward passes per step (MeZO: 2, with +eps and -eps perturbations)."""
-
-
-OPTIMIZERS: dict[str, OptimizerCost] = {c.name: c for c in (
-    OptimizerCost(name="adamw", state_bytes_per_param=8.0),
-    # bitsandbytes blockwise 8-bit: 2 B of moments + 2 fp32 absmax per 256-element block.
-    OptimizerCost(name="adamw8bit", state_bytes_per_param=2.0 + 8 / 256, cpu_rate="adamw8bit"),
-    OptimizerCost(name="galore", state_bytes_per_param=8.0, lowrank="galore", default_rank=256),
-    OptimizerCost(name="galore8bit", state_bytes_per_param=2.0 + 8 / 256, cpu_rate="adamw8bit", lowrank="galore",
-                  default_rank=256),
-    OptimizerCost(name="apollo", state_bytes_per_param=8.0, lowrank="apollo", default_rank=256),
-    OptimizerCost(name="apollo-mini", state_bytes_per_param=8.0, lowrank="apollo", default_rank=1),
-    OptimizerCost(name="mezo", state_bytes_per_param=0.0, cpu_rate_scale=2.0, needs_grad=False, forwards=2),
-    # SGD (the engine's momentum-free default): one multiply-add per element, ~2x an AdamW pass
-    OptimizerCost(name="sgd", state_bytes_per_param=0.0, cpu_rate_scale=2.0),
-)}
-
-
-def optimizer_cost(name: str) -> OptimizerCost:
-    try:
-        return OPTIMIZERS[name.lower()]
-    except KeyError:
-        raise TierwiseError(f"unknown optimizer '{name}' (known: {', '.join(OPTIMIZERS)})") from None
 
 
 def compute_bytes(precision: str) -> int:
@@ -76,32 +34,15 @@ def compute_bytes(precision: str) -> int:
         raise TierwiseError(f"unknown precision '{precision}' (use fp32 or bf16)") from None
 
 
-def _projected(spec: ParamSpec, cost: OptimizerCost) -> bool:
-    return cost.lowrank is not None and len(spec.shape) == 2 and ".layers." in spec.name
-
-
-def param_state_bytes(spec: ParamSpec, *, cost: OptimizerCost, rank: int | None = None) -> float:
-    """Optimizer state bytes of one parameter.
-
-    Low-rank (GaLore/APOLLO) on a layer matrix m x n (r = rank): Adam moments of the r x max(m,n)
-    projected gradient, 2 * 4 * r * max(m,n); GaLore also keeps its fp32 projector min(m,n) x r.
-    Everything else (norms, embedding, lm_head) keeps dense state.
-    """
-    if not _projected(spec, cost):
-        return spec.numel * cost.state_bytes_per_param
-    m, n = spec.shape
-    r = min(rank or cost.default_rank, m, n)
-    moments = 8.0 * r * max(m, n)
-    return moments + (4.0 * r * min(m, n) if cost.lowrank == "galore" else 0.0)
-
-
-def param_update_flops(spec: ParamSpec, *, cost: OptimizerCost, rank: int | None = None) -> float:
+def param_update_flops(spec: ParamSpec, *, cost: OptimizerSpec, rank: int | None = None,
+                       projected: bool) -> float:
     """Matmul flops of the update beyond elementwise work: project the gradient down and the
-    update back up, 2 * 2*m*n*r (GaLore's periodic SVD is amortised away)."""
-    if not _projected(spec, cost):
+    update back up, 2 * 2*m*n*r (GaLore's periodic SVD is amortised away). `projected`: the
+    table's projection rule (`table.projected_params`) holds for this parameter."""
+    if not (cost.low_rank and projected):
         return 0.0
-    m, n = spec.shape
-    return 4.0 * m * n * min(rank or cost.default_rank, m, n)
+    m, n = spec.shape[0], spec.numel // spec.shape[0]
+    return 4.0 * m * n * min(cost.default_rank if rank is None else rank, m, n)
 
 
 def ops_per_forward(model: ModelProfile) -> int:
@@ -268,11 +209,11 @@ def _finish(phases: dict[str, float], resources: dict, tops: dict[str, str], tok
                           tokens_per_s=tokens / step if step > 0 else float("inf"))
 
 
-def _cpu_rate(hw: HardwareProfile, cost: OptimizerCost) -> float:
+def _cpu_rate(hw: HardwareProfile, cost: OptimizerSpec) -> float:
     return getattr(hw.host, f"{cost.cpu_rate}_params_per_s") * cost.cpu_rate_scale
 
 
-def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerCost, load: StepLoad,
+def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSpec, load: StepLoad,
                  tokens: int, micro_batches: int = 1) -> StepPrediction:
     """Price one step of `load` on `hardware` (see the module docstring for the model)."""
     if hardware.simulated:
@@ -339,7 +280,7 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerCo
     return _finish(phases, resources, tops, tokens)
 
 
-def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: OptimizerCost, load: StepLoad,
+def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: OptimizerSpec, load: StepLoad,
                        tokens: int, micro_batches: int) -> StepPrediction:
     """The simulated device: "gpu" compute, the copy threads and the optimizer all run on the
     same CPU cores, so their times add up instead of overlapping; the engine (today) updates

@@ -4,8 +4,8 @@ or InfeasibleBudget naming the minimum budget that would work.
 The planner mirrors the engine byte for byte on the simulated device, by construction:
 - chunking: `pack_chunks` over the parameters of the module the run trains (`params`, as
   `finetune` passes them; else the profile's, HF registration order = first-use order) with
-  the same chunk size; optimizer state bytes from the engine's own chunk updater
-  (`updaters.make_updater(...).state_bytes`);
+  the same chunk size; optimizer state bytes from the optimizer table
+  (`offload.update.table.state_bytes`, the engine's updater allocation in closed form: no torch);
 - the gpu side: the same `DeviceNeeds` (module buffers; the streaming window = the widest
   module's chunks + the largest chunk; the gradient reserve = the largest parameter, for MeZO
   the perturbed copies of the widest module; the activations, here computed in closed form by
@@ -34,7 +34,9 @@ from ..core.errors import InfeasibleBudget, TierwiseError
 from .homes import Homes, assign_homes, minimum_host
 from .perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buffer_bytes, checkpoints_blocks,
                                compute_bytes, model_flops,
-                               ops_per_forward, optimizer_cost, param_update_flops, predict_step)
+                               ops_per_forward, param_update_flops, predict_step)
+from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
+from .needs import device_needs, zo_workspace
 from .placement import DeviceNeeds, DevicePlan, plan_device
 from ..core.units import format_size
 from ..core.sizes import parse_size
@@ -168,14 +170,14 @@ def _module_of(name: str) -> str:
 class _Chunks:
     """The engine's chunking of `model` and the bytes of every kind of every chunk.
 
-    Optimizer state bytes come from the engine's own chunk updater
-    (`offload.update.updaters.make_updater(...).state_bytes(cid)`), so 8-bit blocks, 64-byte slot
-    alignment and low-rank projectors are counted exactly as the engine allocates them."""
+    Optimizer state bytes come from the optimizer table (`offload.update.table.state_bytes`),
+    which counts 8-bit blocks, 64-byte slot alignment and low-rank projectors exactly as the
+    engine's updater allocates them (tests/test_optimizer_table.py)."""
 
     def __init__(self, *, model: ModelProfile, optimizer: str, precision: str, chunk_bytes: int,
                  rank: int | None, optimizer_kwargs: dict | None = None,
                  params: "Sequence[ParamSpec] | None" = None) -> None:
-        self.cost = optimizer_cost(optimizer)
+        self.cost = optimizer_spec(optimizer)
         self.ce = compute_bytes(precision)
         self.bf16 = precision == "bf16"
         specs = list(params) if params is not None else model.param_specs()
@@ -183,20 +185,23 @@ class _Chunks:
         by_name = {s.name: s for s in specs}
         self.plan: ChunkPlan = pack_chunks(specs, chunk_bytes=chunk_bytes, element_size=4)
         self.n = len(self.plan.chunks)
-        updater = _updater(optimizer, self.plan, specs, rank=rank, optimizer_kwargs=optimizer_kwargs)
-        self.needs_grad = bool(updater.needs_grad)
+        rank, momentum = _state_options(optimizer, rank=rank, optimizer_kwargs=optimizer_kwargs)
+        blobs = state_bytes(self.plan, self.cost.name, rank=rank, momentum=momentum)
+        proj = projected_params({s.name: tuple(s.shape) for s in specs}) if self.cost.low_rank else set()
+        self.needs_grad = self.cost.needs_grad
         self.kinds: list[dict[str, int]] = []  # per chunk, as the engine's store.kind_bytes
         self.params: list[int] = []
         self.flops: list[float] = []
         for c in self.plan.chunks:
             ps = [by_name[n] for n in c.params]
-            k = {"grad": 4 * c.numel if self.needs_grad else 0, "state": int(updater.state_bytes(c.index)),
+            k = {"grad": 4 * c.numel if self.needs_grad else 0, "state": blobs[c.index],
                  "master": 4 * c.numel}
             if self.bf16:
                 k["compute"] = self.ce * c.numel
             self.kinds.append({kind: b for kind, b in k.items() if b})
             self.params.append(sum(p.numel for p in ps))
-            self.flops.append(sum(param_update_flops(p, cost=self.cost, rank=rank) for p in ps))
+            self.flops.append(sum(param_update_flops(p, cost=self.cost, rank=rank, projected=p.name in proj)
+                                  for p in ps))
         self.compute = [self.ce * c.numel for c in self.plan.chunks]
         modules: dict[str, set[int]] = defaultdict(set)
         owned: dict[str, int] = defaultdict(int)
@@ -205,36 +210,36 @@ class _Chunks:
             owned[_module_of(name)] += slot.numel
         self.widest = max((sum(self.compute[c] for c in cids) for cids in modules.values()), default=0)
         self.largest_param = max((s.numel for s in self.plan.slots.values()), default=0)
-        # MeZO: the +eps z and -eps z copies of the widest module's parameters (engine._zo_workspace)
-        self.zo_workspace = 2 * self.ce * max(owned.values(), default=0)
+        self.modules, self.owned = modules, owned
+        self.zo_workspace = zo_workspace(owned.values(), self.ce)
         widest = max(owned, key=owned.__getitem__, default="")
         tied_head = widest == "model.embed_tokens" and "lm_head.weight" not in self.plan.slots
         self.zo_module = "lm_head" if tied_head else widest  # a tied head runs last, on the embedding's chunk
         self.zo_chunks = sorted(modules.get(widest, ()))
 
     def device_needs(self, *, buffers: int, activations: int) -> DeviceNeeds:
-        """What the engine's `_device_needs` computes for this model (placement.DeviceNeeds)."""
-        return DeviceNeeds(
-            buffers=buffers,
-            stream_window=self.widest + max(self.compute, default=0),
-            grad_reserve=self.largest_param * self.ce if self.needs_grad else self.zo_workspace,
-            activations=activations,
-            home_bytes=tuple(sum(k.values()) for k in self.kinds),
-            compute_bytes=tuple(self.compute),
-        )
+        """`needs.device_needs` for this model, as the engine's `_device_needs` calls it."""
+        return device_needs(compute=self.compute, home=[sum(k.values()) for k in self.kinds],
+                            module_chunks=self.modules.values(), module_numels=self.owned.values(),
+                            largest_param=self.largest_param, element_size=self.ce,
+                            needs_grad=self.needs_grad, buffers=buffers, activations=activations)
 
 
-def _updater(optimizer: str, plan: ChunkPlan, specs: list, *, rank: int | None, optimizer_kwargs: dict | None):
-    """The engine's chunk updater for this chunking (state bytes and whether it needs grads)."""
-    from ..update.updaters import LOW_RANK, make_updater  # torch: imported only when planning
+#: Engine optimizer options that do not change any byte the planner counts.
+_NO_BYTES = ("update_proj_gap", "scale", "seed", "eps")
 
+
+def _state_options(optimizer: str, *, rank: int | None, optimizer_kwargs: dict | None) -> tuple[int | None, float]:
+    """(rank, momentum) out of the Engine's `optimizer_kwargs`; any other option the planner
+    does not know is refused (it might change the state bytes)."""
     kwargs = dict(optimizer_kwargs or {})
     if rank is not None and optimizer in LOW_RANK:
         kwargs.setdefault("rank", rank)
-    try:
-        return make_updater(optimizer, plan, shapes={s.name: tuple(s.shape) for s in specs}, **kwargs)
-    except (ValueError, TypeError) as exc:
-        raise TierwiseError(f"optimizer {optimizer!r}: {exc}") from None
+    rank, momentum = kwargs.pop("rank", None), kwargs.pop("momentum", 0.0)
+    unknown = sorted(k for k in kwargs if k not in _NO_BYTES)
+    if unknown:
+        raise TierwiseError(f"optimizer {optimizer!r}: the planner does not know the option(s) {', '.join(unknown)}")
+    return rank, momentum
 
 
 def _resolve_model(model: Any) -> ModelProfile:
@@ -251,7 +256,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
               optimizer_kwargs: dict | None = None, grad_accum: int = 1, up_front: bool = True,
               checkpointing: bool | None = None, padded: bool = False,
-              params: "Sequence[ParamSpec] | None" = None, **_ignored: Any) -> Plan:
+              params: "Sequence[ParamSpec] | None" = None) -> Plan:
     """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited).
 
     `model`: a profile, a profile name/path, or a transformers model/config (its shapes are read).

@@ -14,29 +14,23 @@ from typing import Any
 
 import torch
 
+from ..plan.homes import BounceSizes
 from .aligned import aligned_empty, round_up
 from .store import ChunkStore, SwapKind
 
 
 class Bounce:
     """Two update sets, a fetch staging buffer and two gradient staging buffers in host DRAM
-    (ledger kind 'buffer'); sizes as offload.plan.homes.bounce_bytes counts them."""
+    (ledger kind 'buffer'), of the sizes `offload.plan.homes.bounce_sizes` counts (the planner
+    counts the same)."""
 
-    def __init__(self, store: ChunkStore, *, pin: bool):
+    def __init__(self, store: ChunkStore, sizes: BounceSizes, *, pin: bool):
         self.store = store
-        n = range(len(store.chunks))
-        sets = max((self._set_bytes(c) for c in n), default=0)
-        fetch = max((round_up(src.nbytes) for c in n
-                     if isinstance(src := store.compute_source(c), SwapKind)), default=0)
-        grads = max((round_up(g.nbytes) for c in n if isinstance(g := store.chunks[c].grad, SwapKind)), default=0)
-        self.nbytes = 2 * sets + fetch + 2 * grads
+        self.nbytes = sizes.total
         store.tiers.ledger.reserve("host", "buffer", self.nbytes)
-        self.sets = [aligned_empty(sets, pin=pin) for _ in range(2)]
-        self.staging = aligned_empty(fetch, pin=pin)
-        self.grad_staging = [aligned_empty(grads, pin=pin) for _ in range(2 if grads else 0)]
-
-    def _set_bytes(self, cid: int) -> int:
-        return sum(round_up(d.nbytes) for _, _, d in self.store.chunks[cid].kinds() if isinstance(d, SwapKind))
+        self.sets = [aligned_empty(sizes.update_set, pin=pin) for _ in range(2)]
+        self.staging = aligned_empty(sizes.fetch, pin=pin)
+        self.grad_staging = [aligned_empty(sizes.grad, pin=pin) for _ in range(2 if sizes.grad else 0)]
 
     def views(self, slot: int, cid: int) -> dict[str, torch.Tensor]:
         """Tensors for chunk `cid`'s swapped kinds, carved from update set `slot`."""

@@ -27,8 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..core.chunks import ALIGN, ChunkPlan, ChunkSpec
-
-ALIGN_BYTES = 64
+from .table import ALIGN_BYTES
 
 
 @dataclass(kw_only=True)

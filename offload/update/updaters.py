@@ -1,5 +1,6 @@
 """Chunk updaters by optimizer name: how the engine runs each optim/ algorithm.
 
+Names, default ranks and the projection rule come from the optimizer table (`.table`).
 Projection rule of the low-rank optimizers (GaLore, APOLLO): parameters with two or more
 dimensions are projected, except embeddings and the output head (vocabulary-sized rows that
 the papers keep in full AdamW); norms and biases are 1-D and stay AdamW. The drop-in
@@ -14,20 +15,14 @@ from typing import Any
 import torch
 
 from ..core.chunks import ChunkPlan
+from .table import LOW_RANK, NAMES, OPTIMIZERS, projected_params
 from .update import AdamWChunks, Hyper, SGDChunks, SlotUpdater
 from ...optim.adamw import adamw_step_, init_adamw_state
 from ...optim.adamw8bit import adamw8bit_step_, init_adamw8bit_state
 from ...optim.apollo import apollo_step_, init_apollo_state
 from ...optim.galore import as_matrix, galore_step_, init_galore_state, svd_projector
 
-NAMES = ("adamw", "adamw8bit", "galore", "galore8bit", "apollo", "apollo-mini", "sgd", "mezo")
-LOW_RANK = ("galore", "galore8bit", "apollo", "apollo-mini")
-
-
-def projected_params(shapes: dict[str, tuple[int, ...]]) -> set[str]:
-    """Names the low-rank optimizers project (see the module docstring)."""
-    skip = ("embed", "lm_head", "wte", "wpe", "output")
-    return {n for n, s in shapes.items() if len(s) >= 2 and not any(k in n for k in skip)}
+__all__ = ["LOW_RANK", "NAMES", "drop_in_groups", "make_updater", "projected_params"]
 
 
 def drop_in_groups(model: torch.nn.Module, *, rank: int, **extra: Any) -> list[dict]:
@@ -73,7 +68,7 @@ def _galore(plan: ChunkPlan, order: list[str], proj: set[str], *, eight_bit: boo
     return SlotUpdater("galore8bit" if eight_bit else "galore", plan, order=order, projected=proj, init=init, run=run)
 
 
-def _apollo(plan: ChunkPlan, order: list[str], proj: set[str], *, mini: bool, rank: int = 256,
+def _apollo(plan: ChunkPlan, order: list[str], proj: set[str], *, mini: bool, rank: int,
             update_proj_gap: int = 200, scale: float = 1.0, seed: int = 0) -> SlotUpdater:
     r = 1 if mini else rank  # defaults as the drop-in ApolloAdamW / ApolloMini
 
@@ -104,7 +99,12 @@ def _apollo_proj_shape(rows: int, cols: int, k: int) -> tuple[int, int]:
 
 def make_updater(name: str, plan: ChunkPlan, *, shapes: dict[str, tuple[int, ...]], momentum: float = 0.0,
                  **kwargs: Any):
-    """The chunk updater for optimizer `name` (kwargs: rank, update_proj_gap, scale, seed)."""
+    """The chunk updater for optimizer `name` (kwargs: rank, update_proj_gap, scale, seed);
+    a low-rank optimizer without `rank` takes the table's default_rank (as the planner does)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(NAMES)}")
+    if name in LOW_RANK and kwargs.get("rank") is None:
+        kwargs["rank"] = OPTIMIZERS[name].default_rank
     proj = projected_params(shapes) if name in LOW_RANK else set()
     order = [n for n in shapes if n in proj] + [n for n in shapes if n not in proj]
     if name == "adamw":
@@ -114,9 +114,9 @@ def make_updater(name: str, plan: ChunkPlan, *, shapes: dict[str, tuple[int, ...
     if name == "adamw8bit":
         return _adam8(plan, order, proj)
     if name in ("galore", "galore8bit"):
-        return _galore(plan, order, proj, eight_bit=name == "galore8bit", rank=kwargs.pop("rank", 128), **kwargs)
+        return _galore(plan, order, proj, eight_bit=name == "galore8bit", **kwargs)
     if name in ("apollo", "apollo-mini"):
-        return _apollo(plan, order, proj, mini=name == "apollo-mini", rank=kwargs.pop("rank", 256), **kwargs)
+        return _apollo(plan, order, proj, mini=name == "apollo-mini", **kwargs)
     if name == "mezo":
         from .zeroth import MeZOChunks
 

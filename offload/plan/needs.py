@@ -1,0 +1,37 @@
+"""The device's needs besides chunks (pure, no torch): THE formula the engine
+(`Engine._device_needs`) and the planner (`planner._Chunks.device_needs`) both call, so their
+minimum gpu budgets are one number by construction (tests/test_needs.py feeds both the same
+inputs)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from .placement import DeviceNeeds
+
+
+def device_needs(*, compute: Sequence[int], home: Sequence[int], module_chunks: Iterable[Iterable[int]],
+                 module_numels: Iterable[int], largest_param: int, element_size: int, needs_grad: bool,
+                 buffers: int, activations: int, pinned: int = 0) -> DeviceNeeds:
+    """What one step needs on the device.
+
+    compute / home: per chunk, bytes of its compute copy / of all its kinds (if gpu-home).
+    module_chunks: for each module owning parameters, the chunks they live in; module_numels:
+    for each such module, the elements of the parameters it owns (MeZO perturbs them).
+    largest_param: elements of the largest parameter; element_size: bytes per compute element.
+    pinned: the most chunk bytes pinned at once so far (nested modules, parameters read outside
+    their owner, measured by the engine): the window is at least that.
+
+    The streaming window is the widest module's chunks plus one chunk being prefetched; the
+    gradient reserve the largest parameter's gradient in flight, or for MeZO (no gradients)
+    its +εz and -εz copies of the widest module's parameters."""
+    widest = max(max((sum(compute[c] for c in cids) for cids in module_chunks), default=0), pinned)
+    reserve = largest_param * element_size if needs_grad else zo_workspace(module_numels, element_size)
+    return DeviceNeeds(buffers=buffers, stream_window=widest + max(compute, default=0),
+                       grad_reserve=reserve, activations=activations,
+                       home_bytes=tuple(home), compute_bytes=tuple(compute))
+
+
+def zo_workspace(module_numels: Iterable[int], element_size: int) -> int:
+    """MeZO's perturbed copies (+εz and -εz) of the widest module's parameters, in bytes."""
+    return 2 * element_size * max(module_numels, default=0)

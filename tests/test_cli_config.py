@@ -1,0 +1,133 @@
+"""Flags and TOML keys come from one place (TrainConfig's fields and their `option`
+metadata), and the CLI's engine contract is a Protocol the real Engine satisfies."""
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from tierwise.cli import train as cli_train
+from tierwise.cli.config import TOML_KEYS, TrainConfig, option_fields
+from tierwise.cli.main import app
+from tierwise.offload.update.table import NAMES
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tinyhf import StandInEngine  # noqa: E402
+
+
+def _params(command_name=None) -> dict:
+    group = typer.main.get_command(app)
+    cmd = group if command_name is None else group.commands[command_name]
+    return {p.name: p for p in cmd.params}
+
+
+def _choices(p) -> tuple[str, ...]:
+    return tuple(m.value for m in p.type_descriptor.annotation)
+
+
+def test_every_option_field_has_its_flag_default_and_toml_key():
+    train, plan = _params(), _params("plan")
+    fields = option_fields()
+    assert [f.name for f in fields] == list(TOML_KEYS)
+    assert {f.name for f in dataclasses.fields(TrainConfig) if f.init} == set(TOML_KEYS)  # no field left out
+    for f in fields:
+        meta = f.metadata["cli"]
+        for params, wanted in ((train, True), (plan, meta["plan"])):
+            assert (f.name in params) == wanted, f.name
+            if not wanted:
+                continue
+            p = params[f.name]
+            assert p.default == f.default, (f.name, p.default, f.default)
+            assert f"--{f.name.replace('_', '-')}" in p.opts, (f.name, p.opts)
+            if meta["choices"]:
+                assert _choices(p) == meta["choices"], f.name
+    assert _choices(_params()["optimizer"]) == NAMES  # the optimizer table's names
+    # the commands' own options are not config keys
+    assert set(train) - set(TOML_KEYS) == {"config"}
+    assert set(plan) - set(TOML_KEYS) == {"config", "json_out", "verify", "verify_steps"}
+
+
+def test_every_toml_key_sets_its_field(tmp_path, monkeypatch):
+    """A file holding every key (non-default values) reaches TrainConfig as the flags would."""
+    seen = {}
+    monkeypatch.setattr(cli_train, "run", lambda cfg, console: seen.setdefault("cfg", cfg) and 0)
+    values = {"model": "tiny", "data": "d.jsonl", "eval_data": "e.jsonl", "seq_len": 64, "batch_size": 2,
+              "grad_accum": 3, "pack": False, "gpu_mem": "1G", "cpu_mem": "2G", "cxl_mem": "3G", "cxl_node": 1,
+              "nvme_path": "/tmp/x", "nvme_checksum": False, "offload_activations": True, "recompute": True, "chunk_size": "16M",
+              "optimizer": "galore", "lr": 0.5, "weight_decay": 0.1, "grad_clip": 1.0, "precision": "bf16",
+              "steps": 7, "epochs": None, "warmup_steps": 2, "schedule": "linear", "eval_every": 3,
+              "checkpoint_every": 4, "keep_checkpoints": 5, "seed": 9, "output": "o", "resume": True,
+              "overwrite": False, "export_dtype": "fp16", "hardware": "h100", "dry_run": True}
+    assert set(values) == set(TOML_KEYS)
+    lines = [f"{k.replace('_', '-')} = {_toml(v)}" for k, v in values.items() if v is not None]
+    (tmp_path / "all.toml").write_text("\n".join(lines) + "\n")
+    r = CliRunner().invoke(app, ["--config", str(tmp_path / "all.toml")])
+    assert r.exit_code == 0, (r.output, r.exception)
+    cfg = seen["cfg"]
+    parsed = {"cxl_node": (1,)}  # a node list is parsed to its ids
+    assert {k: getattr(cfg, k) for k in values} == {**values, **parsed}
+
+
+def _toml(v) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else str(v)
+
+
+@pytest.mark.parametrize("command", [[], ["plan"]])
+def test_unknown_toml_key_is_one_line_and_exit_2(tmp_path, command):
+    toml = tmp_path / "run.toml"
+    toml.write_text('gpu-mem = "24G"\nrank = 8\n')
+    r = CliRunner().invoke(app, [*command, "--config", str(toml)])
+    assert r.exit_code == 2, (r.output, r.exception)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "unknown key 'rank'" in lines[0], r.stderr
+
+
+def test_unknown_flag_is_exit_2():
+    r = CliRunner().invoke(app, ["--rank", "8"])
+    assert r.exit_code == 2 and "No such option" in r.output
+
+
+def test_engines_satisfy_the_cli_protocol():
+    from tests.models import tiny_llama
+    from tierwise.offload import Engine
+
+    model = tiny_llama(layers=2, hidden=32)
+    engine = Engine(model, chunk_bytes=16 << 10)
+    try:
+        assert isinstance(engine, cli_train.TrainingEngine)
+    finally:
+        engine.close()
+    assert isinstance(StandInEngine(tiny_llama(layers=2, hidden=32)), cli_train.TrainingEngine)
+    assert not isinstance(object(), cli_train.TrainingEngine)
+
+
+def test_make_engine_refuses_an_option_the_engine_does_not_take(monkeypatch):
+    """No option is dropped with a warning any more: an engine without one is a TypeError."""
+    from tests.models import tiny_llama
+
+    class NoClip(StandInEngine):
+        def __init__(self, model, *, optimizer="adamw", lr=1e-4, weight_decay=0.0, gpu_mem=None, cpu_mem=None, chunk_bytes=None,
+                     precision="fp32", activations=None):
+            super().__init__(model, optimizer=optimizer, lr=lr, weight_decay=weight_decay)
+
+    monkeypatch.setattr(cli_train, "engine_class", lambda: NoClip)
+    with pytest.raises(TypeError, match="grad_clip"):
+        cli_train.make_engine(tiny_llama(layers=2, hidden=32), TrainConfig(grad_clip=1.0, model="x"))
+
+
+@pytest.mark.parametrize("name", ["tiny", "100m", "llama-7b", "qwen2.5-7b", "mistral-7b", "llama-8b"])
+def test_profile_params_are_the_built_modules(name):
+    """`finetune plan --model PROFILE` reads the parameters off the profile (no torch); they
+    are the ones of the module training builds from it (vocabulary grown to the built-in
+    tokenizer's, a tied head once), so the torch-free plan is the plan."""
+    from tierwise.cli import planning
+    from tierwise.cli.loading import resolve_model
+    from tierwise.cli.profilemodel import profile_params
+
+    built = planning.engine_params(resolve_model(name))
+    assert [(s.name, s.shape) for s in profile_params(name)] == [(s.name, s.shape) for s in built]
+    assert all(s.stride in (None, tuple(math.prod(s.shape[i + 1:]) for i in range(len(s.shape)))) for s in built)
