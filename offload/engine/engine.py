@@ -57,7 +57,7 @@ from ..runtime.cxl import CxlAllocator, detect_cxl_nodes
 from ..runtime.executor import Executor, Ticket
 from ..runtime.ledger import Ledger
 from ..runtime.nvme import NvmeStore
-from ..runtime.store import ChunkStore, SwapKind, in_slot_order, kind_bytes
+from ..runtime.store import ChunkStore, SwapKind, frozen_kind_bytes, in_slot_order, kind_bytes
 from ..runtime.swapping import Bounce, update_all
 from ..runtime.tiers import Tiers, pick_device
 from ..runtime.trace import TraceFollower
@@ -68,6 +68,8 @@ from .actoffload import Offloader
 from .early import EarlyUpdater
 from .gradspill import GradSpill
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
+from .frozen_base import frozen_layouts
+from .lora import apply_lora
 from .model_info import find_blocks, modules_with_params
 from .reads import Paused, ReadGuard
 
@@ -99,7 +101,8 @@ class Engine:
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
                  prefetch_depth: int = 16, h2d_bandwidth: float | None = None,
                  d2h_bandwidth: float | None = None, allow_gpu_home: bool = True,
-                 offload_activations: bool = False, overlap_update: bool = True):
+                 offload_activations: bool = False, overlap_update: bool = True,
+                 lora: Any = None, base_dtype: str | None = None, double_quant: bool = False):
         """`activations`: the expected peak of saved activations (e.g. the planner's estimate).
         Given, chunks are placed in their final tiers now; otherwise after the warm-up step,
         which measures it (until then every chunk lives host-side).
@@ -109,9 +112,16 @@ class Engine:
         `offload_activations`: keep checkpointed blocks' inputs in host memory between forward
         and backward (offload.engine.actoffload), for sequences whose activations outgrow the device.
         `overlap_update`: update a chunk as soon as its gradients are final, during backward
-        (offload.engine.early); `engine.step` only, and not with clipping."""
+        (offload.engine.early); `engine.step` only, and not with clipping.
+        `lora`: a peft.LoraConfig whose adapters are injected (offload.engine.lora); a model
+        already wrapped by peft.get_peft_model is taken as is. Parameters with
+        requires_grad=False (the base) are frozen: a compute copy only, streamed read-only.
+        `base_dtype` (bf16 | fp16 | int8 | nf4; None: the compute dtype): how frozen weights are
+        stored and carried (offload.runtime.codecs); `double_quant`: NF4's absmax quantized too."""
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
+        if lora is not None:
+            model = apply_lora(model, lora)
         self.model, self.loss_fn = model, loss_fn
         self.device = pick_device(device)
         self.compute_dtype = DTYPES[precision]
@@ -126,10 +136,18 @@ class Engine:
                           cxl_bandwidth=cxl_bandwidth, nvme_path=nvme_path, nvme_checksum=nvme_checksum)
         self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
 
-        named = self._trainable(model)
-        self.plan = pack_chunks(specs_of(named), chunk_bytes=parse_size(chunk_bytes, what="chunk size"))
+        named = list(model.named_parameters())
+        frozen = {n for n, p in named if not p.requires_grad}
+        if frozen and optimizer == "mezo":
+            raise UnsupportedModel(f"mezo perturbs every parameter of a module; frozen parameters "
+                                   f"({sorted(frozen)[:3]}...) are not supported with it")
+        self.plan = pack_chunks(specs_of(named), chunk_bytes=parse_size(chunk_bytes, what="chunk size"),
+                                frozen=frozen)
+        self.frozen_layouts = frozen_layouts(self.plan, model, base_dtype=base_dtype, double_quant=double_quant,
+                                             compute_dtype=self.compute_dtype)
         self.optimizer_name = optimizer
-        self.updater = make_updater(optimizer, self.plan, shapes={n: tuple(p.shape) for n, p in named},
+        self.updater = make_updater(optimizer, self.plan.trainable(),
+                                    shapes={n: tuple(p.shape) for n, p in named if n not in frozen},
                                     momentum=momentum, **(optimizer_kwargs or {}))
         weights = [(n, p) for n, p in named if p.device.type != "meta"]
         named = self._materialize_meta(model, named)
@@ -190,8 +208,11 @@ class Engine:
 
     def _place(self, activations: int | None) -> None:
         """Decide every chunk kind's tier and allocate the chunk store there."""
-        self.kinds = {c.index: kind_bytes(c.numel, state_bytes=self.updater.state_bytes(c.index),
-                                          compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
+        self.kinds = {c.index: frozen_kind_bytes(c.numel, layout=self.frozen_layouts[c.index],
+                                                 compute_dtype=self.compute_dtype)
+                      if c.index in self.frozen_layouts else
+                      kind_bytes(c.numel, state_bytes=self.updater.state_bytes(c.index),
+                                 compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
                       for c in self.plan.chunks}
         budgets = self.ledger.budgets
         self.needs = self._device_needs(activations=activations or 0)
@@ -199,7 +220,8 @@ class Engine:
         self.device_plan: DevicePlan | None = None
         gpu_home: frozenset[int] = frozenset()
         if activations is not None:
-            self.device_plan = plan_device(self.needs, budgets["gpu"], allow_gpu_home=self.allow_gpu_home)
+            self.device_plan = plan_device(self.needs, budgets["gpu"], allow_gpu_home=self.allow_gpu_home,
+                                           prefer=self._home_order())
             gpu_home = self.device_plan.gpu_home
         streamed = {c: k for c, k in self.kinds.items() if c not in gpu_home}
         self.homes = assign_homes(kinds=streamed, host=budgets["host"], cxl=budgets.get("cxl"),
@@ -209,7 +231,7 @@ class Engine:
         tiers = dict(self.homes.tiers) | {c: dict.fromkeys(self.kinds[c], "gpu") for c in gpu_home}
         self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
                                 state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
-                                homes=tiers, nvme=self.nvme)
+                                homes=tiers, nvme=self.nvme, frozen=self.frozen_layouts)
         self.bounce = Bounce(self.store, pin=self.device.type == "cuda") if self.homes.bounce else None
         self.store.bounce = self.bounce
         self.spill = GradSpill(self)
@@ -245,7 +267,8 @@ class Engine:
         self._frames: list[tuple[torch.nn.Module | None, list[int]]] = []
         self._handles = install_module_hooks(self, model)
         for p in self.params.values():
-            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            if p.requires_grad:  # frozen parameters get no gradient
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         self.early = EarlyUpdater(self) if self.overlap_update and self.updater.needs_grad else None
         self._early_on = False
         self._uses: dict[str, int] | None = None  # gradients per backward, per parameter (traced)
@@ -278,12 +301,14 @@ class Engine:
             finally:
                 self.exit_module(block)
 
-    @staticmethod
-    def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-        if frozen:
-            raise ValueError(f"frozen parameters are not supported yet: {frozen[:3]}...")
-        return list(model.named_parameters())
+    def _home_order(self) -> list[int]:
+        """Chunks that may be gpu-home, most wanted first: trainable ones (adapters: small, and
+        the whole update stays on the device), then frozen ones; both last-used first. Encoded
+        frozen chunks never: they are decoded per use."""
+        n = len(self.plan.chunks)
+        trainable = [c for c in reversed(range(n)) if not self.plan.is_frozen(c)]
+        frozen = [c for c in reversed(range(n)) if self.plan.is_frozen(c) and self.frozen_layouts[c] is None]
+        return trainable + frozen
 
     def _materialize_meta(self, model: torch.nn.Module,
                           named: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.nn.Parameter]]:
@@ -328,7 +353,8 @@ class Engine:
         compute = tuple(c.numel * csize for c in self.plan.chunks)
         widest = max((sum(compute[c] for c in cids) for cids in self.module_chunks.values()), default=0)
         widest = max(widest, pinned)
-        largest_param = max((s.numel for s in self.plan.slots.values()), default=0) * csize
+        largest_param = max((s.numel for s in self.plan.slots.values()
+                             if not self.plan.is_frozen(s.chunk)), default=0) * csize
         return DeviceNeeds(
             buffers=self.buffer_bytes,
             stream_window=widest + max(compute, default=0),
@@ -355,11 +381,12 @@ class Engine:
 
             def fn(stream: Any) -> None:
                 self.nvme.read(src.key, staging)
-                buf.copy_(staging, non_blocking=stream is not None)
+                self.store.to_compute(cid, staging, buf, non_blocking=stream is not None)
         else:
             def fn(stream: Any) -> None:
-                buf.copy_(src, non_blocking=stream is not None)
-        return self.executor.job("h2d", fn, nbytes=buf.numel() * buf.element_size(), links=links)
+                self.store.to_compute(cid, src, buf, non_blocking=stream is not None)
+        nbytes = src.nbytes if isinstance(src, SwapKind) else src.numel() * src.element_size()  # encoded: less
+        return self.executor.job("h2d", fn, nbytes=nbytes, links=links)
 
     def _on_resident(self, cid: int, buf: torch.Tensor) -> None:
         self.streamed_storage[buf.untyped_storage()._cdata] = cid
@@ -776,7 +803,8 @@ class Engine:
             self._hold_estimate(act)
             return
         self.needs = measured
-        self.device_plan = plan_device(self.needs, self.ledger.budgets["gpu"], allow_gpu_home=self.allow_gpu_home)
+        self.device_plan = plan_device(self.needs, self.ledger.budgets["gpu"], allow_gpu_home=self.allow_gpu_home,
+                                       prefer=self._home_order())
         for cid in sorted(self.device_plan.gpu_home):
             self.store.promote(cid, self.params)
             self.home_storage.add(self.store.compute_source(cid).untyped_storage()._cdata)
