@@ -92,3 +92,14 @@ def test_reads_a_bitsandbytes_checkpoint():
     state = bnbf.QuantState.from_dict(stats, device="cpu")
     ours = codecs.nf4_dequantize(codecs.nf4_from_bnb(sd["weight"], state))
     assert torch.equal(ours, bnbf.dequantize_4bit(lin.weight.data, lin.weight.quant_state).reshape(-1))
+
+
+def test_double_quant_matches_where_the_nested_code_is_not_the_nearest_level():
+    """tiny_llama's up_proj (seed 0): bitsandbytes' nested absmax code of block 43 is the second-
+    nearest level of its dynamic map (a binary search); a nearest-level quantizer differs there."""
+    from tests.models import tiny_llama
+
+    w = dict(tiny_llama(layers=1).named_parameters())["model.layers.0.mlp.up_proj.weight"].detach()
+    q, st = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+    ours = codecs.nf4_quantize(w, double_quant=True)
+    assert torch.equal(ours.qabsmax, st.absmax) and torch.equal(ours.packed, q.reshape(-1))

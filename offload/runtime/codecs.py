@@ -9,7 +9,7 @@ the nearest of the 16 NF4 levels to x / absmax (x times the reciprocal, as bitsa
 computes it), two indices per byte, the first in the high nibble. With double quantization
 (`compress_statistics=True`), the absmax minus its mean (`offset`) is quantized again block-
 wise (blocks of 256) against bitsandbytes' signed dynamic 8-bit map, with an fp32 absmax per
-block. `tests/test_codecs.py` checks our bytes against `quantize_4bit` and our decoded weights
+block; that second quantization calls bitsandbytes' quantize_blockwise (see nf4_quantize). `tests/test_codecs.py` checks our bytes against `quantize_4bit` and our decoded weights
 against `dequantize_4bit`, bit for bit. Decoding is a table look-up per byte (both nibbles at
 once) and one multiply per element: fast on CPU, and the same torch code runs on CUDA.
 
@@ -120,14 +120,14 @@ def nf4_quantize(t: torch.Tensor, *, double_quant: bool = False) -> NF4:
     packed = (q[0::2] << 4) | q[1::2]
     if not double_quant:
         return NF4(packed=packed, shape=tuple(t.shape), absmax=absmax)
+    # the absmax's own 8-bit quantization is bitsandbytes' (quantize_blockwise, once at load): its
+    # kernels pick the code by a binary search that, in about one block in a hundred, is not the
+    # nearest level (bnb's CPU and CUDA kernels may differ there too): only calling it matches
+    from bitsandbytes.functional import quantize_blockwise
+
     offset = absmax.mean()
-    centred = absmax - offset
-    absmax2 = _block_absmax(centred, NESTED_BLOCK)
-    scaled2 = (centred * _per_element(1.0 / absmax2.clamp(min=1e-38), centred.numel(), NESTED_BLOCK)).clamp_(-1, 1)
-    qabsmax = _nearest(scaled2, _dynamic_map(str(x.device))).to(torch.uint8)
-    # a nested block of equal absmax (one block in all) decodes to offset whatever its index;
-    # bitsandbytes' CPU kernel writes 0 there (0/0), and so do we
-    qabsmax[_per_element(absmax2 == 0, qabsmax.numel(), NESTED_BLOCK)] = 0
+    qabsmax, nested = quantize_blockwise(absmax - offset, blocksize=NESTED_BLOCK)
+    absmax2 = nested.absmax
     return NF4(packed=packed, shape=tuple(t.shape), qabsmax=qabsmax, absmax2=absmax2, offset=offset)
 
 
