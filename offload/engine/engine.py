@@ -215,6 +215,13 @@ class Engine:
                                  compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
                       for c in self.plan.chunks}
         budgets = self.ledger.budgets
+        # CUDA: encoded frozen chunks cross the link into one device staging buffer, decoded
+        # from there (fetches run in order on the copy stream); the simulated device decodes in place
+        staging = max((self.kinds[c]["compute"] for c in self.plan.frozen if self.frozen_layouts[c] is not None),
+                      default=0) if self.device.type == "cuda" else 0
+        if staging:
+            self.ledger.reserve("gpu", "buffer", staging)
+            self.buffer_bytes += staging
         self.needs = self._device_needs(activations=activations or 0)
         check_minimum(self.needs, budgets["gpu"], measured=False)
         self.device_plan: DevicePlan | None = None
@@ -232,6 +239,8 @@ class Engine:
         self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
                                 state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
                                 homes=tiers, nvme=self.nvme, frozen=self.frozen_layouts)
+        if staging:
+            self.store.device_staging = torch.empty(staging, dtype=torch.uint8, device=self.device)
         self.bounce = Bounce(self.store, pin=self.device.type == "cuda") if self.homes.bounce else None
         self.store.bounce = self.bounce
         self.spill = GradSpill(self)

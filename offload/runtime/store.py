@@ -101,6 +101,7 @@ class ChunkStore:
         """`frozen`: per frozen chunk of `plan`, its blob layout when encoded, else None."""
         self.plan, self.tiers, self.compute_dtype = plan, tiers, compute_dtype
         self.frozen = dict(frozen or {})
+        self.device_staging: torch.Tensor | None = None  # CUDA: where encoded chunks land to be decoded
         self.state_bytes, self.needs_grad = state_bytes, needs_grad
         self.nvme = nvme
         self.bf16 = compute_dtype != torch.float32
@@ -202,7 +203,10 @@ class ChunkStore:
         if layout is None:
             buf.copy_(src, non_blocking=non_blocking)
             return
-        blob = src.to(buf.device, non_blocking=non_blocking)
+        blob = src
+        if src.device != buf.device:
+            blob = self.device_staging[: src.numel()]
+            blob.copy_(src, non_blocking=non_blocking)
         frozen_mod.decode_chunk(layout, self.plan, blob, buf)
 
     def compute_source(self, cid: int) -> Any:
