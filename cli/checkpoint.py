@@ -5,11 +5,14 @@ Layout of `output_dir`:
     ckpt-000120/          one complete checkpoint (never modified after its rename)
         engine.safetensors + engine.json     engine.state_dict(): tensors + JSON skeleton
         trainer.safetensors + trainer.json   step, RNG states, data position, schedule, config
+        manifest.json                        size and crc32s of each file (cli.manifest)
     latest                text file naming the newest complete checkpoint ("ckpt-000120")
 
 Writing: everything goes into `ckpt-XXXXXX.tmp/`; every file and the directory are fsynced;
 the directory is renamed into place; `latest` is replaced atomically (temp file + os.replace);
-only then are older checkpoints beyond `keep` removed. A crash at any point leaves the
+only then are older checkpoints beyond `keep` removed. Loading verifies the manifest first (a
+changed byte, dtype, shape or key is refused naming the file), and `latest` can only name a
+checkpoint directly inside the output directory. A crash at any point leaves the
 previous checkpoint and a valid `latest`; leftover `.tmp` directories are removed by the next
 save (and at once when the save fails with an exception, e.g. a full disk). Nested state (optimizer state with int keys, tuples, dtypes) is stored as a JSON
 skeleton whose tensor leaves point into the safetensors file, so loading never unpickles.
@@ -32,6 +35,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from . import manifest
 from ..offload.core.errors import TierwiseError
 
 LATEST = "latest"
@@ -200,7 +204,7 @@ def list_checkpoints(output_dir: "str | Path") -> list[tuple[int, Path]]:
     if output_dir.is_dir():
         for p in output_dir.iterdir():
             m = _NAME.match(p.name)
-            if m and p.is_dir() and (p / "trainer.json").exists():
+            if m and p.is_dir() and not p.is_symlink() and (p / "trainer.json").exists():
                 out.append((int(m.group(1)), p))
     return sorted(out)
 
@@ -225,6 +229,7 @@ def save_checkpoint(output_dir: "str | Path", *, step: int, engine_state: Any,
         _fault(step, "before_write")
         save_tree(tmp, "engine", engine_state)
         save_tree(tmp, "trainer", {**trainer_state, "step": step})  # trainer.json marks complete
+        manifest.write(tmp, [f"{n}.{e}" for n in ("engine", "trainer") for e in ("safetensors", "json")])
         _fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # free the space a full disk needs back
@@ -255,21 +260,34 @@ def latest_checkpoint(output_dir: "str | Path") -> Path | None:
     """The checkpoint `latest` names, or the newest complete one if `latest` is stale."""
     output_dir = Path(output_dir)
     pointer = output_dir / LATEST
-    if pointer.exists():
-        candidate = output_dir / pointer.read_text().strip()
-        if _NAME.match(candidate.name) and (candidate / "trainer.json").exists():
+    if pointer.is_file() and not pointer.is_symlink():
+        name = pointer.read_text(errors="replace").strip()
+        candidate = output_dir / name
+        # only a checkpoint directly in output_dir: never "../elsewhere/ckpt-1" or a symlink
+        if _NAME.fullmatch(name) and candidate.is_dir() and not candidate.is_symlink() \
+                and (candidate / "trainer.json").exists():
             return candidate
     found = list_checkpoints(output_dir)
     return found[-1][1] if found else None
 
 
 def load_checkpoint(path: "str | Path") -> tuple[Any, dict]:
-    """(engine_state, trainer_state) of one checkpoint directory."""
+    """(engine_state, trainer_state) of one checkpoint directory, its manifest verified."""
     path = Path(path)
+    manifest.verify(path)
     try:
         return load_tree(path, "engine"), load_tree(path, "trainer")
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def load_trainer(path: "str | Path") -> dict:
+    """The trainer state of one checkpoint (small: its options, step, RNG), unverified: to
+    compare a resumed run's options before the engine is built."""
+    try:
+        return load_tree(Path(path), "trainer")
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def load_latest(output_dir: "str | Path") -> tuple[Any, dict] | None:

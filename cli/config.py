@@ -9,12 +9,15 @@ values go through exactly the same type conversion as command-line values.
 from __future__ import annotations
 
 import errno
+import json
+import math
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..offload.core.errors import TierwiseError
 from ..offload.core.sizes import parse_size
+from ..offload.core.nodes import parse_node_list
 
 OPTIMIZERS = ("adamw", "adamw8bit", "galore", "galore8bit", "apollo", "apollo-mini", "mezo", "sgd")
 PRECISIONS = ("bf16", "fp32")
@@ -37,7 +40,9 @@ def load_toml(path: "str | Path") -> dict:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: bad TOML: {e}") from None
+        raise ConfigError(f"{path}: bad TOML: {str(e).splitlines()[0]}") from None
+    except UnicodeDecodeError as e:  # a binary file: not TOML at all
+        raise ConfigError(f"{path}: not a TOML text file (invalid UTF-8 at byte {e.start})") from None
     nested = [k for k, v in data.items() if isinstance(v, dict)]
     if nested:
         raise ConfigError(f"{path}: tables are not supported ([{nested[0]}]); "
@@ -62,11 +67,35 @@ def config_callback(ctx, param, value):
         if unknown:
             raise ConfigError(f"{value}: unknown key '{unknown[0].replace('_', '-')}' "
                               f"(known: {', '.join(sorted(k.replace('_', '-') for k in known))})")
+        for key, v in data.items():
+            if key in mine:
+                check_toml_type(value, key, v)
     except ConfigError as e:
         ctx.meta[_META_ERROR] = str(e)
         return value
     ctx.default_map = {**(ctx.default_map or {}), **{k: v for k, v in data.items() if k in mine}}
     return value
+
+
+def check_toml_type(path, key: str, value) -> None:
+    """A TOML value must have its TrainConfig field's type: `steps = true` is not a step count,
+    and `gpu-mem = 24` not a size (click would turn both into something)."""
+    f = {f.name: f for f in fields(TrainConfig) if f.init}.get(key)
+    if f is None:
+        return
+    kinds = set(str(f.type).replace(" ", "").split("|")) - {"None"}
+    if kinds == {"bool"}:
+        ok, want = isinstance(value, bool), "true or false"
+    elif kinds == {"int"}:
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+    elif kinds == {"float"}:
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif key in ("gpu_mem", "cpu_mem", "cxl_mem", "chunk_size"):
+        ok, want = isinstance(value, str), 'a size in quotes, e.g. "24G"'
+    else:
+        ok, want = isinstance(value, str), "a string in quotes"
+    if not ok:
+        raise ConfigError(f"{path}: {key.replace('_', '-')} = {json.dumps(value)}: expected {want}")
 
 
 def raise_config_error(ctx) -> None:
@@ -91,8 +120,12 @@ class TrainConfig:
     gpu_mem: str | None = None
     cpu_mem: str | None = None
     cxl_mem: str | None = None
-    cxl_node: int | None = None
+    cxl_node: "int | str | tuple[int, ...] | None" = None
+    """CXL NUMA node(s): 1, "1,2" or [1, 2]; parsed to a tuple of ids (None: every CXL node)."""
     nvme_path: str | None = None
+    nvme_checksum: bool = True
+    """crc32 of every swap block, checked on read: a corrupted swap file stops the run instead
+    of training on garbage (cost measured in the README's "Safety" section)."""
     offload_activations: bool = False
     """Keep checkpointed blocks' inputs in host memory between forward and backward."""
     recompute: bool | None = None
@@ -136,6 +169,11 @@ class TrainConfig:
             self.lr = self.DEMO_LR if self.is_demo else self.DEFAULT_LR
         if self.is_demo and self.steps is None and self.epochs is None:
             self.epochs = self.DEMO_EPOCHS
+        for flag, text in (("--gpu-mem", self.gpu_mem), ("--cpu-mem", self.cpu_mem),
+                           ("--cxl-mem", self.cxl_mem), ("--chunk-size", self.chunk_size)):
+            if text is not None and str(text).strip().replace(".", "", 1).isdigit():
+                raise ConfigError(f"{flag} {text} has no unit: write {str(text).strip()}G for GiB "
+                                  f"(or M, K, T; {str(text).strip()}B for bytes)")
         self.budgets = {
             "gpu": parse_size(self.gpu_mem, what="--gpu-mem"),
             "cpu": parse_size(self.cpu_mem, what="--cpu-mem"),
@@ -167,13 +205,31 @@ class TrainConfig:
                 raise ConfigError(f"--{name} must be at least 1")
         if self.resume and self.overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
-        if self.lr <= 0:
-            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"--lr must be a positive number, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"--weight-decay must be 0 or a positive number, got {self.weight_decay}")
+        if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
+            raise ConfigError(f"--grad-clip must be a positive number, got {self.grad_clip}")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"--seed must be in 0..{2**32 - 1} (numpy's range), got {self.seed}")
+        if self.nvme_path is not None:
+            where = Path(self.nvme_path).expanduser().resolve()
+            if where in (Path("/"), Path.home().resolve()):
+                raise ConfigError(f"--nvme-path {self.nvme_path} is {'/' if where == Path('/') else 'your home directory'}: "
+                                  "give a directory for swap files, e.g. /mnt/nvme/tierwise-swap")
+        try:
+            self.cxl_node = parse_node_list(self.cxl_node)
+        except TierwiseError as exc:
+            raise ConfigError(str(exc)) from None
         if self.cxl_node is not None and self.cxl_mem is None:
             raise ConfigError("--cxl-node needs --cxl-mem (how much of that node to use)")
 
     #: Options that change which batch comes next; a resumed run must keep them.
     DATA_KEYS = ("model", "data", "seq_len", "batch_size", "grad_accum", "pack", "seed")
+    #: Options that shape the checkpointed engine state (optimizer moments, chunk layout,
+    #: master dtype): a resumed run must keep them too.
+    STATE_KEYS = ("optimizer", "chunk_size", "precision")
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -5,7 +5,8 @@ Row schemas (one JSON object per line in a .jsonl file, or rows of a `datasets` 
 - `{"text": ...}`: loss on every token.
 - `{"prompt": ..., "completion": ...}`: loss on the completion (and the closing eos) only.
 - `{"messages": [{"role": ..., "content": ...}, ...]}`: rendered by the tokenizer's chat
-  template. Decision: loss on the assistant turns only, found by rendering each prefix of
+  template. A role outside CHAT_ROLES, or a conversation without an assistant turn, is refused
+  naming the line (it would silently put the loss on every token). Decision: loss on the assistant turns only, found by rendering each prefix of
   the conversation; this is exact when every prefix renders to a string prefix of the full
   conversation (true of common templates). When a template breaks that property (some
   templates rewrite earlier turns), the spans cannot be found reliably and the loss falls back
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 IGNORE = -100
+#: Roles a chat row may use (the common chat templates' roles).
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function", "ipython"})
 
 
 class DataError(TierwiseError):
@@ -60,14 +63,29 @@ def read_rows(path: "str | Path") -> list[Row]:
     return rows
 
 
+#: The longest JSONL line read (one example): a file without newlines (/dev/zero, a 1 GiB
+#: single-line dump) is refused at this size instead of filling the machine's memory.
+MAX_ROW_BYTES = 64 << 20
+
+
 def _read_jsonl(path: Path) -> list[Row]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        lineno = 0
+        while line := f.readline(MAX_ROW_BYTES + 1):
+            lineno += 1
+            if len(line) > MAX_ROW_BYTES:
+                raise DataError(f"{path}:{lineno}: line longer than {MAX_ROW_BYTES >> 20} MiB: "
+                                "JSONL holds one example per line")
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {e.start} of the line "
+                                f"is {line[e.start]:#04x})") from None
+            if not text.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(text)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: bad JSON: {e.msg} (column {e.colno})") from None
             if not isinstance(obj, dict):
@@ -105,6 +123,13 @@ def schema_of(row: Row) -> str:
         ):
             raise DataError(f"{row.where}: 'messages' must be a non-empty list of "
                             "{{\"role\": str, \"content\": str}} objects")
+        unknown = sorted({m["role"] for m in msgs} - CHAT_ROLES)
+        if unknown:
+            raise DataError(f"{row.where}: unknown chat role {unknown[0]!r} (known: "
+                            f"{', '.join(sorted(CHAT_ROLES))})")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise DataError(f"{row.where}: no 'assistant' turn: the loss is taken on assistant "
+                            "turns only, so this conversation teaches nothing")
         return "chat"
     if "prompt" in d or "completion" in d:
         if not (isinstance(d.get("prompt"), str) and isinstance(d.get("completion"), str)):

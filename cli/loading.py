@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -76,10 +77,16 @@ def _safetensors_header(path: Path) -> tuple[int, dict]:
         if len(head) != 8:
             raise ModelError(f"{path}: not a safetensors file (too short)")
         (n,) = struct.unpack("<Q", head)
+        size = os.fstat(f.fileno()).st_size
+        if n > size - 8:  # never allocate what a corrupt length asks for
+            raise ModelError(f"{path}: corrupt safetensors header (it claims {n} bytes, the file "
+                             f"has {size})")
         try:
             meta = json.loads(f.read(n))
         except ValueError as exc:
             raise ModelError(f"{path}: corrupt safetensors header ({exc})") from None
+        if not isinstance(meta, dict):
+            raise ModelError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta.pop("__metadata__", None)
     return 8 + n, meta
 
@@ -159,15 +166,44 @@ def _from_dir(path: Path) -> ModelSource:
 
     if not (path / "config.json").exists():
         raise ModelError(f"--model {path}: no config.json in this directory")
-    config = AutoConfig.from_pretrained(path)
+    raw = _config_json(path / "config.json")
+    if "auto_map" in raw:  # never transformers' interactive "run the custom code? [y/N]"
+        raise ModelError(f"--model {path}: this model ships its own Python code (auto_map in "
+                         "config.json); finetune does not run a model's code: use a model "
+                         "that transformers implements")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"--model {path}: cannot load its tokenizer ({e})") from None
-    safetensors_files(path)  # fail early on a dir without weights
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        kind = raw.get("model_type")
+        why = (f"unknown model_type {kind!r} (this transformers does not implement it)"
+               if isinstance(kind, str) and "model type" in str(e) else _first_line(e))
+        raise ModelError(f"--model {path}: cannot read config.json: {why}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelError(f"--model {path}: cannot load its tokenizer ({_first_line(e)})") from None
+    read_safetensors_index(path)  # fail early: no weights, a corrupt header
     gen = path / "generation_config.json"
     return ModelSource(name=str(path), config=config, tokenizer=tokenizer, model_dir=path,
                        generation_config=gen if gen.exists() else None)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _config_json(path: Path) -> dict:
+    """config.json as a dict, or a one-line ModelError (empty, not JSON, not an object)."""
+    try:
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ModelError(f"{path}: not a text file") from None
+    except ValueError as e:
+        raise ModelError(f"{path}: not valid JSON ({_first_line(e)})" if path.stat().st_size
+                         else f"{path}: empty file") from None
+    if not isinstance(raw, dict):
+        raise ModelError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def _from_profile(name: str) -> ModelSource:

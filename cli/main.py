@@ -5,8 +5,8 @@
     finetune --config examples/70b_24g.toml --dry-run
     finetune plan --model llama-70b --gpu-mem 24G --cpu-mem 256G
 
-User errors print one `error: ...` line on stderr and exit 2; Ctrl-C during training finishes
-the step, checkpoints and exits 130.
+User errors print one `error: ...` line on stderr and exit 2; Ctrl-C (SIGTERM, SIGHUP) during
+training finishes the step, checkpoints and exits 130 (143, 129).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 
 from .config import DISK_FULL, TrainConfig, config_callback, raise_config_error
-from ..offload.core.errors import TierwiseError
+from ..offload.core.errors import InfeasibleBudget, TierwiseError
 
 EXIT_USER_ERROR = 2
 #: errno values of a path the user gave that cannot be used.
@@ -132,10 +132,14 @@ def train(
     cpu_mem: Optional[str] = Opt(None, help="Host RAM to use, e.g. 256G.", rich_help_panel=MEMORY),
     cxl_mem: Optional[str] = Opt(None, help="CXL memory to use, e.g. 512G.",
                                  rich_help_panel=MEMORY),
-    cxl_node: Optional[int] = Opt(None, help="NUMA node of the CXL memory.",
+    cxl_node: Optional[str] = Opt(None, help="NUMA node(s) of the CXL memory, e.g. 1 or 1,2 "
+                                  "(pages interleave across several; default: every CXL node).",
                                   rich_help_panel=MEMORY),
     nvme_path: Optional[str] = Opt(None, help="Directory on an NVMe drive for swap files.",
                                    rich_help_panel=MEMORY),
+    nvme_checksum: bool = Opt(True, "--nvme-checksum/--no-nvme-checksum",
+                              help="Checksum every swap block and verify it on read (a corrupted "
+                              "swap file stops the run).", rich_help_panel=MEMORY),
     offload_activations: bool = Opt(False, "--offload-activations",
                                     help="Keep each block's input in host RAM between forward and "
                                     "backward: less GPU memory for long sequences.",
@@ -169,7 +173,8 @@ def train(
                       rich_help_panel=OUTPUT),
     resume: bool = Opt(False, "--resume", help="Continue the run in --output from its latest "
                        "checkpoint, on exactly the next batch.", rich_help_panel=OUTPUT),
-    overwrite: bool = Opt(False, "--overwrite", help="Delete a non-empty --output first.",
+    overwrite: bool = Opt(False, "--overwrite", help="Empty --output first (only a directory "
+                          "an earlier finetune run made).",
                           rich_help_panel=OUTPUT),
     checkpoint_every: int = Opt(0, help="Checkpoint every N steps (always at the end and on "
                                 "Ctrl-C).", rich_help_panel=OUTPUT),
@@ -192,8 +197,8 @@ def train(
     cfg = TrainConfig(
         model=model, data=data, eval_data=eval_data, seq_len=seq_len, batch_size=batch_size,
         pack=pack, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
-        nvme_path=nvme_path, offload_activations=offload_activations, recompute=recompute,
-        optimizer=optimizer.value,
+        nvme_path=nvme_path, nvme_checksum=nvme_checksum, offload_activations=offload_activations,
+        recompute=recompute, optimizer=optimizer.value,
         lr=lr, weight_decay=weight_decay, grad_accum=grad_accum, grad_clip=grad_clip, steps=steps, epochs=epochs,
         warmup_steps=warmup_steps, schedule=schedule.value, eval_every=eval_every, seed=seed,
         output=output, resume=resume, overwrite=overwrite, checkpoint_every=checkpoint_every,
@@ -216,8 +221,11 @@ def plan(
     gpu_mem: Optional[str] = Opt(None, help="GPU memory to use, e.g. 24G."),
     cpu_mem: Optional[str] = Opt(None, help="Host RAM to use."),
     cxl_mem: Optional[str] = Opt(None, help="CXL memory to use."),
-    cxl_node: Optional[int] = Opt(None, help="NUMA node of the CXL memory."),
+    cxl_node: Optional[str] = Opt(None, help="NUMA node(s) of the CXL memory, e.g. 1 or 1,2."),
     nvme_path: Optional[str] = Opt(None, help="Directory on an NVMe drive for swap files."),
+    offload_activations: bool = Opt(False, "--offload-activations",
+                                    help="Plan for a run with --offload-activations (it recomputes "
+                                    "the decoder layers)."),
     recompute: Optional[bool] = Opt(None, "--recompute/--no-recompute",
                                     help="Plan with or without activation checkpointing (default: "
                                     "as training decides: without when the GPU budget holds every "
@@ -246,9 +254,9 @@ def plan(
     raise_config_error(ctx)
     cfg = TrainConfig(model=model, data=data, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
                       cxl_node=cxl_node, nvme_path=nvme_path, recompute=recompute,
-                      optimizer=optimizer.value, precision=precision.value, batch_size=batch_size, seq_len=seq_len,
+                      offload_activations=offload_activations, optimizer=optimizer.value, precision=precision.value, batch_size=batch_size, seq_len=seq_len,
                       grad_accum=grad_accum, hardware=hardware, chunk_size=chunk_size)
-    from .planning import make_plan, print_plan, resolve_recompute, verify_plan
+    from .planning import advise, make_plan, print_plan, resolve_recompute, verify_plan
 
     cfg = resolve_recompute(cfg)
     if verify:
@@ -259,7 +267,12 @@ def plan(
             raise typer.Exit(code)
         return
 
-    result = make_plan(cfg)
+    try:
+        result = make_plan(cfg)
+    except InfeasibleBudget as e:
+        if not json_out:
+            advise(cfg, e, console=Console())
+        raise
     if result is None:
         raise TierwiseError("finetune plan is not yet available in this build "
                             "(offload.plan.planner is missing)")
@@ -271,11 +284,15 @@ def plan(
 def profile(
     hardware: Optional[str] = Opt(None, help="Name to save the measured hardware profile as."),
     output: Optional[str] = Opt(None, help="Write the profile TOML here."),
+    nvme_path: Optional[str] = Opt(None, help="Directory on the NVMe drive to measure (the one "
+                                   "--nvme-path will name; default: the system's temp directory)."),
 ) -> None:
     """Measure this machine's link bandwidths and compute speed into a hardware profile."""
     from .planning import profile as run_profile
 
-    run_profile(hardware=hardware, output=output, console=Console())
+    if nvme_path is not None:
+        TrainConfig(nvme_path=nvme_path)  # the same checks as training's --nvme-path
+    run_profile(hardware=hardware, output=output, nvme_path=nvme_path, console=Console())
 
 
 def main() -> None:

@@ -7,13 +7,15 @@ import inspect
 import itertools
 import json
 import logging
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .loading import ModelSource, build_meta_model, count_parameters, resolve_model
-from ..offload.core.errors import TierwiseError
+from .machine import free_disk, physical_ram
+from ..offload.core.errors import InfeasibleBudget, TierwiseError
 from ..offload.core.units import format_size
 
 log = logging.getLogger(__name__)
@@ -35,26 +37,145 @@ def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None, padded: bool 
     except ImportError:
         return None
     src = src or resolve_model(cfg.model)
+    check_seq_len(cfg, src)
     if padded is None:
         padded = data_padded(cfg, src)
     # A profile goes by name (the planner reads its extra fields); else the HF config.
     model = cfg.model if (cfg.model and not src.has_weights) else src.config
     return _call_with_known(
         planner, model=model, hardware=cfg.hardware, params=engine_params(src),
-        gpu_mem=cfg.budgets["gpu"], cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"],
-        cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, optimizer=cfg.optimizer,
+        gpu_mem=cfg.budgets["gpu"], cpu_mem=host_budget(cfg, planning=True), cxl_mem=cfg.budgets["cxl"],
+        cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, nvme_mem=nvme_budget(cfg),
+        optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
         checkpointing=checkpointing(cfg), padded=padded,
     )
 
 
+def host_budget(cfg: TrainConfig, *, planning: bool = False) -> int | None:
+    """The host RAM budget: --cpu-mem, else this machine's RAM (never more than it has). A plan
+    for another machine (--hardware NAME) uses that profile's host memory instead (None)."""
+    if cfg.budgets["cpu"] is not None:
+        return cfg.budgets["cpu"]
+    return None if planning and cfg.hardware else physical_ram()
+
+
+def nvme_budget(cfg: TrainConfig) -> int | None:
+    """The free space at --nvme-path (the planner refuses a run whose swap needs more); a plan
+    for another machine (--hardware NAME, a path that is not here) uses that profile's capacity."""
+    if cfg.nvme_path is None or (cfg.hardware and not Path(cfg.nvme_path).expanduser().exists()):
+        return None
+    return free_disk(cfg.nvme_path)
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the model's position embeddings (or RoPE setup) were built for."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(cfg: TrainConfig, src: ModelSource) -> None:
+    limit = max_positions(src.config)
+    if limit is not None and cfg.seq_len > limit:
+        raise ConfigError(f"--seq-len {cfg.seq_len} is longer than {src.name} was built for "
+                          f"({limit} positions): use --seq-len {limit} or less")
+
+
+def preflight(cfg: TrainConfig, *, src: ModelSource, padded: bool):
+    """The feasibility checks every path runs before anything is allocated: --seq-len, the
+    planner's budgets (gpu, host, NVMe free space; InfeasibleBudget names the minimum). A model
+    family the planner cannot price passes (the engine then checks its budgets itself).
+    Returns the plan, or None."""
+    check_seq_len(cfg, src)
+    try:
+        return make_plan(cfg, src=src, padded=padded)
+    except InfeasibleBudget:
+        raise
+    except Exception:  # e.g. a family the planner has no profile for
+        log.debug("preflight: no plan for this model", exc_info=True)
+        return None
+
+
 def engine_params(src: ModelSource) -> list:
     """The parameters the engine will chunk: those of the module training builds
-    (cli.loading.build_meta_model), so the plan counts a tied head as the run does."""
+    (cli.loading.build_meta_model), so the plan counts a tied head as the run does.
+    Kept on `src`: the advice on a refusal plans the same model many times."""
     from ..offload.core.chunks import specs_of
 
-    return specs_of(build_meta_model(src.config).named_parameters())
+    cached = getattr(src, "_engine_params", None)
+    if cached is None:
+        cached = specs_of(build_meta_model(src.config).named_parameters())
+        src._engine_params = cached
+    return cached
+
+
+def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: ModelSource,
+                 padded: bool | None = None, limit: int = 5) -> list[tuple[str, object]]:
+    """Changes to a refused run that the planner itself finds feasible: [(flags, plan)],
+    fastest predicted step first, at most `limit`. Each is one change (chunk size, recompute,
+    half the micro-batch with twice the accumulation, bf16, 8-bit AdamW, both, the host RAM
+    the refusal named), and, for those that do not fit in memory, the same with NVMe swap
+    (checked against the free space of the current directory)."""
+    both = {"precision": "bf16", "optimizer": "adamw8bit"}
+    tries: list[tuple[str, dict]] = []
+    if cfg.budgets["chunk"] > 16 << 20:
+        tries.append(("--chunk-size 16M", {"chunk_size": "16M"}))
+    if cfg.recompute is False:
+        tries.append(("--recompute", {"recompute": True}))
+    if cfg.batch_size > 1:
+        half = max(1, cfg.batch_size // 2)
+        tries.append((f"--batch-size {half} --grad-accum {cfg.grad_accum * cfg.batch_size // half}",
+                      {"batch_size": half, "grad_accum": cfg.grad_accum * cfg.batch_size // half}))
+    if cfg.precision == "fp32":
+        tries.append(("--precision bf16", {"precision": "bf16"}))
+    if cfg.optimizer == "adamw":
+        tries.append(("--optimizer adamw8bit", {"optimizer": "adamw8bit"}))
+    if cfg.precision == "fp32" and cfg.optimizer == "adamw":
+        tries.append(("--precision bf16 --optimizer adamw8bit", both))
+    host = error.minimum.get("host")
+    ram = physical_ram()
+    if host and (ram is None or host <= ram) and host > (host_budget(cfg, planning=True) or 0):
+        unit, shift = next((u, b) for u, b in (("G", 30), ("M", 20), ("K", 10)) if host >= 1 << b or b == 10)
+        size = f"{-(-host // (1 << shift))}{unit}"
+        tries.append((f"--cpu-mem {size}", {"cpu_mem": size}))
+    fits, failed = [], [("", {})]
+
+    def attempt(flags: str, change: dict) -> bool:
+        try:
+            plan = make_plan(dataclasses.replace(cfg, **change), src=src, padded=padded)
+        except Exception:  # still infeasible (or unplannable) with this change
+            return False
+        if plan is not None:
+            fits.append((flags, plan))
+        return plan is not None
+
+    failed += [(f, c) for f, c in tries if not attempt(f, c)]
+    if cfg.nvme_path is None:  # what does not fit in memory may fit with swap (free space here)
+        for flags, change in failed:
+            attempt((flags + " " if flags else "") + "--nvme-path DIR", {**change, "nvme_path": str(Path.cwd())})
+    fits.sort(key=lambda fp: (fp[1].step_s, len(fp[0])))
+    return fits[:limit]
+
+
+def advise(cfg: TrainConfig, error: InfeasibleBudget, *, console: Console,
+           src: ModelSource | None = None, padded: bool | None = None) -> None:
+    """Print the verdict of a refused plan and the cheapest changes that would fit."""
+    src = src or resolve_model(cfg.model)
+    console.out(f"verdict: does not fit: {str(error).splitlines()[0]}", highlight=False)
+    fits = alternatives(cfg, error, src=src, padded=padded)
+    if not fits:
+        console.out("no single change of precision, optimizer, recompute, batch, chunk size, "
+                    "host RAM or NVMe swap makes it fit on this machine", highlight=False)
+        return
+    console.out("would fit (each checked by the planner; fastest step first):", highlight=False)
+    width = max(len(f) for f, _ in fits)
+    for flags, plan in fits:
+        peak = ", ".join(f"{t} {format_size(plan.peak[t])}" for t in ("gpu", "host", "nvme") if plan.peak.get(t))
+        console.out(f"  {flags.ljust(width)}   step {plan.step_s:.3f} s, peaks {peak}", highlight=False)
 
 
 def data_padded(cfg: TrainConfig, src: ModelSource) -> bool:
@@ -119,6 +240,18 @@ def print_plan(plan, *, console: Console, as_json: bool) -> None:
             console.out(table, highlight=False)  # pre-formatted: never re-wrap
         else:
             console.print(table)
+        if getattr(plan, "budgets", {}).get("cxl"):
+            console.out("\n".join(cxl_lines()), highlight=False)
+
+
+def cxl_lines() -> list[str]:
+    """The CXL nodes of this machine (size, distance, sysfs evidence), for the plan's reader."""
+    from ..offload.runtime.cxl import describe_cxl_nodes
+
+    lines = describe_cxl_nodes()
+    if not lines:
+        return ["CXL nodes here: none (the engine emulates one in host memory)"]
+    return ["CXL nodes here (pages interleave across those used):"] + [f"  {x}" for x in lines]
 
 
 def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
@@ -127,6 +260,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
     from ..offload.tools.verify import verify
 
     src = resolve_model(cfg.model)
+    check_seq_len(cfg, src)
     batches, padded = None, True  # random tokens: every batch padded, the worst case
     if cfg.data is not None:
         from .data import Batches, check_vocab, has_padding, load_blocks, padded_batch
@@ -140,7 +274,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
             batches = itertools.chain([next(batches), padded_batch(blocks, batch_size=rows)], batches)
     with console.status(f"[bold]verifying[/]: {steps} steps of {src.name}"):
         report = verify(model=src.config, name=src.name, hardware=cfg.hardware, gpu_mem=cfg.budgets["gpu"],
-                        cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"], nvme_path=cfg.nvme_path,
+                        cpu_mem=host_budget(cfg, planning=True), cxl_mem=cfg.budgets["cxl"], nvme_path=cfg.nvme_path,
                         optimizer=cfg.optimizer, precision=cfg.precision, batch_size=cfg.batch_size,
                         seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
                         lr=cfg.lr, steps=steps, batches=batches, seed=cfg.seed,
@@ -208,6 +342,8 @@ def profile(*, hardware: str | None, output: str | None, console: Console, nvme_
                                 progress=progress)
     if output is None and text:
         console.out(text, highlight=False)
+        console.print("save it with --output FILE.toml, then plan and train with --hardware FILE.toml",
+                      highlight=False)
     elif output:
         console.print(f"use it with [bold]--hardware {output}[/]")
     return 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import random
-import shutil
 import signal
 import threading
 import time
@@ -16,21 +16,23 @@ import torch
 from rich.console import Console
 
 from . import checkpoint as ckpt
+from . import rundir
 from .config import DISK_FULL, ConfigError, TrainConfig
-from .data import Batches, DataPosition, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
+from .data import Batches, DataError, DataPosition, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
 from .export import export_hf
 from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model
 from .metrics import MetricsWriter, read_metrics, truncate_metrics
-from .planning import checkpointing, resolve_recompute
+from .planning import checkpointing, host_budget, preflight, resolve_recompute
 from .plots import plot_loss, plot_timeline
 from .progress import TrainProgress
 from .report import phase_delta, summary, warmup_report
 from .schedule import LRSchedule
 from ..offload.core.errors import InfeasibleBudget, StepOverBudget, TierwiseError
+from ..offload.core.sizes import parse_size
 
 log = logging.getLogger(__name__)
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM 143, SIGHUP 129
 
 
 def engine_class():
@@ -52,8 +54,9 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True
     cls = engine_class()
     kwargs = dict(  # --hardware is the planner's (link speeds), not the engine's
         optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-        gpu_mem=cfg.budgets["gpu"], cpu_mem=cfg.budgets["cpu"], cxl_mem=cfg.budgets["cxl"],
+        gpu_mem=cfg.budgets["gpu"], cpu_mem=host_budget(cfg), cxl_mem=cfg.budgets["cxl"],
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
+        nvme_checksum=cfg.nvme_checksum if cfg.nvme_path is not None else None,
         offload_activations=cfg.offload_activations or None,
         chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip,
         checkpointing=checkpointing(cfg),
@@ -90,50 +93,40 @@ def activation_estimate(model: torch.nn.Module, cfg: TrainConfig, *, padded: boo
                             checkpointing=checkpointing(cfg), padded=padded)
 
 
-def prepare_output(cfg: TrainConfig) -> Path:
-    """Create the output dir; refuse a non-empty one unless --resume or --overwrite."""
-    out = Path(cfg.output)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--output {out} exists and is not a directory")
-    nonempty = out.is_dir() and any(out.iterdir())
-    if cfg.resume:
-        if ckpt.latest_checkpoint(out) is None:
-            raise ConfigError(f"--resume: no checkpoint in {out}")
-    elif nonempty and cfg.overwrite:
-        shutil.rmtree(out)
-    elif nonempty:
-        raise ConfigError(f"output directory {out} is not empty: pass --resume to continue "
-                          "its run or --overwrite to replace it")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
 
 
-class _SigintFlag:
-    """First Ctrl-C sets the flag (finish the step, checkpoint, exit 130); second one aborts."""
+class _StopFlag:
+    """The first SIGINT (Ctrl-C), SIGTERM (a scheduler, `docker stop`) or SIGHUP (a closed
+    terminal) sets the flag: finish the step, checkpoint, clean up, exit 128 + the signal's
+    number. A second one aborts (KeyboardInterrupt: the swap files are still removed)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self):
-        self.set = False
-        self._previous = None
+        self.signum = 0
+        self._previous: dict = {}
+
+    @property
+    def set(self) -> bool:
+        return self.signum != 0
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def _handle(self, signum, frame):
         if self.set:
             raise KeyboardInterrupt
-        self.set = True
+        self.signum = signum
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
 
 
 def warn(console: Console, text: str) -> None:
@@ -141,7 +134,8 @@ def warn(console: Console, text: str) -> None:
 
 
 def run(cfg: TrainConfig, *, console: Console) -> int:
-    """Train as configured; returns the process exit code (0, or 130 after Ctrl-C)."""
+    """Train as configured; returns the process exit code (0; 130 after Ctrl-C, 143 after
+    SIGTERM, 129 after SIGHUP: each checkpointed first)."""
     if cfg.dry_run:
         from .planning import dry_run
 
@@ -158,6 +152,13 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     padded = has_padding(blocks)  # then the worst step is a padded batch: planned for
     auto = cfg.recompute is None
     cfg = resolve_recompute(cfg, src=src, padded=padded)
+    if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:
+        check_resumable(cfg, Path(cfg.output))  # a changed option says so before any budget does
+    try:
+        preflight(cfg, src=src, padded=padded)  # refuses what `plan` refuses, before allocating
+    except InfeasibleBudget as e:
+        raise InfeasibleBudget(f"{str(e).splitlines()[0]} (`finetune plan` with these options "
+                               "lists changes that fit)", minimum=e.minimum) from None
     if auto and not cfg.recompute and cfg.optimizer != "mezo":
         console.print("activations: kept for backward, no recompute (the GPU budget holds them; "
                       "--recompute saves GPU memory)", highlight=False)
@@ -172,7 +173,18 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
                                           pack=cfg.pack), batch_size=cfg.batch_size)
                  if cfg.eval_data else [])
     batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum, seed=cfg.seed)
-    out = prepare_output(cfg)  # after every input is validated: --overwrite deletes
+    # after every input is validated (--overwrite deletes); held until the run ends
+    claimed = rundir.claim(cfg.output, resume=cfg.resume, overwrite=cfg.overwrite)
+    try:
+        return _train(cfg, src=src, blocks=blocks, batches=batches, eval_data=eval_data,
+                      padded=padded, out=claimed.path, console=console)
+    finally:
+        claimed.release()
+
+
+def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches, eval_data: list,
+           padded: bool, out: Path, console: Console) -> int:
+    """The run in its claimed --output: engine, loop, export."""
     total = cfg.steps or (cfg.epochs or 1) * batches.batches_per_epoch
     schedule = LRSchedule(kind=cfg.schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                           total_steps=total)
@@ -180,6 +192,8 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     model = build_meta_model(src.config)
     layout = ModelLayout.of(model)  # names, shapes and ties, before the engine takes the model
     engine = make_engine(model, cfg, padded=padded)
+    for note in getattr(getattr(engine, "nvme", None), "notices", None) or []:
+        warn(console, note)
     try:
         start = _initial_state(engine, cfg, src, out, batches, console, model=model,
                                layout=layout)
@@ -207,6 +221,25 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
         engine.close()
 
 
+class NonFiniteLoss(TierwiseError):
+    """A step's loss or gradient norm is NaN or infinite: the weights can no longer be trusted."""
+
+
+def _check_finite(engine, loss: float, out: Path, *, step: int) -> None:
+    """Stop on a NaN/inf loss or gradient norm before anything of that step is saved."""
+    norm = getattr(engine, "last_grad_norm", None)
+    norm = float(norm) if isinstance(norm, (torch.Tensor, float)) else None
+    bad = ("loss", loss) if not math.isfinite(loss) else (
+        ("gradient norm", norm) if norm is not None and not math.isfinite(norm) else None)
+    if bad is None:
+        return
+    last = ckpt.latest_checkpoint(out)
+    kept = (f"the last good checkpoint {last.name} is kept: --resume continues from it"
+            if last else "no checkpoint was saved before it")
+    raise NonFiniteLoss(f"step {step}: the {bad[0]} is {bad[1]}: training stopped and nothing of "
+                        f"this step was saved; {kept} (a lower --lr or --grad-clip may help)")
+
+
 class DiskFullError(TierwiseError):
     """No room to write a checkpoint, metrics or the exported model."""
 
@@ -232,12 +265,15 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
             plan_checkpoint(model, layout, src.model_dir)
         path = ckpt.latest_checkpoint(out)
         engine_state, trainer = ckpt.load_checkpoint(path)
-        saved = trainer["config"]
-        changed = [k for k in TrainConfig.DATA_KEYS if saved.get(k) != getattr(cfg, k)]
-        if changed:
-            raise ConfigError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)}"
-                              f" differ from the checkpointed run in {out}")
-        engine.load_state_dict(engine_state)
+        check_resumable(cfg, out, trainer)
+        try:
+            engine.load_state_dict(engine_state)
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            if isinstance(e, TierwiseError):
+                raise
+            why = (f"its engine state has no {e.args[0]!r}" if isinstance(e, KeyError)
+                   else (str(e).splitlines() or [type(e).__name__])[0])
+            raise ckpt.CheckpointError(f"checkpoint {path} does not fit this run: {why}") from None
         ckpt.restore_rng(trainer["rng"])
         batches.position = DataPosition.from_dict(trainer["data"])
         # A killed run may have logged steps after its last checkpoint; they run again now.
@@ -251,12 +287,54 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
     return 0
 
 
+def _first_nonfinite(obj, path: str = "state") -> str | None:
+    """The path of the first floating tensor in nested `obj` holding NaN or inf, else None."""
+    if isinstance(obj, torch.Tensor):
+        ok = not obj.is_floating_point() or bool(torch.isfinite(obj).all())
+        return None if ok else path
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        found = _first_nonfinite(v, f"{path}.{k}")
+        if found:
+            return found
+    return None
+
+
+def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None) -> None:
+    """Refuse --resume with options that change the batches or the engine state's layout."""
+    if trainer is None:
+        trainer = ckpt.load_trainer(ckpt.latest_checkpoint(out))
+    saved = trainer.get("config", {}) if isinstance(trainer, dict) else {}
+    changed = [k for k in TrainConfig.DATA_KEYS + TrainConfig.STATE_KEYS
+               if not _same_option(k, saved.get(k), getattr(cfg, k))]
+    if changed:
+        was = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)}" for k in changed)
+        raise ConfigError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)}"
+                          f" differ from the checkpointed run in {out} (it used {was})")
+
+
+def _same_option(key: str, saved, now) -> bool:
+    if key == "chunk_size":  # "64M" and "64MiB" are one size
+        try:
+            return parse_size(saved, what="chunk_size") == parse_size(now, what="chunk_size")
+        except TierwiseError:
+            return False
+    return saved == now
+
+
 def save(engine, cfg: TrainConfig, out: Path, *, step: int, batches: Batches,
          schedule: LRSchedule, rng: dict | None = None) -> Path:
     """Checkpoint `step` (`rng`: the RNG state to record; default: now)."""
     trainer = {"rng": rng or ckpt.capture_rng(), "data": batches.position.to_dict(),
                "schedule": schedule.to_dict(), "config": cfg.to_dict()}
-    return ckpt.save_checkpoint(out, step=step, engine_state=engine.state_dict(),
+    state = engine.state_dict()
+    where = _first_nonfinite(state)
+    if where is not None:  # never write damaged weights over the last good checkpoint
+        last = ckpt.latest_checkpoint(out)
+        kept = f"the last good checkpoint {last.name} is kept" if last else "no checkpoint was saved"
+        raise NonFiniteLoss(f"step {step}: the engine's state holds NaN or inf ({where}): the "
+                            f"checkpoint was not written; {kept}")
+    return ckpt.save_checkpoint(out, step=step, engine_state=state,
                                 trainer_state=trainer, keep=cfg.keep_checkpoints)
 
 
@@ -281,7 +359,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
     if cfg.eval_every and eval_data and not hasattr(engine, "eval_loss"):
         warn(console, "this engine has no eval_loss(): --eval-every is ignored")
     step = start
-    with MetricsWriter(out / "metrics.jsonl") as metrics, _SigintFlag() as sigint, \
+    with MetricsWriter(out / "metrics.jsonl") as metrics, _StopFlag() as stop, \
             TrainProgress(console=console, total=total, start=start) as bar:
         while step < total:
             lr = schedule.lr_at(step)
@@ -298,6 +376,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                 raise _over_budget(e, engine, cfg, out, step=step, start=start, batches=batches,
                                    schedule=schedule, rng=None if e.step_done else rng) from None
             dt = time.perf_counter() - t0
+            _check_finite(engine, loss, out, step=step + 1)
             step += 1
             losses.append(loss)
             tokens = int(batch["attention_mask"].sum())
@@ -318,11 +397,11 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                 if ev is not None:
                     metrics.write(kind="eval", step=step, loss=ev)
                     bar.note(f"step {step}: eval loss {ev:.4f}")
-            if sigint.set:
+            if stop.set:
                 path = save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
-                bar.note(f"interrupted: checkpoint {path.name} saved; "
-                         "run again with --resume to continue")
-                return EXIT_INTERRUPTED
+                bar.note(f"interrupted ({signal.Signals(stop.signum).name}): checkpoint "
+                         f"{path.name} saved; run again with --resume to continue")
+                return 128 + stop.signum
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
         evaluated = cfg.eval_every and step % cfg.eval_every == 0

@@ -1,12 +1,15 @@
 """A small C kernel for the fused 8-bit Adam step on CPU, built with the system C compiler.
 
 Per block of 256: dequantize, update p and both moments, new absmax, then requantize by
-arithmetic (quant.DecadeTable: a few in-register table permutes and one fma, no search and
-no gather; a gather-based table lookup made the kernel 1.7x slower). The path is chosen at
-run time: AVX-512 (F/BW/VBMI: dequantization by in-register byte permutes), else AVX2 + FMA,
-else portable scalar; all three round every operation identically. Plain C + OpenMP loaded with ctypes: no torch headers, so it builds in about a second and
-needs no ninja. The library is cached per source hash under $TIERWISE_CACHE_DIR (default
-~/.cache/tierwise). Without a compiler, `load()` returns None and callers use the torch path.
+arithmetic (quant.DecadeTable: no search and no gather). The path is chosen at run time:
+AVX-512 (F/BW/VBMI: dequantization by in-register byte permutes), else AVX2 + FMA (scalar
+table loads inserted into vectors, the quantizer as one byte shuffle and four 8-lane
+permutes), else portable scalar; all three round every operation identically, so they give
+the same bytes. $TIERWISE_CPU_ISA (scalar, avx2 or avx512) caps the path, e.g. to measure
+the AVX2 path on an AVX-512 host. Plain C + OpenMP loaded with ctypes: no torch headers, so
+it builds in about a second and needs no ninja. The library is cached per source hash under
+$TIERWISE_CACHE_DIR (default ~/.cache/tierwise). Without a compiler, `load()` returns None
+and callers use the torch path.
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ from pathlib import Path
 from typing import Optional
 
 logger = logging.getLogger(__name__)
+
+ISA_NAMES = ("scalar", "avx2", "avx512")  # the kernel's isa argument is the index
+ISA_ENV = "TIERWISE_CPU_ISA"
 
 _SOURCE = r"""
 #include <math.h>
@@ -43,11 +49,55 @@ _SOURCE = r"""
    (see optim/quant.py DecadeTable; packed tables qt: A[16] B[16] K[16] L[32] D[32] as floats). Built with -ffp-contract=off: the
    scalar and AVX2 paths round every operation identically, so results do not depend on the ISA. */
 
+/* The quantizer of the scalar and AVX2 paths: DecadeTable's arithmetic with its lookups
+   regrouped so that AVX2 needs one byte shuffle and four 8-lane permutes per 8 values (no
+   32-entry lookups). For y = |x|, bucket = a pair of binades (bits(y) >> 24, at least 52,
+   i.e. 2^-23): no pair holds two group boundaries and none lies below 2^-23, so
+   group = D[bucket] + (y > bnd[D[bucket]]) counts the boundaries below y, as DecadeTable's
+   D[E] + (y > L[E]) does. Groups 0 (the zero code) and 8 (the code 1.0) share lane 0: with
+   A = 256 there, r stays below zero+1 in group 0 and above K in group 8. NaN counts as above
+   every boundary (as DecadeTable, code 255 before the signed mirror). Equal to DecadeTable
+   for every |x| < 2, inf and NaN (checked on all 2^32 floats); the kernel only quantizes
+   |x| <= 1 up to rounding. */
+typedef struct {
+    uint8_t dtab[32];  /* D per binade pair (index bucket & 15), once per 128-bit lane */
+    float bnd[8], a[8], b[8], k[8];  /* group boundaries; A, B, K per group, lane 0 shared */
+} qtab_t;
+
 typedef struct {
     const float *code1, *code2;
-    const float *qt1, *qt2;
+    const float *qt1, *qt2;  /* packed DecadeTables (the AVX-512 path) */
+    const qtab_t *t1, *t2;   /* the same, regrouped (scalar and AVX2 paths) */
     float b1, b2, omb1, omb2, eps, inv_bc2, decay, step_size;
 } ctx_t;
+
+/* qtab from a packed DecadeTable; -1 if the table is not of the form the regrouping needs */
+static int prep_qtab(const float *qt, qtab_t *o) {
+    const float *A = qt, *B = qt + 16, *K = qt + 32, *L = qt + 48, *D = qt + 80;
+    memset(o, 0, sizeof *o);
+    int nb = 0;
+    for (int e = 96; e < 128; ++e) {
+        if (L[e & 31] == 4.0f) continue;
+        if (e < 104 || nb >= 8 || (int)D[e & 31] != nb) return -1;
+        o->bnd[nb++] = L[e & 31];
+    }
+    if (nb != 8) return -1;
+    for (int bucket = 52; bucket < 64; ++bucket) {
+        const int e0 = 2 * bucket, e1 = e0 + 1;
+        if (L[e0 & 31] != 4.0f && L[e1 & 31] != 4.0f) return -1;
+        o->dtab[bucket & 15] = o->dtab[16 + (bucket & 15)] = (uint8_t)D[e0 & 31];
+    }
+    if (A[0] != 0.0f || A[8] != 0.0f) return -1;
+    for (int g = 0; g < 8; ++g) {
+        o->a[g] = A[g];
+        o->b[g] = B[g];
+        o->k[g] = K[g];
+    }
+    o->a[0] = 256.0f;
+    o->k[0] = K[8];
+    if (!(fmaf(o->bnd[0], 256.0f, -B[0]) < -B[0] + 0.5f) || !(fmaf(o->bnd[7], 256.0f, -B[0]) > K[8])) return -1;
+    return 0;
+}
 
 /* 1 / a block's absmax: finite (an absmax below 2^-128 would make it inf, and inf * 0 = NaN,
    while the quantizer needs |x| <= 1 up to rounding), 0 for an all-zero block */
@@ -56,22 +106,21 @@ static inline float inverse(float n) {
     return inv < 3.4028234663852886e38f ? inv : 3.4028234663852886e38f;
 }
 
-/* nearest code of x (|x| <= 1 up to rounding) by DecadeTable arithmetic */
-static inline int quantize_one(float x, const float *qt, int is_signed) {
-    const float y = is_signed ? fabsf(x) : x;
-    uint32_t b, bx;
-    memcpy(&b, &y, 4);
+/* nearest code of x (|x| <= 1 up to rounding); the AVX2 form is quantize8 + store32 */
+static inline int quantize_one(float x, const qtab_t *t, int is_signed) {
+    uint32_t bx;
     memcpy(&bx, &x, 4);
-    uint32_t e = b >> 23;
-    e = (e < 96u ? 96u : e) & 31u;
-    const int grp = (int)qt[80 + e] + (y > qt[48 + e] ? 1 : 0);
-    float r = fmaf(y, qt[grp], -qt[16 + grp]);
-    r = r < qt[32 + grp] ? r : qt[32 + grp];  /* as min_ps: the second operand unless r < it */
+    const uint32_t by = bx & 0x7fffffffu;
+    float y;
+    memcpy(&y, &by, 4);
+    uint32_t bucket = by >> 24;
+    bucket = bucket < 52u ? 52u : bucket;
+    const int d = t->dtab[bucket & 15];
+    const int grp = (d + (!(y <= t->bnd[d & 7]) ? 1 : 0)) & 7;  /* NaN: above */
+    float r = fmaf(y, t->a[grp], -t->b[grp]);
+    r = r < t->k[grp] ? r : t->k[grp];  /* as min_ps: the second operand unless r < it */
     int code = (int)r;
-    if (is_signed && (bx >> 31)) {
-        code = 254 - code;
-        code = code < 0 ? 0 : code;
-    }
+    if (is_signed && (bx >> 31)) code = code > 254 ? 0 : 254 - code;
     return code;
 }
 
@@ -94,8 +143,8 @@ static void block_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, 
     }
     const float inv1 = inverse(n1), inv2 = inverse(n2);
     for (int j = 0; j < len; ++j) {
-        q1[j] = (uint8_t)quantize_one(m[j] * inv1, c->qt1, 1);
-        q2[j] = (uint8_t)quantize_one(v[j] * inv2, c->qt2, 0);
+        q1[j] = (uint8_t)quantize_one(m[j] * inv1, c->t1, 1);
+        q2[j] = (uint8_t)quantize_one(v[j] * inv2, c->t2, 0);
     }
     *absmax1 = n1;
     *absmax2 = n2;
@@ -110,41 +159,82 @@ static void range_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, 
 #ifdef TW_X86
 #define TW_AVX2 __attribute__((target("avx2,fma")))
 
-/* t[idx] for idx in 0..15 (two registers) or 0..31 (four): permutes + blends on index bits */
-TW_AVX2 static inline __m256 lookup16_8(const __m256 *t, __m256i idx) {
-    const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[0], idx), _mm256_permutevar8x32_ps(t[1], idx), bit3);
+/* The AVX2 path. Measured on Zen 4 (AVX2 only): gathers cost ~1-2 cycles per decoded value
+   and the 32-entry permute lookups of the former quantizer ~16 cycles per 8 values; here the
+   codes are decoded by scalar table loads inserted into vectors (integer ALUs and load ports,
+   little used by the float math), and the quantizer is the regrouped one (quantize_one). An
+   arithmetic decode (exact with a 2-bit ulp correction table) and software pipelining of
+   block b's update with block b-1's requantization measured slower. */
+typedef struct { __m256i dtab; __m256 bnd, a, b, k; } qreg_t;
+
+TW_AVX2 static inline void load_qreg(qreg_t *r, const qtab_t *t) {
+    r->dtab = _mm256_loadu_si256((const __m256i *)t->dtab);
+    r->bnd = _mm256_loadu_ps(t->bnd);
+    r->a = _mm256_loadu_ps(t->a);
+    r->b = _mm256_loadu_ps(t->b);
+    r->k = _mm256_loadu_ps(t->k);
 }
 
-TW_AVX2 static inline __m256 lookup32_8(const __m256 *t, __m256i idx) {
-    const __m256 bit4 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 27));
-    return _mm256_blendv_ps(lookup16_8(t, idx), lookup16_8(t + 2, idx), bit4);
+/* code[c[0..7]] as one vector: scalar loads inserted into lanes; the codes come from two
+   32-bit words by byte moves and one shift each (fewer integer ops than one shift per code) */
+TW_AVX2 static inline __m256 decode8(const float *code, const uint8_t *c) {
+    const int *t = (const int *)code;
+    uint32_t a, b;
+    memcpy(&a, c, 4);
+    memcpy(&b, c + 4, 4);
+    __m128i lo = _mm_cvtsi32_si128(t[a & 255]);
+    lo = _mm_insert_epi32(lo, t[(a >> 8) & 255], 1);
+    a >>= 16;
+    lo = _mm_insert_epi32(lo, t[a & 255], 2);
+    lo = _mm_insert_epi32(lo, t[a >> 8], 3);
+    __m128i hi = _mm_cvtsi32_si128(t[b & 255]);
+    hi = _mm_insert_epi32(hi, t[(b >> 8) & 255], 1);
+    b >>= 16;
+    hi = _mm_insert_epi32(hi, t[b & 255], 2);
+    hi = _mm_insert_epi32(hi, t[b >> 8], 3);
+    return _mm256_castsi256_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
 }
 
-/* the AVX2 form of quantize_one; qt: the packed table as 14 registers (A B K: 2 each, L D: 4) */
-TW_AVX2 static inline __m256i quantize8(__m256 x, const __m256 *qt, int is_signed) {
-    const __m256 y = is_signed ? _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))) : x;
-    __m256i e = _mm256_srli_epi32(_mm256_castps_si256(y), 23);
-    e = _mm256_max_epi32(e, _mm256_set1_epi32(96));  /* low 5 bits index the binade tables */
-    const __m256 lim = lookup32_8(qt + 6, e);
-    const __m256i dec = _mm256_cvttps_epi32(lookup32_8(qt + 10, e));
-    const __m256i grp = _mm256_sub_epi32(dec, _mm256_castps_si256(_mm256_cmp_ps(y, lim, _CMP_GT_OQ)));
-    const __m256 r = _mm256_fmsub_ps(y, lookup16_8(qt, grp), lookup16_8(qt + 2, grp));
-    __m256i code = _mm256_cvttps_epi32(_mm256_min_ps(r, lookup16_8(qt + 4, grp)));
+/* quantize_one on 8 values, before the signed mirror (store32 does that) */
+TW_AVX2 static inline __m256i quantize8(__m256 x, const qreg_t *t) {
+    const __m256 y = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+    __m256i bucket = _mm256_srli_epi32(_mm256_castps_si256(y), 24);
+    bucket = _mm256_max_epi32(bucket, _mm256_set1_epi32(52));
+    const __m256i d = _mm256_shuffle_epi8(t->dtab, bucket);  /* bucket <= 127: no zeroing */
+    const __m256 above = _mm256_cmp_ps(y, _mm256_permutevar8x32_ps(t->bnd, d), _CMP_NLE_UQ);
+    const __m256i grp = _mm256_sub_epi32(d, _mm256_castps_si256(above));  /* permutes use bits 0-2 */
+    const __m256 r = _mm256_fmsub_ps(y, _mm256_permutevar8x32_ps(t->a, grp), _mm256_permutevar8x32_ps(t->b, grp));
+    return _mm256_cvttps_epi32(_mm256_min_ps(r, _mm256_permutevar8x32_ps(t->k, grp)));
+}
+
+/* 32 codes (0..255) to bytes in order; a signed map mirrors those of negative x (sign bits
+   packed alongside): max(254 - code, 0) */
+TW_AVX2 static inline void store32(uint8_t *dst, const __m256i *c, const __m256 *x, int is_signed) {
+    __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
     if (is_signed) {
-        const __m256i neg = _mm256_srai_epi32(_mm256_castps_si256(x), 31);
-        const __m256i mirrored = _mm256_sub_epi32(_mm256_set1_epi32(254), code);
-        code = _mm256_max_epi32(_mm256_blendv_epi8(code, mirrored, neg), _mm256_setzero_si256());
+        const __m256i s01 = _mm256_packs_epi32(_mm256_castps_si256(x[0]), _mm256_castps_si256(x[1]));
+        const __m256i s23 = _mm256_packs_epi32(_mm256_castps_si256(x[2]), _mm256_castps_si256(x[3]));
+        const __m256i mirrored = _mm256_subs_epu8(_mm256_set1_epi8((char)254), bytes);
+        bytes = _mm256_blendv_epi8(bytes, mirrored, _mm256_packs_epi16(s01, s23));
     }
-    return code;
-}
-
-/* 32 int32 codes in 0..255 -> 32 bytes in order */
-TW_AVX2 static inline void store32(uint8_t *dst, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
-    const __m256i w01 = _mm256_packus_epi32(c0, c1), w23 = _mm256_packus_epi32(c2, c3);
-    const __m256i bytes = _mm256_packus_epi16(w01, w23);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(bytes, order));
+}
+
+/* codes of x[0..n) for n a multiple of 32 */
+TW_AVX2 static void quantize_run8(const float *x, float scale, uint8_t *q, const qtab_t *t, int is_signed, int64_t n) {
+    qreg_t r;
+    load_qreg(&r, t);
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int64_t i = 0; i < n; i += 32) {
+        __m256 v[4];
+        __m256i k[4];
+        for (int u = 0; u < 4; ++u) {
+            v[u] = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * u), s);
+            k[u] = quantize8(v[u], &r);
+        }
+        store32(q + i, k, v, is_signed);
+    }
 }
 
 TW_AVX2 static inline float hmax8(__m256 x) {
@@ -154,12 +244,6 @@ TW_AVX2 static inline float hmax8(__m256 x) {
     return _mm_cvtss_f32(y);
 }
 
-/* the packed table's 112 floats as 14 registers: A B K (two each), L D (four each) */
-TW_AVX2 static void load_qt8(__m256 *r, const float *qt) {
-    for (int k = 0; k < 6; ++k) r[k] = _mm256_loadu_ps(qt + 8 * k);
-    for (int k = 0; k < 8; ++k) r[6 + k] = _mm256_loadu_ps(qt + 48 + 8 * k);
-}
-
 TW_AVX2 static void range_avx2(const ctx_t *c, float *p, const float *g, uint8_t *q1, uint8_t *q2,
                                float *absmax1, float *absmax2, int64_t b0, int64_t b1) {
     float m[256] __attribute__((aligned(32))), v[256] __attribute__((aligned(32)));
@@ -167,9 +251,7 @@ TW_AVX2 static void range_avx2(const ctx_t *c, float *p, const float *g, uint8_t
     const __m256 eps = _mm256_set1_ps(c->eps), inv_bc2 = _mm256_set1_ps(c->inv_bc2);
     const __m256 decay = _mm256_set1_ps(c->decay), step = _mm256_set1_ps(c->step_size);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 qt1[14], qt2[14];
-    load_qt8(qt1, c->qt1);
-    load_qt8(qt2, c->qt2);
+    const float *code1 = c->code1, *code2 = c->code2;  /* locals: not reloaded after each store */
     for (int64_t b = b0; b < b1; ++b) {
         float *pb = p + b * 256;
         const float *gb = g + b * 256;
@@ -177,10 +259,7 @@ TW_AVX2 static void range_avx2(const ctx_t *c, float *p, const float *g, uint8_t
         const __m256 a1 = _mm256_set1_ps(absmax1[b] * c->b1), a2 = _mm256_set1_ps(absmax2[b] * c->b2);
         __m256 mx1 = _mm256_setzero_ps(), mx2 = _mm256_setzero_ps();
         for (int j = 0; j < 256; j += 8) {
-            const __m256i i1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c1 + j)));
-            const __m256i i2 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c2 + j)));
-            const __m256 d1 = _mm256_i32gather_ps(c->code1, i1, 4);
-            const __m256 d2 = _mm256_i32gather_ps(c->code2, i2, 4);
+            const __m256 d1 = decode8(code1, c1 + j), d2 = decode8(code2, c2 + j);
             const __m256 gj = _mm256_loadu_ps(gb + j);
             const __m256 mj = _mm256_fmadd_ps(gj, omb1, _mm256_mul_ps(d1, a1));
             const __m256 vj = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gj), gj, _mm256_mul_ps(d2, a2));
@@ -189,20 +268,13 @@ TW_AVX2 static void range_avx2(const ctx_t *c, float *p, const float *g, uint8_t
             _mm256_storeu_ps(pb + j, _mm256_add_ps(pj, _mm256_div_ps(_mm256_mul_ps(step, mj), den)));
             _mm256_store_ps(m + j, mj);
             _mm256_store_ps(v + j, vj);
-            mx1 = _mm256_max_ps(mx1, _mm256_and_ps(mj, absmask));
-            mx2 = _mm256_max_ps(mx2, vj);
+            /* max_ps(a, b) = a > b ? a : b, as block_scalar's: a NaN moment never becomes the absmax */
+            mx1 = _mm256_max_ps(_mm256_and_ps(mj, absmask), mx1);
+            mx2 = _mm256_max_ps(vj, mx2);
         }
         const float n1 = hmax8(mx1), n2 = hmax8(mx2);
-        const __m256 inv1 = _mm256_set1_ps(inverse(n1)), inv2 = _mm256_set1_ps(inverse(n2));
-        for (int j = 0; j < 256; j += 32) {
-            __m256i k[4];
-            for (int u = 0; u < 4; ++u)
-                k[u] = quantize8(_mm256_mul_ps(_mm256_load_ps(m + j + 8 * u), inv1), qt1, 1);
-            store32(c1 + j, k[0], k[1], k[2], k[3]);
-            for (int u = 0; u < 4; ++u)
-                k[u] = quantize8(_mm256_mul_ps(_mm256_load_ps(v + j + 8 * u), inv2), qt2, 0);
-            store32(c2 + j, k[0], k[1], k[2], k[3]);
-        }
+        quantize_run8(m, inverse(n1), c1, c->t1, 1, 256);  /* one map at a time: fewer live registers */
+        quantize_run8(v, inverse(n2), c2, c->t2, 0, 256);
         absmax1[b] = n1;
         absmax2[b] = n2;
     }
@@ -308,8 +380,8 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
                 _mm512_storeu_ps(pb + o, _mm512_add_ps(pj, _mm512_div_ps(_mm512_mul_ps(step, mj), den)));
                 _mm512_store_ps(m + o, mj);
                 _mm512_store_ps(v + o, vj);
-                mx1 = _mm512_max_ps(mx1, _mm512_abs_ps(mj));
-                mx2 = _mm512_max_ps(mx2, vj);
+                mx1 = _mm512_max_ps(_mm512_abs_ps(mj), mx1);  /* as block_scalar's (NaN) */
+                mx2 = _mm512_max_ps(vj, mx2);
             }
         }
         const float n1 = _mm512_reduce_max_ps(mx1), n2 = _mm512_reduce_max_ps(mx2);
@@ -333,16 +405,10 @@ TW_AVX512 static int64_t quantize_avx512(const float *x, uint8_t *q, const float
     return i;
 }
 
-TW_AVX2 static int64_t quantize_avx2(const float *x, uint8_t *q, const float *qt, int is_signed, int64_t n) {
-    __m256 t[14];
-    load_qt8(t, qt);
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        __m256i k[4];
-        for (int u = 0; u < 4; ++u) k[u] = quantize8(_mm256_loadu_ps(x + i + 8 * u), t, is_signed);
-        store32(q + i, k[0], k[1], k[2], k[3]);
-    }
-    return i;
+TW_AVX2 static int64_t quantize_avx2(const float *x, uint8_t *q, const qtab_t *t, int is_signed, int64_t n) {
+    const int64_t whole = n / 32 * 32;
+    quantize_run8(x, 1.0f, q, t, is_signed, whole);
+    return whole;
 }
 #endif
 
@@ -362,12 +428,15 @@ int tw_best_isa(void) {
 /* qt1, qt2: the packed DecadeTables of map 1 (signed) and map 2 (unsigned);
    hyper: beta1, beta2, 1-beta1, 1-beta2, eps, 1/sqrt(1-beta2^t), 1-lr*wd, -lr/(1-beta1^t);
    isa: the most capable path to use (2 AVX-512, 1 AVX2, 0 scalar), lowered to what the CPU
-   has. Returns the isa used. */
+   has. Returns the isa used, or -1 (nothing written) if a table is not a DecadeTable of the
+   default maps' form. */
 int tw_adam8bit_step(float *p, const float *g, uint8_t *q1, uint8_t *q2, float *absmax1,
                      float *absmax2, const float *code1, const float *code2, const float *qt1,
                      const float *qt2, const float *hyper, int64_t n, int nthreads, int isa) {
-    const ctx_t c = {code1, code2, qt1, qt2, hyper[0], hyper[1], hyper[2], hyper[3], hyper[4],
-                     hyper[5], hyper[6], hyper[7]};
+    qtab_t t1, t2;
+    if (prep_qtab(qt1, &t1) || prep_qtab(qt2, &t2)) return -1;
+    const ctx_t c = {code1, code2, qt1, qt2, &t1, &t2, hyper[0], hyper[1], hyper[2], hyper[3],
+                     hyper[4], hyper[5], hyper[6], hyper[7]};
     const int best = tw_best_isa();
     if (isa > best) isa = best;
     if (isa < 0) isa = 0;
@@ -396,18 +465,21 @@ int tw_adam8bit_step(float *p, const float *g, uint8_t *q1, uint8_t *q2, float *
 
 /* codes of n already-scaled values (for tests): the path `isa` (lowered to what the CPU has)
    on whole vectors (16 values for AVX-512, 32 for AVX2), the scalar form on the rest.
-   Returns the isa used. */
+   Returns the isa used, or -1 as tw_adam8bit_step. */
 int tw_quantize(const float *x, uint8_t *q, const float *qt, int is_signed, int64_t n, int isa) {
+    qtab_t t;
+    if (prep_qtab(qt, &t)) return -1;
     const int best = tw_best_isa();
     if (isa > best) isa = best;
+    if (isa < 0) isa = 0;
     int64_t i = 0;
 #ifdef TW_X86
     if (isa == 2)
         i = quantize_avx512(x, q, qt, is_signed, n);
     else if (isa == 1)
-        i = quantize_avx2(x, q, qt, is_signed, n);
+        i = quantize_avx2(x, q, &t, is_signed, n);
 #endif
-    for (; i < n; ++i) q[i] = (uint8_t)quantize_one(x[i], qt, is_signed);
+    for (; i < n; ++i) q[i] = (uint8_t)quantize_one(x[i], &t, is_signed);
     return isa;
 }
 """
@@ -464,3 +536,27 @@ def load() -> Optional[ctypes.CDLL]:
     lib.tw_best_isa.restype = ctypes.c_int
     lib.tw_best_isa.argtypes = []
     return lib
+
+
+def isa_limit() -> int:
+    """The most capable path allowed: $TIERWISE_CPU_ISA (scalar, avx2, avx512), else avx512.
+    The kernel lowers it further to what the CPU has."""
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if not value:
+        return len(ISA_NAMES) - 1
+    if value not in ISA_NAMES:
+        raise ValueError(f"{ISA_ENV}={value!r}: expected one of {', '.join(ISA_NAMES)}")
+    return ISA_NAMES.index(value)
+
+
+def best_isa() -> int:
+    """The most capable path this CPU runs (0 without the compiled kernel)."""
+    lib = load()
+    return lib.tw_best_isa() if lib is not None else 0
+
+
+def isa_in_use() -> str:
+    """The path the 8-bit step takes on CPU here and now ('torch' without the C kernel)."""
+    if load() is None:
+        return "torch"
+    return ISA_NAMES[min(isa_limit(), best_isa())]

@@ -120,9 +120,10 @@ def _kernel_tables() -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
 
 def _c_step(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float,
             beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-            isa: int = 2) -> int:
+            isa: Optional[int] = None) -> int:
     """The C kernel on (n,) fp32 p and g; isa: the most capable path allowed (2 AVX-512,
-    1 AVX2, 0 portable scalar), lowered to what the CPU has; all give identical results.
+    1 AVX2, 0 portable scalar; default $TIERWISE_CPU_ISA, see _cpu_kernel.isa_limit),
+    lowered to what the CPU has; all give identical results.
 
     Scalars are computed in double here and rounded once; the kernel folds absmax * beta and
     multiplies by 1/sqrt(1 - beta2^t) (the torch reference path divides by its root), so the
@@ -130,6 +131,8 @@ def _c_step(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *,
     """
     lib = _cpu_kernel.load()
     assert lib is not None
+    if isa is None:
+        isa = _cpu_kernel.isa_limit()
     code1, code2, qt1, qt2 = _kernel_tables()[1]
     tensors = (p, g, state["state1"], state["state2"], state["absmax1"], state["absmax2"])
     for t in tensors:
@@ -137,8 +140,12 @@ def _c_step(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *,
     decay = 1.0 - lr * weight_decay if weight_decay > 0.0 else 1.0
     hyper = (ctypes.c_float * 8)(beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps,
                                  1.0 / math.sqrt(1.0 - beta2**step), decay, -lr / (1.0 - beta1**step))
-    return lib.tw_adam8bit_step(*(t.data_ptr() for t in tensors), code1, code2, qt1, qt2,
+    used = lib.tw_adam8bit_step(*(t.data_ptr() for t in tensors), code1, code2, qt1, qt2,
                                 ctypes.addressof(hyper), p.numel(), torch.get_num_threads(), isa)
+    if used < 0:  # the default maps always qualify; a changed quant.py might not
+        raise RuntimeError("8-bit C kernel: the decade tables of the dynamic maps are not of the "
+                           "form its quantizer needs (optim/_cpu_kernel.py prep_qtab)")
+    return used
 
 
 def _cuda_step(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float,

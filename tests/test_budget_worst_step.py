@@ -121,13 +121,13 @@ def test_an_accepted_plan_holds_for_every_step_of_the_epoch(tmp_path, engines, d
     minimum = make_plan(cfg).gpu_minimum
     budget = minimum
     if at == "peak":
-        plan = make_plan(TrainConfig(**RUN, data=str(path), pack=not extra, gpu_mem=str(minimum * 3 // 2)))
+        plan = make_plan(TrainConfig(**RUN, data=str(path), pack=not extra, gpu_mem=f"{minimum * 3 // 2}B"))
         budget = -(-plan.peak["gpu"] // 1024) * 1024
-    plan = make_plan(TrainConfig(**RUN, data=str(path), pack=not extra, gpu_mem=str(budget)))
+    plan = make_plan(TrainConfig(**RUN, data=str(path), pack=not extra, gpu_mem=f"{budget}B"))
     assert plan.padded
     out = tmp_path / "run"
     args = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--chunk-size", "16K",
-            "--data", str(path), *extra, "--gpu-mem", str(budget), "--epochs", "1", "--output", str(out)]
+            "--data", str(path), *extra, "--gpu-mem", f"{budget}B", "--epochs", "1", "--output", str(out)]
     _check_run(CliRunner().invoke(app, args, env={"COLUMNS": "120"}), out, plan, engines[-1])
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tierwise.offload import Engine, InfeasibleBudget
+from tierwise.offload.runtime.storage import storage_key
 from tests.models import batches, tiny_llama, train_reference
 
 CHUNK = 16 << 10  # small chunks so a 4-layer toy model spans ~30 of them
@@ -92,11 +93,11 @@ def test_parameters_are_views_into_chunks_no_byte_twice():
     model = tiny_llama()
     eng = Engine(model, gpu_mem="2M", chunk_bytes=CHUNK)
     eng.step(batches(1)[0])
-    chunk_storages = {eng.store.compute_source(c).untyped_storage()._cdata for c in range(len(eng.plan.chunks))}
+    chunk_storages = {storage_key(eng.store.compute_source(c)) for c in range(len(eng.plan.chunks))}
     chunk_storages |= set(eng.streamed_storage)
     for name, p in model.named_parameters():
         held = p.untyped_storage()
-        assert held._cdata in chunk_storages or held.nbytes() <= 4, name
+        assert storage_key(held) in chunk_storages or held.nbytes() <= 4, name
     host = eng.ledger.usage()["host"]
     n = eng.plan.total_numel
     assert host.get("master", 0) + eng.ledger.usage()["gpu"].get("master", 0) == 4 * n

@@ -69,14 +69,10 @@ def test_round_trip_aligned_in_place_and_shapes(store):
 
 
 def test_buffered_fallback_when_odirect_refused(tmp_path, monkeypatch, caplog):
-    real_open = os.open
+    def refuse(fd):
+        raise OSError(errno.EINVAL, "Invalid argument")
 
-    def refusing_open(path, flags, mode=0o777):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, mode)
-
-    monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setattr(nvme, "_enable_direct", refuse)
     with NvmeStore(tmp_path, block_size=BLOCK) as s:
         for key in ("a", "b"):
             src = _data(3001, torch.float32, offset=1)
@@ -201,13 +197,11 @@ def test_flipped_byte_detected_by_checksum(store):
 
 def test_misaligned_direct_request_is_refused(store):
     store.write("m", torch.zeros(4096))
-    req = nvme._Request(write=False, key="m", swap=store._files["m"], data=None, future=None)
-    req.fd, req.direct = store._open(store.path("m"), os.O_RDONLY)
-    try:
-        with pytest.raises(NvmeError, match="misaligned O_DIRECT request"):
-            store._io(req, aligned_empty(8192)[512:4608], 0)
-    finally:
-        os.close(req.fd)
+    swap = store._files["m"]
+    req = nvme._Request(write=False, key="m", swap=swap, data=None, future=None,
+                        fd=swap.fd, direct=True)
+    with pytest.raises(NvmeError, match="misaligned O_DIRECT request"):
+        store._io(req, aligned_empty(8192)[512:4608], 0)
 
 
 def test_bad_requests(store):
@@ -237,7 +231,8 @@ def test_close_removes_files_and_created_dir(tmp_path):
         s.write("a", torch.zeros(100))
         s.write("b", torch.zeros(100))
         s.remove("a")
-        assert os.listdir(directory) == ["b.swp"]
+        assert os.listdir(directory) == [os.path.basename(s.directory)]
+        assert sorted(os.listdir(s.directory)) == [".lock", "b.swp"]
         s.close()
     assert not (tmp_path / "new").exists() and keep.exists() and os.listdir(keep) == []
     with pytest.raises(NvmeError, match="closed"):
@@ -261,7 +256,8 @@ from tierwise.offload.runtime.nvme import NvmeStore
     proc = subprocess.Popen([sys.executable, "-c", script], env=_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout.readline().strip() == "READY", proc.stderr.read()
-    assert len(os.listdir(directory)) == 2
+    (private,) = os.listdir(directory)
+    assert sorted(os.listdir(directory / private)) == [".lock", "a.swp", "b.swp"]
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert "KeyboardInterrupt" in err

@@ -181,3 +181,73 @@ def test_c_kernel_keeps_signs_when_absmax_is_subnormal():
         assert (after != 0).float().mean() > 0.9, isa
         out.append(state["state1"].clone())
     assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t  # NaN == NaN, -0 != +0
+
+
+@pytest.mark.skipif(_cpu_kernel.load() is None, reason="no C compiler")
+def test_c_kernel_paths_give_identical_bytes_on_edge_inputs():
+    """Every path this CPU runs writes the same bytes (params, codes, absmax) as the portable
+    one, on zeros, subnormals, huge values (inf / NaN moments) and a partial last block."""
+    n = 3 * 256 * 5 + 300 + 7  # blocks for each thread, and a tail that is no vector multiple
+    runs = []
+    for isa in range(_cpu_kernel.best_isa(), -1, -1):
+        torch.manual_seed(11)
+        p = torch.randn(n)
+        p[::41] = 0.0
+        state = init_adamw8bit_state(p)
+        state["state1"].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
+        state["state2"].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
+        for key in ("absmax1", "absmax2"):
+            a = state[key]
+            a.copy_(torch.rand(a.numel()) * 1e-2)
+            a[::5], a[1::7], a[2::9] = 0.0, 1e-39, 3e38
+        for step in range(1, 5):
+            g = torch.randn(n) * torch.rand(n) ** 4
+            g[::13], g[1::17], g[2::19] = 0.0, 1e-41, -1e-45
+            if step == 2:
+                g[3::601] = 1e30  # g^2 overflows: inf, then NaN moments in later steps
+            g[4::23] = 3e19
+            used = _c_step(p, g, state, step=step, isa=isa, **HYPER)
+            assert used == isa
+        runs.append((isa, p, state))
+    _, p0, s0 = runs[-1]  # scalar
+    for isa, p, state in runs[:-1]:
+        assert torch.equal(_bits(p), _bits(p0)), isa
+        for key in s0:
+            assert torch.equal(_bits(state[key]), _bits(s0[key])), (isa, key)
+
+
+@pytest.mark.skipif(_cpu_kernel.load() is None, reason="no C compiler")
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_c_quantizer_paths_equal_the_decade_table_on_random_bit_patterns(signed):
+    """Uniform over the float bit patterns of [0, 2) (every binade and subnormal), both signs
+    for the signed map; the kernel itself only quantizes |x| <= 1 up to rounding."""
+    lib = _cpu_kernel.load()
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randint(0, 0x40000000, (400_003,), dtype=torch.int32, generator=gen).view(torch.float32)
+    if signed:
+        x = torch.where(torch.rand(x.shape, generator=gen) < 0.5, -x, x)
+    table = decade_table(signed=signed)
+    want = table.lookup(x, signed=signed).to(torch.uint8)
+    for isa in range(_cpu_kernel.best_isa(), -1, -1):
+        q = torch.empty(x.numel(), dtype=torch.uint8)
+        assert lib.tw_quantize(x.data_ptr(), q.data_ptr(), table.packed.data_ptr(), int(signed), x.numel(), isa) == isa
+        assert torch.equal(q, want), isa
+
+
+@pytest.mark.skipif(_cpu_kernel.load() is None, reason="no C compiler")
+def test_cpu_isa_env_caps_the_kernel_path(monkeypatch):
+    torch.manual_seed(0)
+    p = torch.randn(4096)
+    state = init_adamw8bit_state(p)
+    monkeypatch.setenv("TIERWISE_CPU_ISA", "scalar")
+    assert _cpu_kernel.isa_in_use() == "scalar"
+    assert _c_step(p, torch.randn(4096), state, step=1, **HYPER) == 0
+    monkeypatch.setenv("TIERWISE_CPU_ISA", "avx512")
+    assert _c_step(p, torch.randn(4096), state, step=2, **HYPER) == _cpu_kernel.best_isa()
+    monkeypatch.setenv("TIERWISE_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="TIERWISE_CPU_ISA"):
+        _c_step(p, torch.randn(4096), state, step=3, **HYPER)

@@ -1,6 +1,5 @@
 """The package's shape, read from its source (ast): offload's stages import only downward,
-no import cycle among modules (but the engine's known one, listed by name), and the
-torch-free layers import without torch.
+no import cycle among modules, and the torch-free layers import without torch.
 
 STAGES is the one statement of offload's layer order (README, Layout, repeats it)."""
 
@@ -16,14 +15,9 @@ TOPS = ("offload", "optim", "cli", "profiles")
 # offload's sub-packages, lowest first: a module may import its own stage and those before it.
 STAGES = ["core", "update", "plan", "runtime", "engine", "tools"]
 
-# The engine's helpers take the whole Engine back (TYPE_CHECKING imports for their type hints):
-# issue 13, phase 3 (the Engine as a composition) removes these. Any other cycle fails.
-KNOWN_CYCLE_EDGES = {
-    ("tierwise.offload.engine.hooks", "tierwise.offload.engine.engine"),
-    ("tierwise.offload.engine.early", "tierwise.offload.engine.engine"),
-    ("tierwise.offload.engine.gradspill", "tierwise.offload.engine.engine"),
-    ("tierwise.offload.engine.actoffload", "tierwise.offload.engine.engine"),
-}
+# Cycles allowed, as (importer, imported) edges: none. (The engine's helpers took the whole
+# Engine back until issue 13's phase 3 made it a composition.)
+KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 
 def modules(root: Path = ROOT, prefix: str = "tierwise.") -> dict[str, Path]:

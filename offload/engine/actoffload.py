@@ -11,12 +11,15 @@ its device copy in backward is a device activation again until autograd drops it
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from .engine import Engine
+from ..runtime.executor import Executor
+from ..runtime.ledger import Ledger
+from ..runtime.storage import storage_key
+from ..runtime.tiers import Tiers
+from ..runtime.trace import Phase
 
 
 IN_FLIGHT = 1  # block inputs whose copy to the host may still be under way
@@ -25,34 +28,34 @@ IN_FLIGHT = 1  # block inputs whose copy to the host may still be under way
 class Offloaded:
     """One activation living in host memory between forward and backward."""
 
-    def __init__(self, engine: "Engine", t: torch.Tensor):  # t: contiguous, on the device
-        self.engine, self.shape, self.nbytes = engine, tuple(t.shape), t.numel() * t.element_size()
-        engine.ledger.reserve("gpu", "activation", self.nbytes)
-        self.host = engine.tiers.empty("host", "activation", t.numel(), t.dtype)
+    def __init__(self, io: "Offloader", t: torch.Tensor):  # t: contiguous, on the device
+        self.io, self.shape, self.nbytes = io, tuple(t.shape), t.numel() * t.element_size()
+        io.ledger.reserve("gpu", "activation", self.nbytes)
+        self.host = io.tiers.empty("host", "activation", t.numel(), t.dtype)
         self.device_ref: torch.Tensor | None = t  # until the copy out has landed
-        self.ticket = engine.executor.copy("d2h", self.host, t.reshape(-1))
+        self.ticket = io.executor.copy("d2h", self.host, t.reshape(-1))
         self.back: torch.Tensor | None = None
         self.back_ticket = None
 
     def settle(self, *, wait: bool = False) -> None:
         """Once the copy to the host has landed, the device bytes are free."""
         if self.device_ref is not None and (wait or self.ticket.done()):
-            self.engine.executor.wait(self.ticket)
+            self.io.executor.wait(self.ticket)
             self.device_ref = None
-            self.engine.ledger.release("gpu", "activation", self.nbytes)
+            self.io.ledger.release("gpu", "activation", self.nbytes)
 
     def fetch(self) -> None:
         """Start bringing it back to the device (idempotent)."""
         if self.back is not None:
             return
         self.settle(wait=True)
-        self.engine.ledger.reserve("gpu", "activation", self.nbytes)
-        self.back = torch.empty(self.host.numel(), dtype=self.host.dtype, device=self.engine.device)
-        self.back_ticket = self.engine.executor.copy("h2d", self.back, self.host)
+        self.io.ledger.reserve("gpu", "activation", self.nbytes)
+        self.back = torch.empty(self.host.numel(), dtype=self.host.dtype, device=self.io.device)
+        self.back_ticket = self.io.executor.copy("h2d", self.back, self.host)
 
     def get(self) -> torch.Tensor:
         self.fetch()
-        self.engine.executor.wait(self.back_ticket)
+        self.io.executor.wait(self.back_ticket)
         return self.back.view(self.shape)
 
     def __del__(self) -> None:
@@ -60,8 +63,8 @@ class Offloaded:
             self.settle(wait=True)
             if self.back is not None:
                 self.back_ticket.wait()
-                self.engine.ledger.release("gpu", "activation", self.nbytes)
-            self.engine.tiers.free("host", "activation", self.host)
+                self.io.ledger.release("gpu", "activation", self.nbytes)
+            self.io.tiers.free("host", "activation", self.host)
         except Exception:  # interpreter shutdown: nothing left to account
             pass
 
@@ -69,25 +72,30 @@ class Offloaded:
 class Offloader:
     """Offloads block inputs in forward; prefetches the previous block's input in backward."""
 
-    def __init__(self, engine: "Engine", *, min_bytes: int = 0):
-        self.engine, self.min_bytes = engine, min_bytes
+    """Gets the ledger, the tiers (host memory), the executor, the device and the current
+    phase (block inputs are offloaded in forward only)."""
+
+    def __init__(self, *, ledger: Ledger, tiers: Tiers, executor: Executor, device: torch.device,
+                 phase: Callable[[], Phase], min_bytes: int = 0):
+        self.ledger, self.tiers, self.executor, self.device = ledger, tiers, executor, device
+        self.phase, self.min_bytes = phase, min_bytes
         self.stack: list[weakref.ref] = []  # in pack order
         self.by_storage: dict[int, weakref.ref] = {}
         self.active = False  # True while a checkpointed block saves its inputs in forward
 
     def wants(self, t: torch.Tensor) -> bool:
-        return (self.active and self.engine.phase == "forward" and t.device == self.engine.device
+        return (self.active and self.phase() == Phase.FORWARD and t.device == self.device
                 and t.requires_grad and t.is_contiguous() and t.storage_offset() == 0
                 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
                 and t.numel() * t.element_size() >= self.min_bytes)
 
     def pack(self, t: torch.Tensor) -> Offloaded:
-        key = t.untyped_storage()._cdata
+        key = storage_key(t)
         known = self.by_storage.get(key)
         item = known() if known is not None else None
         if item is None or item.device_ref is None:  # once settled, the storage (and so its key)
             # may have been freed and reused by another tensor: never match on it again
-            item = Offloaded(self.engine, t)
+            item = Offloaded(self, t)
             self.by_storage[key] = weakref.ref(item)
             self.stack.append(weakref.ref(item))
         for ref in self.stack[:-IN_FLIGHT]:  # at most IN_FLIGHT copies out at once: the device

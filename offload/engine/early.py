@@ -2,29 +2,26 @@
 backward goes on with earlier layers (its disk reads and writes, and on a GPU machine its CPU
 work, overlap the rest of backward). Only when nothing can still change its gradient: the last
 micro-batch of a step, and no global-norm clipping (which needs every gradient first).
-"Complete" is counted from the first backward (Engine._learn_uses): every parameter of the
+"Complete" is counted from the first backward (GradientRouter._learn_uses): every parameter of the
 chunk has delivered its sum of as many contributions as that backward gave it (a weight
 shared by several recomputed blocks gets one per block).
 
 One worker thread takes the chunks in the order they complete, in batches, and runs the same
-`update_all` as the end of the step; the step's own update then skips them.
+update (`update_all`) as the end of the step; the step's own update then skips them.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from typing import TYPE_CHECKING, Any
-
-from ..runtime.swapping import update_all
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from typing import Any, Callable
 
 
 class EarlyUpdater:
-    def __init__(self, engine: "Engine"):
-        self.engine = engine
+    """Gets `update(chunks)`: the step's update of those chunks (update_all on the store)."""
+
+    def __init__(self, update: Callable[[list[int]], None]):
+        self.update = update
         self.jobs: queue.Queue = queue.Queue()
         self.done: set[int] = set()
         self.updated = 0  # chunks updated during backward, over the run
@@ -61,8 +58,7 @@ class EarlyUpdater:
                 for _, tickets in batch:
                     for t in tickets:
                         t.wait()  # the gradient has landed in host memory
-                eng = self.engine
-                update_all(eng.store, eng.updater, eng.hyper, eng.bounce, chunks=[c for c, _ in batch])
+                self.update([c for c, _ in batch])
                 self.done.update(c for c, _ in batch)
                 self.updated += len(batch)
             except BaseException as exc:  # raised on the compute thread by wait()

@@ -19,72 +19,69 @@ so the placement holds it; a step that still does not fit raises StepOverBudget.
 schedule made from it (offload.plan.schedule: Belady eviction, look-ahead prefetch). In the last
 micro-batch, chunks whose gradients are final are updated during backward (offload.engine.early).
 
-Any nn.Module, with plain PyTorch's numbers:
-- Residency: a module's own parameters are resident around its forward (offload.engine.hooks); a
-  parameter read elsewhere (nn.MultiheadAttention's out_proj.weight, a head tied through
-  F.linear) is seen by a TorchFunctionMode and made resident for the innermost running module
-  (offload.engine.reads), or refused with an error naming parameter and module (MeZO).
-- Recompute: blocks (model_info.find_blocks) are checkpointed by default when there are
-  several. Buffers a block's forward changes (BatchNorm) are recomputed from copies taken
-  before the forward, then set back to the forward's results (hooks.BufferGuard): each
-  forward updates them once, as without recompute.
-- Gradients: the first backward counts each parameter's contributions (one per graph using
-  it: per recomputed block for a shared weight); later backwards sum them in p.grad in
-  PyTorch's order and hand each chunk one sum per parameter; a chunk is updated early only
-  when all of its parameters' sums are in.
+Any nn.Module, with plain PyTorch's numbers. The Engine is a composition; each collaborator
+gets the few objects it uses, never the Engine:
+- residency (offload.engine.residency): a module's own chunks are resident around its forward;
+  a parameter read elsewhere is made resident for the innermost running module (reads.py);
+  cache, trace follower and fetch.
+- gradients (offload.engine.gradients): arrival, accumulation in PyTorch's order, the NVMe
+  gradient spill (gradspill.py), early updates (early.py).
+- timeline (offload.engine.timeline): the phase, the time per phase, one step's memory moments.
+- surgery (offload.engine.surgery): meta parameters, buffers, hooks, checkpointed blocks
+  (hooks.py), MeZO's dual forward; close() undoes every change.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import time
-from collections import deque
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
-from ..core.errors import BudgetExceeded, StepOverBudget, UnsupportedModel
+from ..core.errors import BudgetExceeded, UnsupportedModel
 from ..core.sizes import parse_size
 from ..core.units import format_size
 from ..plan.homes import assign_homes
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
-from ..plan.schedule import ACQUIRE, RELEASE
-from ..runtime.cache import ResidentCache
-from ..runtime.cxl import CxlAllocator, detect_cxl_nodes
-from ..runtime.executor import Executor, Ticket
-from ..runtime.ledger import Ledger
-from ..runtime.nvme import NvmeStore
-from ..runtime.store import ChunkStore, SwapKind, frozen_kind_bytes, in_slot_order, kind_bytes
+from ..runtime.executor import Executor
+from ..runtime.store import ChunkStore, frozen_kind_bytes, kind_bytes
 from ..runtime.swapping import Bounce, update_all
-from ..runtime.tiers import Tiers, pick_device
-from ..runtime.trace import TraceFollower
+from ..runtime.tiers import pick_device
+from ..runtime.trace import Phase
 from ..update.update import Hyper
 from ..update.updaters import make_updater
 from ..update.zeroth import dual_forward, hf_split_losses
 from .actoffload import Offloader
+from .batches import default_loss, split_batch, to_device
 from .early import EarlyUpdater
+from .gradients import GradientRouter
 from .gradspill import GradSpill
-from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from .frozen_base import frozen_layouts
+from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from .lora import apply_lora
-from .model_info import find_blocks, modules_with_params
-from .reads import Paused, ReadGuard
+from .model_info import find_blocks
+from .needs import device_needs, module_chunks, open_tiers
+from .overbudget import estimate_over_budget, step_over_budget, warmup_over_budget
+from .residency import Residency
+from .surgery import ModelSurgery, booked
+from .timeline import Timeline
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def default_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Hugging Face convention: the model computes the loss from `labels`."""
-    return model(**batch).loss
-
-
 class Engine:
-    """Chunked, budgeted training of `model`. See the module docstring."""
+    """Chunked, budgeted training of `model`. See the module docstring.
+
+    A composition: the Engine keeps construction, the step protocol (forward, backward, step,
+    optimizer_step, measure), the placement after the warm-up and state_dict; its collaborators
+    own the rest: `residency` (offload.engine.residency: cache, trace follower, fetch, module
+    stack), `grads` (offload.engine.gradients: arrival, accumulation, NVMe spill, early update),
+    `moments` (offload.engine.timeline: phase, timeline, phase times) and `surgery`
+    (offload.engine.surgery: every change to the model, undone by close())."""
 
     def __init__(self, model: torch.nn.Module, *, optimizer: str = "adamw", lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -95,7 +92,7 @@ class Engine:
                  precision: str = "fp32", chunk_bytes: "str | int" = DEFAULT_CHUNK_BYTES,
                  grad_clip: float | None = None, checkpointing: bool | None = None,
                  activations: int | None = None,
-                 cxl_node: int | None = None, cxl_bandwidth: float | None = None,
+                 cxl_node: "int | str | Iterable[int] | None" = None, cxl_bandwidth: float | None = None,
                  nvme_checksum: bool = False,
                  device: "str | torch.device | None" = None,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
@@ -132,9 +129,11 @@ class Engine:
         self.offload_activations = offload_activations
         self.overlap_update = overlap_update
         self.hyper = Hyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum)
-        self._setup_tiers(gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
-                          cxl_bandwidth=cxl_bandwidth, nvme_path=nvme_path, nvme_checksum=nvme_checksum)
+        self.ledger, self.tiers, self.cxl, self.nvme = open_tiers(
+            device=self.device, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
+            cxl_bandwidth=cxl_bandwidth, nvme_path=nvme_path, nvme_checksum=nvme_checksum)
         self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
+        self.moments = Timeline(self.ledger)
 
         named = list(model.named_parameters())
         frozen = {n for n, p in named if not p.requires_grad}
@@ -150,11 +149,13 @@ class Engine:
                                     shapes={n: tuple(p.shape) for n, p in named if n not in frozen},
                                     momentum=momentum, **(optimizer_kwargs or {}))
         weights = [(n, p) for n, p in named if p.device.type != "meta"]
-        named = self._materialize_meta(model, named)
+        self.surgery = ModelSurgery(model)
+        named = self.surgery.materialize_meta(named, dtype=self.compute_dtype, device=self.device)
         self.params = dict(named)
         self.param_names = {p: n for n, p in named}
-        self.buffer_bytes = self._move_buffers(model)
-        self.module_chunks = self._module_chunks(model)
+        self.buffer_bytes = self.surgery.move_buffers(self.device)
+        self.ledger.reserve("gpu", "buffer", self.buffer_bytes)
+        self.module_chunks = module_chunks(model, self.plan, self.param_names)
         self.blocks = find_blocks(model)
         self.zo_batch: int | None = None  # MeZO: rows of the +εz half while a dual forward runs
         if not self.updater.needs_grad:
@@ -162,50 +163,49 @@ class Engine:
         self._place(activations)
         self.store.load(weights, self.params)  # copy the weights in; the originals go when repointed
         del weights
+        self.residency = Residency(
+            store=self.store, tiers=self.tiers, executor=self.executor,
+            limit=self.device_plan.cache_limit if self.device_plan else self.needs.stream_window,
+            params=self.params, param_names=self.param_names, module_chunks=self.module_chunks,
+            timeline=self.moments, name_of=self._module_name, cxl=self.cxl, nvme=self.nvme, bounce=self.bounce,
+            borrow_refusal=None if self.updater.needs_grad else self.optimizer_name)
         self._install_hooks(model, checkpointing)
-
-        self.cache = ResidentCache(tiers=self.tiers, executor=self.executor,
-                                   limit=self.device_plan.cache_limit if self.device_plan else self.needs.stream_window,
-                                   dtype=self.compute_dtype, numel=lambda c: self.plan.chunks[c].numel,
-                                   fetch=self._fetch, on_resident=self._on_resident, on_evict=self._on_evict)
         self.minimum_gpu_bytes: int | None = None
         self.steps = 0
-        self.phase = "idle"
-        self._seen: set[torch.nn.Parameter] = set()
         self._in_cycle = False
-        self._inflight: deque = deque()
-        self._inflight_bytes = 0
-        self.timeline: list[dict] = []
-        self._recording_timeline = False
         self.last_grad_norm: torch.Tensor | None = None
-        self.phase_times = {"forward": 0.0, "backward": 0.0, "update": 0.0}
-        for cid in range(len(self.plan.chunks)):
-            if self.store.is_gpu_home(cid):
-                self.home_storage.add(self.store.compute_source(cid).untyped_storage()._cdata)
-                self.store.point_params(cid, self.store.compute_source(cid), self.params)
-            else:
-                self._on_evict(cid)
+
+    # -- views of the collaborators' state (tests, cli and bench read them) ----------------
+    @property
+    def phase(self) -> Phase:
+        return self.moments.phase
+
+    @property
+    def timeline(self) -> list[dict]:
+        """One step's bytes per tier at each moment (offload.engine.timeline)."""
+        return self.moments.rows
+
+    @property
+    def phase_times(self) -> dict[str, float]:
+        return self.moments.phase_times
+
+    @property
+    def cache(self) -> Any:
+        return self.residency.cache
+
+    @property
+    def follower(self) -> Any:
+        return self.residency.follower
+
+    @property
+    def streamed_storage(self) -> dict[int, int]:
+        return self.residency.streamed_storage
+
+    @property
+    def early(self) -> EarlyUpdater | None:
+        return self.grads.early
 
     # -- setup helpers -------------------------------------------------------------------
-    def _setup_tiers(self, *, gpu_mem: Any, cpu_mem: Any, cxl_mem: Any, cxl_node: Any, cxl_bandwidth: Any,
-                     nvme_path: Any, nvme_checksum: bool) -> None:
-        """Budgets, the ledger and the allocators of every tier in use."""
-        budgets = {"gpu": parse_size(gpu_mem, what="--gpu-mem"), "host": parse_size(cpu_mem, what="--cpu-mem")}
-        cxl_bytes = parse_size(cxl_mem, what="--cxl-mem")
-        self.cxl = None
-        if cxl_bytes:
-            budgets["cxl"] = cxl_bytes
-            # the ledger enforces --cxl-mem (one budget, exact bytes); the allocator's own page-
-            # rounded count would refuse a tight budget the ledger accepts
-            self.cxl = CxlAllocator(nodes=detect_cxl_nodes(), budget_bytes=1 << 62,
-                                    emulate_bandwidth=cxl_bandwidth, node=cxl_node)
-        self.nvme = None
-        if nvme_path is not None:
-            budgets["nvme"] = None  # bounded by the disk: checked by preflight in _place
-            self.nvme = NvmeStore(nvme_path, checksum=nvme_checksum)
-        self.ledger = Ledger(budgets)
-        self.tiers = Tiers(ledger=self.ledger, device=self.device, cxl=self.cxl)
-
     def _place(self, activations: int | None) -> None:
         """Decide every chunk kind's tier and allocate the chunk store there."""
         self.kinds = {c.index: frozen_kind_bytes(c.numel, layout=self.frozen_layouts[c.index],
@@ -243,72 +243,45 @@ class Engine:
             self.store.device_staging = torch.empty(staging, dtype=torch.uint8, device=self.device)
         self.bounce = Bounce(self.store, pin=self.device.type == "cuda") if self.homes.bounce else None
         self.store.bounce = self.bounce
-        self.spill = GradSpill(self)
-        self.streamed_storage: dict[int, int] = {}
-        self.home_storage: set[int] = set()
 
     def _install_hooks(self, model: torch.nn.Module, checkpointing: bool | None) -> None:
-        """Module hooks, gradient hooks, block checkpointing (or MeZO's dual forward); what it
-        patches on the model, close() puts back."""
-        self._patched: list[tuple[torch.nn.Module, Any]] = []  # (module, its own forward attribute)
-        self._use_cache_flipped = False
+        """Module hooks, gradient hooks, block checkpointing (or MeZO's dual forward), each
+        change recorded in `surgery` for close() to undo; the gradient router."""
+        res, surgery = self.residency, self.surgery
         if not self.updater.needs_grad:
             for mod in self.module_chunks:
-                self._patch_forward(mod, lambda f, m=mod: dual_forward(f, m, self))
+                surgery.patch_forward(mod, lambda f, m=mod: dual_forward(
+                    f, m, half=lambda: self.zo_batch, updater=self.updater, names=self.param_names,
+                    ledger=self.ledger))
         if checkpointing is None:
             checkpointing = len(self.blocks) > 1
         if self.offload_activations and not checkpointing and self.updater.needs_grad:
             raise ValueError("offload_activations moves the inputs of recomputed blocks: it needs "
                              "checkpointing (a model with several blocks, checkpointing not False)")
-        if checkpointing and getattr(getattr(model, "config", None), "use_cache", False):
-            model.config.use_cache = False  # a KV cache would see each block twice (recompute)
-            self._use_cache_flipped = True
+        self.tracker = ActivationTracker(res, self.ledger, self.device)
         if checkpointing:
-            guard = dict(reserve=lambda n: self.ledger.reserve("gpu", "activation", n),
-                         release=lambda n: self.ledger.release("gpu", "activation", n))
+            surgery.disable_kv_cache()  # a KV cache would see each block twice (recompute)
             for block in self.blocks:
-                self._patch_forward(block, lambda f, b=block: checkpointed(
-                    f, context=lambda: self._recompute(b), saving=lambda: self.tracker.saving_block_inputs(),
-                    buffers=BufferGuard(b, **guard)))
+                surgery.patch_forward(block, lambda f, b=block: checkpointed(
+                    f, context=lambda: res.recompute(b, self.tracker.hooks()),
+                    saving=self.tracker.saving_block_inputs,
+                    buffers=BufferGuard(b, **booked(self.ledger, "gpu", "activation"))))
         self.checkpointing = checkpointing
-        self.guard = ReadGuard(self._on_read)
-        # per running module (None: the loss function), the chunks read there that it does not own
-        self._frames: list[tuple[torch.nn.Module | None, list[int]]] = []
-        self._handles = install_module_hooks(self, model)
-        for p in self.params.values():
-            if p.requires_grad:  # frozen parameters get no gradient
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
-        self.early = EarlyUpdater(self) if self.overlap_update and self.updater.needs_grad else None
-        self._early_on = False
-        self._uses: dict[str, int] | None = None  # gradients per backward, per parameter (traced)
-        self._expected: dict[int, int] = {}  # per chunk, when every parameter in it gets some
-        self._counts: dict[str, int] = {}
-        self._arrived: dict[int, int] = {}
-        self._chunk_tickets: dict[int, list] = {}
-        self._submitted: set[int] = set()
-        self._held_back: set[int] = set()
-        self._gathered: dict[torch.nn.Parameter, int] = {}  # p.grad kept for more contributions: bytes
-        self._gather_bytes = 0
-        self._flushing = False
-        self.tracker = ActivationTracker(self)
+        surgery.keep(install_module_hooks(model, res.enter_module, res.exit_module))
+        early = EarlyUpdater(self._update_chunks) if self.overlap_update and self.updater.needs_grad else None
+        self.grads = GradientRouter(
+            store=self.store, executor=self.executor, ledger=self.ledger, param_names=self.param_names,
+            grad_reserve=lambda: self.needs.grad_reserve, early=early,
+            new_spill=lambda: GradSpill(self.store, self.bounce, self.nvme, self.executor),
+            compute_itemsize=self.compute_dtype.itemsize)
+        surgery.keep(p.register_post_accumulate_grad_hook(self.grads.grad_ready)
+                     for p in self.params.values() if p.requires_grad)  # frozen ones get no gradient
         if self.offload_activations:
-            self.tracker.offloader = Offloader(self)
-        self.follower = TraceFollower()
+            self.tracker.offloader = Offloader(ledger=self.ledger, tiers=self.tiers, executor=self.executor,
+                                               device=self.device, phase=lambda: self.moments.phase)
 
-    def _patch_forward(self, mod: torch.nn.Module, wrap: Callable[[Callable], Callable]) -> None:
-        self._patched.append((mod, mod.__dict__.get("forward")))
-        mod.forward = wrap(mod.forward)
-
-    @contextlib.contextmanager
-    def _recompute(self, block: torch.nn.Module) -> Iterator[None]:
-        """What a checkpointed block's recompute runs under: the saved-tensor hooks, the read
-        guard, and the block's own frame (its forward hooks do not run for a recompute)."""
-        with self.tracker.hooks(), self.guard:
-            self._push(block)
-            try:
-                yield
-            finally:
-                self.exit_module(block)
+    def _update_chunks(self, chunks: list[int]) -> None:
+        update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks)
 
     def _home_order(self) -> list[int]:
         """Chunks that may be gpu-home, most wanted first: trainable ones (adapters: small, and
@@ -319,136 +292,10 @@ class Engine:
         frozen = [c for c in reversed(range(n)) if self.plan.is_frozen(c) and self.frozen_layouts[c] is None]
         return trainable + frozen
 
-    def _materialize_meta(self, model: torch.nn.Module,
-                          named: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.nn.Parameter]]:
-        """Swap meta-device parameters for real (empty) ones; weights come via load_weights."""
-        swap = {}
-        for name, p in named:
-            if p.device.type == "meta":
-                swap[p] = torch.nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device))
-        if not swap:
-            return named
-        for mod in model.modules():
-            for key, p in list(mod._parameters.items()):
-                if p in swap:
-                    mod._parameters[key] = swap[p]
-        return [(n, swap.get(p, p)) for n, p in named]
-
-    def _move_buffers(self, model: torch.nn.Module) -> int:
-        total = 0
-        for mod in model.modules():
-            for name, buf in list(mod._buffers.items()):
-                if buf is None:
-                    continue
-                if buf.device != self.device and buf.device.type != "meta":
-                    mod._buffers[name] = buf = buf.to(self.device)
-                total += buf.numel() * buf.element_size()
-        self.ledger.reserve("gpu", "buffer", total)
-        return total
-
-    def _module_chunks(self, model: torch.nn.Module) -> dict[torch.nn.Module, list[int]]:
-        out = {}
-        for mod in modules_with_params(model):
-            cids = sorted({self.plan.slots[self.param_names[p]].chunk for p in mod._parameters.values()
-                           if p is not None and p in self.param_names})
-            if cids:
-                out[mod] = cids
-        return out
-
     def _device_needs(self, *, activations: int, pinned: int = 0) -> DeviceNeeds:
-        """`pinned`: the most chunk bytes pinned at once so far (nested modules, parameters read
-        outside their owner): the window is at least that, and at least the widest module."""
-        csize = self.compute_dtype.itemsize
-        compute = tuple(c.numel * csize for c in self.plan.chunks)
-        widest = max((sum(compute[c] for c in cids) for cids in self.module_chunks.values()), default=0)
-        widest = max(widest, pinned)
-        largest_param = max((s.numel for s in self.plan.slots.values()
-                             if not self.plan.is_frozen(s.chunk)), default=0) * csize
-        return DeviceNeeds(
-            buffers=self.buffer_bytes,
-            stream_window=widest + max(compute, default=0),
-            grad_reserve=largest_param if self.updater.needs_grad else self._zo_workspace(),
-            activations=activations,
-            home_bytes=tuple(sum(self.kinds[c].values()) for c in range(len(compute))),
-            compute_bytes=compute,
-        )
-
-    def _zo_workspace(self) -> int:
-        """MeZO's perturbed copies of the widest module's parameters (+εz and -εz)."""
-        csize = self.compute_dtype.itemsize
-        return max((2 * csize * sum(self.plan.slots[self.param_names[p]].numel
-                                    for p in m._parameters.values() if p is not None)
-                    for m in self.module_chunks), default=0)
-
-    # -- residency callbacks (compute thread) --------------------------------------------
-    def _fetch(self, cid: int, buf: torch.Tensor) -> Ticket:
-        """Start copying chunk `cid`'s compute copy from its home tier into device `buf`."""
-        src = self.store.compute_source(cid)
-        links = (self.cxl.link_out,) if self.cxl is not None and self.store.compute_tier(cid) == "cxl" else ()
-        if isinstance(src, SwapKind):
-            staging = self.bounce.staging_for(src)
-
-            def fn(stream: Any) -> None:
-                self.nvme.read(src.key, staging)
-                self.store.to_compute(cid, staging, buf, non_blocking=stream is not None)
-        else:
-            def fn(stream: Any) -> None:
-                self.store.to_compute(cid, src, buf, non_blocking=stream is not None)
-        nbytes = src.nbytes if isinstance(src, SwapKind) else src.numel() * src.element_size()  # encoded: less
-        return self.executor.job("h2d", fn, nbytes=nbytes, links=links)
-
-    def _on_resident(self, cid: int, buf: torch.Tensor) -> None:
-        self.streamed_storage[buf.untyped_storage()._cdata] = cid
-        self.store.point_params(cid, buf, self.params)
-
-    def _on_evict(self, cid: int) -> None:
-        self.streamed_storage = {k: v for k, v in self.streamed_storage.items() if v != cid}
-        self.store.unpoint_params(cid, self.params, device=self.device)
-
-    def enter_module(self, mod: torch.nn.Module) -> None:
-        """A module's forward starts: a new frame; its own chunks become resident."""
-        if not self._frames:
-            raise UnsupportedModel(
-                f"{self._module_name(mod)} ran outside engine.step / forward / eval_loss: the engine "
-                f"makes parameters resident only there (read trained weights with named_parameters_fp32)")
-        self._push(mod)
-
-    def _push(self, mod: torch.nn.Module) -> None:
-        with Paused(self.guard):
-            self._frames.append((mod, []))
-            if mod in self.module_chunks:
-                self.acquire_module(mod)
-
-    def exit_module(self, mod: torch.nn.Module) -> None:
-        """A module's forward ended: release its own chunks and those read in its frame."""
-        with Paused(self.guard):
-            if mod in self.module_chunks:
-                self.release_module(mod)
-            if self._frames:
-                for cid in self._frames.pop()[1]:
-                    self._release(cid)
-
-    def _on_read(self, p: torch.nn.Parameter) -> None:
-        """A torch call reads `p` (offload.engine.reads): make its chunk resident for the innermost
-        running module if no running module holds it already."""
-        name = self.param_names.get(p)
-        if name is None:
-            return  # not a parameter of this model
-        cid = self.plan.slots[name].chunk
-        if self.store.is_gpu_home(cid) or self.cache.pinned(cid):
-            return
-        if not self._frames:
-            raise UnsupportedModel(f"parameter {name!r} is read outside the forward and the loss function; "
-                                   f"the engine cannot make it resident there")
-        mod, borrowed = self._frames[-1]
-        if not self.updater.needs_grad:
-            raise UnsupportedModel(
-                f"parameter {name!r} is read by {self._module_name(mod)} outside the forward of the module "
-                f"that owns it; {self.optimizer_name} perturbs a parameter in its owner's forward only, so "
-                f"this read would see it unperturbed")
-        self._acquire(cid)
-        borrowed.append(cid)
-        self._record_moment()
+        return device_needs(self.plan, self.module_chunks, self.param_names, kinds=self.kinds,
+                            buffers=self.buffer_bytes, itemsize=self.compute_dtype.itemsize,
+                            needs_grad=self.updater.needs_grad, activations=activations, pinned=pinned)
 
     def _module_name(self, mod: "torch.nn.Module | None") -> str:
         if mod is None:
@@ -456,260 +303,55 @@ class Engine:
         name = next((n for n, m in self.model.named_modules() if m is mod), None)
         return f"module {name!r} ({type(mod).__name__})" if name else f"the model ({type(mod).__name__})"
 
-    def acquire_module(self, mod: torch.nn.Module) -> None:
-        for cid in self.module_chunks[mod]:
-            if not self.store.is_gpu_home(cid):
-                self._acquire(cid)
-        self._record_moment()
-
-    def release_module(self, mod: torch.nn.Module) -> None:
-        for cid in self.module_chunks[mod]:
-            if not self.store.is_gpu_home(cid):
-                self._release(cid)
-
-    def touch_chunk(self, cid: int) -> torch.Tensor:
-        """A saved view of chunk `cid` is needed in backward: make it resident now."""
-        buf = self._acquire(cid)
-        self._release(cid)
-        return buf
-
-    def _acquire(self, cid: int) -> torch.Tensor:
-        """Carry out the schedule's actions for this acquisition, then pin the chunk."""
-        if self.phase == "eval":  # off the trace: evaluation is not part of a step
-            return self.cache.acquire(cid)
-        actions = self.follower.event(ACQUIRE, cid, self.phase)
-        if actions is not None and not self.cache.apply(actions.evict, ()):
-            self.follower.drop()
-            actions = None
-        buf = self.cache.acquire(cid)
-        if actions is not None and not self.cache.apply(actions.prefetch_evict, actions.prefetch):
-            self.follower.drop()
-        return buf
-
-    def _release(self, cid: int) -> None:
-        if self.phase != "eval":
-            self.follower.event(RELEASE, cid, self.phase)
-        self.cache.release(cid)
-
-    # -- gradients ----------------------------------------------------------------------
-    def _grad_ready(self, p: torch.nn.Parameter) -> None:
-        if self._gathering(p):
-            return
-        g = p.grad
-        p.grad = None
-        slot = self.plan.slots[self.param_names[p]]
-        first = p not in self._seen
-        self._seen.add(p)
-        src = in_slot_order(g, slot)  # a transposed parameter's gradient lands in its memory order
-        spilled = isinstance(self.store.chunks[slot.chunk].grad, SwapKind)
-        if spilled:
-            dst = self.spill.target(slot.chunk)[slot.offset: slot.offset + slot.numel]
-        else:
-            dst = self.store.grad_view(slot)
-        if self.store.is_gpu_home(slot.chunk):
-            dst.copy_(src) if first else dst.add_(src)
-            self._arrived_grad(slot, None)
-            return
-        nbytes = src.numel() * src.element_size()
-        self._reserve_grad(nbytes)
-        staging = None
-        if self.executor.cuda and not first:
-            staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
-        ticket = self.executor.copy("d2h", dst, src, accumulate=not first, staging=staging)
-        self._inflight.append((ticket, nbytes, src))
-        if spilled:
-            self.spill.landed(slot.chunk, ticket)
-        self._arrived_grad(slot, ticket)
-
-    def _gathering(self, p: torch.nn.Parameter) -> bool:
-        """Count `p`'s gradient contributions of this backward: its post-accumulate hook runs
-        once per graph that uses it (a weight used twice in one graph: once; in two recomputed
-        blocks: twice). While more are due (as many as the first backward counted), leave the
-        sum in p.grad for autograd to add the next one to, in plain PyTorch's order: the grad
-        chunk then gets one sum per backward, as p.grad does across micro-batches. The held
-        p.grad is device memory of this backward only, booked as an activation."""
-        name = self.param_names[p]
-        n = self._counts[name] = self._counts.get(name, 0) + 1
-        if not self._flushing and self._uses is not None and n < self._uses.get(name, 0):
-            if p not in self._gathered:
-                nbytes = p.grad.numel() * p.grad.element_size()
-                self.ledger.reserve("gpu", "activation", nbytes)  # first: _abort_cycle releases what is here
-                self._gathered[p] = nbytes
-            return True
-        if p in self._gathered:
-            self.ledger.release("gpu", "activation", self._gathered.pop(p))
-        return False
-
-    def _flush_gathered(self) -> None:
-        """After backward: sums still waiting for contributions that did not come this time."""
-        self._flushing = True
-        try:
-            for p in list(self._gathered):
-                self._grad_ready(p)
-        finally:
-            self._flushing = False
-
-    def _arrived_grad(self, slot: Any, ticket: Any) -> None:
-        """A parameter's gradient sum reached its grad chunk. Once every parameter of a chunk has
-        sent its sum (last micro-batch, no clipping), the chunk's update starts while backward
-        goes on (offload.engine.early)."""
-        if not self._early_on:
-            return
-        cid = slot.chunk
-        n, traced = self._counts[slot.name], self._uses.get(slot.name, 0)
-        if n > traced:  # a contribution more than the first backward had: the control flow changed
-            if cid in self._submitted:
-                raise UnsupportedModel(
-                    f"parameter {slot.name!r} got gradient contribution {n} in this backward (the first "
-                    f"backward had {traced}) after its chunk was updated early; use overlap_update=False "
-                    f"for a model whose backward changes from step to step")
-            self._held_back.add(cid)  # updated at the end of the step instead
-        if ticket is not None:
-            self._chunk_tickets.setdefault(cid, []).append(ticket)
-        self._arrived[cid] = self._arrived.get(cid, 0) + 1
-        if cid not in self._held_back and self._arrived[cid] == self._expected.get(cid):
-            self._submitted.add(cid)
-            self.early.submit(cid, self._chunk_tickets.pop(cid, []))
-
-    def _learn_uses(self) -> None:
-        """After the first backward: the contributions each parameter gets per backward (the
-        trace of gradients). A chunk expects one sum per parameter; one with a parameter that
-        got none is not updated early (that slot is zeroed at the end of the step)."""
-        self._uses = dict(self._counts)
-        self._expected = {c.index: len(c.params) for c in self.plan.chunks
-                          if all(self._uses.get(name, 0) for name in c.params)}
-        # the sums later backwards hold in p.grad (at most all at once): the warm-up held none
-        self._gather_bytes = sum(self.plan.slots[n].numel for n, k in self._uses.items() if k > 1) \
-            * self.compute_dtype.itemsize
-
-    def _reserve_grad(self, nbytes: int) -> None:
-        limit = max(self.needs.grad_reserve, nbytes)
-        while self._inflight and (self._inflight[0][0].done() or self._inflight_bytes + nbytes > limit):
-            self._retire_oldest()
-        self.ledger.reserve("gpu", "grad", nbytes)
-        self._inflight_bytes += nbytes
-
-    def _retire_oldest(self) -> None:
-        ticket, nbytes, _src = self._inflight.popleft()
-        self.executor.wait(ticket)
-        self._inflight_bytes -= nbytes
-        self.ledger.release("gpu", "grad", nbytes)
-
-    def _drain_grads(self) -> None:
-        while self._inflight:
-            self._retire_oldest()
-
     # -- the step -----------------------------------------------------------------------
     def _begin_cycle(self) -> None:
         if not self._in_cycle:
             self._in_cycle = True
-            self._seen = set()
-            self.spill.begin_cycle()
-            self.follower.start_step()
-            self._recording_timeline = self.steps == 1 or (self.steps == 0 and not self.timeline)
-            if self._recording_timeline:
-                self.timeline = []
-
-    def _to_device(self, batch: Any) -> Any:
-        if isinstance(batch, torch.Tensor):
-            return batch.to(self.device)
-        if isinstance(batch, dict):
-            return {k: self._to_device(v) for k, v in batch.items()}
-        if isinstance(batch, (list, tuple)):
-            return type(batch)(self._to_device(v) for v in batch)
-        return batch
+            self.grads.begin_step()
+            self.residency.follower.start_step()
+            self.moments.begin_step(self.steps)
 
     def forward(self, batch: Any) -> torch.Tensor:
         """Run the loss function on `batch`; returns the loss tensor (graph kept for backward)."""
         self._begin_cycle()
-        self.phase = "forward"
-        t0 = time.perf_counter()
         try:
-            with self.tracker.hooks(), self._reading():
-                loss = self.loss_fn(self.model, self._to_device(batch))
-            if self.tracker.offloader is not None:
-                self.tracker.offloader.end_forward()
+            with self.moments.timed(Phase.FORWARD):
+                with self.tracker.hooks(), self.residency.reading():
+                    loss = self.loss_fn(self.model, to_device(batch, self.device))
+                if self.tracker.offloader is not None:
+                    self.tracker.offloader.end_forward()
         except BudgetExceeded as exc:
             raise self._budget_error(exc, intact=self._abort_cycle()) from exc
-        self.phase_times["forward"] += time.perf_counter() - t0
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss`; gradients accumulate (fp32) in their grad chunks."""
-        self.phase = "backward"
-        t0 = time.perf_counter()
         try:
-            self._arrived, self._chunk_tickets, self._counts = {}, {}, {}
-            self._submitted, self._held_back = set(), set()
-            loss.backward()
-            self._flush_gathered()
-            if self._uses is None:
-                self._learn_uses()
-            self._drain_grads()
-            self.spill.end_backward()
-            if self._early_on:
-                self.early.wait()
+            with self.moments.timed(Phase.BACKWARD):
+                self.moments.moment()  # without recompute no module hook fires in backward: mark it
+                self.grads.begin_backward()
+                loss.backward()
+                self.moments.moment()  # every gradient accumulated, before the drain
+                self.grads.end_backward()
         except BudgetExceeded as exc:
             raise self._budget_error(exc, intact=self._abort_cycle()) from exc
-        self.phase_times["backward"] += time.perf_counter() - t0
-
-    @contextlib.contextmanager
-    def _reading(self) -> Iterator[None]:
-        """Around the loss function: the read guard, and the loss function's own frame."""
-        self._frames = [(None, [])]
-        try:
-            with self.guard:
-                yield
-        finally:
-            frames, self._frames = self._frames, []
-            for _, borrowed in reversed(frames):
-                for cid in borrowed:
-                    self._release(cid)
 
     def _abort_cycle(self) -> bool:
         """Drop a failed step's gradients; True when its early updates (offload.engine.early) had not
         reached any chunk, so the weights are those of the last completed step."""
-        intact = True
-        for p, nbytes in self._gathered.items():
-            p.grad = None
-            self.ledger.release("gpu", "activation", nbytes)
-        self._gathered = {}
-        self._drain_grads()
-        if self.early is not None:
-            try:
-                self.early.wait()  # never leave the worker writing while the caller saves
-            except BaseException:  # noqa: BLE001 - the budget error is the one to report
-                log.exception("an early update failed while a step was aborted")
-            intact = not self.early.done
-            self.early.done.clear()
-        self.spill.finish_cycle()
-        self.spill = GradSpill(self)
+        intact = self.grads.abort()
         self._in_cycle = False
-        self.store.zero_grads()
         return intact
 
     def _budget_error(self, exc: BudgetExceeded, *, intact: bool) -> Exception:
-        """A gpu reservation failed mid-step: what the step needed with this placement (in use +
-        asked, above the budget by construction) and the activations it had been placed for; in
-        the first step (nothing placed yet), the engine's minimum with the activations so far."""
+        """A gpu reservation failed mid-step (offload.engine.overbudget says what it needed)."""
         if exc.tier != "gpu":
             return exc
-        need = exc.used + exc.asked
         act = self.ledger.usage()["gpu"].get("activation", 0) + (exc.asked if exc.kind == "activation" else 0)
         if self.minimum_gpu_bytes is None:  # the warm-up (or measure): nothing placed yet, every chunk streams
-            need = max(need, self._device_needs(activations=act, pinned=self.cache.pinned_peak).minimum)
-            return StepOverBudget(
-                f"gpu budget {format_size(exc.budget)} ({exc.budget} B) is below the engine's minimum for this "
-                f"batch: at least {format_size(need)} ({need} B), with activations so far {format_size(act)} "
-                f"(the first step streams every chunk through the smallest window); raise --gpu-mem or lower "
-                f"the batch size / sequence length", minimum={"gpu": need}, weights_intact=intact)
-        return StepOverBudget(
-            f"gpu budget {format_size(exc.budget)} ({exc.budget} B) cannot hold this step: it needed at least "
-            f"{format_size(need)} ({need} B): {format_size(exc.used)} in use + {format_size(exc.asked)} more for "
-            f"{exc.kind}, with activations at {format_size(act)} where the chunks were placed for "
-            f"{format_size(self.needs.activations)}; measure the largest batch before the first step "
-            f"(Engine.measure), or raise --gpu-mem or lower the batch size / sequence length",
-            minimum={"gpu": need}, weights_intact=intact)
+            minimum = self._device_needs(activations=act, pinned=self.residency.cache.pinned_peak).minimum
+            return warmup_over_budget(exc, act, minimum, intact=intact)
+        return step_over_budget(exc, act, self.needs.activations, intact=intact)
 
     def step(self, batch: Any, *, grad_accum: int = 1) -> float:
         """Forward, backward and update on `batch`, split into `grad_accum` micro-batches."""
@@ -721,12 +363,12 @@ class Engine:
             loss = self.forward(mb)
             # the last micro-batch's gradients are final: chunks may update as they complete
             # (once the first backward has counted each chunk's gradients)
-            self._early_on = (self.early is not None and self.grad_clip is None and i == len(micro) - 1
-                              and self._uses is not None)
+            self.grads.early_on = (self.grads.early is not None and self.grad_clip is None
+                                   and i == len(micro) - 1 and self.grads.uses is not None)
             try:
                 self.backward(loss / grad_accum if grad_accum > 1 else loss)
             finally:
-                self._early_on = False
+                self.grads.early_on = False
             losses.append(loss.detach().float().item())
         self.optimizer_step()
         return sum(losses) / len(losses)
@@ -734,47 +376,42 @@ class Engine:
     def _zo_step(self, batch: Any) -> float:
         """MeZO: one forward over the doubled batch gives both losses; then the update."""
         self._begin_cycle()
-        self.phase = "forward"
-        t0 = time.perf_counter()
-        self.updater.begin_step()
-        batch = self._to_device(batch)
-        half = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
-        self.zo_batch = half
-        try:
-            with torch.no_grad(), self._reading():
-                loss_pos, loss_neg = hf_split_losses(self.model, batch, half)
-        finally:
-            self.zo_batch = None
-        self.updater.projected_grad = (loss_pos - loss_neg) / (2.0 * self.updater.eps)
-        self.phase_times["forward"] += time.perf_counter() - t0
+        with self.moments.timed(Phase.FORWARD):
+            self.updater.begin_step()
+            batch = to_device(batch, self.device)
+            half = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+            self.zo_batch = half
+            try:
+                with torch.no_grad(), self.residency.reading():
+                    loss_pos, loss_neg = hf_split_losses(self.model, batch, half)
+            finally:
+                self.zo_batch = None
+            self.updater.projected_grad = (loss_pos - loss_neg) / (2.0 * self.updater.eps)
         self.optimizer_step()
         return loss_pos
 
     def optimizer_step(self) -> None:
         """Clip (optionally) and update every chunk; then the device copies are stale."""
-        self.phase = "update"
-        t0 = time.perf_counter()
-        self._drain_grads()
-        if self.updater.needs_grad:
-            self.store.zero_unseen_grads(self._seen, self.params)
-        self.spill.finish_cycle()
+        with self.moments.timed(Phase.UPDATE):
+            self._update()
+        if self.minimum_gpu_bytes is None:
+            self._after_warmup()
+        self._schedule()
+
+    def _update(self) -> None:
+        early = self.grads.finish_step(self.params, zero_unseen=self.updater.needs_grad)
         if self.grad_clip is not None:
             self.last_grad_norm = self.store.clip_grads_(self.grad_clip)
-        early = self.early.done if self.early is not None else set()
         update_all(self.store, self.updater, self.hyper, self.bounce,
                    chunks=[c for c in range(len(self.plan.chunks)) if c not in early])
         early.clear()
         self.store.grad_scale = None
-        self.cache.evict_all()
-        self._record_moment()
-        self.follower.end_step()
+        self.residency.cache.evict_all()
+        self.moments.moment()
+        self.residency.follower.end_step()
         self._in_cycle = False
         self.steps += 1
-        self.phase = "idle"
-        self.phase_times["update"] += time.perf_counter() - t0
-        if self.minimum_gpu_bytes is None:
-            self._after_warmup()
-        self._schedule()
+        self.moments.phase = Phase.IDLE
 
     def measure(self, batch: Any) -> int:
         """Forward and backward on `batch` with no update, before the first step, so that the
@@ -795,8 +432,8 @@ class Engine:
                     self.backward(self.forward(batch))
                 finally:
                     self._abort_cycle()
-                    self.cache.evict_all()
-                    self.phase, self.timeline = "idle", []
+                    self.residency.cache.evict_all()
+                    self.moments.reset()
                     with torch.no_grad():
                         for m, n, b, value in found:
                             m._buffers[n] = b
@@ -805,8 +442,8 @@ class Engine:
 
     def _after_warmup(self) -> None:
         """Activations are known now: place chunks on the device as the budget allows."""
-        act = self.ledger.kind_peak("gpu", "activation") + self._gather_bytes
-        measured = self._device_needs(activations=act, pinned=self.cache.pinned_peak)
+        act = self.ledger.kind_peak("gpu", "activation") + self.grads.gather_bytes
+        measured = self._device_needs(activations=act, pinned=self.residency.cache.pinned_peak)
         self.minimum_gpu_bytes = measured.minimum
         if self.device_plan is not None:  # placed up front from an estimate: keep it if it holds
             self._hold_estimate(act)
@@ -815,9 +452,8 @@ class Engine:
         self.device_plan = plan_device(self.needs, self.ledger.budgets["gpu"], allow_gpu_home=self.allow_gpu_home,
                                        prefer=self._home_order())
         for cid in sorted(self.device_plan.gpu_home):
-            self.store.promote(cid, self.params)
-            self.home_storage.add(self.store.compute_source(cid).untyped_storage()._cdata)
-        self.cache.limit = self.device_plan.cache_limit
+            self.residency.promote(cid)
+        self.residency.cache.limit = self.device_plan.cache_limit
 
     def _hold_estimate(self, act: int) -> None:
         """Chunks were placed for the estimated activations; more were measured: the cache of
@@ -830,32 +466,17 @@ class Engine:
         self.needs = dataclasses.replace(self.needs, activations=act)
         if budget is None:
             return
-        limit = self.cache.limit - over
+        limit = self.residency.cache.limit - over
         if limit < self.needs.stream_window:
-            need = budget + self.needs.stream_window - limit
-            raise StepOverBudget(
-                f"gpu budget {format_size(budget)} ({budget} B) cannot hold the next steps: the chunks were placed "
-                f"for {format_size(act - over)} of activations, the warm-up step saved {format_size(act)}; with "
-                f"this placement at least {format_size(need)} ({need} B) is needed; raise --gpu-mem or lower "
-                f"the batch size / sequence length", minimum={"gpu": need}, step_done=True)
+            raise estimate_over_budget(budget, act, over, need=budget + self.needs.stream_window - limit)
         log.info("activations %s above the estimate: the stream cache shrinks to %s", format_size(over),
                  format_size(limit))
-        self.cache.limit = limit
+        self.residency.cache.limit = limit
         self.device_plan = dataclasses.replace(self.device_plan, cache_limit=limit)
 
     def _schedule(self) -> None:
         """A trace was just recorded (or the placement changed): plan fetches and evictions."""
-        if self.follower.following or self.follower.events is None:
-            return
-        csize = self.compute_dtype.itemsize
-        sizes = {c.index: c.numel * csize for c in self.plan.chunks}
-        self.follower.reschedule(keep=lambda c: not self.store.is_gpu_home(c), sizes=sizes,
-                                 capacity=self.cache.limit, lookahead=self.prefetch_depth)
-
-    def _record_moment(self) -> None:
-        if self._recording_timeline:
-            self.timeline.append({"moment": len(self.timeline), "phase": self.phase,
-                                  "bytes": self.ledger.totals()})
+        self.residency.schedule(self.prefetch_depth)
 
     # -- weights in and out ----------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -884,14 +505,14 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, batch: Any) -> float:
         """The loss on `batch` without gradients (no update, nothing kept for backward)."""
-        phase = self.phase
-        self.phase = "eval"
+        phase = self.moments.phase
+        self.moments.phase = Phase.EVAL
         try:
-            with self._reading():
-                return float(self.loss_fn(self.model, self._to_device(batch)).float().item())
+            with self.residency.reading():
+                return float(self.loss_fn(self.model, to_device(batch, self.device)).float().item())
         finally:
-            self.phase = phase
-            self.cache.evict_all()  # the schedule of the next step starts from an empty cache
+            self.moments.phase = phase
+            self.residency.cache.evict_all()  # the schedule of the next step starts from an empty cache
 
     def named_parameters_fp32(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, fp32 CPU tensor) for every parameter, from the master copies."""
@@ -900,26 +521,22 @@ class Engine:
     def state_dict(self) -> dict[str, Any]:
         """Weights, optimizer state, step count and the model's persistent buffers (BatchNorm's
         running statistics change in training too)."""
-        buffers = {n: b.to("cpu", copy=True) for n, b in self._persistent_buffers().items()}
+        buffers = {n: b.to("cpu", copy=True) for n, b in self.surgery.persistent_buffers().items()}
         return self.store.state_dict() | {"steps": self.steps, "optimizer_meta": self.updater.meta_state(),
                                           "buffers": buffers}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        own = self._persistent_buffers()
+        own = self.surgery.persistent_buffers()
         unknown = sorted(set(sd.get("buffers", {})) - set(own))
         if unknown:
             raise ValueError(f"checkpoint has buffers this model lacks: {unknown[:3]}")
-        self.cache.evict_all()
+        self.residency.cache.evict_all()
         self.store.load_state_dict(sd)
         self.updater.load_meta_state(sd.get("optimizer_meta", {}))
         self.steps = int(sd["steps"])
         with torch.no_grad():
             for name, value in sd.get("buffers", {}).items():
                 own[name].copy_(value)
-
-    def _persistent_buffers(self) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.{n}" if prefix else n: b for prefix, m in self.model.named_modules()
-                for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set}
 
     def close(self) -> None:
         """Stop the copy threads, remove the swap files, the hooks and the patched forwards.
@@ -928,40 +545,10 @@ class Engine:
         to use the model again."""
         self.executor.drain()
         self.executor.close()
-        if self.early is not None:
-            self.early.close()
+        if self.grads.early is not None:
+            self.grads.early.close()
         if self.nvme is not None:
             self.nvme.close()
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        for mod, own in reversed(self._patched):
-            if own is None:
-                del mod.forward  # the class's forward again
-            else:
-                mod.forward = own
-        self._patched = []
-        if self._use_cache_flipped:
-            self.model.config.use_cache = True
-            self._use_cache_flipped = False
+        self.surgery.close()
         # no placeholder values left: a use of the closed model fails loudly (meta tensors)
-        meta = {p: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
-                for p in self.params.values()}
-        for mod in self.model.modules():
-            for key, p in list(mod._parameters.items()):
-                if p in meta:
-                    setattr(mod, key, meta[p])
-
-
-def split_batch(batch: Any, n: int) -> list[Any]:
-    """Split a dict/tensor batch along dim 0 into `n` equal micro-batches."""
-    if n == 1:
-        return [batch]
-    if isinstance(batch, torch.Tensor):
-        if batch.shape[0] % n:
-            raise ValueError(f"batch of {batch.shape[0]} does not split into {n} micro-batches")
-        return list(batch.chunk(n))
-    if isinstance(batch, dict):
-        parts = {k: split_batch(v, n) for k, v in batch.items()}
-        return [{k: parts[k][i] for k in batch} for i in range(n)]
-    raise TypeError(f"cannot split a batch of type {type(batch).__name__}")
+        self.surgery.to_meta(self.params.values())

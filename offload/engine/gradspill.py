@@ -12,18 +12,23 @@ counted in the bounce bytes); a third open chunk first flushes the oldest one.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .engine import Engine
+from ..runtime.executor import Executor
+from ..runtime.nvme import NvmeStore
+from ..runtime.store import ChunkStore
+from ..runtime.swapping import Bounce
 
 
 class GradSpill:
-    def __init__(self, engine: "Engine"):
-        self.engine = engine
-        self.free = list(range(len(engine.bounce.grad_staging))) if engine.bounce is not None else []
+    """Gets the chunk store, its bounce buffers (None: no NVMe gradient), the NVMe store and
+    the executor (whose copies into the staging buffers it waits for)."""
+
+    def __init__(self, store: ChunkStore, bounce: Bounce | None, nvme: NvmeStore | None, executor: Executor):
+        self.store, self.bounce, self.nvme, self.executor = store, bounce, nvme, executor
+        self.free = list(range(len(bounce.grad_staging))) if bounce is not None else []
         self.open: dict[int, int] = {}  # chunk -> staging buffer index
         self.arrived: dict[int, int] = {}
         self.tickets: dict[int, list[Any]] = {}
@@ -34,8 +39,8 @@ class GradSpill:
         self.written = set()
 
     def _staging(self, idx: int, cid: int) -> torch.Tensor:
-        g = self.engine.store.chunks[cid].grad
-        return self.engine.bounce.grad_staging[idx][: g.nbytes].view(torch.float32)
+        g = self.store.chunks[cid].grad
+        return self.bounce.grad_staging[idx][: g.nbytes].view(torch.float32)
 
     def target(self, cid: int) -> torch.Tensor:
         """The host buffer [numel] fp32 the gradients of chunk `cid` land in now."""
@@ -49,7 +54,7 @@ class GradSpill:
                 pending[0].result()  # the buffer is still being written out
             buf = self._staging(idx, cid)
             if cid in self.written:
-                self.engine.nvme.read(self.engine.store.chunks[cid].grad.key, buf)
+                self.nvme.read(self.store.chunks[cid].grad.key, buf)
             else:
                 buf.zero_()
             self.open[cid], self.arrived[cid], self.tickets[cid] = idx, 0, []
@@ -59,16 +64,16 @@ class GradSpill:
         """One parameter's gradient of chunk `cid` is on its way; flush when all have come."""
         self.tickets[cid].append(ticket)
         self.arrived[cid] += 1
-        if self.arrived[cid] == len(self.engine.plan.chunks[cid].params):
+        if self.arrived[cid] == len(self.store.plan.chunks[cid].params):
             self.flush(cid)
 
     def flush(self, cid: int) -> None:
         idx = self.open.pop(cid)
         for t in self.tickets.pop(cid):
-            self.engine.executor.wait(t)
+            self.executor.wait(t)
         del self.arrived[cid]
-        key = self.engine.store.chunks[cid].grad.key
-        self.writes[idx] = (self.engine.nvme.write_async(key, self._staging(idx, cid)), cid)
+        key = self.store.chunks[cid].grad.key
+        self.writes[idx] = (self.nvme.write_async(key, self._staging(idx, cid)), cid)
         self.written.add(cid)
         self.free.append(idx)
 
@@ -83,7 +88,7 @@ class GradSpill:
         for fut, _ in self.writes.values():
             fut.result()
         self.writes.clear()
-        store = self.engine.store
+        store = self.store
         for cid, ch in enumerate(store.chunks):
             if hasattr(ch.grad, "key") and cid not in self.written:
-                self.engine.nvme.zeros(ch.grad.key, ch.grad.nbytes)
+                self.nvme.zeros(ch.grad.key, ch.grad.nbytes)

@@ -10,7 +10,7 @@
   changes (BatchNorm's running statistics) are recomputed from copies of their values before
   the forward, so they are updated once, as without recompute, and the recompute sees the
   values the forward saw (BufferGuard).
-- Module stack: every module's forward is a frame on the engine's stack (`enter_module`,
+- Module stack: every module's forward is a frame on the residency's stack (`enter_module`,
   `exit_module`); a parameter read outside its owner's forward is made resident for the
   innermost frame (offload.engine.reads).
 """
@@ -23,8 +23,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..runtime.ledger import Ledger
+from ..runtime.storage import storage_key
+
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .residency import Residency
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,11 @@ class _Held:
 class ActivationTracker:
     """saved_tensors_hooks for the engine: chunk views become references, activations are counted."""
 
-    def __init__(self, engine: "Engine"):
-        self.engine = engine
+    """Gets the residency (which storages are chunks, and touch_chunk to bring one back), the
+    ledger (activations' bytes) and the device."""
+
+    def __init__(self, residency: "Residency", ledger: Ledger, device: torch.device):
+        self.residency, self.ledger, self.device = residency, ledger, device
         self._live: dict[int, list[int]] = {}  # storage key -> [refcount, nbytes]
         self.offloader = None  # an offload.engine.actoffload.Offloader when activation offload is on
 
@@ -61,19 +67,19 @@ class ActivationTracker:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> Any:
-        eng = self.engine
-        key = t.untyped_storage()._cdata
-        cid = eng.streamed_storage.get(key)
+        res = self.residency
+        key = storage_key(t)
+        cid = res.streamed_storage.get(key)
         if cid is not None:
             return _ChunkRef(cid, tuple(t.size()), tuple(t.stride()), t.storage_offset())
-        if key in eng.home_storage or t.device != eng.device:
+        if key in res.home_storage or t.device != self.device:
             return t  # permanent device bytes (already counted) or not in the gpu tier
         if self.offloader is not None and self.offloader.wants(t):
             return self.offloader.pack(t)
         nbytes = t.untyped_storage().nbytes()
         live = self._live.get(key)
         if live is None:
-            eng.ledger.reserve("gpu", "activation", nbytes)
+            self.ledger.reserve("gpu", "activation", nbytes)
             self._live[key] = live = [0, nbytes]
         live[0] += 1
         return _Held(t, lambda: self._drop(key))
@@ -83,11 +89,11 @@ class ActivationTracker:
         live[0] -= 1
         if live[0] == 0:
             del self._live[key]
-            self.engine.ledger.release("gpu", "activation", live[1])
+            self.ledger.release("gpu", "activation", live[1])
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _ChunkRef):
-            buf = self.engine.touch_chunk(packed.cid)
+            buf = self.residency.touch_chunk(packed.cid)
             return buf.as_strided(packed.size, packed.stride, packed.offset)
         if isinstance(packed, _Held):
             return packed.tensor
@@ -113,13 +119,15 @@ class _Flag:
             self.offloader.active = False
 
 
-def install_module_hooks(engine: "Engine", model: torch.nn.Module) -> list[Any]:
-    """Every module's forward is a frame of the engine's module stack: `enter_module` before
-    it (acquires the module's own chunks), `exit_module` after it, also when it raises."""
+def install_module_hooks(model: torch.nn.Module, enter: Callable[[torch.nn.Module], None],
+                         exit: Callable[[torch.nn.Module], None]) -> list[Any]:
+    """Every module's forward is a frame of the module stack (offload.engine.residency): `enter`
+    before it (acquires the module's own chunks), `exit` after it, also when it raises. Returns
+    the hooks' handles (remove() undoes each)."""
     handles = []
     for m in model.modules():
-        handles.append(m.register_forward_pre_hook(lambda mod, args: engine.enter_module(mod)))
-        handles.append(m.register_forward_hook(lambda mod, args, out: engine.exit_module(mod), always_call=True))
+        handles.append(m.register_forward_pre_hook(lambda mod, args: enter(mod)))
+        handles.append(m.register_forward_hook(lambda mod, args, out: exit(mod), always_call=True))
     return handles
 
 

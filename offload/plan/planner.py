@@ -104,6 +104,8 @@ class Plan:
     padded: bool = False
     """Planned for padded batches (attention_mask zeros): the run's worst step when its data
     has any padding, e.g. a short last block."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (tokens per step = batch x seq_len x grad_accum)."""
     feasible: bool = True
 
     def to_json(self) -> str:
@@ -124,7 +126,8 @@ class Plan:
             rows.append([tier] + cells)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"{self.model} on {self.hardware}: {self.optimizer}, {self.precision}, "
-                 f"batch {self.batch_size} x {self.seq_len}{' padded' if self.padded else ''}, {_count(self.num_params)} params, "
+                 f"batch {self.batch_size} x {self.seq_len}{' padded' if self.padded else ''}, "
+                 f"grad-accum {self.grad_accum}, {_count(self.num_params)} params, "
                  f"{self.num_chunks} chunks of {format_size(self.chunk_bytes)}, "
                  f"recompute {'on' if self.checkpointing else 'off'}"]
         lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -133,8 +136,21 @@ class Plan:
         lines.append(f"update: GPU {_count(self.gpu_update_params)} params "
                      f"({100 * self.gpu_update_params / total:.1f}%), CPU {_count(self.cpu_update_params)}")
         lines.append("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in self.phases.items()))
-        lines.append(f"step {self.step_s:.3f} s, {self.tokens_per_s:,.0f} tokens/s, bottleneck: {self.bottleneck}")
+        lines.append(f"step {self.step_s:.3f} s, {_rate(self.tokens_per_s)} tokens/s, bottleneck: {self.bottleneck}")
+        lines.append("reserve (bytes besides the chunks): " + "; ".join(
+            f"{tier} " + ", ".join(f"{k} {format_size(v)}" for k, v in parts.items() if v)
+            for tier, parts in self.reserve.items() if any(parts.values())))
+        lines.append(f"times modelled from hardware profile '{self.hardware}', not measured "
+                     "(--verify runs real steps here; `finetune profile` measures this machine)")
+        tight = max((self.peak[t] / b, t) for t, b in self.budgets.items() if b and self.peak.get(t))
+        lines.append(f"verdict: fits: every tier's peak is within its budget (fullest: {tight[1]} "
+                     f"at {100 * tight[0]:.0f}%)")
         return "\n".join(lines)
+
+
+def _rate(x: float) -> str:
+    """Tokens per second with sensible precision: 14,933 / 41.6 / 1.45 / 0.30."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
 
 
 def _count(n: int) -> str:
@@ -309,7 +325,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     return _build(ch, model=model, hw=hw, needs=needs, device=device, homes=homes, pred=pred, precision=precision,
                   budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
                   batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes, optimizer=optimizer,
-                  host_minimum=host_min, checkpointing=checkpointing, padded=padded)
+                  host_minimum=host_min, checkpointing=checkpointing, padded=padded, grad_accum=grad_accum)
 
 
 def _construction_bytes(ch: _Chunks, homes: Homes) -> tuple[int, int]:

@@ -1,6 +1,13 @@
 """The NVMe tier's IO engine: chunk-sized swap files, O_DIRECT, aligned bounce buffers.
 
-One `NvmeStore` owns one directory and one swap file per key (a chunk kind, e.g. "c12.state").
+One `NvmeStore` owns one private directory and one swap file per key (a chunk kind, e.g.
+"c12.state"). The directory is made fresh under the directory the user names (`--nvme-path`):
+`tierwise-swap-<pid>-<random>`, mode 0700, created exclusively (mkdtemp), and locked
+(offload.runlock) for the store's life, so runs sharing `--nvme-path` never touch each other's
+files. Each swap file is created O_CREAT|O_EXCL|O_NOFOLLOW relative to that directory's fd at
+its first write and kept open by fd until removed: the store never opens, truncates or deletes
+a file it did not create, and never follows a symlink planted under its name. Private
+directories of dead runs (their lock is free) are removed when a store opens, with a notice.
 Each request (read or write of one whole key) is cut into `block_size` blocks; the blocks go
 to a queue served by `threads` Python threads (os.preadv/os.pwritev release the GIL). Reads
 and writes have SEPARATE queues and threads, so the next chunk's read is not stuck behind the
@@ -27,19 +34,23 @@ other jobs, so every figure drifts +-30%; 1-2 GiB of 64 MiB chunks, 4 chunks in 
   32), 4 GiB, interleaved: write 1.37-1.38x fio, read 0.91-1.32x (two runs of
   bench/nvme_vs_fio.py; fio's reads swing 0.8-2.3 GB/s on this shared disk, ours 1.1-1.7).
 
-Swap files are removed by `close()`, by the context manager, and at interpreter exit
-(atexit), which also runs after an uncaught Ctrl-C (KeyboardInterrupt). No signal handler is
-installed.
+Swap files (and the private directory) are removed by `close()`, by the context manager, and
+at interpreter exit (atexit), which also runs after an uncaught Ctrl-C (KeyboardInterrupt). No
+signal handler is installed; a SIGKILLed run's directory is removed by the next store under the
+same `--nvme-path`.
 """
 
 from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
 import logging
 import os
 import queue
 import re
+import stat
+import tempfile
 import threading
 import time
 import weakref
@@ -50,6 +61,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .aligned import DIRECT_ALIGN, aligned_empty, is_aligned, round_up
+from . import runlock
 from ..core.errors import NvmeError
 from ..core.units import format_size
 
@@ -59,6 +71,10 @@ DEFAULT_THREADS = 4
 DEFAULT_BLOCK_SIZE = 8 << 20
 _GIB = float(1 << 30)
 _KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+#: A store's private directory under the user's one: tierwise-swap-<pid>-<mkdtemp suffix>.
+PRIVATE_PREFIX = "tierwise-swap-"
+_PRIVATE = re.compile(re.escape(PRIVATE_PREFIX) + r"(\d+)-[A-Za-z0-9_]+")
+_LOCK = ".lock"
 
 # Cleanup on exit needs to know the open stores; this is the module's only mutable state.
 _OPEN_STORES: "weakref.WeakSet[NvmeStore]" = weakref.WeakSet()
@@ -92,6 +108,8 @@ class NvmeStats:
 @dataclass(kw_only=True)
 class _SwapFile:
     path: str
+    fd: int = -1  # open from the first write (or zeros) until remove/close
+    direct: bool = False  # fd has O_DIRECT
     nbytes: int = 0
     allocated: int = 0  # bytes preallocated on disk (multiple of 4096)
     crcs: list | None = None  # per-block crc32, when checksums are on
@@ -195,15 +213,21 @@ class NvmeStore:
         if block_size <= 0 or not is_aligned(block_size):
             raise NvmeError(f"block_size must be a positive multiple of {DIRECT_ALIGN}: "
                             f"{block_size}")
-        self.directory = os.path.abspath(os.fspath(directory))
-        self._created_dir = not os.path.isdir(self.directory)
+        self.root = os.path.abspath(os.fspath(directory))
+        self._created_root = not os.path.isdir(self.root)
         try:
-            os.makedirs(self.directory, exist_ok=True)
+            os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
-            raise NvmeError(f"cannot create swap directory {self.directory}: "
+            raise NvmeError(f"cannot create swap directory {self.root}: "
                             f"{exc.strerror}") from exc
-        if not os.access(self.directory, os.W_OK | os.X_OK):
-            raise NvmeError(f"swap directory {self.directory} is not writable")
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise NvmeError(f"swap directory {self.root} is not writable")
+        self.notices = remove_stale(self.root)
+        for note in self.notices:  # the CLI prints them; a library user finds them here
+            log.info("%s", note)
+        self.directory = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-", dir=self.root)
+        self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self._lock_fd = runlock.acquire(_LOCK, dir_fd=self._dir_fd, what=self.directory)
         self.block_size, self.checksum, self._odirect = block_size, checksum, odirect
         self.owner_pid = os.getpid()
         self._files: dict[str, _SwapFile] = {}
@@ -245,20 +269,19 @@ class NvmeStore:
         if last is not None:
             wait([last])
         padded = round_up(nbytes)
+        swap = swap or _SwapFile(path=path)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            if swap.fd < 0:
+                self._create(swap)
+            os.ftruncate(swap.fd, 0)  # drop the old bytes: the preallocated range reads as zeros
             try:
-                try:
-                    os.posix_fallocate(fd, 0, padded)
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
-                        raise
-                    os.ftruncate(fd, padded)
-            finally:
-                os.close(fd)
+                os.posix_fallocate(swap.fd, 0, padded)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                os.ftruncate(swap.fd, padded)
         except OSError as exc:
             raise self._os_error(exc, "preallocate", path, padded) from exc
-        swap = swap or _SwapFile(path=path)
         swap.nbytes, swap.allocated, swap.valid = nbytes, padded, True
         if self.checksum:
             bs = self.block_size
@@ -283,7 +306,7 @@ class NvmeStore:
         if last is not None:
             wait([last])
         if swap is not None:
-            _unlink(swap.path)
+            self._delete(swap)
 
     def free_bytes(self) -> int:
         st = os.statvfs(self.directory)
@@ -319,12 +342,18 @@ class NvmeStore:
         with self._lock:
             swaps, self._files = list(self._files.values()), {}
         for swap in swaps:
-            _unlink(swap.path)
-        if self._created_dir:
+            self._delete(swap)
+        try:
+            os.unlink(_LOCK, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+        runlock.release(self._lock_fd)
+        os.close(self._dir_fd)
+        for path in (self.directory, self.root) if self._created_root else (self.directory,):
             try:
-                os.rmdir(self.directory)
+                os.rmdir(path)
             except OSError:
-                pass  # not empty: someone else's files are there
+                pass  # not empty: files that are not this store's are left alone
         _OPEN_STORES.discard(self)
 
     def __enter__(self) -> "NvmeStore":
@@ -371,7 +400,9 @@ class NvmeStore:
     def _prepare_write(self, req: _Request) -> None:
         swap, nbytes = req.swap, req.data.numel()
         swap.valid = False
-        req.fd, req.direct = self._open(swap.path, os.O_WRONLY | os.O_CREAT)
+        if swap.fd < 0:
+            self._create(swap)
+        req.fd, req.direct = swap.fd, swap.direct
         padded = round_up(nbytes)
         if padded > swap.allocated:
             try:
@@ -392,7 +423,7 @@ class NvmeStore:
             raise NvmeError(f"swap file {swap.path} holds no valid data: its last write failed")
         if nbytes != swap.nbytes:
             raise NvmeError(f"reading {swap.path} into {nbytes} bytes, but it holds {swap.nbytes}")
-        req.fd, req.direct = self._open(swap.path, os.O_RDONLY)
+        req.fd, req.direct = swap.fd, swap.direct
         self._check_size(req, done=0, length=0, offset=0)
 
     def _run_block(self, req: _Request, index: int) -> None:
@@ -409,11 +440,6 @@ class NvmeStore:
             self._finish(req)
 
     def _finish(self, req: _Request) -> None:
-        if req.fd >= 0:
-            try:
-                os.close(req.fd)
-            except OSError as exc:  # EIO at close: the data may not have reached the disk
-                req.error = req.error or self._os_error(exc, "close", req.swap.path, 0)
         self._lanes[req.write].end()
         if req.error is None:
             req.swap.valid = req.swap.valid or req.write
@@ -483,21 +509,41 @@ class NvmeStore:
         raise NvmeError(f"short {what} {req.swap.path}: {done} of {length} bytes at offset "
                         f"{offset}{hint}")
 
-    def _open(self, path: str, flags: int) -> tuple[int, bool]:
-        """(fd, opened with O_DIRECT). Falls back to buffered I/O where O_DIRECT is refused."""
+    def _create(self, swap: _SwapFile) -> None:
+        """Create `swap`'s file: exclusively (never an existing file, never through a symlink),
+        relative to the private directory's fd, kept open; O_DIRECT where the filesystem
+        allows it (else buffered I/O, with one warning)."""
+        name = os.path.basename(swap.path)
         try:
-            if self._odirect:
-                try:
-                    return os.open(path, flags | os.O_DIRECT, 0o600), True
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    self._odirect = False
-                    log.warning("%s refuses O_DIRECT (%s); using buffered I/O", self.directory,
-                                exc.strerror)
-            return os.open(path, flags, 0o600), False
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600, dir_fd=self._dir_fd)
         except OSError as exc:
-            raise self._os_error(exc, "open", path, 0) from exc
+            raise self._os_error(exc, "create", swap.path, 0) from exc
+        direct = False
+        if self._odirect:
+            try:
+                _enable_direct(fd)
+                direct = True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    os.close(fd)
+                    raise self._os_error(exc, "open", swap.path, 0) from exc
+                self._odirect = False
+                log.warning("%s refuses O_DIRECT (%s); using buffered I/O", self.root, exc.strerror)
+        swap.fd, swap.direct = fd, direct
+
+    def _delete(self, swap: _SwapFile) -> None:
+        """Close and delete a swap file this store created."""
+        if swap.fd >= 0:
+            try:
+                os.close(swap.fd)
+            except OSError:
+                pass
+            swap.fd = -1
+            try:
+                os.unlink(os.path.basename(swap.path), dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass
 
     def _os_error(self, exc: OSError, op: str, path: str, needed: int) -> NvmeError:
         if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
@@ -511,8 +557,61 @@ class NvmeStore:
         return NvmeError(f"{op} {path} failed: {exc.strerror} (errno {exc.errno})")
 
 
-def _unlink(path: str) -> None:
+def _enable_direct(fd: int) -> None:
+    """Turn O_DIRECT on for an open fd (OSError EINVAL where the filesystem refuses it)."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+
+
+def remove_stale(root: str) -> list[str]:
+    """Remove the private swap directories under `root` whose run is dead (their lock is free,
+    or, without a lock file, their pid is gone); only `*.swp` files and the lock file inside
+    are deleted, only in directories of this user. Returns one notice per directory removed."""
+    notices = []
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        entries = list(os.scandir(root))
+    except OSError:
+        return notices
+    for entry in entries:
+        m = _PRIVATE.fullmatch(entry.name)
+        if m is None:
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            dfd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            names = os.listdir(dfd)
+            dead = runlock.is_stale(_LOCK, dir_fd=dfd) if _LOCK in names else not _alive(int(m.group(1)))
+            if not dead:
+                continue
+            freed = 0
+            for name in names:
+                if name == _LOCK or name.endswith(".swp"):
+                    fst = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    if stat.S_ISREG(fst.st_mode) or stat.S_ISLNK(fst.st_mode):
+                        freed += fst.st_size if name != _LOCK and stat.S_ISREG(fst.st_mode) else 0
+                        os.unlink(name, dir_fd=dfd)
+        except OSError:
+            continue
+        finally:
+            os.close(dfd)
+        try:
+            os.rmdir(entry.path)
+        except OSError:
+            pass  # someone else's files are inside: left alone
+        notices.append(f"removed stale swap directory {entry.path} of a run that is no longer "
+                       f"running (pid {m.group(1)}, {format_size(freed)} freed)")
+    return notices
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

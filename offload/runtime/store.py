@@ -369,6 +369,12 @@ class ChunkStore:
             if cid in self.frozen:  # the base is loaded from the model, never checkpointed
                 continue
             with self.opened(cid, write_back=True) as work:
+                for kind in ("master", "state"):  # copy_ would convert a wrong dtype silently
+                    if kind in work and (kind not in saved or saved[kind].dtype != work[kind].dtype
+                                         or saved[kind].shape != work[kind].shape):
+                        raise ValueError(f"checkpoint chunk {cid}'s {kind} is not this engine's "
+                                         f"({work[kind].dtype} {tuple(work[kind].shape)}): another "
+                                         "optimizer, precision or --chunk-size wrote it")
                 work["master"].copy_(saved["master"])
                 if "state" in work:
                     work["state"].copy_(saved["state"])

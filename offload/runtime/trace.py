@@ -8,9 +8,20 @@ rather than prefetching the wrong chunks or deadlocking.
 
 from __future__ import annotations
 
+import enum
 from typing import Callable, Mapping
 
 from ..plan.schedule import ACQUIRE, Actions, plan_schedule
+
+
+class Phase(enum.StrEnum):
+    """Where a step is; a str, so a timeline's rows and a trace's phases read as plain names."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    UPDATE = "update"
+    EVAL = "eval"  # off the trace: evaluation is not part of a step
 
 
 class TraceFollower:
@@ -18,10 +29,10 @@ class TraceFollower:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, int]] | None = None  # the trace being followed
-        self.phases: list[str] = []
+        self.phases: list[Phase] = []
         self.actions: list[Actions] | None = None
         self._recording: list[tuple[str, int]] | None = []
-        self._rec_phases: list[str] = []
+        self._rec_phases: list[Phase] = []
         self.pos = -1
         self.retraces = 0
 
@@ -34,7 +45,7 @@ class TraceFollower:
         if self.actions is None:
             self._recording, self._rec_phases = [], []
 
-    def event(self, kind: str, cid: int, phase: str) -> Actions | None:
+    def event(self, kind: str, cid: int, phase: Phase) -> Actions | None:
         """Note an event; returns the scheduled actions for it (None when not following)."""
         self.pos += 1
         if self.actions is not None:

@@ -122,6 +122,17 @@ def cxl_bandwidths(sz: Sizes) -> dict[int, float]:
     return out
 
 
+def cxl_node_lines(bandwidths: dict[int, float]) -> list[str]:
+    """One line per CXL node: size, distance, why it is CXL, and the measured copy-in GB/s
+    (under emulation, e.g. QEMU, that figure says nothing about real CXL hardware)."""
+    from ..runtime.cxl import describe_cxl_nodes, detect_cxl_nodes
+
+    nodes = detect_cxl_nodes()
+    return [f"CXL {text}: " + (f"{bandwidths[n.id]:.3g} GB/s copy in" if n.id in bandwidths
+                               else "not measured")
+            for n, text in zip(nodes, describe_cxl_nodes(nodes))]
+
+
 def optimizer_rates(sz: Sizes) -> dict[str, float]:
     """Parameters per second of one CPU step of fused AdamW and of 8-bit AdamW."""
     n = sz.optim_numel
@@ -197,7 +208,11 @@ def measure(*, hardware: str | None = None, output: str | None = None, nvme_path
     for i, (name, fn) in enumerate(steps, 1):
         t = time.perf_counter()
         results[name] = fn()
-        say(f"[{i}/{len(steps)}] {name}: {_show(results[name])} ({time.perf_counter() - t:.1f} s)")
+        say(f"[{i}/{len(steps)}] {name}: {_show(results[name], UNITS[name])} "
+            f"({time.perf_counter() - t:.1f} s)")
+        if name == "CXL nodes":
+            for line in cxl_node_lines(results[name]):
+                say(f"      {line}")
     text = to_toml(results, name=hardware or ("measured-cuda" if cuda else "measured-cpu-sim"), cuda=cuda)
     if not cuda:
         t = time.perf_counter()
@@ -247,13 +262,20 @@ def step_calibration(profile_text: str, *, quick: bool) -> float:
     return sorted(times)[len(times) // 2] / plan.step_s
 
 
-def _show(v: object) -> str:
+#: The unit of each measurement of `measure`, printed on its progress line.
+UNITS = {"host <-> device copies": "GB/s", "DRAM bandwidth": "GB/s", "NVMe read/write": "GB/s",
+         "CXL nodes": "GB/s", "CPU optimizer steps": "params/s", "device matmul bf16": "TFLOPS",
+         "device matmul fp32": "TFLOPS", "CPU matmul fp32": "TFLOPS", "op dispatch overhead": "µs/op"}
+
+
+def _show(v: object, unit: str = "") -> str:
+    u = f" {unit}" if unit else ""
     if isinstance(v, float):
-        return f"{v:.3g}"
-    if isinstance(v, tuple):
-        return ", ".join(f"{x:.3g}" for x in v)
+        return f"{v:.3g}{u}"
+    if isinstance(v, tuple):  # NVMe: (read, write)
+        return ", ".join(f"{k} {x:.3g}{u}" for k, x in zip(("read", "write"), v))
     if isinstance(v, dict):
-        return ", ".join(f"{k} {x:.3g}" for k, x in v.items()) or "none"
+        return ", ".join(f"{k} {x:.3g}{u}" for k, x in v.items()) or "none"
     return str(v)
 
 
@@ -283,8 +305,8 @@ def to_toml(r: dict, *, name: str, cuda: bool) -> str:
         from ..runtime.cxl import detect_cxl_nodes
 
         total = sum(n.mem_total for n in detect_cxl_nodes() if n.id in cxl)
-        lines += ["", "[cxl]", f"memory = {total}", f"bandwidth_gbps = {sum(cxl.values()):.6g}",
-                  "latency_ns = 250"]
+        lines += ["", "[cxl]"] + [f"# {line}" for line in cxl_node_lines(cxl)]
+        lines += [f"memory = {total}", f"bandwidth_gbps = {sum(cxl.values()):.6g}", "latency_ns = 250"]
     return "\n".join(lines) + "\n"
 
 

@@ -15,7 +15,7 @@ parameters as `optim.MeZO` step for step. z is regenerated from (step seed, para
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -69,19 +69,23 @@ class MeZOChunks:
         self.steps = int(meta.get("steps", 0))
 
 
-def dual_forward(forward: Callable, module: torch.nn.Module, engine: Any) -> Callable:
-    """Wrap a parameter-owning module: first half of the batch at +εz, second half at -εz."""
+def dual_forward(forward: Callable, module: torch.nn.Module, *, half: Callable[[], "int | None"],
+                 updater: MeZOChunks, names: Mapping[torch.nn.Parameter, str], ledger: Any) -> Callable:
+    """Wrap a parameter-owning module: first half of the batch at +εz, second half at -εz.
+    `half()`: the rows of the +εz half while a dual forward runs, else None (a plain forward);
+    `names`: each parameter's full name (z is drawn per name); `ledger`: books the perturbed
+    copies as device workspace."""
     params = {n: p for n, p in module.named_parameters(recurse=False)}
 
     def wrapper(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        zo = engine.zo_batch
+        zo = half()
         if zo is None:
             return forward(x, *args, **kwargs)
-        up: MeZOChunks = engine.updater
+        up = updater
         pristine = {n: p.data for n, p in params.items()}
-        full = {n: engine.param_names[p] for n, p in params.items()}
+        full = {n: names[p] for n, p in params.items()}
         nbytes = 2 * sum(t.numel() * t.element_size() for t in pristine.values())
-        engine.ledger.reserve("gpu", "workspace", nbytes)
+        ledger.reserve("gpu", "workspace", nbytes)
         try:
             zs = {n: up.z(full[n], t) for n, t in pristine.items()}
             plus = {n: pristine[n].add(zs[n], alpha=up.eps) for n in params}
@@ -94,7 +98,7 @@ def dual_forward(forward: Callable, module: torch.nn.Module, engine: Any) -> Cal
         finally:
             for n, p in params.items():
                 p.data = pristine[n]
-            engine.ledger.release("gpu", "workspace", nbytes)
+            ledger.release("gpu", "workspace", nbytes)
         return torch.cat([out_pos, out_neg], dim=0)
 
     return wrapper

@@ -1,0 +1,27 @@
+"""What this machine has: physical RAM and the free space under a directory (for the preflight)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def physical_ram() -> int | None:
+    """Bytes of RAM installed (MemTotal), or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def free_disk(path: "str | os.PathLike[str]") -> int | None:
+    """Bytes free for this user on the filesystem that holds `path` (or would: the nearest
+    existing parent), or None when none of it exists."""
+    p = Path(path).expanduser().absolute()
+    for candidate in (p, *p.parents):
+        try:
+            st = os.statvfs(candidate)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize
+    return None

@@ -1,0 +1,68 @@
+"""The run directory (--output): claimed by one run at a time, and only ever emptied if ours.
+
+A run creates `.tierwise-run` in its --output and holds an advisory lock on it
+(offload.runtime.runlock) until it ends: a second run on the same --output is refused with the pid of
+the first. The file also marks the directory as made by tierwise: `--overwrite` empties only
+such a directory (everything in it but the marker), never a directory of someone else's files.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from . import checkpoint as ckpt
+from .config import ConfigError
+from ..offload.runtime import runlock
+
+MARKER = ".tierwise-run"
+
+
+class RunDir:
+    """A claimed --output: `path`, and the lock held until `release()`."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        runlock.release(self._fd)
+        self._fd = None
+
+
+def claim(output: str, *, resume: bool, overwrite: bool) -> RunDir:
+    """Create or reuse `output` for a run. Refused: a file; a non-empty directory without
+    --resume / --overwrite; --overwrite of a directory tierwise did not make; --resume without
+    a checkpoint; a directory another live run holds."""
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output {out} exists and is not a directory")
+    marker = out / MARKER
+    foreign = out.is_dir() and not marker.exists() and any(out.iterdir())
+    if foreign and not (resume and ckpt.latest_checkpoint(out) is not None):
+        if overwrite:
+            raise ConfigError(f"--overwrite: {out} was not made by a finetune run (no {MARKER} "
+                              "file in it): refusing to delete its files; choose another --output")
+        _refuse(out, resume)
+    out.mkdir(parents=True, exist_ok=True)
+    fd = runlock.acquire(marker, what=f"--output {out}")
+    try:
+        entries = [p for p in out.iterdir() if p.name != MARKER]
+        if resume and ckpt.latest_checkpoint(out) is None or entries and not (resume or overwrite):
+            _refuse(out, resume)
+        if overwrite:
+            for p in entries:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+    except BaseException:
+        runlock.release(fd)
+        raise
+    return RunDir(out, fd)
+
+
+def _refuse(out: Path, resume: bool):
+    if resume:
+        raise ConfigError(f"--resume: no checkpoint in {out}")
+    raise ConfigError(f"output directory {out} is not empty: pass --resume to continue "
+                      "its run or --overwrite to replace it")

@@ -1,0 +1,218 @@
+"""The gradient router: a parameter's gradient from autograd's hook to its grad chunk.
+
+- Arrival: each parameter's post-accumulate hook hands its gradient over; a device-home chunk
+  takes it in place, a streamed one gets an asynchronous copy to its home (host/CXL), or to a
+  staging buffer when its grad lives on NVMe (offload.engine.gradspill). Gradients in flight
+  are device bytes, kept under `grad_reserve()` (the oldest copy retires first).
+- Accumulation: the first backward counts each parameter's contributions (one per graph using
+  it: per recomputed block for a shared weight); later backwards sum them in p.grad in
+  PyTorch's order and hand each chunk one sum per parameter (copy the first time a parameter is
+  seen in a step, add afterwards: the reference's order).
+- Early update: in the last micro-batch (`early_on`), a chunk whose parameters have all sent
+  their sums is updated while backward goes on (offload.engine.early).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, Callable
+
+import torch
+
+from ..core.errors import UnsupportedModel
+from ..runtime.executor import Executor
+from ..runtime.ledger import Ledger
+from ..runtime.store import ChunkStore, SwapKind, in_slot_order
+from .early import EarlyUpdater
+from .gradspill import GradSpill
+
+log = logging.getLogger(__name__)
+
+
+class GradientRouter:
+    """Gets the chunk store (and its plan), the executor, the ledger, the parameters' names, the
+    in-flight byte limit (`grad_reserve`, it changes with the placement), a factory of NVMe
+    gradient spills (one per step) and the early updater (None: updates wait for the step's end)."""
+
+    def __init__(self, *, store: ChunkStore, executor: Executor, ledger: Ledger,
+                 param_names: dict[torch.nn.Parameter, str], grad_reserve: Callable[[], int],
+                 new_spill: Callable[[], GradSpill], early: EarlyUpdater | None, compute_itemsize: int):
+        self.store, self.plan = store, store.plan
+        self.executor, self.ledger, self.param_names = executor, ledger, param_names
+        self.grad_reserve, self.new_spill, self.early = grad_reserve, new_spill, early
+        self.compute_itemsize = compute_itemsize
+        self.spill = new_spill()
+        self.seen: set[torch.nn.Parameter] = set()  # parameters with a gradient in this step
+        self.early_on = False
+        self.uses: dict[str, int] | None = None  # gradients per backward, per parameter (traced)
+        self.expected: dict[int, int] = {}  # per chunk, when every parameter in it gets some
+        self.gather_bytes = 0  # the most bytes of sums held in p.grad at once (after the warm-up)
+        self._inflight: deque = deque()
+        self._inflight_bytes = 0
+        self._gathered: dict[torch.nn.Parameter, int] = {}  # p.grad kept for more contributions: bytes
+        self._flushing = False
+        self.begin_backward()
+
+    # -- a step's life --------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.seen = set()
+        self.spill.begin_cycle()
+
+    def begin_backward(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._arrived: dict[int, int] = {}
+        self._chunk_tickets: dict[int, list] = {}
+        self._submitted: set[int] = set()
+        self._held_back: set[int] = set()
+
+    def end_backward(self) -> None:
+        """After loss.backward(): flush held sums, learn the uses (first backward), let every
+        copy land, write spilled chunks out, wait for early updates."""
+        self._flush_gathered()
+        if self.uses is None:
+            self._learn_uses()
+        self.drain()
+        self.spill.end_backward()
+        if self.early_on:
+            self.early.wait()
+
+    def finish_step(self, params: dict[str, torch.nn.Parameter], *, zero_unseen: bool) -> set[int]:
+        """Before the update: every gradient in place; returns the chunks already updated early
+        (the caller clears the set once the rest are updated)."""
+        self.drain()
+        if zero_unseen:
+            self.store.zero_unseen_grads(self.seen, params)
+        self.spill.finish_cycle()
+        return self.early.done if self.early is not None else set()
+
+    def abort(self) -> bool:
+        """Drop a failed step's gradients; True when its early updates had not reached any
+        chunk, so the weights are those of the last completed step."""
+        intact = True
+        for p, nbytes in self._gathered.items():
+            p.grad = None
+            self.ledger.release("gpu", "activation", nbytes)
+        self._gathered = {}
+        self.drain()
+        if self.early is not None:
+            try:
+                self.early.wait()  # never leave the worker writing while the caller saves
+            except BaseException:  # noqa: BLE001 - the budget error is the one to report
+                log.exception("an early update failed while a step was aborted")
+            intact = not self.early.done
+            self.early.done.clear()
+        self.spill.finish_cycle()
+        self.spill = self.new_spill()
+        self.store.zero_grads()
+        return intact
+
+    # -- arrival --------------------------------------------------------------------------
+    def grad_ready(self, p: torch.nn.Parameter) -> None:
+        """`p`'s post-accumulate-grad hook."""
+        if self._gathering(p):
+            return
+        g = p.grad
+        p.grad = None
+        slot = self.plan.slots[self.param_names[p]]
+        first = p not in self.seen
+        self.seen.add(p)
+        src = in_slot_order(g, slot)  # a transposed parameter's gradient lands in its memory order
+        spilled = isinstance(self.store.chunks[slot.chunk].grad, SwapKind)
+        if spilled:
+            dst = self.spill.target(slot.chunk)[slot.offset: slot.offset + slot.numel]
+        else:
+            dst = self.store.grad_view(slot)
+        if self.store.is_gpu_home(slot.chunk):
+            dst.copy_(src) if first else dst.add_(src)
+            self._arrived_grad(slot, None)
+            return
+        nbytes = src.numel() * src.element_size()
+        self._reserve(nbytes)
+        staging = None
+        if self.executor.cuda and not first:
+            staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
+        ticket = self.executor.copy("d2h", dst, src, accumulate=not first, staging=staging)
+        self._inflight.append((ticket, nbytes, src))
+        if spilled:
+            self.spill.landed(slot.chunk, ticket)
+        self._arrived_grad(slot, ticket)
+
+    def _gathering(self, p: torch.nn.Parameter) -> bool:
+        """Count `p`'s gradient contributions of this backward: its post-accumulate hook runs
+        once per graph that uses it (a weight used twice in one graph: once; in two recomputed
+        blocks: twice). While more are due (as many as the first backward counted), leave the
+        sum in p.grad for autograd to add the next one to, in plain PyTorch's order: the grad
+        chunk then gets one sum per backward, as p.grad does across micro-batches. The held
+        p.grad is device memory of this backward only, booked as an activation."""
+        name = self.param_names[p]
+        n = self._counts[name] = self._counts.get(name, 0) + 1
+        if not self._flushing and self.uses is not None and n < self.uses.get(name, 0):
+            if p not in self._gathered:
+                nbytes = p.grad.numel() * p.grad.element_size()
+                self.ledger.reserve("gpu", "activation", nbytes)  # first: abort() releases what is here
+                self._gathered[p] = nbytes
+            return True
+        if p in self._gathered:
+            self.ledger.release("gpu", "activation", self._gathered.pop(p))
+        return False
+
+    def _flush_gathered(self) -> None:
+        """After backward: sums still waiting for contributions that did not come this time."""
+        self._flushing = True
+        try:
+            for p in list(self._gathered):
+                self.grad_ready(p)
+        finally:
+            self._flushing = False
+
+    def _arrived_grad(self, slot: Any, ticket: Any) -> None:
+        """A parameter's gradient sum reached its grad chunk. Once every parameter of a chunk has
+        sent its sum (last micro-batch, no clipping), the chunk's update starts while backward
+        goes on (offload.engine.early)."""
+        if not self.early_on:
+            return
+        cid = slot.chunk
+        n, traced = self._counts[slot.name], self.uses.get(slot.name, 0)
+        if n > traced:  # a contribution more than the first backward had: the control flow changed
+            if cid in self._submitted:
+                raise UnsupportedModel(
+                    f"parameter {slot.name!r} got gradient contribution {n} in this backward (the first "
+                    f"backward had {traced}) after its chunk was updated early; use overlap_update=False "
+                    f"for a model whose backward changes from step to step")
+            self._held_back.add(cid)  # updated at the end of the step instead
+        if ticket is not None:
+            self._chunk_tickets.setdefault(cid, []).append(ticket)
+        self._arrived[cid] = self._arrived.get(cid, 0) + 1
+        if cid not in self._held_back and self._arrived[cid] == self.expected.get(cid):
+            self._submitted.add(cid)
+            self.early.submit(cid, self._chunk_tickets.pop(cid, []))
+
+    def _learn_uses(self) -> None:
+        """After the first backward: the contributions each parameter gets per backward (the
+        trace of gradients). A chunk expects one sum per parameter; one with a parameter that
+        got none is not updated early (that slot is zeroed at the end of the step)."""
+        self.uses = dict(self._counts)
+        self.expected = {c.index: len(c.params) for c in self.plan.chunks
+                         if all(self.uses.get(name, 0) for name in c.params)}
+        # the sums later backwards hold in p.grad (at most all at once): the warm-up held none
+        self.gather_bytes = sum(self.plan.slots[n].numel for n, k in self.uses.items() if k > 1) \
+            * self.compute_itemsize
+
+    # -- device bytes in flight -----------------------------------------------------------
+    def _reserve(self, nbytes: int) -> None:
+        limit = max(self.grad_reserve(), nbytes)
+        while self._inflight and (self._inflight[0][0].done() or self._inflight_bytes + nbytes > limit):
+            self._retire_oldest()
+        self.ledger.reserve("gpu", "grad", nbytes)
+        self._inflight_bytes += nbytes
+
+    def _retire_oldest(self) -> None:
+        ticket, nbytes, _src = self._inflight.popleft()
+        self.executor.wait(ticket)
+        self._inflight_bytes -= nbytes
+        self.ledger.release("gpu", "grad", nbytes)
+
+    def drain(self) -> None:
+        while self._inflight:
+            self._retire_oldest()

@@ -1,0 +1,75 @@
+"""The engine's inputs to placement: its tiers (budgets, ledger, allocators) and its device needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.chunks import ChunkPlan
+from ..core.sizes import parse_size
+from ..plan.placement import DeviceNeeds
+from ..runtime.cxl import CxlAllocator, detect_cxl_nodes
+from ..runtime.ledger import Ledger
+from ..runtime.nvme import NvmeStore
+from ..runtime.tiers import Tiers
+from .model_info import modules_with_params
+
+
+def open_tiers(*, device: torch.device, gpu_mem: Any, cpu_mem: Any, cxl_mem: Any, cxl_node: Any,
+               cxl_bandwidth: Any, nvme_path: Any,
+               nvme_checksum: bool) -> tuple[Ledger, Tiers, CxlAllocator | None, NvmeStore | None]:
+    """Budgets, the ledger and the allocators of every tier in use."""
+    budgets = {"gpu": parse_size(gpu_mem, what="--gpu-mem"), "host": parse_size(cpu_mem, what="--cpu-mem")}
+    cxl_bytes = parse_size(cxl_mem, what="--cxl-mem")
+    cxl = None
+    if cxl_bytes:
+        budgets["cxl"] = cxl_bytes
+        # the ledger enforces --cxl-mem (one budget, exact bytes); the allocator's own page-
+        # rounded count would refuse a tight budget the ledger accepts
+        cxl = CxlAllocator(nodes=detect_cxl_nodes(), budget_bytes=1 << 62, emulate_bandwidth=cxl_bandwidth,
+                           node=cxl_node)
+        cxl.check_fits(cxl_bytes)  # a budget over the CXL nodes: refused with their sizes
+    nvme = None
+    if nvme_path is not None:
+        budgets["nvme"] = None  # bounded by the disk: checked by preflight in Engine._place
+        nvme = NvmeStore(nvme_path, checksum=nvme_checksum)
+    ledger = Ledger(budgets)
+    return ledger, Tiers(ledger=ledger, device=device, cxl=cxl), cxl, nvme
+
+
+def module_chunks(model: torch.nn.Module, plan: ChunkPlan,
+                  param_names: dict[torch.nn.Parameter, str]) -> dict[torch.nn.Module, list[int]]:
+    """Each module that owns parameters -> the chunks holding them."""
+    out = {}
+    for mod in modules_with_params(model):
+        cids = sorted({plan.slots[param_names[p]].chunk for p in mod._parameters.values()
+                       if p is not None and p in param_names})
+        if cids:
+            out[mod] = cids
+    return out
+
+
+def device_needs(plan: ChunkPlan, chunks_of: dict[torch.nn.Module, list[int]],
+                 param_names: dict[torch.nn.Parameter, str], *, kinds: dict[int, dict[str, int]], buffers: int,
+                 itemsize: int, needs_grad: bool, activations: int, pinned: int = 0) -> DeviceNeeds:
+    """`pinned`: the most chunk bytes pinned at once so far (nested modules, parameters read
+    outside their owner): the window is at least that, and at least the widest module.
+    Without backward (MeZO) the gradient reserve is its perturbed copies of the widest module's
+    parameters (+εz and -εz)."""
+    compute = tuple(c.numel * itemsize for c in plan.chunks)
+    widest = max((sum(compute[c] for c in cids) for cids in chunks_of.values()), default=0)
+    widest = max(widest, pinned)
+    largest_param = max((s.numel for s in plan.slots.values() if not plan.is_frozen(s.chunk)),
+                        default=0) * itemsize  # frozen parameters send no gradient
+    zo_workspace = 0 if needs_grad else max(
+        (2 * itemsize * sum(plan.slots[param_names[p]].numel for p in m._parameters.values() if p is not None)
+         for m in chunks_of), default=0)
+    return DeviceNeeds(
+        buffers=buffers,
+        stream_window=widest + max(compute, default=0),
+        grad_reserve=largest_param if needs_grad else zo_workspace,
+        activations=activations,
+        home_bytes=tuple(sum(kinds[c].values()) for c in range(len(compute))),
+        compute_bytes=compute,
+    )

@@ -1,0 +1,221 @@
+"""Residency: which chunks have a compute copy on the device, and when.
+
+A module's own chunks are acquired (made resident and pinned) when its forward starts and
+released when it ends (offload.engine.hooks installs the module hooks that call enter_module /
+exit_module). Every running module is a frame on a stack; a parameter read elsewhere (a tied
+head through F.linear, nn.MultiheadAttention's out_proj.weight) is seen by the read guard
+(offload.engine.reads) and made resident for the innermost frame, released when it ends.
+The first step records the access trace (offload.runtime.trace); later steps carry out the
+schedule made from it (evictions and prefetches around each acquisition). The chunks' bytes
+come from their home tier (`fetch`: host, CXL, or NVMe through a bounce buffer).
+
+Also the storage identities the saved-tensor hooks need: `streamed_storage` (a resident copy's
+storage -> its chunk) and `home_storage` (the storages of device-home chunks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..core.errors import UnsupportedModel
+from ..plan.schedule import ACQUIRE, RELEASE
+from ..runtime.cache import ResidentCache
+from ..runtime.cxl import CxlAllocator
+from ..runtime.executor import Executor, Ticket
+from ..runtime.nvme import NvmeStore
+from ..runtime.storage import storage_key
+from ..runtime.store import ChunkStore, SwapKind
+from ..runtime.swapping import Bounce
+from ..runtime.tiers import Tiers
+from ..runtime.trace import Phase, TraceFollower
+from .reads import Paused, ReadGuard
+from .timeline import Timeline
+
+
+class Residency:
+    """Owns the resident cache, the trace follower, the module stack and the read guard.
+
+    Gets the chunk store (homes, parameter pointing), the tiers and the executor (device buffers
+    and copies), the sources behind a home (`cxl`, `nvme`, `bounce`; None when unused), the
+    parameters by name and their names, each parameter-owning module's chunks, the timeline
+    (the phase; a moment per acquisition), `name_of(module)` for errors, and `borrow_refusal`:
+    None, or the optimizer that cannot let a parameter be read outside its owner (MeZO)."""
+
+    def __init__(self, *, store: ChunkStore, tiers: Tiers, executor: Executor, limit: int,
+                 params: dict[str, torch.nn.Parameter], param_names: dict[torch.nn.Parameter, str],
+                 module_chunks: dict[torch.nn.Module, list[int]], timeline: Timeline,
+                 name_of: Callable[["torch.nn.Module | None"], str], borrow_refusal: str | None = None,
+                 cxl: CxlAllocator | None = None, nvme: NvmeStore | None = None, bounce: Bounce | None = None):
+        self.store, self.plan, self.executor = store, store.plan, executor
+        self.params, self.param_names, self.module_chunks = params, param_names, module_chunks
+        self.timeline, self.name_of, self.borrow_refusal = timeline, name_of, borrow_refusal
+        self.cxl, self.nvme, self.bounce = cxl, nvme, bounce
+        self.device = tiers.device
+        self.streamed_storage: dict[int, int] = {}  # storage_key of a resident copy -> chunk
+        self.home_storage: set[int] = set()  # storage_key of device-home chunks
+        self.follower = TraceFollower()
+        self.guard = ReadGuard(self._on_read)
+        # per running module (None: the loss function), the chunks read there that it does not own
+        self._frames: list[tuple[torch.nn.Module | None, list[int]]] = []
+        self.cache = ResidentCache(tiers=tiers, executor=executor, limit=limit, dtype=store.compute_dtype,
+                                   numel=lambda c: self.plan.chunks[c].numel, fetch=self._fetch,
+                                   on_resident=self._on_resident, on_evict=self._on_evict)
+        for cid in range(len(self.plan.chunks)):
+            if store.is_gpu_home(cid):
+                self.home(cid)
+            else:
+                self._on_evict(cid)
+
+    def home(self, cid: int) -> None:
+        """Chunk `cid` was placed on the device: its parameters point at it for good."""
+        self.home_storage.add(storage_key(self.store.compute_source(cid)))
+        self.store.point_params(cid, self.store.compute_source(cid), self.params)
+
+    def promote(self, cid: int) -> None:
+        """Move chunk `cid` to the device for good (placement after the warm-up)."""
+        self.store.promote(cid, self.params)
+        self.home_storage.add(storage_key(self.store.compute_source(cid)))
+
+    # -- the cache's callbacks (compute thread) -------------------------------------------
+    def _fetch(self, cid: int, buf: torch.Tensor) -> Ticket:
+        """Start copying chunk `cid`'s compute copy from its home tier into device `buf`."""
+        src = self.store.compute_source(cid)
+        links = (self.cxl.link_out,) if self.cxl is not None and self.store.compute_tier(cid) == "cxl" else ()
+        if isinstance(src, SwapKind):
+            staging = self.bounce.staging_for(src)
+
+            def fn(stream: Any) -> None:
+                self.nvme.read(src.key, staging)
+                self.store.to_compute(cid, staging, buf, non_blocking=stream is not None)
+        else:
+            def fn(stream: Any) -> None:
+                self.store.to_compute(cid, src, buf, non_blocking=stream is not None)
+        nbytes = src.nbytes if isinstance(src, SwapKind) else src.numel() * src.element_size()  # encoded: less
+        return self.executor.job("h2d", fn, nbytes=nbytes, links=links)
+
+    def _on_resident(self, cid: int, buf: torch.Tensor) -> None:
+        self.streamed_storage[storage_key(buf)] = cid
+        self.store.point_params(cid, buf, self.params)
+
+    def _on_evict(self, cid: int) -> None:
+        self.streamed_storage = {k: v for k, v in self.streamed_storage.items() if v != cid}
+        self.store.unpoint_params(cid, self.params, device=self.device)
+
+    # -- the module stack -------------------------------------------------------------------
+    def enter_module(self, mod: torch.nn.Module) -> None:
+        """A module's forward starts: a new frame; its own chunks become resident."""
+        if not self._frames:
+            raise UnsupportedModel(
+                f"{self.name_of(mod)} ran outside engine.step / forward / eval_loss: the engine "
+                f"makes parameters resident only there (read trained weights with named_parameters_fp32)")
+        self._push(mod)
+
+    def _push(self, mod: torch.nn.Module) -> None:
+        with Paused(self.guard):
+            self._frames.append((mod, []))
+            if mod in self.module_chunks:
+                self.acquire_module(mod)
+
+    def exit_module(self, mod: torch.nn.Module) -> None:
+        """A module's forward ended: release its own chunks and those read in its frame."""
+        with Paused(self.guard):
+            if mod in self.module_chunks:
+                self.release_module(mod)
+            if self._frames:
+                for cid in self._frames.pop()[1]:
+                    self._release(cid)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Around the loss function: the read guard, and the loss function's own frame."""
+        self._frames = [(None, [])]
+        try:
+            with self.guard:
+                yield
+        finally:
+            frames, self._frames = self._frames, []
+            for _, borrowed in reversed(frames):
+                for cid in borrowed:
+                    self._release(cid)
+
+    @contextlib.contextmanager
+    def recompute(self, block: torch.nn.Module, saved_tensor_hooks: Any) -> Iterator[None]:
+        """What a checkpointed block's recompute runs under: the saved-tensor hooks, the read
+        guard, and the block's own frame (its forward hooks do not run for a recompute)."""
+        with saved_tensor_hooks, self.guard:
+            self._push(block)
+            try:
+                yield
+            finally:
+                self.exit_module(block)
+
+    def _on_read(self, p: torch.nn.Parameter) -> None:
+        """A torch call reads `p` (offload.engine.reads): make its chunk resident for the innermost
+        running module if no running module holds it already."""
+        name = self.param_names.get(p)
+        if name is None:
+            return  # not a parameter of this model
+        cid = self.plan.slots[name].chunk
+        if self.store.is_gpu_home(cid) or self.cache.pinned(cid):
+            return
+        if not self._frames:
+            raise UnsupportedModel(f"parameter {name!r} is read outside the forward and the loss function; "
+                                   f"the engine cannot make it resident there")
+        mod, borrowed = self._frames[-1]
+        if self.borrow_refusal is not None:
+            raise UnsupportedModel(
+                f"parameter {name!r} is read by {self.name_of(mod)} outside the forward of the module "
+                f"that owns it; {self.borrow_refusal} perturbs a parameter in its owner's forward only, so "
+                f"this read would see it unperturbed")
+        self._acquire(cid)
+        borrowed.append(cid)
+        self.timeline.moment()
+
+    # -- chunks ---------------------------------------------------------------------------
+    def acquire_module(self, mod: torch.nn.Module) -> None:
+        for cid in self.module_chunks[mod]:
+            if not self.store.is_gpu_home(cid):
+                self._acquire(cid)
+        self.timeline.moment()
+
+    def release_module(self, mod: torch.nn.Module) -> None:
+        for cid in self.module_chunks[mod]:
+            if not self.store.is_gpu_home(cid):
+                self._release(cid)
+
+    def touch_chunk(self, cid: int) -> torch.Tensor:
+        """A saved view of chunk `cid` is needed in backward: make it resident now."""
+        buf = self._acquire(cid)
+        self._release(cid)
+        return buf
+
+    def _acquire(self, cid: int) -> torch.Tensor:
+        """Carry out the schedule's actions for this acquisition, then pin the chunk."""
+        phase = self.timeline.phase
+        if phase == Phase.EVAL:  # off the trace: evaluation is not part of a step
+            return self.cache.acquire(cid)
+        actions = self.follower.event(ACQUIRE, cid, phase)
+        if actions is not None and not self.cache.apply(actions.evict, ()):
+            self.follower.drop()
+            actions = None
+        buf = self.cache.acquire(cid)
+        if actions is not None and not self.cache.apply(actions.prefetch_evict, actions.prefetch):
+            self.follower.drop()
+        return buf
+
+    def _release(self, cid: int) -> None:
+        if self.timeline.phase != Phase.EVAL:
+            self.follower.event(RELEASE, cid, self.timeline.phase)
+        self.cache.release(cid)
+
+    def schedule(self, lookahead: int) -> None:
+        """A trace was just recorded (or the placement changed): plan fetches and evictions."""
+        if self.follower.following or self.follower.events is None:
+            return
+        csize = self.store.compute_dtype.itemsize
+        sizes = {c.index: c.numel * csize for c in self.plan.chunks}
+        self.follower.reschedule(keep=lambda c: not self.store.is_gpu_home(c), sizes=sizes,
+                                 capacity=self.cache.limit, lookahead=lookahead)

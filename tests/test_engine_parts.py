@@ -1,0 +1,293 @@
+"""The Engine's collaborators and helpers, each built without an Engine (offload.engine:
+residency, gradients, timeline, surgery, early, actoffload, hooks) and runtime.storage_key."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tierwise.offload import Engine
+from tierwise.offload.core.chunks import pack_chunks, specs_of
+from tierwise.offload.core.errors import UnsupportedModel
+from tierwise.offload.engine.actoffload import Offloader
+from tierwise.offload.engine.early import EarlyUpdater
+from tierwise.offload.engine.gradients import GradientRouter
+from tierwise.offload.engine.gradspill import GradSpill
+from tierwise.offload.engine.hooks import ActivationTracker, install_module_hooks
+from tierwise.offload.engine.residency import Residency
+from tierwise.offload.engine.surgery import ModelSurgery
+from tierwise.offload.engine.timeline import Timeline
+from tierwise.offload.runtime.executor import Executor
+from tierwise.offload.runtime.ledger import Ledger
+from tierwise.offload.runtime.storage import storage_key
+from tierwise.offload.runtime.store import ChunkStore
+from tierwise.offload.runtime.tiers import Tiers
+from tierwise.offload.runtime.trace import Phase
+
+CPU = torch.device("cpu")
+
+
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def parts(model, *, chunk_bytes=8 * 8 * 4 + 8 * 4):
+    """A real store (host homes), ledger, tiers and executor for `model`'s parameters."""
+    named = list(model.named_parameters())
+    plan = pack_chunks(specs_of(named), chunk_bytes=chunk_bytes)
+    ledger = Ledger({"gpu": None, "host": None})
+    tiers = Tiers(ledger=ledger, device=CPU)
+    store = ChunkStore(plan=plan, tiers=tiers, compute_dtype=torch.float32, state_bytes=lambda c: 0,
+                       needs_grad=True, homes={c.index: {"master": "host"} for c in plan.chunks})
+    ex = Executor(device=CPU)
+    return named, plan, ledger, tiers, store, ex
+
+
+# -- storage_key ---------------------------------------------------------------------------
+def test_storage_key_tells_empty_storages_apart_and_views_together():
+    a, b = torch.empty(0), torch.empty(0)
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # why not data_ptr
+    assert storage_key(a) != storage_key(b)
+    t = torch.zeros(6)
+    assert storage_key(t[2:]) == storage_key(t.view(2, 3)) == storage_key(t.untyped_storage())
+
+
+# -- timeline ------------------------------------------------------------------------------
+def test_timeline_records_one_step_and_times_phases_that_end():
+    ledger = Ledger({"gpu": None, "host": None})
+    tl = Timeline(ledger)
+    tl.begin_step(0)
+    with tl.timed(Phase.FORWARD):
+        ledger.reserve("gpu", "activation", 100)
+        tl.moment()
+    assert tl.rows == [{"moment": 0, "phase": "forward", "bytes": {"gpu": 100, "host": 0}}]
+    tl.begin_step(0)  # the warm-up recorded already: a measure()d step is not recorded twice
+    assert not tl.recording and len(tl.rows) == 1
+    tl.begin_step(2)
+    tl.moment()
+    assert len(tl.rows) == 1
+    spent = tl.phase_times["backward"]
+    with pytest.raises(RuntimeError), tl.timed(Phase.BACKWARD):
+        raise RuntimeError
+    assert tl.phase_times["backward"] == spent and tl.phase_times["forward"] > 0
+
+
+# -- gradient router -----------------------------------------------------------------------
+def router(store, ex, ledger, names, *, reserve=0, early=None):
+    return GradientRouter(store=store, executor=ex, ledger=ledger, param_names=names,
+                          grad_reserve=lambda: reserve, early=early, compute_itemsize=4,
+                          new_spill=lambda: GradSpill(store, None, None, ex))
+
+
+def test_router_accumulates_like_pytorch_and_gives_the_bytes_back():
+    torch.manual_seed(0)
+    model = Two()
+    ref = copy.deepcopy(model)
+    named, plan, ledger, _, store, ex = parts(model)
+    r = router(store, ex, ledger, {p: n for n, p in named})
+    hooks = [p.register_post_accumulate_grad_hook(r.grad_ready) for _, p in named]
+    xs = [torch.randn(3, 8) for _ in range(2)]
+    r.begin_step()
+    for x in xs:
+        r.begin_backward()
+        model(x).square().sum().backward()
+        r.end_backward()
+        ref(x).square().sum().backward()
+    r.finish_step(dict(named), zero_unseen=True)
+    for name, p in ref.named_parameters():
+        assert torch.equal(plan.slots[name].view(store.chunks[plan.slots[name].chunk].grad), p.grad), name
+        assert dict(named)[name].grad is None  # handed over, not kept on the device
+    assert ledger.usage()["gpu"].get("grad", 0) == 0 and ledger.peaks()["gpu"] <= 8 * 8 * 4
+    assert r.uses == {n: 1 for n, _ in named}
+    for h in hooks:
+        h.remove()
+    ex.close()
+
+
+def test_router_submits_a_chunk_early_once_all_its_sums_are_in():
+    torch.manual_seed(0)
+    model = Two()
+    named, plan, ledger, _, store, ex = parts(model)
+    submitted = []
+
+    class Early:
+        done: set = set()
+
+        def submit(self, cid, tickets):
+            submitted.append((cid, len(tickets)))
+
+        def wait(self):
+            pass
+
+    r = router(store, ex, ledger, {p: n for n, p in named}, early=Early())
+    hooks = [p.register_post_accumulate_grad_hook(r.grad_ready) for _, p in named]
+    x = torch.randn(3, 8)
+    for early_on in (False, True):  # the first backward only counts
+        r.begin_step()
+        r.early_on = early_on
+        r.begin_backward()
+        model(x).sum().backward()
+        r.end_backward()
+    assert len(plan.chunks) == 2 and sorted(submitted) == [(0, 2), (1, 2)]
+    for h in hooks:
+        h.remove()
+    ex.close()
+
+
+# -- residency -----------------------------------------------------------------------------
+def residency(model, **kw):
+    named, plan, ledger, tiers, store, ex = parts(model)
+    params = dict(named)
+    store.load([(n, p.detach().clone()) for n, p in named], params)
+    names = {p: n for n, p in named}
+    chunks = {m: sorted({plan.slots[names[p]].chunk for p in m._parameters.values()})
+              for m in (model.a, model.b)}
+    res = Residency(store=store, tiers=tiers, executor=ex, limit=1 << 20, params=params, param_names=names,
+                    module_chunks=chunks, timeline=Timeline(ledger), name_of=lambda m: f"<{type(m).__name__}>", **kw)
+    return res, ex
+
+
+def test_residency_points_parameters_while_their_module_runs():
+    torch.manual_seed(0)
+    model = Two()
+    want = model.a.weight.detach().clone()
+    res, ex = residency(model)
+    assert torch.isnan(model.a.weight).all()  # not resident: a NaN placeholder
+    with pytest.raises(UnsupportedModel, match="<Linear> ran outside"):
+        res.enter_module(model.a)
+    with res.reading():
+        res.enter_module(model.a)
+        assert torch.equal(model.a.weight, want) and res.cache.pinned(0)
+        assert storage_key(model.a.weight) in res.streamed_storage
+        res.exit_module(model.a)
+        assert not res.cache.pinned(0)
+    ex.close()
+
+
+def test_residency_lends_a_parameter_read_elsewhere_to_the_running_frame():
+    torch.manual_seed(0)
+    model = Two()
+    res, ex = residency(model)
+    with res.reading(), res.guard:
+        res.enter_module(model.a)
+        torch.nn.functional.linear(torch.ones(1, 8), model.b.weight)  # b's weight, read in a's frame
+        assert res.cache.pinned(1)
+        res.exit_module(model.a)
+        assert not res.cache.pinned(1)
+    ex.close()
+    res, ex = residency(model, borrow_refusal="mezo")
+    with pytest.raises(UnsupportedModel, match="'b.weight' is read by <Linear>.*mezo"):
+        with res.reading(), res.guard:
+            res.enter_module(model.a)
+            torch.nn.functional.linear(torch.ones(1, 8), model.b.weight)
+    ex.close()
+
+
+# -- surgery -------------------------------------------------------------------------------
+def hook_state(model):
+    return [(type(m).__name__, "forward" in m.__dict__, len(m._forward_pre_hooks), len(m._forward_hooks),
+             len(m._forward_hooks_always_called)) for m in model.modules()]
+
+
+def test_surgery_undoes_every_change():
+    model = Two()
+    model.register_buffer("scale", torch.ones(2))
+    model.config = type("Config", (), {"use_cache": True})()
+    before = hook_state(model)
+    s = ModelSurgery(model)
+    s.patch_forward(model.a, lambda f: lambda x: f(x) * 0)
+    s.patch_forward(model.a, lambda f: lambda x: f(x) + 1)
+    s.keep(install_module_hooks(model, lambda m: None, lambda m: None))
+    s.disable_kv_cache()
+    assert model.config.use_cache is False and hook_state(model) != before
+    assert torch.equal(model.a(torch.ones(1, 8)), torch.ones(1, 8))
+    s.close()
+    assert hook_state(model) == before and model.config.use_cache is True
+    s.close()  # once
+    assert model.config.use_cache is True
+
+
+def test_engine_close_gives_the_model_back_unpatched():
+    """After close() the modules have their own forward and no hooks, and with the trained
+    weights loaded back the model computes what an untouched copy does."""
+    from tests.models import batches, tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2, hidden=32)
+    twin = copy.deepcopy(model)
+    before = hook_state(model)
+    eng = Engine(model, lr=1e-2, gpu_mem=None, cpu_mem=None, checkpointing=True)
+    data = batches(1)
+    eng.step(data[0])
+    weights = dict(eng.named_parameters_fp32())
+    eng.close()
+    assert hook_state(model) == before and model.config.use_cache == twin.config.use_cache
+    model.load_state_dict(weights, strict=False, assign=True)
+    twin.load_state_dict(weights, strict=False)
+    model.eval(), twin.eval()
+    with torch.no_grad():
+        assert torch.equal(model(**data[0]).logits, twin(**data[0]).logits)
+
+
+# -- helpers -------------------------------------------------------------------------------
+def test_early_updater_runs_the_given_update_and_reraises_its_error():
+    seen = []
+    early = EarlyUpdater(lambda chunks: seen.extend(chunks))
+    early.submit(3, [])
+    early.wait()
+    assert seen == [3] and early.done == {3}
+    early.update = lambda chunks: 1 / 0
+    early.submit(4, [])
+    with pytest.raises(ZeroDivisionError):
+        early.wait()
+    early.close()
+
+
+def test_offloader_moves_block_inputs_to_host_in_forward_only():
+    ledger = Ledger({"gpu": None, "host": None})
+    ex = Executor(device=CPU)
+    phase = [Phase.FORWARD]
+    off = Offloader(ledger=ledger, tiers=Tiers(ledger=ledger, device=CPU), executor=ex, device=CPU,
+                    phase=lambda: phase[0])
+    t = torch.arange(16.0).requires_grad_()
+    assert not off.wants(t)  # not inside a checkpointed block's save
+    off.active = True
+    assert off.wants(t)
+    item = off.pack(t)
+    off.end_forward()
+    assert ledger.usage()["gpu"].get("activation", 0) == 0 and ledger.usage()["host"]["activation"] == 64
+    assert torch.equal(off.unpack(item), t.detach())
+    phase[0] = Phase.BACKWARD
+    assert not off.wants(t)
+    del item
+    ex.close()
+
+
+def test_activation_tracker_books_activations_and_refers_to_chunks():
+    ledger = Ledger({"gpu": None, "host": None})
+    chunk = torch.zeros(8)
+
+    class Res:
+        streamed_storage = {storage_key(chunk): 5}
+        home_storage: set = set()
+        touched: list = []
+
+        def touch_chunk(self, cid):
+            self.touched.append(cid)
+            return chunk
+
+    res = Res()
+    tr = ActivationTracker(res, ledger, CPU)
+    ref = tr.pack(chunk[2:4])
+    assert torch.equal(tr.unpack(ref), chunk[2:4]) and res.touched == [5]
+    act = torch.ones(4)
+    held = [tr.pack(act), tr.pack(act[1:])]  # one storage, booked once
+    assert ledger.usage()["gpu"]["activation"] == 16
+    del held
+    assert ledger.usage()["gpu"].get("activation", 0) == 0

@@ -1,0 +1,226 @@
+"""Nothing corrupt flows on (issue 15): swap checksums, NaN losses, checkpoint manifests, `latest`.
+
+On the old code a swap file overwritten with 0xFF trained on to "done" with every loss NaN, a
+flipped byte or an F32->I32 dtype edit in engine.safetensors resumed silently, `latest` could
+point outside --output, and --resume with another --optimizer/--chunk-size was a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tinyhf import StandInEngine, make_tiny_llama_dir, write_jsonl  # noqa: E402
+
+import tierwise.cli.train  # noqa: E402
+from tierwise.cli import checkpoint as ckpt  # noqa: E402
+from tierwise.cli import manifest  # noqa: E402
+from tierwise.cli.main import app  # noqa: E402
+from tierwise.cli.metrics import read_metrics  # noqa: E402
+
+SWAPPING = ["--seq-len", "32", "--batch-size", "2", "--chunk-size", "64K", "--gpu-mem", "700K",
+            "--cpu-mem", "1100K"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    model = make_tiny_llama_dir(root / "tiny")
+    rows = [{"text": f"The tiny model streams chunk {i % 7} through the memory tier."}
+            for i in range(48)]
+    return model, write_jsonl(root / "train.jsonl", rows)
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+def _error_line(result) -> str:
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def _args(assets, out: Path, *extra: str) -> list[str]:
+    model, data = assets
+    return ["--model", str(model), "--data", str(data), *SWAPPING, "--lr", "3e-3",
+            "--nvme-path", str(out.parent / "nvme"), "--checkpoint-every", "1",
+            "--output", str(out), *extra]
+
+
+# -- a corrupted swap file -----------------------------------------------------------------------
+
+class _CorruptAfterStep2:
+    """The real Engine; after step 2 (and its checkpoint), 4 KiB of 0xFF over the start of every
+    master swap file."""
+
+    def __new__(cls, *args, **kwargs):
+        from tierwise.offload import Engine
+
+        class Corrupting(Engine):
+            def step(self, batch, grad_accum=1):
+                if self.steps == 2:
+                    for name in os.listdir(self.nvme.directory):
+                        if name.endswith(".master.swp"):
+                            with open(os.path.join(self.nvme.directory, name), "r+b") as f:
+                                f.write(b"\xff" * 4096)
+                return super().step(batch, grad_accum=grad_accum)
+
+        return Corrupting(*args, **kwargs)
+
+
+@pytest.mark.parametrize("checksum", ["--nvme-checksum", "--no-nvme-checksum"])
+def test_corrupted_swap_file_stops_the_run_with_the_last_good_checkpoint(assets, tmp_path, monkeypatch,
+                                                                         checksum):
+    monkeypatch.setattr(tierwise.cli.train, "engine_class", lambda: _CorruptAfterStep2)
+    out = tmp_path / "run"
+    line = _error_line(_invoke(*_args(assets, out, "--steps", "6", checksum)))
+    # checksums on (the default): the read is refused; off: the NaN weights are not checkpointed
+    assert ("checksum mismatch" in line) if checksum == "--nvme-checksum" else \
+        ("NaN" in line.replace("nan", "NaN") and "ckpt-000002 is kept" in line), line
+    assert ckpt.latest_checkpoint(out).name == "ckpt-000002"
+    ckpt.load_checkpoint(out / "ckpt-000002")  # intact: its manifest verifies
+    assert not (out / "model").exists() and not (tmp_path / "nvme").exists()  # swap removed
+
+
+class _NanAtStep3(StandInEngine):
+    def step(self, batch, grad_accum=1):
+        loss = super().step(batch, grad_accum)
+        return float("nan") if self.steps == 3 else loss
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(tierwise.cli.train, "engine_class", lambda: _NanAtStep3)
+    out = tmp_path / "run"
+    line = _error_line(_invoke("--seq-len", "32", "--batch-size", "2", "--steps", "5",
+                               "--checkpoint-every", "1", "--output", str(out)))
+    assert "step 3: the loss is nan" in line and "ckpt-000002 is kept" in line
+    assert ckpt.latest_checkpoint(out).name == "ckpt-000002" and not (out / "model").exists()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(assets, tmp_path_factory):
+    """A real run of 2 steps with its checkpoints (copied by each tampering test)."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    r = _invoke(*_args(assets, out, "--steps", "2"))
+    assert r.exit_code == 0, (r.output, r.exception)
+    return out
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    return n, json.loads(raw[8:8 + n])
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    raw = bytearray(path.read_bytes())
+    n, header = _header(path)
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    raw[8:8 + n] = text.ljust(n)  # same length: only the header's meaning changes
+    path.write_bytes(bytes(raw))
+
+
+def _first_master(header: dict) -> dict:
+    return next(v for k, v in header.items() if ".master" in k)
+
+
+def _flip(d: Path):
+    p = d / "engine.safetensors"
+    raw = bytearray(p.read_bytes())
+    raw[-3] ^= 0x40  # an exponent bit of the last fp32 value
+    p.write_bytes(bytes(raw))
+
+
+def _dtype(d: Path):
+    _rewrite_header(d / "engine.safetensors",
+                    lambda h: _first_master(h).update(dtype="I32"))
+
+
+def _shape(d: Path):
+    def edit(h):
+        t = _first_master(h)
+        t["shape"] = [t["shape"][0] // 2, 2]  # the same bytes, another shape
+    _rewrite_header(d / "engine.safetensors", edit)
+
+
+def _truncate(d: Path):
+    p = d / "engine.safetensors"
+    os.truncate(p, p.stat().st_size // 2)
+
+
+def _bad_header_length(d: Path):
+    p = d / "engine.safetensors"
+    raw = bytearray(p.read_bytes())
+    raw[:8] = struct.pack("<Q", 1 << 40)  # larger than the file
+    p.write_bytes(bytes(raw))
+
+
+def _json_key(d: Path):
+    p = d / "engine.json"
+    skel = json.loads(p.read_text())
+    skel["__dict__"] = skel["__dict__"][1:]  # drop the first top-level key
+    p.write_text(json.dumps(skel))
+
+
+TAMPER = {"flipped-byte": _flip, "dtype-F32-to-I32": _dtype, "shape": _shape, "truncated": _truncate,
+          "header-length": _bad_header_length, "engine.json-key": _json_key}
+
+
+@pytest.mark.parametrize("remanifest", [False, True], ids=["manifest", "manifest-rewritten"])
+@pytest.mark.parametrize("how", list(TAMPER))
+def test_tampered_checkpoint_is_refused_on_resume(assets, trained, tmp_path, how, remanifest):
+    """With its manifest, any change is refused naming the file; with the manifest rewritten to
+    match (a deliberate edit), the loaders' own checks still refuse in one line."""
+    if remanifest and how == "flipped-byte":
+        pytest.skip("a flipped value with a matching manifest is a valid checkpoint: only the "
+                    "manifest can tell")
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    d = ckpt.latest_checkpoint(out)
+    TAMPER[how](d)
+    if remanifest:
+        manifest.write(d, [f"{n}.{e}" for n in ("engine", "trainer") for e in ("safetensors", "json")])
+    line = _error_line(_invoke(*_args(assets, out, "--steps", "4", "--resume")))
+    assert str(d) in line or d.name in line, line
+    if not remanifest:
+        assert "engine." in line, line
+
+
+def test_latest_cannot_point_outside_output(tmp_path):
+    inside, outside = tmp_path / "run", tmp_path / "elsewhere"
+    for d, step in ((inside, 1), (outside, 9)):
+        ckpt.save_checkpoint(d, step=step, engine_state={"w": 0}, trainer_state={})
+    (inside / "latest").write_text("../elsewhere/ckpt-000009\n")
+    assert ckpt.latest_checkpoint(inside) == inside / "ckpt-000001"
+    (inside / "ckpt-000009").symlink_to(outside / "ckpt-000009")
+    (inside / "latest").write_text("ckpt-000009\n")
+    assert ckpt.latest_checkpoint(inside) == inside / "ckpt-000001"
+
+
+@pytest.mark.parametrize("flag,value", [("--optimizer", "sgd"), ("--optimizer", "adamw8bit"),
+                                        ("--chunk-size", "32K"), ("--precision", "bf16")])
+def test_resume_with_another_optimizer_or_chunk_size_is_one_line(assets, trained, tmp_path, flag, value):
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    args = _args(assets, out, "--steps", "4", "--resume")
+    if flag in args:
+        args[args.index(flag) + 1] = value
+    else:
+        args += [flag, value]
+    line = _error_line(_invoke(*args))
+    assert f"--resume: {flag} differ" in line and "it used" in line, line

@@ -1,0 +1,117 @@
+"""A plan that tells the user what to do, and a README that shows what the program prints
+(issue 15). The old plan had no verdict, an unexplained `reserve`, "1 tokens/s" for 1.45, no
+grad-accum in its header, no word that its times are modelled; a refusal did not say what
+would fit; `finetune profile --nvme-path` (documented) did not exist and its progress lines
+had no units; the memory-timeline plot had no "backward" phase; the README sample had drifted.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import tierwise.offload.tools.profiler as profiler
+from tierwise.cli.main import app
+from tierwise.offload.plan.planner import _rate
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+def test_plan_has_a_verdict_explains_reserve_and_says_it_is_modelled():
+    r = _invoke("plan", "--grad-accum", "2")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert "batch 4 x 128 padded, grad-accum 2," in lines[0]
+    assert any(ln.startswith("reserve (bytes besides the chunks): gpu ") and "activations" in ln for ln in lines)
+    assert any("modelled from hardware profile 'cpu-sim', not measured" in ln for ln in lines)
+    assert lines[-1].startswith("verdict: fits: every tier's peak is within its budget")
+    step = next(ln for ln in lines if ln.startswith("step "))
+    assert re.search(r", [\d,]+(\.\d+)? tokens/s,", step), step
+
+
+@pytest.mark.parametrize("rate,text", [(14933.2, "14,933"), (41.62, "41.6"), (1.45, "1.45"), (0.3, "0.30")])
+def test_tokens_per_second_keep_their_precision(rate, text):
+    assert _rate(rate) == text
+
+
+def test_a_refused_plan_lists_changes_that_fit_each_checked():
+    r = _invoke("plan", "--gpu-mem", "4M", "--no-recompute")
+    assert r.exit_code == 2
+    out = r.stdout.splitlines()
+    assert out[0].startswith("verdict: does not fit: --gpu-mem 4.00 MiB is too small")
+    i = out.index("would fit (each checked by the planner; fastest step first):")
+    suggestions = [ln.split("   ")[0].strip() for ln in out[i + 1:]]
+    assert "--recompute" in suggestions, out
+    errors = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: --gpu-mem 4.00 MiB is too small")
+    for flags in suggestions:  # what the advice says fits does fit
+        args = ["plan", "--gpu-mem", "4M", *shlex.split(flags.replace("DIR", "."))]
+        if "--recompute" not in flags:
+            args.append("--no-recompute")
+        assert _invoke(*args).exit_code == 0, flags
+
+
+def test_training_refusal_points_at_plan(tmp_path):
+    r = _invoke("--gpu-mem", "4M", "--no-recompute", "--output", str(tmp_path / "out"))
+    assert r.exit_code == 2 and "`finetune plan` with these options lists changes that fit" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_takes_offload_activations():
+    r = _invoke("plan", "--offload-activations")
+    assert r.exit_code == 0 and "recompute on" in r.stdout, r.output
+
+
+def test_profile_measures_the_nvme_path_given_with_units(tmp_path, monkeypatch):
+    seen = []
+    real = profiler.nvme_bandwidth
+    monkeypatch.setattr(profiler, "FULL", profiler.QUICK)
+    monkeypatch.setattr(profiler, "nvme_bandwidth", lambda sz, path: seen.append(path) or real(sz, path))
+    for name, value in (("copy_bandwidths", {"h2d_pinned": 9.0}), ("dram_bandwidth", 12.0),
+                        ("optimizer_rates", {"adamw": 1e8}), ("gemm_tflops", 0.5),
+                        ("op_overhead_us", 20.0), ("cxl_bandwidths", {})):
+        monkeypatch.setattr(profiler, name, lambda *a, _v=value, **k: _v)
+    monkeypatch.setattr(profiler, "to_toml", lambda r, **k: "name = 'x'\n\n[nvme]\n")
+    monkeypatch.setattr(profiler, "step_calibration", lambda text, quick: 1.0)
+    r = _invoke("profile", "--nvme-path", str(tmp_path))
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert seen == [str(tmp_path)] and list(tmp_path.iterdir()) == []
+    progress = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("[") and "/9]" in ln]
+    assert len(progress) == 9
+    units = ("GB/s", "params/s", "TFLOPS", "µs/op", "none")
+    assert all(any(u in ln for u in units) for ln in progress), progress
+    assert re.search(r"NVMe read/write: read [\d.e+]+ GB/s, write [\d.e+]+ GB/s", r.stdout)
+    assert "--output FILE.toml" in r.stdout
+
+
+def test_the_memory_timeline_marks_backward(tmp_path):
+    import tierwise.cli.train
+
+    seen = {}
+    real = tierwise.cli.train.plot_timeline
+    cli_plot = lambda timeline, path: seen.setdefault("phases", [m["phase"] for m in timeline]) and real(timeline, path)  # noqa: E731
+    try:
+        tierwise.cli.train.plot_timeline = cli_plot
+        r = _invoke("--steps", "2", "--output", str(tmp_path / "run"))
+    finally:
+        tierwise.cli.train.plot_timeline = real
+    assert r.exit_code == 0, r.output
+    assert {"forward", "backward", "update"} <= set(seen["phases"])
+
+
+def test_readme_plan_sample_is_what_plan_prints():
+    text = README.read_text()
+    m = re.search(r"```\n\$ (finetune plan --model 70b[^\n]*\\\n[^\n]*)\n(.*?)```", text, re.S)
+    assert m, "the README's plan sample"
+    command, expected = m.group(1).replace("\\\n", " "), m.group(2)
+    r = _invoke(*shlex.split(command)[1:])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == expected

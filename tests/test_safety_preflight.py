@@ -1,0 +1,100 @@
+"""One preflight for every path (issue 15): training refuses what `plan` refuses, before it
+allocates; automatic budgets never exceed the machine; sizes need units; --seq-len is bounded.
+
+On the old code `finetune --model 70b --gpu-mem 24G` started allocating host RAM (8 GiB after
+17 s) while `plan` refused; the automatic host budget was the profile's 24 GiB on a 23.5 GiB
+machine; `--seq-len 100000` on a 1,024-position model and a bare `--gpu-mem 24` (24 bytes) were
+accepted; the plan showed "unlimited" NVMe on a disk with 72 GiB free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import tierwise.cli.planning  # noqa: E402
+from tierwise.cli.machine import physical_ram  # noqa: E402
+from tierwise.cli.main import app  # noqa: E402
+from tierwise.offload.core.units import format_size  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+def _error_line(result) -> str:
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def _limit_memory():  # a safety belt: the old code allocated until the OOM killer
+    resource.setrlimit(resource.RLIMIT_AS, (12 << 30, 12 << 30))
+
+
+def test_headline_command_refuses_within_seconds_without_allocating(tmp_path):
+    t0 = time.monotonic()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run([sys.executable, "-m", "tierwise.cli.main", "--model", "70b", "--gpu-mem", "24G",
+                           "--output", str(tmp_path / "out")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, preexec_fn=_limit_memory,
+                          env={**os.environ})
+    elapsed = time.monotonic() - t0
+    rss_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "cannot hold the streamed chunks" in errors[0] and "--nvme-path" in errors[0]
+    assert f"host budget {format_size(physical_ram())}" in errors[0]  # not the profile's 24 GiB
+    assert "Traceback" not in proc.stderr
+    assert elapsed < 60, elapsed
+    if rss_kib > before:  # the largest child so far is this one
+        assert rss_kib < 1536 << 10, f"{rss_kib} KiB"
+    assert not (tmp_path / "out").exists()  # refused before the output was claimed
+
+
+def test_automatic_host_budget_is_at_most_the_machines_ram():
+    r = _invoke("plan", "--json")
+    assert r.exit_code == 0, r.output
+    ram = physical_ram()
+    assert json.loads(r.stdout)["budgets"]["host"] <= ram
+
+
+@pytest.mark.parametrize("command", [[], ["--dry-run"], ["plan"]], ids=["train", "dry-run", "plan"])
+def test_seq_len_beyond_the_models_positions_is_refused(command, tmp_path):
+    args = [*command, "--seq-len", "100000"] + ([] if command == ["plan"] else ["--output", str(tmp_path / "o")])
+    line = _error_line(_invoke(*args))
+    assert "--seq-len 100000 is longer than builtin-tiny was built for (1024 positions)" in line
+
+
+@pytest.mark.parametrize("command", [[], ["plan"]], ids=["train", "plan"])
+def test_a_size_without_a_unit_is_refused_with_a_hint(command, tmp_path):
+    line = _error_line(_invoke(*command, "--gpu-mem", "24"))
+    assert "--gpu-mem 24 has no unit: write 24G" in line
+    toml = tmp_path / "run.toml"
+    toml.write_text('cpu-mem = "64"\n')
+    line = _error_line(_invoke(*command, "--config", str(toml)))
+    assert "--cpu-mem 64 has no unit" in line
+
+
+def test_nvme_need_is_checked_against_the_free_space(tmp_path, monkeypatch):
+    args = ["plan", "--gpu-mem", "700K", "--cpu-mem", "1100K", "--chunk-size", "64K",
+            "--seq-len", "32", "--batch-size", "2", "--nvme-path", str(tmp_path)]
+    monkeypatch.setattr(tierwise.cli.planning, "free_disk", lambda path: 1 << 20)
+    line = _error_line(_invoke(*args))
+    assert "--nvme-path has 1.00 MiB of space: needs at least" in line
+    monkeypatch.setattr(tierwise.cli.planning, "free_disk", lambda path: 72 << 30)
+    r = _invoke(*args)
+    assert r.exit_code == 0, r.output
+    nvme_row = next(ln for ln in r.stdout.splitlines() if ln.startswith("nvme"))
+    assert "72.00 GiB" in nvme_row and "unlimited" not in nvme_row
