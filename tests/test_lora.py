@@ -196,3 +196,23 @@ def test_bf16_base_equals_plain_pytorch_on_rounded_weights():
     for n, t in theirs.items():
         assert torch.equal(mine[n], t), n
     eng.close()
+
+
+def test_lora_dropout_equals_peft():
+    """Dropout inside recomputed blocks draws the same masks as PEFT's single forward."""
+    model, data, cfg = tiny_llama(layers=4), batches(2), lora_config(lora_dropout=0.1)
+    ref_losses, ref = peft_reference(model, cfg, data)
+    torch.manual_seed(7)
+    eng = Engine(copy.deepcopy(model), lora=cfg, lr=1e-2, gpu_mem="600K", chunk_bytes=CHUNK)
+    assert [eng.step(b) for b in data] == ref_losses
+    mine, theirs = adapters(eng.named_parameters_fp32()), adapters(ref.named_parameters())
+    for n, t in theirs.items():
+        assert torch.equal(mine[n], t), n
+    eng.close()
+
+
+def test_meta_adapters_are_refused():
+    with torch.device("meta"):
+        model = tiny_llama(layers=2)
+    with pytest.raises(ValueError, match="meta device"):
+        Engine(model, lora=lora_config())

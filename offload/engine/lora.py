@@ -38,4 +38,16 @@ def apply_lora(model: torch.nn.Module, config: Any) -> torch.nn.Module:
     if getattr(config, "modules_to_save", None):  # trainable copies of whole modules: PeftModel's job
         raise ValueError("LoraConfig.modules_to_save needs peft.get_peft_model: wrap the model with it and "
                          "pass the wrapped model without lora=")
-    return inject_adapter_in_model(config, model)  # freezes all but the adapters, as get_peft_model
+    model = inject_adapter_in_model(config, model)  # freezes all but the adapters, as get_peft_model
+    check_adapters_initialised(model)
+    return model
+
+
+def check_adapters_initialised(model: torch.nn.Module) -> None:
+    """Adapters on the meta device have lost PEFT's init (lora_A random, lora_B zero): loaded
+    as zeros they would never train. Refuse, naming one."""
+    meta = [n for n, p in model.named_parameters() if p.requires_grad and p.device.type == "meta"]
+    if meta:
+        raise ValueError(f"trainable parameters on the meta device ({meta[0]!r}, {len(meta)} in all) have no "
+                         f"values: build the model's trainable part on a real device (PEFT initialises the "
+                         f"adapters there), or load their weights with Engine.load_weights")
