@@ -103,3 +103,12 @@ def test_double_quant_matches_where_the_nested_code_is_not_the_nearest_level():
     q, st = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
     ours = codecs.nf4_quantize(w, double_quant=True)
     assert torch.equal(ours.qabsmax, st.absmax) and torch.equal(ours.packed, q.reshape(-1))
+
+
+def test_torch_path_equals_bitsandbytes_kernel(monkeypatch):
+    """The fallback (odd counts, no bitsandbytes) decodes what the kernel decodes."""
+    w = _weights((96, 40), seed=4)
+    q = codecs.nf4_quantize(w, double_quant=True)
+    fast = codecs.nf4_dequantize(q)
+    monkeypatch.setattr(codecs, "_bnb_dequantize_4bit", lambda: None)
+    assert torch.equal(codecs.nf4_dequantize(q), fast)
