@@ -113,6 +113,19 @@ class ChunkPlan:
     chunks: tuple[ChunkSpec, ...]
     slots: dict[str, Slot] = field(hash=False)
     chunk_numel: int
+    frozen: frozenset[int] = frozenset()  # chunks of frozen parameters: always after the trainable ones
+
+    def is_frozen(self, index: int) -> bool:
+        return index in self.frozen
+
+    def trainable(self) -> "ChunkPlan":
+        """The plan of the trainable chunks alone (same indices: they come first)."""
+        if not self.frozen:
+            return self
+        chunks = tuple(c for c in self.chunks if c.index not in self.frozen)
+        names = {n for c in chunks for n in c.params}
+        return ChunkPlan(chunks=chunks, slots={n: s for n, s in self.slots.items() if n in names},
+                         chunk_numel=self.chunk_numel)
 
     @property
     def total_numel(self) -> int:
@@ -135,12 +148,26 @@ def _round_up(n: int, k: int) -> int:
 
 
 def pack_chunks(params: Sequence[ParamSpec], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                element_size: int = 4) -> ChunkPlan:
+                element_size: int = 4, frozen: "set[str] | frozenset[str]" = frozenset()) -> ChunkPlan:
     """Pack `params` (already in first-use order) greedily into chunks of `chunk_bytes`.
 
     A parameter that does not fit in the space left starts a new chunk; one larger than a
     chunk gets a chunk of its own, sized to it. Chunks are trimmed to what they hold.
+    Parameters named in `frozen` (requires_grad=False) are packed apart, after the trainable
+    ones: a chunk is either frozen (a compute copy only) or trainable (every kind), and the
+    trainable chunks keep indices 0..n-1 (the optimizer's plan, ChunkPlan.trainable).
     """
+    if frozen:
+        first = pack_chunks([p for p in params if p.name not in frozen], chunk_bytes=chunk_bytes,
+                            element_size=element_size)
+        rest = pack_chunks([p for p in params if p.name in frozen], chunk_bytes=chunk_bytes,
+                           element_size=element_size)
+        k = len(first.chunks)
+        moved = tuple(ChunkSpec(index=c.index + k, numel=c.numel, params=c.params) for c in rest.chunks)
+        slots = dict(first.slots) | {n: Slot(name=n, chunk=s.chunk + k, offset=s.offset, shape=s.shape,
+                                             stride=s.stride) for n, s in rest.slots.items()}
+        return ChunkPlan(chunks=first.chunks + moved, slots=slots, chunk_numel=first.chunk_numel,
+                         frozen=frozenset(c.index for c in moved))
     if chunk_bytes < ALIGN * element_size:
         raise ValueError(f"chunk size {chunk_bytes} B is too small (minimum {ALIGN * element_size} B)")
     capacity = chunk_bytes // element_size

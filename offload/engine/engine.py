@@ -40,13 +40,13 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
-from ..core.errors import BudgetExceeded
+from ..core.errors import BudgetExceeded, UnsupportedModel
 from ..core.sizes import parse_size
 from ..core.units import format_size
 from ..plan.homes import assign_homes, bounce_sizes
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
 from ..runtime.executor import Executor
-from ..runtime.store import ChunkStore, kind_bytes
+from ..runtime.store import ChunkStore, frozen_kind_bytes, kind_bytes
 from ..runtime.swapping import Bounce, update_all
 from ..runtime.tiers import pick_device
 from ..runtime.trace import Phase
@@ -58,7 +58,9 @@ from .batches import default_loss, split_batch, to_device
 from .early import EarlyUpdater
 from .gradients import GradientRouter
 from .gradspill import GradSpill
+from .frozen_base import frozen_layouts
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
+from .lora import apply_lora
 from .model_info import find_blocks
 from .needs import device_needs, module_chunks, open_tiers
 from .overbudget import estimate_over_budget, step_over_budget, warmup_over_budget
@@ -96,7 +98,8 @@ class Engine:
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
                  prefetch_depth: int = 16, h2d_bandwidth: float | None = None,
                  d2h_bandwidth: float | None = None, allow_gpu_home: bool = True,
-                 offload_activations: bool = False, overlap_update: bool = True):
+                 offload_activations: bool = False, overlap_update: bool = True,
+                 lora: Any = None, base_dtype: str | None = None, double_quant: bool = False):
         """`activations`: the expected peak of saved activations (e.g. the planner's estimate).
         Given, chunks are placed in their final tiers now; otherwise after the warm-up step,
         which measures it (until then every chunk lives host-side).
@@ -106,9 +109,16 @@ class Engine:
         `offload_activations`: keep checkpointed blocks' inputs in host memory between forward
         and backward (offload.engine.actoffload), for sequences whose activations outgrow the device.
         `overlap_update`: update a chunk as soon as its gradients are final, during backward
-        (offload.engine.early); `engine.step` only, and not with clipping."""
+        (offload.engine.early); `engine.step` only, and not with clipping.
+        `lora`: a peft.LoraConfig whose adapters are injected (offload.engine.lora); a model
+        already wrapped by peft.get_peft_model is taken as is. Parameters with
+        requires_grad=False (the base) are frozen: a compute copy only, streamed read-only.
+        `base_dtype` (bf16 | fp16 | int8 | nf4; None: the compute dtype): how frozen weights are
+        stored and carried (offload.runtime.codecs); `double_quant`: NF4's absmax quantized too."""
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
+        if lora is not None:
+            model = apply_lora(model, lora)
         self.model, self.loss_fn = model, loss_fn
         self.device = pick_device(device)
         self.compute_dtype = DTYPES[precision]
@@ -125,10 +135,18 @@ class Engine:
         self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
         self.moments = Timeline(self.ledger)
 
-        named = self._trainable(model)
-        self.plan = pack_chunks(specs_of(named), chunk_bytes=parse_size(chunk_bytes, what="chunk size"))
+        named = list(model.named_parameters())
+        frozen = {n for n, p in named if not p.requires_grad}
+        if frozen and optimizer == "mezo":
+            raise UnsupportedModel(f"mezo perturbs every parameter of a module; frozen parameters "
+                                   f"({sorted(frozen)[:3]}...) are not supported with it")
+        self.plan = pack_chunks(specs_of(named), chunk_bytes=parse_size(chunk_bytes, what="chunk size"),
+                                frozen=frozen)
+        self.frozen_layouts = frozen_layouts(self.plan, model, base_dtype=base_dtype, double_quant=double_quant,
+                                             compute_dtype=self.compute_dtype)
         self.optimizer_name = optimizer
-        self.updater = make_updater(optimizer, self.plan, shapes={n: tuple(p.shape) for n, p in named},
+        self.updater = make_updater(optimizer, self.plan.trainable(),
+                                    shapes={n: tuple(p.shape) for n, p in named if n not in frozen},
                                     momentum=momentum, **(optimizer_kwargs or {}))
         weights = [(n, p) for n, p in named if p.device.type != "meta"]
         self.surgery = ModelSurgery(model)
@@ -190,16 +208,27 @@ class Engine:
     # -- setup helpers -------------------------------------------------------------------
     def _place(self, activations: int | None) -> None:
         """Decide every chunk kind's tier and allocate the chunk store there."""
-        self.kinds = {c.index: kind_bytes(c.numel, state_bytes=self.updater.state_bytes(c.index),
-                                          compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
+        self.kinds = {c.index: frozen_kind_bytes(c.numel, layout=self.frozen_layouts[c.index],
+                                                 compute_dtype=self.compute_dtype)
+                      if c.index in self.frozen_layouts else
+                      kind_bytes(c.numel, state_bytes=self.updater.state_bytes(c.index),
+                                 compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
                       for c in self.plan.chunks}
         budgets = self.ledger.budgets
+        # CUDA: encoded frozen chunks cross the link into one device staging buffer, decoded
+        # from there (fetches run in order on the copy stream); the simulated device decodes in place
+        staging = max((self.kinds[c]["compute"] for c in self.plan.frozen if self.frozen_layouts[c] is not None),
+                      default=0) if self.device.type == "cuda" else 0
+        if staging:
+            self.ledger.reserve("gpu", "buffer", staging)
+            self.buffer_bytes += staging
         self.needs = self._device_needs(activations=activations or 0)
         check_minimum(self.needs, budgets["gpu"], measured=False)
         self.device_plan: DevicePlan | None = None
         gpu_home: frozenset[int] = frozenset()
         if activations is not None:
-            self.device_plan = plan_device(self.needs, budgets["gpu"], allow_gpu_home=self.allow_gpu_home)
+            self.device_plan = plan_device(self.needs, budgets["gpu"], allow_gpu_home=self.allow_gpu_home,
+                                           prefer=self._home_order())
             gpu_home = self.device_plan.gpu_home
         streamed = {c: k for c, k in self.kinds.items() if c not in gpu_home}
         self.homes = assign_homes(kinds=streamed, host=budgets["host"], cxl=budgets.get("cxl"),
@@ -209,8 +238,11 @@ class Engine:
         tiers = dict(self.homes.tiers) | {c: dict.fromkeys(self.kinds[c], "gpu") for c in gpu_home}
         self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
                                 state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
-                                homes=tiers, nvme=self.nvme)
-        self.bounce = Bounce(self.store, bounce_sizes(streamed, self.homes.tiers), pin=self.device.type == "cuda") if self.homes.bounce else None
+                                homes=tiers, nvme=self.nvme, frozen=self.frozen_layouts)
+        if staging:
+            self.store.device_staging = torch.empty(staging, dtype=torch.uint8, device=self.device)
+        self.bounce = (Bounce(self.store, bounce_sizes(streamed, self.homes.tiers), pin=self.device.type == "cuda")
+                       if self.homes.bounce else None)
         self.store.bounce = self.bounce
 
     def _install_hooks(self, model: torch.nn.Module, checkpointing: bool | None) -> None:
@@ -243,7 +275,8 @@ class Engine:
             grad_reserve=lambda: self.needs.grad_reserve, early=early,
             new_spill=lambda: GradSpill(self.store, self.bounce, self.nvme, self.executor),
             compute_itemsize=self.compute_dtype.itemsize)
-        surgery.keep(p.register_post_accumulate_grad_hook(self.grads.grad_ready) for p in self.params.values())
+        surgery.keep(p.register_post_accumulate_grad_hook(self.grads.grad_ready)
+                     for p in self.params.values() if p.requires_grad)  # frozen ones get no gradient
         if self.offload_activations:
             self.tracker.offloader = Offloader(ledger=self.ledger, tiers=self.tiers, executor=self.executor,
                                                device=self.device, phase=lambda: self.moments.phase)
@@ -251,12 +284,14 @@ class Engine:
     def _update_chunks(self, chunks: list[int]) -> None:
         update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks)
 
-    @staticmethod
-    def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-        if frozen:
-            raise ValueError(f"frozen parameters are not supported yet: {frozen[:3]}...")
-        return list(model.named_parameters())
+    def _home_order(self) -> list[int]:
+        """Chunks that may be gpu-home, most wanted first: trainable ones (adapters: small, and
+        the whole update stays on the device), then frozen ones; both last-used first. Encoded
+        frozen chunks never: they are decoded per use."""
+        n = len(self.plan.chunks)
+        trainable = [c for c in reversed(range(n)) if not self.plan.is_frozen(c)]
+        frozen = [c for c in reversed(range(n)) if self.plan.is_frozen(c) and self.frozen_layouts[c] is None]
+        return trainable + frozen
 
     def _device_needs(self, *, activations: int, pinned: int = 0) -> DeviceNeeds:
         return device_needs(self.plan, self.module_chunks, self.param_names, kinds=self.kinds,
@@ -415,7 +450,8 @@ class Engine:
             self._hold_estimate(act)
             return
         self.needs = measured
-        self.device_plan = plan_device(self.needs, self.ledger.budgets["gpu"], allow_gpu_home=self.allow_gpu_home)
+        self.device_plan = plan_device(self.needs, self.ledger.budgets["gpu"], allow_gpu_home=self.allow_gpu_home,
+                                       prefer=self._home_order())
         for cid in sorted(self.device_plan.gpu_home):
             self.residency.promote(cid)
         self.residency.cache.limit = self.device_plan.cache_limit

@@ -62,6 +62,7 @@ def device_needs(plan: ChunkPlan, chunks_of: dict[torch.nn.Module, list[int]],
     return plan_device_needs(compute=[c.numel * itemsize for c in plan.chunks],
                              home=[sum(kinds[c.index].values()) for c in plan.chunks],
                              module_chunks=chunks_of.values(), module_numels=owned,
-                             largest_param=max((s.numel for s in plan.slots.values()), default=0),
+                             largest_param=max((s.numel for s in plan.slots.values() if not plan.is_frozen(s.chunk)),
+                                               default=0),  # frozen parameters send no gradient
                              element_size=itemsize, needs_grad=needs_grad, buffers=buffers,
                              activations=activations, pinned=pinned)

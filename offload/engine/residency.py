@@ -89,11 +89,12 @@ class Residency:
 
             def fn(stream: Any) -> None:
                 self.nvme.read(src.key, staging)
-                buf.copy_(staging, non_blocking=stream is not None)
+                self.store.to_compute(cid, staging, buf, non_blocking=stream is not None)
         else:
             def fn(stream: Any) -> None:
-                buf.copy_(src, non_blocking=stream is not None)
-        return self.executor.job("h2d", fn, nbytes=buf.numel() * buf.element_size(), links=links)
+                self.store.to_compute(cid, src, buf, non_blocking=stream is not None)
+        nbytes = src.nbytes if isinstance(src, SwapKind) else src.numel() * src.element_size()  # encoded: less
+        return self.executor.job("h2d", fn, nbytes=nbytes, links=links)
 
     def _on_resident(self, cid: int, buf: torch.Tensor) -> None:
         self.streamed_storage[storage_key(buf)] = cid

@@ -13,6 +13,7 @@ streamed compute copies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from ..core.errors import InfeasibleBudget
 from ..core.units import format_size
@@ -56,20 +57,25 @@ def check_minimum(needs: DeviceNeeds, budget: "int | None", *, measured: bool) -
     )
 
 
-def plan_device(needs: DeviceNeeds, budget: "int | None", *, allow_gpu_home: bool = True) -> DevicePlan:
-    """Choose gpu-home chunks and the cache size within `budget` (None: everything fits)."""
+def plan_device(needs: DeviceNeeds, budget: "int | None", *, allow_gpu_home: bool = True,
+                prefer: "Sequence[int] | None" = None) -> DevicePlan:
+    """Choose gpu-home chunks and the cache size within `budget` (None: everything fits).
+    `prefer`: the chunks that may be gpu-home, most wanted first (default: every chunk, last
+    first: the first ones backward needs); the engine puts trainable chunks (LoRA adapters)
+    before frozen ones and leaves out encoded frozen chunks (decoded per use, never home)."""
     check_minimum(needs, budget, measured=True)
     n = len(needs.home_bytes)
+    order = list(reversed(range(n))) if prefer is None else list(prefer)
     if budget is None:
-        return DevicePlan(gpu_home=frozenset(range(n)) if allow_gpu_home else frozenset(),
+        return DevicePlan(gpu_home=frozenset(order) if allow_gpu_home else frozenset(),
                           cache_limit=sum(needs.compute_bytes) + needs.stream_window)
     spare = budget - needs.minimum
-    if allow_gpu_home and sum(needs.home_bytes) <= spare + needs.stream_window:
+    if allow_gpu_home and len(set(order)) == n and sum(needs.home_bytes) <= spare + needs.stream_window:
         # Everything fits whole: no streaming at all, so no streaming window either.
         return DevicePlan(gpu_home=frozenset(range(n)), cache_limit=needs.stream_window)
     home: set[int] = set()
     if allow_gpu_home:
-        for cid in reversed(range(n)):
+        for cid in order:
             if needs.home_bytes[cid] <= spare:
                 home.add(cid)
                 spare -= needs.home_bytes[cid]

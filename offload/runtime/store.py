@@ -6,6 +6,9 @@ For chunk c (flat tensors of plan.chunks[c].numel elements, sharing the slot lay
 - compute bf16 copy for streaming (bf16 runs only), refreshed after every update;
 - grad    fp32 accumulator (host DRAM, or the device for gpu-home chunks);
 - state   the optimizer's tensors (e.g. exp_avg, exp_avg_sq), and a step counter (host).
+A frozen chunk (requires_grad=False parameters, offload.runtime.frozen) has only its compute
+copy, in the compute dtype or, encoded, as a byte blob the device decodes; it is loaded once
+and never written back (no master, grad or state; the optimizer never sees it).
 A kind lives in `host`, `cxl` (tensors bound to a CXL node), `nvme` (a swap file, see
 SwapKind) or, after `promote`, `gpu`. NVMe-resident kinds are brought into bounce buffers
 for the update (`offload.update_loop`) and streamed through a staging buffer to the device.
@@ -20,6 +23,8 @@ import torch
 
 from .aligned import aligned_empty
 from ..core.chunks import ChunkPlan, Slot, same_layout
+from . import frozen as frozen_mod
+from .frozen import FrozenLayout
 from .nvme import NvmeStore
 from .tiers import Tiers
 
@@ -34,6 +39,11 @@ def kind_bytes(numel: int, *, state_bytes: int, compute_dtype: torch.dtype,
     if compute_dtype != torch.float32:
         out["compute"] = numel * compute_dtype.itemsize
     return out
+
+
+def frozen_kind_bytes(numel: int, *, layout: "FrozenLayout | None", compute_dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of a frozen chunk's one kind: its compute copy, encoded when `layout` is given."""
+    return {"compute": layout.nbytes if layout is not None else numel * compute_dtype.itemsize}
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,7 @@ def in_slot_order(t: torch.Tensor, slot: Slot) -> torch.Tensor:
 @dataclass(kw_only=True)
 class _Chunk:
     tiers: dict[str, str]  # kind -> tier
-    master: Any
+    master: Any  # None for a frozen chunk
     grad: Any  # None when the optimizer needs no gradient (MeZO); may be a SwapKind
     state: Any  # the optimizer's byte blob (offload.update.update), or None when it keeps none
     step: torch.Tensor
@@ -72,7 +82,8 @@ class _Chunk:
 
     def kinds(self) -> Iterator[tuple[str, str, Any]]:
         """(kind, name, data) for master, state, compute and grad (when they exist)."""
-        yield "master", "master", self.master
+        if self.master is not None:
+            yield "master", "master", self.master
         if self.grad is not None:
             yield "grad", "grad", self.grad
         if self.state is not None:
@@ -86,8 +97,11 @@ class ChunkStore:
 
     def __init__(self, *, plan: ChunkPlan, tiers: Tiers, compute_dtype: torch.dtype,
                  state_bytes: "Callable[[int], int]", needs_grad: bool, homes: dict[int, dict[str, str]],
-                 nvme: NvmeStore | None = None):
+                 nvme: NvmeStore | None = None, frozen: "dict[int, FrozenLayout | None] | None" = None):
+        """`frozen`: per frozen chunk of `plan`, its blob layout when encoded, else None."""
         self.plan, self.tiers, self.compute_dtype = plan, tiers, compute_dtype
+        self.frozen = dict(frozen or {})
+        self.device_staging: torch.Tensor | None = None  # CUDA: where encoded chunks land to be decoded
         self.state_bytes, self.needs_grad = state_bytes, needs_grad
         self.nvme = nvme
         self.bf16 = compute_dtype != torch.float32
@@ -113,6 +127,13 @@ class ChunkStore:
             self.tiers.free(tier, kind, data)
 
     def _allocate(self, cid: int, tiers: dict[str, str]) -> _Chunk:
+        if cid in self.frozen:
+            layout = self.frozen[cid]
+            tier = tiers.get("compute", tiers.get("master", "host"))
+            compute = (self._new(cid, "compute", "compute", tier, torch.uint8, layout.nbytes) if layout is not None
+                       else self._new(cid, "compute", "compute", tier, self.compute_dtype))
+            return _Chunk(tiers={"compute": tier}, master=None, grad=None, state=None, compute=compute,
+                          step=torch.zeros((), dtype=torch.float32), names=self.plan.chunks[cid].params)
         tiers = dict(tiers)
         tiers.setdefault("state", tiers.get("master", "host"))
         tiers.setdefault("grad", "host")
@@ -134,11 +155,16 @@ class ChunkStore:
 
     def home_bytes(self, cid: int) -> int:
         """Bytes of every kind of chunk `cid` (what it costs to keep it gpu-home)."""
+        if cid in self.frozen:
+            return sum(frozen_kind_bytes(self.plan.chunks[cid].numel, layout=self.frozen[cid],
+                                         compute_dtype=self.compute_dtype).values())
         return sum(kind_bytes(self.plan.chunks[cid].numel, state_bytes=self.state_bytes(cid),
                               compute_dtype=self.compute_dtype, needs_grad=self.needs_grad).values())
 
     def promote(self, cid: int, params: dict[str, torch.nn.Parameter]) -> None:
         """Move every kind of chunk `cid` into the gpu tier; its params point there for good."""
+        if self.is_encoded(cid):
+            raise ValueError(f"chunk {cid} is stored encoded: it streams (decoded per use), never gpu-home")
         old = self.chunks[cid]
         new = self._allocate(cid, {k: "gpu" for k in ("master", "grad", "state", "compute")})
         with self.opened(cid) as work:
@@ -159,7 +185,29 @@ class ChunkStore:
 
     # -- views ------------------------------------------------------------------------------
     def is_gpu_home(self, cid: int) -> bool:
-        return self.chunks[cid].tiers["master"] == "gpu"
+        """The parameters point at the home compute copy for good (never an encoded chunk)."""
+        tiers = self.chunks[cid].tiers
+        tier = tiers["compute"] if cid in self.frozen else tiers["master"]
+        return tier == "gpu" and self.frozen.get(cid) is None
+
+    def is_frozen(self, cid: int) -> bool:
+        return cid in self.frozen
+
+    def is_encoded(self, cid: int) -> bool:
+        return self.frozen.get(cid) is not None
+
+    def to_compute(self, cid: int, src: torch.Tensor, buf: torch.Tensor, *, non_blocking: bool = False) -> None:
+        """Chunk `cid`'s home compute copy `src` (or its staged bytes) into device `buf`: a copy,
+        or for an encoded frozen chunk, the blob to the device and decoded there."""
+        layout = self.frozen.get(cid)
+        if layout is None:
+            buf.copy_(src, non_blocking=non_blocking)
+            return
+        blob = src
+        if src.device != buf.device:
+            blob = self.device_staging[: src.numel()]
+            blob.copy_(src, non_blocking=non_blocking)
+        frozen_mod.decode_chunk(layout, self.plan, blob, buf)
 
     def compute_source(self, cid: int) -> Any:
         """The home compute copy of chunk `cid` ([numel] compute dtype), or its SwapKind."""
@@ -200,6 +248,9 @@ class ChunkStore:
         try:
             for name, tensor in named_tensors:
                 s = self.plan.slots.get(name)
+                if s is not None and s.chunk in self.frozen:
+                    self._load_frozen(s, tensor, open_chunks, free_slots)
+                    continue
                 if s is None:
                     raise KeyError(f"no parameter named {name!r} in this model")
                 if tuple(tensor.shape) != s.shape:
@@ -222,6 +273,27 @@ class ChunkStore:
             for work in open_chunks.values():
                 work.__exit__(None, None, None)
 
+    def _load_frozen(self, s: Slot, tensor: torch.Tensor, open_chunks: dict, free_slots: list) -> None:
+        """One frozen parameter into its chunk's compute copy (encoded as its layout says)."""
+        if tuple(tensor.shape) != s.shape:
+            raise ValueError(f"{s.name}: shape {tuple(tensor.shape)} does not match the model's {s.shape}")
+        work = open_chunks.get(s.chunk)
+        if work is None:
+            if len(open_chunks) >= 2:
+                done = open_chunks.pop(next(iter(open_chunks)))
+                done.__exit__(None, None, None)
+                free_slots.append(done.slot)
+            slot = free_slots.pop(0)
+            scratch = self.bounce.views(slot, s.chunk) if self.bounce is not None else None
+            work = open_chunks[s.chunk] = self.opened(s.chunk, write_back=True, scratch=scratch)
+            work.slot = slot
+            work.__enter__()
+        layout = self.frozen[s.chunk]
+        if layout is None:
+            s.view(work.tensors["compute"]).copy_(tensor)
+        else:
+            frozen_mod.encode_slot(layout, self.plan, s.name, work.tensors["compute"], tensor)
+
     def zero_grads(self) -> None:
         for ch in self.chunks:
             if isinstance(ch.grad, SwapKind):
@@ -232,7 +304,8 @@ class ChunkStore:
     def zero_unseen_grads(self, seen: set, params: dict[str, torch.nn.Parameter]) -> None:
         """Parameters that got no gradient this cycle must not keep the previous cycle's."""
         for name, p in params.items():  # (gradients on NVMe: offload.engine.gradspill handles them)
-            if p not in seen and not isinstance(self.chunks[self.plan.slots[name].chunk].grad, SwapKind):
+            grad = self.chunks[self.plan.slots[name].chunk].grad
+            if p not in seen and grad is not None and not isinstance(grad, SwapKind):
                 self.grad_view(self.plan.slots[name]).zero_()
 
     def clip_grads_(self, max_norm: float) -> torch.Tensor:
@@ -245,6 +318,8 @@ class ChunkStore:
         """
         norms: list[torch.Tensor] = []
         for cid, ch in enumerate(self.chunks):
+            if ch.grad is None:  # frozen
+                continue
             with self.opened(cid, only=("grad",)) as work:
                 views = [self.plan.slots[n].view(work["grad"]) for n in ch.names]  # as the reference's grads
                 norms.extend(torch._foreach_norm(views, 2.0))
@@ -252,7 +327,7 @@ class ChunkStore:
         total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for ch in self.chunks:
-            if not isinstance(ch.grad, SwapKind):
+            if ch.grad is not None and not isinstance(ch.grad, SwapKind):
                 ch.grad.mul_(coef.to(ch.grad.device))
         self.grad_scale = coef
         return total
@@ -263,13 +338,26 @@ class ChunkStore:
         for cid, ch in enumerate(self.chunks):
             with self.opened(cid) as work:
                 for name in ch.names:
+                    if cid in self.frozen:
+                        yield name, self._frozen_value(cid, name, work["compute"])
+                        continue
                     view = self.plan.slots[name].view(work["master"])
                     yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
+
+    def _frozen_value(self, cid: int, name: str, data: torch.Tensor) -> torch.Tensor:
+        """A frozen parameter as a contiguous fp32 CPU tensor (decoded when encoded)."""
+        s, layout = self.plan.slots[name], self.frozen[cid]
+        flat = s.flat(data).float() if layout is None else frozen_mod.decode_slot(layout, self.plan, name, data)
+        view = flat.as_strided(s.shape, s.stride)
+        return view.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"chunk_numel": [c.numel for c in self.plan.chunks], "chunks": []}
         for cid, ch in enumerate(self.chunks):
             with self.opened(cid) as work:
+                if cid in self.frozen:
+                    out["chunks"].append({"step": ch.step.cpu().clone()})
+                    continue
                 out["chunks"].append({"step": ch.step.cpu().clone()} | {
                     k: work[k].to("cpu", copy=True) for k in ("master", "state") if k in work})
         return out
@@ -278,6 +366,8 @@ class ChunkStore:
         if list(sd["chunk_numel"]) != [c.numel for c in self.plan.chunks]:
             raise ValueError("checkpoint was written with another chunk layout (model or --chunk-size differ)")
         for cid, (ch, saved) in enumerate(zip(self.chunks, sd["chunks"])):
+            if cid in self.frozen:  # the base is loaded from the model, never checkpointed
+                continue
             with self.opened(cid, write_back=True) as work:
                 for kind in ("master", "state"):  # copy_ would convert a wrong dtype silently
                     if kind in work and (kind not in saved or saved[kind].dtype != work[kind].dtype
@@ -320,7 +410,7 @@ class _Opened:
 
     def __exit__(self, *exc: object) -> None:
         ch = self.store.chunks[self.cid]
-        if self.write_back and "compute" in self.tensors:
+        if self.write_back and "compute" in self.tensors and "master" in self.tensors:
             self.tensors["compute"].copy_(self.tensors["master"])
         if self.write_back and not exc[0]:
             for _, name, data in ch.kinds():

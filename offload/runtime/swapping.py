@@ -56,7 +56,7 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
                chunks: list[int] | None = None) -> None:
     """One optimizer step on `chunks` (default: every chunk): in-memory ones in place, swapped
     ones pipelined through the two bounce sets."""
-    todo = list(range(len(store.chunks))) if chunks is None else chunks
+    todo = [c for c in (range(len(store.chunks)) if chunks is None else chunks) if not store.is_frozen(c)]
     swapped = [c for c in todo if _swapped(store, c)]
     writes: dict[int, list[Future]] = {0: [], 1: []}
 

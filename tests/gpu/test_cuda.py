@@ -72,3 +72,24 @@ def test_adamw8bit_cuda_kernel_against_bitsandbytes():
         ours.step()
         theirs.step()
     torch.testing.assert_close(p1, p2, rtol=0, atol=2e-3)
+
+
+def test_qlora_on_cuda_matches_peft_over_linear4bit():
+    """NF4 base streamed from host and decoded on the device vs PEFT + bitsandbytes Linear4bit
+    on CUDA (bnb's CUDA matmul may order sums differently: a tolerance, not bit-exactness)."""
+    pytest.importorskip("peft")
+    from tests.test_lora import adapters, linear4bit_model, lora_config, peft_reference
+
+    model, cfg = tiny_llama(), lora_config()
+    data = cuda_batches(3)
+    ref_losses, ref = peft_reference(linear4bit_model(model, double_quant=True).cuda(), cfg, data)
+    torch.manual_seed(7)
+    eng = Engine(copy.deepcopy(model), lora=cfg, lr=1e-2, base_dtype="nf4", double_quant=True,
+                 gpu_mem="600K", chunk_bytes=16 << 10, device="cuda")
+    losses = [eng.step(b) for b in data]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+    mine, theirs = adapters(eng.named_parameters_fp32()), adapters(ref.named_parameters())
+    for n, t in theirs.items():
+        torch.testing.assert_close(mine[n], t.cpu(), rtol=1e-3, atol=1e-5)
+    assert eng.ledger.peaks()["gpu"] <= eng.ledger.budgets["gpu"]
+    eng.close()

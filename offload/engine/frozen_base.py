@@ -1,0 +1,34 @@
+"""The frozen base of a model: which parameters an encoded base stores in which dtype.
+
+Parameters with requires_grad=False are packed into frozen chunks (offload.core.chunks);
+this decides, per frozen chunk, its blob layout (offload.runtime.frozen) or None when the
+chunk keeps the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.chunks import ChunkPlan
+from ..runtime.frozen import DTYPE_NAMES, FrozenLayout, base_dtypes, layout_of
+
+
+def quantizable(model: torch.nn.Module) -> set[str]:
+    """Parameters an int8/NF4 base encodes: the weights of nn.Linear modules (PEFT's base
+    layers included) except the output head, which bitsandbytes leaves unquantized too."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {f"{name}.weight" if name else "weight" for name, mod in model.named_modules()
+            if type(mod) is torch.nn.Linear and mod is not head and "lora_" not in name}
+
+
+def frozen_layouts(plan: ChunkPlan, model: torch.nn.Module, *, base_dtype: "str | None", double_quant: bool,
+                   compute_dtype: torch.dtype) -> "dict[int, FrozenLayout | None]":
+    """{frozen chunk: its blob layout, or None when nothing in it is encoded}."""
+    names = [n for c in sorted(plan.frozen) for n in plan.chunks[c].params]
+    base = base_dtypes(names, base_dtype=base_dtype, quantizable=quantizable(model), compute_dtype=compute_dtype)
+    plain = DTYPE_NAMES[compute_dtype]
+    out: dict[int, FrozenLayout | None] = {}
+    for c in sorted(plan.frozen):
+        encoded = any(base[n] != plain for n in plan.chunks[c].params)
+        out[c] = layout_of(plan, c, base, double_quant=double_quant) if encoded else None
+    return out
