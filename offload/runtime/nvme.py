@@ -1,13 +1,14 @@
 """The NVMe tier's IO engine: chunk-sized swap files, O_DIRECT, aligned bounce buffers.
 
-One `NvmeStore` owns one private directory and one swap file per key (a chunk kind, e.g.
-"c12.state"). The directory is made fresh under the directory the user names (`--nvme-path`):
-`tierwise-swap-<pid>-<random>`, mode 0700, created exclusively (mkdtemp), and locked
-(offload.runlock) for the store's life, so runs sharing `--nvme-path` never touch each other's
-files. Each swap file is created O_CREAT|O_EXCL|O_NOFOLLOW relative to that directory's fd at
+One `NvmeStore` owns one private directory (offload.runtime.swapdir: made fresh under the
+directory the user names, `--nvme-path`, mode 0700, exclusive, locked for the store's life, so
+runs sharing `--nvme-path` never touch each other's files) and one swap file per key (a chunk
+kind, e.g. "c12.state"). Each swap file is created O_CREAT|O_EXCL|O_NOFOLLOW relative to that directory's fd at
 its first write and kept open by fd until removed: the store never opens, truncates or deletes
 a file it did not create, and never follows a symlink planted under its name. Private
 directories of dead runs (their lock is free) are removed when a store opens, with a notice.
+This module is one cohesive thing, the I/O engine (the store, its two lanes of threads, the
+blocking of requests, the checked syscalls), hence its ~550 lines.
 Each request (read or write of one whole key) is cut into `block_size` blocks; the blocks go
 to a queue served by `threads` Python threads (os.preadv/os.pwritev release the GIL). Reads
 and writes have SEPARATE queues and threads, so the next chunk's read is not stuck behind the
@@ -49,8 +50,6 @@ import logging
 import os
 import queue
 import re
-import stat
-import tempfile
 import threading
 import time
 import weakref
@@ -61,9 +60,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .aligned import DIRECT_ALIGN, aligned_empty, is_aligned, round_up
-from . import runlock
 from ..core.errors import NvmeError
 from ..core.units import format_size
+from .swapdir import PRIVATE_PREFIX, PrivateDir, remove_stale  # noqa: F401 (PRIVATE_PREFIX: the name users see)
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +70,6 @@ DEFAULT_THREADS = 4
 DEFAULT_BLOCK_SIZE = 8 << 20
 _GIB = float(1 << 30)
 _KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
-#: A store's private directory under the user's one: tierwise-swap-<pid>-<mkdtemp suffix>.
-PRIVATE_PREFIX = "tierwise-swap-"
-_PRIVATE = re.compile(re.escape(PRIVATE_PREFIX) + r"(\d+)-[A-Za-z0-9_]+")
-_LOCK = ".lock"
 
 # Cleanup on exit needs to know the open stores; this is the module's only mutable state.
 _OPEN_STORES: "weakref.WeakSet[NvmeStore]" = weakref.WeakSet()
@@ -225,9 +220,8 @@ class NvmeStore:
         self.notices = remove_stale(self.root)
         for note in self.notices:  # the CLI prints them; a library user finds them here
             log.info("%s", note)
-        self.directory = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-", dir=self.root)
-        self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        self._lock_fd = runlock.acquire(_LOCK, dir_fd=self._dir_fd, what=self.directory)
+        self._private = PrivateDir(self.root)
+        self.directory, self._dir_fd = self._private.path, self._private.fd
         self.block_size, self.checksum, self._odirect = block_size, checksum, odirect
         self.owner_pid = os.getpid()
         self._files: dict[str, _SwapFile] = {}
@@ -343,15 +337,10 @@ class NvmeStore:
             swaps, self._files = list(self._files.values()), {}
         for swap in swaps:
             self._delete(swap)
-        try:
-            os.unlink(_LOCK, dir_fd=self._dir_fd)
-        except FileNotFoundError:
-            pass
-        runlock.release(self._lock_fd)
-        os.close(self._dir_fd)
-        for path in (self.directory, self.root) if self._created_root else (self.directory,):
+        self._private.close()  # its lock, then the directory if empty
+        if self._created_root:
             try:
-                os.rmdir(path)
+                os.rmdir(self.root)
             except OSError:
                 pass  # not empty: files that are not this store's are left alone
         _OPEN_STORES.discard(self)
@@ -560,58 +549,3 @@ class NvmeStore:
 def _enable_direct(fd: int) -> None:
     """Turn O_DIRECT on for an open fd (OSError EINVAL where the filesystem refuses it)."""
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-
-
-def remove_stale(root: str) -> list[str]:
-    """Remove the private swap directories under `root` whose run is dead (their lock is free,
-    or, without a lock file, their pid is gone); only `*.swp` files and the lock file inside
-    are deleted, only in directories of this user. Returns one notice per directory removed."""
-    notices = []
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return notices
-    for entry in entries:
-        m = _PRIVATE.fullmatch(entry.name)
-        if m is None:
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-                continue
-            dfd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            names = os.listdir(dfd)
-            dead = runlock.is_stale(_LOCK, dir_fd=dfd) if _LOCK in names else not _alive(int(m.group(1)))
-            if not dead:
-                continue
-            freed = 0
-            for name in names:
-                if name == _LOCK or name.endswith(".swp"):
-                    fst = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                    if stat.S_ISREG(fst.st_mode) or stat.S_ISLNK(fst.st_mode):
-                        freed += fst.st_size if name != _LOCK and stat.S_ISREG(fst.st_mode) else 0
-                        os.unlink(name, dir_fd=dfd)
-        except OSError:
-            continue
-        finally:
-            os.close(dfd)
-        try:
-            os.rmdir(entry.path)
-        except OSError:
-            pass  # someone else's files are inside: left alone
-        notices.append(f"removed stale swap directory {entry.path} of a run that is no longer "
-                       f"running (pid {m.group(1)}, {format_size(freed)} freed)")
-    return notices
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
