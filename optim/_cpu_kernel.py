@@ -9,7 +9,8 @@ the same bytes. $TIERWISE_CPU_ISA (scalar, avx2 or avx512) caps the path, e.g. t
 the AVX2 path on an AVX-512 host. Plain C + OpenMP loaded with ctypes: no torch headers, so
 it builds in about a second and needs no ninja. The library is cached per source hash under
 $TIERWISE_CACHE_DIR (default ~/.cache/tierwise). Without a compiler, `load()` returns None
-and callers use the torch path.
+and callers use the torch path. Over 500 lines because the C source of the three paths lives
+here as one string (one place, one hash for the cache), next to its loader.
 """
 from __future__ import annotations
 
