@@ -109,6 +109,9 @@ class TrainConfig:
 
     model: str | None = None
     """HF model dir or model profile name; None = the built-in tiny model."""
+    trust_remote_code: bool = False
+    """Run the Python code a model directory ships (auto_map in config.json); without it such a
+    model is refused (never transformers' interactive prompt)."""
     data: str | None = None
     """JSONL file or `datasets` directory; None = the built-in sample."""
     eval_data: str | None = None

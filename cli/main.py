@@ -117,6 +117,10 @@ def train(
     model: Optional[str] = Opt(None, help="Hugging Face model directory, or a model profile "
                                "name (random init). Default: the built-in tiny model.",
                                rich_help_panel=MODEL),
+    trust_remote_code: bool = Opt(False, "--trust-remote-code", help="Run the Python code a "
+                                  "model directory ships (auto_map in config.json); read it "
+                                  "first. Without it such a model is refused.",
+                                  rich_help_panel=MODEL),
     data: Optional[str] = Opt(None, help="JSONL ({\"text\"} | {\"prompt\",\"completion\"} | "
                               "{\"messages\"}) or a `datasets` directory. Default: built-in sample.",
                               rich_help_panel=MODEL),
@@ -195,7 +199,7 @@ def train(
         return
     raise_config_error(ctx)
     cfg = TrainConfig(
-        model=model, data=data, eval_data=eval_data, seq_len=seq_len, batch_size=batch_size,
+        model=model, trust_remote_code=trust_remote_code, data=data, eval_data=eval_data, seq_len=seq_len, batch_size=batch_size,
         pack=pack, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
         nvme_path=nvme_path, nvme_checksum=nvme_checksum, offload_activations=offload_activations,
         recompute=recompute, optimizer=optimizer.value,
@@ -218,6 +222,8 @@ def train(
 def plan(
     ctx: typer.Context,
     model: Optional[str] = Opt(None, help="HF model directory or model profile name."),
+    trust_remote_code: bool = Opt(False, "--trust-remote-code", help="Run the Python code a "
+                                  "model directory ships (auto_map in config.json)."),
     gpu_mem: Optional[str] = Opt(None, help="GPU memory to use, e.g. 24G."),
     cpu_mem: Optional[str] = Opt(None, help="Host RAM to use."),
     cxl_mem: Optional[str] = Opt(None, help="CXL memory to use."),
@@ -252,7 +258,7 @@ def plan(
 ) -> None:
     """Show where every chunk would live, the predicted peaks per tier and the step time."""
     raise_config_error(ctx)
-    cfg = TrainConfig(model=model, data=data, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
+    cfg = TrainConfig(model=model, trust_remote_code=trust_remote_code, data=data, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
                       cxl_node=cxl_node, nvme_path=nvme_path, recompute=recompute,
                       offload_activations=offload_activations, optimizer=optimizer.value, precision=precision.value, batch_size=batch_size, seq_len=seq_len,
                       grad_accum=grad_accum, hardware=hardware, chunk_size=chunk_size)

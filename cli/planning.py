@@ -36,7 +36,7 @@ def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None, padded: bool 
         from ..offload.plan.planner import make_plan as planner
     except ImportError:
         return None
-    src = src or resolve_model(cfg.model)
+    src = src or resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     check_seq_len(cfg, src)
     if padded is None:
         padded = data_padded(cfg, src)
@@ -164,7 +164,7 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: ModelSource,
 def advise(cfg: TrainConfig, error: InfeasibleBudget, *, console: Console,
            src: ModelSource | None = None, padded: bool | None = None) -> None:
     """Print the verdict of a refused plan and the cheapest changes that would fit."""
-    src = src or resolve_model(cfg.model)
+    src = src or resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     console.out(f"verdict: does not fit: {str(error).splitlines()[0]}", highlight=False)
     fits = alternatives(cfg, error, src=src, padded=padded)
     if not fits:
@@ -259,7 +259,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
     against measured bytes per tier; returns 0 on PASS, 1 on FAIL (user errors raise)."""
     from ..offload.tools.verify import verify
 
-    src = resolve_model(cfg.model)
+    src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     check_seq_len(cfg, src)
     batches, padded = None, True  # random tokens: every batch padded, the worst case
     if cfg.data is not None:
@@ -308,7 +308,7 @@ def summary_table(cfg: TrainConfig, *, name: str, params: int) -> Table:
 
 def dry_run(cfg: TrainConfig, *, console: Console) -> int:
     """Resolve the model and budgets, print a summary and the plan; touch nothing on disk."""
-    src = resolve_model(cfg.model)
+    src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if src.note:
         console.print(f"[bold yellow]warning:[/] {src.note}", soft_wrap=True, highlight=False)
     model = build_meta_model(src.config)

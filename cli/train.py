@@ -144,7 +144,7 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
         from ..profiles import load_hardware_profile
 
         load_hardware_profile(cfg.hardware)  # an unknown name is an error naming the known ones
-    src = resolve_model(cfg.model)
+    src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if src.note:
         warn(console, src.note)
     blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
