@@ -152,6 +152,10 @@ class TrainConfig:
     seed: int = 0
     output: str = "output"
     resume: bool = False
+    reset_optimizer: bool = False
+    """With --resume: keep the checkpoint's weights, RNG and data position, start the optimizer
+    (--optimizer, possibly another one) from fresh state. Without it a changed --optimizer is
+    refused."""
     overwrite: bool = False
     export_dtype: str | None = None
     hardware: str | None = None
@@ -206,6 +210,8 @@ class TrainConfig:
         for name in ("steps", "epochs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be at least 1")
+        if self.reset_optimizer and not self.resume:
+            raise ConfigError("--reset-optimizer applies to --resume only")
         if self.resume and self.overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
         if not (math.isfinite(self.lr) and self.lr > 0):

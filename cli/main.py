@@ -177,6 +177,9 @@ def train(
                       rich_help_panel=OUTPUT),
     resume: bool = Opt(False, "--resume", help="Continue the run in --output from its latest "
                        "checkpoint, on exactly the next batch.", rich_help_panel=OUTPUT),
+    reset_optimizer: bool = Opt(False, "--reset-optimizer", help="With --resume: continue the "
+                                "weights, RNG and data position, but start --optimizer (it may "
+                                "differ) from fresh state.", rich_help_panel=OUTPUT),
     overwrite: bool = Opt(False, "--overwrite", help="Empty --output first (only a directory "
                           "an earlier finetune run made).",
                           rich_help_panel=OUTPUT),
@@ -205,7 +208,7 @@ def train(
         recompute=recompute, optimizer=optimizer.value,
         lr=lr, weight_decay=weight_decay, grad_accum=grad_accum, grad_clip=grad_clip, steps=steps, epochs=epochs,
         warmup_steps=warmup_steps, schedule=schedule.value, eval_every=eval_every, seed=seed,
-        output=output, resume=resume, overwrite=overwrite, checkpoint_every=checkpoint_every,
+        output=output, resume=resume, reset_optimizer=reset_optimizer, overwrite=overwrite, checkpoint_every=checkpoint_every,
         keep_checkpoints=keep_checkpoints,
         export_dtype=export_dtype.value if export_dtype else None, precision=precision.value,
         hardware=hardware, chunk_size=chunk_size, dry_run=dry_run,

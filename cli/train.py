@@ -267,7 +267,14 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
         engine_state, trainer = ckpt.load_checkpoint(path)
         check_resumable(cfg, out, trainer)
         try:
-            engine.load_state_dict(engine_state)
+            if cfg.reset_optimizer:
+                load_weights_only(engine, model, engine_state, path)
+                was = trainer.get("config", {}).get("optimizer", "?")
+                console.print(f"--reset-optimizer: weights, RNG and data position from {path.name}; "
+                              f"{cfg.optimizer} starts from fresh state (the checkpoint's {was} "
+                              "state is not used)", highlight=False, soft_wrap=True)
+            else:
+                engine.load_state_dict(engine_state)
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             if isinstance(e, TierwiseError):
                 raise
@@ -285,6 +292,39 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
     else:
         engine.init_weights_(seed=cfg.seed, std=getattr(src.config, "initializer_range", 0.02))
     return 0
+
+
+def load_weights_only(engine, model, engine_state: dict, path: Path) -> None:
+    """The checkpoint's weights and persistent buffers into `engine`; its optimizer state and
+    step counts are left out, so the engine's optimizer starts fresh (--reset-optimizer).
+
+    The checkpoint holds each chunk's flat master buffer: its layout must be this engine's
+    (same model, --chunk-size and --precision, checked by check_resumable and here)."""
+    chunks = engine_state["chunks"]
+    numel = [int(n) for n in engine_state["chunk_numel"]]
+    if numel != [c.numel for c in engine.plan.chunks]:
+        raise ckpt.CheckpointError(f"checkpoint {path} was written with another chunk layout than "
+                                   "this run's: --reset-optimizer cannot map its weights")
+
+    def named():
+        for slots, saved in zip(_slots_by_chunk(engine), chunks):
+            for name, slot in slots:
+                yield name, slot.view(saved["master"].float())
+
+    engine.load_weights(named())
+    own = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in engine_state.get("buffers", {}).items():
+            if name not in own:
+                raise ckpt.CheckpointError(f"checkpoint {path} has a buffer this model lacks: {name}")
+            own[name].copy_(value)
+
+
+def _slots_by_chunk(engine) -> list[list]:
+    by_chunk: list[list] = [[] for _ in engine.plan.chunks]
+    for name, slot in engine.plan.slots.items():
+        by_chunk[slot.chunk].append((name, slot))
+    return by_chunk
 
 
 def _first_nonfinite(obj, path: str = "state") -> str | None:
@@ -306,11 +346,14 @@ def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None) ->
         trainer = ckpt.load_trainer(ckpt.latest_checkpoint(out))
     saved = trainer.get("config", {}) if isinstance(trainer, dict) else {}
     changed = [k for k in TrainConfig.DATA_KEYS + TrainConfig.STATE_KEYS
-               if not _same_option(k, saved.get(k), getattr(cfg, k))]
+               if not _same_option(k, saved.get(k), getattr(cfg, k))
+               and not (k == "optimizer" and cfg.reset_optimizer)]
     if changed:
         was = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)}" for k in changed)
+        hint = " (add --reset-optimizer to start the new optimizer from fresh state)" \
+            if changed == ["optimizer"] else ""
         raise ConfigError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)}"
-                          f" differ from the checkpointed run in {out} (it used {was})")
+                          f" differ from the checkpointed run in {out} (it used {was}){hint}")
 
 
 def _same_option(key: str, saved, now) -> bool:

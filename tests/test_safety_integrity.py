@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -224,3 +225,42 @@ def test_resume_with_another_optimizer_or_chunk_size_is_one_line(assets, trained
         args += [flag, value]
     line = _error_line(_invoke(*args))
     assert f"--resume: {flag} differ" in line and "it used" in line, line
+
+
+def _chunk_steps(d: Path) -> list[int]:
+    engine_state, _ = ckpt.load_checkpoint(d)
+    return [int(c["step"]) for c in engine_state["chunks"]]
+
+
+def test_reset_optimizer_resumes_weights_rng_and_data_with_a_fresh_optimizer(assets, trained, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    shutil.rmtree(out / "model")
+    assert _chunk_steps(out / "ckpt-000002") == [2] * len(_chunk_steps(out / "ckpt-000002"))
+    # no step after the resume: the exported weights are the checkpoint's, bit for bit
+    r = _invoke(*_args(assets, out, "--steps", "2", "--resume", "--reset-optimizer",
+                       "--optimizer", "adamw8bit"))
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "--reset-optimizer: weights, RNG and data position from ckpt-000002; adamw8bit starts " \
+           "from fresh state (the checkpoint's adamw state is not used)" in r.output
+    exported, reference = load_file(out / "model" / "model.safetensors"), \
+        load_file(trained / "model" / "model.safetensors")
+    assert exported.keys() == reference.keys()
+    assert all(torch.equal(exported[k], reference[k]) for k in reference)
+    # one step on: the new optimizer's state has seen one step, the RNG and data go on as before
+    r = _invoke(*_args(assets, out, "--steps", "3", "--resume", "--reset-optimizer",
+                       "--optimizer", "adamw8bit"))
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert set(_chunk_steps(out / "ckpt-000003")) == {1}
+    same = tmp_path / "same"
+    shutil.copytree(trained, same)
+    assert _invoke(*_args(assets, same, "--steps", "3", "--resume")).exit_code == 0
+    assert set(_chunk_steps(same / "ckpt-000003")) == {3}
+    mine, theirs = ckpt.load_trainer(out / "ckpt-000003"), ckpt.load_trainer(same / "ckpt-000003")
+    assert mine["data"] == theirs["data"]
+    assert torch.equal(mine["rng"]["torch"], theirs["rng"]["torch"])
+    # without the flag, the changed optimizer is refused and the flag named
+    line = _error_line(_invoke(*_args(assets, same, "--steps", "4", "--resume", "--optimizer", "sgd")))
+    assert "add --reset-optimizer" in line
