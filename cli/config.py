@@ -141,6 +141,9 @@ class TrainConfig:
     """Peak learning rate; None: DEFAULT_LR, or DEMO_LR for the built-in demo."""
     weight_decay: float = 0.0
     grad_clip: float | None = None
+    skip_nonfinite: int = 0
+    """Skip (no update) a step whose loss, or with --grad-clip gradient norm, is NaN/inf, up to
+    this many in a row; the next one stops the run. 0: stop at the first."""
     precision: str = "fp32"
     steps: int | None = None
     epochs: int | None = None
@@ -204,7 +207,8 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        for name in ("eval_every", "checkpoint_every", "warmup_steps", "keep_checkpoints"):
+        for name in ("eval_every", "checkpoint_every", "warmup_steps", "keep_checkpoints",
+                     "skip_nonfinite"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more")
         for name in ("steps", "epochs"):

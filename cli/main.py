@@ -162,6 +162,9 @@ def train(
     grad_accum: int = Opt(1, help="Micro-batches per optimizer step.", rich_help_panel=OPTIM),
     grad_clip: Optional[float] = Opt(None, help="Clip the global grad norm to this value.",
                                      rich_help_panel=OPTIM),
+    skip_nonfinite: int = Opt(0, help="Skip the update of a step whose loss (or, with "
+                              "--grad-clip, gradient norm) is NaN/inf, up to N steps in a row; "
+                              "0: stop the run at the first.", rich_help_panel=OPTIM),
     steps: Optional[int] = Opt(None, help="Optimizer steps (default: one epoch; three "
                                "epochs for the built-in demo).",
                                rich_help_panel=SCHED),
@@ -206,7 +209,8 @@ def train(
         pack=pack, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
         nvme_path=nvme_path, nvme_checksum=nvme_checksum, offload_activations=offload_activations,
         recompute=recompute, optimizer=optimizer.value,
-        lr=lr, weight_decay=weight_decay, grad_accum=grad_accum, grad_clip=grad_clip, steps=steps, epochs=epochs,
+        lr=lr, weight_decay=weight_decay, grad_accum=grad_accum, grad_clip=grad_clip,
+        skip_nonfinite=skip_nonfinite, steps=steps, epochs=epochs,
         warmup_steps=warmup_steps, schedule=schedule.value, eval_every=eval_every, seed=seed,
         output=output, resume=resume, reset_optimizer=reset_optimizer, overwrite=overwrite, checkpoint_every=checkpoint_every,
         keep_checkpoints=keep_checkpoints,

@@ -192,6 +192,8 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
     model = build_meta_model(src.config)
     layout = ModelLayout.of(model)  # names, shapes and ties, before the engine takes the model
     engine = make_engine(model, cfg, padded=padded)
+    if cfg.skip_nonfinite and hasattr(engine, "skip_nonfinite"):
+        engine.skip_nonfinite = True
     for note in getattr(getattr(engine, "nvme", None), "notices", None) or []:
         warn(console, note)
     try:
@@ -199,7 +201,7 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
                                layout=layout)
         if padded:
             _measure_worst(engine, padded_batch(blocks, batch_size=cfg.batch_size))
-        losses: list[float] = []
+        losses: list[float | None] = []
         t0 = time.perf_counter()
         code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule,
                      start=start, total=total, eval_data=eval_data, console=console,
@@ -225,19 +227,26 @@ class NonFiniteLoss(TierwiseError):
     """A step's loss or gradient norm is NaN or infinite: the weights can no longer be trusted."""
 
 
-def _check_finite(engine, loss: float, out: Path, *, step: int) -> None:
-    """Stop on a NaN/inf loss or gradient norm before anything of that step is saved."""
+def _nonfinite(engine, loss: float) -> tuple[str, float] | None:
+    """("loss" | "gradient norm", value) when the step's loss or gradient norm is NaN/inf."""
     norm = getattr(engine, "last_grad_norm", None)
     norm = float(norm) if isinstance(norm, (torch.Tensor, float)) else None
-    bad = ("loss", loss) if not math.isfinite(loss) else (
+    return ("loss", loss) if not math.isfinite(loss) else (
         ("gradient norm", norm) if norm is not None and not math.isfinite(norm) else None)
+
+
+def _check_finite(engine, loss: float, out: Path, *, step: int, in_a_row: int = 0) -> None:
+    """Stop on a NaN/inf loss or gradient norm before anything of that step is saved
+    (`in_a_row`: the steps just skipped for it with --skip-nonfinite)."""
+    bad = _nonfinite(engine, loss)
     if bad is None:
         return
     last = ckpt.latest_checkpoint(out)
     kept = (f"the last good checkpoint {last.name} is kept: --resume continues from it"
             if last else "no checkpoint was saved before it")
-    raise NonFiniteLoss(f"step {step}: the {bad[0]} is {bad[1]}: training stopped and nothing of "
-                        f"this step was saved; {kept} (a lower --lr or --grad-clip may help)")
+    again = f" after {in_a_row} skipped steps in a row (--skip-nonfinite)" if in_a_row else ""
+    raise NonFiniteLoss(f"step {step}: the {bad[0]} is {bad[1]}{again}: training stopped and "
+                        f"nothing of this step was saved; {kept} (a lower --lr or --grad-clip may help)")
 
 
 class DiskFullError(TierwiseError):
@@ -395,13 +404,14 @@ def evaluate(engine, eval_data: list) -> float | None:
 
 def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
           schedule: LRSchedule, start: int, total: int, eval_data: list,
-          console: Console, losses: list[float], padded: bool = True) -> int:
-    """Steps start+1..total; appends each train loss to `losses`; returns the exit code.
+          console: Console, losses: list[float | None], padded: bool = True) -> int:
+    """Steps start+1..total; appends each train loss to `losses` (None: a step skipped with
+    --skip-nonfinite); returns the exit code.
     A step the device budget cannot hold (StepOverBudget) checkpoints the last completed
     step and raises a one-line InfeasibleBudget (exit 2)."""
     if cfg.eval_every and eval_data and not hasattr(engine, "eval_loss"):
         warn(console, "this engine has no eval_loss(): --eval-every is ignored")
-    step = start
+    step, in_a_row = start, 0
     with MetricsWriter(out / "metrics.jsonl") as metrics, _StopFlag() as stop, \
             TrainProgress(console=console, total=total, start=start) as bar:
         while step < total:
@@ -419,19 +429,29 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                 raise _over_budget(e, engine, cfg, out, step=step, start=start, batches=batches,
                                    schedule=schedule, rng=None if e.step_done else rng) from None
             dt = time.perf_counter() - t0
-            _check_finite(engine, loss, out, step=step + 1)
-            step += 1
-            losses.append(loss)
-            tokens = int(batch["attention_mask"].sum())
-            record = {"kind": "train", "step": step, "loss": loss, "lr": lr,
-                      "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9),
-                      "step_s": dt, "epoch": batches.position.epoch}
+            bad = _nonfinite(engine, loss)
             ledger = getattr(engine, "ledger", None)
-            if ledger is not None:
-                record["peak_bytes"] = dict(ledger.peaks())
-            metrics.write(**record)
-            bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"],
-                       usage=ledger.usage() if ledger is not None else None)
+            if bad and getattr(engine, "skipped_last", False) and in_a_row < cfg.skip_nonfinite:
+                in_a_row += 1  # the engine left weights and optimizer state as they were
+                step += 1
+                losses.append(None)
+                metrics.write(kind="skipped", step=step, lr=lr, reason=f"{bad[0]} {bad[1]}")
+                bar.note(f"step {step}: the {bad[0]} is {bad[1]}: update skipped "
+                         f"({in_a_row} in a row; --skip-nonfinite {cfg.skip_nonfinite})")
+            else:
+                _check_finite(engine, loss, out, step=step + 1, in_a_row=in_a_row)
+                in_a_row = 0
+                step += 1
+                losses.append(loss)
+                tokens = int(batch["attention_mask"].sum())
+                record = {"kind": "train", "step": step, "loss": loss, "lr": lr,
+                          "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9),
+                          "step_s": dt, "epoch": batches.position.epoch}
+                if ledger is not None:
+                    record["peak_bytes"] = dict(ledger.peaks())
+                metrics.write(**record)
+                bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"],
+                           usage=ledger.usage() if ledger is not None else None)
             if step == start + 1:  # the engine's warm-up step (it traces and plans in it)
                 for line in _warmup_lines(engine, cfg, src, before, padded=padded):
                     bar.note(line)
