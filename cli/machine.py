@@ -1,4 +1,5 @@
-"""What this machine has: physical RAM and the free space under a directory (for the preflight)."""
+"""What this machine has: physical RAM, device memory and the free space under a directory (for
+the preflight)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,13 @@ def free_disk(path: "str | os.PathLike[str]") -> int | None:
             continue
         return st.f_bavail * st.f_frsize
     return None
+
+
+def device_memory() -> int | None:
+    """Bytes the training device can give a run: on CUDA the free memory of the current device
+    (torch.cuda.mem_get_info); on the simulated device (CPU memory standing in) the RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info()[0])
+    return physical_ram()

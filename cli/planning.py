@@ -14,6 +14,7 @@ from rich.table import Table
 
 from .config import ConfigError, TrainConfig
 from .loading import ModelSource, build_meta_model, count_parameters, resolve_model
+from . import machine
 from .machine import free_disk, physical_ram
 from ..offload.core.errors import InfeasibleBudget, TierwiseError
 from ..offload.core.units import format_size
@@ -44,8 +45,8 @@ def make_plan(cfg: TrainConfig, *, src: ModelSource | None = None, padded: bool 
     model = cfg.model if (cfg.model and not src.has_weights) else src.config
     return _call_with_known(
         planner, model=model, hardware=cfg.hardware, params=engine_params(src),
-        gpu_mem=cfg.budgets["gpu"], cpu_mem=host_budget(cfg, planning=True), cxl_mem=cfg.budgets["cxl"],
-        cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, nvme_mem=nvme_budget(cfg),
+        gpu_mem=cfg.budgets["gpu"], device_mem=None if cfg.hardware else gpu_budget(cfg),
+        cpu_mem=host_budget(cfg, planning=True), cxl_mem=cfg.budgets["cxl"], cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, nvme_mem=nvme_budget(cfg),
         optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
@@ -59,6 +60,15 @@ def host_budget(cfg: TrainConfig, *, planning: bool = False) -> int | None:
     if cfg.budgets["cpu"] is not None:
         return cfg.budgets["cpu"]
     return None if planning and cfg.hardware else physical_ram()
+
+
+def gpu_budget(cfg: TrainConfig) -> int | None:
+    """The GPU budget of a run on this machine: --gpu-mem, else what the device has (never
+    more: cli.machine.device_memory). The planner takes the smaller of it and its hardware
+    profile's device memory."""
+    if cfg.budgets["gpu"] is not None:
+        return cfg.budgets["gpu"]
+    return machine.device_memory()
 
 
 def nvme_budget(cfg: TrainConfig) -> int | None:

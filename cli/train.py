@@ -23,7 +23,7 @@ from .export import export_hf
 from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model
 from .metrics import MetricsWriter, read_metrics, truncate_metrics
-from .planning import checkpointing, host_budget, preflight, resolve_recompute
+from .planning import checkpointing, gpu_budget, host_budget, preflight, resolve_recompute
 from .plots import plot_loss, plot_timeline
 from .progress import TrainProgress
 from .report import phase_delta, summary, warmup_report
@@ -54,7 +54,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True
     cls = engine_class()
     kwargs = dict(  # --hardware is the planner's (link speeds), not the engine's
         optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-        gpu_mem=cfg.budgets["gpu"], cpu_mem=host_budget(cfg), cxl_mem=cfg.budgets["cxl"],
+        gpu_mem=gpu_budget(cfg), cpu_mem=host_budget(cfg), cxl_mem=cfg.budgets["cxl"],
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
         nvme_checksum=cfg.nvme_checksum if cfg.nvme_path is not None else None,
         offload_activations=cfg.offload_activations or None,
