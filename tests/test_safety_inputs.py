@@ -183,3 +183,28 @@ def test_trust_remote_code_runs_the_models_own_code(runner, tiny, tmp_path, monk
     assert r.exit_code == 0, (r.output, r.exception)
     assert type(built[0]).__name__ == "XForCausalLM" and built[0].ran  # the model's own class
     assert "run the custom code" not in r.output
+
+
+def _transient_bytes(path: Path, tok) -> int:
+    """Python memory load_blocks held at its peak beyond what its result keeps."""
+    tracemalloc.start()
+    try:
+        blocks = tierwise.cli.data.load_blocks(path, tok, seq_len=32)
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert blocks
+    return peak - current
+
+
+def test_data_is_read_and_tokenized_as_a_stream(tmp_path):
+    """The memory reading and tokenizing takes besides the blocks does not grow with the file:
+    a 4x longer file, the same bound (the old reader held every row and its tokens: 4x)."""
+    from tierwise.cli.builtin import build_tokenizer
+
+    tok = build_tokenizer()
+    sizes = {}
+    for n in (150, 600):
+        rows = [{"text": f"row {i}: the tiny model streams chunk {i % 7}"} for i in range(n)]
+        sizes[n] = _transient_bytes(write_jsonl(tmp_path / f"d{n}.jsonl", rows), tok)
+    assert sizes[600] < 64 << 10 and sizes[600] < 1.5 * sizes[150] + (8 << 10), sizes
