@@ -144,6 +144,11 @@ class TrainConfig:
                           "`datasets` directory. Default: built-in sample. (`plan`: the plan is for its "
                           "worst batch, padded or not; without it, padded; --verify runs on it.)",
                           panel=MODEL, plan=True)
+    trust_remote_code: bool = _f(False, "Run the Python code a model directory ships (auto_map in config.json); "
+                                 "read it first. Without it such a model is refused.", panel=MODEL,
+                                 flag="--trust-remote-code", plan=True)
+    """Run the Python code a model directory ships (auto_map in config.json); without it such a
+    model is refused (never transformers' interactive prompt)."""
     """JSONL file or `datasets` directory; None = the built-in sample."""
     eval_data: str | None = _f(None, "Held-out data in the same formats.", panel=MODEL)
     seq_len: int = _f(128, "Tokens per sequence (rows are packed to this length).", panel=MODEL, plan=True)
@@ -181,6 +186,10 @@ class TrainConfig:
     """Peak learning rate; None: DEFAULT_LR, or DEMO_LR for the built-in demo."""
     weight_decay: float = _f(0.0, "Decoupled weight decay.", panel=OPTIM)
     grad_clip: float | None = _f(None, "Clip the global grad norm to this value.", panel=OPTIM)
+    skip_nonfinite: int = _f(0, "Skip the update of a step whose loss (or, with --grad-clip, gradient norm) is "
+                             "NaN/inf, up to N steps in a row; 0: stop the run at the first.", panel=OPTIM)
+    """Skip (no update) a step whose loss, or with --grad-clip gradient norm, is NaN/inf, up to
+    this many in a row; the next one stops the run. 0: stop at the first."""
     precision: str = _f("fp32", "Compute precision.", panel=HW, choices=PRECISIONS, plan=True)
     steps: int | None = _f(None, "Optimizer steps (default: one epoch; three epochs for the built-in demo).",
                            panel=SCHED)
@@ -194,6 +203,12 @@ class TrainConfig:
     output: str = _f("output", "Run directory: checkpoints, metrics, plots, model/.", panel=OUTPUT)
     resume: bool = _f(False, "Continue the run in --output from its latest checkpoint, on exactly the next "
                       "batch.", panel=OUTPUT, flag="--resume")
+    reset_optimizer: bool = _f(False, "With --resume: continue the weights, RNG and data position, but start "
+                               "--optimizer (it may differ) from fresh state.", panel=OUTPUT,
+                               flag="--reset-optimizer")
+    """With --resume: keep the checkpoint's weights, RNG and data position, start the optimizer
+    (--optimizer, possibly another one) from fresh state. Without it a changed --optimizer is
+    refused."""
     overwrite: bool = _f(False, "Empty --output first (only a directory an earlier finetune run made).",
                          panel=OUTPUT, flag="--overwrite")
     export_dtype: str | None = _f(None, "Dtype of the exported model (default: --precision).", panel=OUTPUT,
@@ -245,12 +260,15 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        for name in ("eval_every", "checkpoint_every", "warmup_steps", "keep_checkpoints"):
+        for name in ("eval_every", "checkpoint_every", "warmup_steps", "keep_checkpoints",
+                     "skip_nonfinite"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more")
         for name in ("steps", "epochs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be at least 1")
+        if self.reset_optimizer and not self.resume:
+            raise ConfigError("--reset-optimizer applies to --resume only")
         if self.resume and self.overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
         if not (math.isfinite(self.lr) and self.lr > 0):

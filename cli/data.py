@@ -53,14 +53,24 @@ class Row:
 
 
 def read_rows(path: "str | Path") -> list[Row]:
-    """Rows of a .jsonl file or a `datasets.save_to_disk` directory; DataError on any problem."""
+    """Rows of a .jsonl file or a `datasets.save_to_disk` directory; DataError on any problem.
+    All in memory: training streams them instead (iter_rows)."""
+    return list(iter_rows(path))
+
+
+def iter_rows(path: "str | Path") -> Iterator[Row]:
+    """The rows of a .jsonl file (read line by line: one line, at most MAX_ROW_BYTES, in memory
+    at a time) or of a `datasets.save_to_disk` directory; DataError on any problem, including
+    a source without a single row (raised when the iteration ends)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"data file not found: {path}")
-    rows = _read_dataset_dir(path) if path.is_dir() else _read_jsonl(path)
-    if not rows:
+    count = 0
+    for row in _read_dataset_dir(path) if path.is_dir() else _read_jsonl(path):
+        count += 1
+        yield row
+    if not count:
         raise DataError(f"{path}: no examples (the file is empty)")
-    return rows
 
 
 #: The longest JSONL line read (one example): a file without newlines (/dev/zero, a 1 GiB
@@ -68,8 +78,7 @@ def read_rows(path: "str | Path") -> list[Row]:
 MAX_ROW_BYTES = 64 << 20
 
 
-def _read_jsonl(path: Path) -> list[Row]:
-    rows = []
+def _read_jsonl(path: Path) -> Iterator[Row]:
     with open(path, "rb") as f:
         lineno = 0
         while line := f.readline(MAX_ROW_BYTES + 1):
@@ -82,6 +91,7 @@ def _read_jsonl(path: Path) -> list[Row]:
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {e.start} of the line "
                                 f"is {line[e.start]:#04x})") from None
+            del line
             if not text.strip():
                 continue
             try:
@@ -90,11 +100,11 @@ def _read_jsonl(path: Path) -> list[Row]:
                 raise DataError(f"{path}:{lineno}: bad JSON: {e.msg} (column {e.colno})") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            rows.append(Row(data=obj, where=f"{path}:{lineno}"))
-    return rows
+            del text
+            yield Row(data=obj, where=f"{path}:{lineno}")
 
 
-def _read_dataset_dir(path: Path) -> list[Row]:
+def _read_dataset_dir(path: Path) -> Iterator[Row]:
     try:
         import datasets
     except ImportError:
@@ -109,7 +119,8 @@ def _read_dataset_dir(path: Path) -> list[Row]:
         if "train" not in ds:
             raise DataError(f"{path}: dataset has no 'train' split (splits: {list(ds)})")
         ds = ds["train"]
-    return [Row(data=dict(r), where=f"{path}[row {i}]") for i, r in enumerate(ds)]
+    for i, r in enumerate(ds):  # Arrow-backed: one row in Python at a time
+        yield Row(data=dict(r), where=f"{path}[row {i}]")
 
 
 def schema_of(row: Row) -> str:
@@ -201,24 +212,38 @@ def _assistant_spans(msgs: list[dict], full: str, render) -> list[tuple[int, int
 
 def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = True
                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """[(input_ids [T], labels [T], attention_mask [T])] with T = seq_len."""
+    """[(input_ids [T], labels [T], attention_mask [T])] with T = seq_len.
+
+    Streams: each row is tokenized and cut into blocks as it arrives, so besides the blocks
+    only one row and less than one block of tokens are in memory (not the file's rows, nor
+    their token lists)."""
     if seq_len < 2:
         raise DataError(f"--seq-len must be at least 2, got {seq_len}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    encoded = [encode_row(r, tokenizer) for r in rows]
-    if pack:
-        ids = [t for e in encoded for t in e[0]]
-        labels = [t for e in encoded for t in e[1]]
-        pieces = [(ids[i:i + seq_len], labels[i:i + seq_len]) for i in range(0, len(ids), seq_len)]
-    else:
-        pieces = [(e[0][:seq_len], e[1][:seq_len]) for e in encoded]
-    blocks = []
-    for ids, labels in pieces:
+    blocks: list = []
+
+    def emit(ids: list[int], labels: list[int]) -> None:
         n = len(ids)
         fill = seq_len - n
         blocks.append((torch.tensor(ids + [pad] * fill, dtype=torch.long),
                        torch.tensor(labels + [IGNORE] * fill, dtype=torch.long),
                        torch.tensor([1] * n + [0] * fill, dtype=torch.long)))
+
+    ids_left: list[int] = []  # packing: the tokens not yet in a full block
+    labels_left: list[int] = []
+    for row in rows:
+        ids, labels = encode_row(row, tokenizer)
+        if not pack:
+            emit(ids[:seq_len], labels[:seq_len])
+            continue
+        ids_left += ids
+        labels_left += labels
+        full = len(ids_left) - len(ids_left) % seq_len
+        for i in range(0, full, seq_len):
+            emit(ids_left[i:i + seq_len], labels_left[i:i + seq_len])
+        ids_left, labels_left = ids_left[full:], labels_left[full:]
+    if ids_left:  # the last, partial block (padded)
+        emit(ids_left, labels_left)
     return blocks
 
 
@@ -326,5 +351,5 @@ def load_blocks(path: "str | Path | None", tokenizer, *, seq_len: int, pack: boo
 
         rows = [Row(data=r, where=f"<sample>:{i + 1}") for i, r in enumerate(sample_rows())]
     else:
-        rows = read_rows(path)
+        rows = iter_rows(path)  # streamed: never the whole file in memory
     return make_blocks(rows, tokenizer, seq_len=seq_len, pack=pack)

@@ -39,10 +39,13 @@ class ModelSource:
 
 
 def build_meta_model(config) -> torch.nn.Module:
-    """The model `finetune` trains, on the meta device, ties tied (offload.engine.model_info.hf_meta_model)."""
+    """The model `finetune` trains, on the meta device, ties tied (offload.engine.model_info.hf_meta_model).
+
+    A config with `auto_map` exists only when the user gave --trust-remote-code (resolve_model
+    refuses it otherwise), so its model class is the model's own code."""
     from ..offload.engine.model_info import hf_meta_model
 
-    return hf_meta_model(config)
+    return hf_meta_model(config, trust_remote_code=bool(getattr(config, "auto_map", None)))
 
 
 def safetensors_files(model_dir: "str | Path") -> list[Path]:
@@ -143,8 +146,11 @@ def iter_safetensors(model_dir: "str | Path", *, order: Sequence[str] | None = N
             f.close()
 
 
-def resolve_model(spec: str | None) -> ModelSource:
-    """A local HF dir (has config.json), a model profile name, or None for the built-in tiny."""
+def resolve_model(spec: str | None, *, trust_remote_code: bool = False) -> ModelSource:
+    """A local HF dir (has config.json), a model profile name, or None for the built-in tiny.
+
+    A directory whose config.json has `auto_map` ships its own Python code: it is run only with
+    `trust_remote_code` (--trust-remote-code), else refused; transformers never prompts."""
     if spec is None:
         from .builtin import build_tokenizer, tiny_llama_config
 
@@ -153,32 +159,31 @@ def resolve_model(spec: str | None) -> ModelSource:
                            tokenizer=tok, model_dir=None)
     path = Path(spec).expanduser()
     if path.is_dir():
-        return _from_dir(path)
+        return _from_dir(path, trust_remote_code=trust_remote_code)
     if is_profile(spec):  # a profile name, or a profile given as a .toml file
         return _from_profile(spec)
     raise ModelError(f"--model {spec}: not a Hugging Face model directory "
                      "(expected a directory with config.json)")
 
 
-def _from_dir(path: Path) -> ModelSource:
+def _from_dir(path: Path, *, trust_remote_code: bool = False) -> ModelSource:
     from transformers import AutoConfig, AutoTokenizer
 
     if not (path / "config.json").exists():
         raise ModelError(f"--model {path}: no config.json in this directory")
     raw = _config_json(path / "config.json")
-    if "auto_map" in raw:  # never transformers' interactive "run the custom code? [y/N]"
+    if "auto_map" in raw and not trust_remote_code:  # never transformers' "run the custom code? [y/N]"
         raise ModelError(f"--model {path}: this model ships its own Python code (auto_map in "
-                         "config.json); finetune does not run a model's code: use a model "
-                         "that transformers implements")
+                         "config.json): add --trust-remote-code to run it (read it first)")
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as e:
         kind = raw.get("model_type")
         why = (f"unknown model_type {kind!r} (this transformers does not implement it)"
                if isinstance(kind, str) and "model type" in str(e) else _first_line(e))
         raise ModelError(f"--model {path}: cannot read config.json: {why}") from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelError(f"--model {path}: cannot load its tokenizer ({_first_line(e)})") from None
     read_safetensors_index(path)  # fail early: no weights, a corrupt header

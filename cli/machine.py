@@ -1,4 +1,5 @@
-"""What this machine has: physical RAM and the free space under a directory (for the preflight)."""
+"""What this machine has: physical RAM, device memory and the free space under a directory (for
+the preflight)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,17 @@ def free_disk(path: "str | os.PathLike[str]") -> int | None:
             continue
         return st.f_bavail * st.f_frsize
     return None
+
+
+def device_memory() -> int | None:
+    """Bytes the training device can give a run: on CUDA the free memory of the current device
+    (torch.cuda.mem_get_info); on the simulated device (CPU memory standing in) the RAM, and
+    without torch (`finetune plan` on a laptop) the RAM too."""
+    try:
+        import torch
+    except ModuleNotFoundError:
+        return physical_ram()
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info()[0])
+    return physical_ram()

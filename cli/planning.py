@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import ConfigError, TrainConfig
+from . import machine
 from .machine import free_disk, physical_ram
 from .profilemodel import is_profile, profile_params
 from ..offload.core.errors import InfeasibleBudget, UnsupportedModel
@@ -35,14 +36,15 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
     if is_profile(cfg.model):  # the planner reads the profile's extra fields
         model, params = cfg.model, profile_params(cfg.model)
     else:
-        src = src or resolve_model(cfg.model)
+        src = src or resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
         check_seq_len(cfg, src)
         model, params = src.config, engine_params(src)
     if padded is None:
         padded = data_padded(cfg, src)
     return planner.make_plan(
         model=model, hardware=cfg.hardware, params=params,
-        gpu_mem=cfg.budgets["gpu"], cpu_mem=host_budget(cfg, planning=True), cxl_mem=cfg.budgets["cxl"],
+        gpu_mem=cfg.budgets["gpu"], device_mem=None if cfg.hardware else gpu_budget(cfg),
+        cpu_mem=host_budget(cfg, planning=True), cxl_mem=cfg.budgets["cxl"],
         nvme_path=cfg.nvme_path, nvme_mem=nvme_budget(cfg), optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
@@ -50,10 +52,10 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
     )
 
 
-def resolve_model(spec: str | None) -> "ModelSource":
+def resolve_model(spec: str | None, *, trust_remote_code: bool = False) -> "ModelSource":
     from .loading import resolve_model as resolve  # transformers: only for a directory or the built-in
 
-    return resolve(spec)
+    return resolve(spec, trust_remote_code=trust_remote_code)
 
 
 def host_budget(cfg: TrainConfig, *, planning: bool = False) -> int | None:
@@ -62,6 +64,15 @@ def host_budget(cfg: TrainConfig, *, planning: bool = False) -> int | None:
     if cfg.budgets["cpu"] is not None:
         return cfg.budgets["cpu"]
     return None if planning and cfg.hardware else physical_ram()
+
+
+def gpu_budget(cfg: TrainConfig) -> int | None:
+    """The GPU budget of a run on this machine: --gpu-mem, else what the device has (never
+    more: cli.machine.device_memory). The planner takes the smaller of it and its hardware
+    profile's device memory."""
+    if cfg.budgets["gpu"] is not None:
+        return cfg.budgets["gpu"]
+    return machine.device_memory()
 
 
 def nvme_budget(cfg: TrainConfig) -> int | None:
@@ -166,7 +177,7 @@ def advise(cfg: TrainConfig, error: InfeasibleBudget, *, console: Console,
            src: "ModelSource | None" = None, padded: bool | None = None) -> None:
     """Print the verdict of a refused plan and the cheapest changes that would fit."""
     if src is None and not is_profile(cfg.model):
-        src = resolve_model(cfg.model)
+        src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     console.out(f"verdict: does not fit: {str(error).splitlines()[0]}", highlight=False)
     fits = alternatives(cfg, error, src=src, padded=padded)
     if not fits:
@@ -189,7 +200,7 @@ def data_padded(cfg: TrainConfig, src: "ModelSource | None" = None) -> bool:
         return True
     from .data import has_padding, load_blocks
 
-    src = src or resolve_model(cfg.model)
+    src = src or resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     return has_padding(load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack))
 
 
@@ -253,7 +264,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
     from ..offload.tools.verify import verify
     from .loading import build_meta_model
 
-    src = resolve_model(cfg.model)
+    src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     check_seq_len(cfg, src)
     batches, padded = None, True  # random tokens: every batch padded, the worst case
     if cfg.data is not None:
@@ -304,7 +315,7 @@ def dry_run(cfg: TrainConfig, *, console: Console) -> int:
     """Resolve the model and budgets, print a summary and the plan; touch nothing on disk."""
     from .loading import build_meta_model, count_parameters
 
-    src = resolve_model(cfg.model)
+    src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if src.note:
         console.print(f"[bold yellow]warning:[/] {src.note}", soft_wrap=True, highlight=False)
     model = build_meta_model(src.config)

@@ -23,7 +23,7 @@ from .export import export_hf
 from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model
 from .metrics import MetricsWriter, read_metrics, truncate_metrics
-from .planning import checkpointing, host_budget, preflight, resolve_recompute
+from .planning import checkpointing, gpu_budget, host_budget, preflight, resolve_recompute
 from .plots import plot_loss, plot_timeline
 from .progress import TrainProgress
 from .report import phase_delta, summary, warmup_report
@@ -44,6 +44,10 @@ class TrainingEngine(Protocol):
     phase_times: dict[str, float]  # cumulative seconds per phase
     timeline: list[dict]  # the memory timeline of the last recorded step
     device_plan: Any  # None until chunks are placed for a known activation peak
+    skip_nonfinite: bool  # set by the CLI: a NaN/inf step updates nothing
+    skipped_last: bool  # the last step was skipped so
+    last_grad_norm: Any  # with grad_clip: the last step's global gradient norm, else None
+    nvme: Any  # its NvmeStore (.notices: stale swap directories it removed), or None
 
     def set_lr(self, lr: float) -> None: ...
     def step(self, batch: dict, grad_accum: int = 1) -> float: ...
@@ -73,7 +77,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True
     """
     kwargs = dict(  # --hardware is the planner's (link speeds), not the engine's
         optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-        gpu_mem=cfg.budgets["gpu"], cpu_mem=host_budget(cfg), cxl_mem=cfg.budgets["cxl"],
+        gpu_mem=gpu_budget(cfg), cpu_mem=host_budget(cfg), cxl_mem=cfg.budgets["cxl"],
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
         nvme_checksum=cfg.nvme_checksum if cfg.nvme_path is not None else None,
         offload_activations=cfg.offload_activations or None,
@@ -157,7 +161,7 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
         from ..profiles import load_hardware_profile
 
         load_hardware_profile(cfg.hardware)  # an unknown name is an error naming the known ones
-    src = resolve_model(cfg.model)
+    src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if src.note:
         warn(console, src.note)
     blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
@@ -205,14 +209,15 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
     model = build_meta_model(src.config)
     layout = ModelLayout.of(model)  # names, shapes and ties, before the engine takes the model
     engine = make_engine(model, cfg, padded=padded)
-    for note in getattr(getattr(engine, "nvme", None), "notices", None) or []:
+    engine.skip_nonfinite = bool(cfg.skip_nonfinite)
+    for note in engine.nvme.notices if engine.nvme is not None else []:
         warn(console, note)
     try:
         start = _initial_state(engine, cfg, src, out, batches, console, model=model,
                                layout=layout)
         if padded:
             _measure_worst(engine, padded_batch(blocks, batch_size=cfg.batch_size))
-        losses: list[float] = []
+        losses: list[float | None] = []
         t0 = time.perf_counter()
         code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule,
                      start=start, total=total, eval_data=eval_data, console=console,
@@ -238,19 +243,26 @@ class NonFiniteLoss(TierwiseError):
     """A step's loss or gradient norm is NaN or infinite: the weights can no longer be trusted."""
 
 
-def _check_finite(engine, loss: float, out: Path, *, step: int) -> None:
-    """Stop on a NaN/inf loss or gradient norm before anything of that step is saved."""
-    norm = getattr(engine, "last_grad_norm", None)
-    norm = float(norm) if isinstance(norm, (torch.Tensor, float)) else None
-    bad = ("loss", loss) if not math.isfinite(loss) else (
+def _nonfinite(engine, loss: float) -> tuple[str, float] | None:
+    """("loss" | "gradient norm", value) when the step's loss or gradient norm is NaN/inf."""
+    norm = engine.last_grad_norm
+    norm = float(norm) if norm is not None else None
+    return ("loss", loss) if not math.isfinite(loss) else (
         ("gradient norm", norm) if norm is not None and not math.isfinite(norm) else None)
+
+
+def _check_finite(engine, loss: float, out: Path, *, step: int, in_a_row: int = 0) -> None:
+    """Stop on a NaN/inf loss or gradient norm before anything of that step is saved
+    (`in_a_row`: the steps just skipped for it with --skip-nonfinite)."""
+    bad = _nonfinite(engine, loss)
     if bad is None:
         return
     last = ckpt.latest_checkpoint(out)
     kept = (f"the last good checkpoint {last.name} is kept: --resume continues from it"
             if last else "no checkpoint was saved before it")
-    raise NonFiniteLoss(f"step {step}: the {bad[0]} is {bad[1]}: training stopped and nothing of "
-                        f"this step was saved; {kept} (a lower --lr or --grad-clip may help)")
+    again = f" after {in_a_row} skipped steps in a row (--skip-nonfinite)" if in_a_row else ""
+    raise NonFiniteLoss(f"step {step}: the {bad[0]} is {bad[1]}{again}: training stopped and "
+                        f"nothing of this step was saved; {kept} (a lower --lr or --grad-clip may help)")
 
 
 class DiskFullError(TierwiseError):
@@ -280,7 +292,14 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
         engine_state, trainer = ckpt.load_checkpoint(path)
         check_resumable(cfg, out, trainer)
         try:
-            engine.load_state_dict(engine_state)
+            if cfg.reset_optimizer:
+                load_weights_only(engine, model, engine_state, path)
+                was = trainer.get("config", {}).get("optimizer", "?")
+                console.print(f"--reset-optimizer: weights, RNG and data position from {path.name}; "
+                              f"{cfg.optimizer} starts from fresh state (the checkpoint's {was} "
+                              "state is not used)", highlight=False, soft_wrap=True)
+            else:
+                engine.load_state_dict(engine_state)
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             if isinstance(e, TierwiseError):
                 raise
@@ -298,6 +317,39 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
     else:
         engine.init_weights_(seed=cfg.seed, std=getattr(src.config, "initializer_range", 0.02))
     return 0
+
+
+def load_weights_only(engine, model, engine_state: dict, path: Path) -> None:
+    """The checkpoint's weights and persistent buffers into `engine`; its optimizer state and
+    step counts are left out, so the engine's optimizer starts fresh (--reset-optimizer).
+
+    The checkpoint holds each chunk's flat master buffer: its layout must be this engine's
+    (same model, --chunk-size and --precision, checked by check_resumable and here)."""
+    chunks = engine_state["chunks"]
+    numel = [int(n) for n in engine_state["chunk_numel"]]
+    if numel != [c.numel for c in engine.plan.chunks]:
+        raise ckpt.CheckpointError(f"checkpoint {path} was written with another chunk layout than "
+                                   "this run's: --reset-optimizer cannot map its weights")
+
+    def named():
+        for slots, saved in zip(_slots_by_chunk(engine), chunks):
+            for name, slot in slots:
+                yield name, slot.view(saved["master"].float())
+
+    engine.load_weights(named())
+    own = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in engine_state.get("buffers", {}).items():
+            if name not in own:
+                raise ckpt.CheckpointError(f"checkpoint {path} has a buffer this model lacks: {name}")
+            own[name].copy_(value)
+
+
+def _slots_by_chunk(engine) -> list[list]:
+    by_chunk: list[list] = [[] for _ in engine.plan.chunks]
+    for name, slot in engine.plan.slots.items():
+        by_chunk[slot.chunk].append((name, slot))
+    return by_chunk
 
 
 def _first_nonfinite(obj, path: str = "state") -> str | None:
@@ -319,11 +371,14 @@ def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None) ->
         trainer = ckpt.load_trainer(ckpt.latest_checkpoint(out))
     saved = trainer.get("config", {}) if isinstance(trainer, dict) else {}
     changed = [k for k in TrainConfig.DATA_KEYS + TrainConfig.STATE_KEYS
-               if not _same_option(k, saved.get(k), getattr(cfg, k))]
+               if not _same_option(k, saved.get(k), getattr(cfg, k))
+               and not (k == "optimizer" and cfg.reset_optimizer)]
     if changed:
         was = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)}" for k in changed)
+        hint = " (add --reset-optimizer to start the new optimizer from fresh state)" \
+            if changed == ["optimizer"] else ""
         raise ConfigError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)}"
-                          f" differ from the checkpointed run in {out} (it used {was})")
+                          f" differ from the checkpointed run in {out} (it used {was}){hint}")
 
 
 def _same_option(key: str, saved, now) -> bool:
@@ -365,11 +420,12 @@ def evaluate(engine, eval_data: list) -> float | None:
 
 def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
           schedule: LRSchedule, start: int, total: int, eval_data: list,
-          console: Console, losses: list[float], padded: bool = True) -> int:
-    """Steps start+1..total; appends each train loss to `losses`; returns the exit code.
+          console: Console, losses: list[float | None], padded: bool = True) -> int:
+    """Steps start+1..total; appends each train loss to `losses` (None: a step skipped with
+    --skip-nonfinite); returns the exit code.
     A step the device budget cannot hold (StepOverBudget) checkpoints the last completed
     step and raises a one-line InfeasibleBudget (exit 2)."""
-    step = start
+    step, in_a_row = start, 0
     with MetricsWriter(out / "metrics.jsonl") as metrics, _StopFlag() as stop, \
             TrainProgress(console=console, total=total, start=start) as bar:
         while step < total:
@@ -387,16 +443,26 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                 raise _over_budget(e, engine, cfg, out, step=step, start=start, batches=batches,
                                    schedule=schedule, rng=None if e.step_done else rng) from None
             dt = time.perf_counter() - t0
-            _check_finite(engine, loss, out, step=step + 1)
-            step += 1
-            losses.append(loss)
-            tokens = int(batch["attention_mask"].sum())
-            record = {"kind": "train", "step": step, "loss": loss, "lr": lr,
-                      "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9),
-                      "step_s": dt, "epoch": batches.position.epoch}
-            record["peak_bytes"] = dict(engine.ledger.peaks())
-            metrics.write(**record)
-            bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"], usage=engine.ledger.usage())
+            bad = _nonfinite(engine, loss)
+            if bad and engine.skipped_last and in_a_row < cfg.skip_nonfinite:
+                in_a_row += 1  # the engine left weights and optimizer state as they were
+                step += 1
+                losses.append(None)
+                metrics.write(kind="skipped", step=step, lr=lr, reason=f"{bad[0]} {bad[1]}")
+                bar.note(f"step {step}: the {bad[0]} is {bad[1]}: update skipped "
+                         f"({in_a_row} in a row; --skip-nonfinite {cfg.skip_nonfinite})")
+            else:
+                _check_finite(engine, loss, out, step=step + 1, in_a_row=in_a_row)
+                in_a_row = 0
+                step += 1
+                losses.append(loss)
+                tokens = int(batch["attention_mask"].sum())
+                record = {"kind": "train", "step": step, "loss": loss, "lr": lr,
+                          "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9),
+                          "step_s": dt, "epoch": batches.position.epoch}
+                record["peak_bytes"] = dict(engine.ledger.peaks())
+                metrics.write(**record)
+                bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"], usage=engine.ledger.usage())
             if step == start + 1:  # the engine's warm-up step (it traces and plans in it)
                 for line in _warmup_lines(engine, cfg, src, before, padded=padded):
                     bar.note(line)

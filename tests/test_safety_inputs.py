@@ -150,3 +150,61 @@ def test_dev_zero_is_refused_within_a_memory_bound():
     finally:
         tracemalloc.stop()
     assert peak < 3 * tierwise.cli.data.MAX_ROW_BYTES, peak
+
+
+def _custom_code_model(tiny: Path, d: Path) -> Path:
+    """`tiny` with its own (Llama-derived) config and model classes, named in auto_map."""
+    _copy(tiny, d)
+    _set_config(d, model_type="xllama", auto_map={"AutoConfig": "configuration_x.XConfig",
+                                                  "AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+    (d / "configuration_x.py").write_text(
+        "from transformers import LlamaConfig\n\n\n"
+        "class XConfig(LlamaConfig):\n    model_type = 'xllama'\n")
+    (d / "modeling_x.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_x import XConfig\n\n\n"
+        "class XForCausalLM(LlamaForCausalLM):\n    config_class = XConfig\n    ran = True\n")
+    return d
+
+
+def test_trust_remote_code_runs_the_models_own_code(runner, tiny, tmp_path, monkeypatch):
+    import transformers.dynamic_module_utils as dyn
+
+    monkeypatch.setattr(dyn, "HF_MODULES_CACHE", str(tmp_path / "modules"))  # not ~/.cache
+    d = _custom_code_model(tiny, tmp_path / "custom")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}] * 8)
+    args = ["--model", str(d), "--data", str(data), "--steps", "1", "--seq-len", "16"]
+    refused = _error_line(runner.invoke(app, [*args, "--output", str(tmp_path / "o1")], input="y\n"))
+    assert "add --trust-remote-code" in refused
+    built = []
+    real = tierwise.cli.train.build_meta_model
+    monkeypatch.setattr(tierwise.cli.train, "build_meta_model",
+                        lambda config: built.append(real(config)) or built[-1])
+    r = runner.invoke(app, [*args, "--trust-remote-code", "--output", str(tmp_path / "o2")])
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert type(built[0]).__name__ == "XForCausalLM" and built[0].ran  # the model's own class
+    assert "run the custom code" not in r.output
+
+
+def _transient_bytes(path: Path, tok) -> int:
+    """Python memory load_blocks held at its peak beyond what its result keeps."""
+    tracemalloc.start()
+    try:
+        blocks = tierwise.cli.data.load_blocks(path, tok, seq_len=32)
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert blocks
+    return peak - current
+
+
+def test_data_is_read_and_tokenized_as_a_stream(tmp_path):
+    """The memory reading and tokenizing takes besides the blocks does not grow with the file:
+    a 4x longer file, the same bound (the old reader held every row and its tokens: 4x)."""
+    from tierwise.cli.builtin import build_tokenizer
+
+    tok = build_tokenizer()
+    sizes = {}
+    for n in (150, 600):
+        rows = [{"text": f"row {i}: the tiny model streams chunk {i % 7}"} for i in range(n)]
+        sizes[n] = _transient_bytes(write_jsonl(tmp_path / f"d{n}.jsonl", rows), tok)
+    assert sizes[600] < 64 << 10 and sizes[600] < 1.5 * sizes[150] + (8 << 10), sizes

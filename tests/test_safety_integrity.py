@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -224,3 +225,79 @@ def test_resume_with_another_optimizer_or_chunk_size_is_one_line(assets, trained
         args += [flag, value]
     line = _error_line(_invoke(*args))
     assert f"--resume: {flag} differ" in line and "it used" in line, line
+
+
+def _chunk_steps(d: Path) -> list[int]:
+    engine_state, _ = ckpt.load_checkpoint(d)
+    return [int(c["step"]) for c in engine_state["chunks"]]
+
+
+def test_reset_optimizer_resumes_weights_rng_and_data_with_a_fresh_optimizer(assets, trained, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    shutil.rmtree(out / "model")
+    assert _chunk_steps(out / "ckpt-000002") == [2] * len(_chunk_steps(out / "ckpt-000002"))
+    # no step after the resume: the exported weights are the checkpoint's, bit for bit
+    r = _invoke(*_args(assets, out, "--steps", "2", "--resume", "--reset-optimizer",
+                       "--optimizer", "adamw8bit"))
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "--reset-optimizer: weights, RNG and data position from ckpt-000002; adamw8bit starts " \
+           "from fresh state (the checkpoint's adamw state is not used)" in r.output
+    exported, reference = load_file(out / "model" / "model.safetensors"), \
+        load_file(trained / "model" / "model.safetensors")
+    assert exported.keys() == reference.keys()
+    assert all(torch.equal(exported[k], reference[k]) for k in reference)
+    # one step on: the new optimizer's state has seen one step, the RNG and data go on as before
+    r = _invoke(*_args(assets, out, "--steps", "3", "--resume", "--reset-optimizer",
+                       "--optimizer", "adamw8bit"))
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert set(_chunk_steps(out / "ckpt-000003")) == {1}
+    same = tmp_path / "same"
+    shutil.copytree(trained, same)
+    assert _invoke(*_args(assets, same, "--steps", "3", "--resume")).exit_code == 0
+    assert set(_chunk_steps(same / "ckpt-000003")) == {3}
+    mine, theirs = ckpt.load_trainer(out / "ckpt-000003"), ckpt.load_trainer(same / "ckpt-000003")
+    assert mine["data"] == theirs["data"]
+    assert torch.equal(mine["rng"]["torch"], theirs["rng"]["torch"])
+    # without the flag, the changed optimizer is refused and the flag named
+    line = _error_line(_invoke(*_args(assets, same, "--steps", "4", "--resume", "--optimizer", "sgd")))
+    assert "add --reset-optimizer" in line
+
+
+def _nan_engine(at_steps: set):
+    """The real Engine whose loss is NaN (and so its gradients) in the steps `at_steps` (1-based)."""
+    from tierwise.offload import Engine
+
+    class NanLoss(Engine):
+        def forward(self, batch):
+            loss = super().forward(batch)
+            return loss * float("nan") if self.steps + 1 in at_steps else loss
+
+    return NanLoss
+
+
+def test_skip_nonfinite_skips_the_update_and_counts_it(assets, tmp_path, monkeypatch):
+    monkeypatch.setattr(tierwise.cli.train, "engine_class", lambda: _nan_engine({3}))
+    out = tmp_path / "run"
+    r = _invoke(*_args(assets, out, "--steps", "4", "--skip-nonfinite", "2", "--keep-checkpoints", "0"))
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "step 3: the loss is nan: update skipped (1 in a row; --skip-nonfinite 2)" in r.output
+    assert "steps 1-4 in" in r.output and "1 step skipped (non-finite loss or gradient norm)" in r.output
+    before, _ = ckpt.load_checkpoint(out / "ckpt-000002")
+    after, _ = ckpt.load_checkpoint(out / "ckpt-000003")
+    for a, b in zip(before["chunks"], after["chunks"]):  # weights and optimizer state untouched
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    final, _ = ckpt.load_checkpoint(out / "ckpt-000004")
+    assert all(bool(torch.isfinite(c["master"]).all()) for c in final["chunks"])
+    assert [r["kind"] for r in read_metrics(out / "metrics.jsonl")] == ["train", "train", "skipped", "train"]
+
+
+def test_skip_nonfinite_stops_after_n_in_a_row(assets, tmp_path, monkeypatch):
+    monkeypatch.setattr(tierwise.cli.train, "engine_class", lambda: _nan_engine({2, 3, 4}))
+    out = tmp_path / "run"
+    line = _error_line(_invoke(*_args(assets, out, "--steps", "5", "--skip-nonfinite", "2")))
+    assert "step 4: the loss is nan after 2 skipped steps in a row (--skip-nonfinite)" in line, line
+    assert "ckpt-000003 is kept" in line  # a skipped step's checkpoint holds the good weights
+    assert not (out / "model").exists()

@@ -90,6 +90,7 @@ class StandInEngine:
         self.timeline: list[dict] = []
         self.phase_times: dict = {}
         self.device_plan = None  # nothing placed: measure() has nothing to adjust
+        self.skip_nonfinite, self.skipped_last, self.last_grad_norm, self.nvme = False, False, None, None
         self.closed = False
         self.steps = 0
 

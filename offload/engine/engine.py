@@ -174,6 +174,10 @@ class Engine:
         self.steps = 0
         self._in_cycle = False
         self.last_grad_norm: torch.Tensor | None = None
+        #: Set True to leave the weights and optimizer state as they were when a step's loss (or,
+        #: with grad_clip, its gradient norm) is NaN/inf; `skipped_last` then says it was skipped.
+        self.skip_nonfinite = False
+        self.skipped_last = False
 
     # -- views of the collaborators' state (tests, cli and bench read them) ----------------
     @property
@@ -359,19 +363,22 @@ class Engine:
         if not self.updater.needs_grad:
             return self._zo_step(batch)
         losses = []
+        finite = True
         micro = split_batch(batch, grad_accum)
         for i, mb in enumerate(micro):
             loss = self.forward(mb)
+            if self.skip_nonfinite:  # known before backward: no chunk may update early then
+                finite = finite and bool(torch.isfinite(loss.detach()).all())
             # the last micro-batch's gradients are final: chunks may update as they complete
             # (once the first backward has counted each chunk's gradients)
             self.grads.early_on = (self.grads.early is not None and self.grad_clip is None
-                                   and i == len(micro) - 1 and self.grads.uses is not None)
+                                   and i == len(micro) - 1 and self.grads.uses is not None and finite)
             try:
                 self.backward(loss / grad_accum if grad_accum > 1 else loss)
             finally:
                 self.grads.early_on = False
             losses.append(loss.detach().float().item())
-        self.optimizer_step()
+        self.optimizer_step(skip=not finite)
         return sum(losses) / len(losses)
 
     def _zo_step(self, batch: Any) -> float:
@@ -388,23 +395,29 @@ class Engine:
             finally:
                 self.zo_batch = None
             self.updater.projected_grad = (loss_pos - loss_neg) / (2.0 * self.updater.eps)
-        self.optimizer_step()
+        finite = bool(torch.isfinite(torch.as_tensor([float(loss_pos), float(loss_neg)])).all())
+        self.optimizer_step(skip=self.skip_nonfinite and not finite)
         return loss_pos
 
-    def optimizer_step(self) -> None:
-        """Clip (optionally) and update every chunk; then the device copies are stale."""
+    def optimizer_step(self, *, skip: bool = False) -> None:
+        """Clip (optionally) and update every chunk; then the device copies are stale. `skip`
+        (or, with skip_nonfinite, a NaN/inf gradient norm): no chunk is updated; the gradients
+        of this cycle are overwritten by the next one's."""
         with self.moments.timed(Phase.UPDATE):
-            self._update()
+            self._update(skip=skip)
         if self.minimum_gpu_bytes is None:
             self._after_warmup()
         self._schedule()
 
-    def _update(self) -> None:
+    def _update(self, *, skip: bool) -> None:
         early = self.grads.finish_step(self.params, zero_unseen=self.updater.needs_grad)
         if self.grad_clip is not None:
             self.last_grad_norm = self.store.clip_grads_(self.grad_clip)
-        update_all(self.store, self.updater, self.hyper, self.bounce,
-                   chunks=[c for c in range(len(self.plan.chunks)) if c not in early])
+            skip = skip or (self.skip_nonfinite and not bool(torch.isfinite(self.last_grad_norm)))
+        self.skipped_last = skip
+        if not skip:
+            update_all(self.store, self.updater, self.hyper, self.bounce,
+                       chunks=[c for c in range(len(self.plan.chunks)) if c not in early])
         early.clear()
         self.store.grad_scale = None
         self.residency.cache.evict_all()

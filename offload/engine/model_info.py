@@ -11,7 +11,7 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def hf_meta_model(config: Any) -> torch.nn.Module:
+def hf_meta_model(config: Any, *, trust_remote_code: bool = False) -> torch.nn.Module:
     """The transformers causal LM of `config` with every parameter on the meta device.
 
     The model gets its own copy of `config`: the engine may change the model's config (it turns
@@ -21,7 +21,8 @@ def hf_meta_model(config: Any) -> torch.nn.Module:
     after `to_empty`). Needs accelerate; without it everything is meta and a warning says so.
     Weights the model ties are tied again after construction: accelerate's init_empty_weights
     re-creates each parameter as it is registered, which unties what __init__ tied (the output
-    head would be a second, never loaded parameter).
+    head would be a second, never loaded parameter). `trust_remote_code`: the config's own model
+    class (auto_map) may be used; transformers never prompts.
     """
     from transformers import AutoModelForCausalLM
 
@@ -32,10 +33,10 @@ def hf_meta_model(config: Any) -> torch.nn.Module:
         log.warning("accelerate is not installed: buffers of the meta model are meta too "
                     "and must be recomputed before use")
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     else:
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     model.tie_weights()
     return model
 

@@ -256,8 +256,9 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
               optimizer_kwargs: dict | None = None, grad_accum: int = 1, up_front: bool = True,
               checkpointing: bool | None = None, padded: bool = False,
-              params: "Sequence[ParamSpec] | None" = None) -> Plan:
-    """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited).
+              params: "Sequence[ParamSpec] | None" = None, device_mem: int | None = None) -> Plan:
+    """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited;
+    the gpu's at most `device_mem`, what the device of this machine has).
 
     `model`: a profile, a profile name/path, or a transformers model/config (its shapes are read).
     `hardware`: a profile or name/path; None means "cpu-sim". `batch_size` is the micro-batch
@@ -281,7 +282,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
         raise TierwiseError(f"batch size, sequence length and grad_accum must be positive, got "
                             f"{batch_size} x {seq_len} (x {grad_accum})")
     gpu = parse_size(gpu_mem, what="--gpu-mem")
-    gpu = hw.gpu.memory if gpu is None else gpu
+    gpu = min(hw.gpu.memory, device_mem or hw.gpu.memory) if gpu is None else gpu
     host = parse_size(cpu_mem, what="--cpu-mem")
     host = hw.host.memory if host is None else host
     cxl = parse_size(cxl_mem, what="--cxl-mem")

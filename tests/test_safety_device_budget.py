@@ -1,0 +1,62 @@
+"""The automatic GPU budget never exceeds the device's memory (issue 15): on CUDA the free memory
+torch.cuda.mem_get_info reports, on the simulated device the machine's RAM. On the old code a run
+without --gpu-mem was planned with the hardware profile's 8 GiB and run with no device budget at
+all, whatever the device had."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tinyhf import StandInEngine  # noqa: E402
+
+import tierwise.cli.train  # noqa: E402
+from tierwise.cli import machine, planning  # noqa: E402
+from tierwise.cli.config import TrainConfig  # noqa: E402
+from tierwise.offload.core.errors import InfeasibleBudget  # noqa: E402
+
+
+def test_device_memory_is_cuda_free_memory_or_the_ram(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (3 << 30, 24 << 30))
+    assert machine.device_memory() == 3 << 30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(machine, "physical_ram", lambda: 5 << 30)
+    assert machine.device_memory() == 5 << 30
+
+
+def test_the_automatic_gpu_budget_is_the_devices_at_most(monkeypatch):
+    monkeypatch.setattr(machine, "device_memory", lambda: 1 << 20)  # a 1 MiB device
+    cfg = TrainConfig(model="tiny", recompute=True)
+    assert planning.gpu_budget(cfg) == 1 << 20
+    with pytest.raises(InfeasibleBudget, match="gpu"):  # the profile's 8 GiB is not there
+        planning.make_plan(cfg)
+    monkeypatch.setattr(machine, "device_memory", lambda: 3 << 30)
+    assert planning.make_plan(cfg).budgets["gpu"] == 3 << 30
+    assert planning.gpu_budget(TrainConfig(model="tiny", gpu_mem="2M")) == 2 << 20  # given: as given
+    monkeypatch.setattr(machine, "device_memory", lambda: 64 << 40)  # more than the profile's
+    assert planning.make_plan(cfg).budgets["gpu"] == 8 << 30
+    # another machine's plan (--hardware) keeps that profile's memory
+    monkeypatch.setattr(machine, "device_memory", lambda: 1 << 20)
+    other = planning.make_plan(TrainConfig(model="tiny", recompute=True, hardware="cpu-sim"))
+    assert other.budgets["gpu"] == 8 << 30
+
+
+def test_training_hands_the_engine_the_devices_memory(monkeypatch, tmp_path):
+    seen = {}
+
+    class Spy(StandInEngine):
+        def __init__(self, model, **kwargs):
+            seen.update(kwargs)
+            super().__init__(model, **kwargs)
+
+    monkeypatch.setattr(tierwise.cli.train, "engine_class", lambda: Spy)
+    monkeypatch.setattr(machine, "device_memory", lambda: 7 << 30)
+    cfg = TrainConfig(steps=1, seq_len=32, batch_size=2, output=str(tmp_path / "o"), recompute=True)
+    model = tierwise.cli.train.build_meta_model(tierwise.cli.train.resolve_model(None).config)
+    tierwise.cli.train.make_engine(model, cfg)
+    assert seen["gpu_mem"] == 7 << 30
