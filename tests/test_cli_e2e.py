@@ -22,7 +22,7 @@ import torch
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyhf import make_tiny_llama_dir, write_jsonl  # noqa: E402
+from tinyhf import make_tiny_llama_dir, write_jsonl, error_line as _error_line  # noqa: E402
 
 from tierwise.cli import checkpoint as ckpt  # noqa: E402
 from tierwise.cli.main import app  # noqa: E402
@@ -54,13 +54,6 @@ def _ok(result):
     return result
 
 
-def _error_line(result) -> str:
-    """The single stderr line of a user error (exit 2, no traceback)."""
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
 
 
 def _train_losses(out: Path) -> list[float]:

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyhf import StandInEngine, write_jsonl  # noqa: E402
+from tinyhf import StandInEngine, write_jsonl, error_line as _error_line  # noqa: E402
 
 from tierwise.cli import train as cli_train  # noqa: E402
 from tierwise.cli.main import app  # noqa: E402
@@ -25,11 +25,6 @@ def runner(monkeypatch):
     return CliRunner()
 
 
-def _error_line(result) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
 
 
 def test_help_groups_options_in_panels(runner):

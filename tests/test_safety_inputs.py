@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyhf import StandInEngine, make_tiny_llama_dir, write_jsonl  # noqa: E402
+from tinyhf import StandInEngine, make_tiny_llama_dir, write_jsonl, error_line as _error_line  # noqa: E402
 
 import tierwise.cli.data  # noqa: E402
 import tierwise.cli.train  # noqa: E402
@@ -29,11 +29,6 @@ def runner(monkeypatch):
     return CliRunner()
 
 
-def _error_line(result) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
 
 
 @pytest.mark.parametrize("args,expected", [

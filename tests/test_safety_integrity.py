@@ -19,7 +19,7 @@ import torch
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyhf import StandInEngine, make_tiny_llama_dir, write_jsonl  # noqa: E402
+from tinyhf import StandInEngine, make_tiny_llama_dir, write_jsonl, error_line as _error_line  # noqa: E402
 
 import tierwise.cli.train  # noqa: E402
 from tierwise.cli import checkpoint as ckpt  # noqa: E402
@@ -44,11 +44,6 @@ def _invoke(*args: str):
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
 
 
-def _error_line(result) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
 
 
 def _args(assets, out: Path, *extra: str) -> list[str]:

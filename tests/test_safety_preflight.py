@@ -24,6 +24,7 @@ import tierwise.cli.planning  # noqa: E402
 from tierwise.cli.machine import physical_ram  # noqa: E402
 from tierwise.cli.main import app  # noqa: E402
 from tierwise.offload.core.units import format_size  # noqa: E402
+from tests.tinyhf import error_line as _error_line  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,11 +33,6 @@ def _invoke(*args: str):
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
 
 
-def _error_line(result) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
 
 
 def _limit_memory():  # a safety belt: the old code allocated until the OOM killer

@@ -61,6 +61,15 @@ class _Ledger:
                                                          "optim": 2 * self._bytes}}
 
 
+def error_line(result) -> str:
+    """The single stderr line of a user error from a CliRunner result (exit 2, no traceback)."""
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
 def _materialize_meta_params(model) -> None:
     """Give every meta parameter CPU storage (tied parameters stay tied); buffers untouched."""
     made: dict[int, torch.nn.Parameter] = {}

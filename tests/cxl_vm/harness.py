@@ -78,6 +78,11 @@ mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 out /newroot/cxlvm-out
 for d in proc sys dev; do mount --bind /$d /newroot/$d; done
 mount -t tmpfs tmpfs /newroot/tmp
 mount -t tmpfs tmpfs /newroot/run
+# the checkout under test, at its host path (it may lie under /tmp, hidden by the tmpfs above,
+# or on another filesystem than /)
+R="$(cat /newroot/cxlvm-out/repo)"
+mkdir -p "/newroot$R"
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose repo "/newroot$R" || echo "init: 9p repo failed"
 # the guest's own deadline: a hung program still powers the VM off (no orphaned QEMU)
 timeout -s KILL "$(cat /newroot/cxlvm-out/timeout)" chroot /newroot /bin/sh /cxlvm-out/run.sh \
     > /newroot/cxlvm-out/guest.log 2>&1
@@ -148,7 +153,8 @@ def qemu_command(*, vmlinuz: str, initrd: Path, work: Path, out: Path, devices: 
            "-kernel", vmlinuz, "-initrd", str(initrd),
            "-append", "console=ttyS0 panic=-1 quiet",
            "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
-           "-virtfs", f"local,path={out},mount_tag=out,security_model=none"]
+           "-virtfs", f"local,path={out},mount_tag=out,security_model=none",
+           "-virtfs", f"local,path={REPO},mount_tag=repo,security_model=none,readonly=on,multidevs=remap"]
     for i in range(devices):
         mem, lsa = work / f"cxl-mem{i}.raw", work / f"cxl-lsa{i}.raw"
         for path, size in ((mem, DEVICE_MB << 20), (lsa, 256 << 20)):
@@ -183,6 +189,7 @@ def run_guest(argv: list[str], *, devices: int, interleave: bool = False, timeou
     out = work / "out"
     out.mkdir()
     (out / "timeout").write_text(f"{max(int(timeout) - 60, 60)}\n")
+    (out / "repo").write_text(f"{REPO}\n")
     (out / "run.sh").write_text(
         f"cd {shlex.quote(str(REPO))}\n"
         f"export CXLVM_OUT=/cxlvm-out CXLVM_DEVICES={devices} PYTHONDONTWRITEBYTECODE=1 "
