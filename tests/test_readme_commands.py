@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import tierwise.offload.tools.profiler as profiler
+from tests.tinyhf import fast_profiler
 from tierwise.cli.main import app
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -104,16 +104,7 @@ def test_profile_runs_as_written(tmp_path, monkeypatch):
     args[args.index("--nvme-path") + 1] = str(tmp_path / nvme.name)
     (tmp_path / nvme.name).mkdir()
     monkeypatch.chdir(tmp_path)
-    seen = []
-    real = profiler.nvme_bandwidth
-    monkeypatch.setattr(profiler, "FULL", profiler.QUICK)
-    monkeypatch.setattr(profiler, "nvme_bandwidth", lambda sz, path: seen.append(path) or real(sz, path))
-    for name, value in (("copy_bandwidths", {"h2d_pinned": 9.0}), ("dram_bandwidth", 12.0),
-                        ("optimizer_rates", {"adamw": 1e8}), ("gemm_tflops", 0.5),
-                        ("op_overhead_us", 20.0), ("cxl_bandwidths", {})):
-        monkeypatch.setattr(profiler, name, lambda *a, _v=value, **k: _v)
-    monkeypatch.setattr(profiler, "to_toml", lambda r, **k: "name = 'x'\n\n[nvme]\n")
-    monkeypatch.setattr(profiler, "step_calibration", lambda text, quick: 1.0)
+    seen = fast_profiler(monkeypatch)
     r = _invoke(args)
     assert r.exit_code == 0, r.output
     assert seen and all(str(tmp_path / nvme.name) in str(p) for p in seen), seen

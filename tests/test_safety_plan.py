@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import tierwise.offload.tools.profiler as profiler
+from tests.tinyhf import fast_profiler
 from tierwise.cli.main import app
 from tierwise.offload.plan.planner import _rate
 
@@ -71,16 +71,7 @@ def test_plan_takes_offload_activations():
 
 
 def test_profile_measures_the_nvme_path_given_with_units(tmp_path, monkeypatch):
-    seen = []
-    real = profiler.nvme_bandwidth
-    monkeypatch.setattr(profiler, "FULL", profiler.QUICK)
-    monkeypatch.setattr(profiler, "nvme_bandwidth", lambda sz, path: seen.append(path) or real(sz, path))
-    for name, value in (("copy_bandwidths", {"h2d_pinned": 9.0}), ("dram_bandwidth", 12.0),
-                        ("optimizer_rates", {"adamw": 1e8}), ("gemm_tflops", 0.5),
-                        ("op_overhead_us", 20.0), ("cxl_bandwidths", {})):
-        monkeypatch.setattr(profiler, name, lambda *a, _v=value, **k: _v)
-    monkeypatch.setattr(profiler, "to_toml", lambda r, **k: "name = 'x'\n\n[nvme]\n")
-    monkeypatch.setattr(profiler, "step_calibration", lambda text, quick: 1.0)
+    seen = fast_profiler(monkeypatch)
     r = _invoke("profile", "--nvme-path", str(tmp_path))
     assert r.exit_code == 0, (r.output, r.exception)
     assert seen == [str(tmp_path)] and list(tmp_path.iterdir()) == []

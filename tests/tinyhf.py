@@ -70,6 +70,24 @@ def error_line(result) -> str:
     return lines[0]
 
 
+def fast_profiler(monkeypatch) -> list:
+    """`finetune profile` with every measurement but the NVMe probe stubbed (the real one runs
+    at its quick size); returns the list of paths the NVMe probe was given."""
+    import tierwise.offload.tools.profiler as profiler
+
+    seen: list = []
+    real = profiler.nvme_bandwidth
+    monkeypatch.setattr(profiler, "FULL", profiler.QUICK)
+    monkeypatch.setattr(profiler, "nvme_bandwidth", lambda sz, path: seen.append(path) or real(sz, path))
+    for name, value in (("copy_bandwidths", {"h2d_pinned": 9.0}), ("dram_bandwidth", 12.0),
+                        ("optimizer_rates", {"adamw": 1e8}), ("gemm_tflops", 0.5),
+                        ("op_overhead_us", 20.0), ("cxl_bandwidths", {})):
+        monkeypatch.setattr(profiler, name, lambda *a, _v=value, **k: _v)
+    monkeypatch.setattr(profiler, "to_toml", lambda r, **k: "name = 'x'\n\n[nvme]\n")
+    monkeypatch.setattr(profiler, "step_calibration", lambda text, quick: 1.0)
+    return seen
+
+
 def _materialize_meta_params(model) -> None:
     """Give every meta parameter CPU storage (tied parameters stay tied); buffers untouched."""
     made: dict[int, torch.nn.Parameter] = {}
