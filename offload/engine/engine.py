@@ -441,12 +441,16 @@ class Engine:
             found = [(m, n, b, b.detach().to("cpu", copy=True)) for m in self.model.modules()
                      for n, b in m._buffers.items() if b is not None]
             cuda = [self.device] if self.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=cuda):  # dropout draws as if measure had not run
+            cache = self.residency.cache
+            limit = cache.limit  # placed for an estimate that `batch` may exceed: stream through
+            cache.limit = min(limit, self.needs.stream_window)  # the smallest window, so the peak
+            with torch.random.fork_rng(devices=cuda):  # is the minimum whatever the timing
                 try:
                     self.backward(self.forward(batch))
                 finally:
                     self._abort_cycle()
-                    self.residency.cache.evict_all()
+                    cache.evict_all()
+                    cache.limit = limit
                     self.moments.reset()
                     with torch.no_grad():
                         for m, n, b, value in found:
