@@ -54,7 +54,7 @@ from ..update.update import Hyper
 from ..update.updaters import make_updater
 from ..update.zeroth import dual_forward, hf_split_losses
 from .actoffload import Offloader
-from .batches import default_loss, split_batch, to_device
+from .batches import default_loss, split_batch, step_weights, to_device
 from .early import EarlyUpdater
 from .gradients import GradientRouter
 from .gradspill import GradSpill
@@ -359,12 +359,17 @@ class Engine:
         return step_over_budget(exc, act, self.needs.activations, intact=intact)
 
     def step(self, batch: Any, *, grad_accum: int = 1) -> float:
-        """Forward, backward and update on `batch`, split into `grad_accum` micro-batches."""
+        """Forward, backward and update on `batch`, split into `grad_accum` micro-batches.
+
+        The step's loss is normalised by its target tokens (offload.engine.batches.step_weights):
+        micro-batch i backpropagates loss_i * n_i / N (n_i its target tokens, N the step's), and
+        the returned loss is the step's token mean, sum of loss_i * n_i / N."""
         if not self.updater.needs_grad:
             return self._zo_step(batch)
-        losses = []
+        total = 0.0
         finite = True
         micro = split_batch(batch, grad_accum)
+        weights = step_weights(micro)
         for i, mb in enumerate(micro):
             loss = self.forward(mb)
             if self.skip_nonfinite:  # known before backward: no chunk may update early then
@@ -374,12 +379,12 @@ class Engine:
             self.grads.early_on = (self.grads.early is not None and self.grad_clip is None
                                    and i == len(micro) - 1 and self.grads.uses is not None and finite)
             try:
-                self.backward(loss / grad_accum if grad_accum > 1 else loss)
+                self.backward(loss * weights[i] if weights[i] != 1.0 else loss)
             finally:
                 self.grads.early_on = False
-            losses.append(loss.detach().float().item())
+            total += loss.detach().float().item() * weights[i]
         self.optimizer_step(skip=not finite)
-        return sum(losses) / len(losses)
+        return total
 
     def _zo_step(self, batch: Any) -> float:
         """MeZO: one forward over the doubled batch gives both losses; then the update."""
