@@ -142,3 +142,49 @@ def spawn(world: int, cases: list[dict], tmp: "Path | None" = None) -> list[dict
     tmp = Path(tmp or tempfile.mkdtemp(prefix="tierwise-dist-"))
     mp.start_processes(_worker, args=(world, cases, str(tmp)), nprocs=world, start_method="spawn")
     return torch.load(tmp / "results.pt")
+
+
+def _die_worker(rank: int, world: int, tmp: str, timeout_s: float) -> None:
+    """Rank 1 is killed (SIGKILL) in the forward of step 2; rank 0 records how it stopped."""
+    import signal
+    import sys
+    import time
+
+    from tierwise.offload import Engine
+
+    torch.set_num_threads(1)
+    tmp_path = Path(tmp)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+    def loss_fn(model, batch):
+        if rank == 1 and eng.steps == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return model(**batch).loss
+
+    eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, loss_fn=loss_fn, dist_timeout=timeout_s)
+    data = data_for("plain", 3, rows=4)
+    t0 = time.perf_counter()
+    try:
+        for b in data:
+            t0 = time.perf_counter()
+            eng.step(b)
+    except Exception as exc:  # noqa: BLE001 - what the survivor reports is the result
+        torch.save({"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0},
+                   tmp_path / "results.pt")
+        sys.exit(3)
+
+
+def spawn_dying(tmp: Path, *, timeout_s: float = 20.0) -> tuple[dict, list]:
+    """Two ranks, rank 1 killed mid-step: (rank 0's record, the exit codes)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_die_worker, args=(2, str(tmp), timeout_s), nprocs=2, start_method="spawn",
+                             join=False)
+    for p in ctx.processes:
+        p.join(timeout=timeout_s * 3 + 60)
+    codes = [p.exitcode for p in ctx.processes]
+    for p in ctx.processes:
+        if p.exitcode is None:
+            p.kill()
+    return (torch.load(tmp / "results.pt") if (tmp / "results.pt").exists() else {}), codes

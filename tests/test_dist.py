@@ -123,3 +123,15 @@ def test_refusals_with_several_ranks(three):
     assert "galore is not supported with several ranks" in res["galore"]
     assert "mezo is not supported with several ranks" in res["mezo"]
     assert "state_dict" in res["state_dict"] and "not built yet" in res["state_dict"]
+
+
+def test_a_rank_killed_mid_step_stops_the_other_in_bounded_time(tmp_path):
+    """SIGKILL of rank 1 in step 2's forward: rank 0 stops with a one-line error (which rank,
+    which collective), well within the collective timeout, and exits non-zero: never a hang."""
+    from tests.dist_cases import spawn_dying
+
+    record, codes = spawn_dying(tmp_path, timeout_s=20.0)
+    assert codes == [3, -9], codes
+    assert record["error"].startswith("RankFailure: rank 0: "), record
+    assert "rank 1 stopped" in record["error"] and "\n" not in record["error"]
+    assert record["seconds"] < 25.0

@@ -32,6 +32,7 @@ rank that died makes the others fail within it, with the rank named.
 from __future__ import annotations
 
 import datetime
+import re
 from typing import Any
 
 import torch
@@ -47,6 +48,13 @@ SHARDED_OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 
 class RankFailure(TierwiseError):
     """A collective failed: another rank died, raised or stopped answering."""
+
+
+def _cause(exc: BaseException) -> str:
+    """The backend's reason in a few words: its first sentence, without the source location."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(". ")[0][:160]
 
 
 def default_group() -> Any:
@@ -84,8 +92,12 @@ class Ranks:
         try:
             return fn(*args, **kwargs)
         except (RuntimeError, dist.DistBackendError) as exc:  # gloo: a peer closed or timed out
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RankFailure(f"rank {self.rank}: {what} failed: another rank stopped ({first})") from exc
+            raise RankFailure(f"rank {self.rank}: {what} failed: {self._others()} stopped "
+                              f"({_cause(exc)})") from exc
+
+    def _others(self) -> str:
+        others = [r for r in range(self.world) if r != self.rank]
+        return f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
 
     # -- chunks ---------------------------------------------------------------------------
     def broadcast_chunk(self, cid: int, buf: torch.Tensor) -> None:
