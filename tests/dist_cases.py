@@ -57,7 +57,7 @@ def refusals() -> dict:
     from tierwise.offload import Engine
 
     out = {}
-    for opt in ("galore", "mezo"):
+    for opt in ("galore", "apollo"):
         try:
             Engine(tiny_llama(**TINY), optimizer=opt, chunk_bytes=CHUNK)
         except Exception as exc:  # noqa: BLE001 - the message is what is checked

@@ -28,7 +28,8 @@ are updated on their owner only; compute copies are broadcast from it into every
 window when used; gradients are reduced onto it per chunk once complete (during backward when
 the early update runs). `eval_loss`, `measure` and `named_parameters_fp32` are collective:
 every rank calls them. Not yet with several ranks: gpu-home trainable chunks (all stream),
-state_dict/load_state_dict (checkpoints), GaLore/APOLLO and MeZO.
+state_dict/load_state_dict (checkpoints), GaLore/APOLLO. MeZO: the ranks share the
+perturbation seed, split each batch's rows and sum only the two losses (`_zo_step`).
 
 Any nn.Module, with plain PyTorch's numbers. The Engine is a composition; each collaborator
 gets the few objects it uses, never the Engine:
@@ -406,7 +407,7 @@ class Engine:
         micro-batch i backpropagates loss_i * n_i / N (n_i its target tokens, N the step's), and
         the returned loss is the step's token mean, sum of loss_i * n_i / N."""
         if not self.updater.needs_grad:
-            return self._zo_step(batch)
+            return self._zo_step(batch, grad_accum)
         total = 0.0
         finite = True
         world = self.ranks.world if self.ranks is not None else 1
@@ -434,23 +435,39 @@ class Engine:
         self.optimizer_step(skip=not finite)
         return total
 
-    def _zo_step(self, batch: Any) -> float:
-        """MeZO: one forward over the doubled batch gives both losses; then the update."""
+    def _zo_step(self, batch: Any, grad_accum: int = 1) -> float:
+        """MeZO: per micro-batch, one forward over the doubled rows gives both losses, all with
+        the step's z; the step's two losses are the micro-batches' weighted by their target
+        tokens (step_weights); then the update. Several ranks (DistZO2's idea): every rank
+        draws the same z (the step seed), evaluates micro-batch i when i mod world is its rank,
+        and only the two losses are summed over the ranks; each owner updates its chunks."""
         self._begin_cycle()
+        world = self.ranks.world if self.ranks is not None else 1
+        micro = split_batch(batch, grad_accum * world)
+        weights = step_weights(micro)
+        pos = neg = 0.0
         with self.moments.timed(Phase.FORWARD):
             self.updater.begin_step()
-            batch = to_device(batch, self.device)
-            half = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
-            self.zo_batch = half
-            try:
-                with torch.no_grad(), self.residency.reading():
-                    loss_pos, loss_neg = hf_split_losses(self.model, batch, half)
-            finally:
-                self.zo_batch = None
-            self.updater.projected_grad = (loss_pos - loss_neg) / (2.0 * self.updater.eps)
-        finite = bool(torch.isfinite(torch.as_tensor([float(loss_pos), float(loss_neg)])).all())
+            for i, mb in enumerate(micro):
+                if self.ranks is not None and i % world != self.ranks.rank:
+                    continue
+                mb = to_device(mb, self.device)
+                half = next(v for v in mb.values() if isinstance(v, torch.Tensor)).shape[0]
+                self.zo_batch = half
+                try:
+                    with torch.no_grad(), self.residency.reading():
+                        loss_pos, loss_neg = hf_split_losses(self.model, mb, half)
+                finally:
+                    self.zo_batch = None
+                pos += loss_pos * weights[i]
+                neg += loss_neg * weights[i]
+            if self.ranks is not None:
+                both = self.ranks.sum_(torch.tensor([pos, neg], dtype=torch.float64), "summing the MeZO losses")
+                pos, neg = float(both[0]), float(both[1])
+            self.updater.projected_grad = (pos - neg) / (2.0 * self.updater.eps)
+        finite = bool(torch.isfinite(torch.as_tensor([float(pos), float(neg)])).all())
         self.optimizer_step(skip=self.skip_nonfinite and not finite)
-        return loss_pos
+        return pos
 
     def optimizer_step(self, *, skip: bool = False) -> None:
         """Clip (optionally) and update every chunk; then the device copies are stale. `skip`
@@ -465,8 +482,9 @@ class Engine:
     def _update(self, *, skip: bool) -> None:
         early = self.grads.finish_step(self.params, zero_unseen=self.updater.needs_grad)
         rest = [c for c in range(len(self.plan.chunks)) if c not in early]
-        if self.ranks is not None and self.updater.needs_grad:
-            self._reduce_grads(rest)
+        if self.ranks is not None:
+            if self.updater.needs_grad:
+                self._reduce_grads(rest)
             rest = [c for c in rest if self.ranks.owns(c)]
         if self.grad_clip is not None:
             sum_norms = None if self.ranks is None else (lambda t: self.ranks.sum_(t, "summing gradient norms"))

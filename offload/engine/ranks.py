@@ -41,9 +41,10 @@ import torch.distributed as dist
 from ..core.errors import TierwiseError
 
 DEFAULT_TIMEOUT_S = 60.0
-#: optimizers whose update runs on whole chunks as on one rank. GaLore/APOLLO would work on whole
-#: chunks too but are not tested sharded yet; MeZO needs its own step (shared seed, summed scalars).
-SHARDED_OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
+#: optimizers whose update runs on whole chunks as on one rank (MeZO: with its own step, the
+#: seed shared and the two losses summed). GaLore/APOLLO would work on whole chunks too but are
+#: not tested sharded yet: refused.
+SHARDED_OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "mezo")
 
 
 class RankFailure(TierwiseError):
