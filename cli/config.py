@@ -216,6 +216,10 @@ class TrainConfig:
     hardware: str | None = _f(None, "Hardware profile name or TOML file (default: detect).", panel=HW, plan=True)
     dry_run: bool = _f(False, "Resolve model and budgets, print the plan, train nothing.", panel=HW,
                        flag="--dry-run")
+    nproc_per_node: int = _f(1, "Processes (one per GPU) on this node: starts torchrun for you (or run "
+                             "`torchrun --nproc-per-node N -m tierwise.cli.main ...`). --cpu-mem and --cxl-mem "
+                             "are the node's, divided among them; --gpu-mem is per GPU.", panel=HW)
+    """Ranks on this node (cli.launch). Under torchrun its variables say the ranks instead."""
     budgets: dict = field(init=False)
     """Parsed bytes: {"gpu": int|None, "cpu": ..., "cxl": ..., "chunk": int}."""
 
@@ -257,7 +261,7 @@ class TrainConfig:
         if self.offload_activations and self.recompute is False:
             raise ConfigError("--offload-activations moves the inputs of recomputed layers: it needs "
                               "recompute (drop --no-recompute)")
-        for name in ("seq_len", "batch_size", "grad_accum"):
+        for name in ("seq_len", "batch_size", "grad_accum", "nproc_per_node"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         for name in ("eval_every", "checkpoint_every", "warmup_steps", "keep_checkpoints",

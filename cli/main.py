@@ -46,7 +46,11 @@ app = typer.Typer(
 
 
 def _fail(message: str) -> None:
-    sys.stderr.write(f"error: {message}\n")  # one line, never wrapped by rich
+    from .launch import from_env
+
+    info = from_env()  # several ranks: say which one failed
+    where = f"rank {info.rank}: " if info.several and not message.startswith("rank ") else ""
+    sys.stderr.write(f"error: {where}{message}\n")  # one line, never wrapped by rich
     sys.stderr.flush()
     raise typer.Exit(EXIT_USER_ERROR)
 
@@ -130,6 +134,13 @@ def train(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION, **options)
         return
     raise_config_error(ctx)
     cfg = TrainConfig(**options)
+    from .launch import from_env, relaunch
+
+    if cfg.nproc_per_node > 1 and not cfg.dry_run and not from_env().several:  # torchrun starts the ranks
+        code = relaunch(cfg.nproc_per_node, sys.argv[1:])
+        if code:
+            raise typer.Exit(code)
+        return
     from .train import run
 
     code = run(cfg, console=Console())

@@ -16,7 +16,7 @@ import torch
 from rich.console import Console
 
 from . import checkpoint as ckpt
-from . import rundir
+from . import launch, rundir
 from .config import DISK_FULL, ConfigError, TrainConfig
 from .data import Batches, DataError, DataPosition, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
 from .export import export_hf
@@ -75,9 +75,11 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True
     The engine's own checks of its options (ValueError: an optimizer it has no chunk updater
     for, a chunk size below its minimum, ...) become one-line user errors.
     """
+    ranks = launch.from_env()  # several ranks on a node share its host and CXL budgets
     kwargs = dict(  # --hardware is the planner's (link speeds), not the engine's
         optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-        gpu_mem=gpu_budget(cfg), cpu_mem=host_budget(cfg), cxl_mem=cfg.budgets["cxl"],
+        gpu_mem=gpu_budget(cfg), cpu_mem=launch.node_share(host_budget(cfg), ranks),
+        cxl_mem=launch.node_share(cfg.budgets["cxl"], ranks),
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
         nvme_checksum=cfg.nvme_checksum if cfg.nvme_path is not None else None,
         offload_activations=cfg.offload_activations or None,
@@ -157,6 +159,25 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
         from .planning import dry_run
 
         return dry_run(cfg, console=console)
+    ranks = launch.from_env()
+    if ranks.several:
+        if cfg.resume:
+            raise ConfigError(f"--resume with several ranks ({ranks.world}) is not built yet: checkpoints "
+                              "hold one rank's state; resume on one rank")
+        launch.init_group(ranks)
+        if not ranks.main:
+            console = Console(quiet=True)  # rank 0 prints; the others only their errors (stderr)
+        try:
+            return _run(cfg, console=console, ranks=ranks)
+        finally:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return _run(cfg, console=console, ranks=ranks)
+
+
+def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int:
     if cfg.hardware:
         from ..profiles import load_hardware_profile
 
@@ -189,7 +210,22 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     eval_data = (eval_batches(load_blocks(cfg.eval_data, src.tokenizer, seq_len=cfg.seq_len,
                                           pack=cfg.pack), batch_size=cfg.batch_size)
                  if cfg.eval_data else [])
-    batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum, seed=cfg.seed)
+    # several ranks: every rank draws the same whole step (micro-batch i runs on rank i mod N)
+    batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum * ranks.world, seed=cfg.seed)
+    if ranks.several:
+        console.print(f"{ranks.world} ranks ({ranks.local_world} on this node): each step is "
+                      f"{cfg.grad_accum * ranks.world} micro-batches, micro-batch i on rank i mod {ranks.world}; "
+                      "no checkpoints with several ranks yet (the export at the end is written)", highlight=False)
+        if not ranks.main:  # rank 0 owns --output; the others write into a scratch directory
+            import shutil
+            import tempfile
+
+            scratch = Path(tempfile.mkdtemp(prefix=f"tierwise-rank{ranks.rank}-"))
+            try:
+                return _train(cfg, src=src, blocks=blocks, batches=batches, eval_data=eval_data,
+                              padded=padded, out=scratch, console=console)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
     # after every input is validated (--overwrite deletes); held until the run ends
     claimed = rundir.claim(cfg.output, resume=cfg.resume, overwrite=cfg.overwrite)
     try:
@@ -391,8 +427,11 @@ def _same_option(key: str, saved, now) -> bool:
 
 
 def save(engine, cfg: TrainConfig, out: Path, *, step: int, batches: Batches,
-         schedule: LRSchedule, rng: dict | None = None) -> Path:
-    """Checkpoint `step` (`rng`: the RNG state to record; default: now)."""
+         schedule: LRSchedule, rng: dict | None = None) -> Path | None:
+    """Checkpoint `step` (`rng`: the RNG state to record; default: now). None with several
+    ranks: sharded checkpoints are not built yet."""
+    if launch.from_env().several:
+        return None
     trainer = {"rng": rng or ckpt.capture_rng(), "data": batches.position.to_dict(),
                "schedule": schedule.to_dict(), "config": cfg.to_dict()}
     state = engine.state_dict()
@@ -473,8 +512,9 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                     bar.note(f"step {step}: eval loss {ev:.4f}")
             if stop.set:
                 path = save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
-                bar.note(f"interrupted ({signal.Signals(stop.signum).name}): checkpoint "
-                         f"{path.name} saved; run again with --resume to continue")
+                bar.note(f"interrupted ({signal.Signals(stop.signum).name}): "
+                         + (f"checkpoint {path.name} saved; run again with --resume to continue" if path
+                            else "no checkpoint (several ranks)"))
                 return 128 + stop.signum
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
@@ -482,6 +522,8 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
         ev = evaluate(engine, eval_data) if eval_data and not evaluated else None
         if ev is not None:
             metrics.write(kind="eval", step=step, loss=ev)
+        if launch.from_env().several:
+            return 0  # no checkpoints with several ranks yet
         if ckpt.latest_checkpoint(out) is None or \
                 ckpt.latest_checkpoint(out).name != ckpt.ckpt_name(step):
             save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
@@ -500,7 +542,8 @@ def _over_budget(e: StepOverBudget, engine, cfg: TrainConfig, out: Path, *, step
         saved = "no step completed in this run, nothing new to save"
     else:
         path = save(engine, cfg, out, step=done, batches=batches, schedule=schedule, rng=rng)
-        saved = f"checkpoint {path.name} saved (step {done}): --resume continues from it"
+        saved = (f"checkpoint {path.name} saved (step {done}): --resume continues from it" if path
+                 else "no checkpoint (several ranks)")
     return InfeasibleBudget(f"step {step + 1}: {str(e).splitlines()[0]}; {saved}", minimum=e.minimum)
 
 

@@ -5,7 +5,7 @@ import torch
 
 from tierwise.offload import Engine, InfeasibleBudget
 from tierwise.offload.runtime.storage import storage_key
-from tests.models import batches, tiny_llama, train_reference
+from tests.models import batches, masked_batches, tiny_llama, train_reference
 
 CHUNK = 16 << 10  # small chunks so a 4-layer toy model spans ~30 of them
 
@@ -53,6 +53,24 @@ def test_grad_accumulation_and_clipping_bit_exact():
     assert losses == ref_losses
     assert weights_equal(eng, ref)
     assert eng.ledger.peaks()["gpu"] <= probe.minimum_gpu_bytes
+
+
+def test_masked_micro_batches_weigh_by_their_target_tokens():
+    """Prompt-masked, variable-length rows: a step of 2 micro-batches is normalised by the
+    step's target tokens (transformers' gradient-accumulation fix), not the mean of the two
+    micro-batch means. Bit-exact with the token-weighted reference; and its loss and first
+    update equal those of the whole batch in one piece (plain HF loss), to fp32 rounding."""
+    data = masked_batches(3, batch=4, seq=12, vocab=64)
+    model = tiny_llama(layers=2, hidden=32, vocab=64)
+    ref_losses, ref = train_reference(model, data, grad_accum=2)
+    eng, losses = run_engine(tiny_llama(layers=2, hidden=32, vocab=64), data, gpu_mem="4M", grad_accum=2)
+    assert losses == ref_losses
+    assert weights_equal(eng, ref)
+    whole = tiny_llama(layers=2, hidden=32, vocab=64)
+    assert abs(whole(**data[0]).loss.item() - losses[0]) <= 1e-6 * abs(losses[0])
+    halves = [{k: v.chunk(2)[i] for k, v in data[0].items()} for i in range(2)]
+    mean_of_means = sum(whole(**h).loss.item() for h in halves) / 2
+    assert abs(mean_of_means - losses[0]) > 1e-4  # the data makes the two rules differ
 
 
 def test_tied_embeddings_and_sgd_momentum_bit_exact():

@@ -103,8 +103,8 @@ def _materialize_meta_params(model) -> None:
 class StandInEngine:
     """Tests only: the offload.Engine API over a plain model and torch AdamW (no offload).
 
-    `step` splits the batch into `grad_accum` micro-batches along dim 0, averages their
-    gradients, clips and updates once.
+    `step` splits the batch into `grad_accum` micro-batches along dim 0, weighs each by its
+    share of the step's target tokens (as the Engine), clips and updates once.
     """
 
     def __init__(self, model, *, optimizer="adamw", lr=1e-4, weight_decay=0.0,
@@ -147,11 +147,12 @@ class StandInEngine:
     def step(self, batch: dict, grad_accum: int = 1) -> float:
         self.model.train()
         total = 0.0
-        for micro in zip(*(batch[k].chunk(grad_accum) for k in
-                           ("input_ids", "labels", "attention_mask"))):
-            out = self.model(input_ids=micro[0], labels=micro[1], attention_mask=micro[2])
-            (out.loss / grad_accum).backward()
-            total += float(out.loss.detach()) / grad_accum
+        micro = list(zip(*(batch[k].chunk(grad_accum) for k in ("input_ids", "labels", "attention_mask"))))
+        counts = [int((m[1][..., 1:] != -100).sum()) for m in micro]
+        for m, n in zip(micro, counts):
+            out = self.model(input_ids=m[0], labels=m[1], attention_mask=m[2])
+            (out.loss * (n / sum(counts))).backward()
+            total += float(out.loss.detach()) * (n / sum(counts))
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.opt.step()

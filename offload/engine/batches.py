@@ -1,4 +1,5 @@
-"""Batches: the default loss, moving a batch to the device, splitting it into micro-batches."""
+"""Batches: the default loss, moving a batch to the device, splitting it into micro-batches,
+and the target tokens that weight each micro-batch's loss (`step_weights`)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,28 @@ def split_batch(batch: Any, n: int) -> list[Any]:
         parts = {k: split_batch(v, n) for k, v in batch.items()}
         return [{k: parts[k][i] for k in batch} for i in range(n)]
     raise TypeError(f"cannot split a batch of type {type(batch).__name__}")
+
+
+def target_tokens(batch: Any) -> int | None:
+    """Target tokens of a causal-LM batch: `labels` after the shift (position 0 predicts
+    nothing), not -100 -- what transformers' ForCausalLMLoss averages over. None when the batch
+    has no `labels` tensor (a custom loss function: its micro-batches weigh alike)."""
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    if not isinstance(labels, torch.Tensor):
+        return None
+    return int((labels[..., 1:] != -100).sum())
+
+
+def step_weights(micro: list[Any]) -> list[float]:
+    """Each micro-batch's share of the step's loss: its target tokens over those of the whole
+    step (transformers' gradient-accumulation fix: a short, masked micro-batch weighs less than
+    a long one, so the step's gradient is that of one big batch). Micro-batches without labels
+    weigh alike (1/n, as before). The loss function returns a micro-batch's mean; loss * weight
+    summed over the step is the token mean of the whole step."""
+    counts = [target_tokens(mb) for mb in micro]
+    if any(c is None for c in counts):
+        counts = [1] * len(micro)
+    total = sum(counts)
+    if total == 0:
+        raise ValueError("no target tokens in this step's batch (every label is -100)")
+    return [c / total for c in counts]

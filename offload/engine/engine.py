@@ -19,6 +19,18 @@ so the placement holds it; a step that still does not fit raises StepOverBudget.
 schedule made from it (offload.plan.schedule: Belady eviction, look-ahead prefetch). In the last
 micro-batch, chunks whose gradients are final are updated during backward (offload.engine.early).
 
+Several ranks (torch.distributed; offload.engine.ranks): `process_group=` or an initialised
+default group of more than one rank. Every rank builds the Engine on the same model and calls
+`step` with the same whole batch of `grad_accum * world` micro-batches; micro-batch i runs on
+rank i mod world, so the math is one rank's with grad_accum * world. Trainable chunks are
+sharded whole (rank k mod world owns the k-th): master weights and optimizer state live and
+are updated on their owner only; compute copies are broadcast from it into every rank's device
+window when used; gradients are reduced onto it per chunk once complete (during backward when
+the early update runs). `eval_loss`, `measure` and `named_parameters_fp32` are collective:
+every rank calls them. Not yet with several ranks: gpu-home trainable chunks (all stream),
+state_dict/load_state_dict (checkpoints), GaLore/APOLLO. MeZO: the ranks share the
+perturbation seed, split each batch's rows and sum only the two losses (`_zo_step`).
+
 Any nn.Module, with plain PyTorch's numbers. The Engine is a composition; each collaborator
 gets the few objects it uses, never the Engine:
 - residency (offload.engine.residency): a module's own chunks are resident around its forward;
@@ -38,6 +50,7 @@ import logging
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
 from ..core.errors import BudgetExceeded, UnsupportedModel
@@ -54,7 +67,7 @@ from ..update.update import Hyper
 from ..update.updaters import make_updater
 from ..update.zeroth import dual_forward, hf_split_losses
 from .actoffload import Offloader
-from .batches import default_loss, split_batch, to_device
+from .batches import default_loss, split_batch, step_weights, to_device
 from .early import EarlyUpdater
 from .gradients import GradientRouter
 from .gradspill import GradSpill
@@ -63,6 +76,7 @@ from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_
 from .lora import apply_lora
 from .model_info import find_blocks
 from .needs import device_needs, module_chunks, open_tiers
+from .ranks import DEFAULT_TIMEOUT_S, SHARDED_OPTIMIZERS, Ranks, default_group
 from .overbudget import estimate_over_budget, step_over_budget, warmup_over_budget
 from .residency import Residency
 from .surgery import ModelSurgery, booked
@@ -99,7 +113,8 @@ class Engine:
                  prefetch_depth: int = 16, h2d_bandwidth: float | None = None,
                  d2h_bandwidth: float | None = None, allow_gpu_home: bool = True,
                  offload_activations: bool = False, overlap_update: bool = True,
-                 lora: Any = None, base_dtype: str | None = None, double_quant: bool = False):
+                 lora: Any = None, base_dtype: str | None = None, double_quant: bool = False,
+                 process_group: Any = None, dist_timeout: float = DEFAULT_TIMEOUT_S):
         """`activations`: the expected peak of saved activations (e.g. the planner's estimate).
         Given, chunks are placed in their final tiers now; otherwise after the warm-up step,
         which measures it (until then every chunk lives host-side).
@@ -114,7 +129,10 @@ class Engine:
         already wrapped by peft.get_peft_model is taken as is. Parameters with
         requires_grad=False (the base) are frozen: a compute copy only, streamed read-only.
         `base_dtype` (bf16 | fp16 | int8 | nf4; None: the compute dtype): how frozen weights are
-        stored and carried (offload.runtime.codecs); `double_quant`: NF4's absmax quantized too."""
+        stored and carried (offload.runtime.codecs); `double_quant`: NF4's absmax quantized too.
+        `process_group`: shard over these ranks (None: the default group when initialised with
+        more than one rank; see the module docstring); `dist_timeout`: seconds a collective
+        waits for the other ranks before this rank fails naming the collective."""
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
         if lora is not None:
@@ -145,6 +163,15 @@ class Engine:
         self.frozen_layouts = frozen_layouts(self.plan, model, base_dtype=base_dtype, double_quant=double_quant,
                                              compute_dtype=self.compute_dtype)
         self.optimizer_name = optimizer
+        group = process_group if process_group is not None else default_group()
+        self.ranks: Ranks | None = None
+        if group is not None and dist.get_world_size(group) > 1:
+            if optimizer not in SHARDED_OPTIMIZERS:
+                raise UnsupportedModel(f"--optimizer {optimizer} is not supported with several ranks yet "
+                                       f"(sharded: {', '.join(SHARDED_OPTIMIZERS)})")
+            self.ranks = Ranks(group, trainable=[c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)],
+                               timeout_s=dist_timeout)
+            self.allow_gpu_home = False  # every rank must fetch alike: all chunks stream (see ranks.py)
         self.updater = make_updater(optimizer, self.plan.trainable(),
                                     shapes={n: tuple(p.shape) for n, p in named if n not in frozen},
                                     momentum=momentum, **(optimizer_kwargs or {}))
@@ -168,7 +195,7 @@ class Engine:
             limit=self.device_plan.cache_limit if self.device_plan else self.needs.stream_window,
             params=self.params, param_names=self.param_names, module_chunks=self.module_chunks,
             timeline=self.moments, name_of=self._module_name, cxl=self.cxl, nvme=self.nvme, bounce=self.bounce,
-            borrow_refusal=None if self.updater.needs_grad else self.optimizer_name)
+            borrow_refusal=None if self.updater.needs_grad else self.optimizer_name, ranks=self.ranks)
         self._install_hooks(model, checkpointing)
         self.minimum_gpu_bytes: int | None = None
         self.steps = 0
@@ -212,9 +239,11 @@ class Engine:
     # -- setup helpers -------------------------------------------------------------------
     def _place(self, activations: int | None) -> None:
         """Decide every chunk kind's tier and allocate the chunk store there."""
+        remote = self.ranks.remote() if self.ranks is not None else frozenset()
         self.kinds = {c.index: frozen_kind_bytes(c.numel, layout=self.frozen_layouts[c.index],
                                                  compute_dtype=self.compute_dtype)
                       if c.index in self.frozen_layouts else
+                      {"grad": 4 * c.numel} if c.index in remote else
                       kind_bytes(c.numel, state_bytes=self.updater.state_bytes(c.index),
                                  compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
                       for c in self.plan.chunks}
@@ -242,7 +271,7 @@ class Engine:
         tiers = dict(self.homes.tiers) | {c: dict.fromkeys(self.kinds[c], "gpu") for c in gpu_home}
         self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
                                 state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
-                                homes=tiers, nvme=self.nvme, frozen=self.frozen_layouts)
+                                homes=tiers, nvme=self.nvme, frozen=self.frozen_layouts, remote=remote)
         if staging:
             self.store.device_staging = torch.empty(staging, dtype=torch.uint8, device=self.device)
         self.bounce = (Bounce(self.store, bounce_sizes(streamed, self.homes.tiers), pin=self.device.type == "cuda")
@@ -286,7 +315,20 @@ class Engine:
                                                device=self.device, phase=lambda: self.moments.phase)
 
     def _update_chunks(self, chunks: list[int]) -> None:
+        """Update `chunks` (their gradients complete); several ranks: reduce each onto its owner
+        first, in the given order (the same on every rank), and update this rank's own."""
+        if self.ranks is not None:
+            self._reduce_grads(chunks)
+            chunks = [c for c in chunks if self.ranks.owns(c)]
         update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks)
+
+    def _reduce_grads(self, chunks: list[int]) -> None:
+        for cid in chunks:
+            if self.plan.is_frozen(cid):
+                continue
+            mine = self.ranks.owns(cid)
+            with self.store.opened(cid, only=("grad",), write_back=mine) as work:
+                self.ranks.reduce_grad(cid, work["grad"])
 
     def _home_order(self) -> list[int]:
         """Chunks that may be gpu-home, most wanted first: trainable ones (adapters: small, and
@@ -359,45 +401,73 @@ class Engine:
         return step_over_budget(exc, act, self.needs.activations, intact=intact)
 
     def step(self, batch: Any, *, grad_accum: int = 1) -> float:
-        """Forward, backward and update on `batch`, split into `grad_accum` micro-batches."""
+        """Forward, backward and update on `batch`, split into `grad_accum` micro-batches.
+
+        The step's loss is normalised by its target tokens (offload.engine.batches.step_weights):
+        micro-batch i backpropagates loss_i * n_i / N (n_i its target tokens, N the step's), and
+        the returned loss is the step's token mean, sum of loss_i * n_i / N."""
         if not self.updater.needs_grad:
-            return self._zo_step(batch)
-        losses = []
+            return self._zo_step(batch, grad_accum)
+        total = 0.0
         finite = True
-        micro = split_batch(batch, grad_accum)
-        for i, mb in enumerate(micro):
+        world = self.ranks.world if self.ranks is not None else 1
+        micro = split_batch(batch, grad_accum * world)
+        weights = step_weights(micro)
+        mine = [i for i in range(len(micro)) if self.ranks is None or i % world == self.ranks.rank]
+        for i in mine:
+            mb = micro[i]
             loss = self.forward(mb)
             if self.skip_nonfinite:  # known before backward: no chunk may update early then
                 finite = finite and bool(torch.isfinite(loss.detach()).all())
             # the last micro-batch's gradients are final: chunks may update as they complete
             # (once the first backward has counted each chunk's gradients)
             self.grads.early_on = (self.grads.early is not None and self.grad_clip is None
-                                   and i == len(micro) - 1 and self.grads.uses is not None and finite)
+                                   and i == mine[-1] and self.grads.uses is not None and finite
+                                   and not (self.ranks is not None and self.skip_nonfinite))
             try:
-                self.backward(loss / grad_accum if grad_accum > 1 else loss)
+                self.backward(loss * weights[i] if weights[i] != 1.0 else loss)
             finally:
                 self.grads.early_on = False
-            losses.append(loss.detach().float().item())
+            total += loss.detach().float().item() * weights[i]
+        if self.ranks is not None:
+            total = float(self.ranks.sum_(torch.tensor([total], dtype=torch.float64), "summing the loss")[0])
+            finite = self.ranks.all_true(finite, "checking the losses are finite")
         self.optimizer_step(skip=not finite)
-        return sum(losses) / len(losses)
+        return total
 
-    def _zo_step(self, batch: Any) -> float:
-        """MeZO: one forward over the doubled batch gives both losses; then the update."""
+    def _zo_step(self, batch: Any, grad_accum: int = 1) -> float:
+        """MeZO: per micro-batch, one forward over the doubled rows gives both losses, all with
+        the step's z; the step's two losses are the micro-batches' weighted by their target
+        tokens (step_weights); then the update. Several ranks (DistZO2's idea): every rank
+        draws the same z (the step seed), evaluates micro-batch i when i mod world is its rank,
+        and only the two losses are summed over the ranks; each owner updates its chunks."""
         self._begin_cycle()
+        world = self.ranks.world if self.ranks is not None else 1
+        micro = split_batch(batch, grad_accum * world)
+        weights = step_weights(micro)
+        pos = neg = 0.0
         with self.moments.timed(Phase.FORWARD):
             self.updater.begin_step()
-            batch = to_device(batch, self.device)
-            half = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
-            self.zo_batch = half
-            try:
-                with torch.no_grad(), self.residency.reading():
-                    loss_pos, loss_neg = hf_split_losses(self.model, batch, half)
-            finally:
-                self.zo_batch = None
-            self.updater.projected_grad = (loss_pos - loss_neg) / (2.0 * self.updater.eps)
-        finite = bool(torch.isfinite(torch.as_tensor([float(loss_pos), float(loss_neg)])).all())
+            for i, mb in enumerate(micro):
+                if self.ranks is not None and i % world != self.ranks.rank:
+                    continue
+                mb = to_device(mb, self.device)
+                half = next(v for v in mb.values() if isinstance(v, torch.Tensor)).shape[0]
+                self.zo_batch = half
+                try:
+                    with torch.no_grad(), self.residency.reading():
+                        loss_pos, loss_neg = hf_split_losses(self.model, mb, half)
+                finally:
+                    self.zo_batch = None
+                pos += loss_pos * weights[i]
+                neg += loss_neg * weights[i]
+            if self.ranks is not None:
+                both = self.ranks.sum_(torch.tensor([pos, neg], dtype=torch.float64), "summing the MeZO losses")
+                pos, neg = float(both[0]), float(both[1])
+            self.updater.projected_grad = (pos - neg) / (2.0 * self.updater.eps)
+        finite = bool(torch.isfinite(torch.as_tensor([float(pos), float(neg)])).all())
         self.optimizer_step(skip=self.skip_nonfinite and not finite)
-        return loss_pos
+        return pos
 
     def optimizer_step(self, *, skip: bool = False) -> None:
         """Clip (optionally) and update every chunk; then the device copies are stale. `skip`
@@ -411,13 +481,18 @@ class Engine:
 
     def _update(self, *, skip: bool) -> None:
         early = self.grads.finish_step(self.params, zero_unseen=self.updater.needs_grad)
+        rest = [c for c in range(len(self.plan.chunks)) if c not in early]
+        if self.ranks is not None:
+            if self.updater.needs_grad:
+                self._reduce_grads(rest)
+            rest = [c for c in rest if self.ranks.owns(c)]
         if self.grad_clip is not None:
-            self.last_grad_norm = self.store.clip_grads_(self.grad_clip)
+            sum_norms = None if self.ranks is None else (lambda t: self.ranks.sum_(t, "summing gradient norms"))
+            self.last_grad_norm = self.store.clip_grads_(self.grad_clip, sum_norms=sum_norms)
             skip = skip or (self.skip_nonfinite and not bool(torch.isfinite(self.last_grad_norm)))
         self.skipped_last = skip
         if not skip:
-            update_all(self.store, self.updater, self.hyper, self.bounce,
-                       chunks=[c for c in range(len(self.plan.chunks)) if c not in early])
+            update_all(self.store, self.updater, self.hyper, self.bounce, chunks=rest)
         early.clear()
         self.store.grad_scale = None
         self.residency.cache.evict_all()
@@ -461,7 +536,11 @@ class Engine:
     def _after_warmup(self) -> None:
         """Activations are known now: place chunks on the device as the budget allows."""
         act = self.ledger.kind_peak("gpu", "activation") + self.grads.gather_bytes
-        measured = self._device_needs(activations=act, pinned=self.residency.cache.pinned_peak)
+        pinned = self.residency.cache.pinned_peak
+        if self.ranks is not None:  # every rank places for the largest: the same cache, the same fetches
+            act = self.ranks.max_int(act, "agreeing on the activation peak")
+            pinned = self.ranks.max_int(pinned, "agreeing on the streaming window")
+        measured = self._device_needs(activations=act, pinned=pinned)
         self.minimum_gpu_bytes = measured.minimum
         if self.device_plan is not None:  # placed up front from an estimate: keep it if it holds
             self._hold_estimate(act)
@@ -533,17 +612,39 @@ class Engine:
             self.residency.cache.evict_all()  # the schedule of the next step starts from an empty cache
 
     def named_parameters_fp32(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, fp32 CPU tensor) for every parameter, from the master copies."""
-        yield from self.store.named_master(self.params)
+        """(name, fp32 CPU tensor) for every parameter, from the master copies. Several ranks:
+        collective (every rank iterates it all); each chunk comes from its owner."""
+        if self.ranks is None:
+            yield from self.store.named_master(self.params)
+            return
+        for cid, ch in enumerate(self.store.chunks):
+            if cid in self.plan.frozen:
+                yield from self.store.named_chunk(cid)
+                continue
+            flat = torch.empty(self.plan.chunks[cid].numel, dtype=torch.float32)
+            if self.ranks.owns(cid):
+                with self.store.opened(cid, only=("master",)) as work:
+                    flat.copy_(work["master"])
+            self.ranks.broadcast_from_owner(cid, flat)
+            for name in ch.names:
+                view = self.plan.slots[name].view(flat)
+                yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
+
+    def _single_rank(self, what: str) -> None:
+        if self.ranks is not None:
+            raise UnsupportedModel(f"{what} with several ranks is not built yet (each rank holds only its "
+                                   f"chunks' master weights and optimizer state)")
 
     def state_dict(self) -> dict[str, Any]:
         """Weights, optimizer state, step count and the model's persistent buffers (BatchNorm's
         running statistics change in training too)."""
+        self._single_rank("a checkpoint (state_dict)")
         buffers = {n: b.to("cpu", copy=True) for n, b in self.surgery.persistent_buffers().items()}
         return self.store.state_dict() | {"steps": self.steps, "optimizer_meta": self.updater.meta_state(),
                                           "buffers": buffers}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._single_rank("resuming a checkpoint (load_state_dict)")
         own = self.surgery.persistent_buffers()
         unknown = sorted(set(sd.get("buffers", {})) - set(own))
         if unknown:
@@ -568,5 +669,7 @@ class Engine:
         if self.nvme is not None:
             self.nvme.close()
         self.surgery.close()
+        if self.ranks is not None:
+            self.ranks.close()
         # no placeholder values left: a use of the closed model fails loudly (meta tensors)
         self.surgery.to_meta(self.params.values())

@@ -7,7 +7,9 @@ head through F.linear, nn.MultiheadAttention's out_proj.weight) is seen by the r
 (offload.engine.reads) and made resident for the innermost frame, released when it ends.
 The first step records the access trace (offload.runtime.trace); later steps carry out the
 schedule made from it (evictions and prefetches around each acquisition). The chunks' bytes
-come from their home tier (`fetch`: host, CXL, or NVMe through a bounce buffer).
+come from their home tier (`fetch`: host, CXL, or NVMe through a bounce buffer); with several
+ranks (offload.engine.ranks), a trainable chunk's bytes come from its owner's home: the owner
+fills the buffer and broadcasts it, on the copy thread, in the same order on every rank.
 
 Also the storage identities the saved-tensor hooks need: `streamed_storage` (a resident copy's
 storage -> its chunk) and `home_storage` (the storages of device-home chunks).
@@ -48,11 +50,13 @@ class Residency:
                  params: dict[str, torch.nn.Parameter], param_names: dict[torch.nn.Parameter, str],
                  module_chunks: dict[torch.nn.Module, list[int]], timeline: Timeline,
                  name_of: Callable[["torch.nn.Module | None"], str], borrow_refusal: str | None = None,
-                 cxl: CxlAllocator | None = None, nvme: NvmeStore | None = None, bounce: Bounce | None = None):
+                 cxl: CxlAllocator | None = None, nvme: NvmeStore | None = None, bounce: Bounce | None = None,
+                 ranks: Any = None):
         self.store, self.plan, self.executor = store, store.plan, executor
         self.params, self.param_names, self.module_chunks = params, param_names, module_chunks
         self.timeline, self.name_of, self.borrow_refusal = timeline, name_of, borrow_refusal
         self.cxl, self.nvme, self.bounce = cxl, nvme, bounce
+        self.ranks = ranks  # offload.engine.ranks.Ranks, or None on one rank
         self.device = tiers.device
         self.streamed_storage: dict[int, int] = {}  # storage_key of a resident copy -> chunk
         self.home_storage: set[int] = set()  # storage_key of device-home chunks
@@ -81,9 +85,16 @@ class Residency:
 
     # -- the cache's callbacks (compute thread) -------------------------------------------
     def _fetch(self, cid: int, buf: torch.Tensor) -> Ticket:
-        """Start copying chunk `cid`'s compute copy from its home tier into device `buf`."""
+        """Start copying chunk `cid`'s compute copy from its home tier into device `buf` (several
+        ranks: the owner's copy, broadcast to every rank)."""
         src = self.store.compute_source(cid)
         links = (self.cxl.link_out,) if self.cxl is not None and self.store.compute_tier(cid) == "cxl" else ()
+        ranks = self.ranks if self.ranks is not None and cid in self.ranks.owner else None
+        if src is None:  # a remote chunk: its owner sends it
+            def fn(stream: Any) -> None:
+                ranks.broadcast_chunk(cid, buf)
+
+            return self.executor.job("h2d", fn, nbytes=buf.numel() * buf.element_size())
         if isinstance(src, SwapKind):
             staging = self.bounce.staging_for(src)
 
@@ -94,6 +105,12 @@ class Residency:
             def fn(stream: Any) -> None:
                 self.store.to_compute(cid, src, buf, non_blocking=stream is not None)
         nbytes = src.nbytes if isinstance(src, SwapKind) else src.numel() * src.element_size()  # encoded: less
+        if ranks is not None:  # the owner: fill, then send
+            fill = fn
+
+            def fn(stream: Any) -> None:
+                fill(stream)
+                ranks.broadcast_chunk(cid, buf)
         return self.executor.job("h2d", fn, nbytes=nbytes, links=links)
 
     def _on_resident(self, cid: int, buf: torch.Tensor) -> None:

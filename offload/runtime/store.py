@@ -9,6 +9,9 @@ For chunk c (flat tensors of plan.chunks[c].numel elements, sharing the slot lay
 A frozen chunk (requires_grad=False parameters, offload.runtime.frozen) has only its compute
 copy, in the compute dtype or, encoded, as a byte blob the device decodes; it is loaded once
 and never written back (no master, grad or state; the optimizer never sees it).
+A *remote* chunk (several ranks, offload.engine.ranks) is a trainable chunk another rank owns:
+only its grad accumulator is here (no master, state or compute copy; its compute copy is
+gathered from the owner into the device buffer).
 A kind lives in `host`, `cxl` (tensors bound to a CXL node), `nvme` (a swap file, see
 SwapKind) or, after `promote`, `gpu`. NVMe-resident kinds are brought into bounce buffers
 for the update (`offload.update_loop`) and streamed through a staging buffer to the device.
@@ -97,8 +100,11 @@ class ChunkStore:
 
     def __init__(self, *, plan: ChunkPlan, tiers: Tiers, compute_dtype: torch.dtype,
                  state_bytes: "Callable[[int], int]", needs_grad: bool, homes: dict[int, dict[str, str]],
-                 nvme: NvmeStore | None = None, frozen: "dict[int, FrozenLayout | None] | None" = None):
-        """`frozen`: per frozen chunk of `plan`, its blob layout when encoded, else None."""
+                 nvme: NvmeStore | None = None, frozen: "dict[int, FrozenLayout | None] | None" = None,
+                 remote: frozenset[int] = frozenset()):
+        """`frozen`: per frozen chunk of `plan`, its blob layout when encoded, else None.
+        `remote`: trainable chunks another rank owns (only their gradient lives here)."""
+        self.remote = remote
         self.plan, self.tiers, self.compute_dtype = plan, tiers, compute_dtype
         self.frozen = dict(frozen or {})
         self.device_staging: torch.Tensor | None = None  # CUDA: where encoded chunks land to be decoded
@@ -133,6 +139,11 @@ class ChunkStore:
             compute = (self._new(cid, "compute", "compute", tier, torch.uint8, layout.nbytes) if layout is not None
                        else self._new(cid, "compute", "compute", tier, self.compute_dtype))
             return _Chunk(tiers={"compute": tier}, master=None, grad=None, state=None, compute=compute,
+                          step=torch.zeros((), dtype=torch.float32), names=self.plan.chunks[cid].params)
+        if cid in self.remote:
+            tier = tiers.get("grad", "host")
+            return _Chunk(tiers={"grad": tier}, master=None, state=None,
+                          grad=self._new(cid, "grad", "grad", tier, torch.float32) if self.needs_grad else None,
                           step=torch.zeros((), dtype=torch.float32), names=self.plan.chunks[cid].params)
         tiers = dict(tiers)
         tiers.setdefault("state", tiers.get("master", "host"))
@@ -187,7 +198,7 @@ class ChunkStore:
     def is_gpu_home(self, cid: int) -> bool:
         """The parameters point at the home compute copy for good (never an encoded chunk)."""
         tiers = self.chunks[cid].tiers
-        tier = tiers["compute"] if cid in self.frozen else tiers["master"]
+        tier = tiers["compute"] if cid in self.frozen else tiers.get("master")
         return tier == "gpu" and self.frozen.get(cid) is None
 
     def is_frozen(self, cid: int) -> bool:
@@ -214,9 +225,10 @@ class ChunkStore:
         ch = self.chunks[cid]
         return ch.compute if ch.compute is not None else ch.master
 
-    def compute_tier(self, cid: int) -> str:
+    def compute_tier(self, cid: int) -> str | None:
+        """The home tier of chunk `cid`'s compute copy (None: a remote chunk has none here)."""
         ch = self.chunks[cid]
-        return ch.tiers["compute" if ch.compute is not None else "master"]
+        return ch.tiers.get("compute" if ch.compute is not None else "master")
 
     def grad_view(self, slot: Slot) -> torch.Tensor:
         """[numel] in the slot's memory order (see offload.core.chunks)."""
@@ -255,6 +267,8 @@ class ChunkStore:
                     raise KeyError(f"no parameter named {name!r} in this model")
                 if tuple(tensor.shape) != s.shape:
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {s.shape}")
+                if s.chunk in self.remote:  # its owner stores it
+                    continue
                 work = open_chunks.get(s.chunk)
                 if work is None:
                     if len(open_chunks) >= 2:  # bound the memory: write back the oldest
@@ -308,26 +322,36 @@ class ChunkStore:
             if p not in seen and grad is not None and not isinstance(grad, SwapKind):
                 self.grad_view(self.plan.slots[name]).zero_()
 
-    def clip_grads_(self, max_norm: float) -> torch.Tensor:
+    def clip_grads_(self, max_norm: float, *, sum_norms: "Callable[[torch.Tensor], torch.Tensor] | None" = None
+                    ) -> torch.Tensor:
         """Global-norm clipping, computed as torch.nn.utils.clip_grad_norm_ does.
 
         The norm is taken per parameter with the same kernel and in the same order as the
         reference (chunk by chunk, so gradients on NVMe are read one chunk at a time), then the
         norm of those norms. In-memory gradients are scaled now, whole chunks at once (padding
         is zero); gradients on NVMe get `grad_scale` applied when the update reads them.
+        Several ranks: a remote chunk's parameters contribute norms of 0 and `sum_norms` sums
+        the vector of per-parameter norms over the ranks (each norm comes from one rank, the
+        others add zeros: exact), so every rank takes the reference's norm of all of them.
         """
         norms: list[torch.Tensor] = []
         for cid, ch in enumerate(self.chunks):
             if ch.grad is None:  # frozen
                 continue
+            if cid in self.remote:
+                norms.extend(torch.zeros((), dtype=torch.float32) for _ in ch.names)
+                continue
             with self.opened(cid, only=("grad",)) as work:
                 views = [self.plan.slots[n].view(work["grad"]) for n in ch.names]  # as the reference's grads
                 norms.extend(torch._foreach_norm(views, 2.0))
         first = norms[0].device
-        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+        stacked = torch.stack([n.to(first) for n in norms])
+        if sum_norms is not None:
+            stacked = sum_norms(stacked)
+        total = torch.linalg.vector_norm(stacked, 2.0)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        for ch in self.chunks:
-            if ch.grad is not None and not isinstance(ch.grad, SwapKind):
+        for cid, ch in enumerate(self.chunks):
+            if ch.grad is not None and not isinstance(ch.grad, SwapKind) and cid not in self.remote:
                 ch.grad.mul_(coef.to(ch.grad.device))
         self.grad_scale = coef
         return total
@@ -343,6 +367,17 @@ class ChunkStore:
                         continue
                     view = self.plan.slots[name].view(work["master"])
                     yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
+
+    def named_chunk(self, cid: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, fp32 CPU copy) of the parameters of one chunk this rank stores."""
+        ch = self.chunks[cid]
+        with self.opened(cid) as work:
+            for name in ch.names:
+                if cid in self.frozen:
+                    yield name, self._frozen_value(cid, name, work["compute"])
+                    continue
+                view = self.plan.slots[name].view(work["master"])
+                yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
     def _frozen_value(self, cid: int, name: str, data: torch.Tensor) -> torch.Tensor:
         """A frozen parameter as a contiguous fp32 CPU tensor (decoded when encoded)."""

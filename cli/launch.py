@@ -1,0 +1,99 @@
+"""Several processes on one node: torchrun's environment, the default process group, the
+share of the node's budgets each local rank gets, and `--nproc-per-node N` as a shorthand that
+starts torchrun.
+
+`torchrun --nproc-per-node N -m tierwise.cli.main ...` (or `accelerate launch`, which sets the
+same variables) runs one `finetune` per rank: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and
+the rendezvous (MASTER_ADDR/PORT) come from it. `finetune --nproc-per-node N ...` re-executes
+itself under `python -m torch.distributed.run --standalone --nproc-per-node N`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from ..offload.core.errors import TierwiseError
+
+#: seconds a collective waits for the other ranks (a rank that died: the others fail within it)
+DIST_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    local_world: int = 1
+
+    @property
+    def several(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that prints, writes --output and exports."""
+        return self.rank == 0
+
+
+def from_env(env: "dict[str, str] | None" = None) -> RankInfo:
+    """This process's place among torchrun's ranks (one rank without torchrun's variables)."""
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return RankInfo()
+    local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    return RankInfo(rank=int(env["RANK"]), world=world, local_rank=int(env.get("LOCAL_RANK", "0")),
+                    local_world=local_world)
+
+
+def init_group(info: RankInfo, *, timeout_s: float = DIST_TIMEOUT_S) -> None:
+    """Join the default process group (gloo on the CPU, NCCL with CUDA) from torchrun's
+    environment; each rank takes its local GPU."""
+    import torch
+    import torch.distributed as dist
+
+    if not info.several or dist.is_initialized():
+        return
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank)
+        backend = "nccl"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def node_share(nbytes: "int | None", info: RankInfo) -> "int | None":
+    """A node's budget (--cpu-mem, --cxl-mem) divided among its local ranks."""
+    return None if nbytes is None else nbytes // info.local_world
+
+
+def relaunch(nproc: int, argv: list[str]) -> int:
+    """Run this command again under torchrun with `nproc` processes; their exit code."""
+    if nproc < 1:
+        raise TierwiseError(f"--nproc-per-node must be at least 1, got {nproc}")
+    args = drop_option(argv, "--nproc-per-node")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--tee=0", "-m", "tierwise.cli.main", *args]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.setdefault("LOGLEVEL", "ERROR")  # torchrun's own banner: the ranks speak for themselves
+    return subprocess.run(cmd, env=env).returncode
+
+
+def drop_option(argv: list[str], flag: str) -> list[str]:
+    """`argv` without `flag VALUE` / `flag=VALUE`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = True
+            continue
+        if a.startswith(flag + "="):
+            continue
+        out.append(a)
+    return out

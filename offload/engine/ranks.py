@@ -1,0 +1,139 @@
+"""Several ranks over torch.distributed: who owns which chunk, and the collectives on chunks.
+
+Shard layout: whole chunks per rank. The k-th trainable chunk (in chunk order) belongs to rank
+k mod N: only its owner stores its fp32 master and optimizer state (in the owner's tiers: host,
+CXL, NVMe) and updates it. Before a chunk is used its compute copy is *gathered*: the owner
+fills the device buffer from its home, as one rank does, and broadcasts it to the others, into
+the same device window (the resident cache) as on one rank. Gradients: every rank accumulates
+its own micro-batches in a grad chunk of its own (as one rank does); once a chunk's gradients
+are complete (in the last micro-batch, as the early update sees them, else at the step's end)
+they are reduced (summed) onto its owner, who updates it. Frozen chunks (a LoRA base) are not
+sharded: every rank holds them.
+
+Why whole chunks, not a slice of every chunk (ZeRO-3's layout): every updater runs unchanged on
+whole chunks -- torch's fused AdamW sees each parameter as one rank does (bit-exact), AdamW8bit
+keeps its 2048-element blocks, and a GaLore/APOLLO projection has its whole matrix -- and the
+collectives are plain broadcast/reduce. The cost: with few chunks the ranks' shares are uneven
+(chunk count / N rounded), and one owner's host link feeds each gather where slices would use
+all N links at once (ZeRO-Infinity's bandwidth-centric argument). What should decide: on a
+multi-GPU node, the step time and per-rank host-link busy time of both layouts at the same
+budget; slices win where the host->device link, not NVLink, is the bottleneck.
+
+Order of collectives. Collectives of one process group must run in the same order on every
+rank. Three groups, one per thread that issues them: `gather` (the executor's h2d copy thread:
+fetches in the order the residency asks for them, which is the same on every rank because the
+trace, the placement and the cache limit are the same: the activation peak that sizes the cache
+is the maximum over ranks, and no trainable chunk is gpu-home), `grads` (the early-update worker
+or the compute thread at the step's end, never both at once) and `main` (the compute thread:
+loss, token counts, gradient norms, exports). Every collective has a timeout (`timeout`): a
+rank that died makes the others fail within it, with the rank named.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..core.errors import TierwiseError
+
+DEFAULT_TIMEOUT_S = 60.0
+#: optimizers whose update runs on whole chunks as on one rank (MeZO: with its own step, the
+#: seed shared and the two losses summed). GaLore/APOLLO would work on whole chunks too but are
+#: not tested sharded yet: refused.
+SHARDED_OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "mezo")
+
+
+class RankFailure(TierwiseError):
+    """A collective failed: another rank died, raised or stopped answering."""
+
+
+def _cause(exc: BaseException) -> str:
+    """The backend's reason in a few words: its first sentence, without the source location."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(". ")[0][:160]
+
+
+def default_group() -> Any:
+    """The initialised default process group when it spans several ranks, else None."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+class Ranks:
+    """The engine's ranks: `rank`, `world`, the owner of each trainable chunk, three process
+    groups over the ranks of `group` and the collectives on chunk storage."""
+
+    def __init__(self, group: Any, *, trainable: list[int], timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        members = dist.get_process_group_ranks(group)
+        self.global_rank = members  # group rank -> global rank (collectives name global ranks)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        # every rank of the default group takes part in new_group (all ranks build an Engine)
+        self.gather_group, self.grad_group, self.main_group = (
+            dist.new_group(ranks=members, timeout=timeout) for _ in range(3))
+        self.owner = {cid: k % self.world for k, cid in enumerate(trainable)}
+
+    def owns(self, cid: int) -> bool:
+        """True for a chunk this rank stores and updates (frozen chunks: every rank)."""
+        return self.owner.get(cid, self.rank) == self.rank
+
+    def remote(self) -> frozenset[int]:
+        """Trainable chunks another rank owns."""
+        return frozenset(c for c, r in self.owner.items() if r != self.rank)
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, dist.DistBackendError) as exc:  # gloo: a peer closed or timed out
+            raise RankFailure(f"rank {self.rank}: {what} failed: {self._others()} stopped "
+                              f"({_cause(exc)})") from exc
+
+    def _others(self) -> str:
+        others = [r for r in range(self.world) if r != self.rank]
+        return f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
+
+    # -- chunks ---------------------------------------------------------------------------
+    def broadcast_chunk(self, cid: int, buf: torch.Tensor) -> None:
+        """The owner's device copy of chunk `cid` into `buf` on every rank (byte for byte)."""
+        self._call(f"gathering chunk {cid} from rank {self.owner[cid]}", dist.broadcast,
+                   buf.view(torch.uint8), src=self.global_rank[self.owner[cid]], group=self.gather_group)
+
+    def reduce_grad(self, cid: int, grad: torch.Tensor) -> None:
+        """Sum chunk `cid`'s gradient over the ranks onto its owner (others' `grad` is scratch)."""
+        self._call(f"reducing the gradients of chunk {cid} onto rank {self.owner[cid]}", dist.reduce,
+                   grad, dst=self.global_rank[self.owner[cid]], op=dist.ReduceOp.SUM, group=self.grad_group)
+
+    def broadcast_from_owner(self, cid: int, t: torch.Tensor) -> None:
+        """`t` from chunk `cid`'s owner to every rank (compute thread: exports)."""
+        self._call(f"reading chunk {cid} from rank {self.owner[cid]}", dist.broadcast,
+                   t, src=self.global_rank[self.owner[cid]], group=self.main_group)
+
+    # -- scalars and small vectors (compute thread) ----------------------------------------
+    def sum_(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        self._call(what, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=self.main_group)
+        return t
+
+    def max_int(self, value: int, what: str) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        self._call(what, dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.main_group)
+        return int(t.item())
+
+    def all_true(self, flag: bool, what: str) -> bool:
+        t = torch.tensor([0 if flag else 1], dtype=torch.int64)
+        self._call(what, dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.main_group)
+        return int(t.item()) == 0
+
+    def close(self) -> None:
+        for g in (self.gather_group, self.grad_group, self.main_group):
+            try:
+                dist.destroy_process_group(g)
+            except Exception:  # noqa: BLE001 - the default group may be gone already
+                pass

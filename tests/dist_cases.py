@@ -1,0 +1,190 @@
+"""Several ranks in processes (gloo on the CPU): what each rank of tests/test_dist.py runs.
+
+`spawn(world, cases, tmp)` starts `world` processes; each joins a gloo group (file rendezvous
+under `tmp`), runs every case of `cases` and rank 0 saves the results to `tmp/results.pt`:
+per case the step losses, the final weights (gathered) and each rank's device peak. A case
+is a dict: `kind` ("engine" or "ddp"), `data` ("plain" or "masked"), `steps`, `grad_accum`
+(per rank), and Engine keywords for "engine" (`nvme`: each rank its own swap directory).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.models import batches, masked_batches, tiny_llama, token_weights
+
+TINY = dict(layers=2, hidden=32, vocab=64)
+CHUNK = 8 << 10  # ~13 chunks: every rank owns several
+
+
+def data_for(name: str, steps: int, rows: int) -> list[dict]:
+    if name == "masked":
+        return masked_batches(steps, batch=rows, seq=12, vocab=64)
+    return batches(steps, batch=rows, seq=12, vocab=64)
+
+
+def engine_case(case: dict, rank: int, world: int, tmp: Path) -> dict:
+    from tierwise.offload import Engine
+
+    kw = dict(case.get("engine", {}))
+    if kw.pop("nvme", False):
+        kw["nvme_path"] = str(tmp / f"nvme-{rank}")
+        os.makedirs(kw["nvme_path"], exist_ok=True)
+    accum = case["grad_accum"]
+    data = data_for(case["data"], case["steps"], rows=accum * world * 2)
+    eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, **kw)
+    losses = [eng.step(b, grad_accum=accum) for b in data]
+    weights = dict(eng.named_parameters_fp32())
+    peaks = [0] * world
+    peaks[rank] = eng.ledger.peaks()["gpu"]
+    t = torch.tensor(peaks, dtype=torch.int64)
+    dist.all_reduce(t)
+    owned = sum(1 for c in eng.plan.chunks if eng.ranks.owns(c.index))
+    homes = {tier: sorted(kinds) for tier, kinds in eng.homes.bytes.items() if any(kinds.values())}
+    eng.close()
+    return {"losses": losses, "weights": weights, "gpu_peaks": t.tolist(), "owned_chunks": owned,
+            "chunks": len(eng.plan.chunks), "homes": homes}
+
+
+def refusals() -> dict:
+    """What several ranks refuse, each as its one-line message."""
+    from tierwise.offload import Engine
+
+    out = {}
+    for opt in ("galore", "apollo"):
+        try:
+            Engine(tiny_llama(**TINY), optimizer=opt, chunk_bytes=CHUNK)
+        except Exception as exc:  # noqa: BLE001 - the message is what is checked
+            out[opt] = str(exc)
+    eng = Engine(tiny_llama(**TINY), chunk_bytes=CHUNK)
+    try:
+        eng.state_dict()
+    except Exception as exc:  # noqa: BLE001
+        out["state_dict"] = str(exc)
+    eng.close()
+    return out
+
+
+def ddp_case(case: dict, rank: int, world: int) -> dict:
+    """Plain DistributedDataParallel + torch.optim.AdamW(fused=True) on the same split: micro-batch
+    i of a step on rank i mod world, each loss weighted by its share of the step's target
+    tokens; DDP's average replaced by a sum (a communication hook), as the engine sums."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    accum = case["grad_accum"]
+    data = data_for(case["data"], case["steps"], rows=accum * world * 2)
+    model = DDP(tiny_llama(**TINY))
+
+    def sum_hook(state, bucket):
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+    model.register_comm_hook(None, sum_hook)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    losses = []
+    for b in data:
+        n = accum * world
+        micro = [{k: v.chunk(n)[i] for k, v in b.items()} for i in range(n)]
+        weights = token_weights(micro)
+        mine = [i for i in range(n) if i % world == rank]
+        total = 0.0
+        for j, i in enumerate(mine):
+            ctx = model.no_sync() if j < len(mine) - 1 else _null()
+            with ctx:
+                loss = model(**micro[i]).loss
+                (loss * weights[i] if weights[i] != 1.0 else loss).backward()
+            total += loss.item() * weights[i]
+        t = torch.tensor([total], dtype=torch.float64)
+        dist.all_reduce(t)
+        losses.append(float(t[0]))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.module.named_parameters()}}
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _worker(rank: int, world: int, cases: list[dict], tmp: str) -> None:
+    torch.set_num_threads(1)
+    tmp_path = Path(tmp)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        out = []
+        for case in cases:
+            torch.manual_seed(0)
+            if case["kind"] == "refusals":
+                out.append(refusals())
+            else:
+                out.append(ddp_case(case, rank, world) if case["kind"] == "ddp"
+                           else engine_case(case, rank, world, tmp_path))
+        if rank == 0:
+            torch.save(out, tmp_path / "results.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, cases: list[dict], tmp: "Path | None" = None) -> list[dict]:
+    """Run `cases` on `world` gloo ranks in processes; rank 0's results."""
+    import torch.multiprocessing as mp
+
+    tmp = Path(tmp or tempfile.mkdtemp(prefix="tierwise-dist-"))
+    mp.start_processes(_worker, args=(world, cases, str(tmp)), nprocs=world, start_method="spawn")
+    return torch.load(tmp / "results.pt")
+
+
+def _die_worker(rank: int, world: int, tmp: str, timeout_s: float) -> None:
+    """Rank 1 is killed (SIGKILL) in the forward of step 2; rank 0 records how it stopped."""
+    import signal
+    import sys
+    import time
+
+    from tierwise.offload import Engine
+
+    torch.set_num_threads(1)
+    tmp_path = Path(tmp)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+    def loss_fn(model, batch):
+        if rank == 1 and eng.steps == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return model(**batch).loss
+
+    eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, loss_fn=loss_fn, dist_timeout=timeout_s)
+    data = data_for("plain", 3, rows=4)
+    t0 = time.perf_counter()
+    try:
+        for b in data:
+            t0 = time.perf_counter()
+            eng.step(b)
+    except Exception as exc:  # noqa: BLE001 - what the survivor reports is the result
+        torch.save({"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0},
+                   tmp_path / "results.pt")
+        sys.exit(3)
+
+
+def spawn_dying(tmp: Path, *, timeout_s: float = 20.0) -> tuple[dict, list]:
+    """Two ranks, rank 1 killed mid-step: (rank 0's record, the exit codes)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_die_worker, args=(2, str(tmp), timeout_s), nprocs=2, start_method="spawn",
+                             join=False)
+    for p in ctx.processes:
+        p.join(timeout=timeout_s * 3 + 60)
+    codes = [p.exitcode for p in ctx.processes]
+    for p in ctx.processes:
+        if p.exitcode is None:
+            p.kill()
+    return (torch.load(tmp / "results.pt") if (tmp / "results.pt").exists() else {}), codes
