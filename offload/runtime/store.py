@@ -332,10 +332,13 @@ class ChunkStore:
         self.grad_scale = coef
         return total
 
-    def named_master(self, params: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_master(self, params: dict[str, Any], *, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, fp32 CPU copy) in chunk order, one chunk in memory at a time. The copies are
-        contiguous (what an exporter writes), whatever the parameters' strides."""
+        contiguous (what an exporter writes), whatever the parameters' strides. `trainable_only`:
+        frozen chunks are skipped (not read)."""
         for cid, ch in enumerate(self.chunks):
+            if trainable_only and cid in self.frozen:
+                continue
             with self.opened(cid) as work:
                 for name in ch.names:
                     if cid in self.frozen:
