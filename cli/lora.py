@@ -110,6 +110,11 @@ def summary(cfg: TrainConfig, model: torch.nn.Module) -> str:
             f"base {base}{quant}")
 
 
+def label(cfg: TrainConfig) -> str:
+    """The progress line's and plots' short name of a LoRA run, e.g. "QLoRA r=16 nf4"."""
+    return f"{'QLoRA' if cfg.qlora else 'LoRA'} r={cfg.lora_rank} {cfg.base_dtype or cfg.precision}"
+
+
 def _size(n: int) -> str:
     from ..offload.core.units import format_size
 
@@ -129,7 +134,8 @@ def export_adapter(named: Iterable[tuple[str, torch.Tensor]], model: torch.nn.Mo
 
     state = {n: t.to(dtype).contiguous() for n, t in named}
     adapters = {f"base_model.model.{k}": v for k, v in
-                get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER).items()}
+                get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER,
+                                          save_embedding_layers=False).items()}
     if not adapters:
         raise ConfigError("LoRA export: the model has no adapters")  # nothing trained: never an empty dir
     out.mkdir(parents=True, exist_ok=True)

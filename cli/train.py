@@ -461,7 +461,8 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
     step and raises a one-line InfeasibleBudget (exit 2)."""
     step, in_a_row = start, 0
     with MetricsWriter(out / "metrics.jsonl") as metrics, _StopFlag() as stop, \
-            TrainProgress(console=console, total=total, start=start) as bar:
+            TrainProgress(console=console, total=total, start=start,
+                          label=lora_mod.label(cfg) if cfg.lora else "") as bar:
         while step < total:
             lr = schedule.lr_at(step)
             engine.set_lr(lr)
@@ -562,7 +563,9 @@ def _finish(engine, cfg: TrainConfig, src: ModelSource, out: Path, console: Cons
         dtype = cfg.export_dtype or "fp32"
         adapter_dir = lora_mod.export_adapter(engine.named_parameters_fp32(trainable_only=True), model,
                                               out / lora_mod.ADAPTER_DIR, dtype=_TORCH_DTYPES[dtype])
-        _plots(engine, out)
+        trainable, total = lora_mod.counts(model)
+        _plots(engine, out, title=f"{lora_mod.label(cfg)}: {trainable:,} trainable parameters "
+                                  f"({100 * trainable / max(total, 1):.2f}%)")
         console.print(f"done: {lora_mod.summary(cfg, model)}", highlight=False, soft_wrap=True)
         console.print(f"PEFT adapter exported to {adapter_dir} ({dtype}; load it with "
                       f"peft.PeftModel.from_pretrained(base, \"{adapter_dir}\")); metrics.jsonl, plots and "
@@ -581,7 +584,8 @@ def _finish(engine, cfg: TrainConfig, src: ModelSource, out: Path, console: Cons
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _plots(engine, out: Path) -> None:
-    plot_loss(read_metrics(out / "metrics.jsonl"), out / "loss.png")
+def _plots(engine, out: Path, *, title: str = "") -> None:
+    plot_loss(read_metrics(out / "metrics.jsonl"), out / "loss.png", title=f"loss · {title}" if title else "loss")
     if engine.timeline:
-        plot_timeline(engine.timeline, out / "memory_timeline.png")
+        plot_timeline(engine.timeline, out / "memory_timeline.png",
+                      title=f"memory per tier over one step · {title}" if title else "")
