@@ -52,12 +52,16 @@ def check_targets(model: torch.nn.Module, targets: "list[str] | str") -> None:
                               f"(its linear layers: {', '.join(leaves)})")
 
 
-def inject(model: torch.nn.Module, config, *, seed: int) -> dict[str, str]:
+def inject(model: torch.nn.Module, config, *, seed: int, values: bool = True) -> dict[str, str]:
     """Inject `config`'s adapters into the meta-device `model` in place, initialised by PEFT as
     after `torch.manual_seed(seed)`; returns {checkpoint parameter name: its name now}
-    (`...q_proj.weight` -> `...q_proj.base_layer.weight`). Base parameters stay meta, frozen."""
+    (`...q_proj.weight` -> `...q_proj.base_layer.weight`). Base parameters stay meta, frozen.
+    `values=False`: the adapters stay meta too (to count them: --dry-run of a 70B model)."""
     from peft import inject_adapter_in_model
 
+    if not values:
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+        return {}
     before = {id(p): n for n, p in model.named_parameters()}
     originals: dict[tuple[torch.nn.Module, str], torch.nn.Parameter] = {}
     stand_ins: dict[int, torch.nn.Parameter] = {}  # tied parameters share one stand-in

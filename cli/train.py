@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -404,8 +405,10 @@ def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None) ->
     if trainer is None:
         trainer = ckpt.load_trainer(ckpt.latest_checkpoint(out))
     saved = trainer.get("config", {}) if isinstance(trainer, dict) else {}
+    # an option a checkpoint does not record (written before it existed) had its default
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.init}
     changed = [k for k in TrainConfig.DATA_KEYS + TrainConfig.STATE_KEYS + TrainConfig.LORA_KEYS
-               if not _same_option(k, saved.get(k), getattr(cfg, k))
+               if not _same_option(k, saved.get(k, defaults[k]), getattr(cfg, k))
                and not (k == "optimizer" and cfg.reset_optimizer)]
     if changed:
         was = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)}" for k in changed)

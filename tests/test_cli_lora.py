@@ -226,6 +226,19 @@ def test_resume_with_other_lora_flags_is_one_line(assets, tmp_path, monkeypatch)
     assert "--lora-rank" in line  # a full fine-tune cannot continue a LoRA checkpoint
 
 
+def test_checkpoint_from_before_the_lora_options_resumes(assets, tmp_path, monkeypatch):
+    """A full fine-tune's checkpoint whose config has no LoRA keys (written before they existed)."""
+    out = tmp_path / "run"
+    real = TrainConfig.to_dict
+    monkeypatch.setattr(TrainConfig, "to_dict", lambda self: {k: v for k, v in real(self).items()
+                                                              if k not in TrainConfig.LORA_KEYS})
+    _finetune(_args(assets["untied"], assets, out, steps=1), monkeypatch)
+    assert "lora_rank" not in ckpt.load_trainer(ckpt.latest_checkpoint(out))["config"]
+    monkeypatch.setattr(TrainConfig, "to_dict", real)
+    _finetune(_args(assets["untied"], assets, out, "--resume", steps=2), monkeypatch)
+    assert len(_losses(out)) == 2
+
+
 # -- user errors: one line, exit 2 ------------------------------------------------------------
 
 @pytest.mark.parametrize("flags,expect", [
