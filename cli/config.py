@@ -112,10 +112,12 @@ def raise_config_error(ctx) -> None:
 
 
 # Panels of `finetune --help`.
-PANELS = MODEL, MEMORY, OPTIM, SCHED, OUTPUT, HW = ("Model & data", "Memory budget", "Optimizer",
-                                                    "Schedule", "Output & resume", "Hardware & plan")
+PANELS = MODEL, LORA, MEMORY, OPTIM, SCHED, OUTPUT, HW = (
+    "Model & data", "LoRA / QLoRA", "Memory budget", "Optimizer", "Schedule", "Output & resume", "Hardware & plan")
 PRECISIONS_EXPORT = ("bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
+BASE_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4")  # offload.runtime.codecs.BASE_DTYPES (no torch here)
+QLORA_RANK = 16  # --qlora's rank unless --lora-rank is given
 
 
 def option(help: str, *, panel: str, flag: str | None = None, choices: tuple[str, ...] | None = None,
@@ -156,6 +158,22 @@ class TrainConfig:
     """Micro-batch size; one optimizer step sees batch_size * grad_accum sequences."""
     grad_accum: int = _f(1, "Micro-batches per optimizer step.", panel=OPTIM, plan=True)
     pack: bool = _f(True, "Pack rows into full sequences (else truncate/pad each row).", panel=MODEL)
+    lora_rank: int | None = _f(None, "Train LoRA adapters of this rank over a frozen base instead of every "
+                               "weight (PEFT's LoRA; the export is a PEFT adapter directory, OUTPUT/adapter). "
+                               "Default: full fine-tuning.", panel=LORA, plan=True)
+    """LoRA rank; None: full fine-tuning (with --qlora: QLORA_RANK)."""
+    lora_alpha: float | None = _f(None, "LoRA scaling numerator (the update is alpha/rank * B A). Default: "
+                                  "2 x rank.", panel=LORA, plan=True)
+    """Decision: 2 x rank when not given (the common choice, e.g. r=16 alpha=32), resolved here."""
+    lora_dropout: float = _f(0.0, "Dropout on the adapters' input, in [0, 1).", panel=LORA, plan=True)
+    lora_targets: str = _f("all-linear", "Modules that get adapters: comma-separated names (q_proj,v_proj) or "
+                           "all-linear (every linear layer but the output head).", panel=LORA, plan=True)
+    base_dtype: str | None = _f(None, "How the frozen base is stored and streamed: fp32 bf16 fp16 int8 nf4 "
+                                "(int8/nf4: the linear layers' weights, bitsandbytes' formats). Default: "
+                                "--precision. LoRA runs only.", panel=LORA, choices=BASE_DTYPES, plan=True)
+    qlora: bool = _f(False, f"QLoRA: LoRA (rank {QLORA_RANK} unless --lora-rank) over an NF4 base with double "
+                     "quantization.", panel=LORA, flag="--qlora", plan=True)
+    """Shorthand for --lora-rank 16 --base-dtype nf4, plus double quantization of NF4's absmax."""
     gpu_mem: str | None = _f(None, "GPU memory to use, e.g. 24G (default: engine's).", panel=MEMORY, plan=True)
     cpu_mem: str | None = _f(None, "Host RAM to use, e.g. 256G.", panel=MEMORY, plan=True)
     cxl_mem: str | None = _f(None, "CXL memory to use, e.g. 512G.", panel=MEMORY, plan=True)
@@ -294,12 +312,59 @@ class TrainConfig:
             raise ConfigError(str(exc)) from None
         if self.cxl_node is not None and self.cxl_mem is None:
             raise ConfigError("--cxl-node needs --cxl-mem (how much of that node to use)")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """Resolve --qlora and the LoRA defaults; refuse combinations that mean nothing."""
+        if self.qlora:
+            if self.base_dtype not in (None, "nf4"):
+                raise ConfigError(f"--qlora stores the base in nf4: drop --base-dtype {self.base_dtype} "
+                                  "(or use --lora-rank with --base-dtype)")
+            self.lora_rank = QLORA_RANK if self.lora_rank is None else self.lora_rank
+            self.base_dtype = "nf4"
+        if self.lora_rank is None:
+            given = [f for f, v in (("--lora-alpha", self.lora_alpha is not None),
+                                    ("--lora-dropout", self.lora_dropout != 0.0),
+                                    ("--lora-targets", self.lora_targets != "all-linear"),
+                                    ("--base-dtype", self.base_dtype is not None)) if v]
+            if given:
+                raise ConfigError(f"{given[0]} applies to LoRA runs: add --lora-rank N (or --qlora)")
+            return
+        if self.lora_rank < 1:
+            raise ConfigError(f"--lora-rank must be at least 1, got {self.lora_rank}")
+        if self.optimizer == "mezo":
+            raise ConfigError("--optimizer mezo perturbs every weight: it does not train LoRA adapters")
+        if self.lora_alpha is None:
+            self.lora_alpha = 2.0 * self.lora_rank
+        if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ConfigError(f"--lora-alpha must be a positive number, got {self.lora_alpha}")
+        if not (math.isfinite(self.lora_dropout) and 0 <= self.lora_dropout < 1):
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.base_dtype is not None and self.base_dtype not in BASE_DTYPES:
+            raise ConfigError(f"unknown --base-dtype {self.base_dtype!r}: use one of {', '.join(BASE_DTYPES)}")
+        if self.base_dtype == "fp32" and self.precision != "fp32":
+            raise ConfigError(f"--base-dtype fp32 with --precision {self.precision}: the base is computed in "
+                              f"{self.precision}; store it in {self.precision}, int8 or nf4")
+        if not self.target_list():
+            raise ConfigError("--lora-targets is empty: give module names (q_proj,v_proj) or all-linear")
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank is not None
+
+    def target_list(self) -> "list[str] | str":
+        """--lora-targets as PEFT's target_modules: "all-linear" or a list of names."""
+        if self.lora_targets.strip() == "all-linear":
+            return "all-linear"
+        return [t.strip() for t in self.lora_targets.split(",") if t.strip()]
 
     #: Options that change which batch comes next; a resumed run must keep them.
     DATA_KEYS = ("model", "data", "seq_len", "batch_size", "grad_accum", "pack", "seed")
     #: Options that shape the checkpointed engine state (optimizer moments, chunk layout,
     #: master dtype): a resumed run must keep them too.
     STATE_KEYS = ("optimizer", "chunk_size", "precision")
+    #: LoRA options (resolved): a resumed run's adapters and base must be the checkpoint's.
+    LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype", "qlora")
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from .loading import ModelSource
 
 log = logging.getLogger(__name__)
+#: Until the planner prices frozen bases and adapters (issue 14's planner part).
+NO_LORA_PLAN = ("the planner does not price LoRA runs yet (it would plan full fine-tuning): "
+                "drop the LoRA options to plan, or train and read the measured peaks")
 
 
 def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: bool | None = None) -> Plan:
@@ -32,7 +35,11 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
     hold padding (None: `data_padded`). A model profile (`--model 7b`) plans by name, on a
     machine without torch or transformers too (unless --data must be tokenized); a model
     directory or the built-in model needs them (their parameters are read off the module
-    training builds, on the meta device)."""
+    training builds, on the meta device).
+    A LoRA run is refused (UnsupportedModel): the planner prices full fine-tuning only, whose
+    plan would overstate a LoRA run's bytes; the run then checks its budgets in the engine."""
+    if cfg.lora:
+        raise UnsupportedModel(NO_LORA_PLAN)
     if is_profile(cfg.model):  # the planner reads the profile's extra fields
         model, params = cfg.model, profile_params(cfg.model)
     else:
@@ -264,6 +271,8 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
     from ..offload.tools.verify import verify
     from .loading import build_meta_model
 
+    if cfg.lora:
+        raise UnsupportedModel(f"--verify: {NO_LORA_PLAN}")
     src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     check_seq_len(cfg, src)
     batches, padded = None, True  # random tokens: every batch padded, the worst case
@@ -290,7 +299,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
     return 0 if report.passed else 1
 
 
-def summary_table(cfg: TrainConfig, *, name: str, params: int) -> Table:
+def summary_table(cfg: TrainConfig, *, name: str, params: int, lora: str | None = None) -> Table:
     table = Table(title="finetune (dry run)", show_header=False)
     fmt = lambda b: "auto" if b is None else format_size(b)  # noqa: E731
     rows = [
@@ -306,6 +315,8 @@ def summary_table(cfg: TrainConfig, *, name: str, params: int) -> Table:
         ("batch", f"{cfg.batch_size} x {cfg.grad_accum} accum x {cfg.seq_len} tokens"),
         ("recompute", {True: "on", False: "off", None: "auto"}[cfg.recompute]),
     ]
+    if lora:
+        rows.append(("lora", lora))
     for k, v in rows:
         table.add_row(k, v)
     return table
@@ -320,7 +331,17 @@ def dry_run(cfg: TrainConfig, *, console: Console) -> int:
         console.print(f"[bold yellow]warning:[/] {src.note}", soft_wrap=True, highlight=False)
     model = build_meta_model(src.config)
     cfg = resolve_recompute(cfg, src=src)
-    console.print(summary_table(cfg, name=src.name, params=count_parameters(model)))
+    total, lora = count_parameters(model), None
+    if cfg.lora:  # the adapters as the run makes them (meta device: no values needed to count)
+        from . import lora as lora_mod
+
+        lora_mod.check_targets(model, cfg.target_list())
+        lora_mod.inject(model, lora_mod.lora_config(cfg), seed=cfg.seed, values=False)
+        lora = lora_mod.summary(cfg, model)
+    console.print(summary_table(cfg, name=src.name, params=total, lora=lora))
+    if cfg.lora:
+        console.print(f"plan: {NO_LORA_PLAN}", highlight=False, soft_wrap=True)
+        return 0
     print_plan(make_plan(cfg, src=src), console=console, as_json=False)
     return 0
 

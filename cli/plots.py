@@ -50,7 +50,7 @@ def plot_timeline(timeline: list[dict], path: "str | Path", *, title: str = "") 
     return Path(path)
 
 
-def plot_loss(records: list[dict], path: "str | Path") -> Path | None:
+def plot_loss(records: list[dict], path: "str | Path", *, title: str = "loss") -> Path | None:
     """Train (and eval, if present) loss against step, from metrics records."""
     train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
     evals = [(r["step"], r["loss"]) for r in records if r.get("kind") == "eval"]
@@ -64,7 +64,7 @@ def plot_loss(records: list[dict], path: "str | Path") -> Path | None:
         ax.plot(*zip(*evals), "o-", label="eval", linewidth=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title("loss")
+    ax.set_title(title, fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

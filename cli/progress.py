@@ -20,10 +20,11 @@ def format_usage(usage: dict | None) -> str:
 class TrainProgress:
     """A rich progress bar for the loop; `note()` prints a line above it."""
 
-    def __init__(self, *, console: Console, total: int, start: int = 0):
+    def __init__(self, *, console: Console, total: int, start: int = 0, label: str = ""):
+        """`label`: shown before the step count (e.g. "LoRA r=16 nf4")."""
         self.console = console
         self._progress = Progress(
-            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn(f"[bold]{label + ' ' if label else ''}step"), MofNCompleteColumn(), BarColumn(),
             TextColumn("loss [cyan]{task.fields[loss]}"),
             TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("{task.fields[mem]}"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -17,6 +18,7 @@ from rich.console import Console
 
 from . import checkpoint as ckpt
 from . import launch, rundir
+from . import lora as lora_mod
 from .config import DISK_FULL, ConfigError, TrainConfig
 from .data import Batches, DataError, DataPosition, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
 from .export import export_hf
@@ -54,10 +56,10 @@ class TrainingEngine(Protocol):
     def eval_loss(self, batch: dict) -> float: ...
     def measure(self, batch: dict) -> None: ...
     def load_weights(self, named: Iterable) -> None: ...
-    def init_weights_(self, *, seed: int = 0, std: float = 0.02) -> None: ...
+    def init_weights_(self, *, seed: int = 0, std: float = 0.02, frozen_only: bool = False) -> None: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
-    def named_parameters_fp32(self) -> Iterator: ...
+    def named_parameters_fp32(self, *, trainable_only: bool = False) -> Iterator: ...
     def close(self) -> None: ...
 
 
@@ -87,6 +89,8 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True
         checkpointing=checkpointing(cfg),
     )
     kwargs["activations"] = activation_estimate(model, cfg, padded=padded)
+    if cfg.lora:  # the model carries its adapters already (cli.lora.inject): the engine takes it as is
+        kwargs.update(base_dtype=cfg.base_dtype, double_quant=cfg.qlora or None)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     try:
         return engine_class()(model, **kwargs)
@@ -187,6 +191,10 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
         warn(console, src.note)
     blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
     check_vocab(blocks, src)
+    if cfg.lora:  # a --lora-targets name no module has: refused before anything is written
+        from .loading import build_meta_model
+
+        lora_mod.check_targets(build_meta_model(src.config), cfg.target_list())
     padded = has_padding(blocks)  # then the worst step is a padded batch: planned for
     auto = cfg.recompute is None
     cfg = resolve_recompute(cfg, src=src, padded=padded)
@@ -244,13 +252,17 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
     seed_everything(cfg.seed)
     model = build_meta_model(src.config)
     layout = ModelLayout.of(model)  # names, shapes and ties, before the engine takes the model
+    renames: dict[str, str] = {}
+    if cfg.lora:  # adapters as PEFT makes them after torch.manual_seed(seed); the base stays meta
+        renames = lora_mod.inject(model, lora_mod.lora_config(cfg, base=_base_name(src)), seed=cfg.seed)
+        console.print(lora_mod.summary(cfg, model), highlight=False, soft_wrap=True)
     engine = make_engine(model, cfg, padded=padded)
     engine.skip_nonfinite = bool(cfg.skip_nonfinite)
     for note in engine.nvme.notices if engine.nvme is not None else []:
         warn(console, note)
     try:
         start = _initial_state(engine, cfg, src, out, batches, console, model=model,
-                               layout=layout)
+                               layout=layout, renames=renames)
         if padded:
             _measure_worst(engine, padded_batch(blocks, batch_size=cfg.batch_size))
         losses: list[float | None] = []
@@ -314,19 +326,43 @@ def _measure_worst(engine, batch: dict) -> None:
     engine.measure(batch)
 
 
+def _base_name(src: ModelSource) -> str:
+    """The base model an adapter belongs to (adapter_config.json's base_model_name_or_path)."""
+    return str(Path(src.model_dir).resolve()) if src.has_weights else src.name
+
+
+def _load_base(engine, cfg: TrainConfig, src: ModelSource, *, model, layout: ModelLayout,
+               renames: dict[str, str], frozen_only: bool = False) -> None:
+    """The checkpoint's weights (under the adapted model's names: `renames`), or a seeded random
+    initialisation of a model without weights (`frozen_only`: the base only, the adapters keep
+    PEFT's initialisation). Frozen chunks are encoded as they stream in (--base-dtype)."""
+    if src.has_weights:
+        engine.load_weights(lora_mod.renamed(iter_checkpoint(model, layout, src.model_dir), renames))
+    else:
+        std = getattr(src.config, "initializer_range", 0.02)
+        if frozen_only:
+            engine.init_weights_(seed=cfg.seed, std=std, frozen_only=True)
+        else:
+            engine.init_weights_(seed=cfg.seed, std=std)
+
+
 def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batches: Batches,
-                   console: Console, *, model, layout: ModelLayout) -> int:
+                   console: Console, *, model, layout: ModelLayout, renames: dict[str, str] | None = None) -> int:
     """Load a checkpoint (--resume) or the weights; returns the first step to run.
 
     The weights stream from `src`'s checkpoint through transformers' key renaming and tensor
     conversions (cli.layout); with --resume only its names are read, so the export writes the
-    same layout as an uninterrupted run."""
+    same layout as an uninterrupted run. A LoRA checkpoint holds the adapters and their state
+    only: the frozen base is loaded from `src` again first."""
+    renames = renames or {}
     if cfg.resume:
-        if src.has_weights:
-            plan_checkpoint(model, layout, src.model_dir)
         path = ckpt.latest_checkpoint(out)
         engine_state, trainer = ckpt.load_checkpoint(path)
         check_resumable(cfg, out, trainer)
+        if cfg.lora:
+            _load_base(engine, cfg, src, model=model, layout=layout, renames=renames, frozen_only=True)
+        elif src.has_weights:
+            plan_checkpoint(model, layout, src.model_dir)
         try:
             if cfg.reset_optimizer:
                 load_weights_only(engine, model, engine_state, path)
@@ -348,10 +384,7 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
         truncate_metrics(out / "metrics.jsonl", after_step=int(trainer["step"]))
         console.print(f"resumed from {path.name} (step {trainer['step']})", highlight=False)
         return int(trainer["step"])
-    if src.has_weights:
-        engine.load_weights(iter_checkpoint(model, layout, src.model_dir))
-    else:
-        engine.init_weights_(seed=cfg.seed, std=getattr(src.config, "initializer_range", 0.02))
+    _load_base(engine, cfg, src, model=model, layout=layout, renames=renames, frozen_only=cfg.lora)
     return 0
 
 
@@ -369,6 +402,8 @@ def load_weights_only(engine, model, engine_state: dict, path: Path) -> None:
 
     def named():
         for slots, saved in zip(_slots_by_chunk(engine), chunks):
+            if "master" not in saved:  # a frozen chunk: the base is loaded from the model
+                continue
             for name, slot in slots:
                 yield name, slot.view(saved["master"].float())
 
@@ -406,8 +441,10 @@ def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None) ->
     if trainer is None:
         trainer = ckpt.load_trainer(ckpt.latest_checkpoint(out))
     saved = trainer.get("config", {}) if isinstance(trainer, dict) else {}
-    changed = [k for k in TrainConfig.DATA_KEYS + TrainConfig.STATE_KEYS
-               if not _same_option(k, saved.get(k), getattr(cfg, k))
+    # an option a checkpoint does not record (written before it existed) had its default
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.init}
+    changed = [k for k in TrainConfig.DATA_KEYS + TrainConfig.STATE_KEYS + TrainConfig.LORA_KEYS
+               if not _same_option(k, saved.get(k, defaults[k]), getattr(cfg, k))
                and not (k == "optimizer" and cfg.reset_optimizer)]
     if changed:
         was = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)}" for k in changed)
@@ -466,7 +503,8 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
     step and raises a one-line InfeasibleBudget (exit 2)."""
     step, in_a_row = start, 0
     with MetricsWriter(out / "metrics.jsonl") as metrics, _StopFlag() as stop, \
-            TrainProgress(console=console, total=total, start=start) as bar:
+            TrainProgress(console=console, total=total, start=start,
+                          label=lora_mod.label(cfg) if cfg.lora else "") as bar:
         while step < total:
             lr = schedule.lr_at(step)
             engine.set_lr(lr)
@@ -565,14 +603,35 @@ def _warmup_lines(engine, cfg: TrainConfig, src: ModelSource, before: dict, *,
 
 def _finish(engine, cfg: TrainConfig, src: ModelSource, out: Path, console: Console, *,
             model, layout: ModelLayout) -> None:
-    """Export as save_pretrained would for the trained model, with the source's config."""
+    """Export as save_pretrained would for the trained model, with the source's config; a LoRA
+    run: its PEFT adapter directory (cli.lora), fp32 unless --export-dtype."""
+    if cfg.lora:
+        dtype = cfg.export_dtype or "fp32"
+        adapter_dir = lora_mod.export_adapter(engine.named_parameters_fp32(trainable_only=True), model,
+                                              out / lora_mod.ADAPTER_DIR, dtype=_TORCH_DTYPES[dtype])
+        trainable, total = lora_mod.counts(model)
+        _plots(engine, out, title=f"{lora_mod.label(cfg)}: {trainable:,} trainable parameters "
+                                  f"({100 * trainable / max(total, 1):.2f}%)")
+        console.print(f"done: {lora_mod.summary(cfg, model)}", highlight=False, soft_wrap=True)
+        console.print(f"PEFT adapter exported to {adapter_dir} ({dtype}; load it with "
+                      f"peft.PeftModel.from_pretrained(base, \"{adapter_dir}\")); metrics.jsonl, plots and "
+                      f"checkpoints in {out}", highlight=False, soft_wrap=True)
+        return
     dtype = cfg.export_dtype or cfg.precision
     model_dir = export_hf(engine.named_parameters_fp32(), out / "model", config=src.config,
                           model=model, layout=layout,
                           tokenizer=src.tokenizer, dtype=dtype,
                           generation_config=src.generation_config)
-    plot_loss(read_metrics(out / "metrics.jsonl"), out / "loss.png")
-    if engine.timeline:
-        plot_timeline(engine.timeline, out / "memory_timeline.png")
+    _plots(engine, out)
     console.print(f"done: model exported to {model_dir} ({dtype}); metrics.jsonl, plots and "
                   f"checkpoints in {out}", highlight=False, soft_wrap=True)
+
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _plots(engine, out: Path, *, title: str = "") -> None:
+    plot_loss(read_metrics(out / "metrics.jsonl"), out / "loss.png", title=f"loss · {title}" if title else "loss")
+    if engine.timeline:
+        plot_timeline(engine.timeline, out / "memory_timeline.png",
+                      title=f"memory per tier over one step · {title}" if title else "")

@@ -583,13 +583,16 @@ class Engine:
         """Copy (name, tensor) pairs into their slots, one at a time (meta-device models)."""
         self.store.load(named_tensors, self.params)
 
-    def init_weights_(self, *, seed: int = 0, std: float = 0.02) -> None:
+    def init_weights_(self, *, seed: int = 0, std: float = 0.02, frozen_only: bool = False) -> None:
         """Random initialisation in place, chunk by chunk: N(0, std) for matrices, ones for
-        norm weights, zeros for biases (the Llama convention). For benchmarking and demos."""
+        norm weights, zeros for biases (the Llama convention). For benchmarking and demos.
+        `frozen_only`: the frozen parameters only (a LoRA base; the adapters keep PEFT's init)."""
         g = torch.Generator().manual_seed(seed)
 
         def tensors():
             for name, slot in self.plan.slots.items():
+                if frozen_only and not self.plan.is_frozen(slot.chunk):
+                    continue
                 if len(slot.shape) >= 2:
                     yield name, torch.empty(slot.shape).normal_(0.0, std, generator=g)
                 elif "norm" in name:
@@ -601,25 +604,30 @@ class Engine:
 
     @torch.no_grad()
     def eval_loss(self, batch: Any) -> float:
-        """The loss on `batch` without gradients (no update, nothing kept for backward)."""
-        phase = self.moments.phase
+        """The loss on `batch` without gradients (no update, nothing kept for backward), in eval
+        mode (no dropout: e.g. LoRA's), as a model evaluated in plain PyTorch."""
+        phase, training = self.moments.phase, self.model.training
         self.moments.phase = Phase.EVAL
+        self.model.eval()
         try:
             with self.residency.reading():
                 return float(self.loss_fn(self.model, to_device(batch, self.device)).float().item())
         finally:
+            self.model.train(training)
             self.moments.phase = phase
             self.residency.cache.evict_all()  # the schedule of the next step starts from an empty cache
 
-    def named_parameters_fp32(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, fp32 CPU tensor) for every parameter, from the master copies. Several ranks:
-        collective (every rank iterates it all); each chunk comes from its owner."""
+    def named_parameters_fp32(self, *, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, fp32 CPU tensor) for every parameter, from the master copies (frozen ones
+        decoded); `trainable_only`: the trainable ones (e.g. LoRA adapters), no frozen chunk read.
+        Several ranks: collective (every rank iterates it all); each chunk comes from its owner."""
         if self.ranks is None:
-            yield from self.store.named_master(self.params)
+            yield from self.store.named_master(self.params, trainable_only=trainable_only)
             return
         for cid, ch in enumerate(self.store.chunks):
             if cid in self.plan.frozen:
-                yield from self.store.named_chunk(cid)
+                if not trainable_only:
+                    yield from self.store.named_chunk(cid)
                 continue
             flat = torch.empty(self.plan.chunks[cid].numel, dtype=torch.float32)
             if self.ranks.owns(cid):

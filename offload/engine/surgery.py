@@ -43,8 +43,9 @@ class ModelSurgery:
 
     def materialize_meta(self, named: list[tuple[str, torch.nn.Parameter]], *, dtype: torch.dtype,
                          device: torch.device) -> list[tuple[str, torch.nn.Parameter]]:
-        """Swap meta-device parameters for real (empty) ones; weights come via load_weights."""
-        swap = {p: torch.nn.Parameter(torch.empty(0, dtype=dtype, device=device))
+        """Swap meta-device parameters for real (empty) ones; weights come via load_weights.
+        A frozen one stays frozen (a LoRA base built on the meta device)."""
+        swap = {p: torch.nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=p.requires_grad)
                 for _, p in named if p.device.type == "meta"}
         if not swap:
             return named

@@ -356,17 +356,13 @@ class ChunkStore:
         self.grad_scale = coef
         return total
 
-    def named_master(self, params: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_master(self, params: dict[str, Any], *, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, fp32 CPU copy) in chunk order, one chunk in memory at a time. The copies are
-        contiguous (what an exporter writes), whatever the parameters' strides."""
-        for cid, ch in enumerate(self.chunks):
-            with self.opened(cid) as work:
-                for name in ch.names:
-                    if cid in self.frozen:
-                        yield name, self._frozen_value(cid, name, work["compute"])
-                        continue
-                    view = self.plan.slots[name].view(work["master"])
-                    yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
+        contiguous (what an exporter writes), whatever the parameters' strides. `trainable_only`:
+        frozen chunks are skipped (not read)."""
+        for cid in range(len(self.chunks)):
+            if not (trainable_only and cid in self.frozen):
+                yield from self.named_chunk(cid)
 
     def named_chunk(self, cid: int) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, fp32 CPU copy) of the parameters of one chunk this rank stores."""

@@ -1,0 +1,150 @@
+"""LoRA / QLoRA runs of `finetune`: PEFT adapters on the meta-device model, and their export.
+
+The CLI builds the model on the meta device and streams the checkpoint's weights in later
+(cli.train), but PEFT initialises a LoRA layer's adapters on the device of its base layer:
+over a meta base they would stay meta, without values. `inject` therefore gives every meta
+parameter a zero-byte CPU stand-in (a 0-d zero expanded to its shape) while PEFT injects, and
+puts the meta parameters back afterwards. PEFT's own code creates and initialises the adapters
+(lora_A Kaiming-uniform, lora_B zeros), drawing from the global generator exactly as
+`torch.manual_seed(seed); peft.get_peft_model(model, config)` on the loaded model does, so a
+run's adapters are reproducible from --seed and equal PEFT's (tests/test_cli_lora.py).
+Base weights are ordinary frozen parameters after that: the engine encodes them (--base-dtype)
+as they stream in, shard by shard.
+
+The export is a PEFT adapter directory, OUTPUT/adapter (`ADAPTER_DIR`): adapter_config.json and
+adapter_model.safetensors, written by PEFT's `get_peft_model_state_dict` and
+`LoraConfig.save_pretrained`, loadable with `peft.PeftModel.from_pretrained(base, dir)`; a merge
+(`finetune export --merge`) reads it from there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from .config import ConfigError, TrainConfig
+
+ADAPTER_DIR = "adapter"  # OUTPUT/adapter: the PEFT adapter directory of a LoRA run
+ADAPTER = "default"  # PEFT's adapter name inside the model
+
+
+def lora_config(cfg: TrainConfig, *, base: str | None = None):
+    """The peft.LoraConfig of a LoRA run (`base`: recorded as base_model_name_or_path)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.target_list(), base_model_name_or_path=base)
+
+
+def check_targets(model: torch.nn.Module, targets: "list[str] | str") -> None:
+    """Every name of --lora-targets must name some module (PEFT only refuses a list of which
+    none matches): a typo would silently train fewer adapters."""
+    if targets == "all-linear":
+        return
+    names = [n for n, _ in model.named_modules()]
+    for t in targets:
+        if not any(n == t or n.endswith("." + t) for n in names):
+            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if isinstance(m, torch.nn.Linear)})
+            raise ConfigError(f"--lora-targets: no module of {type(model).__name__} is named {t!r} "
+                              f"(its linear layers: {', '.join(leaves)})")
+
+
+def inject(model: torch.nn.Module, config, *, seed: int, values: bool = True) -> dict[str, str]:
+    """Inject `config`'s adapters into the meta-device `model` in place, initialised by PEFT as
+    after `torch.manual_seed(seed)`; returns {checkpoint parameter name: its name now}
+    (`...q_proj.weight` -> `...q_proj.base_layer.weight`). Base parameters stay meta, frozen.
+    `values=False`: the adapters stay meta too (to count them: --dry-run of a 70B model)."""
+    from peft import inject_adapter_in_model
+
+    if not values:
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+        return {}
+    before = {id(p): n for n, p in model.named_parameters()}
+    originals: dict[tuple[torch.nn.Module, str], torch.nn.Parameter] = {}
+    stand_ins: dict[int, torch.nn.Parameter] = {}  # tied parameters share one stand-in
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                originals[(mod, name)] = p
+                if id(p) not in stand_ins:
+                    stand_ins[id(p)] = torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape),
+                                                          requires_grad=p.requires_grad)
+                mod._parameters[name] = stand_ins[id(p)]
+    torch.manual_seed(seed)
+    try:
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    except ValueError as e:  # e.g. a target that is no layer PEFT can adapt
+        raise ConfigError(f"LoRA: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+    finally:
+        for (mod, name), p in originals.items():
+            p.requires_grad_(stand_ins[id(p)].requires_grad)  # PEFT froze the stand-in
+            mod._parameters[name] = p
+    renames = {}
+    for now, p in model.named_parameters():
+        if id(p) in before:
+            renames[before[id(p)]] = now
+        elif p.is_meta or not p.requires_grad:
+            raise ConfigError(f"LoRA: PEFT made {now!r} without values")  # never train a placeholder
+    return renames
+
+
+def renamed(named: Iterable[tuple[str, torch.Tensor]], renames: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint (name, tensor) pairs under the names of the model with adapters."""
+    for name, t in named:
+        yield renames.get(name, name), t
+
+
+def counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters of `model` (tied ones once; works on meta)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def summary(cfg: TrainConfig, model: torch.nn.Module) -> str:
+    """One line: rank, alpha, targets, trainable parameters and %, base dtype, adapter bytes."""
+    trainable, total = counts(model)
+    base = cfg.base_dtype or cfg.precision
+    quant = " (double quant)" if cfg.qlora else ""
+    return (f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} dropout={cfg.lora_dropout:g} "
+            f"targets={cfg.lora_targets}: {trainable:,} trainable of {total:,} parameters "
+            f"({100 * trainable / max(total, 1):.3f}%), adapters {_size(4 * trainable)} fp32; "
+            f"base {base}{quant}")
+
+
+def label(cfg: TrainConfig) -> str:
+    """The progress line's and plots' short name of a LoRA run, e.g. "QLoRA r=16 nf4"."""
+    return f"{'QLoRA' if cfg.qlora else 'LoRA'} r={cfg.lora_rank} {cfg.base_dtype or cfg.precision}"
+
+
+def _size(n: int) -> str:
+    from ..offload.core.units import format_size
+
+    return format_size(n)
+
+
+def export_adapter(named: Iterable[tuple[str, torch.Tensor]], model: torch.nn.Module, out: Path, *,
+                   dtype: torch.dtype = torch.float32) -> Path:
+    """Write the PEFT adapter directory of `model`'s adapters (`named`: their trained values,
+    the engine's fp32 masters) with PEFT's own functions; returns the directory.
+
+    PEFT selects the adapter entries and drops the adapter name; the keys then get PeftModel's
+    `base_model.model.` prefix (the model here is the bare one PEFT injected into), as
+    PeftModel.save_pretrained writes them and PeftModel.from_pretrained expects."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    state = {n: t.to(dtype).contiguous() for n, t in named}
+    adapters = {f"base_model.model.{k}": v for k, v in
+                get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER,
+                                          save_embedding_layers=False).items()}
+    if not adapters:
+        raise ConfigError("LoRA export: the model has no adapters")  # nothing trained: never an empty dir
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(adapters, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = model.peft_config[ADAPTER]
+    config.inference_mode = True  # as PeftModel.save_pretrained writes it
+    config.save_pretrained(str(out))
+    return out

@@ -1,0 +1,271 @@
+"""`finetune --lora-rank / --qlora` end to end, against PEFT in plain PyTorch.
+
+The reference is what a PEFT user writes: `from_pretrained`, `torch.manual_seed(seed)`,
+`peft.get_peft_model(model, LoraConfig(...))`, fused torch AdamW on the adapters, the CLI's
+batches and lr schedule. fp32 everywhere, so "equal" is bit for bit. QLoRA's reference is PEFT
+over bitsandbytes' Linear4bit (tests/test_lora.py's linear4bit_model). The exported adapter
+directory is loaded back with `peft.PeftModel.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+peft = pytest.importorskip("peft")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tinyhf import error_line, make_tiny_llama_dir, write_jsonl  # noqa: E402
+
+from tierwise.cli import checkpoint as ckpt  # noqa: E402
+from tierwise.cli import train  # noqa: E402
+from tierwise.cli.builtin import sample_rows  # noqa: E402
+from tierwise.cli.config import TrainConfig  # noqa: E402
+from tierwise.cli.data import Batches, eval_batches, load_blocks  # noqa: E402
+from tierwise.cli.main import app  # noqa: E402
+from tierwise.cli.metrics import read_metrics  # noqa: E402
+from tierwise.cli.schedule import LRSchedule  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+OPTIONS = dict(seq_len=16, batch_size=2, steps=3, lr=1e-2, warmup_steps=1, chunk_size="16K")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    return {"untied": make_tiny_llama_dir(root / "untied", vocab_size=288, hidden=32, layers=2),
+            "tied": make_tiny_llama_dir(root / "tied", vocab_size=288, hidden=32, layers=2, tie=True),
+            "train": write_jsonl(root / "train.jsonl", sample_rows(24)),
+            "eval": write_jsonl(root / "eval.jsonl", sample_rows(3))}
+
+
+def _args(model_dir, assets, out, *extra, **options) -> list[str]:
+    args = ["--model", str(model_dir), "--data", str(assets["train"]), "--output", str(out)]
+    for k, v in (OPTIONS | options).items():
+        args += ["--" + k.replace("_", "-"), str(v)]
+    return args + list(extra)
+
+
+def _finetune(args, monkeypatch) -> dict:
+    """The real CLI in-process; returns the logits of the engine's last eval batch."""
+    from tierwise.offload import Engine
+
+    seen = {}
+
+    class LogitsEngine(Engine):  # the real engine; its loss_fn also keeps the logits
+        def __init__(self, model, **kwargs):
+            def loss_fn(m, batch):
+                out = m(**batch)
+                seen["logits"] = out.logits.detach().to("cpu", copy=True)
+                return out.loss
+            super().__init__(model, loss_fn=loss_fn, **kwargs)
+
+    monkeypatch.setattr(train, "engine_class", lambda: LogitsEngine)
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, (result.output, result.exception)
+    seen["output"] = result.output
+    return seen
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def _from_pretrained(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def _replay(model_dir, assets, lora: dict, *, make_base=None, seed: int = 0):
+    """The CLI's run in plain PyTorch with PEFT: (losses, trained PeftModel, last eval batch)."""
+    from transformers import AutoTokenizer
+
+    cfg = TrainConfig(model=str(model_dir), data=str(assets["train"]), **OPTIONS)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    batches = Batches(load_blocks(cfg.data, tok, seq_len=cfg.seq_len, pack=cfg.pack),
+                      batch_size=cfg.batch_size, seed=cfg.seed)
+    schedule = LRSchedule(kind=cfg.schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                          total_steps=cfg.steps)
+    base = _from_pretrained(model_dir)
+    base = make_base(base) if make_base else base
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, peft.LoraConfig(**lora)).train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=0.0, fused=True)
+    losses = []
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = schedule.lr_at(step)
+        loss = model(**batches.next()).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    evals = eval_batches(load_blocks(str(assets["eval"]), tok, seq_len=cfg.seq_len, pack=cfg.pack),
+                         batch_size=cfg.batch_size)
+    return losses, model.eval(), evals[-1]
+
+
+def _adapters(named) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("base_model.model.").replace(".default", ""): t.detach()
+            for n, t in named if "lora_" in n}
+
+
+@pytest.mark.parametrize("which,flags,lora", [
+    ("untied", ["--lora-rank", "4"], dict(r=4, lora_alpha=8, target_modules="all-linear")),
+    ("tied", ["--lora-rank", "2", "--lora-alpha", "5", "--lora-dropout", "0.1", "--lora-targets", "q_proj,v_proj"],
+     dict(r=2, lora_alpha=5, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])),
+], ids=["untied-all-linear", "tied-qv-dropout"])
+def test_lora_run_equals_peft_and_exports_a_peft_adapter(assets, tmp_path, monkeypatch, which, flags, lora):
+    out = tmp_path / "run"
+    seen = _finetune(_args(assets[which], assets, out, *flags, "--eval-data", str(assets["eval"])), monkeypatch)
+    ref_losses, ref, eval_batch = _replay(assets[which], assets, lora)
+    assert _losses(out) == ref_losses
+    assert "trainable of" in seen["output"] and "PEFT adapter exported to" in seen["output"]
+
+    adapter = out / "adapter"
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not (out / "model").exists()  # the base is unchanged: no copy of it
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        mine = {k: f.get_tensor(k) for k in f.keys()}
+    ref.save_pretrained(tmp_path / "peft")  # what PEFT writes for the trained adapters
+    with safe_open(tmp_path / "peft" / "adapter_model.safetensors", "pt") as f:
+        theirs = {k: f.get_tensor(k) for k in f.keys()}
+    assert sorted(mine) == sorted(theirs)
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (lora["r"], lora["lora_alpha"],
+                                                                          lora.get("lora_dropout", 0.0))
+
+    loaded = peft.PeftModel.from_pretrained(_from_pretrained(assets[which]), adapter).eval()
+    with torch.no_grad():
+        logits = loaded(**eval_batch).logits
+    assert torch.equal(logits, seen["logits"])  # the engine's last eval logits, from the adapter
+
+
+def test_qlora_run_equals_peft_over_bitsandbytes_linear4bit(assets, tmp_path, monkeypatch):
+    """Stated tolerance: none. On CPU bitsandbytes' Linear4bit computes with dequantize_4bit's
+    weight, which the engine's NF4 decode equals bit for bit (tests/test_codecs.py)."""
+    pytest.importorskip("bitsandbytes")
+    from tests.test_lora import linear4bit_model
+
+    out = tmp_path / "run"
+    seen = _finetune(_args(assets["untied"], assets, out, "--qlora", "--lora-rank", "4"), monkeypatch)
+    assert "base nf4 (double quant)" in seen["output"]
+    losses = _losses(out)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    ref_losses, _, _ = _replay(assets["untied"], assets, dict(r=4, lora_alpha=8, target_modules="all-linear"),
+                               make_base=lambda m: linear4bit_model(m, double_quant=True))
+    assert losses == ref_losses
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+
+
+# -- checkpoints: adapters and their state only; SIGKILL then --resume is bit-exact ---------
+
+def _subprocess(args, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tierwise.cli.main", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "120", **env})
+
+
+def test_checkpoint_holds_no_base_and_sigkill_resume_is_bit_exact(assets, tmp_path, monkeypatch):
+    flags = ["--lora-rank", "2", "--lora-targets", "q_proj,v_proj", "--base-dtype", "bf16",
+             "--checkpoint-every", "2"]
+    reference = tmp_path / "ref"
+    _finetune(_args(assets["untied"], assets, reference, *flags, steps=5), monkeypatch)
+
+    out = tmp_path / "run"  # the save of step 4 sleeps before its rename: killed mid-run, mid-save
+    proc = _subprocess(_args(assets["untied"], assets, out, *flags, steps=5), **{ckpt.FAULT_ENV: "4:sleep"})
+    deadline = time.monotonic() + 120
+    while not (out / "ckpt-000004.tmp" / "trainer.json").exists():
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert ckpt.latest_checkpoint(out).name == "ckpt-000002"
+
+    # the checkpoint: adapters' masters and AdamW moments, no base tensor
+    ref = peft.get_peft_model(_from_pretrained(assets["untied"]), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    trainable, base_numel = ref.get_nb_trainable_parameters()
+    with safe_open(ckpt.latest_checkpoint(out) / "engine.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    masters = [t for k, t in tensors.items() if ".master" in k]
+    assert sum(t.numel() for t in masters) == trainable  # the adapters (their chunk has no padding here)
+    steps = [k for k in tensors if ".step" in k]  # a step counter per chunk, frozen ones included
+    # every byte: fp32 masters + AdamW's two fp32 moments + the step counters; nothing of the base
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) == 12 * trainable + 4 * len(steps)
+    assert 12 * trainable < 4 * (base_numel - trainable) // 8
+
+    result = CliRunner().invoke(app, _args(assets["untied"], assets, out, *flags, "--resume", steps=5),
+                                env={"COLUMNS": "120"})
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert _losses(out) == _losses(reference)
+    assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == \
+        (reference / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+def test_resume_with_other_lora_flags_is_one_line(assets, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    _finetune(_args(assets["untied"], assets, out, "--lora-rank", "2", steps=1), monkeypatch)
+    result = CliRunner().invoke(app, _args(assets["untied"], assets, out, "--lora-rank", "4", "--resume", steps=2))
+    line = error_line(result)
+    assert "--lora-rank" in line and "--lora-alpha" in line and "it used --lora-rank 2" in line
+    line = error_line(CliRunner().invoke(app, _args(assets["untied"], assets, out, "--resume", steps=2)))
+    assert "--lora-rank" in line  # a full fine-tune cannot continue a LoRA checkpoint
+
+
+def test_checkpoint_from_before_the_lora_options_resumes(assets, tmp_path, monkeypatch):
+    """A full fine-tune's checkpoint whose config has no LoRA keys (written before they existed)."""
+    out = tmp_path / "run"
+    real = TrainConfig.to_dict
+    monkeypatch.setattr(TrainConfig, "to_dict", lambda self: {k: v for k, v in real(self).items()
+                                                              if k not in TrainConfig.LORA_KEYS})
+    _finetune(_args(assets["untied"], assets, out, steps=1), monkeypatch)
+    assert "lora_rank" not in ckpt.load_trainer(ckpt.latest_checkpoint(out))["config"]
+    monkeypatch.setattr(TrainConfig, "to_dict", real)
+    _finetune(_args(assets["untied"], assets, out, "--resume", steps=2), monkeypatch)
+    assert len(_losses(out)) == 2
+
+
+# -- user errors: one line, exit 2 ------------------------------------------------------------
+
+@pytest.mark.parametrize("flags,expect", [
+    (["--lora-rank", "0"], "--lora-rank must be at least 1"),
+    (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
+    (["--lora-rank", "4", "--lora-alpha", "-1"], "--lora-alpha must be a positive number"),
+    (["--base-dtype", "nf4"], "--base-dtype applies to LoRA runs"),
+    (["--lora-targets", "q_proj"], "--lora-targets applies to LoRA runs"),
+    (["--qlora", "--base-dtype", "int8"], "--qlora stores the base in nf4"),
+    (["--lora-rank", "4", "--base-dtype", "fp32", "--precision", "bf16"], "--base-dtype fp32 with --precision bf16"),
+    (["--lora-rank", "4", "--optimizer", "mezo"], "mezo"),
+    (["--lora-rank", "4", "--lora-targets", "q_proj,qproj"], "no module of LlamaForCausalLM is named 'qproj'"),
+    (["--lora-rank", "4", "--lora-targets", "mlp"], "LoRA: "),
+])
+def test_bad_lora_options_are_one_line_errors(assets, tmp_path, flags, expect):
+    out = tmp_path / "run"
+    line = error_line(CliRunner().invoke(app, _args(assets["untied"], assets, out, *flags)))
+    assert expect in line, line
+    assert not any(out.glob("ckpt-*"))
+
+
+def test_dry_run_and_plan_know_about_lora(assets, tmp_path):
+    result = CliRunner().invoke(app, _args(assets["untied"], assets, tmp_path / "o", "--qlora", "--dry-run"),
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "LoRA r=16 alpha=32" in result.output and "base nf4 (double quant)" in result.output
+    assert "% " in result.output or "%)" in result.output
+    assert "the planner does not price LoRA runs yet" in result.output
+    line = error_line(CliRunner().invoke(app, ["plan", "--model", str(assets["untied"]), "--lora-rank", "8"]))
+    assert "does not price LoRA" in line
