@@ -60,7 +60,8 @@ def model_flops(*, model: ModelProfile, batch_size: int, seq_len: int) -> float:
 
 
 def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
-                     checkpointing: bool | None = None, padded: bool = False) -> dict[str, int]:
+                     checkpointing: bool | None = None, padded: bool = False,
+                     lora: "tuple[frozenset[str], int] | None" = None) -> dict[str, int]:
     """Bytes autograd saves for backward, by part, as the engine counts them (per saved tensor
     storage, deduplicated) for a Hugging Face Llama-family model with SDPA attention and every
     decoder layer checkpointed. e = compute bytes, T = batch * seq tokens:
@@ -93,6 +94,14 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     to the sequence length). transformers then builds the B x 1 x S x S mask that an unpadded
     batch does without (it uses is_causal), so a padded batch of the same shape saves more:
     the run's worst step is a padded one whenever its data has any padding.
+
+    `lora`: (targeted linears, rank) of a LoRA run over a frozen base (plan.lora). Autograd
+    then saves only what some gradient needs: no token ids (frozen embedding), no norm's
+    normalised output (frozen weights), a norm's weighted output only when a linear it feeds
+    is targeted (the adapter's lora_A saves it), the MLP product only when down_proj is,
+    nothing of the final norm but its input and rsqrt (frozen lm_head), and per targeted
+    linear the adapter's rank-r intermediate (e*T*r). Without recompute, layer 0's first
+    norm saves nothing of its own (its input needs no gradient).
     """
     e = compute_bytes(precision)
     t, s, h, i = batch_size * seq_len, seq_len, model.hidden_size, model.intermediate_size
@@ -106,6 +115,9 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
         attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
     internals = first_norm + attention + norm + 4 * e * t * i
     mask = batch_size * s * s if padded and checkpointed else 0  # bool, saved as a block input
+    if lora is not None:
+        return _lora_parts(lora, e=e, t=t, s=s, h=h, i=i, layers=layers, attention=attention, mask=mask,
+                           checkpointed=checkpointed, model=model, batch_size=batch_size)
     return {
         "fixed": 8 * t + 2 * s * model.dim_per_head * e + (8 * s if checkpointed else 0) + mask,
         "inputs": layers * e * t * h if checkpointed else layers * (e * t * h if e == 4 else 0),
@@ -117,14 +129,45 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     }
 
 
+def _lora_parts(lora: "tuple[frozenset[str], int]", *, e: int, t: int, s: int, h: int, i: int, layers: int,
+                attention: int, mask: int, checkpointed: bool, model: ModelProfile, batch_size: int) -> dict[str, int]:
+    """activation_parts of a LoRA run (see there)."""
+    targets, rank = lora
+    fp32_copy = 4 * t * h
+    first = 4 * t + (fp32_copy if e != 4 else 0) + (e * t * h if targets & {"q_proj", "k_proj", "v_proj"} else 0)
+    post = 4 * t + fp32_copy + (e * t * h if targets & {"gate_proj", "up_proj"} else 0)
+    mlp = 3 * e * t * i + (e * t * i if "down_proj" in targets else 0)
+    internals = first + attention + post + mlp + e * t * rank * len(targets)
+    # without recompute, layer 0 saves nothing for the part before its first targeted linear:
+    # its input (the frozen embedding's output) needs no gradient
+    layer0 = 4 * t + (fp32_copy if e != 4 else 0)
+    if not targets & {"q_proj", "k_proj", "v_proj"}:
+        layer0 += attention - (e * t * model.q_dim if "o_proj" in targets else 0)  # o_proj's adapter saves its input
+        if "o_proj" not in targets:
+            layer0 += 4 * t + fp32_copy  # the second norm's input needs no gradient either
+            mlp_in = targets & {"gate_proj", "up_proj"}
+            # of gate, up and silu(gate): what the targeted side's gradient needs
+            layer0 += e * t * i * {0: 3, 1: 2 if "up_proj" in mlp_in else 1, 2: 0}[len(mlp_in)]
+    final = 4 * t + fp32_copy  # the final norm's input and rsqrt
+    return {
+        "fixed": 2 * s * model.dim_per_head * e + (8 * s if checkpointed else 0) + mask,
+        "inputs": layers * e * t * h if checkpointed else (layers - 1) * (e * t * h if e == 4 else 0),
+        "block": internals if checkpointed else 0,
+        "layers": 0 if checkpointed else layers * internals - layer0,
+        "final_norm": final,
+        "head": final + 4 * t * model.vocab_size + 8 * (t + (batch_size == 1)) + 4,
+    }
+
+
 def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
-                     backward: bool = True, checkpointing: bool | None = None, padded: bool = False) -> int:
+                     backward: bool = True, checkpointing: bool | None = None, padded: bool = False,
+                     lora: "tuple[frozenset[str], int] | None" = None) -> int:
     """Peak bytes of saved activations in one step (see activation_parts; `padded`: the step's
     batch has padding). Without backward (zeroth-order optimizers) autograd saves nothing: 0."""
     if not backward:
         return 0
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                         checkpointing=checkpointing, padded=padded)
+                         checkpointing=checkpointing, padded=padded, lora=lora)
     return p["fixed"] + p["inputs"] + p["layers"] + max(p["block"], p["head"])
 
 
