@@ -220,6 +220,14 @@ class StepLoad:
     """Torch ops and module hooks one forward dispatches (each pays host.op_overhead_us)."""
     recompute: bool = True
     """Backward recomputes each checkpointed block's forward (3 forwards' flops, else 2)."""
+    weight_grads: bool = True
+    """Backward computes weight gradients (2 forwards' flops); False for a LoRA run over a frozen
+    base: only the activations' gradients (1 forward's flops; the adapters' are negligible)."""
+    link_bytes: int | None = None
+    """Bytes crossing the link host -> device per micro-batch (None: `fetched_bytes`); less for an
+    encoded frozen base (its chunks cross encoded and are decoded on the device)."""
+    dequant_bytes: int = 0
+    """Bytes the device reads (encoded) and writes (decoded) per micro-batch to decode the base."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,12 +279,14 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
     nv_w = hw.nvme.write_gbps * GB if hw.nvme else 1.0
     cxl = hw.cxl.bandwidth_gbps * GB if hw.cxl else 1.0
     src = load.stream_bytes
-    stream = load.fetched_bytes / 2  # per pass
+    stream = (load.fetched_bytes if load.link_bytes is None else load.link_bytes) / 2  # per pass
     on_nvme = src.get("nvme", 0)
+    dequant = load.dequant_bytes / 2 / (hw.gpu.memory_bandwidth_gbps * GB)  # per pass, memory-bound
+    bwd_passes = (1 if load.recompute else 0) + (2 if load.weight_grads else 1)
 
     # forward: stream every streamed compute source in; nvme sources pass a DRAM bounce buffer.
     fwd_busy = {
-        "gpu compute": load.tokens_flops_fwd / gpu_rate,
+        "gpu compute": load.tokens_flops_fwd / gpu_rate + dequant,
         "pcie h2d": stream / h2d,
         "nvme read": on_nvme / nv_r,
         "cxl": src.get("cxl", 0) / cxl,
@@ -302,11 +312,11 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
 
     if cost.needs_grad:  # backward (with recompute by default); CPU updates overlap it, group by group
         bwd_busy = {
-            "gpu compute": (3 if load.recompute else 2) * load.tokens_flops_fwd / gpu_rate * micro_batches
+            "gpu compute": (bwd_passes * load.tokens_flops_fwd / gpu_rate + dequant) * micro_batches
             + gpu_update,
             "pcie h2d": stream / h2d * micro_batches,
             "pcie d2h": load.grad_d2h_bytes / d2h * micro_batches,
-            "nvme": nv_update,
+            "nvme": nv_update + on_nvme * (micro_batches - 1) / nv_r,  # the base: read again per micro-batch
             "cxl": (src.get("cxl", 0) * micro_batches + load.cpu_update_bytes * cxl_share) / cxl,
             "cpu update": cpu_update,
             "host dram": (src.get("host", 0) + load.grad_d2h_bytes) * micro_batches / dram
@@ -335,11 +345,14 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     back = hw.pcie.d2h_pinned_gbps * GB
     overhead = (hw.host.op_overhead_us or 0.0) * 1e-6
     ops = load.ops_per_forward
-    fwd = {"gpu compute": load.tokens_flops_fwd / rate, "pcie h2d": load.fetched_bytes / 3 / copy,
-           "dispatch": ops * overhead}
+    link = load.fetched_bytes if load.link_bytes is None else load.link_bytes
+    decode = load.dequant_bytes / 2 / (hw.host.dram_bandwidth_gbps * GB)  # per pass, on the CPU cores
+    fwd = {"gpu compute": load.tokens_flops_fwd / rate, "pcie h2d": link / 3 / copy,
+           "dispatch": ops * overhead, "dequant": decode}
     passes = 3 if load.recompute else 2
-    bwd = {"gpu compute": passes * load.tokens_flops_fwd / rate, "pcie h2d": 2 * load.fetched_bytes / 3 / copy,
-           "pcie d2h": load.grad_d2h_bytes / back, "dispatch": passes * ops * overhead}
+    flops = (1 if load.recompute else 0) + (2 if load.weight_grads else 1)
+    bwd = {"gpu compute": flops * load.tokens_flops_fwd / rate, "pcie h2d": 2 * link / 3 / copy,
+           "pcie d2h": load.grad_d2h_bytes / back, "dispatch": passes * ops * overhead, "dequant": decode}
     params = load.cpu_params + load.gpu_params
     upd = {"cpu update": params / _cpu_rate(hw, cost) + load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12),
            "dispatch": 4 * load.num_chunks * overhead}
