@@ -21,6 +21,7 @@ from ..offload.core.errors import TierwiseError
 from ..offload.core.sizes import parse_size
 from ..offload.core.nodes import parse_node_list
 from ..offload.update.table import NAMES as OPTIMIZERS
+from ..offload.core.encoding import BASE_DTYPES
 
 PRECISIONS = ("bf16", "fp32")
 _META_ERROR = "tierwise.config_error"
@@ -191,6 +192,16 @@ class TrainConfig:
     """Skip (no update) a step whose loss, or with --grad-clip gradient norm, is NaN/inf, up to
     this many in a row; the next one stops the run. 0: stop at the first."""
     precision: str = _f("fp32", "Compute precision.", panel=HW, choices=PRECISIONS, plan=True)
+    lora_rank: int | None = _f(None, "Train LoRA adapters of this rank over a frozen base (default: every "
+                               "parameter trains).", panel=OPTIM, plan=True)
+    lora_alpha: float | None = _f(None, "LoRA scaling alpha (default: 2 x --lora-rank).", panel=OPTIM, plan=True)
+    lora_dropout: float = _f(0.0, "Dropout on the LoRA adapters' input.", panel=OPTIM, plan=True)
+    lora_targets: str = _f("all-linear", "Modules that get adapters: all-linear, or names such as "
+                           "q_proj,v_proj.", panel=OPTIM, plan=True)
+    base_dtype: str | None = _f(None, "How the frozen base is stored and streamed (default: --precision).",
+                                panel=OPTIM, choices=BASE_DTYPES, plan=True)
+    qlora: bool = _f(False, "QLoRA: LoRA (rank 16 unless --lora-rank) over an NF4 base.", panel=OPTIM,
+                     flag="--qlora", plan=True)
     steps: int | None = _f(None, "Optimizer steps (default: one epoch; three epochs for the built-in demo).",
                            panel=SCHED)
     epochs: int | None = _f(None, "Epochs over --data (instead of --steps).", panel=SCHED)

@@ -48,8 +48,18 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         nvme_path=cfg.nvme_path, nvme_mem=nvme_budget(cfg), optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
-        checkpointing=checkpointing(cfg), padded=padded,
+        checkpointing=checkpointing(cfg), padded=padded, **lora_options(cfg),
     )
+
+
+def lora_options(cfg: TrainConfig) -> dict:
+    """The planner's LoRA keywords of this run: --qlora is rank 16 (unless --lora-rank) over an
+    NF4 base; an NF4 base is double-quantized (the QLoRA recipe)."""
+    rank = cfg.lora_rank if cfg.lora_rank is not None else 16 if cfg.qlora else None
+    base = cfg.base_dtype if cfg.base_dtype is not None else "nf4" if cfg.qlora else None
+    if rank is None:  # a base dtype alone: the planner refuses it, naming --lora-rank
+        return {} if base is None else {"base_dtype": base}
+    return {"lora_rank": rank, "lora_targets": cfg.lora_targets, "base_dtype": base, "double_quant": base == "nf4"}
 
 
 def resolve_model(spec: str | None, *, trust_remote_code: bool = False) -> "ModelSource":

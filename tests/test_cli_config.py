@@ -62,7 +62,9 @@ def test_every_toml_key_sets_its_field(tmp_path, monkeypatch):
               "steps": 7, "epochs": None, "warmup_steps": 2, "schedule": "linear", "eval_every": 3,
               "checkpoint_every": 4, "keep_checkpoints": 5, "seed": 9, "output": "o", "resume": True,
               "overwrite": False, "export_dtype": "fp16", "hardware": "h100", "dry_run": True,
-              "trust_remote_code": True, "skip_nonfinite": 2, "reset_optimizer": True}
+              "trust_remote_code": True, "skip_nonfinite": 2, "reset_optimizer": True,
+              "lora_rank": 8, "lora_alpha": 16.0, "lora_dropout": 0.05, "lora_targets": "q_proj,v_proj",
+              "base_dtype": "int8", "qlora": True}
     assert set(values) == set(TOML_KEYS)
     lines = [f"{k.replace('_', '-')} = {_toml(v)}" for k, v in values.items() if v is not None]
     (tmp_path / "all.toml").write_text("\n".join(lines) + "\n")

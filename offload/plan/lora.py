@@ -16,7 +16,7 @@ from typing import Sequence
 
 from ..core.chunks import ChunkPlan, ParamSpec
 from ..core.encoding import BASE_DTYPES, QUANTIZED, aligned, encoded_nbytes
-from ..core.errors import TierwiseError
+from ..core.errors import TierwiseError, UnsupportedModel
 
 #: The nn.Linear modules of a Llama-family decoder layer (PEFT's "all-linear" takes them all,
 #: never the output head).
@@ -79,7 +79,7 @@ def lora_specs(specs: Sequence[ParamSpec], *, rank: int, targets: "str | Sequenc
         if lin is not None and name.endswith(".weight"):
             quantizable.add(name)
     if not adapters:
-        raise TierwiseError("LoRA targets none of this model's linears")
+        raise UnsupportedModel("LoRA targets none of this model's linears the planner knows (" + ", ".join(LINEARS) + ")")
     # a module's adapters come right after its base layer's parameters (PEFT's registration order)
     last = {s.name.rpartition(".base_layer.")[0]: k for k, s in enumerate(out) if ".base_layer." in s.name}
     result: list[ParamSpec] = []
