@@ -112,3 +112,68 @@ def frozen_chunk_bytes(plan: ChunkPlan, cid: int, *, base_dtype: "str | None", p
     if all(b == plain for b in base.values()):
         return plan.chunks[cid].numel * element_size
     return sum(aligned(encoded_nbytes(base[n], plan.slots[n].numel, double_quant=double_quant)) for n in names)
+
+
+_SUB = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+#: A decoder layer's parameter-owning modules in forward order (norms by their own names).
+_LAYER = ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm",
+          "gate_proj", "up_proj", "down_proj")
+
+
+def _modules(layer: int, part: str, targets: frozenset[str]) -> list[str]:
+    """The modules one part of a layer runs, in order: a targeted linear's base layer, then its
+    adapters (lora_A, lora_B)."""
+    p = f"model.layers.{layer}."
+    if part not in _SUB:
+        return [p + part]
+    name = f"{p}{_SUB[part]}.{part}"
+    if part not in targets:
+        return [name]
+    return [name + ".base_layer", name + ".lora_A.default", name + ".lora_B.default"]
+
+
+def _needs_grad_in(part: str, targets: frozenset[str]) -> bool:
+    """Layer 0 (its input, the frozen embedding's output, needs no gradient): whether `part`'s
+    input needs one, i.e. whether backward reads its weights."""
+    before = _LAYER[:_LAYER.index(part)]
+    first_linear = {"o_proj": {"q_proj", "k_proj", "v_proj"}, "post_attention_layernorm": set(LINEARS[:4]),
+                    "gate_proj": set(LINEARS[:4]), "up_proj": set(LINEARS[:4]), "down_proj": set(LINEARS[:6])}
+    return bool(targets & first_linear.get(part, set())) and bool(before)
+
+
+def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozenset[str], tied: bool,
+               recompute: bool) -> list[tuple[str, int]]:
+    """The access trace ((\"acquire\" | \"release\", chunk), ...) the engine records for one LoRA
+    step of a Llama-family model (offload.runtime.trace): each module acquires its chunks for its
+    forward; backward reads the weights autograd saved (the output head's, the final norm's, and
+    per layer, last first, every module whose input needs a gradient, in reverse), each
+    recomputed layer running its forward again first. `chunks_of`: module -> its chunks."""
+    events: list[tuple[str, int]] = []
+
+    def use(module: str) -> None:
+        cids = sorted(chunks_of.get(module, ()))
+        events.extend(("acquire", c) for c in cids)
+        events.extend(("release", c) for c in cids)
+
+    head = "model.embed_tokens" if tied else "lm_head"
+    use("model.embed_tokens")
+    for layer in range(layers):
+        for part in _LAYER:
+            for m in _modules(layer, part, targets):
+                use(m)
+    use("model.norm")
+    use(head)
+    use(head)  # backward: the head's saved weight, then the final norm's
+    use("model.norm")
+    for layer in reversed(range(layers)):
+        if recompute:
+            for part in _LAYER:
+                for m in _modules(layer, part, targets):
+                    use(m)
+        for part in reversed(_LAYER):
+            if layer == 0 and not _needs_grad_in(part, targets):
+                continue
+            for m in reversed(_modules(layer, part, targets)):
+                use(m)
+    return events

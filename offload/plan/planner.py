@@ -37,7 +37,8 @@ from .perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buf
                                compute_bytes, model_flops,
                                ops_per_forward, param_update_flops, predict_step)
 from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
-from .lora import LoraModel, base_dtype_of, frozen_chunk_bytes, lora_specs
+from .lora import LoraModel, base_dtype_of, frozen_chunk_bytes, lora_specs, step_trace
+from .schedule import ACQUIRE, plan_schedule
 from .needs import device_needs, zo_workspace
 from .placement import DeviceNeeds, DevicePlan, plan_device
 from ..core.units import format_size
@@ -167,7 +168,8 @@ class Plan:
         if self.lora_rank is not None:
             read = ", ".join(f"{t} {format_size(b)}" for t, b in self.base_read.items() if b) or "none (on the gpu)"
             lines.append(f"base traffic per step: read {read} ({self.base_fetches_per_chunk:.2f} fetches per "
-                         f"streamed chunk and micro-batch: forward + backward, recompute sharing backward's), "
+                         f"streamed base chunk and micro-batch: forward, then backward, where a recomputed layer's "
+                         f"recompute and backward share one fetch when the cache holds the layer till then), "
                          f"written {format_size(self.base_written)}; decoding {self.dequant_s:.3f} s")
         if self.suggestion:
             lines.append(self.suggestion)
@@ -233,6 +235,9 @@ class _Chunks:
         self.params: list[int] = []
         self.flops: list[float] = []
         self.encoded: set[int] = set()  # frozen chunks stored in another dtype (decoded per use)
+        self.layers, self.tied = model.num_hidden_layers, model.tie_word_embeddings
+        self.targets = lora.targets if lora is not None else frozenset()
+        self.fetches_last: dict[int, int] = {}
         plain = "bf16" if self.bf16 else "fp32"
         for c in self.plan.chunks:
             ps = [by_name[n] for n in c.params]
@@ -270,6 +275,26 @@ class _Chunks:
         self.zo_module = "lm_head" if tied_head else widest  # a tied head runs last, on the embedding's chunk
         self.zo_chunks = sorted(modules.get(widest, ()))
 
+    def fetches(self, device: DevicePlan, streamed: list[int], *, recompute: bool) -> dict[int, int]:
+        """Times each streamed chunk is fetched in one micro-batch of a LoRA step: the schedule
+        (`plan.schedule.plan_schedule`, Belady + in-order prefetch, as the engine runs it) over
+        the trace the engine records (`lora.step_trace`), within the cache limit. A recomputed
+        block's chunks are fetched once for its recompute and backward when the cache holds
+        them until then; the smallest cache fetches some twice."""
+        keep = set(streamed)
+        events = [(k, c) for k, c in step_trace({m: set(c) for m, c in self.modules.items()},
+                                                 layers=self.layers, targets=self.targets, tied=self.tied,
+                                                 recompute=recompute) if c in keep]
+        if not events:
+            return {}
+        sizes = {c: self.compute[c] for c in keep}
+        counts = dict.fromkeys(streamed, 0)
+        for a in plan_schedule(events, sizes=sizes, capacity=max(device.cache_limit, 1), lookahead=LOOKAHEAD):
+            for c in a.fetch + a.prefetch:
+                counts[c] += 1
+        self.fetches_last = counts
+        return counts
+
     def home_order(self) -> list[int]:
         """The engine's `_home_order`: trainable chunks, then unencoded frozen ones, last first."""
         trainable = [c for c in reversed(range(self.n)) if c not in self.frozen]
@@ -293,6 +318,9 @@ def _is_encoded(plan: ChunkPlan, cid: int, base_dtype: str | None, plain: str, l
     return any(base_dtype_of(n, base_dtype=base_dtype, plain=plain, quantizable=lora.quantizable) != plain
                for n in plan.chunks[cid].params)
 
+
+#: The engine's prefetch look-ahead (Engine(prefetch_depth=16)).
+LOOKAHEAD = 16
 
 #: Engine optimizer options that do not change any byte the planner counts.
 _NO_BYTES = ("update_proj_gap", "scale", "seed", "eps")
@@ -547,16 +575,16 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
     streamed_compute = sum(ch.compute[c] for c in streamed)
     trainable = [c for c in streamed if c not in ch.frozen]
     home = sorted(device.gpu_home)
-    # Belady over a forward and a backward pass: the cache keeps what fits across the turn; a
-    # recomputed block's chunks stay resident from its recompute through its backward (one fetch)
+    # Belady over a forward and a backward pass: the cache keeps what fits across the turn
     fetched = max(0, 2 * streamed_compute - max(0, device.cache_limit - ch.widest)) if streamed else 0
-    share = fetched / streamed_compute if streamed_compute else 0.0  # fetches per streamed chunk
-    link = sum(ch.kinds[c]["compute"] if c in ch.frozen else ch.compute[c] for c in streamed)
-    encoded = [c for c in streamed if c in ch.encoded]
+    fetches = ch.fetches(device, streamed, recompute=recompute) if ch.frozen else {}
+    if fetches:  # a LoRA step: the engine's own schedule over the step's trace, chunk by chunk
+        fetched = sum(n * ch.compute[c] for c, n in fetches.items())
+    link = sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] if c in ch.frozen else ch.compute[c]) for c in streamed)
     return StepLoad(
         tokens_flops_fwd=flops_fwd, placed=placed, stream_bytes=stream, fetched_bytes=fetched,
-        link_bytes=round(share * link) if ch.frozen else None,
-        dequant_bytes=round(share * sum(ch.kinds[c]["compute"] + ch.compute[c] for c in encoded)),
+        link_bytes=link if ch.frozen else None,
+        dequant_bytes=sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] + ch.compute[c]) for c in ch.encoded),
         grad_d2h_bytes=sum(ch.compute[c] for c in trainable) if ch.needs_grad else 0,
         cpu_params=sum(ch.params[c] for c in streamed), cpu_flops=sum(ch.flops[c] for c in streamed),
         cpu_update_bytes=sum(_update_bytes(ch, c) for c in trainable),
@@ -577,14 +605,14 @@ def _base_traffic(ch: _Chunks, *, load: StepLoad, homes: Homes, streamed: list[i
     bytes written (none: frozen chunks are never written back) and seconds of decoding."""
     if not ch.frozen:
         return {}
-    streamed_compute = sum(ch.compute[c] for c in streamed)
-    share = load.fetched_bytes / streamed_compute if streamed_compute else 0.0
+    frozen = [c for c in streamed if c in ch.frozen]
+    fetches = ch.fetches_last
+    share = sum(fetches.get(c, 0) for c in frozen) / len(frozen) if frozen else 0.0
     read = dict.fromkeys(("host", "cxl", "nvme"), 0)
-    for c in streamed:
-        if c in ch.frozen:
-            read[homes.tiers[c]["compute"]] += ch.kinds[c]["compute"]
+    for c in frozen:
+        read[homes.tiers[c]["compute"]] += fetches.get(c, 0) * ch.kinds[c]["compute"]
     bandwidth = (hw.host.dram_bandwidth_gbps if hw.simulated else hw.gpu.memory_bandwidth_gbps) * 1e9
-    return {"base_read": {t: round(share * b * micro_batches) for t, b in read.items()},
+    return {"base_read": {t: b * micro_batches for t, b in read.items()},
             "base_written": 0, "base_fetches_per_chunk": share,
             "dequant_s": load.dequant_bytes * micro_batches / bandwidth}
 
