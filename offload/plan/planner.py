@@ -458,18 +458,10 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     return plan
 
 
-#: Micro-batches `suggest_micro_batch` tries.
-MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def suggest_micro_batch(plan: Plan, **kwargs: Any) -> str:
-    """A LoRA step streams the whole base for every micro-batch (forward and backward) whatever
-    the gradient accumulation, so only a longer micro-batch amortises it: the smallest
-    micro-batch (of MICRO_BATCHES, at the same rows per step where it divides them) whose step
-    is bound by gpu compute, as a line for the plan. `kwargs`: make_plan's for `plan`."""
-    if plan.bottleneck == "gpu compute":
-        return (f"LoRA: compute-bound at micro-batch {plan.batch_size} x grad-accum {plan.grad_accum} "
-                f"({_rate(plan.tokens_per_s)} tokens/s)")
+def better_micro_batch(plan: Plan, **kwargs: Any) -> "Plan | None":
+    """The plan of the smallest longer micro-batch (MICRO_BATCHES; grad-accum keeping the rows per
+    step where it divides them) that is compute-bound, else of the fastest one that fits; None
+    when no longer one fits. `kwargs`: make_plan's for `plan`."""
     rows = plan.batch_size * plan.grad_accum
     best = None
     for b in MICRO_BATCHES:
@@ -484,6 +476,22 @@ def suggest_micro_batch(plan: Plan, **kwargs: Any) -> str:
             best = p
         if p.bottleneck == "gpu compute":
             break
+    return best
+
+
+#: Micro-batches `suggest_micro_batch` tries.
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def suggest_micro_batch(plan: Plan, **kwargs: Any) -> str:
+    """A LoRA step streams the whole base for every micro-batch (forward and backward) whatever
+    the gradient accumulation, so only a longer micro-batch amortises it: the smallest
+    micro-batch (of MICRO_BATCHES, at the same rows per step where it divides them) whose step
+    is bound by gpu compute, as a line for the plan. `kwargs`: make_plan's for `plan`."""
+    if plan.bottleneck == "gpu compute":
+        return (f"LoRA: compute-bound at micro-batch {plan.batch_size} x grad-accum {plan.grad_accum} "
+                f"({_rate(plan.tokens_per_s)} tokens/s)")
+    best = better_micro_batch(plan, **kwargs)
     if best is None:
         return (f"LoRA: {plan.bottleneck}-bound; no larger micro-batch fits (the base streams once per "
                 f"micro-batch: longer ones amortise it)")
