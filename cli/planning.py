@@ -59,7 +59,8 @@ def lora_options(cfg: TrainConfig) -> dict:
     base = cfg.base_dtype if cfg.base_dtype is not None else "nf4" if cfg.qlora else None
     if rank is None:  # a base dtype alone: the planner refuses it, naming --lora-rank
         return {} if base is None else {"base_dtype": base}
-    return {"lora_rank": rank, "lora_targets": cfg.lora_targets, "base_dtype": base, "double_quant": base == "nf4"}
+    return {"lora_rank": rank, "lora_targets": cfg.lora_targets, "base_dtype": base, "double_quant": base == "nf4",
+            "lora_dropout": cfg.lora_dropout}
 
 
 def resolve_model(spec: str | None, *, trust_remote_code: bool = False) -> "ModelSource":
@@ -235,11 +236,14 @@ def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
     that keeps every layer's activations within the budgets (less compute), else on. On
     with --offload-activations (it offloads recomputed layers' inputs), and on CUDA without
     --gpu-mem (the planner would judge the hardware profile's memory, not this card's). A run
-    the planner cannot price (a model family it does not know, a planner error) recomputes."""
+    the planner cannot price (a model family it does not know, a planner error) recomputes. A
+    LoRA run: whichever of on and off the planner finds faster (`_faster_recompute`)."""
     if cfg.recompute is not None:
         return cfg
     if cfg.offload_activations or (cfg.budgets["gpu"] is None and _has_cuda()):
         return dataclasses.replace(cfg, recompute=True)
+    if lora_options(cfg).get("lora_rank") is not None:
+        return _faster_recompute(cfg, src=src, padded=padded)
     try:
         make_plan(dataclasses.replace(cfg, recompute=False), src=src, padded=padded)
         feasible = True
@@ -247,6 +251,22 @@ def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
         log.debug("no plan without recompute: %s", e)  # or a model family the planner cannot price
         feasible = False
     return dataclasses.replace(cfg, recompute=not feasible)
+
+
+def _faster_recompute(cfg: TrainConfig, *, src: "ModelSource | None", padded: bool | None) -> TrainConfig:
+    """A LoRA run streams its base every micro-batch: keeping every layer's activations (less
+    compute) can leave too little room to cache the base, so recompute is on or off, whichever
+    the planner finds faster (on where neither plans)."""
+    best = None
+    for recompute in (True, False):
+        try:
+            plan = make_plan(dataclasses.replace(cfg, recompute=recompute), src=src, padded=padded)
+        except (InfeasibleBudget, UnsupportedModel, ProfileError) as e:
+            log.debug("no LoRA plan with recompute %s: %s", recompute, e)
+            continue
+        if best is None or plan.tokens_per_s > best[1]:
+            best = (recompute, plan.tokens_per_s)
+    return dataclasses.replace(cfg, recompute=True if best is None else best[0])
 
 
 def print_plan(plan: Plan, *, console: Console, as_json: bool) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, ParamSpec, pack_chunks
-from ..core.errors import InfeasibleBudget, TierwiseError
+from ..core.errors import InfeasibleBudget, TierwiseError, UnsupportedModel
 from .homes import Homes, assign_homes, minimum_host
 from .perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buffer_bytes, checkpoints_blocks,
                                compute_bytes, model_flops,
@@ -355,7 +355,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               checkpointing: bool | None = None, padded: bool = False,
               params: "Sequence[ParamSpec] | None" = None, device_mem: int | None = None,
               lora_rank: int | None = None, lora_targets: str = "all-linear", base_dtype: str | None = None,
-              double_quant: bool = False, suggest: bool = True) -> Plan:
+              double_quant: bool = False, lora_dropout: float = 0.0, suggest: bool = True) -> Plan:
     """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited;
     the gpu's at most `device_mem`, what the device of this machine has).
 
@@ -404,6 +404,10 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     use_nvme = nvme_path is not None
     chunk_bytes = parse_size(chunk_bytes, what="chunk size")
 
+    if lora_rank is not None and lora_dropout:
+        raise UnsupportedModel(f"--lora-dropout {lora_dropout}: the planner does not price the dropped inputs "
+                               f"and masks LoRA dropout saves for backward yet; plan with --lora-dropout 0 and "
+                               f"check a real step with `finetune plan --verify`")
     if base_dtype is not None and lora_rank is None:
         raise TierwiseError(f"--base-dtype {base_dtype} stores a frozen base: give --lora-rank (or --qlora)")
     lora = None
