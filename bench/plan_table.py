@@ -1,7 +1,10 @@
 """What fits where: tierwise plans for 7B-175B on an RTX 4090 + 256 GB + NVMe and on an H200,
-beside DeepSpeed ZeRO-3's own model-states memory estimate.
+beside DeepSpeed ZeRO-3's own model-states memory estimate; with --lora, LoRA and QLoRA plans
+for 8B/70B/405B on a 24 GB RTX 4090 with 64 or 128 GB host RAM (+ NVMe for what does not fit),
+beside what PEFT + bitsandbytes would need on the GPU.
 
     python bench/plan_table.py [--batch 1] [--seq 2048] [--precision bf16]
+    python bench/plan_table.py --lora [--seq 512]
 
 DeepSpeed's estimate: `deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_cold`
 when deepspeed is importable; otherwise the same formula re-derived here (one node, one GPU,
@@ -55,12 +58,87 @@ def _row(cells: list[str], widths: list[int]) -> str:
     return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
 
+LORA_MODELS = ("8b", "70b", "405b")
+LORA_RUNS = (("--qlora", dict(lora_rank=16, base_dtype="nf4", double_quant=True)),
+             ("--lora-rank 16 --base-dtype bf16", dict(lora_rank=16, base_dtype="bf16")))
+HOSTS = ("64G", "128G")
+
+
+def peft_gpu_bytes(model: ModelProfile, *, run: dict, batch: int, seq: int) -> dict[str, int]:
+    """What PEFT + bitsandbytes (QLoRA) or PEFT over a bf16 base needs on the GPU: the whole
+    base as stored (NF4 + absmax for the linear weights, bf16 for the rest; or all bf16), the
+    adapters with fp32 weights, gradients and AdamW moments (16 B/param), and the activations
+    with gradient checkpointing (our LoRA activation formula for the same micro-batch)."""
+    from tierwise.offload.core.encoding import encoded_nbytes
+    from tierwise.offload.plan.lora import base_dtype_of, lora_specs
+    from tierwise.offload.plan.perfmodel import activation_bytes
+
+    lora = lora_specs(model.param_specs(), rank=run["lora_rank"], targets="all-linear")
+    base = 0
+    for spec in lora.specs:
+        if spec.name in lora.frozen:
+            kind = base_dtype_of(spec.name, base_dtype=run["base_dtype"], plain="bf16", quantizable=lora.quantizable)
+            base += encoded_nbytes(kind, spec.numel, double_quant=run.get("double_quant", False))
+    adapters = 16 * sum(s.numel for s in lora.specs if s.name not in lora.frozen)
+    act = activation_bytes(model=model, batch_size=batch, seq_len=seq, precision="bf16", checkpointing=True,
+                           lora=(lora.targets, lora.rank))
+    return {"base": base, "adapters": adapters, "activations": act, "total": base + adapters + act}
+
+
+def lora_table(seq: int) -> None:
+    """LoRA/QLoRA on a 24 GB RTX 4090 with 64 / 128 GB host (+ NVMe): each row at the smallest
+    micro-batch that makes the step compute-bound (else the fastest that fits), from 1 up."""
+    from tierwise.offload.plan.planner import better_micro_batch
+
+    hw = load_hardware_profile("rtx4090")
+    head = ["model", "run", "host", "fits", "micro-batch", "gpu", "host", "nvme", "base on", "tokens/s",
+            "bottleneck", "PEFT+bnb GPU"]
+    rows = [head]
+    for m in LORA_MODELS:
+        prof = load_model_profile(m)
+        for label, run in LORA_RUNS:
+            peft_need = peft_gpu_bytes(prof, run=run, batch=1, seq=seq)
+            for host in HOSTS:
+                kw = dict(model=prof, hardware=hw, gpu_mem="24G", cpu_mem=host, nvme_path="/nvme",
+                          optimizer="adamw", precision="bf16", batch_size=1, seq_len=seq, **run)
+                try:
+                    p = make_plan(**kw, suggest=False)
+                except InfeasibleBudget as exc:
+                    need = ", ".join(f"{t} >= {format_size(b)}" for t, b in exc.minimum.items())
+                    rows.append([m, label, host, "no", need] + [""] * 6 + [format_size(peft_need["total"])])
+                    continue
+                if p.bottleneck != "gpu compute":
+                    p = better_micro_batch(p, **kw) or p
+                base = ", ".join(f"{t} {format_size(p.bytes[t]['base'])}" for t in ("gpu", "host", "nvme")
+                                 if p.bytes[t].get("base"))
+                rows.append([m, label, host, "yes", f"{p.batch_size} x {p.seq_len}", format_size(p.peak["gpu"]),
+                             format_size(p.peak["host"]), format_size(p.peak["nvme"]) if p.peak["nvme"] else "-",
+                             base, f"{p.tokens_per_s:,.0f}", p.bottleneck, format_size(peft_need["total"])])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    print(f"tierwise LoRA/QLoRA plans on rtx4090 (24 GiB GPU), bf16 compute, rank 16 on all-linear, "
+          f"seq {seq}, recompute, 64 MiB chunks, host RAM as given + NVMe; PEFT+bnb GPU = whole stored base "
+          f"+ adapters (16 B/param) + activations at micro-batch 1 (its GPU must hold all of it)")
+    for r in rows:
+        print(_row(r, widths))
+    print("\nPEFT + bitsandbytes on the GPU, by part (micro-batch 1):")
+    for m in LORA_MODELS:
+        prof = load_model_profile(m)
+        for label, run in LORA_RUNS:
+            need = peft_gpu_bytes(prof, run=run, batch=1, seq=seq)
+            print(f"  {m:5s} {label:33s} " + ", ".join(f"{k} {format_size(v)}" for k, v in need.items())
+                  + f"  -> {'fits' if need['total'] <= hw.gpu.memory else 'does not fit'} in 24 GiB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--lora", action="store_true", help="the LoRA/QLoRA table instead")
     args = ap.parse_args()
+    if args.lora:
+        lora_table(args.seq)
+        return
     try:
         import deepspeed  # type: ignore # noqa: F401
         ds_note = "deepspeed's estimate_zero3_model_states_mem_needs"

@@ -1,7 +1,10 @@
 """Predicted vs measured on this machine: profile it (quick), then for each case plan and run the
 engine a few steps on the simulated device; print peak bytes per tier and step time, with ratios.
 
-    python bench/plan_vs_measured.py [--steps 3] [--full-profile]
+    python bench/plan_vs_measured.py [--steps 3] [--full-profile] [--only lora]
+
+The LoRA cases train rank-16 adapters on all-linear over a frozen base (fp32 as is; QLoRA: NF4,
+double-quantized), planned with make_plan(lora_rank=..., base_dtype=...).
 
 Goal: peaks within 10%, step time within 25% (timing on a shared machine is noisy: the step
 time is the median of the steps after the warm-up one).
@@ -27,17 +30,28 @@ from tierwise.profiles import ModelProfile, load_model_profile
 TINY = ModelProfile(name="tiny", family="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
                     rope_theta=10000.0, rms_norm_eps=1e-5)
-CASES = [  # (profile, precision, batch, seq, chunk bytes)
-    (TINY, "fp32", 4, 32, 16 << 10),
-    (TINY, "bf16", 4, 32, 16 << 10),
-    (load_model_profile("100m"), "fp32", 2, 64, 64 << 20),
+LORA = {"lora_rank": 16, "base_dtype": None}
+QLORA = {"lora_rank": 16, "base_dtype": "nf4", "double_quant": True}
+CASES = [  # (profile, precision, batch, seq, chunk bytes, LoRA options or None)
+    (TINY, "fp32", 4, 32, 16 << 10, None),
+    (TINY, "bf16", 4, 32, 16 << 10, None),
+    (load_model_profile("100m"), "fp32", 2, 64, 64 << 20, None),
+    (TINY, "fp32", 4, 32, 16 << 10, LORA),
+    (load_model_profile("100m"), "fp32", 2, 64, 16 << 20, LORA),
+    (load_model_profile("100m"), "bf16", 2, 64, 16 << 20, QLORA),
 ]
 
 
-def run(profile, *, precision, batch, seq, chunk, gpu, steps):
+def run(profile, *, precision, batch, seq, chunk, gpu, steps, lora=None):
     torch.manual_seed(0)
+    kw = {}
+    if lora is not None:
+        from peft import LoraConfig
+
+        kw = dict(lora=LoraConfig(r=lora["lora_rank"], lora_alpha=2 * lora["lora_rank"], target_modules="all-linear"),
+                  base_dtype=lora["base_dtype"], double_quant=lora.get("double_quant", False))
     eng = Engine(transformers.LlamaForCausalLM(profile.to_hf_config()), gpu_mem=gpu, precision=precision,
-                 chunk_bytes=chunk)
+                 chunk_bytes=chunk, **kw)
     x = torch.randint(0, profile.vocab_size, (batch, seq))
     eng.step({"input_ids": x, "labels": x})  # warm-up
     eng.ledger.reset_peaks()
@@ -54,6 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--full-profile", action="store_true")
+    ap.add_argument("--only", choices=("lora",), help="only the LoRA cases")
     args = ap.parse_args()
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,16 +78,20 @@ def main() -> None:
         print(f"profiled in {time.perf_counter() - t:.1f} s\n")
         head = f"{'case':34} {'budget':>10} {'tier':>4} {'pred peak':>11} {'measured':>11} {'ratio':>6}"
         print(head + f" {'pred s':>8} {'meas s':>8} {'ratio':>6}")
-        for profile, precision, batch, seq, chunk in CASES:
+        for profile, precision, batch, seq, chunk, lora in CASES:
+            if args.only == "lora" and lora is None:
+                continue
+            extra = dict(lora or {}, suggest=False) if lora else {}
             base = make_plan(model=profile, hardware=hw, gpu_mem="64G", cpu_mem=None, optimizer="adamw",
-                             precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk)
+                             precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk, **extra)
             home = sum(base.bytes["gpu"].values())
             for label, gpu in (("roomy", base.gpu_minimum + 2 * home), ("mid", base.gpu_minimum + home // 2)):
                 plan = make_plan(model=profile, hardware=hw, gpu_mem=gpu, cpu_mem=None, optimizer="adamw",
-                                 precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk)
+                                 precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk, **extra)
                 peaks, step_s = run(profile, precision=precision, batch=batch, seq=seq, chunk=chunk, gpu=gpu,
-                                    steps=args.steps)
-                name = f"{profile.name} {precision} {batch}x{seq} {label}"
+                                    steps=args.steps, lora=lora)
+                kind = "" if lora is None else " qlora" if lora["base_dtype"] == "nf4" else " lora"
+                name = f"{profile.name}{kind} {precision} {batch}x{seq} {label}"
                 for i, tier in enumerate(("gpu", "host")):
                     p, m = plan.peak[tier], peaks[tier]
                     row = f"{name if not i else '':34} {format_size(gpu) if not i else '':>10} {tier:>4} " \

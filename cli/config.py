@@ -21,6 +21,7 @@ from ..offload.core.errors import TierwiseError
 from ..offload.core.sizes import parse_size
 from ..offload.core.nodes import parse_node_list
 from ..offload.update.table import NAMES as OPTIMIZERS
+from ..offload.core.encoding import BASE_DTYPES
 
 PRECISIONS = ("bf16", "fp32")
 _META_ERROR = "tierwise.config_error"
@@ -116,7 +117,6 @@ PANELS = MODEL, LORA, MEMORY, OPTIM, SCHED, OUTPUT, HW = (
     "Model & data", "LoRA / QLoRA", "Memory budget", "Optimizer", "Schedule", "Output & resume", "Hardware & plan")
 PRECISIONS_EXPORT = ("bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
-BASE_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4")  # offload.runtime.codecs.BASE_DTYPES (no torch here)
 QLORA_RANK = 16  # --qlora's rank unless --lora-rank is given
 
 
@@ -169,11 +169,12 @@ class TrainConfig:
     lora_targets: str = _f("all-linear", "Modules that get adapters: comma-separated names (q_proj,v_proj) or "
                            "all-linear (every linear layer but the output head).", panel=LORA, plan=True)
     base_dtype: str | None = _f(None, "How the frozen base is stored and streamed: fp32 bf16 fp16 int8 nf4 "
-                                "(int8/nf4: the linear layers' weights, bitsandbytes' formats). Default: "
+                                "(int8/nf4: the linear layers' weights, bitsandbytes' formats; nf4 with its absmax "
+                                "double-quantized, the QLoRA recipe). Default: "
                                 "--precision. LoRA runs only.", panel=LORA, choices=BASE_DTYPES, plan=True)
     qlora: bool = _f(False, f"QLoRA: LoRA (rank {QLORA_RANK} unless --lora-rank) over an NF4 base with double "
                      "quantization.", panel=LORA, flag="--qlora", plan=True)
-    """Shorthand for --lora-rank 16 --base-dtype nf4, plus double quantization of NF4's absmax."""
+    """Shorthand for --lora-rank 16 --base-dtype nf4 (an NF4 base is always double-quantized)."""
     gpu_mem: str | None = _f(None, "GPU memory to use, e.g. 24G (default: engine's).", panel=MEMORY, plan=True)
     cpu_mem: str | None = _f(None, "Host RAM to use, e.g. 256G.", panel=MEMORY, plan=True)
     cxl_mem: str | None = _f(None, "CXL memory to use, e.g. 512G.", panel=MEMORY, plan=True)

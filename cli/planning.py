@@ -25,9 +25,6 @@ if TYPE_CHECKING:
     from .loading import ModelSource
 
 log = logging.getLogger(__name__)
-#: Until the planner prices frozen bases and adapters (issue 14's planner part).
-NO_LORA_PLAN = ("the planner does not price LoRA runs yet (it would plan full fine-tuning): "
-                "drop the LoRA options to plan, or train and read the measured peaks")
 
 
 def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: bool | None = None) -> Plan:
@@ -36,10 +33,7 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
     machine without torch or transformers too (unless --data must be tokenized); a model
     directory or the built-in model needs them (their parameters are read off the module
     training builds, on the meta device).
-    A LoRA run is refused (UnsupportedModel): the planner prices full fine-tuning only, whose
-    plan would overstate a LoRA run's bytes; the run then checks its budgets in the engine."""
-    if cfg.lora:
-        raise UnsupportedModel(NO_LORA_PLAN)
+    A LoRA run is priced as one: frozen base at its encoded bytes, adapters and their state."""
     if is_profile(cfg.model):  # the planner reads the profile's extra fields
         model, params = cfg.model, profile_params(cfg.model)
     else:
@@ -55,8 +49,17 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         nvme_path=cfg.nvme_path, nvme_mem=nvme_budget(cfg), optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
-        checkpointing=checkpointing(cfg), padded=padded,
+        checkpointing=checkpointing(cfg), padded=padded, **lora_options(cfg),
     )
+
+
+def lora_options(cfg: TrainConfig) -> dict:
+    """The planner's LoRA keywords of this run (TrainConfig has resolved --qlora into rank and an
+    NF4 base); an NF4 base is double-quantized (the QLoRA recipe)."""
+    if not cfg.lora:
+        return {}
+    return {"lora_rank": cfg.lora_rank, "lora_targets": cfg.lora_targets, "base_dtype": cfg.base_dtype,
+            "double_quant": cfg.base_dtype == "nf4", "lora_dropout": cfg.lora_dropout}
 
 
 def resolve_model(spec: str | None, *, trust_remote_code: bool = False) -> "ModelSource":
@@ -232,11 +235,14 @@ def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
     that keeps every layer's activations within the budgets (less compute), else on. On
     with --offload-activations (it offloads recomputed layers' inputs), and on CUDA without
     --gpu-mem (the planner would judge the hardware profile's memory, not this card's). A run
-    the planner cannot price (a model family it does not know, a planner error) recomputes."""
+    the planner cannot price (a model family it does not know, a planner error) recomputes. A
+    LoRA run: whichever of on and off the planner finds faster (`_faster_recompute`)."""
     if cfg.recompute is not None:
         return cfg
     if cfg.offload_activations or (cfg.budgets["gpu"] is None and _has_cuda()):
         return dataclasses.replace(cfg, recompute=True)
+    if cfg.lora:
+        return _faster_recompute(cfg, src=src, padded=padded)
     try:
         make_plan(dataclasses.replace(cfg, recompute=False), src=src, padded=padded)
         feasible = True
@@ -244,6 +250,22 @@ def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
         log.debug("no plan without recompute: %s", e)  # or a model family the planner cannot price
         feasible = False
     return dataclasses.replace(cfg, recompute=not feasible)
+
+
+def _faster_recompute(cfg: TrainConfig, *, src: "ModelSource | None", padded: bool | None) -> TrainConfig:
+    """A LoRA run streams its base every micro-batch: keeping every layer's activations (less
+    compute) can leave too little room to cache the base, so recompute is on or off, whichever
+    the planner finds faster (on where neither plans)."""
+    best = None
+    for recompute in (True, False):
+        try:
+            plan = make_plan(dataclasses.replace(cfg, recompute=recompute), src=src, padded=padded)
+        except (InfeasibleBudget, UnsupportedModel, ProfileError) as e:
+            log.debug("no LoRA plan with recompute %s: %s", recompute, e)
+            continue
+        if best is None or plan.tokens_per_s > best[1]:
+            best = (recompute, plan.tokens_per_s)
+    return dataclasses.replace(cfg, recompute=True if best is None else best[0])
 
 
 def print_plan(plan: Plan, *, console: Console, as_json: bool) -> None:
@@ -272,7 +294,8 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
     from .loading import build_meta_model
 
     if cfg.lora:
-        raise UnsupportedModel(f"--verify: {NO_LORA_PLAN}")
+        raise UnsupportedModel("--verify does not build LoRA runs yet: plan them with `finetune plan`, or train "
+                               "and read the measured peaks in the run's summary")
     src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     check_seq_len(cfg, src)
     batches, padded = None, True  # random tokens: every batch padded, the worst case
@@ -339,9 +362,6 @@ def dry_run(cfg: TrainConfig, *, console: Console) -> int:
         lora_mod.inject(model, lora_mod.lora_config(cfg), seed=cfg.seed, values=False)
         lora = lora_mod.summary(cfg, model)
     console.print(summary_table(cfg, name=src.name, params=total, lora=lora))
-    if cfg.lora:
-        console.print(f"plan: {NO_LORA_PLAN}", highlight=False, soft_wrap=True)
-        return 0
     print_plan(make_plan(cfg, src=src), console=console, as_json=False)
     return 0
 

@@ -90,7 +90,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True
     )
     kwargs["activations"] = activation_estimate(model, cfg, padded=padded)
     if cfg.lora:  # the model carries its adapters already (cli.lora.inject): the engine takes it as is
-        kwargs.update(base_dtype=cfg.base_dtype, double_quant=cfg.qlora or None)
+        kwargs.update(base_dtype=cfg.base_dtype, double_quant=cfg.base_dtype == "nf4")  # the QLoRA recipe
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     try:
         return engine_class()(model, **kwargs)

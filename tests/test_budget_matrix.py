@@ -536,3 +536,185 @@ def test_module_budget_matrix(kind, budget, tiers, opt, tmp_path):
     else:
         assert losses == ref_losses
         assert all(torch.equal(buffers[n], b) for n, b in ref_buffers.items()), kind
+
+
+# -- LoRA / QLoRA over a streamed frozen base -----------------------------------------------------
+# The same checks (a), (b), (c) for LoRA runs: adapters (rank 4) trained over a frozen base stored
+# as `base` (None: the compute dtype; nf4 double-quantized), placed by the planner (`make_plan(
+# lora_rank=...)`) and run by the engine (`Engine(lora=LoraConfig(...), base_dtype=...)`). The
+# reference is PEFT (`get_peft_model`) in plain PyTorch on the base weights as the engine stores
+# them (decoded by runtime.codecs, whose bytes tests/test_codecs.py checks against bitsandbytes):
+# fp32 with torch's fused AdamW on the adapters, bf16 the mixed-precision loop on them.
+LORA_RANK = 4
+LORA_CASES = [("dense", "min", "hostmin+nvme", "fp32", "nf4", "all-linear"),
+              ("tied", "mid", "host+nvme", "bf16", "nf4", "all-linear"),
+              ("dense", "roomy", "host", "fp32", None, "q_proj,v_proj"),
+              ("vocab", "min", "cxl+nvme", "fp32", "int8", "all-linear"),
+              ("tied", "min", "host", "bf16", "bf16", "q_proj,v_proj"),
+              ("dense", "mid", "hostmin+nvme", "bf16", None, "all-linear")]
+
+
+def lora_config(targets: str):
+    import peft
+
+    return peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0,
+                           target_modules=targets if targets == "all-linear" else targets.split(","))
+
+
+def lora_plan(model: str, prec: str, base: str | None, targets: str, *, gpu: int, host: int, cxl: int = 0,
+              nvme: bool = False):
+    return make_plan(model=MODELS[model], hardware=hardware(bool(cxl)), gpu_mem=gpu, cpu_mem=host, cxl_mem=cxl,
+                     nvme_path="/unused" if nvme else None, optimizer="adamw", precision=prec, batch_size=BATCH,
+                     seq_len=SEQ, chunk_bytes=CHUNK, lora_rank=LORA_RANK, lora_targets=targets, base_dtype=base,
+                     double_quant=base == "nf4", suggest=False)
+
+
+def lora_budgets(model: str, budget: str, tiers: str, prec: str, base: str | None, targets: str) -> dict[str, int]:
+    """As `budgets`, for a LoRA run."""
+    plan = functools.partial(lora_plan, model, prec, base, targets)
+    first = plan(gpu=1 << 30, host=1 << 30)
+    chunks = sum(sum(first.bytes[t].values()) for t in first.bytes)
+    gpu = {"roomy": 2 * (first.gpu_minimum + chunks), "mid": first.gpu_minimum + chunks // 2,
+           "min": first.gpu_minimum}[budget]
+    at = plan(gpu=gpu, host=1 << 30)
+    everything = at.host_minimum
+    grads = sum(at.bytes[t]["grad"] for t in ("host", "cxl", "nvme"))
+    least = plan(gpu=gpu, host=1 << 30, nvme=True).host_minimum
+    host, cxl = {"host": (2 * everything + (1 << 20), 0), "host+nvme": (max(least, (least + everything) // 2), 0),
+                 "cxl+nvme": (least, (everything - grads) // 2), "hostmin+nvme": (least, 0)}[tiers]
+    for _ in range(8):
+        try:
+            plan(gpu=gpu, host=host, cxl=cxl, nvme=tiers.endswith("nvme"))
+            break
+        except InfeasibleBudget as exc:
+            assert set(exc.minimum) <= {"host", "cxl"}, exc
+            host, cxl = exc.minimum.get("host", host), exc.minimum.get("cxl", cxl)
+    return {"gpu": gpu, "host": host, "cxl": cxl}
+
+
+def stored_base(model: torch.nn.Module, base: str | None, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` (a copy) with its frozen weights as the engine stores and decodes them."""
+    from tierwise.offload.engine.frozen_base import quantizable
+    from tierwise.offload.runtime import codecs
+    from tierwise.offload.runtime.frozen import base_dtypes
+
+    model = copy.deepcopy(model)
+    named = dict(model.named_parameters())
+    kinds = base_dtypes(list(named), base_dtype=base, quantizable=quantizable(model), compute_dtype=dtype)
+    with torch.no_grad():
+        for n, p in named.items():
+            out = torch.empty(p.numel(), dtype=dtype)
+            codecs.decode(kinds[n], codecs.encode(kinds[n], p.reshape(-1), double_quant=base == "nf4"), out,
+                          double_quant=base == "nf4")
+            p.data = out.view(p.shape)
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def lora_reference(model: str, prec: str, base: str | None, targets: str) -> list[float]:
+    import peft
+
+    dtype = torch.bfloat16 if prec == "bf16" else torch.float32
+    start = fresh_model(model)
+    torch.manual_seed(7)  # LoRA's init, as before the engine's
+    work = peft.get_peft_model(start, lora_config(targets))
+    adapters = [p for p in work.parameters() if p.requires_grad]
+    masters = [p.detach().clone() for p in adapters]
+    work.base_model.model = stored_base(work.base_model.model, base, dtype)  # adapters' values kept
+    adapters = [p for p in work.parameters() if p.requires_grad]
+    for p in work.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(dtype)
+    masters = [torch.nn.Parameter(m) for m in masters]
+    opt = torch.optim.AdamW(masters, fused=True, **HP)
+    losses = []
+    for b in data(model):
+        loss = work(**b).loss
+        loss.backward()
+        for pm, pw in zip(masters, adapters):
+            pm.grad, pw.grad = pw.grad.float(), None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for pm, pw in zip(masters, adapters):
+                pw.copy_(pm)
+        losses.append(loss.float().item())
+    return losses
+
+
+@pytest.mark.parametrize("case", LORA_CASES, ids=["lora-" + case_id(tuple(map(str, c))) for c in LORA_CASES])
+def test_budget_matrix_lora(case, tmp_path):
+    model, budget, tiers, prec, base, targets = case
+    b = lora_budgets(*case)
+    nvme = tiers.endswith("nvme")
+    planned = lora_plan(model, prec, base, targets, gpu=b["gpu"], host=b["host"], cxl=b["cxl"], nvme=nvme)
+    start = fresh_model(model)
+    torch.manual_seed(7)  # LoRA's init draws random numbers: as the reference's
+    eng = Engine(start, lora=lora_config(targets), base_dtype=base, double_quant=base == "nf4",
+                 precision=prec, chunk_bytes=CHUNK, gpu_mem=b["gpu"], cpu_mem=b["host"], cxl_mem=b["cxl"] or None,
+                 nvme_path=str(tmp_path / "swap") if nvme else None,
+                 activations=planned.reserve["gpu"]["activations"], **HP)
+    where = f"lora-{case_id(tuple(map(str, case)))} budgets {b}"
+    try:
+        batches = data(model)
+        with cuda_budget(b["gpu"]) as device:
+            losses = [eng.step(batches[0])]
+            warmup_peaks = eng.ledger.peaks()
+            eng.ledger.reset_peaks()
+            losses += [eng.step(x) for x in batches[1:]]
+        peaks, limits = eng.ledger.peaks(), eng.ledger.budgets
+    finally:
+        eng.close()
+    for tier, limit in limits.items():  # (a)
+        if limit is not None:
+            assert max(warmup_peaks[tier], peaks[tier]) <= limit, (where, tier, warmup_peaks, peaks)
+    if device["peak"] is not None:
+        assert device["peak"] <= b["gpu"], (where, "cuda max_memory_allocated", device["peak"])
+    for tier in ("gpu", "host", "cxl", "nvme"):  # (b)
+        measured, predicted = peaks.get(tier, 0), planned.peak[tier]
+        assert abs(predicted - measured) <= TOL * measured, \
+            f"{where}: {tier} planned {predicted} B vs measured {measured} B (peaks {peaks}, plan {planned.peak})"
+    ref = lora_reference(model, prec, base, targets)  # (c)
+    if CUDA:
+        assert losses == pytest.approx(ref, rel=CUDA_LOSS_RTOL[prec]), where
+    else:
+        assert losses == ref, where
+
+
+@pytest.mark.parametrize("base", ["nf4", None])
+def test_lora_base_traffic_matches_plan(base, tmp_path):
+    """Over a steady step, the frozen base is never written to NVMe and the bytes read from it
+    are the planner's `base_read["nvme"]` within 10%: adapters on the device (whole), the
+    base on NVMe behind the smallest stream cache, so it crosses twice per step (forward, and
+    backward with each recomputed block's recompute), less what the cache keeps across the turn."""
+    model, prec, targets = "dense", "fp32", "all-linear"
+    first = lora_plan(model, prec, base, targets, gpu=1 << 30, host=1 << 30)
+    adapters = sum(sum(first.bytes["gpu"][k] for k in ("compute", "grad", "master", "state")) for _ in [0])
+    gpu = first.gpu_minimum + adapters
+    host = lora_plan(model, prec, base, targets, gpu=gpu, host=1 << 30, nvme=True).host_minimum
+    planned = lora_plan(model, prec, base, targets, gpu=gpu, host=host, nvme=True)
+    assert planned.bytes["nvme"]["base"] and sum(planned.bytes["nvme"].values()) == planned.bytes["nvme"]["base"]
+    assert planned.base_written == 0
+    start = fresh_model(model)
+    torch.manual_seed(7)
+    eng = Engine(start, lora=lora_config(targets), base_dtype=base, double_quant=base == "nf4", precision=prec,
+                 chunk_bytes=CHUNK, gpu_mem=gpu, cpu_mem=host, nvme_path=str(tmp_path / "swap"),
+                 activations=planned.reserve["gpu"]["activations"], **HP)
+    try:
+        batches = data(model)
+        eng.step(batches[0])  # the warm-up records the trace
+        written: list[str] = []
+        for name in ("write_async", "zeros"):
+            orig = getattr(eng.nvme, name)
+            setattr(eng.nvme, name, lambda key, *a, _o=orig, **k: (written.append(key), _o(key, *a, **k))[1])
+        read0, wrote0 = eng.nvme.stats.bytes_read, eng.nvme.stats.bytes_written
+        eng.step(batches[1])
+        read, wrote = eng.nvme.stats.bytes_read - read0, eng.nvme.stats.bytes_written - wrote0
+        on_nvme = sum(eng.store.chunks[c].compute.nbytes for c in eng.plan.frozen
+                      if eng.store.chunks[c].tiers["compute"] == "nvme")
+    finally:
+        eng.close()
+    assert on_nvme == planned.bytes["nvme"]["base"]
+    assert not written and wrote == 0, written  # the adapters live on the device: nothing is written at all
+    assert read > on_nvme  # some chunks cross twice
+    assert abs(planned.base_read["nvme"] - read) <= TOL * read, (planned.base_read, read, on_nvme)

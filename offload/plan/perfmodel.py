@@ -60,7 +60,8 @@ def model_flops(*, model: ModelProfile, batch_size: int, seq_len: int) -> float:
 
 
 def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
-                     checkpointing: bool | None = None, padded: bool = False) -> dict[str, int]:
+                     checkpointing: bool | None = None, padded: bool = False,
+                     lora: "tuple[frozenset[str], int] | None" = None) -> dict[str, int]:
     """Bytes autograd saves for backward, by part, as the engine counts them (per saved tensor
     storage, deduplicated) for a Hugging Face Llama-family model with SDPA attention and every
     decoder layer checkpointed. e = compute bytes, T = batch * seq tokens:
@@ -93,6 +94,14 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     to the sequence length). transformers then builds the B x 1 x S x S mask that an unpadded
     batch does without (it uses is_causal), so a padded batch of the same shape saves more:
     the run's worst step is a padded one whenever its data has any padding.
+
+    `lora`: (targeted linears, rank) of a LoRA run over a frozen base (plan.lora). Autograd
+    then saves only what some gradient needs: no token ids (frozen embedding), no norm's
+    normalised output (frozen weights), a norm's weighted output only when a linear it feeds
+    is targeted (the adapter's lora_A saves it), the MLP product only when down_proj is,
+    nothing of the final norm but its input and rsqrt (frozen lm_head), and per targeted
+    linear the adapter's rank-r intermediate (e*T*r). Without recompute, layer 0's first
+    norm saves nothing of its own (its input needs no gradient).
     """
     e = compute_bytes(precision)
     t, s, h, i = batch_size * seq_len, seq_len, model.hidden_size, model.intermediate_size
@@ -106,6 +115,9 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
         attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
     internals = first_norm + attention + norm + 4 * e * t * i
     mask = batch_size * s * s if padded and checkpointed else 0  # bool, saved as a block input
+    if lora is not None:
+        return _lora_parts(lora, e=e, t=t, s=s, h=h, i=i, layers=layers, attention=attention, mask=mask,
+                           checkpointed=checkpointed, model=model, batch_size=batch_size)
     return {
         "fixed": 8 * t + 2 * s * model.dim_per_head * e + (8 * s if checkpointed else 0) + mask,
         "inputs": layers * e * t * h if checkpointed else layers * (e * t * h if e == 4 else 0),
@@ -117,14 +129,45 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     }
 
 
+def _lora_parts(lora: "tuple[frozenset[str], int]", *, e: int, t: int, s: int, h: int, i: int, layers: int,
+                attention: int, mask: int, checkpointed: bool, model: ModelProfile, batch_size: int) -> dict[str, int]:
+    """activation_parts of a LoRA run (see there)."""
+    targets, rank = lora
+    fp32_copy = 4 * t * h
+    first = 4 * t + (fp32_copy if e != 4 else 0) + (e * t * h if targets & {"q_proj", "k_proj", "v_proj"} else 0)
+    post = 4 * t + fp32_copy + (e * t * h if targets & {"gate_proj", "up_proj"} else 0)
+    mlp = 3 * e * t * i + (e * t * i if "down_proj" in targets else 0)
+    internals = first + attention + post + mlp + e * t * rank * len(targets)
+    # without recompute, layer 0 saves nothing for the part before its first targeted linear:
+    # its input (the frozen embedding's output) needs no gradient
+    layer0 = 4 * t + (fp32_copy if e != 4 else 0)
+    if not targets & {"q_proj", "k_proj", "v_proj"}:
+        layer0 += attention - (e * t * model.q_dim if "o_proj" in targets else 0)  # o_proj's adapter saves its input
+        if "o_proj" not in targets:
+            layer0 += 4 * t + fp32_copy  # the second norm's input needs no gradient either
+            mlp_in = targets & {"gate_proj", "up_proj"}
+            # of gate, up and silu(gate): what the targeted side's gradient needs
+            layer0 += e * t * i * {0: 3, 1: 2 if "up_proj" in mlp_in else 1, 2: 0}[len(mlp_in)]
+    final = 4 * t + fp32_copy  # the final norm's input and rsqrt
+    return {
+        "fixed": 2 * s * model.dim_per_head * e + (8 * s if checkpointed else 0) + mask,
+        "inputs": layers * e * t * h if checkpointed else (layers - 1) * (e * t * h if e == 4 else 0),
+        "block": internals if checkpointed else 0,
+        "layers": 0 if checkpointed else layers * internals - layer0,
+        "final_norm": final,
+        "head": final + 4 * t * model.vocab_size + 8 * (t + (batch_size == 1)) + 4,
+    }
+
+
 def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
-                     backward: bool = True, checkpointing: bool | None = None, padded: bool = False) -> int:
+                     backward: bool = True, checkpointing: bool | None = None, padded: bool = False,
+                     lora: "tuple[frozenset[str], int] | None" = None) -> int:
     """Peak bytes of saved activations in one step (see activation_parts; `padded`: the step's
     batch has padding). Without backward (zeroth-order optimizers) autograd saves nothing: 0."""
     if not backward:
         return 0
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                         checkpointing=checkpointing, padded=padded)
+                         checkpointing=checkpointing, padded=padded, lora=lora)
     return p["fixed"] + p["inputs"] + p["layers"] + max(p["block"], p["head"])
 
 
@@ -177,6 +220,14 @@ class StepLoad:
     """Torch ops and module hooks one forward dispatches (each pays host.op_overhead_us)."""
     recompute: bool = True
     """Backward recomputes each checkpointed block's forward (3 forwards' flops, else 2)."""
+    weight_grads: bool = True
+    """Backward computes weight gradients (2 forwards' flops); False for a LoRA run over a frozen
+    base: only the activations' gradients (1 forward's flops; the adapters' are negligible)."""
+    link_bytes: int | None = None
+    """Bytes crossing the link host -> device per micro-batch (None: `fetched_bytes`); less for an
+    encoded frozen base (its chunks cross encoded and are decoded on the device)."""
+    dequant_bytes: int = 0
+    """Bytes the device reads (encoded) and writes (decoded) per micro-batch to decode the base."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,12 +279,14 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
     nv_w = hw.nvme.write_gbps * GB if hw.nvme else 1.0
     cxl = hw.cxl.bandwidth_gbps * GB if hw.cxl else 1.0
     src = load.stream_bytes
-    stream = load.fetched_bytes / 2  # per pass
+    stream = (load.fetched_bytes if load.link_bytes is None else load.link_bytes) / 2  # per pass
     on_nvme = src.get("nvme", 0)
+    dequant = load.dequant_bytes / 2 / (hw.gpu.memory_bandwidth_gbps * GB)  # per pass, memory-bound
+    bwd_passes = (1 if load.recompute else 0) + (2 if load.weight_grads else 1)
 
     # forward: stream every streamed compute source in; nvme sources pass a DRAM bounce buffer.
     fwd_busy = {
-        "gpu compute": load.tokens_flops_fwd / gpu_rate,
+        "gpu compute": load.tokens_flops_fwd / gpu_rate + dequant,
         "pcie h2d": stream / h2d,
         "nvme read": on_nvme / nv_r,
         "cxl": src.get("cxl", 0) / cxl,
@@ -259,11 +312,11 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
 
     if cost.needs_grad:  # backward (with recompute by default); CPU updates overlap it, group by group
         bwd_busy = {
-            "gpu compute": (3 if load.recompute else 2) * load.tokens_flops_fwd / gpu_rate * micro_batches
+            "gpu compute": (bwd_passes * load.tokens_flops_fwd / gpu_rate + dequant) * micro_batches
             + gpu_update,
             "pcie h2d": stream / h2d * micro_batches,
             "pcie d2h": load.grad_d2h_bytes / d2h * micro_batches,
-            "nvme": nv_update,
+            "nvme": nv_update + on_nvme * (micro_batches - 1) / nv_r,  # the base: read again per micro-batch
             "cxl": (src.get("cxl", 0) * micro_batches + load.cpu_update_bytes * cxl_share) / cxl,
             "cpu update": cpu_update,
             "host dram": (src.get("host", 0) + load.grad_d2h_bytes) * micro_batches / dram
@@ -292,11 +345,14 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     back = hw.pcie.d2h_pinned_gbps * GB
     overhead = (hw.host.op_overhead_us or 0.0) * 1e-6
     ops = load.ops_per_forward
-    fwd = {"gpu compute": load.tokens_flops_fwd / rate, "pcie h2d": load.fetched_bytes / 3 / copy,
-           "dispatch": ops * overhead}
+    link = load.fetched_bytes if load.link_bytes is None else load.link_bytes
+    decode = load.dequant_bytes / 2 / (hw.host.dram_bandwidth_gbps * GB)  # per pass, on the CPU cores
+    fwd = {"gpu compute": load.tokens_flops_fwd / rate, "pcie h2d": link / 3 / copy,
+           "dispatch": ops * overhead, "dequant": decode}
     passes = 3 if load.recompute else 2
-    bwd = {"gpu compute": passes * load.tokens_flops_fwd / rate, "pcie h2d": 2 * load.fetched_bytes / 3 / copy,
-           "pcie d2h": load.grad_d2h_bytes / back, "dispatch": passes * ops * overhead}
+    flops = (1 if load.recompute else 0) + (2 if load.weight_grads else 1)
+    bwd = {"gpu compute": flops * load.tokens_flops_fwd / rate, "pcie h2d": 2 * link / 3 / copy,
+           "pcie d2h": load.grad_d2h_bytes / back, "dispatch": passes * ops * overhead, "dequant": decode}
     params = load.cpu_params + load.gpu_params
     upd = {"cpu update": params / _cpu_rate(hw, cost) + load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12),
            "dispatch": 4 * load.num_chunks * overhead}

@@ -22,6 +22,7 @@ What is left to a model is time: `perfmodel.predict_step`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import defaultdict
@@ -30,12 +31,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, ParamSpec, pack_chunks
-from ..core.errors import InfeasibleBudget, TierwiseError
+from ..core.errors import InfeasibleBudget, TierwiseError, UnsupportedModel
 from .homes import Homes, assign_homes, minimum_host
 from .perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buffer_bytes, checkpoints_blocks,
                                compute_bytes, model_flops,
                                ops_per_forward, param_update_flops, predict_step)
 from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
+from .lora import LoraModel, base_dtype_of, frozen_chunk_bytes, lora_specs, step_trace
+from .schedule import ACQUIRE, plan_schedule
 from .needs import device_needs, zo_workspace
 from .placement import DeviceNeeds, DevicePlan, plan_device
 from ..core.units import format_size
@@ -53,7 +56,7 @@ class ChunkHome:
     index: int
     params: int
     update: str
-    """"gpu" or "cpu"."""
+    """"gpu" or "cpu" ("none": a frozen chunk)."""
     compute: str
     """Tier the compute copy streams from (in fp32 runs: the master's tier; "gpu" when gpu-home)."""
     grad: str | None
@@ -109,19 +112,38 @@ class Plan:
     grad_accum: int = 1
     """Micro-batches per optimizer step (tokens per step = batch x seq_len x grad_accum)."""
     feasible: bool = True
+    lora_rank: int | None = None
+    """A LoRA run's adapter rank (None: every parameter trains)."""
+    lora_targets: str | None = None
+    base_dtype: str | None = None
+    """How a LoRA run's frozen base is stored (codecs: fp32 / bf16 / fp16 / int8 / nf4)."""
+    trainable_params: int = 0
+    base_read: dict[str, int] = field(default_factory=dict)
+    """Bytes of the frozen base read per step from each host-side tier (the link carries them)."""
+    base_written: int = 0
+    """Bytes of the frozen base written per step: none, it is never written back."""
+    base_fetches_per_chunk: float = 0.0
+    """Average fetches of a streamed base chunk per micro-batch: forward, and backward (a recomputed
+    block's recompute and backward share one fetch), less what the cache keeps across the turn."""
+    dequant_s: float = 0.0
+    """Seconds per step decoding the base on the device (memory-bound: encoded in, decoded out)."""
+    suggestion: str | None = None
+    """For LoRA runs: the micro-batch x grad-accum that makes the step compute-bound."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
     def render_table(self) -> str:
         """Bytes per tier and kind, the update split, predicted step time and bottleneck."""
-        cols = list(KINDS) + ["reserve", "peak", "budget"]
+        kinds = list(KINDS) + (["base"] if self.lora_rank is not None else [])
+        cols = kinds[:-1] + [f"base {self.base_dtype}"] if self.lora_rank is not None else list(kinds)
+        cols += ["reserve", "peak", "budget"]
         rows = [["tier"] + cols]
         for tier in ("gpu", "host", "cxl", "nvme"):
             budget = self.budgets.get(tier)
             if not self.peak.get(tier) and not budget:
                 continue
-            cells = [format_size(self.bytes[tier][k]) if self.bytes[tier][k] else "-" for k in KINDS]
+            cells = [format_size(self.bytes[tier].get(k, 0)) if self.bytes[tier].get(k) else "-" for k in kinds]
             res = sum(self.reserve.get(tier, {}).values())
             cells += [format_size(res) if res else "-", format_size(self.peak[tier]),
                       "unlimited" if budget is None else format_size(budget)]
@@ -132,13 +154,25 @@ class Plan:
                  f"grad-accum {self.grad_accum}, {_count(self.num_params)} params, "
                  f"{self.num_chunks} chunks of {format_size(self.chunk_bytes)}, "
                  f"recompute {'on' if self.checkpointing else 'off'}"]
+        if self.lora_rank is not None:
+            lines.append(f"LoRA rank {self.lora_rank} on {self.lora_targets}: {_count(self.trainable_params)} "
+                         f"trainable params; the base ({_count(self.num_params - self.trainable_params)}) frozen, "
+                         f"stored {self.base_dtype}")
         lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
                   for r in rows]
-        total = max(self.num_params, 1)
+        total = max(self.trainable_params or self.num_params, 1)
         lines.append(f"update: GPU {_count(self.gpu_update_params)} params "
                      f"({100 * self.gpu_update_params / total:.1f}%), CPU {_count(self.cpu_update_params)}")
         lines.append("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in self.phases.items()))
         lines.append(f"step {self.step_s:.3f} s, {_rate(self.tokens_per_s)} tokens/s, bottleneck: {self.bottleneck}")
+        if self.lora_rank is not None:
+            read = ", ".join(f"{t} {format_size(b)}" for t, b in self.base_read.items() if b) or "none (on the gpu)"
+            lines.append(f"base traffic per step: read {read} ({self.base_fetches_per_chunk:.2f} fetches per "
+                         f"streamed base chunk and micro-batch: forward, then backward, where a recomputed layer's "
+                         f"recompute and backward share one fetch when the cache holds the layer till then), "
+                         f"written {format_size(self.base_written)}; decoding {self.dequant_s:.3f} s")
+        if self.suggestion:
+            lines.append(self.suggestion)
         lines.append("reserve (bytes besides the chunks): " + "; ".join(
             f"{tier} " + ", ".join(f"{k} {format_size(v)}" for k, v in parts.items() if v)
             for tier, parts in self.reserve.items() if any(parts.values())))
@@ -176,24 +210,47 @@ class _Chunks:
 
     def __init__(self, *, model: ModelProfile, optimizer: str, precision: str, chunk_bytes: int,
                  rank: int | None, optimizer_kwargs: dict | None = None,
-                 params: "Sequence[ParamSpec] | None" = None) -> None:
+                 params: "Sequence[ParamSpec] | None" = None, lora: "LoraModel | None" = None,
+                 base_dtype: str | None = None, double_quant: bool = False) -> None:
         self.cost = optimizer_spec(optimizer)
         self.ce = compute_bytes(precision)
         self.bf16 = precision == "bf16"
-        specs = list(params) if params is not None else model.param_specs()
+        specs = list(lora.specs) if lora is not None else list(params) if params is not None else model.param_specs()
+        frozen = lora.frozen if lora is not None else frozenset()
+        if frozen and not self.cost.needs_grad:
+            raise TierwiseError(f"{optimizer} perturbs every parameter of a module; a frozen base (LoRA) "
+                                f"is not supported with it")
         self.num_params = sum(s.numel for s in specs)
+        self.trainable_params = sum(s.numel for s in specs if s.name not in frozen)
         by_name = {s.name: s for s in specs}
-        self.plan: ChunkPlan = pack_chunks(specs, chunk_bytes=chunk_bytes, element_size=4)
+        self.plan: ChunkPlan = pack_chunks(specs, chunk_bytes=chunk_bytes, element_size=4, frozen=frozen)
         self.n = len(self.plan.chunks)
+        self.frozen = self.plan.frozen
         rank, momentum = _state_options(optimizer, rank=rank, optimizer_kwargs=optimizer_kwargs)
-        blobs = state_bytes(self.plan, self.cost.name, rank=rank, momentum=momentum)
-        proj = projected_params({s.name: tuple(s.shape) for s in specs}) if self.cost.low_rank else set()
+        blobs = state_bytes(self.plan.trainable(), self.cost.name, rank=rank, momentum=momentum)
+        proj = projected_params({s.name: tuple(s.shape) for s in specs if s.name not in frozen}) \
+            if self.cost.low_rank else set()
         self.needs_grad = self.cost.needs_grad
-        self.kinds: list[dict[str, int]] = []  # per chunk, as the engine's store.kind_bytes
+        self.kinds: list[dict[str, int]] = []  # per chunk, as the engine's store.kind_bytes / frozen_kind_bytes
         self.params: list[int] = []
         self.flops: list[float] = []
+        self.encoded: set[int] = set()  # frozen chunks stored in another dtype (decoded per use)
+        self.layers, self.tied = model.num_hidden_layers, model.tie_word_embeddings
+        self.targets = lora.targets if lora is not None else frozenset()
+        self.fetches_last: dict[int, int] = {}
+        plain = "bf16" if self.bf16 else "fp32"
         for c in self.plan.chunks:
             ps = [by_name[n] for n in c.params]
+            if c.index in self.frozen:  # one kind: the (maybe encoded) compute copy; never updated
+                nbytes = frozen_chunk_bytes(self.plan, c.index, base_dtype=base_dtype, plain=plain,
+                                            element_size=self.ce, quantizable=lora.quantizable,
+                                            double_quant=double_quant)
+                if _is_encoded(self.plan, c.index, base_dtype, plain, lora):
+                    self.encoded.add(c.index)
+                self.kinds.append({"compute": nbytes})
+                self.params.append(0)
+                self.flops.append(0.0)
+                continue
             k = {"grad": 4 * c.numel if self.needs_grad else 0, "state": blobs[c.index],
                  "master": 4 * c.numel}
             if self.bf16:
@@ -209,13 +266,44 @@ class _Chunks:
             modules[_module_of(name)].add(slot.chunk)
             owned[_module_of(name)] += slot.numel
         self.widest = max((sum(self.compute[c] for c in cids) for cids in modules.values()), default=0)
-        self.largest_param = max((s.numel for s in self.plan.slots.values()), default=0)
+        self.largest_param = max((s.numel for s in self.plan.slots.values() if s.chunk not in self.frozen),
+                                 default=0)  # frozen parameters send no gradient
         self.modules, self.owned = modules, owned
         self.zo_workspace = zo_workspace(owned.values(), self.ce)
         widest = max(owned, key=owned.__getitem__, default="")
         tied_head = widest == "model.embed_tokens" and "lm_head.weight" not in self.plan.slots
         self.zo_module = "lm_head" if tied_head else widest  # a tied head runs last, on the embedding's chunk
         self.zo_chunks = sorted(modules.get(widest, ()))
+
+    def fetches(self, device: DevicePlan, streamed: list[int], *, recompute: bool) -> dict[int, int]:
+        """Times each streamed chunk is fetched in one micro-batch of a LoRA step: the schedule
+        (`plan.schedule.plan_schedule`, Belady + in-order prefetch, as the engine runs it) over
+        the trace the engine records (`lora.step_trace`), within the cache limit. A recomputed
+        block's chunks are fetched once for its recompute and backward when the cache holds
+        them until then; the smallest cache fetches some twice."""
+        keep = set(streamed)
+        events = [(k, c) for k, c in step_trace({m: set(c) for m, c in self.modules.items()},
+                                                 layers=self.layers, targets=self.targets, tied=self.tied,
+                                                 recompute=recompute) if c in keep]
+        if not events:
+            return {}
+        sizes = {c: self.compute[c] for c in keep}
+        counts = dict.fromkeys(streamed, 0)
+        for a in plan_schedule(events, sizes=sizes, capacity=max(device.cache_limit, 1), lookahead=LOOKAHEAD):
+            for c in a.fetch + a.prefetch:
+                counts[c] += 1
+        self.fetches_last = counts
+        return counts
+
+    def home_order(self) -> list[int]:
+        """The engine's `_home_order`: trainable chunks, then unencoded frozen ones, last first."""
+        trainable = [c for c in reversed(range(self.n)) if c not in self.frozen]
+        return trainable + [c for c in reversed(range(self.n)) if c in self.frozen and c not in self.encoded]
+
+    def staging(self, hw: HardwareProfile) -> int:
+        """CUDA's device buffer the encoded chunks land in to be decoded (Engine._place); none on
+        the simulated device, which decodes in place."""
+        return 0 if hw.simulated else max((self.kinds[c]["compute"] for c in self.encoded), default=0)
 
     def device_needs(self, *, buffers: int, activations: int) -> DeviceNeeds:
         """`needs.device_needs` for this model, as the engine's `_device_needs` calls it."""
@@ -224,6 +312,15 @@ class _Chunks:
                             largest_param=self.largest_param, element_size=self.ce,
                             needs_grad=self.needs_grad, buffers=buffers, activations=activations)
 
+
+def _is_encoded(plan: ChunkPlan, cid: int, base_dtype: str | None, plain: str, lora: LoraModel) -> bool:
+    """Whether some parameter of frozen chunk `cid` is stored in another dtype than `plain`."""
+    return any(base_dtype_of(n, base_dtype=base_dtype, plain=plain, quantizable=lora.quantizable) != plain
+               for n in plan.chunks[cid].params)
+
+
+#: The engine's prefetch look-ahead (Engine(prefetch_depth=16)).
+LOOKAHEAD = 16
 
 #: Engine optimizer options that do not change any byte the planner counts.
 _NO_BYTES = ("update_proj_gap", "scale", "seed", "eps")
@@ -256,7 +353,9 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
               optimizer_kwargs: dict | None = None, grad_accum: int = 1, up_front: bool = True,
               checkpointing: bool | None = None, padded: bool = False,
-              params: "Sequence[ParamSpec] | None" = None, device_mem: int | None = None) -> Plan:
+              params: "Sequence[ParamSpec] | None" = None, device_mem: int | None = None,
+              lora_rank: int | None = None, lora_targets: str = "all-linear", base_dtype: str | None = None,
+              double_quant: bool = False, lora_dropout: float = 0.0, suggest: bool = True) -> Plan:
     """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited;
     the gpu's at most `device_mem`, what the device of this machine has).
 
@@ -275,7 +374,16 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     that module ties it); default: the profile's `param_specs()`.
     `padded`: some batch of the run has padding (attention_mask zeros): the activations are
     then those of a padded batch, the run's worst step (perfmodel.activation_parts).
+    `lora_rank`: a LoRA run (`Engine(lora=LoraConfig(r=lora_rank, target_modules=lora_targets))`):
+    adapters on `lora_targets` ("all-linear" or e.g. "q_proj,v_proj") are the trainable
+    parameters, everything else a frozen base (one read-only kind per chunk, streamed, never
+    written back), stored as `base_dtype` (None: the compute dtype; bf16/fp16: every frozen
+    parameter; int8/nf4: the linear weights but the head; `double_quant`: NF4's absmax in 8 bits),
+    exactly as the engine lays it out. A base dtype without `lora_rank` is refused.
+    `suggest`: for a LoRA run, also find the micro-batch x grad-accum that makes it compute-bound
+    (`Plan.suggestion`; see `suggest_micro_batch`).
     Raises InfeasibleBudget naming the minimum gpu / host / nvme bytes when they cannot fit."""
+    args = dict(locals())
     model = _resolve_model(model)
     hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
     if batch_size <= 0 or seq_len <= 0 or grad_accum <= 0:
@@ -296,12 +404,24 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     use_nvme = nvme_path is not None
     chunk_bytes = parse_size(chunk_bytes, what="chunk size")
 
+    if lora_rank is not None and lora_dropout:
+        raise UnsupportedModel(f"--lora-dropout {lora_dropout}: the planner does not price the dropped inputs "
+                               f"and masks LoRA dropout saves for backward yet; plan with --lora-dropout 0 and "
+                               f"check a real step with `finetune plan --verify`")
+    if base_dtype is not None and lora_rank is None:
+        raise TierwiseError(f"--base-dtype {base_dtype} stores a frozen base: give --lora-rank (or --qlora)")
+    lora = None
+    if lora_rank is not None:
+        lora = lora_specs(list(params) if params is not None else model.param_specs(), rank=lora_rank,
+                          targets=lora_targets)
     ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_bytes, rank=rank,
-                 optimizer_kwargs=optimizer_kwargs, params=params)
+                 optimizer_kwargs=optimizer_kwargs, params=params, lora=lora, base_dtype=base_dtype,
+                 double_quant=double_quant)
     checkpointing = ch.needs_grad and checkpoints_blocks(model, checkpointing)  # resolved, as the engine does
+    lora_act = (lora.targets, lora.rank) if lora is not None else None
     act = activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                           backward=ch.needs_grad, checkpointing=checkpointing, padded=padded)
-    needs = ch.device_needs(buffers=buffer_bytes(model), activations=act)
+                           backward=ch.needs_grad, checkpointing=checkpointing, padded=padded, lora=lora_act)
+    needs = ch.device_needs(buffers=buffer_bytes(model) + ch.staging(hw), activations=act)
     if gpu < needs.minimum:
         raise InfeasibleBudget(
             f"--gpu-mem {format_size(gpu)} is too small: needs at least {format_size(needs.minimum)} "
@@ -310,7 +430,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
             f"activations {format_size(act)} at batch {batch_size} x {seq_len}{' padded' if padded else ''})",
             minimum={"gpu": needs.minimum})
     # MeZO too may keep chunks on the device: its perturbed weights are temporaries.
-    device = plan_device(needs, gpu, allow_gpu_home=True)
+    device = plan_device(needs, gpu, allow_gpu_home=True, prefer=ch.home_order())
     streamed = [c for c in range(ch.n) if c not in device.gpu_home]
     # The chunks the engine places host-side when it is built: the streamed ones when placed up
     # front, else every chunk (gpu-home chunks leave their homes when promoted after the warm-up).
@@ -328,10 +448,61 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                  recompute=checkpointing)
     pred = predict_step(hardware=hw, precision=precision, cost=ch.cost, tokens=batch_size * seq_len * grad_accum,
                         load=load, micro_batches=grad_accum)
-    return _build(ch, model=model, hw=hw, needs=needs, device=device, homes=homes, pred=pred, precision=precision,
+    base = _base_traffic(ch, load=load, homes=homes, streamed=streamed, micro_batches=grad_accum, hw=hw)
+    plan = _build(ch, model=model, hw=hw, needs=needs, device=device, homes=homes, pred=pred, precision=precision,
                   budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
                   batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes, optimizer=optimizer,
-                  host_minimum=host_min, checkpointing=checkpointing, padded=padded, grad_accum=grad_accum)
+                  host_minimum=host_min, checkpointing=checkpointing, padded=padded, grad_accum=grad_accum,
+                  lora_rank=lora_rank, lora_targets=lora_targets if lora_rank is not None else None,
+                  base_dtype=(base_dtype or precision) if lora_rank is not None else None,
+                  trainable_params=ch.trainable_params, lora_act=lora_act, **base)
+    if suggest and lora_rank is not None:
+        plan = dataclasses.replace(plan, suggestion=suggest_micro_batch(plan, **(args | {"model": model,
+                                                                                           "hardware": hw})))
+    return plan
+
+
+def better_micro_batch(plan: Plan, **kwargs: Any) -> "Plan | None":
+    """The plan of the smallest longer micro-batch (MICRO_BATCHES; grad-accum keeping the rows per
+    step where it divides them) that is compute-bound, else of the fastest one that fits; None
+    when no longer one fits. `kwargs`: make_plan's for `plan`."""
+    rows = plan.batch_size * plan.grad_accum
+    best = None
+    for b in MICRO_BATCHES:
+        if b <= plan.batch_size:
+            continue
+        accum = max(1, -(-rows // b))
+        try:
+            p = make_plan(**(kwargs | {"batch_size": b, "grad_accum": accum, "suggest": False}))
+        except (InfeasibleBudget, TierwiseError):
+            break  # larger micro-batches need more activations still
+        if best is None or p.tokens_per_s > best.tokens_per_s:
+            best = p
+        if p.bottleneck == "gpu compute":
+            break
+    return best
+
+
+#: Micro-batches `suggest_micro_batch` tries.
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def suggest_micro_batch(plan: Plan, **kwargs: Any) -> str:
+    """A LoRA step streams the whole base for every micro-batch (forward and backward) whatever
+    the gradient accumulation, so only a longer micro-batch amortises it: the smallest
+    micro-batch (of MICRO_BATCHES, at the same rows per step where it divides them) whose step
+    is bound by gpu compute, as a line for the plan. `kwargs`: make_plan's for `plan`."""
+    if plan.bottleneck == "gpu compute":
+        return (f"LoRA: compute-bound at micro-batch {plan.batch_size} x grad-accum {plan.grad_accum} "
+                f"({_rate(plan.tokens_per_s)} tokens/s)")
+    best = better_micro_batch(plan, **kwargs)
+    if best is None:
+        return (f"LoRA: {plan.bottleneck}-bound; no larger micro-batch fits (the base streams once per "
+                f"micro-batch: longer ones amortise it)")
+    bound = "compute-bound" if best.bottleneck == "gpu compute" else f"still {best.bottleneck}-bound"
+    return (f"LoRA suggestion: --batch-size {best.batch_size} --grad-accum {best.grad_accum} is {bound}: "
+            f"{_rate(best.tokens_per_s)} tokens/s (this plan: {_rate(plan.tokens_per_s)}, {plan.bottleneck}-bound; "
+            f"the base streams once per micro-batch, so only a longer one amortises it)")
 
 
 def _construction_bytes(ch: _Chunks, homes: Homes) -> tuple[int, int]:
@@ -401,25 +572,61 @@ def _streamed_homes(ch: _Chunks, homes: Homes, streamed: list[int]) -> Homes:
 
 def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int], flops_fwd: float,
           ops: int, recompute: bool) -> StepLoad:
-    """What one step moves and computes with this placement (input of the performance model)."""
+    """What one step moves and computes with this placement (input of the performance model).
+    A frozen chunk's one kind is booked "base" in `placed` (never written back, never updated);
+    it crosses the link as stored (encoded) and is decoded on the device."""
     source = "compute" if ch.bf16 else "master"
-    stream = {t: homes.bytes.get(t, {}).get(source, 0) for t in ("host", "cxl", "nvme")}
+    stream = dict.fromkeys(("host", "cxl", "nvme"), 0)
+    placed: dict[str, dict[str, int]] = {t: {} for t in ("host", "cxl", "nvme")}
+    for c in streamed:
+        for kind, tier in homes.tiers[c].items():
+            name = "base" if c in ch.frozen else kind
+            placed[tier][name] = placed[tier].get(name, 0) + ch.kinds[c][kind]
+        src = "compute" if c in ch.frozen else source
+        stream[homes.tiers[c][src]] += ch.kinds[c][src]
     streamed_compute = sum(ch.compute[c] for c in streamed)
+    trainable = [c for c in streamed if c not in ch.frozen]
     home = sorted(device.gpu_home)
-    # Belady over a forward and a backward pass: the cache keeps what fits across the turn.
+    # Belady over a forward and a backward pass: the cache keeps what fits across the turn
     fetched = max(0, 2 * streamed_compute - max(0, device.cache_limit - ch.widest)) if streamed else 0
+    fetches = ch.fetches(device, streamed, recompute=recompute) if ch.frozen else {}
+    if fetches:  # a LoRA step: the engine's own schedule over the step's trace, chunk by chunk
+        fetched = sum(n * ch.compute[c] for c, n in fetches.items())
+    link = sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] if c in ch.frozen else ch.compute[c]) for c in streamed)
     return StepLoad(
-        tokens_flops_fwd=flops_fwd,
-        placed={t: dict(homes.bytes.get(t, {})) for t in ("host", "cxl", "nvme")},
-        stream_bytes=stream, fetched_bytes=fetched,
-        grad_d2h_bytes=streamed_compute if ch.needs_grad else 0,
+        tokens_flops_fwd=flops_fwd, placed=placed, stream_bytes=stream, fetched_bytes=fetched,
+        link_bytes=link if ch.frozen else None,
+        dequant_bytes=sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] + ch.compute[c]) for c in ch.encoded),
+        grad_d2h_bytes=sum(ch.compute[c] for c in trainable) if ch.needs_grad else 0,
         cpu_params=sum(ch.params[c] for c in streamed), cpu_flops=sum(ch.flops[c] for c in streamed),
-        cpu_update_bytes=sum(_update_bytes(ch, c) for c in streamed),
+        cpu_update_bytes=sum(_update_bytes(ch, c) for c in trainable),
         gpu_params=sum(ch.params[c] for c in home),
-        gpu_update_bytes=sum(_update_bytes(ch, c) for c in home), gpu_update_flops=sum(ch.flops[c] for c in home),
+        gpu_update_bytes=sum(_update_bytes(ch, c) for c in home if c not in ch.frozen),
+        gpu_update_flops=sum(ch.flops[c] for c in home),
         chunk_compute_bytes=max((ch.compute[c] for c in streamed), default=0),
-        chunk_params=max((ch.params[c] for c in streamed), default=0),
-        num_chunks=ch.n, streamed_chunks=len(streamed), ops_per_forward=ops, recompute=recompute)
+        chunk_params=max((ch.params[c] for c in trainable), default=0),
+        num_chunks=ch.n - len(ch.frozen), streamed_chunks=len(streamed), ops_per_forward=ops, recompute=recompute,
+        weight_grads=not ch.frozen)
+
+
+def _base_traffic(ch: _Chunks, *, load: StepLoad, homes: Homes, streamed: list[int], micro_batches: int,
+                  hw: HardwareProfile) -> dict:
+    """The frozen base's traffic per step: bytes read from each tier (every streamed frozen chunk
+    is fetched in forward and again for backward -- once for a recomputed block's recompute and
+    backward together -- less what the cache keeps across the turn; each micro-batch again),
+    bytes written (none: frozen chunks are never written back) and seconds of decoding."""
+    if not ch.frozen:
+        return {}
+    frozen = [c for c in streamed if c in ch.frozen]
+    fetches = ch.fetches_last
+    share = sum(fetches.get(c, 0) for c in frozen) / len(frozen) if frozen else 0.0
+    read = dict.fromkeys(("host", "cxl", "nvme"), 0)
+    for c in frozen:
+        read[homes.tiers[c]["compute"]] += fetches.get(c, 0) * ch.kinds[c]["compute"]
+    bandwidth = (hw.host.dram_bandwidth_gbps if hw.simulated else hw.gpu.memory_bandwidth_gbps) * 1e9
+    return {"base_read": {t: b * micro_batches for t, b in read.items()},
+            "base_written": 0, "base_fetches_per_chunk": share,
+            "dequant_s": load.dequant_bytes * micro_batches / bandwidth}
 
 
 def _update_bytes(ch: _Chunks, c: int) -> int:
@@ -456,7 +663,7 @@ def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
 
 def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds,
                    device: DevicePlan, batch_size: int, seq_len: int, precision: str,
-                   checkpointing: bool | None, padded: bool = False) -> int:
+                   checkpointing: bool | None, padded: bool = False, lora=None) -> int:
     """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
     forward (all activations); a block's recompute in backward; lm_head's gradient on its way to
     the host while the final norm's activations are still saved; the embedding's gradient at
@@ -465,9 +672,10 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     if not ch.needs_grad:  # MeZO: the perturbed copies of the module computing (dual_forward)
         return needs.activations + ch.zo_workspace
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                         checkpointing=checkpointing, padded=padded)
+                         checkpointing=checkpointing, padded=padded, lora=lora)
     held = p["fixed"] + p["inputs"] + p["layers"]  # without checkpointing, every layer's internals
-    streamed_grad = {name: ch.ce * s.numel for name, s in ch.plan.slots.items() if s.chunk not in device.gpu_home}
+    streamed_grad = {name: ch.ce * s.numel for name, s in ch.plan.slots.items()
+                     if s.chunk not in device.gpu_home and s.chunk not in ch.frozen}  # frozen: no gradient
     inflight = 0 if hw.simulated else (needs.grad_reserve if streamed_grad else 0)
     return max(held + p["head"], held + p["block"] + inflight,
                held + p["final_norm"] + max(streamed_grad.get("lm_head.weight", 0), inflight),
@@ -475,16 +683,14 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
 
 
 def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, device: DevicePlan,
-           homes: Homes, pred, precision: str, budgets: dict, **meta) -> Plan:
+           homes: Homes, pred, precision: str, budgets: dict, lora_act=None, **meta) -> Plan:
     act_args = dict(batch_size=meta["batch_size"], seq_len=meta["seq_len"], precision=precision,
-                    checkpointing=meta["checkpointing"], padded=meta["padded"])
-    by_tier = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
-    for c in device.gpu_home:
+                    checkpointing=meta["checkpointing"], padded=meta["padded"], lora=lora_act)
+    by_tier = {t: dict.fromkeys(KINDS + (("base",) if ch.frozen else ()), 0) for t in TIERS}
+    for c in range(ch.n):  # a frozen chunk's one kind (the ledger's "compute") is shown as "base"
+        tiers = dict.fromkeys(ch.kinds[c], "gpu") if c in device.gpu_home else homes.tiers[c]
         for kind, b in ch.kinds[c].items():
-            by_tier["gpu"][kind] += b
-    for tier, kinds in homes.bytes.items():
-        for kind, b in kinds.items():
-            by_tier[tier][kind] += b
+            by_tier[tiers[kind]]["base" if c in ch.frozen else kind] += b
     cache = _resident_at_peak(ch, device)
     transient = _gpu_transient(ch, model=model, hw=hw, needs=needs, device=device, **act_args)
     in_flight = "grad in flight" if ch.needs_grad else "workspace"
@@ -498,15 +704,16 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
             tiers = {kind: "gpu" for kind in ch.kinds[j]}
         else:
             tiers = homes.tiers[j]
-        chunk_homes.append(ChunkHome(index=j, params=ch.params[j], update="gpu" if j in device.gpu_home else "cpu",
-                                     compute=tiers.get("compute", tiers["master"]), grad=tiers.get("grad"),
-                                     master=tiers["master"], state=tiers.get("state")))
+        chunk_homes.append(ChunkHome(index=j, params=ch.params[j],
+                                     update="none" if j in ch.frozen else "gpu" if j in device.gpu_home else "cpu",
+                                     compute=tiers.get("compute", tiers.get("master")), grad=tiers.get("grad"),
+                                     master=tiers.get("master"), state=tiers.get("state")))
     log.info("plan %s on %s: %d of %d chunks gpu-home, step %.3f s (%s)", model.name, hw.name,
              len(device.gpu_home), ch.n, pred.step_s, pred.bottleneck)
     gpu_params = sum(ch.params[c] for c in device.gpu_home)
     return Plan(model=model.name, hardware=hw.name, precision=precision, budgets=budgets,
                 num_params=ch.num_params, num_chunks=ch.n, bytes=by_tier, reserve=reserve, peak=peak,
                 gpu_minimum=needs.minimum, cache_limit=device.cache_limit, chunk_homes=tuple(chunk_homes),
-                gpu_update_params=gpu_params, cpu_update_params=ch.num_params - gpu_params,
+                gpu_update_params=gpu_params, cpu_update_params=ch.trainable_params - gpu_params,
                 phases=pred.phases, step_s=pred.step_s, bottleneck=pred.bottleneck,
                 tokens_per_s=pred.tokens_per_s, **meta)

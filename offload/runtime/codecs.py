@@ -26,8 +26,7 @@ from functools import lru_cache
 
 import torch
 
-BLOCK = 64  # elements per absmax block (NF4 and int8); bitsandbytes' default for 4-bit
-NESTED_BLOCK = 256  # bitsandbytes' block for the double-quantized absmax
+from ..core.encoding import BASE_DTYPES, BLOCK, NESTED_BLOCK, _blocks, encoded_nbytes  # noqa: F401 - THE sizes
 
 #: The 16 NF4 levels (QLoRA, appendix E), as bitsandbytes stores them (fp32).
 NF4_LEVELS = (
@@ -36,8 +35,6 @@ NF4_LEVELS = (
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )
-
-BASE_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4")
 
 
 @lru_cache(maxsize=None)
@@ -58,10 +55,6 @@ def _dynamic_map(device: str) -> torch.Tensor:
     """bitsandbytes' signed dynamic 8-bit map (the code of the double-quantized absmax)."""
     from bitsandbytes.functional import create_dynamic_map
     return create_dynamic_map(signed=True).to(device)
-
-
-def _blocks(n: int, block: int) -> int:
-    return (n + block - 1) // block
 
 
 def _block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -180,23 +173,7 @@ def nf4_from_bnb(weight: torch.Tensor, quant_state) -> NF4:
     return NF4(packed=packed, shape=shape, absmax=quant_state.absmax)
 
 
-# -- codecs over a flat run of elements (a parameter's slot in a frozen chunk) ---------------
-def encoded_nbytes(base_dtype: str, numel: int, *, double_quant: bool = False) -> int:
-    """Bytes of `numel` elements stored as `base_dtype` (what the home tier and the link carry)."""
-    if base_dtype == "fp32":
-        return 4 * numel
-    if base_dtype in ("bf16", "fp16"):
-        return 2 * numel
-    blocks = _blocks(numel, BLOCK)
-    if base_dtype == "int8":
-        return numel + 4 * blocks
-    if base_dtype == "nf4":
-        if double_quant:
-            return (numel + 1) // 2 + blocks + 4 * _blocks(blocks, NESTED_BLOCK) + 4
-        return (numel + 1) // 2 + 4 * blocks
-    raise ValueError(f"base dtype must be one of {BASE_DTYPES}, got {base_dtype!r}")
-
-
+# -- codecs over a flat run of elements (a parameter's slot in a frozen chunk; sizes: core.encoding)
 def encode(base_dtype: str, x: torch.Tensor, *, double_quant: bool = False) -> torch.Tensor:
     """The flat tensor `x` as `encoded_nbytes` bytes (uint8): fp32 scales first, then codes."""
     x = x.detach().reshape(-1)

@@ -17,7 +17,7 @@ import torch
 from ..core.chunks import ChunkPlan
 from . import codecs
 
-ALIGN_BYTES = 16
+from ..core.encoding import aligned
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -38,7 +38,7 @@ def layout_of(plan: ChunkPlan, cid: int, base: dict[str, str], *, double_quant: 
     for name in plan.chunks[cid].params:
         offsets[name] = at
         n = codecs.encoded_nbytes(base[name], plan.slots[name].numel, double_quant=double_quant)
-        at += (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+        at += aligned(n)
     return FrozenLayout(base={n: base[n] for n in plan.chunks[cid].params}, offsets=offsets, nbytes=at,
                         double_quant=double_quant)
 

@@ -1,0 +1,43 @@
+"""Bytes of encoded frozen weights (pure, no torch): THE sizes of each base dtype's encoding.
+
+`runtime.codecs` lays the encodings out exactly so (and imports these numbers); the planner
+prices frozen chunks with them. NF4 and int8 keep one absmax per block of BLOCK elements; NF4
+with double quantization stores that absmax as one byte per block plus, per NESTED_BLOCK
+blocks, an fp32 absmax, and one fp32 offset (bitsandbytes' layout). A parameter's encoding
+starts at an ALIGN_BYTES-aligned offset in its chunk's blob (`runtime.frozen`).
+"""
+
+from __future__ import annotations
+
+BLOCK = 64  # elements per absmax block (NF4 and int8); bitsandbytes' default for 4-bit
+NESTED_BLOCK = 256  # bitsandbytes' block for the double-quantized absmax
+ALIGN_BYTES = 16  # each parameter's encoding starts 16-byte aligned in a frozen chunk's blob
+
+BASE_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4")
+QUANTIZED = ("int8", "nf4")
+"""Base dtypes that encode only nn.Linear weights (not the output head), as bitsandbytes does."""
+
+
+def _blocks(n: int, block: int) -> int:
+    return (n + block - 1) // block
+
+
+def encoded_nbytes(base_dtype: str, numel: int, *, double_quant: bool = False) -> int:
+    """Bytes of `numel` elements stored as `base_dtype` (what the home tier and the link carry)."""
+    if base_dtype == "fp32":
+        return 4 * numel
+    if base_dtype in ("bf16", "fp16"):
+        return 2 * numel
+    blocks = _blocks(numel, BLOCK)
+    if base_dtype == "int8":
+        return numel + 4 * blocks
+    if base_dtype == "nf4":
+        if double_quant:
+            return (numel + 1) // 2 + blocks + 4 * _blocks(blocks, NESTED_BLOCK) + 4
+        return (numel + 1) // 2 + 4 * blocks
+    raise ValueError(f"base dtype must be one of {BASE_DTYPES}, got {base_dtype!r}")
+
+
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to ALIGN_BYTES (a parameter's share of a frozen chunk's blob)."""
+    return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES

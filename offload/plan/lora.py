@@ -1,0 +1,179 @@
+"""LoRA / QLoRA as the planner sees it (pure, no torch): which parameters a run trains, which
+it freezes and how a frozen chunk is stored.
+
+`lora_specs` turns a model's parameters (as `ModelProfile.param_specs()` lists them, in
+`named_parameters()` order) into those of the same model after PEFT's `inject_adapter_in_model`
+(what `Engine(model, lora=LoraConfig(...))` trains): each targeted linear `X` becomes
+`X.base_layer.weight` (+ `.bias`) then `X.lora_A.default.weight` [r, in] and
+`X.lora_B.default.weight` [out, r]; everything but the adapters is frozen. `frozen_chunk_bytes`
+is the engine's blob size of a frozen chunk (`runtime.frozen.layout_of`, `core.encoding`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..core.chunks import ChunkPlan, ParamSpec
+from ..core.encoding import BASE_DTYPES, QUANTIZED, aligned, encoded_nbytes
+from ..core.errors import TierwiseError, UnsupportedModel
+
+#: The nn.Linear modules of a Llama-family decoder layer (PEFT's "all-linear" takes them all,
+#: never the output head).
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraModel:
+    """The parameters of a LoRA run, in the engine's order, and what the planner needs of them."""
+
+    specs: tuple[ParamSpec, ...]
+    frozen: frozenset[str]
+    quantizable: frozenset[str]
+    """Frozen parameters an int8/NF4 base encodes: nn.Linear weights, not the output head."""
+    targets: frozenset[str]
+    """Short names of the targeted linears (e.g. {"q_proj", "v_proj"})."""
+    rank: int
+
+
+def parse_targets(targets: "str | Sequence[str]") -> frozenset[str]:
+    """"all-linear" or a comma-separated list of module names (PEFT's target_modules)."""
+    names = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
+    if names == ["all-linear"]:
+        return frozenset(LINEARS)
+    unknown = sorted(set(names) - set(LINEARS))
+    if unknown or not names:
+        raise TierwiseError(f"--lora-targets {','.join(names) or '(none)'}: the planner knows the linears "
+                            f"{', '.join(LINEARS)} (or all-linear); unknown: {', '.join(unknown) or '-'}")
+    return frozenset(names)
+
+
+def _linear_of(name: str) -> str | None:
+    """The short linear name a `...X.weight`/`...X.bias` belongs to, if X is a decoder linear."""
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 and parts[-2] in LINEARS else None
+
+
+def lora_specs(specs: Sequence[ParamSpec], *, rank: int, targets: "str | Sequence[str]") -> LoraModel:
+    """`specs` after LoRA injection (see the module docstring); `rank` >= 1."""
+    if rank < 1:
+        raise TierwiseError(f"--lora-rank must be at least 1, got {rank}")
+    wanted = parse_targets(targets)
+    out: list[ParamSpec] = []
+    frozen: set[str] = set()
+    quantizable: set[str] = set()
+    adapters: dict[str, list[ParamSpec]] = {}  # module -> its adapters, after its base parameters
+    for s in specs:
+        lin = _linear_of(s.name)
+        module = s.name.rpartition(".")[0]
+        if lin is not None and lin in wanted:
+            name = f"{module}.base_layer.{s.name.rpartition('.')[2]}"
+            if s.name.endswith(".weight"):
+                out_f, in_f = s.shape[0], s.numel // s.shape[0]
+                adapters[module] = [ParamSpec(name=f"{module}.lora_A.default.weight", shape=(rank, in_f)),
+                                    ParamSpec(name=f"{module}.lora_B.default.weight", shape=(out_f, rank))]
+        else:
+            name = s.name
+        out.append(ParamSpec(name=name, shape=tuple(s.shape)))
+        frozen.add(name)
+        if lin is not None and name.endswith(".weight"):
+            quantizable.add(name)
+    if not adapters:
+        raise UnsupportedModel("LoRA targets none of this model's linears the planner knows (" + ", ".join(LINEARS) + ")")
+    # a module's adapters come right after its base layer's parameters (PEFT's registration order)
+    last = {s.name.rpartition(".base_layer.")[0]: k for k, s in enumerate(out) if ".base_layer." in s.name}
+    result: list[ParamSpec] = []
+    for k, s in enumerate(out):
+        result.append(s)
+        module = s.name.rpartition(".base_layer.")[0]
+        if ".base_layer." in s.name and last[module] == k:
+            result.extend(adapters[module])
+    return LoraModel(specs=tuple(result), frozen=frozenset(frozen), quantizable=frozenset(quantizable),
+                     targets=wanted, rank=rank)
+
+
+def base_dtype_of(name: str, *, base_dtype: "str | None", plain: str, quantizable: frozenset[str]) -> str:
+    """One frozen parameter's stored dtype (runtime.frozen.base_dtypes, same rule)."""
+    if base_dtype is None:
+        return plain
+    if base_dtype not in BASE_DTYPES:
+        raise TierwiseError(f"--base-dtype must be one of {', '.join(BASE_DTYPES)}, got {base_dtype!r}")
+    if base_dtype in QUANTIZED:
+        return base_dtype if name in quantizable else plain
+    return base_dtype
+
+
+def frozen_chunk_bytes(plan: ChunkPlan, cid: int, *, base_dtype: "str | None", plain: str, element_size: int,
+                       quantizable: frozenset[str], double_quant: bool) -> int:
+    """Bytes of frozen chunk `cid`'s one kind: its compute copy, or its encoded blob when some
+    parameter in it is stored in another dtype (runtime.frozen.layout_of)."""
+    names = plan.chunks[cid].params
+    base = {n: base_dtype_of(n, base_dtype=base_dtype, plain=plain, quantizable=quantizable) for n in names}
+    if all(b == plain for b in base.values()):
+        return plan.chunks[cid].numel * element_size
+    return sum(aligned(encoded_nbytes(base[n], plan.slots[n].numel, double_quant=double_quant)) for n in names)
+
+
+_SUB = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+#: A decoder layer's parameter-owning modules in forward order (norms by their own names).
+_LAYER = ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm",
+          "gate_proj", "up_proj", "down_proj")
+
+
+def _modules(layer: int, part: str, targets: frozenset[str]) -> list[str]:
+    """The modules one part of a layer runs, in order: a targeted linear's base layer, then its
+    adapters (lora_A, lora_B)."""
+    p = f"model.layers.{layer}."
+    if part not in _SUB:
+        return [p + part]
+    name = f"{p}{_SUB[part]}.{part}"
+    if part not in targets:
+        return [name]
+    return [name + ".base_layer", name + ".lora_A.default", name + ".lora_B.default"]
+
+
+def _needs_grad_in(part: str, targets: frozenset[str]) -> bool:
+    """Layer 0 (its input, the frozen embedding's output, needs no gradient): whether `part`'s
+    input needs one, i.e. whether backward reads its weights."""
+    before = _LAYER[:_LAYER.index(part)]
+    first_linear = {"o_proj": {"q_proj", "k_proj", "v_proj"}, "post_attention_layernorm": set(LINEARS[:4]),
+                    "gate_proj": set(LINEARS[:4]), "up_proj": set(LINEARS[:4]), "down_proj": set(LINEARS[:6])}
+    return bool(targets & first_linear.get(part, set())) and bool(before)
+
+
+def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozenset[str], tied: bool,
+               recompute: bool) -> list[tuple[str, int]]:
+    """The access trace ((\"acquire\" | \"release\", chunk), ...) the engine records for one LoRA
+    step of a Llama-family model (offload.runtime.trace): each module acquires its chunks for its
+    forward; backward reads the weights autograd saved (the output head's, the final norm's, and
+    per layer, last first, every module whose input needs a gradient, in reverse), each
+    recomputed layer running its forward again first. `chunks_of`: module -> its chunks."""
+    events: list[tuple[str, int]] = []
+
+    def use(module: str) -> None:
+        cids = sorted(chunks_of.get(module, ()))
+        events.extend(("acquire", c) for c in cids)
+        events.extend(("release", c) for c in cids)
+
+    head = "model.embed_tokens" if tied else "lm_head"
+    use("model.embed_tokens")
+    for layer in range(layers):
+        for part in _LAYER:
+            for m in _modules(layer, part, targets):
+                use(m)
+    use("model.norm")
+    use(head)
+    use(head)  # backward: the head's saved weight, then the final norm's
+    use("model.norm")
+    for layer in reversed(range(layers)):
+        if recompute:
+            for part in _LAYER:
+                for m in _modules(layer, part, targets):
+                    use(m)
+        for part in reversed(_LAYER):
+            if layer == 0 and not _needs_grad_in(part, targets):
+                continue
+            for m in reversed(_modules(layer, part, targets)):
+                use(m)
+    return events
