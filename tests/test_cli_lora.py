@@ -251,7 +251,7 @@ def test_checkpoint_from_before_the_lora_options_resumes(assets, tmp_path, monke
     (["--lora-rank", "4", "--base-dtype", "fp32", "--precision", "bf16"], "--base-dtype fp32 with --precision bf16"),
     (["--lora-rank", "4", "--optimizer", "mezo"], "mezo"),
     (["--lora-rank", "4", "--lora-targets", "q_proj,qproj"], "no module of LlamaForCausalLM is named 'qproj'"),
-    (["--lora-rank", "4", "--lora-targets", "mlp"], "LoRA: "),
+    (["--lora-rank", "4", "--lora-targets", "mlp"], "--lora-targets mlp"),
 ])
 def test_bad_lora_options_are_one_line_errors(assets, tmp_path, flags, expect):
     out = tmp_path / "run"
@@ -266,6 +266,7 @@ def test_dry_run_and_plan_know_about_lora(assets, tmp_path):
     assert result.exit_code == 0, (result.output, result.exception)
     assert "LoRA r=16 alpha=32" in result.output and "base nf4 (double quant)" in result.output
     assert "% " in result.output or "%)" in result.output
-    assert "the planner does not price LoRA runs yet" in result.output
-    line = error_line(CliRunner().invoke(app, ["plan", "--model", str(assets["untied"]), "--lora-rank", "8"]))
-    assert "does not price LoRA" in line
+    assert "base nf4" in result.output  # the plan table's column of the encoded base
+    planned = CliRunner().invoke(app, ["plan", "--model", str(assets["untied"]), "--lora-rank", "8"],
+                                 env={"COLUMNS": "200"})
+    assert planned.exit_code == 0 and "base fp32" in planned.output, planned.output
