@@ -4,6 +4,7 @@
     finetune --model ./llama --data train.jsonl --gpu-mem 24G --cpu-mem 256G
     finetune --config examples/70b_24g.toml --dry-run
     finetune plan --model llama-70b --gpu-mem 24G --cpu-mem 256G
+    finetune export --merge --adapter run/adapter --base ./llama --output ./llama-merged
 
 User errors print one `error: ...` line on stderr and exit 2; Ctrl-C (SIGTERM, SIGHUP) during
 training finishes the step, checkpoints and exits 130 (143, 129).
