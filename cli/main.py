@@ -4,6 +4,7 @@
     finetune --model ./llama --data train.jsonl --gpu-mem 24G --cpu-mem 256G
     finetune --config examples/70b_24g.toml --dry-run
     finetune plan --model llama-70b --gpu-mem 24G --cpu-mem 256G
+    finetune export --merge --adapter run/adapter --base ./llama --output ./llama-merged
 
 User errors print one `error: ...` line on stderr and exit 2; Ctrl-C (SIGTERM, SIGHUP) during
 training finishes the step, checkpoints and exits 130 (143, 129).
@@ -200,6 +201,44 @@ def profile(
     if nvme_path is not None:
         TrainConfig(nvme_path=nvme_path)  # the same checks as training's --nvme-path
     run_profile(hardware=hardware, output=output, nvme_path=nvme_path, console=Console())
+
+
+@app.command()
+@user_errors
+def export(
+    merge: bool = Opt(False, "--merge", help="Merge a LoRA adapter into its base model (the "
+                      "only export mode)."),
+    adapter: Optional[Path] = Opt(None, "--adapter", help="PEFT adapter directory "
+                                  "(adapter_config.json + adapter_model.safetensors)."),
+    base: Optional[Path] = Opt(None, "--base", help="The base model directory the adapter was "
+                               "trained on (safetensors). For a QLoRA run: the original, "
+                               "unquantised checkpoint; the delta goes onto its weights, so the "
+                               "NF4 rounding is not baked into the merged model."),
+    output: Optional[Path] = Opt(None, "--output", help="Directory to write the merged Hugging "
+                                 "Face model to (empty or new)."),
+    dtype: Optional[str] = Opt(None, "--dtype", help="fp32 | bf16 | fp16 for the written "
+                               "weights (default: each tensor's dtype in the base)."),
+    cpu_mem: str = Opt("2G", "--cpu-mem", help="Host memory the merge may use besides the "
+                       "program itself; larger tensors are processed in blocks of rows."),
+    shard_size: str = Opt("5G", "--shard-size", help="Largest safetensors shard written."),
+    overwrite: bool = Opt(False, "--overwrite", help="Replace the model files in a non-empty "
+                          "--output."),
+    trust_remote_code: bool = Opt(False, "--trust-remote-code", help="Allow a base model that "
+                                  "ships its own Python code."),
+) -> None:
+    """Write a LoRA adapter merged into its base as an ordinary Hugging Face model, streamed
+    shard by shard (never the whole model in memory)."""
+    if not merge:
+        raise TierwiseError("export: give --merge (merging a LoRA adapter is the only export)")
+    for flag, value in (("--adapter", adapter), ("--base", base), ("--output", output)):
+        if value is None:
+            raise TierwiseError(f"export --merge needs {flag}")
+    from .merge import merge as run_merge
+
+    out = run_merge(adapter, base, output, dtype=dtype, cpu_mem=cpu_mem,
+                    max_shard_size=shard_size, overwrite=overwrite,
+                    trust_remote_code=trust_remote_code)
+    Console().print(f"merged {adapter} into {base}: {out}", highlight=False)
 
 
 def main() -> None:
