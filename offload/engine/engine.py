@@ -285,8 +285,8 @@ class Engine:
             self.tracker.offloader = Offloader(ledger=self.ledger, tiers=self.tiers, executor=self.executor,
                                                device=self.device, phase=lambda: self.moments.phase)
 
-    def _update_chunks(self, chunks: list[int]) -> None:
-        update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks)
+    def _update_chunks(self, chunks: list[int], handed: dict) -> None:
+        update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks, handed=handed)
 
     def _home_order(self) -> list[int]:
         """Chunks that may be gpu-home, most wanted first: trainable ones (adapters: small, and
