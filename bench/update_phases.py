@@ -69,6 +69,12 @@ def fifo_reads(eng) -> None:
     eng.nvme.read_async = lambda key, dst, urgent=False: read_async(key, dst, urgent=False)
 
 
+def no_handoff(eng) -> None:
+    """This engine writes every NVMe gradient out and the update reads it back (as before the
+    spill handed its buffers to the early update)."""
+    eng.grads.spill.hand_over = lambda cid: None
+
+
 def build_engine(hf: dict, a: argparse.Namespace, act: int, overlap: bool, nvme_dir: str):
     from tierwise.offload import Engine, InfeasibleBudget
 
@@ -98,7 +104,8 @@ def main() -> None:
     ap.add_argument("--nvme-dir", default=None)
     ap.add_argument("--variants", default="early,no-early",
                     help="engine runs beside plain PyTorch: early (the default engine), no-early "
-                         "(overlap_update=False), fifo (early, NVMe reads without priorities)")
+                         "(overlap_update=False), fifo (early, NVMe reads without priorities), old (fifo, "
+                         "and NVMe gradients written out and read back by the update)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from tierwise.offload.plan.perfmodel import activation_bytes
@@ -114,8 +121,11 @@ def main() -> None:
                            precision="fp32", checkpointing=False)
     opt = torch.optim.AdamW(plain.parameters(), lr=a.lr)
     engines = {v: build_engine(hf, a, act, v != "no-early", nvme_dir) for v in a.variants.split(",")}
-    if "fifo" in engines:
-        fifo_reads(engines["fifo"])
+    for name in ("fifo", "old"):
+        if name in engines:
+            fifo_reads(engines[name])
+    if "old" in engines:
+        no_handoff(engines["old"])
     e0 = next(iter(engines.values()))
     print(f"engine: chunks {len(e0.plan.chunks)}, homes {dict((t, dict(k)) for t, k in e0.homes.bytes.items())}", flush=True)
     batches = common.make_batches(vocab=hf["vocab_size"], count=a.warmup + a.steps, batch=a.batch, seq=a.seq,

@@ -189,7 +189,7 @@ class GradientRouter:
         self._arrived[cid] = self._arrived.get(cid, 0) + 1
         if cid not in self._held_back and self._arrived[cid] == self.expected.get(cid):
             self._submitted.add(cid)
-            handed = self.spill.hand_over(cid) if cid in self.spill.open else None  # NVMe grad: no round trip
+            handed = self.spill.hand_over(cid)  # a gradient on NVMe: no round trip through the disk
             self.early.submit(cid, self._chunk_tickets.pop(cid, []), handed)
 
     def _learn_uses(self) -> None:

@@ -86,10 +86,12 @@ class GradSpill:
         flushed, unless handed over)."""
         return cid in self.open and self.arrived[cid] == len(self.store.plan.chunks[cid].params)
 
-    def hand_over(self, cid: int) -> "tuple[torch.Tensor, Callable[[], None]]":
+    def hand_over(self, cid: int) -> "tuple[torch.Tensor, Callable[[], None]] | None":
         """Open chunk `cid`'s buffer, holding its final sum once the copies into it land (the
         caller waits for their tickets), for an early update instead of a write; and the call
-        that gives the buffer back."""
+        that gives the buffer back. None when `cid` is not open here (its gradient is in DRAM)."""
+        if cid not in self.open:
+            return None
         idx = self.open.pop(cid)
         del self.arrived[cid], self.tickets[cid]
         self.consumed.add(cid)
