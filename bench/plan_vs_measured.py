@@ -4,7 +4,8 @@ engine a few steps on the simulated device; print peak bytes per tier and step t
     python bench/plan_vs_measured.py [--steps 3] [--full-profile]
 
 Goal: peaks within 10%, step time within 25% (timing on a shared machine is noisy: the step
-time is the median of the steps after the warm-up one).
+time is the median of the steps after the warm-up one). The ~100M model also runs with its
+masters and optimizer state on NVMe (`--nvme-cpu-mem`), whose update I/O overlaps backward.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ CASES = [  # (profile, precision, batch, seq, chunk bytes)
 ]
 
 
-def run(profile, *, precision, batch, seq, chunk, gpu, steps):
+def run(profile, *, precision, batch, seq, chunk, gpu, steps, cpu=None, nvme=None):
     torch.manual_seed(0)
     eng = Engine(transformers.LlamaForCausalLM(profile.to_hf_config()), gpu_mem=gpu, precision=precision,
-                 chunk_bytes=chunk)
+                 chunk_bytes=chunk, cpu_mem=cpu, nvme_path=nvme)
     x = torch.randint(0, profile.vocab_size, (batch, seq))
     eng.step({"input_ids": x, "labels": x})  # warm-up
     eng.ledger.reset_peaks()
@@ -54,12 +55,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--full-profile", action="store_true")
+    ap.add_argument("--nvme-cpu-mem", default="400M",
+                    help="host budget of the ~100M model's NVMe case (its masters and state on NVMe)")
+    ap.add_argument("--nvme-dir", default=None, help="where the NVMe case's swap files go (default: a temp dir)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         hw = str(Path(tmp) / "this-machine.toml")
         t = time.perf_counter()
-        measure(hardware="this-machine", output=hw, quick=not args.full_profile, progress=print)
+        measure(hardware="this-machine", output=hw, quick=not args.full_profile, progress=print,
+                nvme_path=args.nvme_dir)
         print(f"profiled in {time.perf_counter() - t:.1f} s\n")
         head = f"{'case':34} {'budget':>10} {'tier':>4} {'pred peak':>11} {'measured':>11} {'ratio':>6}"
         print(head + f" {'pred s':>8} {'meas s':>8} {'ratio':>6}")
@@ -67,11 +72,17 @@ def main() -> None:
             base = make_plan(model=profile, hardware=hw, gpu_mem="64G", cpu_mem=None, optimizer="adamw",
                              precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk)
             home = sum(base.bytes["gpu"].values())
-            for label, gpu in (("roomy", base.gpu_minimum + 2 * home), ("mid", base.gpu_minimum + home // 2)):
-                plan = make_plan(model=profile, hardware=hw, gpu_mem=gpu, cpu_mem=None, optimizer="adamw",
-                                 precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk)
+            mid = base.gpu_minimum + home // 2
+            budgets = [("roomy", base.gpu_minimum + 2 * home, None), ("mid", mid, None)]
+            if profile.name != "tiny":  # masters and optimizer state on NVMe, updated during backward
+                budgets.append(("nvme", mid, args.nvme_cpu_mem))
+            for label, gpu, cpu in budgets:
+                nvme = tempfile.mkdtemp(dir=args.nvme_dir) if cpu else None
+                plan = make_plan(model=profile, hardware=hw, gpu_mem=gpu, cpu_mem=cpu, optimizer="adamw",
+                                 precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk,
+                                 nvme_path=nvme)
                 peaks, step_s = run(profile, precision=precision, batch=batch, seq=seq, chunk=chunk, gpu=gpu,
-                                    steps=args.steps)
+                                    steps=args.steps, cpu=cpu, nvme=nvme)
                 name = f"{profile.name} {precision} {batch}x{seq} {label}"
                 for i, tier in enumerate(("gpu", "host")):
                     p, m = plan.peak[tier], peaks[tier]
