@@ -33,10 +33,11 @@ in bench/.torch-extensions. async_io needs libaio-dev (apt-get install -y libaio
     python bench/e2e_vs_deepspeed.py --quick             # small model: checks the harness
     python bench/e2e_vs_deepspeed.py --no-deepspeed      # ours only
     python bench/e2e_vs_deepspeed.py --setup-only        # make the venv and build the ops
-    python bench/e2e_vs_deepspeed.py --only-adamw8bit --cpu-mem 1000M   # the AdamW8bit row only
+    python bench/e2e_vs_deepspeed.py --only-adamw8bit    # the AdamW8bit row only
 `--adamw8bit` adds a row (no DeepSpeed in it): the engine with optimizer="adamw8bit", its 8-bit
 state on NVMe, against plain PyTorch + our drop-in tierwise.optim.AdamW8bit without offload,
-alternating; `--cpu-mem-8bit` sets its host budget (default --cpu-mem).
+alternating; `--cpu-mem-8bit` sets its host budget (default 800M: gradients in DRAM, masters
+and half the 8-bit state on NVMe).
 On a machine with CUDA both sides run on the GPU (ours with device cuda, DeepSpeed with its
 CUDA accelerator); --device cpu forces the CPU path.
 """
@@ -458,7 +459,9 @@ def main() -> None:
                          "PyTorch + tierwise.optim.AdamW8bit without offload, alternating, --rounds each")
     ap.add_argument("--only-adamw8bit", action="store_true", help="the AdamW8bit row only")
     ap.add_argument("--cpu-mem-8bit", default=None,
-                    help="ours' host budget in the AdamW8bit row (default: --cpu-mem; 'min': the engine's minimum)")
+                    help="ours' host budget in the AdamW8bit row (default 800M: the 100M model's gradients in DRAM, "
+                         "its masters and half its 8-bit state on NVMe, as --cpu-mem 1300M is for fp32 AdamW; "
+                         "--quick: min; 'min': the engine's minimum, gradients on NVMe too)")
     ap.add_argument("--verbose", action="store_true", help="echo the children's output")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -510,7 +513,7 @@ def main() -> None:
 
 def run_8bit(a: argparse.Namespace, spec: dict, *, scratch_root: str, cuda: bool) -> None:
     """The AdamW8bit row: ours and plain PyTorch + our AdamW8bit, alternating, --rounds each."""
-    cpu = a.cpu_mem_8bit or a.cpu_mem
+    cpu = a.cpu_mem_8bit or ("min" if a.quick else "800M")
     spec = dict(spec, optimizer="adamw8bit", gpu_mem=a.gpu_mem, cpu_mem=cpu, cpu_mem_asked=cpu, budget_notes=[])
     if "min" in (spec["gpu_mem"], spec["cpu_mem"]):
         resolve_min_budgets(spec, scratch_root=scratch_root, cuda=cuda, verbose=a.verbose)
