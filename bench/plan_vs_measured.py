@@ -55,8 +55,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--full-profile", action="store_true")
-    ap.add_argument("--nvme-cpu-mem", default="400M",
-                    help="host budget of the ~100M model's NVMe case (its masters and state on NVMe)")
+    ap.add_argument("--nvme-cpu-mem", default="1000M",
+                    help="host budget of the ~100M model's NVMe case at the minimum gpu budget (default: the "
+                         "gradients in DRAM, nearly all masters and the whole state on NVMe)")
     ap.add_argument("--nvme-dir", default=None, help="where the NVMe case's swap files go (default: a temp dir)")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -75,7 +76,7 @@ def main() -> None:
             mid = base.gpu_minimum + home // 2
             budgets = [("roomy", base.gpu_minimum + 2 * home, None), ("mid", mid, None)]
             if profile.name != "tiny":  # masters and optimizer state on NVMe, updated during backward
-                budgets.append(("nvme", mid, args.nvme_cpu_mem))
+                budgets.append(("nvme", base.gpu_minimum, args.nvme_cpu_mem))  # every chunk streams
             for label, gpu, cpu in budgets:
                 nvme = tempfile.mkdtemp(dir=args.nvme_dir) if cpu else None
                 plan = make_plan(model=profile, hardware=hw, gpu_mem=gpu, cpu_mem=cpu, optimizer="adamw",
