@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--nvme-cpu-mem", default="1000M",
                     help="host budget of the ~100M model's NVMe case at the minimum gpu budget (default: the "
                          "gradients in DRAM, nearly all masters and the whole state on NVMe)")
+    ap.add_argument("--labels", default="roomy,mid,nvme", help="which budgets to run (comma-separated)")
     ap.add_argument("--nvme-dir", default=None, help="where the NVMe case's swap files go (default: a temp dir)")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -77,7 +78,7 @@ def main() -> None:
             budgets = [("roomy", base.gpu_minimum + 2 * home, None), ("mid", mid, None)]
             if profile.name != "tiny":  # masters and optimizer state on NVMe, updated during backward
                 budgets.append(("nvme", base.gpu_minimum, args.nvme_cpu_mem))  # every chunk streams
-            for label, gpu, cpu in budgets:
+            for label, gpu, cpu in [b for b in budgets if b[0] in args.labels.split(",")]:
                 nvme = tempfile.mkdtemp(dir=args.nvme_dir) if cpu else None
                 plan = make_plan(model=profile, hardware=hw, gpu_mem=gpu, cpu_mem=cpu, optimizer="adamw",
                                  precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk,
