@@ -33,6 +33,11 @@ in bench/.torch-extensions. async_io needs libaio-dev (apt-get install -y libaio
     python bench/e2e_vs_deepspeed.py --quick             # small model: checks the harness
     python bench/e2e_vs_deepspeed.py --no-deepspeed      # ours only
     python bench/e2e_vs_deepspeed.py --setup-only        # make the venv and build the ops
+    python bench/e2e_vs_deepspeed.py --only-adamw8bit    # the AdamW8bit row only
+`--adamw8bit` adds a row (no DeepSpeed in it): the engine with optimizer="adamw8bit", its 8-bit
+state on NVMe, against plain PyTorch + our drop-in tierwise.optim.AdamW8bit without offload,
+alternating; `--cpu-mem-8bit` sets its host budget (default 800M: gradients in DRAM, masters
+and half the 8-bit state on NVMe).
 On a machine with CUDA both sides run on the GPU (ours with device cuda, DeepSpeed with its
 CUDA accelerator); --device cpu forces the CPU path.
 """
@@ -202,7 +207,8 @@ def resolve_min_budgets(spec: dict, *, scratch_root: str, cuda: bool, verbose: b
 
 
 def child_plain(spec: dict) -> None:
-    """The reference: plain PyTorch + torch.optim.AdamW, everything in memory, no offload."""
+    """The reference: plain PyTorch + torch.optim.AdamW (or, for the AdamW8bit row, our drop-in
+    tierwise.optim.AdamW8bit), everything in memory, no offload."""
     import torch
 
     common.pin_threads(spec)
@@ -211,8 +217,14 @@ def child_plain(spec: dict) -> None:
     checksum = common.weights_checksum(model)
     batches = common.make_batches(vocab=spec["hf_config"]["vocab_size"], count=spec["warmup"] + spec["steps"],
                                   batch=spec["batch"], seq=spec["seq"], seed=spec["data_seed"])
-    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], betas=tuple(spec["betas"]), eps=spec["eps"],
-                            weight_decay=spec["weight_decay"])
+    if spec.get("optimizer", "adamw") == "adamw8bit":  # our drop-in 8-bit AdamW, no offload
+        from tierwise.optim import AdamW8bit
+
+        opt = AdamW8bit(model.parameters(), lr=spec["lr"], betas=tuple(spec["betas"]), eps=spec["eps"],
+                        weight_decay=spec["weight_decay"])
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], betas=tuple(spec["betas"]), eps=spec["eps"],
+                                weight_decay=spec["weight_decay"])
 
     def step(x: torch.Tensor) -> float:
         x = x.to(spec["device"])
@@ -262,8 +274,8 @@ def child_ours(spec_file: str) -> None:
     for _ in range(5):  # a budget below the engine's minimum is raised to that minimum (and said so)
         eng = None
         try:
-            eng = Engine(model, optimizer="adamw", lr=spec["lr"], betas=tuple(spec["betas"]), eps=spec["eps"],
-                         weight_decay=spec["weight_decay"], gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme_path=nvme_path,
+            eng = Engine(model, optimizer=spec.get("optimizer", "adamw"), lr=spec["lr"], betas=tuple(spec["betas"]),
+                         eps=spec["eps"], weight_decay=spec["weight_decay"], gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme_path=nvme_path,
                          device=spec["device"], chunk_bytes=spec["chunk_bytes"],
                          checkpointing=spec.get("checkpointing", False), activations=activations)
             print(f"engine: gpu_mem={gpu_mem} cpu_mem={cpu_mem} nvme_path={nvme_path} device={eng.device} "
@@ -392,6 +404,27 @@ def report(runs: dict[str, list[dict]], spec: dict, *, cuda: bool) -> None:
             print(f"  step {i} ({tag:7s}) {cells}")
 
 
+def report_8bit(runs: dict[str, list[dict]], spec: dict) -> None:
+    """The AdamW8bit row: the engine (state on NVMe) vs plain PyTorch + our drop-in AdamW8bit."""
+    ours, plain = runs["ours"], runs["plain"]
+    ref = ours[0]
+    med = {s: statistics.median(r["step_s"] for r in runs[s]) for s in runs}
+    print(f"\nAdamW8bit row: ours gpu_mem {_size(ref['gpu_mem'])}, cpu_mem {_size(ref['cpu_mem'])} (asked "
+          f"{spec['cpu_mem_asked']}); host-side homes: " + "; ".join(
+              f"{t}: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in kinds.items())
+              for t, kinds in ref["homes"].items()))
+    for s, name in (("ours", "tierwise AdamW8bit (NVMe)"), ("plain", "plain PyTorch + AdamW8bit")):
+        rs = runs[s]
+        per_run = ", ".join(f"{r['step_s']:.3f}" for r in rs)
+        print(f"{name:26s}: median step {med[s]:.3f} s (per-run medians {per_run}); "
+              f"peak RSS {max(r['rss_gib'] for r in rs):.2f} GiB; disk per step: written "
+              f"{statistics.median(r['write_bytes_per_step'] for r in rs) / 1e9:.3f} GB, read "
+              f"{statistics.median(r['read_bytes_per_step'] for r in rs) / 1e9:.3f} GB")
+    print(f"ratio ours/plain (AdamW8bit) = {med['ours'] / med['plain']:.3f}  (issue 16: <= 1.10 at a host budget "
+          f"with the gradients in DRAM)")
+    print(f"losses ours vs plain (AdamW8bit): {agreement(ours[0]['losses'], plain[0]['losses'])}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small model (2 layers, hidden 256) to check the harness")
@@ -421,6 +454,14 @@ def main() -> None:
     ap.add_argument("--ds-buffer-count", type=int, default=5, help="DeepSpeed offload_param buffer_count")
     ap.add_argument("--no-reference", dest="reference", action="store_false",
                     help="skip the plain-PyTorch run (no offload) whose losses both sides are checked against")
+    ap.add_argument("--adamw8bit", action="store_true",
+                    help="also the AdamW8bit row: the engine with optimizer adamw8bit (state on NVMe) vs plain "
+                         "PyTorch + tierwise.optim.AdamW8bit without offload, alternating, --rounds each")
+    ap.add_argument("--only-adamw8bit", action="store_true", help="the AdamW8bit row only")
+    ap.add_argument("--cpu-mem-8bit", default=None,
+                    help="ours' host budget in the AdamW8bit row (default 800M: the 100M model's gradients in DRAM, "
+                         "its masters and half its 8-bit state on NVMe, as --cpu-mem 1300M is for fp32 AdamW; "
+                         "--quick: min; 'min': the engine's minimum, gradients on NVMe too)")
     ap.add_argument("--verbose", action="store_true", help="echo the children's output")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -433,7 +474,7 @@ def main() -> None:
     import torch
 
     cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
-    use_ds = not a.no_deepspeed
+    use_ds = not a.no_deepspeed and not a.only_adamw8bit
     if use_ds or a.setup_only:
         check_libaio()
         ensure_ds_venv(cuda=cuda)
@@ -443,6 +484,9 @@ def main() -> None:
     spec = make_spec(a, cuda=cuda)
     scratch_root = a.nvme_dir or tempfile.gettempdir()
     os.makedirs(scratch_root, exist_ok=True)
+    if a.only_adamw8bit:
+        run_8bit(a, spec, scratch_root=scratch_root, cuda=cuda)
+        return
     if "min" in (spec["gpu_mem"], spec["cpu_mem"]):
         resolve_min_budgets(spec, scratch_root=scratch_root, cuda=cuda, verbose=a.verbose)
     runs: dict[str, list[dict]] = {"ours": [], "ds": []}
@@ -463,6 +507,28 @@ def main() -> None:
         print(f"reference plain PyTorch (no offload): step {res['step_s']:.3f} s, rss {res['rss_gib']:.2f} GiB", flush=True)
         runs["plain"] = [res]
     report(runs, spec, cuda=cuda)
+    if a.adamw8bit:
+        run_8bit(a, spec, scratch_root=scratch_root, cuda=cuda)
+
+
+def run_8bit(a: argparse.Namespace, spec: dict, *, scratch_root: str, cuda: bool) -> None:
+    """The AdamW8bit row: ours and plain PyTorch + our AdamW8bit, alternating, --rounds each."""
+    cpu = a.cpu_mem_8bit or ("min" if a.quick else "800M")
+    spec = dict(spec, optimizer="adamw8bit", gpu_mem=a.gpu_mem, cpu_mem=cpu, cpu_mem_asked=cpu, budget_notes=[])
+    if "min" in (spec["gpu_mem"], spec["cpu_mem"]):
+        resolve_min_budgets(spec, scratch_root=scratch_root, cuda=cuda, verbose=a.verbose)
+    runs: dict[str, list[dict]] = {"ours": [], "plain": []}
+    for r in range(a.rounds):
+        for side in ("ours", "plain"):
+            res = run_child(side, spec, scratch_root=scratch_root, cuda=cuda, verbose=a.verbose)
+            if "error" in res:
+                sys.exit(f"adamw8bit {side}: {res['kind']}: {res['error']}")
+            runs[side].append(res)
+            print(f"round {r} 8bit {side:5s}: step {res['step_s']:.3f} s (steps "
+                  f"{', '.join(f'{t:.2f}' for t in res['step_times'])}), rss {res['rss_gib']:.2f} GiB, "
+                  f"disk/step w {res['write_bytes_per_step'] / 1e9:.3f} GB r {res['read_bytes_per_step'] / 1e9:.3f} GB, "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+    report_8bit(runs, spec)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ The LoRA cases train rank-16 adapters on all-linear over a frozen base (fp32 as 
 double-quantized), planned with make_plan(lora_rank=..., base_dtype=...).
 
 Goal: peaks within 10%, step time within 25% (timing on a shared machine is noisy: the step
-time is the median of the steps after the warm-up one).
+time is the median of the steps after the warm-up one). The ~100M model also runs with its
+masters and optimizer state on NVMe (`--nvme-cpu-mem`), whose update I/O overlaps backward.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ CASES = [  # (profile, precision, batch, seq, chunk bytes, LoRA options or None)
 ]
 
 
-def run(profile, *, precision, batch, seq, chunk, gpu, steps, lora=None):
+def run(profile, *, precision, batch, seq, chunk, gpu, steps, lora=None, cpu=None, nvme=None):
     torch.manual_seed(0)
     kw = {}
     if lora is not None:
@@ -51,7 +52,7 @@ def run(profile, *, precision, batch, seq, chunk, gpu, steps, lora=None):
         kw = dict(lora=LoraConfig(r=lora["lora_rank"], lora_alpha=2 * lora["lora_rank"], target_modules="all-linear"),
                   base_dtype=lora["base_dtype"], double_quant=lora.get("double_quant", False))
     eng = Engine(transformers.LlamaForCausalLM(profile.to_hf_config()), gpu_mem=gpu, precision=precision,
-                 chunk_bytes=chunk, **kw)
+                 chunk_bytes=chunk, cpu_mem=cpu, nvme_path=nvme, **kw)
     x = torch.randint(0, profile.vocab_size, (batch, seq))
     eng.step({"input_ids": x, "labels": x})  # warm-up
     eng.ledger.reset_peaks()
@@ -69,12 +70,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--full-profile", action="store_true")
     ap.add_argument("--only", choices=("lora",), help="only the LoRA cases")
+    ap.add_argument("--nvme-cpu-mem", default="1000M",
+                    help="host budget of the ~100M model's NVMe case at the minimum gpu budget (default: the "
+                         "gradients in DRAM, nearly all masters and the whole state on NVMe)")
+    ap.add_argument("--labels", default="roomy,mid,nvme", help="which budgets to run (comma-separated)")
+    ap.add_argument("--nvme-dir", default=None, help="where the NVMe case's swap files go (default: a temp dir)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         hw = str(Path(tmp) / "this-machine.toml")
         t = time.perf_counter()
-        measure(hardware="this-machine", output=hw, quick=not args.full_profile, progress=print)
+        measure(hardware="this-machine", output=hw, quick=not args.full_profile, progress=print,
+                nvme_path=args.nvme_dir)
         print(f"profiled in {time.perf_counter() - t:.1f} s\n")
         head = f"{'case':34} {'budget':>10} {'tier':>4} {'pred peak':>11} {'measured':>11} {'ratio':>6}"
         print(head + f" {'pred s':>8} {'meas s':>8} {'ratio':>6}")
@@ -85,11 +92,17 @@ def main() -> None:
             base = make_plan(model=profile, hardware=hw, gpu_mem="64G", cpu_mem=None, optimizer="adamw",
                              precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk, **extra)
             home = sum(base.bytes["gpu"].values())
-            for label, gpu in (("roomy", base.gpu_minimum + 2 * home), ("mid", base.gpu_minimum + home // 2)):
-                plan = make_plan(model=profile, hardware=hw, gpu_mem=gpu, cpu_mem=None, optimizer="adamw",
-                                 precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk, **extra)
+            mid = base.gpu_minimum + home // 2
+            budgets = [("roomy", base.gpu_minimum + 2 * home, None), ("mid", mid, None)]
+            if profile.name != "tiny" and lora is None:  # masters and state on NVMe, updated during backward
+                budgets.append(("nvme", base.gpu_minimum, args.nvme_cpu_mem))  # every chunk streams
+            for label, gpu, cpu in [b for b in budgets if b[0] in args.labels.split(",")]:
+                nvme = tempfile.mkdtemp(dir=args.nvme_dir) if cpu else None
+                plan = make_plan(model=profile, hardware=hw, gpu_mem=gpu, cpu_mem=cpu, optimizer="adamw",
+                                 precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=chunk,
+                                 nvme_path=nvme, **extra)
                 peaks, step_s = run(profile, precision=precision, batch=batch, seq=seq, chunk=chunk, gpu=gpu,
-                                    steps=args.steps, lora=lora)
+                                    steps=args.steps, lora=lora, cpu=cpu, nvme=nvme)
                 kind = "" if lora is None else " qlora" if lora["base_dtype"] == "nf4" else " lora"
                 name = f"{profile.name}{kind} {precision} {batch}x{seq} {label}"
                 for i, tier in enumerate(("gpu", "host")):

@@ -119,7 +119,7 @@ def test_router_submits_a_chunk_early_once_all_its_sums_are_in():
     class Early:
         done: set = set()
 
-        def submit(self, cid, tickets):
+        def submit(self, cid, tickets, handed=None):
             submitted.append((cid, len(tickets)))
 
         def wait(self):
@@ -238,11 +238,11 @@ def test_engine_close_gives_the_model_back_unpatched():
 # -- helpers -------------------------------------------------------------------------------
 def test_early_updater_runs_the_given_update_and_reraises_its_error():
     seen = []
-    early = EarlyUpdater(lambda chunks: seen.extend(chunks))
+    early = EarlyUpdater(lambda chunks, handed: seen.extend(chunks))
     early.submit(3, [])
     early.wait()
     assert seen == [3] and early.done == {3}
-    early.update = lambda chunks: 1 / 0
+    early.update = lambda chunks, handed: 1 / 0
     early.submit(4, [])
     with pytest.raises(ZeroDivisionError):
         early.wait()

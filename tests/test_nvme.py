@@ -106,6 +106,34 @@ def test_read_overlaps_blocked_write(store, monkeypatch):
     assert torch.equal(out, a)
 
 
+def test_urgent_read_is_served_before_queued_blocks(store, monkeypatch):
+    """A fetch the compute thread waits for overtakes the queued blocks of an optimizer read:
+    only the blocks already in the I/O threads' hands go first."""
+    big, small = _data(40 * BLOCK // 4, torch.float32, seed=1), _data(BLOCK // 4, torch.float32, seed=2)
+    store.write("big", big)
+    store.write("small", small)
+    release, started, real = threading.Event(), threading.Semaphore(0), os.preadv
+    order = []
+
+    def gated_preadv(fd, bufs, offset):
+        order.append(fd)
+        started.release()
+        release.wait(10)
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", gated_preadv)
+    big_dst, small_dst = torch.empty_like(big), torch.empty_like(small)
+    slow = store.read_async("big", big_dst)
+    for _ in range(2):  # both read threads hold a block of the big read
+        assert started.acquire(timeout=10)
+    fast = store.read_async("small", small_dst, urgent=True)
+    release.set()
+    fast.result(timeout=10)
+    slow.result(timeout=10)
+    assert order[2] != order[0] and order.count(order[2]) == 1, "the urgent read waited behind queued blocks"
+    assert torch.equal(small_dst, small) and torch.equal(big_dst, big)
+
+
 def test_same_key_operations_run_in_order(store):
     v1, v2 = _data(20_000, torch.int8, seed=1), _data(20_000, torch.int8, seed=2)
     first, second = torch.empty_like(v1), torch.empty_like(v1)

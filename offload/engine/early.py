@@ -8,6 +8,9 @@ shared by several recomputed blocks gets one per block).
 
 One worker thread takes the chunks in the order they complete, in batches, and runs the same
 update (`update_all`) as the end of the step; the step's own update then skips them.
+A chunk whose gradient lives on NVMe comes with it still in host memory (`handed`: the gradient
+spill's staging buffer, offload.engine.gradspill), so the update neither waits for its write
+nor reads it back; the buffer goes back to the spill once that chunk is updated.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any, Callable
 
 
 class EarlyUpdater:
-    """Gets `update(chunks)`: the step's update of those chunks (update_all on the store)."""
+    """Gets `update(chunks, handed)`: the step's update of those chunks (update_all on the
+    store); `handed`: {chunk: (its gradient in host memory, called once it is consumed)}."""
 
     def __init__(self, update: Callable[[list[int]], None]):
         self.update = update
@@ -33,11 +37,13 @@ class EarlyUpdater:
         self._thread = threading.Thread(target=self._work, daemon=True, name="tierwise-update")
         self._thread.start()
 
-    def submit(self, cid: int, tickets: list[Any]) -> None:
+    def submit(self, cid: int, tickets: list[Any], handed: "tuple[Any, Callable[[], None]] | None" = None) -> None:
+        """Update chunk `cid` once `tickets` (its gradients' copies) are done; `handed`: its
+        gradient in a host buffer and what gives the buffer back."""
         with self._lock:
             self._pending += 1
             self._idle.clear()
-        self.jobs.put((cid, tickets))
+        self.jobs.put((cid, tickets, handed))
 
     def _work(self) -> None:
         while True:
@@ -54,15 +60,19 @@ class EarlyUpdater:
                     self.jobs.put(None)
                     break
                 batch.append(nxt)
+            handed = {c: h for c, _, h in batch if h is not None}
             try:
-                for _, tickets in batch:
+                for _, tickets, _ in batch:
                     for t in tickets:
                         t.wait()  # the gradient has landed in host memory
-                self.update([c for c, _ in batch])
-                self.done.update(c for c, _ in batch)
+                self.update([c for c, _, _ in batch], handed)
+                self.done.update(c for c, _, _ in batch)
                 self.updated += len(batch)
             except BaseException as exc:  # raised on the compute thread by wait()
                 self.error = exc
+            finally:
+                for _, give_back in handed.values():  # (once each: update_all pops what it used)
+                    give_back()
             with self._lock:
                 self._pending -= len(batch)
                 if self._pending == 0:

@@ -314,17 +314,21 @@ class Engine:
             self.tracker.offloader = Offloader(ledger=self.ledger, tiers=self.tiers, executor=self.executor,
                                                device=self.device, phase=lambda: self.moments.phase)
 
-    def _update_chunks(self, chunks: list[int]) -> None:
-        """Update `chunks` (their gradients complete); several ranks: reduce each onto its owner
-        first, in the given order (the same on every rank), and update this rank's own."""
+    def _update_chunks(self, chunks: list[int], handed: dict) -> None:
+        """Update `chunks` (their gradients complete); `handed`: {chunk: (its gradient still in
+        host memory, give-back)} for NVMe gradients never written. Several ranks: reduce each onto
+        its owner first, in the given order (the same on every rank), and update this rank's own."""
         if self.ranks is not None:
-            self._reduce_grads(chunks)
+            self._reduce_grads(chunks, handed)
             chunks = [c for c in chunks if self.ranks.owns(c)]
-        update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks)
+        update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks, handed=handed)
 
-    def _reduce_grads(self, chunks: list[int]) -> None:
+    def _reduce_grads(self, chunks: list[int], handed: dict) -> None:
         for cid in chunks:
             if self.plan.is_frozen(cid):
+                continue
+            if cid in handed:  # the sum is in the handed buffer, not in the store
+                self.ranks.reduce_grad(cid, handed[cid][0])
                 continue
             mine = self.ranks.owns(cid)
             with self.store.opened(cid, only=("grad",), write_back=mine) as work:
@@ -484,7 +488,7 @@ class Engine:
         rest = [c for c in range(len(self.plan.chunks)) if c not in early]
         if self.ranks is not None:
             if self.updater.needs_grad:
-                self._reduce_grads(rest)
+                self._reduce_grads(rest, {})
             rest = [c for c in rest if self.ranks.owns(c)]
         if self.grad_clip is not None:
             sum_norms = None if self.ranks is None else (lambda t: self.ranks.sum_(t, "summing gradient norms"))

@@ -9,7 +9,8 @@
   PyTorch's order and hand each chunk one sum per parameter (copy the first time a parameter is
   seen in a step, add afterwards: the reference's order).
 - Early update: in the last micro-batch (`early_on`), a chunk whose parameters have all sent
-  their sums is updated while backward goes on (offload.engine.early).
+  their sums is updated while backward goes on (offload.engine.early); a gradient on NVMe goes
+  to it in its staging buffer, not through the swap file.
 """
 
 from __future__ import annotations
@@ -136,7 +137,9 @@ class GradientRouter:
         self._inflight.append((ticket, nbytes, src))
         if spilled:
             self.spill.landed(slot.chunk, ticket)
-        self._arrived_grad(slot, ticket)
+        self._arrived_grad(slot, ticket)  # an early update may take the spill's buffer
+        if spilled and self.spill.complete(slot.chunk):
+            self.spill.flush(slot.chunk)
 
     def _gathering(self, p: torch.nn.Parameter) -> bool:
         """Count `p`'s gradient contributions of this backward: its post-accumulate hook runs
@@ -186,7 +189,8 @@ class GradientRouter:
         self._arrived[cid] = self._arrived.get(cid, 0) + 1
         if cid not in self._held_back and self._arrived[cid] == self.expected.get(cid):
             self._submitted.add(cid)
-            self.early.submit(cid, self._chunk_tickets.pop(cid, []))
+            handed = self.spill.hand_over(cid)  # a gradient on NVMe: no round trip through the disk
+            self.early.submit(cid, self._chunk_tickets.pop(cid, []), handed)
 
     def _learn_uses(self) -> None:
         """After the first backward: the contributions each parameter gets per backward (the

@@ -7,12 +7,17 @@ each gradient lands in its slot as it does for a DRAM-resident chunk (copy the f
 parameter is seen this step, add afterwards: the reference's order), and once every parameter
 of the chunk has arrived the buffer is written out. Two staging buffers (host kind "buffer",
 counted in the bounce bytes); a third open chunk first flushes the oldest one.
+In the last micro-batch a complete chunk that is updated early (offload.engine.early) is not
+written at all: its buffer is handed to the update (`hand_over`) and comes back once that chunk
+is updated, which saves the gradient's round trip through NVMe (a write and a read of the same
+bytes moments apart). Backward waits for a buffer only when both are with the update.
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -34,9 +39,11 @@ class GradSpill:
         self.tickets: dict[int, list[Any]] = {}
         self.writes: dict[int, tuple[Future, int]] = {}  # staging index -> pending write
         self.written: set[int] = set()  # chunks whose swap file holds this step's sum
+        self.consumed: set[int] = set()  # chunks whose sum went to an early update instead
+        self._returned = threading.Condition()  # guards `free`: buffers come back from the update worker
 
     def begin_cycle(self) -> None:
-        self.written = set()
+        self.written, self.consumed = set(), set()
 
     def _staging(self, idx: int, cid: int) -> torch.Tensor:
         g = self.store.chunks[cid].grad
@@ -46,26 +53,57 @@ class GradSpill:
         """The host buffer [numel] fp32 the gradients of chunk `cid` land in now."""
         idx = self.open.get(cid)
         if idx is None:
-            if not self.free:
-                self.flush(next(iter(self.open)))
-            idx = self.free.pop(0)
+            idx = self._free_buffer()
             pending = self.writes.pop(idx, None)
             if pending is not None:
                 pending[0].result()  # the buffer is still being written out
             buf = self._staging(idx, cid)
             if cid in self.written:
-                self.nvme.read(self.store.chunks[cid].grad.key, buf)
+                self.nvme.read(self.store.chunks[cid].grad.key, buf, urgent=True)  # backward waits for it
             else:
                 buf.zero_()
             self.open[cid], self.arrived[cid], self.tickets[cid] = idx, 0, []
         return self._staging(idx, cid)
 
+    def _free_buffer(self) -> int:
+        """A staging buffer for a newly opened chunk: a free one, else the oldest open chunk's
+        (flushed), else (both are with early updates) the first one the update gives back."""
+        with self._returned:
+            while not self.free:
+                if self.open:
+                    self.flush(next(iter(self.open)))
+                else:
+                    self._returned.wait()
+            return self.free.pop(0)
+
     def landed(self, cid: int, ticket: Any) -> None:
-        """One parameter's gradient of chunk `cid` is on its way; flush when all have come."""
+        """One parameter's gradient of chunk `cid` is on its way into its buffer."""
         self.tickets[cid].append(ticket)
         self.arrived[cid] += 1
-        if self.arrived[cid] == len(self.store.plan.chunks[cid].params):
-            self.flush(cid)
+
+    def complete(self, cid: int) -> bool:
+        """Every parameter of open chunk `cid` has arrived since it was opened (then it is
+        flushed, unless handed over)."""
+        return cid in self.open and self.arrived[cid] == len(self.store.plan.chunks[cid].params)
+
+    def hand_over(self, cid: int) -> "tuple[torch.Tensor, Callable[[], None]] | None":
+        """Open chunk `cid`'s buffer, holding its final sum once the copies into it land (the
+        caller waits for their tickets), for an early update instead of a write; and the call
+        that gives the buffer back. None when `cid` is not open here (its gradient is in DRAM)."""
+        if cid not in self.open:
+            return None
+        idx = self.open.pop(cid)
+        del self.arrived[cid], self.tickets[cid]
+        self.consumed.add(cid)
+        given = []
+
+        def give_back() -> None:
+            with self._returned:
+                if not given:
+                    given.append(idx)
+                    self.free.append(idx)
+                    self._returned.notify_all()
+        return self._staging(idx, cid), give_back
 
     def flush(self, cid: int) -> None:
         idx = self.open.pop(cid)
@@ -75,7 +113,8 @@ class GradSpill:
         key = self.store.chunks[cid].grad.key
         self.writes[idx] = (self.nvme.write_async(key, self._staging(idx, cid)), cid)
         self.written.add(cid)
-        self.free.append(idx)
+        with self._returned:
+            self.free.append(idx)
 
     def end_backward(self) -> None:
         """Chunks some of whose parameters got no gradient this micro-batch: write them too."""
@@ -89,6 +128,6 @@ class GradSpill:
             fut.result()
         self.writes.clear()
         store = self.store
-        for cid, ch in enumerate(store.chunks):
-            if hasattr(ch.grad, "key") and cid not in self.written:
+        for cid, ch in enumerate(store.chunks):  # (a consumed chunk's file is never read this cycle)
+            if hasattr(ch.grad, "key") and cid not in self.written and cid not in self.consumed:
                 self.nvme.zeros(ch.grad.key, ch.grad.nbytes)

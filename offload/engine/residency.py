@@ -99,7 +99,7 @@ class Residency:
             staging = self.bounce.staging_for(src)
 
             def fn(stream: Any) -> None:
-                self.nvme.read(src.key, staging)
+                self.nvme.read(src.key, staging, urgent=True)  # before the optimizer's reads
                 self.store.to_compute(cid, staging, buf, non_blocking=stream is not None)
         else:
             def fn(stream: Any) -> None:

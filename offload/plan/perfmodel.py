@@ -336,9 +336,13 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
 def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: OptimizerSpec, load: StepLoad,
                        tokens: int, micro_batches: int) -> StepPrediction:
     """The simulated device: "gpu" compute, the copy threads and the optimizer all run on the
-    same CPU cores, so their times add up instead of overlapping; the engine (today) updates
-    after backward, chunk by chunk, device-home chunks with the same CPU kernels.
-    Each op also pays a fixed dispatch cost (`host.op_overhead_us`), which dominates tiny models."""
+    same CPU cores, so their times add up instead of overlapping (the update's CPU work is priced
+    after backward: on shared cores it costs the same during backward), device-home chunks with
+    the same CPU kernels. Each op also pays a fixed dispatch cost (`host.op_overhead_us`), which
+    dominates tiny models. The disk is not a core: NVMe traffic overlaps the CPU work of its
+    phase (a phase lasts the longer of the two) - the forward's fetches of NVMe-resident compute
+    sources, and in backward its refetches plus the update's reads and write-backs of master,
+    state and gradient, which the early update (offload.engine.early) runs during backward."""
     hw = hardware
     rate = hw.gpu_tflops(precision) * 1e12
     copy = hw.pcie.h2d_pinned_gbps * GB
@@ -358,10 +362,37 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
            "dispatch": 4 * load.num_chunks * overhead}
     phases, resources, tops = {}, {"forward": fwd, "backward": bwd, "update": upd}, {}
     scale = hw.host.step_calibration or 1.0
+    disk = _simulated_nvme(hw, load, needs_grad=cost.needs_grad)
     for name, busy, n in (("forward", fwd, cost.forwards * micro_batches), ("backward", bwd, micro_batches),
                           ("update", upd, 1)):
         if name == "backward" and not cost.needs_grad:
             continue
         phases[name] = sum(busy.values()) * n * (scale if name != "update" else 1.0)
         tops[name] = max(busy, key=busy.__getitem__)
+        nvme = disk.get(name, 0.0) * (n if name == "forward" else 1)
+        if nvme > 0:
+            busy["nvme"] = nvme
+            if nvme > phases[name]:
+                phases[name], tops[name] = nvme, "nvme"
     return _finish(phases, resources, tops, tokens)
+
+
+def _simulated_nvme(hw: HardwareProfile, load: StepLoad, *, needs_grad: bool) -> dict[str, float]:
+    """Disk seconds per phase on the simulated device: the forward's reads of NVMe-resident
+    compute sources (their share of the forward's fetches), and (with a backward) the backward's
+    refetches plus the update's reads and writes, which overlap backward; without a backward the
+    update's I/O is its own phase."""
+    on = load.placed.get("nvme", {})
+    if hw.nvme is None or not on:
+        return {}
+    nv_r, nv_w = hw.nvme.read_gbps * GB, hw.nvme.write_gbps * GB
+    share = load.stream_bytes.get("nvme", 0) / max(1, sum(load.stream_bytes.values()))
+    fwd = load.fetched_bytes / (3 if load.recompute else 2)
+    # the update reads master and state and writes them back (and a bf16 compute copy); a gradient
+    # on NVMe reaches the early update in its staging buffer, so it is neither written nor read
+    reads = on.get("master", 0) + on.get("state", 0)
+    writes = reads + on.get("compute", 0)
+    update = reads / nv_r + writes / nv_w
+    if not needs_grad:
+        return {"forward": fwd * share / nv_r, "update": update}
+    return {"forward": fwd * share / nv_r, "backward": (load.fetched_bytes - fwd) * share / nv_r + update}

@@ -12,7 +12,11 @@ blocking of requests, the checked syscalls), hence its ~550 lines.
 Each request (read or write of one whole key) is cut into `block_size` blocks; the blocks go
 to a queue served by `threads` Python threads (os.preadv/os.pwritev release the GIL). Reads
 and writes have SEPARATE queues and threads, so the next chunk's read is not stuck behind the
-last chunk's write-back. Operations on the same key run in submission order.
+last chunk's write-back. Operations on the same key run in submission order. A request marked
+`urgent` (a fetch the compute thread waits for) has its blocks served before the queued blocks
+of other requests (the optimizer's reads of master and state during backward): each lane's
+queue is ordered by (urgency, submission), so an urgent read waits only for the blocks already
+in the threads' hands.
 
 Every O_DIRECT request has its buffer address, file offset and length checked for 4096-byte
 alignment, and every byte count is checked: DeepSpeed's O_DIRECT read into a buffer slice
@@ -46,6 +50,7 @@ from __future__ import annotations
 import atexit
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import queue
@@ -120,6 +125,7 @@ class _Request:
     swap: _SwapFile
     data: torch.Tensor  # [nbytes] uint8 view of the caller's tensor
     future: Future
+    urgent: bool = False
     fd: int = -1
     direct: bool = False
     remaining: int = 0
@@ -141,7 +147,8 @@ class _Lane:
     """One direction: a block queue, its worker threads, bounce buffers, busy-time clock."""
 
     def __init__(self, name: str, *, threads: int, block_size: int, depth: int, run) -> None:
-        self.blocks: queue.Queue = queue.Queue()
+        self.blocks: queue.PriorityQueue = queue.PriorityQueue()  # (rank, seq, (req, index)); None-items stop
+        self._seq = itertools.count()
         self.free: queue.Queue = queue.Queue()
         self._made, self._depth, self._block_size = 0, depth, block_size
         self._lock = threading.Lock()
@@ -153,8 +160,11 @@ class _Lane:
         for t in self.threads:
             t.start()
 
+    def put(self, req: "_Request", index: int) -> None:
+        self.blocks.put((0 if req.urgent else 1, next(self._seq), (req, index)))
+
     def _serve(self, run) -> None:
-        while (item := self.blocks.get()) is not None:
+        while (item := self.blocks.get()[2]) is not None:
             try:
                 run(*item)
             except Exception:  # run() reports through futures; this is a bug, keep serving
@@ -181,7 +191,7 @@ class _Lane:
 
     def stop(self) -> None:
         for _ in self.threads:
-            self.blocks.put(None)
+            self.blocks.put((2, next(self._seq), None))  # after every queued block
         for t in self.threads:
             t.join(timeout=30)
 
@@ -242,15 +252,16 @@ class NvmeStore:
         """Write all bytes of `src` (contiguous CPU tensor, any dtype) as `key`."""
         return self._submit(key, _byte_view(src, "src"), write=True)
 
-    def read_async(self, key: str, dst: torch.Tensor) -> Future:
-        """Read `key` into `dst` (contiguous CPU tensor of exactly the written byte size)."""
-        return self._submit(key, _byte_view(dst, "dst"), write=False)
+    def read_async(self, key: str, dst: torch.Tensor, *, urgent: bool = False) -> Future:
+        """Read `key` into `dst` (contiguous CPU tensor of exactly the written byte size).
+        `urgent`: served before the queued blocks of requests that are not."""
+        return self._submit(key, _byte_view(dst, "dst"), write=False, urgent=urgent)
 
     def write(self, key: str, src: torch.Tensor) -> None:
         self.write_async(key, src).result()
 
-    def read(self, key: str, dst: torch.Tensor) -> None:
-        self.read_async(key, dst).result()
+    def read(self, key: str, dst: torch.Tensor, *, urgent: bool = False) -> None:
+        self.read_async(key, dst, urgent=urgent).result()
 
     def zeros(self, key: str, nbytes: int) -> None:
         """Make `key` hold `nbytes` zero bytes without writing them: the file is preallocated
@@ -352,7 +363,7 @@ class NvmeStore:
         self.close()
 
     # ---- request lifecycle ------------------------------------------------------------
-    def _submit(self, key: str, data: torch.Tensor, *, write: bool) -> Future:
+    def _submit(self, key: str, data: torch.Tensor, *, write: bool, urgent: bool = False) -> Future:
         path = self.path(key)
         fut: Future = Future()
         with self._lock:
@@ -363,7 +374,7 @@ class NvmeStore:
                 raise NvmeError(f"no swap file for key {key!r} in {self.directory}")
             if swap is None:
                 swap = self._files[key] = _SwapFile(path=path)
-            req = _Request(write=write, key=key, swap=swap, data=data, future=fut)
+            req = _Request(write=write, key=key, swap=swap, data=data, future=fut, urgent=urgent)
             prev, self._last[key] = self._last.get(key), fut
         if prev is None:
             self._start(req)
@@ -384,7 +395,7 @@ class NvmeStore:
             return
         req.remaining = nblocks
         for i in range(nblocks):
-            lane.blocks.put((req, i))
+            lane.put(req, i)
 
     def _prepare_write(self, req: _Request) -> None:
         swap, nbytes = req.swap, req.data.numel()

@@ -53,9 +53,12 @@ def _swapped(store: ChunkStore, cid: int) -> list[tuple[str, SwapKind]]:
 
 
 def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | None, *,
-               chunks: list[int] | None = None) -> None:
+               chunks: list[int] | None = None, handed: "dict[int, tuple[torch.Tensor, Any]] | None" = None) -> None:
     """One optimizer step on `chunks` (default: every chunk): in-memory ones in place, swapped
-    ones pipelined through the two bounce sets."""
+    ones pipelined through the two bounce sets. `handed`: {chunk: (gradient, give_back)} for
+    chunks whose NVMe gradient is still in a host buffer: used from there (not read back), and
+    `give_back()` is called (and the entry popped) as soon as that chunk is updated."""
+    handed = {} if handed is None else handed
     todo = [c for c in (range(len(store.chunks)) if chunks is None else chunks) if not store.is_frozen(c)]
     swapped = [c for c in todo if _swapped(store, c)]
     writes: dict[int, list[Future]] = {0: [], 1: []}
@@ -64,9 +67,13 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
         slot = i % 2
         for f in writes[slot]:  # the set is free once its last write-back finished
             f.result()
-        views = bounce.views(slot, swapped[i])
-        return views, [store.nvme.read_async(d.key, views[n]) for n, d in _swapped(store, swapped[i])
-                       if n != "compute"]  # the compute copy is rewritten from the master
+        cid = swapped[i]
+        views = bounce.views(slot, cid)
+        if cid in handed:
+            views["grad"] = handed[cid][0]
+        return views, [store.nvme.read_async(d.key, views[n]) for n, d in _swapped(store, cid)
+                       if n != "compute"  # the compute copy is rewritten from the master
+                       and not (n == "grad" and cid in handed)]
 
     pending = start(0) if swapped else None
     for cid in todo:  # while the first read is in flight
@@ -82,6 +89,8 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
         if "grad" in views and store.grad_scale is not None:
             views["grad"].mul_(store.grad_scale)
         _step(ch, cid, updater, hyper, views)
+        if cid in handed:
+            handed.pop(cid)[1]()
         writes[i % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)
                          if n != "grad"]  # the next cycle overwrites the gradient anyway
     for fs in writes.values():
