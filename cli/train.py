@@ -633,5 +633,5 @@ _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 def _plots(engine, out: Path, *, title: str = "") -> None:
     plot_loss(read_metrics(out / "metrics.jsonl"), out / "loss.png", title=f"loss · {title}" if title else "loss")
     if engine.timeline:
-        plot_timeline(engine.timeline, out / "memory_timeline.png",
-                      title=f"memory per tier over one step · {title}" if title else "")
+        extra = {"title": f"memory per tier over one step · {title}"} if title else {}
+        plot_timeline(engine.timeline, out / "memory_timeline.png", **extra)
