@@ -235,7 +235,7 @@ class _Chunks:
         self.params: list[int] = []
         self.flops: list[float] = []
         self.encoded: set[int] = set()  # frozen chunks stored in another dtype (decoded per use)
-        self.layers, self.tied = model.num_hidden_layers, model.tie_word_embeddings
+        self.layers, self.tied = (model.num_hidden_layers, model.tie_word_embeddings) if lora is not None else (0, False)
         self.targets = lora.targets if lora is not None else frozenset()
         self.fetches_last: dict[int, int] = {}
         plain = "bf16" if self.bf16 else "fp32"
