@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyhf import FAMILIES, make_tiny_family_dir, write_jsonl  # noqa: E402
+from tinyhf import FAMILIES, logits_engine, make_tiny_family_dir, write_jsonl  # noqa: E402
 
 from tierwise.cli import train  # noqa: E402
 from tierwise.cli.builtin import sample_rows  # noqa: E402
@@ -61,19 +61,8 @@ def _from_pretrained(model_dir):
 
 def _finetune(model_dir: Path, data, out: Path, monkeypatch) -> dict:
     """Run the real CLI in-process; returns the engine's logits of the last eval batch."""
-    from tierwise.offload import Engine
-
     seen = {}
-
-    class LogitsEngine(Engine):  # the real engine; its loss_fn also keeps the logits
-        def __init__(self, model, **kwargs):
-            def loss_fn(m, batch):
-                out = m(**batch)
-                seen["logits"] = out.logits.detach().to("cpu", copy=True)
-                return out.loss
-            super().__init__(model, loss_fn=loss_fn, **kwargs)
-
-    monkeypatch.setattr(train, "engine_class", lambda: LogitsEngine)
+    monkeypatch.setattr(train, "engine_class", lambda: logits_engine(seen))
     args = ["--model", str(model_dir), "--data", str(data[0]), "--eval-data", str(data[1]),
             "--output", str(out)]
     for k, v in OPTIONS.items():

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 peft = pytest.importorskip("peft")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyhf import error_line, make_tiny_llama_dir, write_jsonl  # noqa: E402
+from tinyhf import error_line, logits_engine, make_tiny_llama_dir, write_jsonl  # noqa: E402
 
 from tierwise.cli import checkpoint as ckpt  # noqa: E402
 from tierwise.cli import train  # noqa: E402
@@ -58,19 +58,8 @@ def _args(model_dir, assets, out, *extra, **options) -> list[str]:
 
 def _finetune(args, monkeypatch) -> dict:
     """The real CLI in-process; returns the logits of the engine's last eval batch."""
-    from tierwise.offload import Engine
-
     seen = {}
-
-    class LogitsEngine(Engine):  # the real engine; its loss_fn also keeps the logits
-        def __init__(self, model, **kwargs):
-            def loss_fn(m, batch):
-                out = m(**batch)
-                seen["logits"] = out.logits.detach().to("cpu", copy=True)
-                return out.loss
-            super().__init__(model, loss_fn=loss_fn, **kwargs)
-
-    monkeypatch.setattr(train, "engine_class", lambda: LogitsEngine)
+    monkeypatch.setattr(train, "engine_class", lambda: logits_engine(seen))
     result = CliRunner().invoke(app, args, env={"COLUMNS": "120"})
     assert result.exit_code == 0, (result.output, result.exception)
     seen["output"] = result.output

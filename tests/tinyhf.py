@@ -88,6 +88,22 @@ def fast_profiler(monkeypatch) -> list:
     return seen
 
 
+def logits_engine(seen: dict):
+    """The real Engine class, whose loss_fn also keeps the last batch's logits in seen["logits"]
+    (monkeypatch cli.train.engine_class to return it: an eval batch's logits after a CLI run)."""
+    from tierwise.offload import Engine
+
+    class LogitsEngine(Engine):
+        def __init__(self, model, **kwargs):
+            def loss_fn(m, batch):
+                out = m(**batch)
+                seen["logits"] = out.logits.detach().to("cpu", copy=True)
+                return out.loss
+            super().__init__(model, loss_fn=loss_fn, **kwargs)
+
+    return LogitsEngine
+
+
 def _materialize_meta_params(model) -> None:
     """Give every meta parameter CPU storage (tied parameters stay tied); buffers untouched."""
     made: dict[int, torch.nn.Parameter] = {}
