@@ -23,17 +23,16 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyhf import FAMILIES, logits_engine, make_tiny_family_dir, write_jsonl  # noqa: E402
+from tinyhf import FAMILIES, logits_engine, make_tiny_family_dir, train_as_the_cli, write_jsonl  # noqa: E402
 
 from tierwise.cli import train  # noqa: E402
 from tierwise.cli.builtin import sample_rows  # noqa: E402
 from tierwise.cli.config import TrainConfig  # noqa: E402
-from tierwise.cli.data import Batches, eval_batches, load_blocks  # noqa: E402
+from tierwise.cli.data import eval_batches, load_blocks  # noqa: E402
 from tierwise.cli.layout import ModelLayout, iter_checkpoint  # noqa: E402
 from tierwise.cli.loading import ModelError, build_meta_model  # noqa: E402
 from tierwise.cli.main import app  # noqa: E402
 from tierwise.cli.metrics import read_metrics  # noqa: E402
-from tierwise.cli.schedule import LRSchedule  # noqa: E402
 
 OPTIONS = dict(seq_len=16, batch_size=2, steps=3, lr=1e-2, warmup_steps=1, chunk_size="16K",
                recompute=True)  # recompute: the engine turns use_cache off, the export must not
@@ -79,22 +78,8 @@ def _replay(model_dir: Path, data) -> tuple[list[float], torch.nn.Module, dict]:
 
     cfg = TrainConfig(model=str(model_dir), data=str(data[0]), **OPTIONS)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    batches = Batches(load_blocks(cfg.data, tok, seq_len=cfg.seq_len, pack=cfg.pack),
-                      batch_size=cfg.batch_size, seed=cfg.seed)
-    schedule = LRSchedule(kind=cfg.schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
-                          total_steps=cfg.steps)
     model = _from_pretrained(model_dir).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                            fused=True)
-    losses = []
-    for step in range(cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = schedule.lr_at(step)
-        loss = model(**batches.next()).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_as_the_cli(model, cfg, tok)
     evals = eval_batches(load_blocks(str(data[1]), tok, seq_len=cfg.seq_len, pack=cfg.pack),
                          batch_size=cfg.batch_size)
     return losses, model.eval(), evals[-1]

@@ -25,16 +25,15 @@ from typer.testing import CliRunner
 peft = pytest.importorskip("peft")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyhf import error_line, logits_engine, make_tiny_llama_dir, write_jsonl  # noqa: E402
+from tinyhf import error_line, logits_engine, make_tiny_llama_dir, train_as_the_cli, write_jsonl  # noqa: E402
 
 from tierwise.cli import checkpoint as ckpt  # noqa: E402
 from tierwise.cli import train  # noqa: E402
 from tierwise.cli.builtin import sample_rows  # noqa: E402
 from tierwise.cli.config import TrainConfig  # noqa: E402
-from tierwise.cli.data import Batches, eval_batches, load_blocks  # noqa: E402
+from tierwise.cli.data import eval_batches, load_blocks  # noqa: E402
 from tierwise.cli.main import app  # noqa: E402
 from tierwise.cli.metrics import read_metrics  # noqa: E402
-from tierwise.cli.schedule import LRSchedule  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 OPTIONS = dict(seq_len=16, batch_size=2, steps=3, lr=1e-2, warmup_steps=1, chunk_size="16K")
@@ -82,25 +81,11 @@ def _replay(model_dir, assets, lora: dict, *, make_base=None, seed: int = 0):
 
     cfg = TrainConfig(model=str(model_dir), data=str(assets["train"]), **OPTIONS)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    batches = Batches(load_blocks(cfg.data, tok, seq_len=cfg.seq_len, pack=cfg.pack),
-                      batch_size=cfg.batch_size, seed=cfg.seed)
-    schedule = LRSchedule(kind=cfg.schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
-                          total_steps=cfg.steps)
     base = _from_pretrained(model_dir)
     base = make_base(base) if make_base else base
     torch.manual_seed(seed)
     model = peft.get_peft_model(base, peft.LoraConfig(**lora)).train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                            weight_decay=0.0, fused=True)
-    losses = []
-    for step in range(cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = schedule.lr_at(step)
-        loss = model(**batches.next()).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_as_the_cli(model, cfg, tok)
     evals = eval_batches(load_blocks(str(assets["eval"]), tok, seq_len=cfg.seq_len, pack=cfg.pack),
                          batch_size=cfg.batch_size)
     return losses, model.eval(), evals[-1]

@@ -21,7 +21,7 @@ import torch
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyhf import StandInEngine, make_tiny_llama_dir, write_jsonl, error_line as _error_line  # noqa: E402
+from tinyhf import StandInEngine, tiny_run_assets, error_line as _error_line  # noqa: E402
 
 import tierwise.cli.train  # noqa: E402
 from tierwise.cli import checkpoint as ckpt  # noqa: E402
@@ -39,11 +39,7 @@ KINDS = ("master", "grad", "state")
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("assets")
-    model = make_tiny_llama_dir(root / "tiny")
-    rows = [{"text": f"The tiny model streams chunk {i % 7} through the memory tier."}
-            for i in range(48)]
-    return model, write_jsonl(root / "train.jsonl", rows)
+    return tiny_run_assets(tmp_path_factory.mktemp("assets"))
 
 
 def _env() -> dict:

@@ -88,6 +88,36 @@ def fast_profiler(monkeypatch) -> list:
     return seen
 
 
+def tiny_run_assets(root: Path) -> tuple[Path, Path]:
+    """A tiny Llama checkpoint and a 48-row JSONL under `root`: (model dir, data file)."""
+    rows = [{"text": f"The tiny model streams chunk {i % 7} through the memory tier."} for i in range(48)]
+    return make_tiny_llama_dir(root / "tiny"), write_jsonl(root / "train.jsonl", rows)
+
+
+def train_as_the_cli(model, cfg, tokenizer) -> list[float]:
+    """`cfg`'s run in plain PyTorch: the CLI's batches and LR schedule, fused AdamW over the
+    trainable parameters of `model` (trained in place); returns the step losses."""
+    from tierwise.cli.data import Batches, load_blocks
+    from tierwise.cli.schedule import LRSchedule
+
+    batches = Batches(load_blocks(cfg.data, tokenizer, seq_len=cfg.seq_len, pack=cfg.pack),
+                      batch_size=cfg.batch_size, seed=cfg.seed)
+    schedule = LRSchedule(kind=cfg.schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                          total_steps=cfg.steps)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay, fused=True)
+    losses = []
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = schedule.lr_at(step)
+        loss = model(**batches.next()).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def logits_engine(seen: dict):
     """The real Engine class, whose loss_fn also keeps the last batch's logits in seen["logits"]
     (monkeypatch cli.train.engine_class to return it: an eval batch's logits after a CLI run)."""
