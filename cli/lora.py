@@ -1,10 +1,8 @@
 """LoRA / QLoRA runs of `finetune`: PEFT adapters on the meta-device model, and their export.
 
 The CLI builds the model on the meta device and streams the checkpoint's weights in later
-(cli.train), but PEFT initialises a LoRA layer's adapters on the device of its base layer:
-over a meta base they would stay meta, without values. `inject` therefore gives every meta
-parameter a zero-byte CPU stand-in (a 0-d zero expanded to its shape) while PEFT injects, and
-puts the meta parameters back afterwards. PEFT's own code creates and initialises the adapters
+(cli.train); `inject` puts PEFT's adapters on it with values (offload.engine.lora.inject_meta,
+which `plan --verify` uses too). PEFT's own code creates and initialises the adapters
 (lora_A Kaiming-uniform, lora_B zeros), drawing from the global generator exactly as
 `torch.manual_seed(seed); peft.get_peft_model(model, config)` on the loaded model does, so a
 run's adapters are reproducible from --seed and equal PEFT's (tests/test_cli_lora.py).
@@ -25,9 +23,9 @@ from typing import Iterable, Iterator
 import torch
 
 from .config import ConfigError, TrainConfig
+from ..offload.engine.lora import ADAPTER, inject_meta  # noqa: F401 (ADAPTER: cli's name too)
 
 ADAPTER_DIR = "adapter"  # OUTPUT/adapter: the PEFT adapter directory of a LoRA run
-ADAPTER = "default"  # PEFT's adapter name inside the model
 
 
 def lora_config(cfg: TrainConfig, *, base: str | None = None):
@@ -53,42 +51,13 @@ def check_targets(model: torch.nn.Module, targets: "list[str] | str") -> None:
 
 
 def inject(model: torch.nn.Module, config, *, seed: int, values: bool = True) -> dict[str, str]:
-    """Inject `config`'s adapters into the meta-device `model` in place, initialised by PEFT as
-    after `torch.manual_seed(seed)`; returns {checkpoint parameter name: its name now}
-    (`...q_proj.weight` -> `...q_proj.base_layer.weight`). Base parameters stay meta, frozen.
-    `values=False`: the adapters stay meta too (to count them: --dry-run of a 70B model)."""
-    from peft import inject_adapter_in_model
-
-    if not values:
-        inject_adapter_in_model(config, model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
-        return {}
-    before = {id(p): n for n, p in model.named_parameters()}
-    originals: dict[tuple[torch.nn.Module, str], torch.nn.Parameter] = {}
-    stand_ins: dict[int, torch.nn.Parameter] = {}  # tied parameters share one stand-in
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None and p.is_meta:
-                originals[(mod, name)] = p
-                if id(p) not in stand_ins:
-                    stand_ins[id(p)] = torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape),
-                                                          requires_grad=p.requires_grad)
-                mod._parameters[name] = stand_ins[id(p)]
-    torch.manual_seed(seed)
+    """offload.engine.lora.inject_meta (PEFT's adapters on the meta-device `model`, initialised as
+    after `torch.manual_seed(seed)`; returns {checkpoint name: its name now}), its refusals as
+    one-line ConfigErrors."""
     try:
-        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        return inject_meta(model, config, seed=seed, values=values)
     except ValueError as e:  # e.g. a target that is no layer PEFT can adapt
         raise ConfigError(f"LoRA: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
-    finally:
-        for (mod, name), p in originals.items():
-            p.requires_grad_(stand_ins[id(p)].requires_grad)  # PEFT froze the stand-in
-            mod._parameters[name] = p
-    renames = {}
-    for now, p in model.named_parameters():
-        if id(p) in before:
-            renames[before[id(p)]] = now
-        elif p.is_meta or not p.requires_grad:
-            raise ConfigError(f"LoRA: PEFT made {now!r} without values")  # never train a placeholder
-    return renames
 
 
 def renamed(named: Iterable[tuple[str, torch.Tensor]], renames: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:

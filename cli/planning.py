@@ -289,15 +289,21 @@ def cxl_lines() -> list[str]:
 
 def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
     """`finetune plan --verify`: a few real steps with these settings on this machine, planned
-    against measured bytes per tier; returns 0 on PASS, 1 on FAIL (user errors raise)."""
+    against measured bytes per tier (a LoRA run: also the base's reads per tier and writes);
+    returns 0 on PASS, 1 on FAIL (user errors raise)."""
     from ..offload.tools.verify import verify
     from .loading import build_meta_model
 
-    if cfg.lora:
-        raise UnsupportedModel("--verify does not build LoRA runs yet: plan them with `finetune plan`, or train "
-                               "and read the measured peaks in the run's summary")
     src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     check_seq_len(cfg, src)
+    lora = {}
+    if cfg.lora:  # built as training builds it: PEFT's adapters on the meta model, the base encoded
+        from . import lora as lora_mod
+
+        lora_mod.check_targets(build_meta_model(src.config), cfg.target_list())
+        options = lora_options(cfg)
+        lora = dict(lora=lora_mod.lora_config(cfg), base_dtype=options["base_dtype"],
+                    double_quant=options["double_quant"])
     batches, padded = None, True  # random tokens: every batch padded, the worst case
     if cfg.data is not None:
         from .data import Batches, check_vocab, has_padding, load_blocks, padded_batch
@@ -315,7 +321,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
                         optimizer=cfg.optimizer, precision=cfg.precision, batch_size=cfg.batch_size,
                         seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
                         lr=cfg.lr, steps=steps, batches=batches, seed=cfg.seed,
-                        checkpointing=checkpointing(cfg), padded=padded, build=build_meta_model)
+                        checkpointing=checkpointing(cfg), padded=padded, build=build_meta_model, **lora)
     if src.has_weights:
         console.print("(random weights: the bytes do not depend on their values)", highlight=False)
     console.out(report.render(), highlight=False)

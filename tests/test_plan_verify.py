@@ -86,3 +86,66 @@ def test_cli_plan_without_recompute_needs_more_gpu_and_verifies():
     assert off.exit_code == 2 and "too small" in off.stderr, (off.output, off.stderr)
     ok = runner.invoke(app, base + ["--gpu-mem", "2M", "--no-recompute", "--verify"])
     assert ok.exit_code == 0 and "PASS" in ok.output and "recompute off" in ok.output, (ok.output, ok.exception)
+
+
+def lora_run(tmp_path, *, base: str, rank: int, nvme: bool) -> dict:
+    """A LoRA verify run at a tight budget: the base streams from host (or, with `nvme`, mostly
+    from NVMe behind a host budget of a few chunks)."""
+    import peft
+
+    cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
+    run = dict(RUN, lora=cfg, base_dtype=base, double_quant=base == "nf4", gpu_mem="900K", steps=2)
+    return run | (dict(cpu_mem="256K", nvme_path=str(tmp_path / "swap")) if nvme else {})
+
+
+@pytest.mark.parametrize("base, rank, nvme", [("nf4", 16, False), ("bf16", 8, True)])
+def test_verify_lora_passes_and_counts_the_base_traffic(tmp_path, base, rank, nvme):
+    report = verify(**lora_run(tmp_path, base=base, rank=rank, nvme=nvme))
+    assert report.passed, report.render()
+    tier = "nvme" if nvme else "host"
+    assert report.plan.lora_rank == rank and report.plan.base_dtype == base
+    assert report.base_read[tier] > 0 and report.base_written == 0
+    assert report.base_read[tier] == pytest.approx(report.plan.base_read[tier], rel=0.10)
+    if nvme:
+        assert report.measured["nvme"] > 0 and report.plan.bytes["nvme"]["base"] > 0
+    text = report.render()
+    assert f"base read {tier}" in text and "base written" in text and text.splitlines()[-1].startswith("PASS")
+
+
+def test_verify_lora_catches_a_mispriced_plan(tmp_path, monkeypatch):
+    """The planner's LoRA pricing off (its frozen chunks' stored bytes, or the base reads per
+    step, halved): verify reports the mismatch."""
+    from tierwise.offload.plan import planner
+
+    real_bytes, real_traffic = planner.frozen_chunk_bytes, planner._base_traffic
+    monkeypatch.setattr(planner, "frozen_chunk_bytes", lambda *a, **k: real_bytes(*a, **k) // 2)
+    report = verify(**lora_run(tmp_path, base="nf4", rank=16, nvme=False))
+    assert not report.passed and any(f.startswith("host planned") for f in report.failures), report.failures
+    monkeypatch.setattr(planner, "frozen_chunk_bytes", real_bytes)
+
+    def half_reads(*a, **k):
+        out = real_traffic(*a, **k)
+        return out | {"base_read": {t: b // 2 for t, b in out["base_read"].items()}}
+
+    monkeypatch.setattr(planner, "_base_traffic", half_reads)
+    report = verify(**lora_run(tmp_path, base="bf16", rank=8, nvme=True))
+    assert report.failures and all(f.startswith("base read from") for f in report.failures), report.failures
+    assert any(f.startswith("base read from nvme planned") for f in report.failures)
+    assert report.render().splitlines()[-1].startswith("FAIL: base read from")
+
+
+def test_cli_plan_verify_qlora(tmp_path):
+    """`finetune plan --qlora --verify` on a tiny Llama checkpoint: the run is built as training
+    builds it (PEFT's adapters, an NF4 base) and passes."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tinyhf import make_tiny_llama_dir
+
+    model = make_tiny_llama_dir(tmp_path / "tiny", layers=4)
+    r = CliRunner().invoke(app, ["plan", "--model", str(model), "--qlora", "--batch-size", "2", "--seq-len", "32",
+                                 "--chunk-size", "16K", "--gpu-mem", "1M", "--cpu-mem", "64M", "--verify",
+                                 "--verify-steps", "2"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "base read host" in r.output and "PASS" in r.output, r.output

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+ADAPTER = "default"  # PEFT's adapter name inside the model
+
 try:  # re-exported: Engine(model, lora=LoraConfig(...))
     from peft import LoraConfig
 except ImportError:  # pragma: no cover - peft is a dependency
@@ -51,3 +53,45 @@ def check_adapters_initialised(model: torch.nn.Module) -> None:
         raise ValueError(f"trainable parameters on the meta device ({meta[0]!r}, {len(meta)} in all) have no "
                          f"values: build the model's trainable part on a real device (PEFT initialises the "
                          f"adapters there), or load their weights with Engine.load_weights")
+
+
+def inject_meta(model: torch.nn.Module, config: Any, *, seed: int, values: bool = True) -> dict[str, str]:
+    """Inject `config`'s adapters into the meta-device `model` in place, initialised by PEFT as
+    after `torch.manual_seed(seed)`; returns {parameter name before: its name now}
+    (`...q_proj.weight` -> `...q_proj.base_layer.weight`). Base parameters stay meta, frozen.
+    `values=False`: the adapters stay meta too (to count them: --dry-run of a 70B model).
+
+    PEFT initialises a LoRA layer's adapters on the device of its base layer: over a meta base
+    they would stay meta, without values. Every meta parameter therefore gets a zero-byte CPU
+    stand-in (a 0-d zero expanded to its shape) while PEFT injects, and is put back afterwards.
+    Raises ValueError when PEFT refuses the config or left an adapter without values."""
+    from peft import inject_adapter_in_model
+
+    if not values:
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+        return {}
+    before = {id(p): n for n, p in model.named_parameters()}
+    originals: dict[tuple[torch.nn.Module, str], torch.nn.Parameter] = {}
+    stand_ins: dict[int, torch.nn.Parameter] = {}  # tied parameters share one stand-in
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                originals[(mod, name)] = p
+                if id(p) not in stand_ins:
+                    stand_ins[id(p)] = torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape),
+                                                          requires_grad=p.requires_grad)
+                mod._parameters[name] = stand_ins[id(p)]
+    torch.manual_seed(seed)
+    try:
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    finally:
+        for (mod, name), p in originals.items():
+            p.requires_grad_(stand_ins[id(p)].requires_grad)  # PEFT froze the stand-in
+            mod._parameters[name] = p
+    renames = {}
+    for now, p in model.named_parameters():
+        if id(p) in before:
+            renames[before[id(p)]] = now
+        elif p.is_meta or not p.requires_grad:
+            raise ValueError(f"PEFT made {now!r} without values")  # never train a placeholder
+    return renames

@@ -16,6 +16,13 @@ the planned steady-state peak of every tier is within `tolerance` of the measure
 On a machine without CUDA the `gpu` tier is the simulated device, planned with the
 `cpu-sim` hardware profile; budgets left unset come from the `--hardware` profile, as in
 `finetune plan`. A CXL budget without a CXL node runs on an emulated node.
+
+A LoRA run (`lora=peft.LoraConfig(...)`, `base_dtype`, `double_quant`) is built as training
+builds it: PEFT's adapters injected into the meta-device model (offload.engine.lora.inject_meta,
+same targets, rank and dropout), the base frozen, stored as `base_dtype` in the homes the
+plan gives it. Its verdict also compares the base's traffic per steady step: the bytes read
+from each host-side tier (every fetch of a frozen chunk, at its stored size) within
+`tolerance` of the plan's `base_read`, and the base's bytes written to NVMe, which must be 0.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ import torch
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, specs_of
 from ..core.errors import TierwiseError
+from ..engine.lora import inject_meta
 from ..engine.model_info import hf_meta_model
+from ..runtime.store import SwapKind
 from ..plan.planner import TIERS, Plan, make_plan
 from ..core.units import format_size
 from ...profiles import HardwareProfile, ModelProfile, load_hardware_profile
@@ -65,6 +74,10 @@ class VerifyReport:
     tolerance: float
     failures: tuple[str, ...]
     """One line per failed check; empty when the run passed."""
+    base_read: dict[str, int] = dataclasses.field(default_factory=dict)
+    """LoRA runs: bytes of the frozen base read per steady step from each host-side tier (mean)."""
+    base_written: int = 0
+    """LoRA runs: bytes of the frozen base written to NVMe over the steady steps (must be 0)."""
 
     @property
     def passed(self) -> bool:
@@ -86,13 +99,22 @@ class VerifyReport:
                          format_size(self.warmup.get(tier, 0)), "unlimited" if budget is None else format_size(budget)))
         if self.device_peak is not None:
             rows.append(("cuda alloc", "-", format_size(self.device_peak), "-", "-", format_size(self.budgets["gpu"])))
+        if p.lora_rank is not None:
+            for tier in ("host", "cxl", "nvme"):
+                planned, measured = p.base_read.get(tier, 0), self.base_read.get(tier, 0)
+                if planned or measured:
+                    rows.append((f"base read {tier}", format_size(planned), format_size(measured),
+                                 _diff(planned, measured), "-", "per step"))
+            rows.append(("base written", format_size(p.base_written), format_size(self.base_written),
+                         _diff(p.base_written, self.base_written), "-", "nvme"))
         rows.append(("step", f"{p.step_s:.3f} s", f"{self.step_s:.3f} s", _diff(p.step_s, self.step_s), "-", "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
         lines.append("losses: " + " ".join(f"{x:.4f}" for x in self.losses))
         pct = f"{100 * self.tolerance:.0f}%"
         if self.passed:
-            lines.append(f"PASS: every tier within its budget; planned peaks within ±{pct} of measured "
+            base = "; the base's reads per tier too, and nothing of it written" if p.lora_rank is not None else ""
+            lines.append(f"PASS: every tier within its budget; planned peaks within ±{pct} of measured{base} "
                          "(step time is informative, not checked)")
         else:
             lines.append(f"FAIL: {'; '.join(self.failures)}")
@@ -112,7 +134,8 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
            optimizer_kwargs: dict | None = None, lr: float = 1e-4, steps: int = 3,
            batches: Iterable[dict[str, torch.Tensor]] | None = None, seed: int = 0,
            tolerance: float = 0.10, name: str | None = None, checkpointing: bool | None = None,
-           padded: bool = True, build: Callable[[Any], torch.nn.Module] | None = None) -> VerifyReport:
+           padded: bool = True, build: Callable[[Any], torch.nn.Module] | None = None,
+           lora: Any = None, base_dtype: str | None = None, double_quant: bool = False) -> VerifyReport:
     """Plan, then run `steps` real steps (the first is the warm-up) and compare; see the module
     docstring. `model`: a profile, a profile name, or a transformers config/model (its shapes).
     `batches`: batches of `batch_size * grad_accum` rows (default: random tokens). `name`: how
@@ -121,15 +144,23 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
     tied weights as `from_pretrained` does); the plan chunks that module's parameters.
     `padded`: plan for padded batches, the worst step of a run whose data has padding (as
     `finetune` plans a run); the random batches are then padded too (the tail of one row).
+    `lora`: a peft.LoraConfig: a LoRA run over a frozen base stored as `base_dtype`
+    (`double_quant`: NF4's absmax quantized too), as Engine(lora=..., base_dtype=...) trains it.
     Raises TierwiseError (InfeasibleBudget included) for settings that cannot run."""
     if steps < 2:
         raise TierwiseError(f"--verify needs at least 2 steps (a warm-up and a measured one), got {steps}")
     profile, config = _shapes(model, name=name)
     module = (build or hf_meta_model)(config)
+    params = specs_of(module.named_parameters())  # the base's: the planner injects the adapters itself
+    if lora is not None:
+        try:
+            inject_meta(module, lora, seed=seed)
+        except ValueError as e:
+            raise TierwiseError(f"LoRA: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
     user_hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
     args = dict(model=profile, nvme_path=nvme_path, optimizer=optimizer, precision=precision, batch_size=batch_size,
                 seq_len=seq_len, grad_accum=grad_accum, chunk_bytes=chunk_bytes, optimizer_kwargs=optimizer_kwargs,
-                checkpointing=checkpointing, padded=padded, params=specs_of(module.named_parameters()))
+                checkpointing=checkpointing, padded=padded, params=params, **_lora_options(lora, base_dtype, double_quant))
     # Budgets as `finetune plan` resolves them (unset: the --hardware profile's sizes) ...
     asked = make_plan(hardware=_with_cxl(user_hw, cxl_mem), gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
                       **args).budgets
@@ -144,7 +175,7 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
         budgets["cxl"] = asked["cxl"]
     engine = _engine(module, config, plan=plan, budgets=budgets, nvme_path=nvme_path, lr=lr, seed=seed,
                      cxl_bandwidth=(user_hw.cxl or EMULATED_CXL).bandwidth_gbps * 1e9,
-                     optimizer_kwargs=optimizer_kwargs)
+                     optimizer_kwargs=optimizer_kwargs, base_dtype=base_dtype, double_quant=double_quant)
     data = _batches(batches, rows=batch_size * grad_accum, seq_len=seq_len, vocab=config.vocab_size, seed=seed,
                     padded=padded)
     try:
@@ -152,18 +183,90 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
             losses = [engine.step(next(data), grad_accum=grad_accum)]
             warmup = engine.ledger.peaks()
             engine.ledger.reset_peaks()  # steady state from here: what the planner predicts
-            t0 = time.perf_counter()
-            losses += [engine.step(next(data), grad_accum=grad_accum) for _ in range(steps - 1)]
-            step_s = (time.perf_counter() - t0) / (steps - 1)
+            with _base_traffic(engine) as traffic:
+                t0 = time.perf_counter()
+                losses += [engine.step(next(data), grad_accum=grad_accum) for _ in range(steps - 1)]
+                step_s = (time.perf_counter() - t0) / (steps - 1)
         measured = engine.ledger.peaks()
         limits = dict(engine.ledger.budgets)
     finally:
         engine.close()
+    base_read = {t: b // (steps - 1) for t, b in traffic["read"].items()}
     failures = _check(plan, limits=limits, warmup=warmup, measured=measured, device_peak=device["peak"],
                       gpu_budget=asked["gpu"], tolerance=tolerance)
+    if plan.lora_rank is not None:
+        failures += _check_base(plan, read=base_read, written=traffic["written"], tolerance=tolerance)
     return VerifyReport(plan=plan, budgets=limits, measured=measured, warmup=warmup, device_peak=device["peak"],
                         step_s=step_s, losses=tuple(losses), device="cuda" if cuda else "simulated (cpu)",
-                        tolerance=tolerance, failures=tuple(failures))
+                        tolerance=tolerance, failures=tuple(failures), base_read=base_read,
+                        base_written=traffic["written"])
+
+
+def _lora_options(lora: Any, base_dtype: str | None, double_quant: bool) -> dict:
+    """make_plan's LoRA keywords for a peft.LoraConfig (None: a full fine-tuning run)."""
+    if lora is None:
+        if base_dtype is not None:
+            raise TierwiseError(f"base_dtype {base_dtype} stores a frozen base: give lora=LoraConfig(...)")
+        return {}
+    targets = lora.target_modules
+    targets = targets if isinstance(targets, str) else ",".join(sorted(targets))
+    return dict(lora_rank=lora.r, lora_targets=targets, lora_dropout=lora.lora_dropout, base_dtype=base_dtype,
+                double_quant=double_quant)
+
+
+@contextlib.contextmanager
+def _base_traffic(engine: Any) -> Iterator[dict]:
+    """Count the frozen base's traffic while in the block: box["read"] = {tier: bytes fetched
+    from there} (every fetch of a frozen chunk into the device, at its stored size: what
+    crosses the link) and box["written"] = bytes of it written to NVMe."""
+    box: dict[str, Any] = {"read": {}, "written": 0}
+    frozen = set(engine.plan.frozen)
+    if not frozen:
+        yield box
+        return
+    store, cache, nvme = engine.store, engine.residency.cache, engine.nvme
+    sources = {c: store.compute_source(c) for c in frozen}
+    nbytes = {c: s.nbytes if isinstance(s, SwapKind) else s.numel() * s.element_size() for c, s in sources.items()}
+    swapped = {s.key: c for c, s in sources.items() if isinstance(s, SwapKind)}
+    fetch = cache.fetch
+
+    def counting_fetch(cid: int, buf: torch.Tensor) -> Any:
+        if cid in frozen:
+            tier = store.compute_tier(cid)
+            box["read"][tier] = box["read"].get(tier, 0) + nbytes[cid]
+        return fetch(cid, buf)
+
+    writes = {}
+    if nvme is not None:
+        for name in ("write_async", "zeros"):
+            orig = writes[name] = getattr(nvme, name)
+
+            def counting(key, *a, _orig=orig, **k):
+                if key in swapped:
+                    box["written"] += nbytes[swapped[key]]
+                return _orig(key, *a, **k)
+
+            setattr(nvme, name, counting)
+    cache.fetch = counting_fetch
+    try:
+        yield box
+    finally:
+        cache.fetch = fetch
+        for name, orig in writes.items():
+            setattr(nvme, name, orig)
+
+
+def _check_base(plan: Plan, *, read: dict[str, int], written: int, tolerance: float) -> list[str]:
+    """A LoRA run's base traffic per step against the plan: reads per tier, nothing written."""
+    out = []
+    for tier in ("host", "cxl", "nvme"):
+        planned, got = plan.base_read.get(tier, 0), read.get(tier, 0)
+        if abs(planned - got) > tolerance * got:
+            out.append(f"base read from {tier} planned {format_size(planned)} ({planned} B) per step vs measured "
+                       f"{format_size(got)} ({got} B): {_diff(planned, got)}, allowed ±{100 * tolerance:.0f}%")
+    if written:
+        out.append(f"{format_size(written)} of the frozen base written to NVMe: it must never be written back")
+    return out
 
 
 def _check(plan: Plan, *, limits: dict, warmup: dict, measured: dict, device_peak: int | None,
@@ -225,7 +328,8 @@ def _check_memory(plan: Plan, *, cuda: bool) -> None:
 
 
 def _engine(model: torch.nn.Module, config: Any, *, plan: Plan, budgets: dict, nvme_path: str | None, lr: float, seed: int,
-            cxl_bandwidth: float, optimizer_kwargs: dict | None) -> Any:
+            cxl_bandwidth: float, optimizer_kwargs: dict | None, base_dtype: str | None = None,
+            double_quant: bool = False) -> Any:
     from ..engine.engine import Engine
 
     try:
@@ -234,12 +338,14 @@ def _engine(model: torch.nn.Module, config: Any, *, plan: Plan, budgets: dict, n
                         precision=plan.precision, chunk_bytes=plan.chunk_bytes, gpu_mem=budgets["gpu"],
                         cpu_mem=budgets["host"], cxl_mem=budgets.get("cxl"), nvme_path=nvme_path,
                         cxl_bandwidth=cxl_bandwidth, activations=plan.reserve["gpu"]["activations"],
-                        checkpointing=plan.checkpointing)
+                        checkpointing=plan.checkpointing, base_dtype=base_dtype, double_quant=double_quant)
     except ValueError as exc:
         if isinstance(exc, TierwiseError):
             raise
         raise TierwiseError(f"the engine cannot run with these options: {exc}") from None
-    engine.init_weights_(seed=seed, std=getattr(config, "initializer_range", 0.02))
+    # a LoRA run's adapters keep PEFT's init (lora_B zeros), as training starts them
+    engine.init_weights_(seed=seed, std=getattr(config, "initializer_range", 0.02),
+                         frozen_only=plan.lora_rank is not None)
     return engine
 
 
