@@ -22,8 +22,8 @@ from tests.test_budget_matrix import MODELS, data, fresh_model  # noqa: E402
 CHUNK = 16 << 10
 
 
-def config(targets: str, rank: int = 4):
-    return peft.LoraConfig(r=rank, lora_alpha=2 * rank,
+def config(targets: str, rank: int = 4, dropout: float = 0.0):
+    return peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout,
                            target_modules=targets if targets == "all-linear" else targets.split(","))
 
 
@@ -52,11 +52,15 @@ def test_frozen_chunk_bytes_are_the_engines(base, double_quant):
     assert dict(enumerate(ch.kinds)) == kinds
 
 
-@pytest.mark.parametrize("prec, checkpointing, targets, padded", [
-    ("fp32", None, "all-linear", False), ("bf16", None, "q_proj,v_proj", True), ("fp32", False, "o_proj,up_proj", True),
-    ("bf16", False, "all-linear", False), ("fp32", False, "gate_proj", False), ("bf16", False, "down_proj", True)])
-def test_lora_activations_are_what_the_engine_measures(prec, checkpointing, targets, padded):
-    eng = Engine(fresh_model("dense"), lora=config(targets), precision=prec, chunk_bytes=CHUNK,
+ACTIVATION_CASES = [("fp32", None, "all-linear", False), ("bf16", None, "q_proj,v_proj", True),
+                    ("fp32", False, "o_proj,up_proj", True), ("bf16", False, "all-linear", False),
+                    ("fp32", False, "gate_proj", False), ("bf16", False, "down_proj", True)]
+DROPOUT_CASES = ACTIVATION_CASES + [("fp32", False, "q_proj,k_proj,down_proj", True), ("bf16", None, "o_proj", False),
+                                    ("fp32", None, "gate_proj,up_proj,down_proj", True)]
+
+
+def measured_activations(prec, checkpointing, targets, padded, dropout=0.0):
+    eng = Engine(fresh_model("dense"), lora=config(targets, dropout=dropout), precision=prec, chunk_bytes=CHUNK,
                  checkpointing=checkpointing)
     b = data("dense")[0]
     if padded:
@@ -65,15 +69,31 @@ def test_lora_activations_are_what_the_engine_measures(prec, checkpointing, targ
     eng.step(b)
     measured = eng.ledger.kind_peak("gpu", "activation")
     eng.close()
+    return measured
+
+
+@pytest.mark.parametrize("prec, checkpointing, targets, padded", ACTIVATION_CASES)
+def test_lora_activations_are_what_the_engine_measures(prec, checkpointing, targets, padded):
     planned = activation_bytes(model=MODELS["dense"], batch_size=2, seq_len=16, precision=prec,
                                checkpointing=checkpointing, padded=padded, lora=(parse_targets(targets), 4))
+    assert planned == measured_activations(prec, checkpointing, targets, padded)
+
+
+@pytest.mark.parametrize("prec, checkpointing, targets, padded", DROPOUT_CASES)
+def test_lora_dropout_activations_are_what_the_engine_measures(prec, checkpointing, targets, padded):
+    """LoRA dropout 0.05: each targeted linear's dropped input copy and, where its input needs a
+    gradient, dropout's saved noise (compute dtype on the CPU), as the engine measures them;
+    and the plan of the run books them (its gpu activations)."""
+    mask = 4 if prec == "fp32" else 2
+    planned = activation_bytes(model=MODELS["dense"], batch_size=2, seq_len=16, precision=prec,
+                               checkpointing=checkpointing, padded=padded, lora=(parse_targets(targets), 4, mask))
+    measured = measured_activations(prec, checkpointing, targets, padded, dropout=0.05)
     assert planned == measured
-
-
-def test_lora_dropout_is_refused_not_guessed():
-    with pytest.raises(UnsupportedModel, match="lora-dropout"):
-        make_plan(model="tiny", hardware="cpu-sim", gpu_mem="1G", cpu_mem="1G", optimizer="adamw",
-                  precision="fp32", batch_size=2, seq_len=16, lora_rank=4, lora_dropout=0.1)
+    assert measured > measured_activations(prec, checkpointing, targets, padded)  # dropout saves more
+    plan = make_plan(model=MODELS["dense"], hardware="cpu-sim", gpu_mem="1G", cpu_mem="1G", optimizer="adamw",
+                     precision=prec, batch_size=2, seq_len=16, lora_rank=4, lora_targets=targets, lora_dropout=0.05,
+                     checkpointing=checkpointing, padded=padded, suggest=False)
+    assert plan.reserve["gpu"]["activations"] == measured
 
 
 def test_70b_qlora_on_a_24g_gpu_and_64g_host(tmp_path):

@@ -61,7 +61,7 @@ def model_flops(*, model: ModelProfile, batch_size: int, seq_len: int) -> float:
 
 def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
                      checkpointing: bool | None = None, padded: bool = False,
-                     lora: "tuple[frozenset[str], int] | None" = None) -> dict[str, int]:
+                     lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int] | None" = None) -> dict[str, int]:
     """Bytes autograd saves for backward, by part, as the engine counts them (per saved tensor
     storage, deduplicated) for a Hugging Face Llama-family model with SDPA attention and every
     decoder layer checkpointed. e = compute bytes, T = batch * seq tokens:
@@ -102,6 +102,13 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     nothing of the final norm but its input and rsqrt (frozen lm_head), and per targeted
     linear the adapter's rank-r intermediate (e*T*r). Without recompute, layer 0's first
     norm saves nothing of its own (its input needs no gradient).
+    `lora` = (targets, rank, mask) with LoRA dropout (PEFT's lora.Linear computes
+    lora_B(lora_A(dropout(x)))): each targeted linear's lora_A then saves its own dropped copy of
+    its input instead of the input shared by its group (q/k/v, gate/up; o_proj's input, the
+    attention output, is saved by SDPA anyway: one more copy), and, where its input needs a
+    gradient, dropout saves what its backward multiplies by: `mask` bytes per input element (the
+    scaled noise in the compute dtype on the CPU, `mask` = e; CUDA's fused kernel keeps a bool
+    mask, `mask` = 1).
     """
     e = compute_bytes(precision)
     t, s, h, i = batch_size * seq_len, seq_len, model.hidden_size, model.intermediate_size
@@ -129,15 +136,17 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     }
 
 
-def _lora_parts(lora: "tuple[frozenset[str], int]", *, e: int, t: int, s: int, h: int, i: int, layers: int,
+def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int]", *, e: int, t: int, s: int, h: int, i: int, layers: int,
                 attention: int, mask: int, checkpointed: bool, model: ModelProfile, batch_size: int) -> dict[str, int]:
     """activation_parts of a LoRA run (see there)."""
-    targets, rank = lora
+    targets, rank, drop = (*lora, None) if len(lora) == 2 else lora
     fp32_copy = 4 * t * h
     first = 4 * t + (fp32_copy if e != 4 else 0) + (e * t * h if targets & {"q_proj", "k_proj", "v_proj"} else 0)
     post = 4 * t + fp32_copy + (e * t * h if targets & {"gate_proj", "up_proj"} else 0)
     mlp = 3 * e * t * i + (e * t * i if "down_proj" in targets else 0)
     internals = first + attention + post + mlp + e * t * rank * len(targets)
+    if drop is not None:
+        internals += _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim, grad_in=lambda part: True)
     # without recompute, layer 0 saves nothing for the part before its first targeted linear:
     # its input (the frozen embedding's output) needs no gradient
     layer0 = 4 * t + (fp32_copy if e != 4 else 0)
@@ -148,6 +157,10 @@ def _lora_parts(lora: "tuple[frozenset[str], int]", *, e: int, t: int, s: int, h
             mlp_in = targets & {"gate_proj", "up_proj"}
             # of gate, up and silu(gate): what the targeted side's gradient needs
             layer0 += e * t * i * {0: 3, 1: 2 if "up_proj" in mlp_in else 1, 2: 0}[len(mlp_in)]
+    if drop is not None:  # layer 0 saves no dropout mask where its input needs no gradient
+        layer0 += _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim, grad_in=lambda part: True) \
+            - _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim,
+                             grad_in=lambda part: _needs_grad_in(part, targets))
     final = 4 * t + fp32_copy  # the final norm's input and rsqrt
     return {
         "fixed": 2 * s * model.dim_per_head * e + (8 * s if checkpointed else 0) + mask,
@@ -159,9 +172,35 @@ def _lora_parts(lora: "tuple[frozenset[str], int]", *, e: int, t: int, s: int, h
     }
 
 
+_INPUT = {"q_proj": "h", "k_proj": "h", "v_proj": "h", "o_proj": "q", "gate_proj": "h", "up_proj": "h",
+          "down_proj": "i"}
+
+
+def _dropout_bytes(targets: frozenset[str], *, e: int, mask: int, t: int, h: int, i: int, q: int, grad_in) -> int:
+    """What LoRA dropout adds to one layer's saved activations (activation_parts): the dropped
+    copies beyond the one input a group shares without dropout, and a mask per targeted linear
+    whose input needs a gradient (`grad_in(linear)`)."""
+    width = {"h": h, "q": q, "i": i}
+    qkv, gate_up = len(targets & {"q_proj", "k_proj", "v_proj"}), len(targets & {"gate_proj", "up_proj"})
+    copies = e * t * h * (max(0, qkv - 1) + max(0, gate_up - 1))
+    if "o_proj" in targets and grad_in("o_proj"):
+        copies += e * t * q
+    masks = sum(mask * t * width[_INPUT[lin]] for lin in targets if grad_in(lin))
+    return copies + masks
+
+
+def _needs_grad_in(part: str, targets: frozenset[str]) -> bool:
+    """Layer 0 without recompute (its input, the frozen embedding's output, needs no gradient):
+    whether the input of linear `part` needs one, i.e. some linear before it is targeted."""
+    before = {"o_proj": {"q_proj", "k_proj", "v_proj"}, "gate_proj": {"q_proj", "k_proj", "v_proj", "o_proj"},
+              "up_proj": {"q_proj", "k_proj", "v_proj", "o_proj"},
+              "down_proj": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"}}
+    return bool(targets & before.get(part, set()))
+
+
 def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
                      backward: bool = True, checkpointing: bool | None = None, padded: bool = False,
-                     lora: "tuple[frozenset[str], int] | None" = None) -> int:
+                     lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int] | None" = None) -> int:
     """Peak bytes of saved activations in one step (see activation_parts; `padded`: the step's
     batch has padding). Without backward (zeroth-order optimizers) autograd saves nothing: 0."""
     if not backward:

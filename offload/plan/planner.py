@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, ParamSpec, pack_chunks
-from ..core.errors import InfeasibleBudget, TierwiseError, UnsupportedModel
+from ..core.errors import InfeasibleBudget, TierwiseError
 from .homes import Homes, assign_homes, minimum_host
 from .perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buffer_bytes, checkpoints_blocks,
                                compute_bytes, model_flops,
@@ -379,7 +379,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     parameters, everything else a frozen base (one read-only kind per chunk, streamed, never
     written back), stored as `base_dtype` (None: the compute dtype; bf16/fp16: every frozen
     parameter; int8/nf4: the linear weights but the head; `double_quant`: NF4's absmax in 8 bits),
-    exactly as the engine lays it out. A base dtype without `lora_rank` is refused.
+    exactly as the engine lays it out. A base dtype without `lora_rank` is refused. `lora_dropout`:
+    PEFT's dropout on the adapters' input, priced in the activations (perfmodel.activation_parts).
     `suggest`: for a LoRA run, also find the micro-batch x grad-accum that makes it compute-bound
     (`Plan.suggestion`; see `suggest_micro_batch`).
     Raises InfeasibleBudget naming the minimum gpu / host / nvme bytes when they cannot fit."""
@@ -404,10 +405,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     use_nvme = nvme_path is not None
     chunk_bytes = parse_size(chunk_bytes, what="chunk size")
 
-    if lora_rank is not None and lora_dropout:
-        raise UnsupportedModel(f"--lora-dropout {lora_dropout}: the planner does not price the dropped inputs "
-                               f"and masks LoRA dropout saves for backward yet; plan with --lora-dropout 0 and "
-                               f"check a real step with `finetune plan --verify`")
+    if not 0 <= lora_dropout < 1:
+        raise TierwiseError(f"--lora-dropout must be in [0, 1), got {lora_dropout}")
     if base_dtype is not None and lora_rank is None:
         raise TierwiseError(f"--base-dtype {base_dtype} stores a frozen base: give --lora-rank (or --qlora)")
     lora = None
@@ -418,7 +417,10 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                  optimizer_kwargs=optimizer_kwargs, params=params, lora=lora, base_dtype=base_dtype,
                  double_quant=double_quant)
     checkpointing = ch.needs_grad and checkpoints_blocks(model, checkpointing)  # resolved, as the engine does
-    lora_act = (lora.targets, lora.rank) if lora is not None else None
+    lora_act = None
+    if lora is not None:  # dropout's saved mask: CPU dropout keeps its noise in the compute dtype, CUDA a bool
+        lora_act = (lora.targets, lora.rank) + ((compute_bytes(precision) if hw.simulated else 1,) if lora_dropout
+                                                else ())
     act = activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                            backward=ch.needs_grad, checkpointing=checkpointing, padded=padded, lora=lora_act)
     needs = ch.device_needs(buffers=buffer_bytes(model) + ch.staging(hw), activations=act)
