@@ -49,17 +49,19 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         nvme_path=cfg.nvme_path, nvme_mem=nvme_budget(cfg), optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
-        checkpointing=checkpointing(cfg), padded=padded, **lora_options(cfg),
+        checkpointing=checkpointing(cfg), padded=padded,
+        **lora_options(cfg, linears=None if is_profile(cfg.model) else engine_linears(src)),
     )
 
 
-def lora_options(cfg: TrainConfig) -> dict:
+def lora_options(cfg: TrainConfig, *, linears: "dict[str, str] | None" = None) -> dict:
     """The planner's LoRA keywords of this run (TrainConfig has resolved --qlora into rank and an
-    NF4 base); an NF4 base is double-quantized (the QLoRA recipe)."""
+    NF4 base); an NF4 base is double-quantized (the QLoRA recipe). `linears`: the model's
+    adaptable modules (`engine_linears`; None: a profile's)."""
     if not cfg.lora:
         return {}
     return {"lora_rank": cfg.lora_rank, "lora_targets": cfg.lora_targets, "base_dtype": cfg.base_dtype,
-            "double_quant": cfg.base_dtype == "nf4", "lora_dropout": cfg.lora_dropout}
+            "double_quant": cfg.base_dtype == "nf4", "lora_dropout": cfg.lora_dropout, "linears": linears}
 
 
 def resolve_model(spec: str | None, *, trust_remote_code: bool = False) -> "ModelSource":
@@ -133,6 +135,18 @@ def engine_params(src: "ModelSource") -> list:
     if cached is None:
         cached = specs_of(build_meta_model(src.config).named_parameters())
         src._engine_params = cached
+    return cached
+
+
+def engine_linears(src: "ModelSource") -> dict[str, str]:
+    """The modules LoRA can adapt in the module training builds ({name: kind},
+    offload.engine.frozen_base.linear_modules), kept on `src` as `engine_params` is."""
+    from ..offload.engine.frozen_base import linear_modules
+    from .loading import build_meta_model
+
+    cached = getattr(src, "_engine_linears", None)
+    if cached is None:
+        cached = src._engine_linears = linear_modules(build_meta_model(src.config))
     return cached
 
 

@@ -38,6 +38,53 @@ def test_lora_specs_are_what_peft_injects(model, targets):
     assert mine.quantizable == quantizable(m) & mine.frozen
 
 
+#: Per family of tests/tinyhf.FAMILIES, target names beside all-linear: fused projections (Phi-3's
+#: qkv_proj/gate_up_proj, GPT-NeoX/Falcon's query_key_value), GPT-2's Conv1D, names that match
+#: several modules (GPT-2's c_proj: attention and MLP), a MoE's shared expert (Qwen2-MoE's down_proj).
+FAMILY_TARGETS = {"llama": "q_proj,v_proj", "llama-tied": "o_proj,down_proj", "gpt2": "c_attn,c_proj",
+                  "gpt-neox": "query_key_value,dense_4h_to_h", "qwen2": "q_proj,k_proj", "mistral": "v_proj,up_proj",
+                  "phi3": "qkv_proj,gate_up_proj", "gemma2": "q_proj,gate_proj", "opt": "q_proj,fc2",
+                  "falcon": "query_key_value", "qwen2-moe": "q_proj,down_proj", "mixtral": "q_proj,v_proj"}
+FUSED_EXPERTS = ("qwen2-moe", "mixtral")  # 3-D expert parameters: all-linear is refused
+
+
+def family_model(family):
+    from tests.tinyhf import family_config
+    from transformers import AutoModelForCausalLM
+
+    from tierwise.cli.builtin import build_tokenizer
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(family_config(family, tokenizer=build_tokenizer(vocab_size=288)))
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "family"])
+@pytest.mark.parametrize("family", list(FAMILY_TARGETS))
+def test_lora_specs_are_what_peft_makes_for_every_family(family, targets):
+    """The planner's adapters (names, shapes, order), frozen base and encodable weights for each
+    family the CLI trains equal those of peft.get_peft_model on the same model (the reference)."""
+    from tierwise.offload.engine.frozen_base import linear_modules
+
+    targets = FAMILY_TARGETS[family] if targets == "family" else targets
+    model = family_model(family)
+    specs, linears = specs_of(model.named_parameters()), linear_modules(model)
+    ref = peft.get_peft_model(copy.deepcopy(model), config(targets))
+    theirs = [(n.removeprefix("base_model.model."), tuple(p.shape)) for n, p in ref.named_parameters()]
+    if targets == "all-linear" and family in FUSED_EXPERTS:
+        with pytest.raises(UnsupportedModel, match="fused MoE experts"):
+            lora_specs(specs, rank=4, targets=targets, linears=linears)
+        if family == "mixtral":  # PEFT adapts the experts and the router as parameters: not priced
+            assert any(".experts." in n and "lora_A" in n for n, _ in theirs)
+        return
+    mine = lora_specs(specs, rank=4, targets=targets, linears=linears)
+    assert [(s.name, tuple(s.shape)) for s in mine.specs] == theirs
+    trainable = [n for n, p in ref.named_parameters() if p.requires_grad]
+    assert sum(s.numel for s in mine.specs if s.name not in mine.frozen) == \
+        sum(p.numel() for p in ref.parameters() if p.requires_grad) > 0
+    assert mine.frozen == {n for n, _ in theirs} - {n.removeprefix("base_model.model.") for n in trainable}
+    assert mine.quantizable == quantizable(ref.base_model.model) & mine.frozen
+
+
 @pytest.mark.parametrize("base, double_quant", [("nf4", True), ("nf4", False), ("int8", False), ("bf16", False),
                                                 (None, False)])
 def test_frozen_chunk_bytes_are_the_engines(base, double_quant):

@@ -149,3 +149,17 @@ def test_cli_plan_verify_qlora(tmp_path):
                                  "--verify-steps", "2"])
     assert r.exit_code == 0, (r.output, r.exception)
     assert "base read host" in r.output and "PASS" in r.output, r.output
+
+
+def test_verify_lora_on_qwen2_with_dropout(tmp_path):
+    """A non-Llama family (Qwen2: biased q/k/v, their adapters over base_layer.bias too) with LoRA
+    dropout, base on NVMe: planned peaks and base reads equal to the measured ones within 10%."""
+    import dataclasses
+
+    import peft
+
+    qwen = dataclasses.replace(TINY, name="tiny-qwen2", family="qwen2")
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="q_proj,k_proj,v_proj,down_proj".split(","))
+    report = verify(**lora_run(tmp_path, base="bf16", rank=8, nvme=True) | {"model": qwen, "lora": cfg})
+    assert report.passed, report.render()
+    assert report.plan.bytes["nvme"]["base"] > 0 and report.base_read["nvme"] > 0

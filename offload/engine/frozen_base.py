@@ -21,6 +21,29 @@ def quantizable(model: torch.nn.Module) -> set[str]:
             if type(mod) is torch.nn.Linear and mod is not head and "lora_" not in name}
 
 
+def linear_modules(model: torch.nn.Module) -> dict[str, str]:
+    """{module name: kind} of the modules PEFT's LoRA adapts as linears (nn.Linear and its
+    subclasses, transformers' Conv1D), for the planner (`offload.plan.lora.KINDS`): "head" for
+    the output embedding, "linear" for a plain nn.Linear (which an int8/NF4 base encodes: see
+    `quantizable`), "subclass", "conv1d"."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        Conv1D = ()  # noqa: N806
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out = {}
+    for name, mod in model.named_modules():
+        if mod is head and name:
+            out[name] = "head"
+        elif type(mod) is torch.nn.Linear:
+            out[name] = "linear"
+        elif isinstance(mod, torch.nn.Linear):
+            out[name] = "subclass"
+        elif Conv1D and isinstance(mod, Conv1D):
+            out[name] = "conv1d"
+    return out
+
+
 def frozen_layouts(plan: ChunkPlan, model: torch.nn.Module, *, base_dtype: "str | None", double_quant: bool,
                    compute_dtype: torch.dtype) -> "dict[int, FrozenLayout | None]":
     """{frozen chunk: its blob layout, or None when nothing in it is encoded}."""

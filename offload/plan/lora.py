@@ -22,6 +22,12 @@ from ..core.errors import TierwiseError, UnsupportedModel
 #: never the output head).
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+#: Kinds of module `lora_specs` can adapt (`linears`): an nn.Linear (weight [out, in]; an int8/NF4
+#: base encodes it), a subclass of it (adapted, not encoded: the engine encodes plain nn.Linear
+#: only), transformers' Conv1D (GPT-2; weight [in, out], not encoded), and the output head (a
+#: linear that "all-linear" leaves out and no base dtype encodes).
+KINDS = ("linear", "subclass", "conv1d", "head")
+
 
 @dataclass(frozen=True)
 class LoraModel:
@@ -36,50 +42,96 @@ class LoraModel:
     rank: int
 
 
-def parse_targets(targets: "str | Sequence[str]") -> frozenset[str]:
-    """"all-linear" or a comma-separated list of module names (PEFT's target_modules)."""
-    names = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
-    if names == ["all-linear"]:
-        return frozenset(LINEARS)
-    unknown = sorted(set(names) - set(LINEARS))
-    if unknown or not names:
+def profile_linears(specs: Sequence[ParamSpec]) -> dict[str, str]:
+    """The linears of a Llama-family model profile ({module: kind}): its decoder layers'
+    LINEARS, and lm_head, the output head (absent when tied)."""
+    out = {}
+    for s in specs:
+        module, _, leaf = s.name.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in LINEARS:
+            out[module] = "linear"
+        elif s.name == "lm_head.weight":
+            out[module] = "head"
+    return out
+
+
+def parse_targets(targets: "str | Sequence[str]", linears: "dict[str, str] | None" = None) -> frozenset[str]:
+    """"all-linear" or a comma-separated list of module names (PEFT's target_modules): the short
+    names of the linears they take (`linears`: {module: kind} of the model; None: a Llama-family
+    profile's)."""
+    names = _names(targets)
+    if linears is None:
+        linears = {f"model.layers.0.x.{n}": "linear" for n in LINEARS}
+    body = [m for m, k in linears.items() if k != "head"]  # a head adapter is not priced
+    known = sorted({m.rpartition(".")[2] for m in body})
+    unknown = sorted(n for n in names if not any(_matches(m, n) for m in body))
+    if names != ["all-linear"] and (unknown or not names):
         raise TierwiseError(f"--lora-targets {','.join(names) or '(none)'}: the planner knows the linears "
-                            f"{', '.join(LINEARS)} (or all-linear); unknown: {', '.join(unknown) or '-'}")
-    return frozenset(names)
+                            f"{', '.join(known)} (or all-linear); unknown: {', '.join(unknown) or '-'}")
+    return frozenset(m.rpartition(".")[2] for m in _targeted(linears, targets))
 
 
-def _linear_of(name: str) -> str | None:
-    """The short linear name a `...X.weight`/`...X.bias` belongs to, if X is a decoder linear."""
-    parts = name.split(".")
-    return parts[-2] if len(parts) >= 2 and parts[-2] in LINEARS else None
+def _names(targets: "str | Sequence[str]") -> list[str]:
+    return [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
 
 
-def lora_specs(specs: Sequence[ParamSpec], *, rank: int, targets: "str | Sequence[str]") -> LoraModel:
-    """`specs` after LoRA injection (see the module docstring); `rank` >= 1."""
+def _matches(module: str, target: str) -> bool:
+    """PEFT's rule for a target_modules list entry: the module's name, or its dotted suffix."""
+    return module == target or module.endswith("." + target)
+
+
+def _targeted(linears: dict[str, str], targets: "str | Sequence[str]") -> set[str]:
+    """The modules PEFT adapts: every linear but the head for "all-linear", else each linear a
+    target name matches (PEFT's `_maybe_include_all_linear_layers`, `check_target_module_exists`)."""
+    names = _names(targets)
+    body = [m for m, k in linears.items() if k != "head"]
+    return set(body) if names == ["all-linear"] else {m for m in body if any(_matches(m, n) for n in names)}
+
+
+def lora_specs(specs: Sequence[ParamSpec], *, rank: int, targets: "str | Sequence[str]",
+               linears: "dict[str, str] | None" = None) -> LoraModel:
+    """`specs` after LoRA injection (see the module docstring); `rank` >= 1. `linears`: the
+    model's adaptable modules {name: kind (KINDS)}, as `engine.frozen_base.linear_modules` reads
+    them off the module (None: a Llama-family profile's, `profile_linears`). A Conv1D's weight is
+    [in, out]: its lora_A is [r, in], its lora_B [out, r], as for a linear.
+
+    Refused (UnsupportedModel) rather than guessed: "all-linear" on a model with fused MoE
+    experts (3-D `...experts.*` parameters), which PEFT adapts for some families with
+    `target_parameters` (Mixtral under transformers 5: the experts and the router), a kind of
+    adapter this does not model."""
     if rank < 1:
         raise TierwiseError(f"--lora-rank must be at least 1, got {rank}")
-    wanted = parse_targets(targets)
+    linears = profile_linears(specs) if linears is None else dict(linears)
+    wanted = parse_targets(targets, linears)
+    fused = [s.name for s in specs if len(s.shape) >= 3 and ".experts." in s.name]
+    if fused and _names(targets) == ["all-linear"]:
+        raise UnsupportedModel(f"LoRA all-linear on a model with fused MoE experts ({fused[0]}, ...): PEFT may adapt "
+                               f"them as parameters (target_parameters), which the planner does not price; "
+                               f"name the linears instead (--lora-targets {','.join(sorted(wanted))})")
+    chosen = _targeted(linears, targets)
     out: list[ParamSpec] = []
     frozen: set[str] = set()
     quantizable: set[str] = set()
     adapters: dict[str, list[ParamSpec]] = {}  # module -> its adapters, after its base parameters
     for s in specs:
-        lin = _linear_of(s.name)
-        module = s.name.rpartition(".")[0]
-        if lin is not None and lin in wanted:
-            name = f"{module}.base_layer.{s.name.rpartition('.')[2]}"
-            if s.name.endswith(".weight"):
-                out_f, in_f = s.shape[0], s.numel // s.shape[0]
+        module, _, leaf = s.name.rpartition(".")
+        kind = linears.get(module)
+        if module in chosen:
+            name = f"{module}.base_layer.{leaf}"
+            if leaf == "weight":
+                rows, cols = s.shape[0], s.numel // s.shape[0]
+                out_f, in_f = (cols, rows) if kind == "conv1d" else (rows, cols)
                 adapters[module] = [ParamSpec(name=f"{module}.lora_A.default.weight", shape=(rank, in_f)),
                                     ParamSpec(name=f"{module}.lora_B.default.weight", shape=(out_f, rank))]
         else:
             name = s.name
         out.append(ParamSpec(name=name, shape=tuple(s.shape)))
         frozen.add(name)
-        if lin is not None and name.endswith(".weight"):
+        if kind == "linear" and leaf == "weight":
             quantizable.add(name)
     if not adapters:
-        raise UnsupportedModel("LoRA targets none of this model's linears the planner knows (" + ", ".join(LINEARS) + ")")
+        raise UnsupportedModel("LoRA targets none of this model's linears the planner knows ("
+                               + ", ".join(sorted({m.rpartition(".")[2] for m in linears})) + ")")
     # a module's adapters come right after its base layer's parameters (PEFT's registration order)
     last = {s.name.rpartition(".base_layer.")[0]: k for k, s in enumerate(out) if ".base_layer." in s.name}
     result: list[ParamSpec] = []

@@ -355,7 +355,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               checkpointing: bool | None = None, padded: bool = False,
               params: "Sequence[ParamSpec] | None" = None, device_mem: int | None = None,
               lora_rank: int | None = None, lora_targets: str = "all-linear", base_dtype: str | None = None,
-              double_quant: bool = False, lora_dropout: float = 0.0, suggest: bool = True) -> Plan:
+              double_quant: bool = False, lora_dropout: float = 0.0, linears: "dict[str, str] | None" = None,
+              suggest: bool = True) -> Plan:
     """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited;
     the gpu's at most `device_mem`, what the device of this machine has).
 
@@ -381,6 +382,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     parameter; int8/nf4: the linear weights but the head; `double_quant`: NF4's absmax in 8 bits),
     exactly as the engine lays it out. A base dtype without `lora_rank` is refused. `lora_dropout`:
     PEFT's dropout on the adapters' input, priced in the activations (perfmodel.activation_parts).
+    `linears`: the modules of `params` LoRA can adapt, {name: kind} (`lora.lora_specs`; None: a
+    Llama-family profile's).
     `suggest`: for a LoRA run, also find the micro-batch x grad-accum that makes it compute-bound
     (`Plan.suggestion`; see `suggest_micro_batch`).
     Raises InfeasibleBudget naming the minimum gpu / host / nvme bytes when they cannot fit."""
@@ -412,7 +415,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     lora = None
     if lora_rank is not None:
         lora = lora_specs(list(params) if params is not None else model.param_specs(), rank=lora_rank,
-                          targets=lora_targets)
+                          targets=lora_targets, linears=linears)
     ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_bytes, rank=rank,
                  optimizer_kwargs=optimizer_kwargs, params=params, lora=lora, base_dtype=base_dtype,
                  double_quant=double_quant)

@@ -38,6 +38,7 @@ import torch
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, specs_of
 from ..core.errors import TierwiseError
+from ..engine.frozen_base import linear_modules
 from ..engine.lora import inject_meta
 from ..engine.model_info import hf_meta_model
 from ..runtime.store import SwapKind
@@ -152,6 +153,7 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
     profile, config = _shapes(model, name=name)
     module = (build or hf_meta_model)(config)
     params = specs_of(module.named_parameters())  # the base's: the planner injects the adapters itself
+    linears = linear_modules(module) if lora is not None else None
     if lora is not None:
         try:
             inject_meta(module, lora, seed=seed)
@@ -160,7 +162,8 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
     user_hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
     args = dict(model=profile, nvme_path=nvme_path, optimizer=optimizer, precision=precision, batch_size=batch_size,
                 seq_len=seq_len, grad_accum=grad_accum, chunk_bytes=chunk_bytes, optimizer_kwargs=optimizer_kwargs,
-                checkpointing=checkpointing, padded=padded, params=params, **_lora_options(lora, base_dtype, double_quant))
+                checkpointing=checkpointing, padded=padded, params=params,
+                **_lora_options(lora, base_dtype, double_quant, linears))
     # Budgets as `finetune plan` resolves them (unset: the --hardware profile's sizes) ...
     asked = make_plan(hardware=_with_cxl(user_hw, cxl_mem), gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
                       **args).budgets
@@ -202,7 +205,7 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
                         base_written=traffic["written"])
 
 
-def _lora_options(lora: Any, base_dtype: str | None, double_quant: bool) -> dict:
+def _lora_options(lora: Any, base_dtype: str | None, double_quant: bool, linears: dict | None) -> dict:
     """make_plan's LoRA keywords for a peft.LoraConfig (None: a full fine-tuning run)."""
     if lora is None:
         if base_dtype is not None:
@@ -211,7 +214,7 @@ def _lora_options(lora: Any, base_dtype: str | None, double_quant: bool) -> dict
     targets = lora.target_modules
     targets = targets if isinstance(targets, str) else ",".join(sorted(targets))
     return dict(lora_rank=lora.r, lora_targets=targets, lora_dropout=lora.lora_dropout, base_dtype=base_dtype,
-                double_quant=double_quant)
+                double_quant=double_quant, linears=linears)
 
 
 @contextlib.contextmanager
