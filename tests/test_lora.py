@@ -216,3 +216,23 @@ def test_meta_adapters_are_refused():
         model = tiny_llama(layers=2)
     with pytest.raises(ValueError, match="meta device"):
         Engine(model, lora=lora_config())
+
+
+def test_mixtral_all_linear_adapts_the_fused_experts_as_peft_does():
+    """PEFT (transformers 5) adapts Mixtral's fused 3-D experts and its router as parameters
+    (target_parameters) under all-linear: the engine trains those adapters too, equal to PEFT.
+    (The planner refuses to price them: tests/test_plan_lora.py.)"""
+    from tests.test_plan_lora import family_model
+
+    model, cfg = family_model("mixtral"), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    x = torch.randint(0, 288, (2, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": x, "labels": x, "attention_mask": torch.ones_like(x)}] * 2
+    ref_losses, ref = peft_reference(model, cfg, data)
+    torch.manual_seed(7)
+    eng = Engine(copy.deepcopy(model), lora=cfg, lr=1e-2, gpu_mem="2M", chunk_bytes=CHUNK)
+    assert [eng.step(b) for b in data] == ref_losses
+    mine, theirs = adapters(eng.named_parameters_fp32()), adapters(ref.named_parameters())
+    assert mine.keys() == theirs.keys() and any(".experts." in n for n in mine)
+    for n, t in theirs.items():
+        assert torch.equal(mine[n], t), n
+    eng.close()
