@@ -5,7 +5,12 @@ it freezes and how a frozen chunk is stored.
 `named_parameters()` order) into those of the same model after PEFT's `inject_adapter_in_model`
 (what `Engine(model, lora=LoraConfig(...))` trains): each targeted linear `X` becomes
 `X.base_layer.weight` (+ `.bias`) then `X.lora_A.default.weight` [r, in] and
-`X.lora_B.default.weight` [out, r]; everything but the adapters is frozen. `frozen_chunk_bytes`
+`X.lora_B.default.weight` [out, r]; everything but the adapters is frozen. Which modules are
+linears comes from the model (`engine.frozen_base.linear_modules`: nn.Linear, GPT-2's Conv1D,
+the output head), or for a model profile from its Llama-family names; the targets are PEFT's
+(`all-linear`, or names matching a module or its dotted suffix), for every family the CLI
+trains (tests/test_plan_lora.py compares with peft.get_peft_model). The activations and the
+step's trace below are a Llama-family decoder's (the families the planner has profiles for). `frozen_chunk_bytes`
 is the engine's blob size of a frozen chunk (`runtime.frozen.layout_of`, `core.encoding`).
 """
 
