@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 
-from ..offload.core.errors import TierwiseError
-
-#: seconds a collective waits for the other ranks (a rank that died: the others fail within it)
-DIST_TIMEOUT_S = 60.0
+from ..offload.core.errors import DIST_TIMEOUT_S, TierwiseError
 
 
 @dataclass(frozen=True)
@@ -63,6 +61,25 @@ def init_group(info: RankInfo, *, timeout_s: float = DIST_TIMEOUT_S) -> None:
         torch.cuda.set_device(info.local_rank)
         backend = "nccl"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+#: Test hook, never set in normal use: "RANK:STEP:ACTION" makes rank RANK misbehave at the start
+#: of step STEP (the other ranks are already in it): "raise" (a RuntimeError) or "kill" (SIGKILL
+#: of its own process, as the OOM killer does).
+FAULT_ENV = "TIERWISE_TEST_RANK_FAULT"
+
+
+def fault(info: RankInfo, step: int) -> None:
+    """The FAULT_ENV test hook; a no-op unless it names this rank and step."""
+    parts = os.environ.get(FAULT_ENV, "").split(":")
+    if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return
+    if int(parts[0]) != info.rank or int(parts[1]) != step:
+        return
+    if parts[2] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if parts[2] == "raise":
+        raise RuntimeError(f"injected failure at step {step} ({FAULT_ENV})")
 
 
 def node_share(nbytes: "int | None", info: RankInfo) -> "int | None":

@@ -512,6 +512,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
             batch = batches.next()
             before = dict(engine.phase_times)
             t0 = time.perf_counter()
+            launch.fault(launch.from_env(), step + 1)
             try:
                 loss = float(engine.step(batch, grad_accum=cfg.grad_accum))
             except StepOverBudget as e:

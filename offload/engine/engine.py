@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
-from ..core.errors import BudgetExceeded, UnsupportedModel
+from ..core.errors import DIST_TIMEOUT_S, BudgetExceeded, UnsupportedModel
 from ..core.sizes import parse_size
 from ..core.units import format_size
 from ..plan.homes import assign_homes, bounce_sizes
@@ -76,7 +76,7 @@ from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_
 from .lora import apply_lora
 from .model_info import find_blocks
 from .needs import device_needs, module_chunks, open_tiers
-from .ranks import DEFAULT_TIMEOUT_S, SHARDED_OPTIMIZERS, Ranks, default_group
+from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
 from .overbudget import estimate_over_budget, step_over_budget, warmup_over_budget
 from .residency import Residency
 from .surgery import ModelSurgery, booked
@@ -114,7 +114,7 @@ class Engine:
                  d2h_bandwidth: float | None = None, allow_gpu_home: bool = True,
                  offload_activations: bool = False, overlap_update: bool = True,
                  lora: Any = None, base_dtype: str | None = None, double_quant: bool = False,
-                 process_group: Any = None, dist_timeout: float = DEFAULT_TIMEOUT_S):
+                 process_group: Any = None, dist_timeout: float = DIST_TIMEOUT_S):
         """`activations`: the expected peak of saved activations (e.g. the planner's estimate).
         Given, chunks are placed in their final tiers now; otherwise after the warm-up step,
         which measures it (until then every chunk lives host-side).

@@ -38,9 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.errors import TierwiseError
+from ..core.errors import DIST_TIMEOUT_S, TierwiseError
 
-DEFAULT_TIMEOUT_S = 60.0
 #: optimizers whose update runs on whole chunks as on one rank (MeZO: with its own step, the
 #: seed shared and the two losses summed). GaLore/APOLLO would work on whole chunks too but are
 #: not tested sharded yet: refused.
@@ -69,7 +68,7 @@ class Ranks:
     """The engine's ranks: `rank`, `world`, the owner of each trainable chunk, three process
     groups over the ranks of `group` and the collectives on chunk storage."""
 
-    def __init__(self, group: Any, *, trainable: list[int], timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, group: Any, *, trainable: list[int], timeout_s: float = DIST_TIMEOUT_S):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         members = dist.get_process_group_ranks(group)
