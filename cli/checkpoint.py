@@ -220,11 +220,7 @@ def save_checkpoint(output_dir: "str | Path", *, step: int, engine_state: Any,
                     trainer_state: dict, keep: int = 2) -> Path:
     """Write checkpoint `step` atomically and point `latest` at it; returns its path."""
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    clean_stale(output_dir)
-    final = output_dir / ckpt_name(step)
-    tmp = output_dir / (final.name + ".tmp")
-    tmp.mkdir()
+    tmp = start_save(output_dir, step)
     try:
         _fault(step, "before_write")
         save_tree(tmp, "engine", engine_state)
@@ -234,6 +230,22 @@ def save_checkpoint(output_dir: "str | Path", *, step: int, engine_state: Any,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # free the space a full disk needs back
         raise
+    return publish(output_dir, tmp, step=step, keep=keep)
+
+
+def start_save(output_dir: Path, step: int) -> Path:
+    """A fresh `ckpt-XXXXXX.tmp` directory for checkpoint `step` (leftovers of interrupted
+    saves removed first)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    clean_stale(output_dir)
+    tmp = output_dir / (ckpt_name(step) + ".tmp")
+    tmp.mkdir()
+    return tmp
+
+
+def publish(output_dir: Path, tmp: Path, *, step: int, keep: int) -> Path:
+    """Rename the complete `tmp` into place, point `latest` at it, prune beyond `keep`."""
+    final = output_dir / ckpt_name(step)
     _fault(step, "before_rename")
     if final.exists():  # re-saving the same step (e.g. right after a resume)
         old = output_dir / (final.name + ".old")

@@ -138,6 +138,10 @@ def train(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION, **options)
     from .launch import from_env, relaunch
 
     if cfg.nproc_per_node > 1 and not cfg.dry_run and not from_env().several:  # torchrun starts the ranks
+        if cfg.resume:  # one line and exit 2 here, not one per rank under torchrun
+            from .train import check_world
+
+            check_world(Path(cfg.output), cfg.nproc_per_node)
         code = relaunch(cfg.nproc_per_node, sys.argv[1:])
         if code:
             raise typer.Exit(code)

@@ -27,8 +27,8 @@ sharded whole (rank k mod world owns the k-th): master weights and optimizer sta
 are updated on their owner only; compute copies are broadcast from it into every rank's device
 window when used; gradients are reduced onto it per chunk once complete (during backward when
 the early update runs). `eval_loss`, `measure` and `named_parameters_fp32` are collective:
-every rank calls them. Not yet with several ranks: gpu-home trainable chunks (all stream),
-state_dict/load_state_dict (checkpoints), GaLore/APOLLO. MeZO: the ranks share the
+every rank calls them; `state_dict`/`load_state_dict` are this rank's shard. Not yet with
+several ranks: gpu-home trainable chunks (all stream), GaLore/APOLLO. MeZO: the ranks share the
 perturbation seed, split each batch's rows and sum only the two losses (`_zo_step`).
 
 Any nn.Module, with plain PyTorch's numbers. The Engine is a composition; each collaborator
@@ -642,21 +642,23 @@ class Engine:
                 view = self.plan.slots[name].view(flat)
                 yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
-    def _single_rank(self, what: str) -> None:
-        if self.ranks is not None:
-            raise UnsupportedModel(f"{what} with several ranks is not built yet (each rank holds only its "
-                                   f"chunks' master weights and optimizer state)")
-
     def state_dict(self) -> dict[str, Any]:
         """Weights, optimizer state, step count and the model's persistent buffers (BatchNorm's
-        running statistics change in training too)."""
-        self._single_rank("a checkpoint (state_dict)")
+        running statistics change in training too). Several ranks: this rank's shard (the
+        master and optimizer state of the chunks it owns; `rank` and `world` say whose), not
+        collective; each rank loads its own shard back with the same world size."""
         buffers = {n: b.to("cpu", copy=True) for n, b in self.surgery.persistent_buffers().items()}
+        shard = {} if self.ranks is None else {"rank": self.ranks.rank, "world": self.ranks.world}
         return self.store.state_dict() | {"steps": self.steps, "optimizer_meta": self.updater.meta_state(),
-                                          "buffers": buffers}
+                                          "buffers": buffers} | shard
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self._single_rank("resuming a checkpoint (load_state_dict)")
+        mine = (None, None) if self.ranks is None else (self.ranks.rank, self.ranks.world)
+        if (sd.get("rank"), sd.get("world")) != mine:  # ValueError: the CLI names the checkpoint
+            def who(r, w):
+                return "one rank" if w is None else f"rank {r} of {w}"
+            raise ValueError(f"it is the state of {who(*[sd.get('rank'), sd.get('world')])}, "
+                             f"this engine is {who(*mine)}")
         own = self.surgery.persistent_buffers()
         unknown = sorted(set(sd.get("buffers", {})) - set(own))
         if unknown:
