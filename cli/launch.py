@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 from ..offload.core.errors import DIST_TIMEOUT_S, TierwiseError
@@ -64,8 +65,8 @@ def init_group(info: RankInfo, *, timeout_s: float = DIST_TIMEOUT_S) -> None:
 
 
 #: Test hook, never set in normal use: "RANK:STEP:ACTION" makes rank RANK misbehave at the start
-#: of step STEP (the other ranks are already in it): "raise" (a RuntimeError) or "kill" (SIGKILL
-#: of its own process, as the OOM killer does).
+#: of step STEP (the other ranks are already in it): "raise" (a RuntimeError naming the time.time()
+#: of the raise) or "kill" (SIGKILL of its own process, as the OOM killer does).
 FAULT_ENV = "TIERWISE_TEST_RANK_FAULT"
 
 
@@ -79,7 +80,45 @@ def fault(info: RankInfo, step: int) -> None:
     if parts[2] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if parts[2] == "raise":
-        raise RuntimeError(f"injected failure at step {step} ({FAULT_ENV})")
+        raise RuntimeError(f"injected failure at step {step} ({FAULT_ENV}, at t={time.time():.3f})")
+
+
+FAILURE_KEY = "tierwise/failed/"
+
+
+def _store():
+    """The default process group's key-value store (torchrun's rendezvous store): it outlives
+    a rank that stops."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def report_failure(info: RankInfo, exc: BaseException) -> None:
+    """Leave this rank's cause in the store before it stops, for the others' error (best effort)."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    try:
+        _store().set(f"{FAILURE_KEY}{info.rank}", f"{type(exc).__name__}: {text}"[:300])
+    except Exception:  # noqa: BLE001 - no store, no cause: the others still name the rank
+        pass
+
+
+def failure_of_others(info: RankInfo, *, wait_s: float = 1.0) -> "str | None":
+    """'rank R failed: <cause>' of another rank that reported one, waiting up to `wait_s`
+    (None: none did, e.g. it was killed)."""
+    keys = [f"{FAILURE_KEY}{r}" for r in range(info.world) if r != info.rank]
+    deadline = time.monotonic() + wait_s
+    try:
+        store = _store()
+        while True:
+            for key in keys:
+                if store.check([key]):
+                    return f"rank {key.rsplit('/', 1)[1]} failed: {store.get(key).decode(errors='replace')}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store went with the launcher: no cause to add
+        return None
 
 
 def node_share(nbytes: "int | None", info: RankInfo) -> "int | None":

@@ -15,7 +15,9 @@ from __future__ import annotations
 import errno
 import functools
 import inspect
+import os
 import sys
+import traceback
 import typing
 from enum import Enum
 from pathlib import Path
@@ -246,8 +248,26 @@ def export(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point. One of several ranks ends with os._exit once its output is
+    flushed: the interpreter's teardown can wait seconds on the process groups' threads after a
+    peer failed (measured 5 s), while the launcher waits for every rank."""
+    from .launch import from_env
+
+    if not from_env().several:
+        app()
+        return
+    code = 1
+    try:
+        app()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - printed as Python would, then the same quick exit
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

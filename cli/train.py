@@ -172,6 +172,16 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
             console = Console(quiet=True)  # rank 0 prints; the others only their errors (stderr)
         try:
             return _run(cfg, console=console, ranks=ranks)
+        except Exception as exc:
+            from ..offload.engine.ranks import RankFailure
+
+            if not isinstance(exc, RankFailure):  # this rank is the cause: say why, for the others
+                launch.report_failure(ranks, exc)
+                raise
+            cause = launch.failure_of_others(ranks)
+            if cause is None:
+                raise
+            raise RankFailure(f"{cause}; {exc}") from exc
         finally:
             import torch.distributed as dist
 

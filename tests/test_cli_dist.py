@@ -125,6 +125,21 @@ def test_sigkill_of_one_rank_then_resume_continues_exactly(two, tmp_path):
     assert same_weights(out, two[0])
 
 
+def test_a_rank_that_raises_stops_the_others_promptly_naming_it_and_its_cause(tmp_path):
+    """Rank 1 raises at the start of step 2 (rank 0 waits in it): rank 0 stops too, with one
+    error line naming rank 1 and its exception, and the launch ends within 10 s of the raise
+    (before: rank 0 named rank 1 but not why, and hung in its teardown until torchrun's SIGTERM,
+    11 s on a loaded machine)."""
+    proc = launch(tmp_path / "raised", fault="1:2:raise")
+    ended = time.time()
+    assert proc.returncode != 0
+    raised = float(re.search(r"at t=([0-9.]+)\)", proc.stderr).group(1))
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith("error: rank 1 failed: RuntimeError: injected failure at step 2"), errors
+    assert ended - raised < 10.0, ended - raised
+
+
 def test_a_checkpoint_of_one_rank_is_not_resumed_on_two(tmp_path):
     result = CliRunner().invoke(app, ["--steps", "1", "--output", str(tmp_path / "o")])
     assert result.exit_code == 0, result.output
