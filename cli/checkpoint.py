@@ -14,7 +14,8 @@ only then are older checkpoints beyond `keep` removed. Loading verifies the mani
 changed byte, dtype, shape or key is refused naming the file), and `latest` can only name a
 checkpoint directly inside the output directory. A crash at any point leaves the
 previous checkpoint and a valid `latest`; leftover `.tmp` directories are removed by the next
-save (and at once when the save fails with an exception, e.g. a full disk). Nested state (optimizer state with int keys, tuples, dtypes) is stored as a JSON
+save (and at once when the save fails with an exception, e.g. a full disk). Several ranks:
+cli.shards writes one shard per rank into the same directory, with the same steps. Nested state (optimizer state with int keys, tuples, dtypes) is stored as a JSON
 skeleton whose tensor leaves point into the safetensors file, so loading never unpickles.
 """
 

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 from ..offload.core.errors import DIST_TIMEOUT_S, TierwiseError
@@ -65,8 +64,8 @@ def init_group(info: RankInfo, *, timeout_s: float = DIST_TIMEOUT_S) -> None:
 
 
 #: Test hook, never set in normal use: "RANK:STEP:ACTION" makes rank RANK misbehave at the start
-#: of step STEP (the other ranks are already in it): "raise" (a RuntimeError naming the time.time()
-#: of the raise) or "kill" (SIGKILL of its own process, as the OOM killer does).
+#: of step STEP (the other ranks are already in it): "raise" (a RuntimeError) or "kill" (SIGKILL of
+#: its own process, as the OOM killer does), each naming the time.time() it happened at.
 FAULT_ENV = "TIERWISE_TEST_RANK_FAULT"
 
 
@@ -77,7 +76,11 @@ def fault(info: RankInfo, step: int) -> None:
         return
     if int(parts[0]) != info.rank or int(parts[1]) != step:
         return
+    import time
+
     if parts[2] == "kill":
+        sys.stderr.write(f"{FAULT_ENV}: rank {info.rank} kills itself at t={time.time():.3f}\n")
+        sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     if parts[2] == "raise":
         raise RuntimeError(f"injected failure at step {step} ({FAULT_ENV}, at t={time.time():.3f})")
@@ -103,22 +106,29 @@ def report_failure(info: RankInfo, exc: BaseException) -> None:
         pass
 
 
-def failure_of_others(info: RankInfo, *, wait_s: float = 1.0) -> "str | None":
-    """'rank R failed: <cause>' of another rank that reported one, waiting up to `wait_s`
-    (None: none did, e.g. it was killed)."""
-    keys = [f"{FAILURE_KEY}{r}" for r in range(info.world) if r != info.rank]
-    deadline = time.monotonic() + wait_s
+def failure_of_others(info: RankInfo) -> "str | None":
+    """'rank R failed: <cause>' of another rank that reported one (None: none did, e.g. it was
+    killed). No wait: a rank reports before its connections close, i.e. before the others fail."""
     try:
         store = _store()
-        while True:
-            for key in keys:
-                if store.check([key]):
-                    return f"rank {key.rsplit('/', 1)[1]} failed: {store.get(key).decode(errors='replace')}"
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
+        for r in range(info.world):
+            key = f"{FAILURE_KEY}{r}"
+            if r != info.rank and store.check([key]):
+                return f"rank {r} failed: {store.get(key).decode(errors='replace')}"
     except Exception:  # noqa: BLE001 - the store went with the launcher: no cause to add
-        return None
+        pass
+    return None
+
+
+def finish_failing() -> None:
+    """A rank that is failing finishes saying why: torchrun SIGTERMs every rank as soon as one
+    exits, which would cut the others' error line short (it SIGKILLs them after its grace
+    period all the same)."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
 
 
 def node_share(nbytes: "int | None", info: RankInfo) -> "int | None":

@@ -5,6 +5,8 @@ per 64 MiB block. Blocks are checksummed in a thread pool (zlib releases the GIL
 scales with the cores: crc32 runs at ~2.8 GiB/s per core on this machine (pclmul). Any changed
 byte — a flipped exponent, a tensor's dtype or shape edited in a safetensors header, a
 truncated file, an edited engine.json — is refused with the file and byte range named.
+Several ranks (cli.shards): each rank checksums and verifies its own files, rank 0 writes the
+one manifest of them all.
 """
 
 from __future__ import annotations

@@ -150,6 +150,8 @@ class _StopFlag:
     def __exit__(self, *exc):
         for s, previous in self._previous.items():
             signal.signal(s, previous)
+        if exc[0] is not None and launch.from_env().several:
+            launch.finish_failing()
 
 
 def warn(console: Console, text: str) -> None:
@@ -175,6 +177,7 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
         except Exception as exc:
             from ..offload.engine.ranks import RankFailure
 
+            launch.finish_failing()
             if not isinstance(exc, RankFailure):  # this rank is the cause: say why, for the others
                 launch.report_failure(ranks, exc)
                 raise
