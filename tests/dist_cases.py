@@ -39,7 +39,7 @@ def engine_case(case: dict, rank: int, world: int, tmp: Path) -> dict:
         os.makedirs(kw["nvme_path"], exist_ok=True)
     accum = case["grad_accum"]
     data = data_for(case["data"], case["steps"], rows=accum * world * 2)
-    eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, **kw)
+    eng = Engine(model_for(case), lr=1e-2, chunk_bytes=CHUNK, **kw)
     losses = [eng.step(b, grad_accum=accum) for b in data]
     weights = dict(eng.named_parameters_fp32())
     peaks = [0] * world
@@ -53,6 +53,15 @@ def engine_case(case: dict, rank: int, world: int, tmp: Path) -> dict:
             "chunks": len(eng.plan.chunks), "homes": homes}
 
 
+def model_for(case: dict) -> torch.nn.Module:
+    """The tiny Llama; `frozen`: parameters whose name holds it are frozen (a base, as LoRA's)."""
+    model = tiny_llama(**TINY)
+    if case.get("frozen"):
+        for name, p in model.named_parameters():
+            p.requires_grad_(case["frozen"] not in name)
+    return model
+
+
 def resume_case(case: dict, rank: int, world: int) -> dict:
     """`split` steps, each rank's shard (state_dict) into a new engine, then the other steps:
     the losses and weights of the run, and what a shard holds."""
@@ -60,16 +69,16 @@ def resume_case(case: dict, rank: int, world: int) -> dict:
 
     accum = case["grad_accum"]
     data = data_for(case["data"], case["steps"], rows=accum * world * 2)
-    eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, **case.get("engine", {}))
+    eng = Engine(model_for(case), lr=1e-2, chunk_bytes=CHUNK, **case.get("engine", {}))
     losses = [eng.step(b, grad_accum=accum) for b in data[:case["split"]]]
     shard = eng.state_dict()
     eng.close()
-    eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, **case.get("engine", {}))
+    eng = Engine(model_for(case), lr=1e-2, chunk_bytes=CHUNK, **case.get("engine", {}))
     eng.load_state_dict(shard)
     losses += [eng.step(b, grad_accum=accum) for b in data[case["split"]:]]
     weights = dict(eng.named_parameters_fp32())
     held = [cid for cid, c in enumerate(shard["chunks"]) if "master" in c]
-    owned = [c.index for c in eng.plan.chunks if eng.ranks.owns(c.index)]
+    owned = [c.index for c in eng.plan.chunks if eng.ranks.owns(c.index) and not eng.plan.is_frozen(c.index)]
     eng.close()
     return {"losses": losses, "weights": weights, "held": held, "owned": owned,
             "shard": (shard["rank"], shard["world"])}

@@ -107,7 +107,9 @@ def test_two_ranks_tight_budget_state_on_nvme_and_8bit_and_clipping(two):
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
     return spawn(3, [case(), case(data="masked", grad_accum=2), {"kind": "refusals"},
-                     case("resume", data="masked", grad_accum=2) | {"split": 1}],
+                     case("resume", data="masked", grad_accum=2) | {"split": 1},
+                     case(data="masked") | {"frozen": "self_attn"},
+                     case("resume", data="masked") | {"split": 2, "frozen": "self_attn"}],
                  tmp_path_factory.mktemp("three"))
 
 
@@ -133,6 +135,10 @@ def test_each_rank_resumes_from_its_shard_exactly(three):
     resumed, straight = three[3], three[1]
     assert resumed["losses"] == straight["losses"] and equal(resumed["weights"], straight["weights"])
     assert resumed["held"] == resumed["owned"] and resumed["shard"] == (0, 3)
+    # frozen parameters (a LoRA base): a shard holds the trainable chunks of its rank only
+    resumed, straight = three[5], three[4]
+    assert resumed["losses"] == straight["losses"] and equal(resumed["weights"], straight["weights"])
+    assert resumed["held"] == resumed["owned"] and resumed["owned"]
 
 
 def test_a_rank_killed_mid_step_stops_the_other_in_bounded_time(tmp_path):
