@@ -14,7 +14,8 @@ only then are older checkpoints beyond `keep` removed. Loading verifies the mani
 changed byte, dtype, shape or key is refused naming the file), and `latest` can only name a
 checkpoint directly inside the output directory. A crash at any point leaves the
 previous checkpoint and a valid `latest`; leftover `.tmp` directories are removed by the next
-save (and at once when the save fails with an exception, e.g. a full disk). Nested state (optimizer state with int keys, tuples, dtypes) is stored as a JSON
+save (and at once when the save fails with an exception, e.g. a full disk). Several ranks:
+cli.shards writes one shard per rank into the same directory, with the same steps. Nested state (optimizer state with int keys, tuples, dtypes) is stored as a JSON
 skeleton whose tensor leaves point into the safetensors file, so loading never unpickles.
 """
 
@@ -220,11 +221,7 @@ def save_checkpoint(output_dir: "str | Path", *, step: int, engine_state: Any,
                     trainer_state: dict, keep: int = 2) -> Path:
     """Write checkpoint `step` atomically and point `latest` at it; returns its path."""
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    clean_stale(output_dir)
-    final = output_dir / ckpt_name(step)
-    tmp = output_dir / (final.name + ".tmp")
-    tmp.mkdir()
+    tmp = start_save(output_dir, step)
     try:
         _fault(step, "before_write")
         save_tree(tmp, "engine", engine_state)
@@ -234,6 +231,22 @@ def save_checkpoint(output_dir: "str | Path", *, step: int, engine_state: Any,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # free the space a full disk needs back
         raise
+    return publish(output_dir, tmp, step=step, keep=keep)
+
+
+def start_save(output_dir: Path, step: int) -> Path:
+    """A fresh `ckpt-XXXXXX.tmp` directory for checkpoint `step` (leftovers of interrupted
+    saves removed first)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    clean_stale(output_dir)
+    tmp = output_dir / (ckpt_name(step) + ".tmp")
+    tmp.mkdir()
+    return tmp
+
+
+def publish(output_dir: Path, tmp: Path, *, step: int, keep: int) -> Path:
+    """Rename the complete `tmp` into place, point `latest` at it, prune beyond `keep`."""
+    final = output_dir / ckpt_name(step)
     _fault(step, "before_rename")
     if final.exists():  # re-saving the same step (e.g. right after a resume)
         old = output_dir / (final.name + ".old")

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 
-from ..offload.core.errors import TierwiseError
-
-#: seconds a collective waits for the other ranks (a rank that died: the others fail within it)
-DIST_TIMEOUT_S = 60.0
+from ..offload.core.errors import DIST_TIMEOUT_S, TierwiseError
 
 
 @dataclass(frozen=True)
@@ -63,6 +61,74 @@ def init_group(info: RankInfo, *, timeout_s: float = DIST_TIMEOUT_S) -> None:
         torch.cuda.set_device(info.local_rank)
         backend = "nccl"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+#: Test hook, never set in normal use: "RANK:STEP:ACTION" makes rank RANK misbehave at the start
+#: of step STEP (the other ranks are already in it): "raise" (a RuntimeError) or "kill" (SIGKILL of
+#: its own process, as the OOM killer does), each naming the time.time() it happened at.
+FAULT_ENV = "TIERWISE_TEST_RANK_FAULT"
+
+
+def fault(info: RankInfo, step: int) -> None:
+    """The FAULT_ENV test hook; a no-op unless it names this rank and step."""
+    parts = os.environ.get(FAULT_ENV, "").split(":")
+    if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return
+    if int(parts[0]) != info.rank or int(parts[1]) != step:
+        return
+    import time
+
+    if parts[2] == "kill":
+        sys.stderr.write(f"{FAULT_ENV}: rank {info.rank} kills itself at t={time.time():.3f}\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if parts[2] == "raise":
+        raise RuntimeError(f"injected failure at step {step} ({FAULT_ENV}, at t={time.time():.3f})")
+
+
+FAILURE_KEY = "tierwise/failed/"
+
+
+def _store():
+    """The default process group's key-value store (torchrun's rendezvous store): it outlives
+    a rank that stops."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def report_failure(info: RankInfo, exc: BaseException) -> None:
+    """Leave this rank's cause in the store before it stops, for the others' error (best effort)."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    try:
+        _store().set(f"{FAILURE_KEY}{info.rank}", f"{type(exc).__name__}: {text}"[:300])
+    except Exception:  # noqa: BLE001 - no store, no cause: the others still name the rank
+        pass
+
+
+def failure_of_others(info: RankInfo) -> "str | None":
+    """'rank R failed: <cause>' of another rank that reported one (None: none did, e.g. it was
+    killed). No wait: a rank reports before its connections close, i.e. before the others fail."""
+    try:
+        store = _store()
+        for r in range(info.world):
+            key = f"{FAILURE_KEY}{r}"
+            if r != info.rank and store.check([key]):
+                return f"rank {r} failed: {store.get(key).decode(errors='replace')}"
+    except Exception:  # noqa: BLE001 - the store went with the launcher: no cause to add
+        pass
+    return None
+
+
+def finish_failing() -> None:
+    """A rank that is failing finishes saying why: torchrun SIGTERMs every rank as soon as one
+    exits, which would cut the others' error line short (it SIGKILLs them after its grace
+    period all the same)."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
 
 
 def node_share(nbytes: "int | None", info: RankInfo) -> "int | None":

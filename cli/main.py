@@ -15,7 +15,9 @@ from __future__ import annotations
 import errno
 import functools
 import inspect
+import os
 import sys
+import traceback
 import typing
 from enum import Enum
 from pathlib import Path
@@ -138,6 +140,10 @@ def train(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION, **options)
     from .launch import from_env, relaunch
 
     if cfg.nproc_per_node > 1 and not cfg.dry_run and not from_env().several:  # torchrun starts the ranks
+        if cfg.resume:  # one line and exit 2 here, not one per rank under torchrun
+            from .train import check_world
+
+            check_world(Path(cfg.output), cfg.nproc_per_node)
         code = relaunch(cfg.nproc_per_node, sys.argv[1:])
         if code:
             raise typer.Exit(code)
@@ -242,8 +248,26 @@ def export(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point. One of several ranks ends with os._exit once its output is
+    flushed: the interpreter's teardown can wait seconds on the process groups' threads after a
+    peer failed (measured 5 s), while the launcher waits for every rank."""
+    from .launch import from_env
+
+    if not from_env().several:
+        app()
+        return
+    code = 1
+    try:
+        app()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - printed as Python would, then the same quick exit
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

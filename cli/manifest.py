@@ -5,6 +5,8 @@ per 64 MiB block. Blocks are checksummed in a thread pool (zlib releases the GIL
 scales with the cores: crc32 runs at ~2.8 GiB/s per core on this machine (pclmul). Any changed
 byte — a flipped exponent, a tensor's dtype or shape edited in a safetensors header, a
 truncated file, an edited engine.json — is refused with the file and byte range named.
+Several ranks (cli.shards): each rank checksums and verifies its own files, rank 0 writes the
+one manifest of them all.
 """
 
 from __future__ import annotations
@@ -42,21 +44,30 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
 
 
-def write(directory: Path, names: list[str]) -> None:
-    """Write (and fsync) the manifest of `names` in `directory`."""
+def entries(directory: Path, names: list[str]) -> dict[str, dict]:
+    """The manifest entries of `names` (paths relative to `directory`): each rank of a sharded
+    checkpoint checksums its own files and hands them to rank 0, who writes the manifest."""
     with _pool() as pool:
         files = {}
         for name in names:
             size, crcs = _crcs(directory / name, pool)
             files[name] = {"bytes": size, "crc32": crcs}
+    return files
+
+
+def write(directory: Path, names: list[str], *, files: "dict[str, dict] | None" = None) -> None:
+    """Write (and fsync) the manifest of `names` in `directory`, with `files`: entries computed
+    elsewhere (other ranks')."""
+    files = {**(files or {}), **entries(directory, names)}
     with open(directory / NAME, "w") as f:
         json.dump({"format": 1, "block": BLOCK, "files": files}, f)
         f.flush()
         os.fsync(f.fileno())
 
 
-def verify(directory: Path) -> None:
-    """Raise IntegrityError unless every file the manifest lists is intact."""
+def verify(directory: Path, names: "list[str] | None" = None) -> None:
+    """Raise IntegrityError unless every file the manifest lists is intact (`names`: only
+    these, each of which it must list: one rank's files of a sharded checkpoint)."""
     try:
         manifest = json.loads((directory / NAME).read_text())
         files, block = manifest["files"], int(manifest["block"])
@@ -68,6 +79,11 @@ def verify(directory: Path) -> None:
     if block != BLOCK:
         raise IntegrityError(f"checkpoint {directory}: {NAME} uses blocks of {block} bytes, "
                              f"expected {BLOCK}")
+    if names is not None:
+        unlisted = [n for n in names if n not in files]
+        if unlisted:
+            raise IntegrityError(f"checkpoint {directory}: {unlisted[0]} is not in its {NAME}")
+        files = {n: files[n] for n in names}
     with _pool() as pool:
         for name, entry in files.items():
             path = directory / name

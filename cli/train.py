@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 
 from . import checkpoint as ckpt
-from . import launch, rundir
+from . import launch, rundir, shards
 from . import lora as lora_mod
 from .config import DISK_FULL, ConfigError, TrainConfig
 from .data import Batches, DataError, DataPosition, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
@@ -150,6 +150,8 @@ class _StopFlag:
     def __exit__(self, *exc):
         for s, previous in self._previous.items():
             signal.signal(s, previous)
+        if exc[0] is not None and launch.from_env().several:
+            launch.finish_failing()
 
 
 def warn(console: Console, text: str) -> None:
@@ -164,15 +166,25 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
 
         return dry_run(cfg, console=console)
     ranks = launch.from_env()
+    if cfg.resume:  # before the ranks meet: the launcher's check, for torchrun started by hand
+        check_world(Path(cfg.output), ranks.world)
     if ranks.several:
-        if cfg.resume:
-            raise ConfigError(f"--resume with several ranks ({ranks.world}) is not built yet: checkpoints "
-                              "hold one rank's state; resume on one rank")
         launch.init_group(ranks)
         if not ranks.main:
             console = Console(quiet=True)  # rank 0 prints; the others only their errors (stderr)
         try:
             return _run(cfg, console=console, ranks=ranks)
+        except Exception as exc:
+            from ..offload.engine.ranks import RankFailure
+
+            launch.finish_failing()
+            if not isinstance(exc, RankFailure):  # this rank is the cause: say why, for the others
+                launch.report_failure(ranks, exc)
+                raise
+            cause = launch.failure_of_others(ranks)
+            if cause is None:
+                raise
+            raise RankFailure(f"{cause}; {exc}") from exc
         finally:
             import torch.distributed as dist
 
@@ -223,7 +235,7 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     if ranks.several:
         console.print(f"{ranks.world} ranks ({ranks.local_world} on this node): each step is "
                       f"{cfg.grad_accum * ranks.world} micro-batches, micro-batch i on rank i mod {ranks.world}; "
-                      "no checkpoints with several ranks yet (the export at the end is written)", highlight=False)
+                      "each rank checkpoints its shard", highlight=False)
         if not ranks.main:  # rank 0 owns --output; the others write into a scratch directory
             import shutil
             import tempfile
@@ -356,9 +368,14 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
     only: the frozen base is loaded from `src` again first."""
     renames = renames or {}
     if cfg.resume:
-        path = ckpt.latest_checkpoint(out)
-        engine_state, trainer = ckpt.load_checkpoint(path)
-        check_resumable(cfg, out, trainer)
+        path = ckpt.latest_checkpoint(ckpt_dir(cfg, out))
+        ranks = launch.from_env()
+        if ranks.several:
+            engine_state, trainer, rng = shards.load(path, rank=ranks.rank)
+        else:
+            engine_state, trainer = ckpt.load_checkpoint(path)
+            rng = trainer["rng"]
+        check_resumable(cfg, ckpt_dir(cfg, out), trainer)
         if cfg.lora:
             _load_base(engine, cfg, src, model=model, layout=layout, renames=renames, frozen_only=True)
         elif src.has_weights:
@@ -378,7 +395,7 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
             why = (f"its engine state has no {e.args[0]!r}" if isinstance(e, KeyError)
                    else (str(e).splitlines() or [type(e).__name__])[0])
             raise ckpt.CheckpointError(f"checkpoint {path} does not fit this run: {why}") from None
-        ckpt.restore_rng(trainer["rng"])
+        ckpt.restore_rng(rng)
         batches.position = DataPosition.from_dict(trainer["data"])
         # A killed run may have logged steps after its last checkpoint; they run again now.
         truncate_metrics(out / "metrics.jsonl", after_step=int(trainer["step"]))
@@ -436,6 +453,26 @@ def _first_nonfinite(obj, path: str = "state") -> str | None:
     return None
 
 
+def ckpt_dir(cfg: TrainConfig, out: Path) -> Path:
+    """Where the checkpoints are: `out`; with several ranks --output, which every rank shares
+    (the others' `out` is a scratch directory)."""
+    return Path(cfg.output) if launch.from_env().several else out
+
+
+def check_world(out: Path, world: int) -> None:
+    """Refuse --resume from a checkpoint of another number of ranks (resharding is not built)."""
+    path = ckpt.latest_checkpoint(out)
+    if path is None:
+        return
+    saved = shards.world_of(ckpt.load_trainer(path))
+    if saved != world:
+        def ranks(n: int) -> str:
+            return f"{n} rank{'s' if n > 1 else ''}"
+        raise ConfigError(f"--resume: {path.name} in {out} was written by {ranks(saved)}, this run has "
+                          f"{ranks(world)}: resharding a checkpoint is not built (resume with "
+                          f"--nproc-per-node {saved})")
+
+
 def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None) -> None:
     """Refuse --resume with options that change the batches or the engine state's layout."""
     if trainer is None:
@@ -464,13 +501,11 @@ def _same_option(key: str, saved, now) -> bool:
 
 
 def save(engine, cfg: TrainConfig, out: Path, *, step: int, batches: Batches,
-         schedule: LRSchedule, rng: dict | None = None) -> Path | None:
-    """Checkpoint `step` (`rng`: the RNG state to record; default: now). None with several
-    ranks: sharded checkpoints are not built yet."""
-    if launch.from_env().several:
-        return None
-    trainer = {"rng": rng or ckpt.capture_rng(), "data": batches.position.to_dict(),
-               "schedule": schedule.to_dict(), "config": cfg.to_dict()}
+         schedule: LRSchedule, rng: dict | None = None) -> Path:
+    """Checkpoint `step` (`rng`: the RNG state to record; default: now). Several ranks:
+    collective, each rank its shard (cli.shards)."""
+    trainer = {"data": batches.position.to_dict(), "schedule": schedule.to_dict(), "config": cfg.to_dict()}
+    rng = rng or ckpt.capture_rng()
     state = engine.state_dict()
     where = _first_nonfinite(state)
     if where is not None:  # never write damaged weights over the last good checkpoint
@@ -478,8 +513,13 @@ def save(engine, cfg: TrainConfig, out: Path, *, step: int, batches: Batches,
         kept = f"the last good checkpoint {last.name} is kept" if last else "no checkpoint was saved"
         raise NonFiniteLoss(f"step {step}: the engine's state holds NaN or inf ({where}): the "
                             f"checkpoint was not written; {kept}")
+    ranks = launch.from_env()
+    if ranks.several:
+        return shards.save(ckpt_dir(cfg, out), step=step, rank=ranks.rank, world=ranks.world,
+                           shard={"engine": state, "rng": rng}, trainer_state=trainer,
+                           keep=cfg.keep_checkpoints)
     return ckpt.save_checkpoint(out, step=step, engine_state=state,
-                                trainer_state=trainer, keep=cfg.keep_checkpoints)
+                                trainer_state=trainer | {"rng": rng}, keep=cfg.keep_checkpoints)
 
 
 def evaluate(engine, eval_data: list) -> float | None:
@@ -512,6 +552,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
             batch = batches.next()
             before = dict(engine.phase_times)
             t0 = time.perf_counter()
+            launch.fault(launch.from_env(), step + 1)
             try:
                 loss = float(engine.step(batch, grad_accum=cfg.grad_accum))
             except StepOverBudget as e:
@@ -548,24 +589,32 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                 if ev is not None:
                     metrics.write(kind="eval", step=step, loss=ev)
                     bar.note(f"step {step}: eval loss {ev:.4f}")
-            if stop.set:
+            signum = _agreed_stop(stop.signum)
+            if signum:
                 path = save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
-                bar.note(f"interrupted ({signal.Signals(stop.signum).name}): "
-                         + (f"checkpoint {path.name} saved; run again with --resume to continue" if path
-                            else "no checkpoint (several ranks)"))
-                return 128 + stop.signum
+                bar.note(f"interrupted ({signal.Signals(signum).name}): checkpoint {path.name} "
+                         "saved; run again with --resume to continue")
+                return 128 + signum
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
         evaluated = cfg.eval_every and step % cfg.eval_every == 0
         ev = evaluate(engine, eval_data) if eval_data and not evaluated else None
         if ev is not None:
             metrics.write(kind="eval", step=step, loss=ev)
-        if launch.from_env().several:
-            return 0  # no checkpoints with several ranks yet
-        if ckpt.latest_checkpoint(out) is None or \
-                ckpt.latest_checkpoint(out).name != ckpt.ckpt_name(step):
+        last = ckpt.latest_checkpoint(ckpt_dir(cfg, out))  # every rank reads the same (shared)
+        if last is None or last.name != ckpt.ckpt_name(step):
             save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
     return 0
+
+
+def _agreed_stop(signum: int) -> int:
+    """The signal that stops the run after this step (0: none). Several ranks: any rank's, so
+    every rank checkpoints the same step (a signal may reach them a step apart)."""
+    if not launch.from_env().several:
+        return signum
+    from ..offload.engine.ranks import gather_objects
+
+    return max(gather_objects(signum, "agreeing whether to stop"))
 
 
 def _over_budget(e: StepOverBudget, engine, cfg: TrainConfig, out: Path, *, step: int, start: int,
@@ -580,8 +629,7 @@ def _over_budget(e: StepOverBudget, engine, cfg: TrainConfig, out: Path, *, step
         saved = "no step completed in this run, nothing new to save"
     else:
         path = save(engine, cfg, out, step=done, batches=batches, schedule=schedule, rng=rng)
-        saved = (f"checkpoint {path.name} saved (step {done}): --resume continues from it" if path
-                 else "no checkpoint (several ranks)")
+        saved = f"checkpoint {path.name} saved (step {done}): --resume continues from it"
     return InfeasibleBudget(f"step {step + 1}: {str(e).splitlines()[0]}; {saved}", minimum=e.minimum)
 
 

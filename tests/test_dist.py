@@ -106,7 +106,10 @@ def test_two_ranks_tight_budget_state_on_nvme_and_8bit_and_clipping(two):
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
-    return spawn(3, [case(), case(data="masked", grad_accum=2), {"kind": "refusals"}],
+    return spawn(3, [case(), case(data="masked", grad_accum=2), {"kind": "refusals"},
+                     case("resume", data="masked", grad_accum=2) | {"split": 1},
+                     case(data="masked") | {"frozen": "self_attn"},
+                     case("resume", data="masked") | {"split": 2, "frozen": "self_attn"}],
                  tmp_path_factory.mktemp("three"))
 
 
@@ -123,7 +126,19 @@ def test_refusals_with_several_ranks(three):
     res = three[2]
     assert "galore is not supported with several ranks" in res["galore"]
     assert "apollo is not supported with several ranks" in res["apollo"]
-    assert "state_dict" in res["state_dict"] and "not built yet" in res["state_dict"]
+
+
+def test_each_rank_resumes_from_its_shard_exactly(three):
+    """Three ranks: step 1, each rank's state_dict (its shard) into a new engine, steps 2-3:
+    the same losses and weights as the uninterrupted run, bit for bit; a shard holds the
+    master and state of the chunks its rank owns, no other."""
+    resumed, straight = three[3], three[1]
+    assert resumed["losses"] == straight["losses"] and equal(resumed["weights"], straight["weights"])
+    assert resumed["held"] == resumed["owned"] and resumed["shard"] == (0, 3)
+    # frozen parameters (a LoRA base): a shard holds the trainable chunks of its rank only
+    resumed, straight = three[5], three[4]
+    assert resumed["losses"] == straight["losses"] and equal(resumed["weights"], straight["weights"])
+    assert resumed["held"] == resumed["owned"] and resumed["owned"]
 
 
 def test_a_rank_killed_mid_step_stops_the_other_in_bounded_time(tmp_path):

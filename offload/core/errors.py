@@ -2,6 +2,10 @@
 
 from .units import format_size
 
+#: seconds a collective waits for the other ranks before this rank fails naming them (a rank that
+#: died or hangs): the CLI's default process group and the engine's groups (offload.engine.ranks)
+DIST_TIMEOUT_S = 60.0
+
 
 class TierwiseError(Exception):
     """Base class: a problem with the user's input or machine, not a bug."""

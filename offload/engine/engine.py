@@ -27,8 +27,8 @@ sharded whole (rank k mod world owns the k-th): master weights and optimizer sta
 are updated on their owner only; compute copies are broadcast from it into every rank's device
 window when used; gradients are reduced onto it per chunk once complete (during backward when
 the early update runs). `eval_loss`, `measure` and `named_parameters_fp32` are collective:
-every rank calls them. Not yet with several ranks: gpu-home trainable chunks (all stream),
-state_dict/load_state_dict (checkpoints), GaLore/APOLLO. MeZO: the ranks share the
+every rank calls them; `state_dict`/`load_state_dict` are this rank's shard. Not yet with
+several ranks: gpu-home trainable chunks (all stream), GaLore/APOLLO. MeZO: the ranks share the
 perturbation seed, split each batch's rows and sum only the two losses (`_zo_step`).
 
 Any nn.Module, with plain PyTorch's numbers. The Engine is a composition; each collaborator
@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
-from ..core.errors import BudgetExceeded, UnsupportedModel
+from ..core.errors import DIST_TIMEOUT_S, BudgetExceeded, UnsupportedModel
 from ..core.sizes import parse_size
 from ..core.units import format_size
 from ..plan.homes import assign_homes, bounce_sizes
@@ -76,7 +76,7 @@ from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_
 from .lora import apply_lora
 from .model_info import find_blocks
 from .needs import device_needs, module_chunks, open_tiers
-from .ranks import DEFAULT_TIMEOUT_S, SHARDED_OPTIMIZERS, Ranks, default_group
+from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
 from .overbudget import estimate_over_budget, step_over_budget, warmup_over_budget
 from .residency import Residency
 from .surgery import ModelSurgery, booked
@@ -114,7 +114,7 @@ class Engine:
                  d2h_bandwidth: float | None = None, allow_gpu_home: bool = True,
                  offload_activations: bool = False, overlap_update: bool = True,
                  lora: Any = None, base_dtype: str | None = None, double_quant: bool = False,
-                 process_group: Any = None, dist_timeout: float = DEFAULT_TIMEOUT_S):
+                 process_group: Any = None, dist_timeout: float = DIST_TIMEOUT_S):
         """`activations`: the expected peak of saved activations (e.g. the planner's estimate).
         Given, chunks are placed in their final tiers now; otherwise after the warm-up step,
         which measures it (until then every chunk lives host-side).
@@ -642,21 +642,23 @@ class Engine:
                 view = self.plan.slots[name].view(flat)
                 yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
-    def _single_rank(self, what: str) -> None:
-        if self.ranks is not None:
-            raise UnsupportedModel(f"{what} with several ranks is not built yet (each rank holds only its "
-                                   f"chunks' master weights and optimizer state)")
-
     def state_dict(self) -> dict[str, Any]:
         """Weights, optimizer state, step count and the model's persistent buffers (BatchNorm's
-        running statistics change in training too)."""
-        self._single_rank("a checkpoint (state_dict)")
+        running statistics change in training too). Several ranks: this rank's shard (the
+        master and optimizer state of the chunks it owns; `rank` and `world` say whose), not
+        collective; each rank loads its own shard back with the same world size."""
         buffers = {n: b.to("cpu", copy=True) for n, b in self.surgery.persistent_buffers().items()}
+        shard = {} if self.ranks is None else {"rank": self.ranks.rank, "world": self.ranks.world}
         return self.store.state_dict() | {"steps": self.steps, "optimizer_meta": self.updater.meta_state(),
-                                          "buffers": buffers}
+                                          "buffers": buffers} | shard
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self._single_rank("resuming a checkpoint (load_state_dict)")
+        mine = (None, None) if self.ranks is None else (self.ranks.rank, self.ranks.world)
+        if (sd.get("rank"), sd.get("world")) != mine:  # ValueError: the CLI names the checkpoint
+            def who(r, w):
+                return "one rank" if w is None else f"rank {r} of {w}"
+            raise ValueError(f"it is the state of {who(*[sd.get('rank'), sd.get('world')])}, "
+                             f"this engine is {who(*mine)}")
         own = self.surgery.persistent_buffers()
         unknown = sorted(set(sd.get("buffers", {})) - set(own))
         if unknown:

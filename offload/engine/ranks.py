@@ -38,9 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.errors import TierwiseError
+from ..core.errors import DIST_TIMEOUT_S, TierwiseError
 
-DEFAULT_TIMEOUT_S = 60.0
 #: optimizers whose update runs on whole chunks as on one rank (MeZO: with its own step, the
 #: seed shared and the two losses summed). GaLore/APOLLO would work on whole chunks too but are
 #: not tested sharded yet: refused.
@@ -58,6 +57,24 @@ def _cause(exc: BaseException) -> str:
     return text.split(". ")[0][:160]
 
 
+def _others(rank: int, world: int) -> str:
+    others = [r for r in range(world) if r != rank]
+    return f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
+
+
+def gather_objects(obj: Any, what: str) -> list:
+    """Every rank's `obj` (picklable, small) over the default group, in rank order: the CLI's
+    checkpoint handshakes, on the main thread between steps. A rank that stopped: RankFailure."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: list = [None] * world
+    try:
+        dist.all_gather_object(out, obj)
+    except (RuntimeError, dist.DistBackendError) as exc:
+        raise RankFailure(f"rank {rank}: {what} failed: {_others(rank, world)} stopped "
+                          f"({_cause(exc)})") from exc
+    return out
+
+
 def default_group() -> Any:
     """The initialised default process group when it spans several ranks, else None."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -69,7 +86,7 @@ class Ranks:
     """The engine's ranks: `rank`, `world`, the owner of each trainable chunk, three process
     groups over the ranks of `group` and the collectives on chunk storage."""
 
-    def __init__(self, group: Any, *, trainable: list[int], timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, group: Any, *, trainable: list[int], timeout_s: float = DIST_TIMEOUT_S):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         members = dist.get_process_group_ranks(group)
@@ -93,12 +110,8 @@ class Ranks:
         try:
             return fn(*args, **kwargs)
         except (RuntimeError, dist.DistBackendError) as exc:  # gloo: a peer closed or timed out
-            raise RankFailure(f"rank {self.rank}: {what} failed: {self._others()} stopped "
+            raise RankFailure(f"rank {self.rank}: {what} failed: {_others(self.rank, self.world)} stopped "
                               f"({_cause(exc)})") from exc
-
-    def _others(self) -> str:
-        others = [r for r in range(self.world) if r != self.rank]
-        return f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
 
     # -- chunks ---------------------------------------------------------------------------
     def broadcast_chunk(self, cid: int, buf: torch.Tensor) -> None:

@@ -383,12 +383,14 @@ class ChunkStore:
         return view.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
     def state_dict(self) -> dict[str, Any]:
+        """Each chunk's master, optimizer state and step; a frozen or remote chunk (the model's
+        base; another rank's shard) only its step entry."""
         out: dict[str, Any] = {"chunk_numel": [c.numel for c in self.plan.chunks], "chunks": []}
         for cid, ch in enumerate(self.chunks):
+            if cid in self.frozen or cid in self.remote:
+                out["chunks"].append({"step": ch.step.cpu().clone()})
+                continue
             with self.opened(cid) as work:
-                if cid in self.frozen:
-                    out["chunks"].append({"step": ch.step.cpu().clone()})
-                    continue
                 out["chunks"].append({"step": ch.step.cpu().clone()} | {
                     k: work[k].to("cpu", copy=True) for k in ("master", "state") if k in work})
         return out
@@ -397,8 +399,8 @@ class ChunkStore:
         if list(sd["chunk_numel"]) != [c.numel for c in self.plan.chunks]:
             raise ValueError("checkpoint was written with another chunk layout (model or --chunk-size differ)")
         for cid, (ch, saved) in enumerate(zip(self.chunks, sd["chunks"])):
-            if cid in self.frozen:  # the base is loaded from the model, never checkpointed
-                continue
+            if cid in self.frozen or cid in self.remote:  # the base comes from the model; the owner
+                continue                                 # loads its chunks
             with self.opened(cid, write_back=True) as work:
                 for kind in ("master", "state"):  # copy_ would convert a wrong dtype silently
                     if kind in work and (kind not in saved or saved[kind].dtype != work[kind].dtype
