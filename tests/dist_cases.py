@@ -77,7 +77,9 @@ def node_memory(eng) -> dict:
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # memory freed by earlier cases back to the system
     mine = {"pss_kib": pss_kib(), "shm_pss_kib": pss_kib(match="tierwise-base-"),
             "host_usage": eng.ledger.usage().get("host", {}),
-            "shared_nbytes": eng.shared.nbytes if eng.shared is not None else 0}
+            "shared_nbytes": eng.shared.nbytes if eng.shared is not None else 0,
+            "nvme_files": sorted(os.listdir(eng.nvme.directory)) if eng.nvme is not None else [],
+            "nvme_usage": eng.ledger.usage().get("nvme", {})}
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     return {"ranks_memory": out}

@@ -283,6 +283,8 @@ class Engine:
                                 state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
                                 homes=tiers, nvme=self.nvme, frozen=self.frozen_layouts, remote=remote,
                                 shared=self.shared)
+        if self.shared is not None:
+            self.shared.attach_files(self.store, self.nvme)
         if staging:
             self.store.device_staging = torch.empty(staging, dtype=torch.uint8, device=self.device)
         self.bounce = (Bounce(self.store, bounce_sizes(streamed, self.homes.tiers), pin=self.device.type == "cuda")

@@ -17,7 +17,8 @@ model, and N copies of it make host RAM, not the GPUs, the limit (DeepSpeed #284
   divides among them -- counts the base once.
 - Readiness: the others read the base only once the leader has loaded it: `ready()`, a
   collective run once at the first step, evaluation or export, waits for that.
-NVMe-homed base chunks are still one copy per rank (each rank's own swap files).
+NVMe-homed base chunks: the leader's swap files (in its private directory under --nvme-path),
+which the others open read-only (offload.runtime.nvme.NvmeStore.attach); each rank books 1/L.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class SharedBase:
         self.is_leader = ranks.rank == self.leader
         self.leader_host = infos[self.leader][1]
         self.offsets: dict[int, int] = {}  # host-homed base chunk -> byte offset in the region
+        self.nvme_chunks: set[int] = set()  # NVMe-homed base chunks: the leader's swap files
         self.nbytes = 0
         self.share = 0  # this rank's booked part of the region
         self.region: SharedRegion | None = None
@@ -78,16 +80,21 @@ class SharedBase:
         n = self.local_world
         shared_cost = {c: k if c not in frozen else {"compute": -(-k["compute"] // n)}
                        for c, k in leader_kinds.items()}
-        lead = assign_homes(kinds=shared_cost, host=self.leader_host, nvme=nvme)
+        # what the base on NVMe needs in host memory (two update sets and the fetch buffer, at full
+        # size) is held back here too, so that each rank's own chunks fit next to it below
+        worst = 3 * _up(max(k["compute"] for c, k in leader_kinds.items() if c in frozen)) if nvme else 0
+        lead_host = None if self.leader_host is None else max(0, self.leader_host - worst)
+        lead = assign_homes(kinds=shared_cost, host=lead_host, nvme=nvme)
         base = {c: lead.tiers[c]["compute"] for c in frozen if c in kinds}
         at = 0
         for c in sorted(c for c, t in base.items() if t == "host"):
             self.offsets[c] = at
             at += _up(kinds[c]["compute"])
         self.nbytes = at
-        self.share = -(-at // n)
-        on_nvme = [kinds[c]["compute"] for c, t in base.items() if t == "nvme"]
-        reserve = 3 * _up(max(on_nvme)) if on_nvme else 0  # two update sets and the fetch buffer
+        self.share = self.part(at)
+        self.nvme_chunks = {c for c, t in base.items() if t == "nvme"}
+        on_nvme = [kinds[c]["compute"] for c in self.nvme_chunks]
+        reserve = 3 * _up(max(on_nvme)) if on_nvme else 0
         own = {c: k for c, k in kinds.items() if c not in base}
         left = None if host is None else host - self.share - reserve
         if left is not None and left < 0:
@@ -97,10 +104,9 @@ class SharedBase:
         mine = assign_homes(kinds=own, host=left, nvme=nvme)
         tiers = dict(mine.tiers) | {c: {"compute": t} for c, t in base.items()}
         totals = {tier: dict(kb) for tier, kb in mine.bytes.items()}
-        for c, t in base.items():
-            if t != "host":
-                totals.setdefault(t, {}).setdefault("compute", 0)
-                totals[t]["compute"] += kinds[c]["compute"]
+        for c in self.nvme_chunks:
+            totals.setdefault("nvme", {}).setdefault("shared", 0)
+            totals["nvme"]["shared"] += self.part(kinds[c]["compute"])
         if self.share:
             totals.setdefault("host", {})["shared"] = self.share
         bounce = bounce_bytes(kinds, tiers)
@@ -126,7 +132,27 @@ class SharedBase:
             region.unlink()
 
     def holds(self, cid: int) -> bool:
+        """Chunk `cid` lies in the shared host memory."""
         return cid in self.offsets
+
+    def on_nvme(self, cid: int) -> bool:
+        """Chunk `cid` lies in the leader's swap file, which every local rank reads."""
+        return cid in self.nvme_chunks
+
+    def part(self, nbytes: int) -> int:
+        """This rank's part of `nbytes` shared by the local ranks (booked in its ledger)."""
+        return -(-nbytes // self.local_world)
+
+    def attach_files(self, store: Any, nvme: Any) -> None:
+        """The others open the leader's swap files of the NVMe-homed base (read-only)."""
+        if not self.nvme_chunks:
+            return
+        keys = {c: store.chunks[c].compute.key for c in sorted(self.nvme_chunks)}
+        paths = self.ranks.all_gather_object({k: nvme.path(k) for k in keys.values()} if self.is_leader else None,
+                                             "sharing the base's swap files")
+        if not self.is_leader:
+            for c, key in keys.items():
+                nvme.attach(key, paths[self.leader][key], store.chunks[c].compute.nbytes)
 
     def chunk(self, cid: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """Chunk `cid`'s home copy: `nbytes` of the region, as `dtype`."""

@@ -10,7 +10,8 @@ A frozen chunk (requires_grad=False parameters, offload.runtime.frozen) has only
 copy, in the compute dtype or, encoded, as a byte blob the device decodes; it is loaded once
 and never written back (no master, grad or state; the optimizer never sees it).
 A frozen chunk in a node's shared base (offload.engine.sharedbase) has its compute copy in
-the memory the node's ranks share, loaded by the node's leader only.
+the memory the node's ranks share, or in the leader's swap file that every local rank reads,
+loaded by the node's leader only.
 A *remote* chunk (several ranks, offload.engine.ranks) is a trainable chunk another rank owns:
 only its grad accumulator is here (no master, state or compute copy; its compute copy is
 gathered from the owner into the device buffer).
@@ -124,6 +125,12 @@ class ChunkStore:
         n = self.plan.chunks[cid].numel if numel is None else numel
         if tier != "nvme":
             return self.tiers.zeros(tier, kind, n, dtype)
+        if self.shared is not None and self.shared.on_nvme(cid):  # the leader's file, read by all
+            swap = SwapKind(f"c{cid}.{name}", n, dtype)
+            self.tiers.ledger.reserve("nvme", "shared", self.shared.part(swap.nbytes))
+            if self.shared.is_leader:
+                self.nvme.zeros(swap.key, swap.nbytes)
+            return swap
         self.tiers.ledger.reserve("nvme", kind, n * dtype.itemsize)
         swap = SwapKind(f"c{cid}.{name}", n, dtype)
         self.nvme.zeros(swap.key, swap.nbytes)
@@ -216,7 +223,7 @@ class ChunkStore:
         return cid in self.frozen
 
     def is_shared(self, cid: int) -> bool:
-        return self.shared is not None and self.shared.holds(cid)
+        return self.shared is not None and (self.shared.holds(cid) or self.shared.on_nvme(cid))
 
     def is_encoded(self, cid: int) -> bool:
         return self.frozen.get(cid) is not None
