@@ -26,20 +26,22 @@ def main() -> None:
         return {"kind": "engine", "data": "plain", "steps": 2, "grad_accum": 1, "lora": {}, "model": model,
                 "pss": True, "engine": dict(base_dtype="bf16", chunk_bytes="2M") | kw}
 
-    rows = {"1 rank": spawn(1, [case()])[0]}
-    two = spawn(2, [case(share_base=False), case()])
-    rows["2 ranks, a base each"], rows["2 ranks, shared base"] = two
+    # each in fresh processes: nothing left over from another case
+    rows = {"1 rank": spawn(1, [case()])[0], "2 ranks, a base each": spawn(2, [case(share_base=False)])[0],
+            "2 ranks, shared base": spawn(2, [case()])[0]}
     base = rows["2 ranks, shared base"]["ranks_memory"][0]["shared_nbytes"]
     print(f"base {base / 2**20:.1f} MiB (bf16, host-homed)")
-    print(f"{'':24} {'node PSS MiB':>13} {'per rank':>22} {'shm PSS MiB':>12}")
+    print(f"{'':24} {'node PSS MiB':>13} {'per rank':>16} {'engines grew':>13} {'shm PSS MiB':>12}")
     for name, r in rows.items():
         mem = r["ranks_memory"]
         pss = [m["pss_kib"] / 1024 for m in mem]
+        grew = sum(m["growth_kib"] for m in mem) / 1024
         shm = sum(m["shm_pss_kib"] for m in mem) / 1024
-        print(f"{name:24} {sum(pss):13.1f} {' + '.join(f'{p:.1f}' for p in pss):>22} {shm:12.1f}")
-    a, b = (sum(m["pss_kib"] for m in rows[k]["ranks_memory"]) * 1024
-            for k in ("2 ranks, a base each", "2 ranks, shared base"))
-    print(f"a base each - shared: {(a - b) / 2**20:.1f} MiB = {(a - b) / base:.2f} base")
+        print(f"{name:24} {sum(pss):13.1f} {' + '.join(f'{p:.1f}' for p in pss):>16} {grew:13.1f} {shm:12.1f}")
+    for what in ("pss_kib", "growth_kib"):
+        a, b = (sum(m[what] for m in rows[k]["ranks_memory"]) * 1024
+                for k in ("2 ranks, a base each", "2 ranks, shared base"))
+        print(f"{what}: a base each - shared = {(a - b) / 2**20:.1f} MiB = {(a - b) / base:.2f} base")
 
 
 if __name__ == "__main__":

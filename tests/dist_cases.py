@@ -40,15 +40,18 @@ def engine_case(case: dict, rank: int, world: int, tmp: Path) -> dict:
         kw["lora"] = lora_config(case["lora"])
     accum = case["grad_accum"]
     data = data_for(case["data"], case["steps"], rows=accum * world * 2)
-    eng = Engine(tiny_llama(**(TINY | case.get("model", {}))), **({"lr": 1e-2, "chunk_bytes": CHUNK} | kw))
+    model = tiny_llama(**(TINY | case.get("model", {})))
+    before = settled_pss_kib() if case.get("pss") else 0  # with the model built, before the engine
+    eng = Engine(model, **({"lr": 1e-2, "chunk_bytes": CHUNK} | kw))
+    del model
     losses = [eng.step(b, grad_accum=accum) for b in data]
-    memory = node_memory(eng) if case.get("pss") else {}
+    memory = node_memory(eng, before) if case.get("pss") else {}
     weights = dict(eng.named_parameters_fp32(trainable_only=case.get("lora") is not None))
     peaks = [0] * world
     peaks[rank] = eng.ledger.peaks()["gpu"]
     t = torch.tensor(peaks, dtype=torch.int64)
     dist.all_reduce(t)
-    owned = sum(1 for c in eng.plan.chunks if eng.ranks.owns(c.index))
+    owned = sum(1 for c in eng.plan.chunks if eng.ranks is None or eng.ranks.owns(c.index))
     homes = {tier: sorted(kinds) for tier, kinds in eng.homes.bytes.items() if any(kinds.values())}
     eng.close()
     return {"losses": losses, "weights": weights, "gpu_peaks": t.tolist(), "owned_chunks": owned,
@@ -68,14 +71,21 @@ def pss_kib(path: str = "/proc/self/smaps_rollup", match: "str | None" = None) -
     return total
 
 
-def node_memory(eng) -> dict:
-    """Every rank's PSS (all of it, and its mappings of the shared base) and host ledger."""
+def settled_pss_kib() -> int:
+    """PSS after garbage collection, with the memory that was freed given back to the system."""
     import ctypes
     import gc
 
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # memory freed by earlier cases back to the system
-    mine = {"pss_kib": pss_kib(), "shm_pss_kib": pss_kib(match="tierwise-base-"),
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return pss_kib()
+
+
+def node_memory(eng, before: int) -> dict:
+    """Every rank's PSS (all of it; its growth since `before`, the engine's; its mappings of the
+    shared base) and host and NVMe ledger."""
+    pss = settled_pss_kib()
+    mine = {"pss_kib": pss, "growth_kib": pss - before, "shm_pss_kib": pss_kib(match="tierwise-base-"),
             "host_usage": eng.ledger.usage().get("host", {}),
             "shared_nbytes": eng.shared.nbytes if eng.shared is not None else 0,
             "nvme_files": sorted(os.listdir(eng.nvme.directory)) if eng.nvme is not None else [],

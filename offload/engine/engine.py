@@ -30,8 +30,8 @@ the early update runs). `eval_loss`, `measure` and `named_parameters_fp32` are c
 every rank calls them. Not yet with several ranks: gpu-home trainable chunks (all stream),
 state_dict/load_state_dict (checkpoints), GaLore/APOLLO. MeZO: the ranks share the
 perturbation seed, split each batch's rows and sum only the two losses (`_zo_step`).
-Frozen chunks (a LoRA base) are not sharded: the local ranks of a node hold one copy of their
-host-homed ones in shared memory (offload.engine.sharedbase; `share_base`).
+Frozen chunks (a LoRA base) are not sharded: the local ranks of a node hold one copy, in shared
+memory or the leader's swap files (offload.engine.sharedbase; `share_base`).
 
 Any nn.Module, with plain PyTorch's numbers. The Engine is a composition; each collaborator
 gets the few objects it uses, never the Engine:
@@ -179,8 +179,8 @@ class Engine:
             self.allow_gpu_home = False  # every rank must fetch alike: all chunks stream (see ranks.py)
         self.shared: SharedBase | None = None
         if self.ranks is not None and share_base and frozen and self.ledger.budgets.get("cxl") is None:
-            shared = SharedBase(self.ranks, host_budget=self.ledger.budgets["host"])
-            self.shared = shared if shared.local_world > 1 else None
+            # on every rank of the group, which all run its collectives (a node of one rank shares with itself)
+            self.shared = SharedBase(self.ranks, host_budget=self.ledger.budgets["host"])
         self.updater = make_updater(optimizer, self.plan.trainable(),
                                     shapes={n: tuple(p.shape) for n, p in named if n not in frozen},
                                     momentum=momentum, **(optimizer_kwargs or {}))

@@ -19,6 +19,8 @@ model, and N copies of it make host RAM, not the GPUs, the limit (DeepSpeed #284
   collective run once at the first step, evaluation or export, waits for that.
 NVMe-homed base chunks: the leader's swap files (in its private directory under --nvme-path),
 which the others open read-only (offload.runtime.nvme.NvmeStore.attach); each rank books 1/L.
+Not yet: --nvme-checksum verifies the leader's reads of those files, not the others'; the
+shared host pages are pageable (not pinned for CUDA copies).
 """
 
 from __future__ import annotations
@@ -119,16 +121,16 @@ class SharedBase:
     def map(self, ledger: Any) -> None:
         """Book this rank's share, make (leader) or map (the others) the region; then the
         leader unlinks its name (every local rank has it mapped)."""
-        if not self.nbytes:
-            return
-        ledger.reserve("host", "shared", self.share)
-        region = SharedRegion.create(self.nbytes) if self.is_leader else None
+        # (the collectives run on every rank of the group, whatever its node placed)
+        if self.nbytes:
+            ledger.reserve("host", "shared", self.share)
+        region = SharedRegion.create(self.nbytes) if self.is_leader and self.nbytes else None
         paths = self.ranks.all_gather_object(region.path if region else None, "sharing the base's memory")
-        if region is None:
+        if region is None and self.nbytes:
             region = SharedRegion.attach(paths[self.leader], self.nbytes)
         self.region = region
         self.ranks.all_true(True, "mapping the shared base")
-        if self.is_leader:
+        if self.is_leader and region is not None:
             region.unlink()
 
     def holds(self, cid: int) -> bool:
@@ -145,8 +147,6 @@ class SharedBase:
 
     def attach_files(self, store: Any, nvme: Any) -> None:
         """The others open the leader's swap files of the NVMe-homed base (read-only)."""
-        if not self.nvme_chunks:
-            return
         keys = {c: store.chunks[c].compute.key for c in sorted(self.nvme_chunks)}
         paths = self.ranks.all_gather_object({k: nvme.path(k) for k in keys.values()} if self.is_leader else None,
                                              "sharing the base's swap files")
@@ -161,7 +161,7 @@ class SharedBase:
 
     def ready(self) -> None:
         """Once: wait until the leader has loaded the base (a collective of every rank)."""
-        if self._ready or self.region is None:
+        if self._ready:
             return
         self.ranks.all_true(True, f"waiting for rank {self.leader} to load the shared base")
         self._ready = True
