@@ -37,25 +37,75 @@ def engine_case(case: dict, rank: int, world: int, tmp: Path) -> dict:
     if kw.pop("nvme", False):
         kw["nvme_path"] = str(tmp / f"nvme-{rank}")
         os.makedirs(kw["nvme_path"], exist_ok=True)
+    if case.get("lora") is not None:
+        kw["lora"] = lora_config(case["lora"])
     accum = case["grad_accum"]
     data = data_for(case["data"], case["steps"], rows=accum * world * 2)
-    eng = Engine(model_for(case), lr=1e-2, chunk_bytes=CHUNK, **kw)
+    model = model_for(case)
+    before = settled_pss_kib() if case.get("pss") else 0  # with the model built, before the engine
+    eng = Engine(model, **({"lr": 1e-2, "chunk_bytes": CHUNK} | kw))
+    del model
     losses = [eng.step(b, grad_accum=accum) for b in data]
-    weights = dict(eng.named_parameters_fp32())
+    memory = node_memory(eng, before) if case.get("pss") else {}
+    weights = dict(eng.named_parameters_fp32(trainable_only=case.get("lora") is not None))
     peaks = [0] * world
     peaks[rank] = eng.ledger.peaks()["gpu"]
     t = torch.tensor(peaks, dtype=torch.int64)
     dist.all_reduce(t)
-    owned = sum(1 for c in eng.plan.chunks if eng.ranks.owns(c.index))
+    owned = sum(1 for c in eng.plan.chunks if eng.ranks is None or eng.ranks.owns(c.index))
     homes = {tier: sorted(kinds) for tier, kinds in eng.homes.bytes.items() if any(kinds.values())}
     eng.close()
     return {"losses": losses, "weights": weights, "gpu_peaks": t.tolist(), "owned_chunks": owned,
-            "chunks": len(eng.plan.chunks), "homes": homes}
+            "chunks": len(eng.plan.chunks), "homes": homes} | memory
+
+
+def pss_kib(path: str = "/proc/self/smaps_rollup", match: "str | None" = None) -> int:
+    """Proportional set size (KiB) of this process: shared pages split among their mappers.
+    `match`: only the mappings whose name contains it (read from /proc/self/smaps)."""
+    total, take = 0, match is None
+    for line in open(path if match is None else "/proc/self/smaps"):
+        head = line.split()
+        if match is not None and head and "-" in head[0] and len(head) >= 5:
+            take = match in line  # a mapping's header line
+        elif take and line.startswith("Pss:"):
+            total += int(head[1])
+    return total
+
+
+def settled_pss_kib() -> int:
+    """PSS after garbage collection, with the memory that was freed given back to the system."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return pss_kib()
+
+
+def node_memory(eng, before: int) -> dict:
+    """Every rank's PSS (all of it; its growth since `before`, the engine's; its mappings of the
+    shared base) and host and NVMe ledger."""
+    pss = settled_pss_kib()
+    mine = {"pss_kib": pss, "growth_kib": pss - before, "shm_pss_kib": pss_kib(match="tierwise-base-"),
+            "host_usage": eng.ledger.usage().get("host", {}),
+            "shared_nbytes": eng.shared.nbytes if eng.shared is not None else 0,
+            "nvme_files": sorted(os.listdir(eng.nvme.directory)) if eng.nvme is not None else [],
+            "nvme_usage": eng.ledger.usage().get("nvme", {})}
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return {"ranks_memory": out}
+
+
+def lora_config(kw: dict):
+    import peft
+
+    return peft.LoraConfig(**({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"],
+                               "lora_dropout": 0.0} | kw))
 
 
 def model_for(case: dict) -> torch.nn.Module:
     """The tiny Llama; `frozen`: parameters whose name holds it are frozen (a base, as LoRA's)."""
-    model = tiny_llama(**TINY)
+    model = tiny_llama(**(TINY | case.get("model", {})))
     if case.get("frozen"):
         for name, p in model.named_parameters():
             p.requires_grad_(case["frozen"] not in name)
@@ -105,13 +155,19 @@ def ddp_case(case: dict, rank: int, world: int) -> dict:
 
     accum = case["grad_accum"]
     data = data_for(case["data"], case["steps"], rows=accum * world * 2)
-    model = DDP(tiny_llama(**TINY))
+    model = tiny_llama(**TINY)
+    if case.get("lora") is not None:  # PEFT's adapters (the same init: the same generator state as the engine's)
+        import peft
+
+        model = peft.get_peft_model(model, lora_config(case["lora"]))
+    model = DDP(model)
 
     def sum_hook(state, bucket):
         return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
 
     model.register_comm_hook(None, sum_hook)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0, fused=True)
     losses = []
     for b in data:
         n = accum * world
@@ -130,7 +186,8 @@ def ddp_case(case: dict, rank: int, world: int) -> dict:
         losses.append(float(t[0]))
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.module.named_parameters()}}
+    named = [(n.removeprefix("base_model.model."), p) for n, p in model.module.named_parameters() if p.requires_grad]
+    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in named}}
 
 
 class _null:

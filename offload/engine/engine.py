@@ -30,6 +30,8 @@ the early update runs). `eval_loss`, `measure` and `named_parameters_fp32` are c
 every rank calls them; `state_dict`/`load_state_dict` are this rank's shard. Not yet with
 several ranks: gpu-home trainable chunks (all stream), GaLore/APOLLO. MeZO: the ranks share the
 perturbation seed, split each batch's rows and sum only the two losses (`_zo_step`).
+Frozen chunks (a LoRA base) are not sharded: the local ranks of a node hold one copy, in shared
+memory or the leader's swap files (offload.engine.sharedbase; `share_base`).
 
 Any nn.Module, with plain PyTorch's numbers. The Engine is a composition; each collaborator
 gets the few objects it uses, never the Engine:
@@ -77,6 +79,7 @@ from .lora import apply_lora
 from .model_info import find_blocks
 from .needs import device_needs, module_chunks, open_tiers
 from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
+from .sharedbase import SharedBase
 from .overbudget import estimate_over_budget, step_over_budget, warmup_over_budget
 from .residency import Residency
 from .surgery import ModelSurgery, booked
@@ -114,7 +117,7 @@ class Engine:
                  d2h_bandwidth: float | None = None, allow_gpu_home: bool = True,
                  offload_activations: bool = False, overlap_update: bool = True,
                  lora: Any = None, base_dtype: str | None = None, double_quant: bool = False,
-                 process_group: Any = None, dist_timeout: float = DIST_TIMEOUT_S):
+                 process_group: Any = None, dist_timeout: float = DIST_TIMEOUT_S, share_base: bool = True):
         """`activations`: the expected peak of saved activations (e.g. the planner's estimate).
         Given, chunks are placed in their final tiers now; otherwise after the warm-up step,
         which measures it (until then every chunk lives host-side).
@@ -132,7 +135,9 @@ class Engine:
         stored and carried (offload.runtime.codecs); `double_quant`: NF4's absmax quantized too.
         `process_group`: shard over these ranks (None: the default group when initialised with
         more than one rank; see the module docstring); `dist_timeout`: seconds a collective
-        waits for the other ranks before this rank fails naming the collective."""
+        waits for the other ranks before this rank fails naming the collective. `share_base`: the
+        local ranks of a node hold one copy of the frozen base (offload.engine.sharedbase); False:
+        each rank its own."""
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
         if lora is not None:
@@ -172,6 +177,10 @@ class Engine:
             self.ranks = Ranks(group, trainable=[c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)],
                                timeout_s=dist_timeout)
             self.allow_gpu_home = False  # every rank must fetch alike: all chunks stream (see ranks.py)
+        self.shared: SharedBase | None = None
+        if self.ranks is not None and share_base and frozen and self.ledger.budgets.get("cxl") is None:
+            # on every rank of the group, which all run its collectives (a node of one rank shares with itself)
+            self.shared = SharedBase(self.ranks, host_budget=self.ledger.budgets["host"])
         self.updater = make_updater(optimizer, self.plan.trainable(),
                                     shapes={n: tuple(p.shape) for n, p in named if n not in frozen},
                                     momentum=momentum, **(optimizer_kwargs or {}))
@@ -240,13 +249,7 @@ class Engine:
     def _place(self, activations: int | None) -> None:
         """Decide every chunk kind's tier and allocate the chunk store there."""
         remote = self.ranks.remote() if self.ranks is not None else frozenset()
-        self.kinds = {c.index: frozen_kind_bytes(c.numel, layout=self.frozen_layouts[c.index],
-                                                 compute_dtype=self.compute_dtype)
-                      if c.index in self.frozen_layouts else
-                      {"grad": 4 * c.numel} if c.index in remote else
-                      kind_bytes(c.numel, state_bytes=self.updater.state_bytes(c.index),
-                                 compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
-                      for c in self.plan.chunks}
+        self.kinds = self._kinds(remote)
         budgets = self.ledger.budgets
         # CUDA: encoded frozen chunks cross the link into one device staging buffer, decoded
         # from there (fetches run in order on the copy stream); the simulated device decodes in place
@@ -264,19 +267,39 @@ class Engine:
                                            prefer=self._home_order())
             gpu_home = self.device_plan.gpu_home
         streamed = {c: k for c, k in self.kinds.items() if c not in gpu_home}
-        self.homes = assign_homes(kinds=streamed, host=budgets["host"], cxl=budgets.get("cxl"),
-                                  nvme=self.nvme is not None)
+        if self.shared is not None:  # the base's homes are the node's (the leader's placement)
+            lead = self.shared.leader
+            self.homes = self.shared.place(kinds=streamed, leader_kinds=self._kinds(frozenset(
+                c for c, r in self.ranks.owner.items() if r != lead)), frozen=set(self.plan.frozen),
+                host=budgets["host"], nvme=self.nvme is not None)
+            self.shared.map(self.ledger)
+        else:
+            self.homes = assign_homes(kinds=streamed, host=budgets["host"], cxl=budgets.get("cxl"),
+                                      nvme=self.nvme is not None)
         if self.nvme is not None:
             self.nvme.preflight(sum(self.homes.bytes.get("nvme", {}).values()))
         tiers = dict(self.homes.tiers) | {c: dict.fromkeys(self.kinds[c], "gpu") for c in gpu_home}
         self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
                                 state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
-                                homes=tiers, nvme=self.nvme, frozen=self.frozen_layouts, remote=remote)
+                                homes=tiers, nvme=self.nvme, frozen=self.frozen_layouts, remote=remote,
+                                shared=self.shared)
+        if self.shared is not None:
+            self.shared.attach_files(self.store, self.nvme)
         if staging:
             self.store.device_staging = torch.empty(staging, dtype=torch.uint8, device=self.device)
         self.bounce = (Bounce(self.store, bounce_sizes(streamed, self.homes.tiers), pin=self.device.type == "cuda")
                        if self.homes.bounce else None)
         self.store.bounce = self.bounce
+
+    def _kinds(self, remote: frozenset[int]) -> dict[int, dict[str, int]]:
+        """{chunk: {kind: bytes}} of a rank for which the chunks `remote` are another's."""
+        return {c.index: frozen_kind_bytes(c.numel, layout=self.frozen_layouts[c.index],
+                                           compute_dtype=self.compute_dtype)
+                if c.index in self.frozen_layouts else
+                {"grad": 4 * c.numel} if c.index in remote else
+                kind_bytes(c.numel, state_bytes=self.updater.state_bytes(c.index),
+                           compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
+                for c in self.plan.chunks}
 
     def _install_hooks(self, model: torch.nn.Module, checkpointing: bool | None) -> None:
         """Module hooks, gradient hooks, block checkpointing (or MeZO's dual forward), each
@@ -356,6 +379,8 @@ class Engine:
 
     # -- the step -----------------------------------------------------------------------
     def _begin_cycle(self) -> None:
+        if self.shared is not None:
+            self.shared.ready()
         if not self._in_cycle:
             self._in_cycle = True
             self.grads.begin_step()
@@ -613,6 +638,8 @@ class Engine:
         phase, training = self.moments.phase, self.model.training
         self.moments.phase = Phase.EVAL
         self.model.eval()
+        if self.shared is not None:
+            self.shared.ready()
         try:
             with self.residency.reading():
                 return float(self.loss_fn(self.model, to_device(batch, self.device)).float().item())
@@ -628,6 +655,8 @@ class Engine:
         if self.ranks is None:
             yield from self.store.named_master(self.params, trainable_only=trainable_only)
             return
+        if self.shared is not None:
+            self.shared.ready()
         for cid, ch in enumerate(self.store.chunks):
             if cid in self.plan.frozen:
                 if not trainable_only:
@@ -683,6 +712,8 @@ class Engine:
         if self.nvme is not None:
             self.nvme.close()
         self.surgery.close()
+        if self.shared is not None:
+            self.shared.close()
         if self.ranks is not None:
             self.ranks.close()
         # no placeholder values left: a use of the closed model fails loudly (meta tensors)

@@ -8,7 +8,7 @@ the same device window (the resident cache) as on one rank. Gradients: every ran
 its own micro-batches in a grad chunk of its own (as one rank does); once a chunk's gradients
 are complete (in the last micro-batch, as the early update sees them, else at the step's end)
 they are reduced (summed) onto its owner, who updates it. Frozen chunks (a LoRA base) are not
-sharded: every rank holds them.
+sharded: the local ranks of a node share one copy (offload.engine.sharedbase).
 
 Why whole chunks, not a slice of every chunk (ZeRO-3's layout): every updater runs unchanged on
 whole chunks -- torch's fused AdamW sees each parameter as one rank does (bit-exact), AdamW8bit
@@ -133,6 +133,11 @@ class Ranks:
     def sum_(self, t: torch.Tensor, what: str) -> torch.Tensor:
         self._call(what, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=self.main_group)
         return t
+
+    def all_gather_object(self, obj: Any, what: str) -> list:
+        out: list = [None] * self.world
+        self._call(what, dist.all_gather_object, out, obj, group=self.main_group)
+        return out
 
     def max_int(self, value: int, what: str) -> int:
         t = torch.tensor([value], dtype=torch.int64)

@@ -4,7 +4,8 @@ Every byte the engine places in a tier is reserved here first; a reservation tha
 pass the tier's budget raises BudgetExceeded (it never spills silently). Peaks are what the
 budget tests assert, so the ledger is the single source of truth for "how much is where".
 Kinds: "compute" (parameters in the compute dtype), "grad", "master", "state",
-"activation", "buffer" (module buffers, bounce buffers), "workspace".
+"activation", "buffer" (module buffers, bounce buffers), "workspace", "shared" (this rank's part
+of a frozen base the local ranks share: offload.engine.sharedbase).
 """
 
 from __future__ import annotations

@@ -114,6 +114,7 @@ class _SwapFile:
     allocated: int = 0  # bytes preallocated on disk (multiple of 4096)
     crcs: list | None = None  # per-block crc32, when checksums are on
     valid: bool = False  # False until a write completed (or after a failed one)
+    foreign: bool = False  # another store's file, read here (`attach`): never written or deleted
 
 
 @dataclass(kw_only=True, eq=False)
@@ -294,6 +295,24 @@ class NvmeStore:
         with self._lock:
             self._files[key] = swap
 
+    def attach(self, key: str, path: str, nbytes: int) -> None:
+        """Read `key` from another store's file `path` (the node's leader's copy of a shared
+        frozen base chunk, offload.engine.sharedbase), read-only: never written, never deleted."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise self._os_error(exc, "open", path, 0) from exc
+        direct = False
+        if self._odirect:
+            try:
+                _enable_direct(fd)
+                direct = True
+            except OSError:
+                pass  # buffered reads then
+        with self._lock:
+            self._files[key] = _SwapFile(path=path, fd=fd, direct=direct, nbytes=nbytes,
+                                         allocated=round_up(nbytes), valid=True, foreign=True)
+
     def path(self, key: str) -> str:
         """The swap file of `key`."""
         if not _KEY.fullmatch(key):
@@ -374,6 +393,8 @@ class NvmeStore:
                 raise NvmeError(f"no swap file for key {key!r} in {self.directory}")
             if swap is None:
                 swap = self._files[key] = _SwapFile(path=path)
+            if write and swap.foreign:
+                raise NvmeError(f"{key!r} is another store's file ({swap.path}): read-only here")
             req = _Request(write=write, key=key, swap=swap, data=data, future=fut, urgent=urgent)
             prev, self._last[key] = self._last.get(key), fut
         if prev is None:
@@ -540,6 +561,8 @@ class NvmeStore:
             except OSError:
                 pass
             swap.fd = -1
+            if swap.foreign:
+                return
             try:
                 os.unlink(os.path.basename(swap.path), dir_fd=self._dir_fd)
             except FileNotFoundError:

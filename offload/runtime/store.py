@@ -9,6 +9,9 @@ For chunk c (flat tensors of plan.chunks[c].numel elements, sharing the slot lay
 A frozen chunk (requires_grad=False parameters, offload.runtime.frozen) has only its compute
 copy, in the compute dtype or, encoded, as a byte blob the device decodes; it is loaded once
 and never written back (no master, grad or state; the optimizer never sees it).
+A frozen chunk in a node's shared base (offload.engine.sharedbase) has its compute copy in
+the memory the node's ranks share, or in the leader's swap file that every local rank reads,
+loaded by the node's leader only.
 A *remote* chunk (several ranks, offload.engine.ranks) is a trainable chunk another rank owns:
 only its grad accumulator is here (no master, state or compute copy; its compute copy is
 gathered from the owner into the device buffer).
@@ -101,10 +104,12 @@ class ChunkStore:
     def __init__(self, *, plan: ChunkPlan, tiers: Tiers, compute_dtype: torch.dtype,
                  state_bytes: "Callable[[int], int]", needs_grad: bool, homes: dict[int, dict[str, str]],
                  nvme: NvmeStore | None = None, frozen: "dict[int, FrozenLayout | None] | None" = None,
-                 remote: frozenset[int] = frozenset()):
+                 remote: frozenset[int] = frozenset(), shared: Any = None):
         """`frozen`: per frozen chunk of `plan`, its blob layout when encoded, else None.
-        `remote`: trainable chunks another rank owns (only their gradient lives here)."""
+        `remote`: trainable chunks another rank owns (only their gradient lives here).
+        `shared`: the node's SharedBase (its host-homed frozen chunks live there), or None."""
         self.remote = remote
+        self.shared = shared
         self.plan, self.tiers, self.compute_dtype = plan, tiers, compute_dtype
         self.frozen = dict(frozen or {})
         self.device_staging: torch.Tensor | None = None  # CUDA: where encoded chunks land to be decoded
@@ -120,6 +125,12 @@ class ChunkStore:
         n = self.plan.chunks[cid].numel if numel is None else numel
         if tier != "nvme":
             return self.tiers.zeros(tier, kind, n, dtype)
+        if self.shared is not None and self.shared.on_nvme(cid):  # the leader's file, read by all
+            swap = SwapKind(f"c{cid}.{name}", n, dtype)
+            self.tiers.ledger.reserve("nvme", "shared", self.shared.part(swap.nbytes))
+            if self.shared.is_leader:
+                self.nvme.zeros(swap.key, swap.nbytes)
+            return swap
         self.tiers.ledger.reserve("nvme", kind, n * dtype.itemsize)
         swap = SwapKind(f"c{cid}.{name}", n, dtype)
         self.nvme.zeros(swap.key, swap.nbytes)
@@ -136,6 +147,11 @@ class ChunkStore:
         if cid in self.frozen:
             layout = self.frozen[cid]
             tier = tiers.get("compute", tiers.get("master", "host"))
+            nbytes = layout.nbytes if layout is not None else self.plan.chunks[cid].numel * self.compute_dtype.itemsize
+            if self.shared is not None and self.shared.holds(cid):  # booked once, by the SharedBase
+                return _Chunk(tiers={"compute": "host"}, master=None, grad=None, state=None,
+                              compute=self.shared.chunk(cid, nbytes, torch.uint8 if layout else self.compute_dtype),
+                              step=torch.zeros((), dtype=torch.float32), names=self.plan.chunks[cid].params)
             compute = (self._new(cid, "compute", "compute", tier, torch.uint8, layout.nbytes) if layout is not None
                        else self._new(cid, "compute", "compute", tier, self.compute_dtype))
             return _Chunk(tiers={"compute": tier}, master=None, grad=None, state=None, compute=compute,
@@ -174,6 +190,8 @@ class ChunkStore:
 
     def promote(self, cid: int, params: dict[str, torch.nn.Parameter]) -> None:
         """Move every kind of chunk `cid` into the gpu tier; its params point there for good."""
+        if self.is_shared(cid):
+            raise ValueError(f"chunk {cid} lies in the node's shared base: it streams, never gpu-home")
         if self.is_encoded(cid):
             raise ValueError(f"chunk {cid} is stored encoded: it streams (decoded per use), never gpu-home")
         old = self.chunks[cid]
@@ -203,6 +221,9 @@ class ChunkStore:
 
     def is_frozen(self, cid: int) -> bool:
         return cid in self.frozen
+
+    def is_shared(self, cid: int) -> bool:
+        return self.shared is not None and (self.shared.holds(cid) or self.shared.on_nvme(cid))
 
     def is_encoded(self, cid: int) -> bool:
         return self.frozen.get(cid) is not None
@@ -291,6 +312,8 @@ class ChunkStore:
         """One frozen parameter into its chunk's compute copy (encoded as its layout says)."""
         if tuple(tensor.shape) != s.shape:
             raise ValueError(f"{s.name}: shape {tuple(tensor.shape)} does not match the model's {s.shape}")
+        if self.is_shared(s.chunk) and not self.shared.is_leader:
+            return  # the node's leader writes the shared base; this rank maps it read-only
         work = open_chunks.get(s.chunk)
         if work is None:
             if len(open_chunks) >= 2:

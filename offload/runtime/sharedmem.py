@@ -1,0 +1,133 @@
+"""Host memory that the local ranks of a node share: one file in /dev/shm, mapped by each.
+
+The node's leader `create`s `tierwise-base-<pid>-<random>` (O_CREAT|O_EXCL|O_NOFOLLOW, mode
+0600) and maps it read-write; the other local ranks `attach` it read-only (a stray write faults
+rather than changing what the others read); once every rank has mapped it the leader
+`unlink`s the name, so the memory lives exactly as long as the last mapping, a crash included.
+A run killed between create and unlink leaves the file behind: every rank holds a shared
+`flock` on it while it lives, so `remove_stale` (run by each `create`) deletes only the
+files of this user that nobody holds (their runs are dead) -- never a live run's.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import re
+import secrets
+import stat
+import warnings
+
+import torch
+
+from ..core.errors import TierwiseError
+from ..core.units import format_size
+
+SHM_DIR = "/dev/shm"
+PREFIX = "tierwise-base-"
+_NAME = re.compile(re.escape(PREFIX) + r"(\d+)-[0-9a-f]+")
+
+
+class SharedMemoryError(TierwiseError):
+    """The shared memory of a node's ranks could not be made or mapped."""
+
+
+class SharedRegion:
+    """`nbytes` of memory in a /dev/shm file, mapped (`tensor`: uint8 over all of it)."""
+
+    def __init__(self, path: str, fd: int, nbytes: int, *, writable: bool):
+        self.path, self.nbytes, self.writable = path, nbytes, writable
+        self._fd = fd
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self._map = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=prot)
+        with warnings.catch_warnings():  # a read-only mapping: torch warns that it is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes) if nbytes else \
+                torch.empty(0, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, nbytes: int, *, directory: str = SHM_DIR) -> "SharedRegion":
+        """A new file of `nbytes` (zero-filled, pages taken as they are written), mapped read-write."""
+        remove_stale(directory)
+        path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise SharedMemoryError(f"cannot create the shared base {path}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.ftruncate(fd, nbytes)
+            return cls(path, fd, nbytes, writable=True)
+        except BaseException as exc:
+            os.close(fd)
+            os.unlink(path)
+            if isinstance(exc, OSError):
+                raise SharedMemoryError(f"cannot size the shared base {path} to {format_size(nbytes)}: "
+                                        f"{exc.strerror}") from None
+            raise
+
+    @classmethod
+    def attach(cls, path: str, nbytes: int) -> "SharedRegion":
+        """The leader's file, mapped read-only; it must be this user's, a plain file of `nbytes`."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SharedMemoryError(f"cannot open the shared base {path}: {exc.strerror}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != nbytes:
+            os.close(fd)
+            raise SharedMemoryError(f"{path} is not the shared base of this run (a {st.st_size} B file of uid "
+                                    f"{st.st_uid}; expected {nbytes} B of uid {os.getuid()})")
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return cls(path, fd, nbytes, writable=False)
+
+    def unlink(self) -> None:
+        """Remove the name (every rank has mapped it): the memory goes with the last mapping."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Drop this process's mapping (tensors viewing it must be gone: their storage is it)."""
+        self.tensor = None
+        try:
+            self._map.close()
+        except BufferError:  # a view still exported: the mapping goes when the process ends
+            pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def remove_stale(directory: str = SHM_DIR) -> list[str]:
+    """Delete the shared-base files in `directory` of this user that no process holds (a run
+    killed before it unlinked its file). Returns the paths removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        if _NAME.fullmatch(entry.name) is None:
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live run holds it
+            os.unlink(entry.path)
+            removed.append(entry.path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed

@@ -1,0 +1,144 @@
+"""LoRA over a frozen base on two gloo ranks, against references:
+- PEFT + plain DistributedDataParallel + torch.optim.AdamW on the same split (micro-batch i of a
+  step on rank i mod 2): the same losses and adapters, bit for bit (each sum has two terms);
+- the engine on one rank with grad_accum x2;
+and the base held once per node: the two local ranks share its host copy (/dev/shm), so the
+node's memory (the sum of the ranks' PSS, which splits a shared page among its mappers) holds
+it once, and the result equals the unshared run's bit for bit."""
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from tierwise.offload import Engine  # noqa: E402
+from tests.dist_cases import CHUNK, TINY, data_for, lora_config, spawn  # noqa: E402
+from tests.models import tiny_llama  # noqa: E402
+
+STEPS = 3
+TIGHT = "90K"  # per rank: the base partly in the shared host memory, partly on NVMe
+BIG = dict(layers=4, hidden=512, vocab=64)  # a ~19 MiB bf16 base: big enough to see in PSS
+BIG_KW = dict(base_dtype="bf16", chunk_bytes="2M")
+
+
+def case(kind="engine", data="plain", grad_accum=1, model=None, pss=False, **engine):
+    return {"kind": kind, "data": data, "steps": STEPS, "grad_accum": grad_accum, "engine": engine,
+            "lora": {}, "model": model or {}, "pss": pss}
+
+
+def one_rank(data_name: str, *, grad_accum: int, model=None, **kw) -> tuple:
+    """The engine on one rank with grad_accum x2: (losses, adapters)."""
+    data = data_for(data_name, STEPS, rows=grad_accum * 2 * 2)
+    torch.manual_seed(0)
+    eng = Engine(tiny_llama(**(TINY | (model or {}))), lora=lora_config({}),
+                 **({"lr": 1e-2, "chunk_bytes": CHUNK} | kw))
+    losses = [eng.step(b, grad_accum=grad_accum * 2) for b in data]
+    weights = dict(eng.named_parameters_fp32(trainable_only=True))
+    eng.close()
+    return losses, weights
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    cases = {
+        "lora": case(),
+        "peft_ddp": case("ddp"),
+        "lora_masked_accum": case(data="masked", grad_accum=2),
+        "peft_ddp_masked_accum": case("ddp", data="masked", grad_accum=2),
+        "unshared": case(model=BIG, pss=True, share_base=False, **BIG_KW),
+        "shared": case(model=BIG, pss=True, **BIG_KW),
+        "shared_nvme": case(cpu_mem=TIGHT, nvme=True, pss=True),
+    }
+    return dict(zip(cases, spawn(2, list(cases.values()), tmp_path_factory.mktemp("two"))))
+
+
+def equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and len(a) > 0 and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_lora_on_two_ranks_equals_peft_with_ddp_bit_exact(two):
+    assert two["lora"]["losses"] == two["peft_ddp"]["losses"]
+    assert equal(two["lora"]["weights"], two["peft_ddp"]["weights"])
+    assert len(two["lora"]["weights"]) == 2 * 2 * 3  # A and B of 3 targets in 2 layers
+    assert two["lora_masked_accum"]["losses"] == two["peft_ddp_masked_accum"]["losses"]
+    assert equal(two["lora_masked_accum"]["weights"], two["peft_ddp_masked_accum"]["weights"])
+
+
+def test_lora_on_two_ranks_equals_one_rank_with_twice_the_accumulation(two):
+    losses, weights = one_rank("plain", grad_accum=1)
+    assert two["lora"]["losses"] == losses and equal(two["lora"]["weights"], weights)
+    losses, weights = one_rank("masked", grad_accum=2)  # one rank sums four in another order
+    got = two["lora_masked_accum"]
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got["losses"], losses))
+    for n, w in weights.items():
+        diff, scale = (got["weights"][n] - w).detach().abs().max(), w.detach().abs().max()
+        assert float(diff) <= 1e-5 * float(scale), n
+
+
+def test_the_base_is_held_once_per_node(two):
+    shared, unshared = two["shared"]["ranks_memory"], two["unshared"]["ranks_memory"]
+    nbytes = shared[0]["shared_nbytes"]
+    assert nbytes >= 18 << 20 and unshared[0]["shared_nbytes"] == 0
+    # each rank books half the shared base; the unshared ranks each hold all of it
+    assert [r["host_usage"].get("shared", 0) for r in shared] == [nbytes // 2] * 2
+    assert all(r["host_usage"].get("compute", 0) >= nbytes - (1 << 20) for r in unshared)
+    # the mapping: one copy in all, split between the two ranks
+    shm = sum(r["shm_pss_kib"] for r in shared) * 1024
+    assert abs(shm - nbytes) <= 0.02 * nbytes, (shm, nbytes)
+    # the node: the engines' growth (PSS after the steps - before the Engine, summed over the
+    # ranks) is one base less than with a copy per rank
+    node = {k: sum(r["growth_kib"] for r in v) * 1024 for k, v in (("shared", shared), ("unshared", unshared))}
+    assert 0.8 * nbytes <= node["unshared"] - node["shared"] <= 1.2 * nbytes, (node, nbytes)
+
+
+def test_the_shared_base_gives_the_unshared_result_bit_for_bit(two):
+    assert two["shared"]["losses"] == two["unshared"]["losses"]
+    assert equal(two["shared"]["weights"], two["unshared"]["weights"])
+    losses, weights = one_rank("plain", grad_accum=1, model=BIG, **BIG_KW)
+    assert two["shared"]["losses"] == losses and equal(two["shared"]["weights"], weights)
+
+
+def test_a_base_partly_on_nvme_is_placed_alike_on_both_ranks(two):
+    """At a tight budget the base is split between the shared host memory and NVMe (the leader's
+    swap files, which the other rank reads), in the same way on both ranks (the leader's
+    placement); the result is the roomy run's."""
+    got = two["shared_nvme"]
+    assert "shared" in got["homes"]["host"] and "shared" in got["homes"]["nvme"]
+    # the base's swap files are the leader's: the other rank reads them, it writes none
+    leader, other = got["ranks_memory"]
+    assert any(f.endswith(".compute.swp") for f in leader["nvme_files"])
+    assert not any(f.endswith(".compute.swp") for f in other["nvme_files"])
+    assert leader["nvme_usage"]["shared"] == other["nvme_usage"]["shared"] > 0
+    assert got["losses"] == two["lora"]["losses"] and equal(got["weights"], two["lora"]["weights"])
+    budget = 90 << 10
+    assert all(sum(r["host_usage"].values()) <= budget for r in got["ranks_memory"])
+    assert {r["shared_nbytes"] for r in got["ranks_memory"]} != {0}
+
+
+def test_stale_shared_base_files_are_removed_live_ones_kept(tmp_path):
+    """A run killed before it unlinked its file leaves it: the next one removes it (nobody holds
+    its lock); a live run's file (locked) and other files are left alone."""
+    import os
+    import subprocess
+    import sys
+
+    from tierwise.offload.runtime.sharedmem import PREFIX, SharedRegion, remove_stale
+
+    dead = tmp_path / f"{PREFIX}999999-abcdef"
+    dead.write_bytes(b"x" * 10)
+    other = tmp_path / "tierwise-base-notours"
+    other.write_bytes(b"")
+    live = SharedRegion.create(4096, directory=str(tmp_path))
+    live.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    # another process maps it read-only and sees the bytes; a write there faults (read-only mapping)
+    code = (f"from tierwise.offload.runtime.sharedmem import SharedRegion; r = SharedRegion.attach({live.path!r}, 4096); "
+            "print(r.tensor[:4].tolist()); r.tensor[0] = 9")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "[1, 2, 3, 4]" and proc.returncode != 0, proc.stderr[-300:]
+    assert not dead.exists()  # create() removed it
+    dead.write_bytes(b"")
+    assert remove_stale(str(tmp_path)) == [str(dead)]
+    assert other.exists() and os.path.exists(live.path)  # the live one is locked
+    live.unlink()
+    live.close()
+    assert not list(tmp_path.glob(f"{PREFIX}[0-9]*"))
