@@ -69,15 +69,17 @@ def cases() -> list[dict]:
 
 
 def tight_gpu(case: dict) -> int:
-    """The smallest device budget the engine takes for this case (every chunk streamed), measured
-    on one rank, plus 8 KiB (two ranks agree on the larger activation peak of the two)."""
-    from tierwise.offload import Engine
+    """The smallest device budget the engine takes for this case (the planner's gpu_minimum,
+    the engine's own formula: tests/test_plan_vs_engine.py), plus 8 KiB (two ranks agree on the
+    larger activation peak of the two)."""
+    from tierwise.offload.core.chunks import specs_of
+    from tierwise.offload.plan.planner import make_plan
 
-    eng = Engine(build(), chunk_bytes=CHUNK, precision=case["precision"], checkpointing=case["checkpointing"],
-                 allow_gpu_home=False)
-    eng.step(data(1, ROWS * case["grad_accum"])[0], grad_accum=case["grad_accum"])
-    eng.close()
-    return eng.minimum_gpu_bytes + (8 << 10)
+    model = build()
+    p = make_plan(model=model.config, hardware="cpu-sim", params=specs_of(model.named_parameters()),
+                  gpu_mem=None, cpu_mem=None, optimizer="adamw", precision=case["precision"], batch_size=ROWS,
+                  seq_len=SEQ, grad_accum=case["grad_accum"], chunk_bytes=CHUNK, checkpointing=case["checkpointing"])
+    return p.gpu_minimum + (8 << 10)
 
 
 def _worker(rank: int, world: int, todo: list[dict], steps: int, tmp: str) -> None:
@@ -109,14 +111,15 @@ def _worker(rank: int, world: int, todo: list[dict], steps: int, tmp: str) -> No
         dist.destroy_process_group()
 
 
-def measure(todo: list[dict], *, steps: int = 2, world: int = 2) -> list[dict]:
+def measure(todo: list[dict], *, steps: int = 2, world: int = 2, start_method: str = "spawn") -> list[dict]:
     """Per case: the payload bytes per rank per step ("gather", "grads", "main"), measured on
-    `world` gloo ranks after the warm-up step. A case's gpu_mem "tight" is resolved first."""
+    `world` gloo ranks after the warm-up step. A case's gpu_mem "tight" is resolved first.
+    `start_method` "fork" saves the ranks' imports (a test's seconds)."""
     import torch.multiprocessing as mp
 
     todo = [c | {"gpu_mem": tight_gpu(c)} if c["gpu_mem"] == "tight" else c for c in todo]
     tmp = tempfile.mkdtemp(prefix="tierwise-coll-")
-    mp.start_processes(_worker, args=(world, todo, steps, tmp), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, todo, steps, tmp), nprocs=world, start_method=start_method)
     return [c | r for c, r in zip(todo, torch.load(Path(tmp) / "results.pt"))]
 
 

@@ -789,13 +789,14 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     room = None if host is None else host - L * least
     try:
         if room is not None and room < 0:
-            raise InfeasibleBudget("", minimum={"host": L * least})
+            raise InfeasibleBudget("", minimum={"host": 0})
         base_homes = assign_homes(kinds=base_kinds, host=room, cxl=cxl or None, nvme=use_nvme) if base_kinds \
             else Homes(tiers={}, bytes={}, bounce=0)
-    except InfeasibleBudget as exc:
+    except InfeasibleBudget as exc:  # the base's own minimum (0 when the ranks' alone exceed the budget)
         need = L * least + exc.minimum.get("host", 0)
-        raise InfeasibleBudget(f"node host budget {format_size(host or 0)} cannot hold the frozen base once and "
-                               f"{L} ranks' own chunks: at least {format_size(need)} ({need} B) needed; raise --cpu-mem"
+        raise InfeasibleBudget(f"node host budget {format_size(host or 0)} cannot hold "
+                               f"{'the frozen base once and ' if base_kinds else ''}{L} ranks' own chunks (each its "
+                               f"owned chunks and fp32 gradients of all the others): at least {format_size(need)} ({need} B) needed; raise --cpu-mem"
                                f"{'' if use_nvme else ' or give --nvme-path'}", minimum={"host": need}) from None
     base = {t: sum(base_homes.bytes.get(t, {}).values()) for t in ("host", "cxl", "nvme")}
     base_bounce = L * base_homes.bounce  # each rank stages its own NVMe reads of the base
