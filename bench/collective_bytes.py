@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -65,6 +66,7 @@ def cases() -> list[dict]:
     out.append(dict(precision="fp32", checkpointing=True, grad_accum=2, gpu_mem=None))
     for precision in ("fp32", "bf16"):
         out.append(dict(precision=precision, checkpointing=True, grad_accum=2, gpu_mem="tight"))
+    out.append(dict(precision="bf16", checkpointing=False, grad_accum=1, gpu_mem="tight"))  # the worst case
     return out
 
 
@@ -90,6 +92,13 @@ def _worker(rank: int, world: int, todo: list[dict], steps: int, tmp: str) -> No
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         out = []
+        buf, reps = torch.zeros(1 << 20, dtype=torch.float32), 10  # gloo's bandwidth: 4 MiB broadcasts
+        dist.broadcast(buf, src=0)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.broadcast(buf, src=0)
+            dist.reduce(buf, dst=0)
+        link_gbps = 2 * reps * buf.numel() * 4 / (time.perf_counter() - t0) / 1e9
         for case in todo:
             accum = case["grad_accum"]
             eng = Engine(build(), lr=1e-3, chunk_bytes=CHUNK, precision=case["precision"],
@@ -103,7 +112,8 @@ def _worker(rank: int, world: int, todo: list[dict], steps: int, tmp: str) -> No
             t = torch.tensor([got["gather"], got["grads"], got["main"]], dtype=torch.float64)
             same = t.clone()
             dist.all_reduce(same, op=dist.ReduceOp.MAX)
-            out.append(got | {"ranks_agree": bool(torch.equal(t, same)), "cache_limit": eng.device_plan.cache_limit})
+            out.append(got | {"ranks_agree": bool(torch.equal(t, same)), "cache_limit": eng.device_plan.cache_limit,
+                              "link_gbps": link_gbps})
             eng.close()
         if rank == 0:
             torch.save(out, Path(tmp) / "results.pt")
@@ -149,7 +159,8 @@ def main() -> None:
     params = sum(p.numel() for p in build().parameters())
     rows = [["precision", "recompute", "micro/rank", "device", "gather", "reduce", "scalars", "measured",
              "planned", "plan/meas", "ZeRO-3", "meas/ZeRO-3"]]
-    for r in measure(cases(), steps=args.steps):
+    results = measure(cases(), steps=args.steps)
+    for r in results:
         assert r["ranks_agree"], r
         total = r["gather"] + r["grads"]
         pg, pr = planned(r)
@@ -166,6 +177,8 @@ def main() -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    print(f"gloo between the 2 processes: {results[0]['link_gbps']:.2f} GB/s per 4 MiB broadcast/reduce "
+          f"(profiles/hardware/cpu-sim.toml [node] gpu_link_gbps)")
 
 
 if __name__ == "__main__":

@@ -146,3 +146,30 @@ def test_collective_bytes_planned_within_10_percent_of_measured_and_below_zero3(
         assert total < zero3, (total, zero3)  # recompute: each layer gathered once for recompute + backward
     roomy = results[0]
     assert roomy["gather"] == 4 * params  # the cache keeps every chunk from the first forward to the update
+
+
+def test_readme_multi_gpu_plan_sample_is_what_plan_prints():
+    import re
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from tierwise.cli.main import app
+
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"```\n\$ (finetune plan [^\n]*--nproc-per-node 2[^\n]*\\\n[^\n]*)\n(.*?)```", text, re.S)
+    assert m, "README's multi-GPU plan sample"
+    r = CliRunner().invoke(app, shlex.split(m.group(1).replace("\\\n", " "))[1:], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert r.stdout == m.group(2)
+
+
+def test_dry_run_plans_the_ranks(tmp_path):
+    from typer.testing import CliRunner
+
+    from tierwise.cli.main import app
+
+    r = CliRunner().invoke(app, ["--dry-run", "--nproc-per-node", "2", "--output", str(tmp_path / "run")],
+                           env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "ranks: 2 (2 per node x 1 node)" in r.output and "collectives per rank per step" in r.output
