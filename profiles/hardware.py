@@ -1,4 +1,5 @@
-"""Hardware profiles: what the performance model needs to know about one GPU and its host.
+"""Hardware profiles: what the performance model needs to know about one GPU and its host, or
+(with a [node] table) a node of several GPUs, their links and the network to other nodes.
 
 Units: bandwidths in GB/s (10^9 bytes/s), compute in TFLOPS (10^12 flop/s, what a large
 matmul realistically reaches, not the datasheet peak), throughputs in parameters per second,

@@ -18,6 +18,8 @@ The planner mirrors the engine byte for byte on the simulated device, by constru
   refusal where the engine would not fit (e.g. the CXL allocator's page rounding).
 Verified against the engine by tests/test_plan_vs_engine.py and tests/test_budget_matrix.py.
 What is left to a model is time: `perfmodel.predict_step`.
+Several ranks (`nproc_per_node`, `nnodes`): `_plan_ranks` and offload/plan/ranks.py (bytes per
+rank and per node, the frozen base once per node, collective bytes: tests/test_plan_ranks.py).
 """
 
 from __future__ import annotations
