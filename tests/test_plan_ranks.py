@@ -93,6 +93,7 @@ def test_node_budget_is_divided_among_local_ranks_and_the_named_minimum_fits():
     need = two.ranks.node["host"]
     with pytest.raises(InfeasibleBudget, match="node host budget") as info:
         make_plan(**TINY, cpu_mem=need - 1, nproc_per_node=2)
+    assert info.value.minimum["host"] == two.host_minimum
     assert make_plan(**TINY, cpu_mem=info.value.minimum["host"], nproc_per_node=2).ranks.node["host"] <= \
         info.value.minimum["host"]
     # with NVMe: each rank's own bytes within half of what the node has left

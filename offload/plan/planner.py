@@ -770,11 +770,12 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                 precision: str, lora_act, single: dict, meta: dict) -> Plan:
     """make_plan for `nproc` ranks per node on `nnodes` nodes (offload.plan.ranks). Every rank
     streams every chunk (the engine allows no gpu-home chunk with several ranks). The homes of
-    a node: one `assign_homes` over its ranks' own kinds (each rank's owned chunks, and its
-    gradient chunks of the others) and the frozen base once, within the node's host and CXL
-    budgets, each rank with its own NVMe bounce buffers; node 0 (ranks 0..L-1, the largest
-    shares) is the one planned. Each rank is priced on its share of the node (`rank_share`) with
-    its collectives; the step lasts as long as the slowest rank."""
+    a node: the frozen base once (`assign_homes` within what the ranks' minimums leave of the
+    node's host budget), then each of its L ranks `assign_homes` over its own kinds (its owned
+    chunks, and its gradient chunks of the others) within 1/L of the rest (cli.launch.node_share),
+    each with its own NVMe bounce buffers; node 0 (ranks 0..L-1, the largest shares) is the one
+    planned. Each rank is priced on its share of the node (`rank_share`) with its collectives;
+    the step lasts as long as the slowest rank."""
     world, L = nproc * nnodes, nproc
     trainable = [c for c in range(ch.n) if c not in ch.frozen]
     owner = multi.owners(trainable, world)
@@ -849,7 +850,8 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     homes0 = _streamed_homes(views[0], homes_of[0], streamed)
     plan = _build(views[0], model=model, hw=hw, needs=needs, device=device, homes=homes0, pred=preds[slowest],
                   precision=precision, budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
-                  host_minimum=0, lora_act=lora_act,
+                  host_minimum=L * least + (minimum_host(base_kinds, cxl=cxl or None, nvme=use_nvme) if base_kinds
+                                            else 0), lora_act=lora_act,
                   **_base_traffic(views[0], load=step_loads[0], homes=homes0, streamed=streamed,
                                   micro_batches=accum, hw=hw), **meta)
     gpu_peaks = []
