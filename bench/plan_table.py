@@ -1,10 +1,12 @@
 """What fits where: tierwise plans for 7B-175B on an RTX 4090 + 256 GB + NVMe and on an H200,
 beside DeepSpeed ZeRO-3's own model-states memory estimate; with --lora, LoRA and QLoRA plans
 for 8B/70B/405B on a 24 GB RTX 4090 with 64 or 128 GB host RAM (+ NVMe for what does not fit),
-beside what PEFT + bitsandbytes would need on the GPU.
+beside what PEFT + bitsandbytes would need on the GPU; with --multi, several GPUs per node (70B
+QLoRA and full on 2x RTX 4090, 405B QLoRA on 8x RTX 4090 + NVMe, 70B full on 8x A100-80G).
 
     python bench/plan_table.py [--batch 1] [--seq 2048] [--precision bf16]
     python bench/plan_table.py --lora [--seq 512]
+    python bench/plan_table.py --multi [--seq 2048] [--batch 1]
 
 DeepSpeed's estimate: `deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_cold`
 when deepspeed is importable; otherwise the same formula re-derived here (one node, one GPU,
@@ -129,15 +131,78 @@ def lora_table(seq: int) -> None:
                   + f"  -> {'fits' if need['total'] <= hw.gpu.memory else 'does not fit'} in 24 GiB")
 
 
+#: (setup, hardware profile, model, run label, planner keywords, host budgets per node)
+MULTI = (
+    ("2x RTX 4090", "2x-rtx4090-128g", "70b", "QLoRA", dict(lora_rank=16, base_dtype="nf4", double_quant=True),
+     ("128G", "64G")),
+    ("2x RTX 4090", "2x-rtx4090-128g", "70b", "full", {}, ("128G", "64G")),
+    ("8x RTX 4090", "8x-rtx4090-nvme", "405b", "QLoRA", dict(lora_rank=16, base_dtype="nf4", double_quant=True),
+     ("256G",)),
+    ("8x A100-80G", "8x-a100-80g-1t-nvme", "70b", "full", {}, ("1T",)),
+)
+
+
+def multi_table(seq: int, batch: int) -> None:
+    """Several GPUs per node (plan.ranks): bytes per rank and per node, collective traffic,
+    predicted tokens/s against one GPU of the same node, and the frozen base per node by GPU count."""
+    head = ["setup", "model", "run", "host/node", "GPUs", "fits", "gpu/rank", "own host/rank", "host/node",
+            "nvme/node", "base/node", "coll/rank/step", "coll s", "step s", "tokens/s", "1 GPU", "ratio",
+            "bottleneck"]
+    rows = [head]
+    for setup, hw_name, m, label, run, hosts in MULTI:
+        hw = load_hardware_profile(hw_name)
+        for host in hosts:
+            kw = dict(model=m, hardware=hw, gpu_mem=None, cpu_mem=host, nvme_path="/nvme", optimizer="adamw",
+                      precision="bf16", batch_size=batch, seq_len=seq, suggest=False, **run)
+            try:
+                p = make_plan(**kw, nproc_per_node=hw.gpus_per_node)
+            except InfeasibleBudget as exc:
+                need = ", ".join(f"{t} >= {format_size(b)}" for t, b in exc.minimum.items())
+                rows.append([setup, m, label, host, str(hw.gpus_per_node), "no", need] + [""] * 11)
+                continue
+            r = p.ranks
+            single = r.single_tokens_per_s
+            rows.append([setup, m, label, host, str(r.world), "yes", format_size(max(r.gpu_peak)),
+                         format_size(max(r.private_host)), format_size(r.node["host"]),
+                         format_size(r.node["nvme"]) if r.node["nvme"] else "-",
+                         format_size(sum(r.base.values())) if any(r.base.values()) else "-",
+                         format_size(r.gather_bytes + r.reduce_bytes), f"{r.collective_s:.2f}", f"{p.step_s:.2f}",
+                         f"{p.tokens_per_s:,.0f}", f"{single:,.0f}" if single else "-",
+                         f"{p.tokens_per_s / single:.2f}" if single else "-", p.bottleneck])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    print(f"tierwise multi-GPU plans (MODELLED: bytes follow the engine's layout; times from the hardware "
+          f"profiles): bf16, micro-batch {batch} x {seq} per rank, grad-accum 1 per rank, AdamW, recompute, "
+          f"64 MiB chunks, NVMe for what the node's host RAM does not hold; QLoRA = rank 16 on all-linear over "
+          f"an NF4 base; '1 GPU' = one rank on the same node with its whole budgets")
+    for r in rows:
+        print("  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    print("\nthe frozen base's bytes per node by GPU count (held once per node, read by every local rank):")
+    for hw_name, m, host, counts in (("2x-rtx4090-128g", "70b", "64G", (1, 2)),
+                                     ("8x-rtx4090-nvme", "405b", "256G", (1, 2, 4, 8))):
+        cells = []
+        for n in counts:
+            p = make_plan(model=m, hardware=hw_name, gpu_mem=None, cpu_mem=host, nvme_path="/nvme", optimizer="adamw",
+                          precision="bf16", batch_size=batch, seq_len=seq, suggest=False, nproc_per_node=n,
+                          lora_rank=16, base_dtype="nf4", double_quant=True)
+            base = p.ranks.base if p.ranks else {t: p.bytes[t].get("base", 0) for t in ("gpu", "host", "cxl", "nvme")}
+            cells.append(f"{n} GPU{'s' if n > 1 else ''}: " + " + ".join(
+                f"{t} {format_size(b)}" for t, b in base.items() if b))
+        print(f"  {m} QLoRA on {hw_name}, host {host}: " + "; ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--lora", action="store_true", help="the LoRA/QLoRA table instead")
+    ap.add_argument("--multi", action="store_true", help="the multi-GPU table instead")
     args = ap.parse_args()
     if args.lora:
         lora_table(args.seq)
+        return
+    if args.multi:
+        multi_table(args.seq, args.batch)
         return
     try:
         import deepspeed  # type: ignore # noqa: F401

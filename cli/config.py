@@ -237,8 +237,12 @@ class TrainConfig:
                        flag="--dry-run")
     nproc_per_node: int = _f(1, "Processes (one per GPU) on this node: starts torchrun for you (or run "
                              "`torchrun --nproc-per-node N -m tierwise.cli.main ...`). --cpu-mem and --cxl-mem "
-                             "are the node's, divided among them; --gpu-mem is per GPU.", panel=HW)
+                             "are the node's, divided among them; --gpu-mem is per GPU. `plan` and --dry-run "
+                             "price that many ranks.", panel=HW, plan=True)
     """Ranks on this node (cli.launch). Under torchrun its variables say the ranks instead."""
+    nnodes: int = _f(1, "Nodes the run spans, for `plan` and --dry-run (to train across nodes, start "
+                     "`torchrun --nnodes M --node-rank I ... -m tierwise.cli.main ...` on each).", panel=HW, plan=True)
+    """Nodes priced by the planner (offload.plan.ranks); training learns them from torchrun."""
     budgets: dict = field(init=False)
     """Parsed bytes: {"gpu": int|None, "cpu": ..., "cxl": ..., "chunk": int}."""
 
@@ -280,7 +284,7 @@ class TrainConfig:
         if self.offload_activations and self.recompute is False:
             raise ConfigError("--offload-activations moves the inputs of recomputed layers: it needs "
                               "recompute (drop --no-recompute)")
-        for name in ("seq_len", "batch_size", "grad_accum", "nproc_per_node"):
+        for name in ("seq_len", "batch_size", "grad_accum", "nproc_per_node", "nnodes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         for name in ("eval_every", "checkpoint_every", "warmup_steps", "keep_checkpoints",

@@ -139,6 +139,10 @@ def train(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION, **options)
     cfg = TrainConfig(**options)
     from .launch import from_env, relaunch
 
+    if cfg.nnodes > 1 and not cfg.dry_run:  # the planner prices nodes; torchrun starts them
+        raise TierwiseError(f"--nnodes {cfg.nnodes} plans several nodes (`finetune plan`, --dry-run); to train across "
+                          f"nodes start `torchrun --nnodes {cfg.nnodes} --node-rank I ... -m tierwise.cli.main ...` "
+                          f"on each node")
     if cfg.nproc_per_node > 1 and not cfg.dry_run and not from_env().several:  # torchrun starts the ranks
         if cfg.resume:  # one line and exit 2 here, not one per rank under torchrun
             from .train import check_world
@@ -180,15 +184,17 @@ def plan(
     if verify:
         if json_out:
             raise TierwiseError("--verify prints a table: drop --json")
+        if cfg.nproc_per_node * cfg.nnodes > 1:
+            raise TierwiseError("--verify runs one rank on this machine: drop --nproc-per-node / --nnodes")
         code = verify_plan(cfg, steps=verify_steps, console=Console())
         if code:
             raise typer.Exit(code)
         return
     try:
-        result = make_plan(cfg)
+        result = make_plan(cfg, ranks=True)
     except InfeasibleBudget as e:
         if not json_out:
-            advise(cfg, e, console=Console())
+            advise(cfg, e, console=Console(), ranks=True)
         raise
     print_plan(result, console=Console(), as_json=json_out)
 

@@ -27,13 +27,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: bool | None = None) -> Plan:
+def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: bool | None = None,
+              ranks: bool = False) -> Plan:
     """offload.plan.planner.make_plan for this run. `padded`: whether the run's batches can
     hold padding (None: `data_padded`). A model profile (`--model 7b`) plans by name, on a
     machine without torch or transformers too (unless --data must be tokenized); a model
     directory or the built-in model needs them (their parameters are read off the module
     training builds, on the meta device).
-    A LoRA run is priced as one: frozen base at its encoded bytes, adapters and their state."""
+    A LoRA run is priced as one: frozen base at its encoded bytes, adapters and their state.
+    `ranks`: price --nproc-per-node x --nnodes ranks (`plan`, --dry-run; offload.plan.ranks);
+    else one rank with the budgets given (the feasibility checks of a run)."""
     if is_profile(cfg.model):  # the planner reads the profile's extra fields
         model, params = cfg.model, profile_params(cfg.model)
     else:
@@ -51,6 +54,7 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
         checkpointing=checkpointing(cfg), padded=padded,
         **lora_options(cfg, linears=engine_linears(src) if cfg.lora and not is_profile(cfg.model) else None),
+        **({"nproc_per_node": cfg.nproc_per_node, "nnodes": cfg.nnodes} if ranks else {}),
     )
 
 
@@ -151,7 +155,7 @@ def engine_linears(src: "ModelSource") -> dict[str, str]:
 
 
 def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource | None",
-                 padded: bool | None = None, limit: int = 5) -> list[tuple[str, object]]:
+                 padded: bool | None = None, limit: int = 5, ranks: bool = False) -> list[tuple[str, object]]:
     """Changes to a refused run that the planner itself finds feasible: [(flags, plan)],
     fastest predicted step first, at most `limit`. Each is one change (chunk size, recompute,
     half the micro-batch with twice the accumulation, bf16, 8-bit AdamW, both, the host RAM
@@ -183,7 +187,7 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
 
     def attempt(flags: str, change: dict) -> bool:
         try:
-            plan = make_plan(dataclasses.replace(cfg, **change), src=src, padded=padded)
+            plan = make_plan(dataclasses.replace(cfg, **change), src=src, padded=padded, ranks=ranks)
         except (InfeasibleBudget, UnsupportedModel, ProfileError):  # still infeasible with this change
             return False
         fits.append((flags, plan))
@@ -198,12 +202,12 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
 
 
 def advise(cfg: TrainConfig, error: InfeasibleBudget, *, console: Console,
-           src: "ModelSource | None" = None, padded: bool | None = None) -> None:
+           src: "ModelSource | None" = None, padded: bool | None = None, ranks: bool = False) -> None:
     """Print the verdict of a refused plan and the cheapest changes that would fit."""
     if src is None and not is_profile(cfg.model):
         src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     console.out(f"verdict: does not fit: {str(error).splitlines()[0]}", highlight=False)
-    fits = alternatives(cfg, error, src=src, padded=padded)
+    fits = alternatives(cfg, error, src=src, padded=padded, ranks=ranks)
     if not fits:
         console.out("no single change of precision, optimizer, recompute, batch, chunk size, "
                     "host RAM or NVMe swap makes it fit on this machine", highlight=False)
@@ -382,7 +386,7 @@ def dry_run(cfg: TrainConfig, *, console: Console) -> int:
         lora_mod.inject(model, lora_mod.lora_config(cfg), seed=cfg.seed, values=False)
         lora = lora_mod.summary(cfg, model)
     console.print(summary_table(cfg, name=src.name, params=total, lora=lora))
-    print_plan(make_plan(cfg, src=src), console=console, as_json=False)
+    print_plan(make_plan(cfg, src=src, ranks=True), console=console, as_json=False)
     return 0
 
 

@@ -5,14 +5,14 @@
     6738415616
 """
 
-from .hardware import CxlSpec, GpuSpec, HardwareProfile, HostSpec, NvmeSpec, PcieSpec
+from .hardware import CxlSpec, GpuSpec, HardwareProfile, HostSpec, NodeSpec, NvmeSpec, PcieSpec
 from .model import ModelProfile
 from .registry import known_profiles, load_hardware_profile, load_model_profile
 from .schema import (FieldTypeError, FieldValueError, MissingFieldError, ProfileError,
                      ProfileFieldError, UnknownFieldError, UnknownProfileError)
 
 __all__ = [
-    "CxlSpec", "GpuSpec", "HardwareProfile", "HostSpec", "NvmeSpec", "PcieSpec", "ModelProfile",
+    "CxlSpec", "GpuSpec", "HardwareProfile", "HostSpec", "NodeSpec", "NvmeSpec", "PcieSpec", "ModelProfile",
     "known_profiles", "load_hardware_profile", "load_model_profile", "FieldTypeError", "FieldValueError",
     "MissingFieldError", "ProfileError", "ProfileFieldError", "UnknownFieldError", "UnknownProfileError",
 ]

@@ -1,4 +1,5 @@
-"""Hardware profiles: what the performance model needs to know about one GPU and its host.
+"""Hardware profiles: what the performance model needs to know about one GPU and its host, or
+(with a [node] table) a node of several GPUs, their links and the network to other nodes.
 
 Units: bandwidths in GB/s (10^9 bytes/s), compute in TFLOPS (10^12 flop/s, what a large
 matmul realistically reaches, not the datasheet peak), throughputs in parameters per second,
@@ -111,9 +112,36 @@ class NvmeSpec:
         validate_fields(self)
 
 
+#: How the GPUs of a node reach each other: "nvlink" (their own links, no PCIe or host traffic),
+#: "pcie" (peer to peer over the PCIe switch: each GPU's PCIe link carries it), "host" (staged
+#: through host memory, as NCCL's SHM transport does where peer access is off, e.g. GeForce
+#: RTX 40-series, or gloo between processes: the PCIe links and host DRAM carry it).
+GPU_LINKS = ("nvlink", "pcie", "host")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeSpec:
+    """Several GPUs in one node, and the network to other nodes. The [host], [cxl] and [nvme]
+    tables then describe the whole node (its local ranks share them); [gpu] and [pcie] one GPU."""
+
+    gpus: int
+    """GPUs in the node (the most `--nproc-per-node` can use)."""
+    gpu_link: str = field(metadata={"choices": GPU_LINKS})
+    """How the GPUs reach each other (see GPU_LINKS)."""
+    gpu_link_gbps: float
+    """Achievable bandwidth of one collective between the node's GPUs (NCCL bus bandwidth of a
+    broadcast / reduce), GB/s."""
+    network_gbps: float | None = None
+    """Achievable bandwidth from this node to the others (all its NICs together), GB/s; None:
+    a single node (`--nnodes` above 1 is refused)."""
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
 @dataclass(frozen=True, kw_only=True)
 class HardwareProfile:
-    """One GPU, its host and optional CXL memory and NVMe drive."""
+    """One GPU (or a node of several: [node]), its host and optional CXL memory and NVMe drive."""
 
     name: str
     """Canonical name, e.g. "rtx4090"."""
@@ -128,6 +156,12 @@ class HardwareProfile:
     host: HostSpec
     cxl: CxlSpec | None = None
     nvme: NvmeSpec | None = None
+    node: NodeSpec | None = None
+    """Several GPUs per node (None: one GPU, no network)."""
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.node.gpus if self.node is not None else 1
 
     @property
     def simulated(self) -> bool:

@@ -164,7 +164,8 @@ def test_bad_hardware_profile(tmp_path, old, new, error, message):
 def test_unknown_profile_names_known_ones():
     with pytest.raises(UnknownProfileError, match=r"unknown model profile 'llama-9b' \(known: 100m, .*tiny"):
         load_model_profile("llama-9b")
-    with pytest.raises(UnknownProfileError, match=r"unknown hardware profile 'tpu' \(known: a100-40g, .*rtx4090"):
+    with pytest.raises(UnknownProfileError, match=r"unknown hardware profile 'tpu' \(known: 2x-rtx4090-128g, .*a100-40g, "
+                                                  r".*rtx4090"):
         load_hardware_profile("tpu")
 
 

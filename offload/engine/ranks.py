@@ -97,6 +97,9 @@ class Ranks:
         self.gather_group, self.grad_group, self.main_group = (
             dist.new_group(ranks=members, timeout=timeout) for _ in range(3))
         self.owner = {cid: k % self.world for k, cid in enumerate(trainable)}
+        #: payload bytes this rank passed to each group's collectives (bench/collective_bytes.py);
+        #: one key per group, each written by the one thread that issues that group's collectives
+        self.bytes = {"gather": 0, "grads": 0, "main": 0}
 
     def owns(self, cid: int) -> bool:
         """True for a chunk this rank stores and updates (frozen chunks: every rank)."""
@@ -116,21 +119,25 @@ class Ranks:
     # -- chunks ---------------------------------------------------------------------------
     def broadcast_chunk(self, cid: int, buf: torch.Tensor) -> None:
         """The owner's device copy of chunk `cid` into `buf` on every rank (byte for byte)."""
+        self.bytes["gather"] += buf.numel() * buf.element_size()
         self._call(f"gathering chunk {cid} from rank {self.owner[cid]}", dist.broadcast,
                    buf.view(torch.uint8), src=self.global_rank[self.owner[cid]], group=self.gather_group)
 
     def reduce_grad(self, cid: int, grad: torch.Tensor) -> None:
         """Sum chunk `cid`'s gradient over the ranks onto its owner (others' `grad` is scratch)."""
+        self.bytes["grads"] += grad.numel() * grad.element_size()
         self._call(f"reducing the gradients of chunk {cid} onto rank {self.owner[cid]}", dist.reduce,
                    grad, dst=self.global_rank[self.owner[cid]], op=dist.ReduceOp.SUM, group=self.grad_group)
 
     def broadcast_from_owner(self, cid: int, t: torch.Tensor) -> None:
         """`t` from chunk `cid`'s owner to every rank (compute thread: exports)."""
+        self.bytes["main"] += t.numel() * t.element_size()
         self._call(f"reading chunk {cid} from rank {self.owner[cid]}", dist.broadcast,
                    t, src=self.global_rank[self.owner[cid]], group=self.main_group)
 
     # -- scalars and small vectors (compute thread) ----------------------------------------
     def sum_(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        self.bytes["main"] += t.numel() * t.element_size()
         self._call(what, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=self.main_group)
         return t
 
@@ -141,11 +148,13 @@ class Ranks:
 
     def max_int(self, value: int, what: str) -> int:
         t = torch.tensor([value], dtype=torch.int64)
+        self.bytes["main"] += 8
         self._call(what, dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.main_group)
         return int(t.item())
 
     def all_true(self, flag: bool, what: str) -> bool:
         t = torch.tensor([0 if flag else 1], dtype=torch.int64)
+        self.bytes["main"] += 8
         self._call(what, dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.main_group)
         return int(t.item()) == 0
 

@@ -13,12 +13,16 @@ the optimizer table, `offload.update.table`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..core.chunks import ParamSpec
 from ..core.errors import TierwiseError
 from ..update.table import OptimizerSpec
 from ...profiles.hardware import HardwareProfile
 from ...profiles.model import ModelProfile
+
+if TYPE_CHECKING:
+    from .ranks import Collectives
 
 GB = 1e9
 PRECISIONS = {"fp32": 4, "bf16": 2}
@@ -304,11 +308,15 @@ def _cpu_rate(hw: HardwareProfile, cost: OptimizerSpec) -> float:
 
 
 def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSpec, load: StepLoad,
-                 tokens: int, micro_batches: int = 1) -> StepPrediction:
-    """Price one step of `load` on `hardware` (see the module docstring for the model)."""
+                 tokens: int, micro_batches: int = 1, collectives: "Collectives | None" = None) -> StepPrediction:
+    """Price one step of `load` on `hardware` (see the module docstring for the model).
+    `collectives`: one rank of several (plan.ranks): its broadcasts run on the copy thread after
+    its own host-to-device copies ("h2d + gather"); its gradient reduces on their own thread,
+    overlapping backward ("grad reduce"); through host memory (gpu_link "host") both also pass
+    host DRAM twice."""
     if hardware.simulated:
         return _predict_simulated(hardware=hardware, precision=precision, cost=cost, load=load, tokens=tokens,
-                                  micro_batches=micro_batches)
+                                  micro_batches=micro_batches, collectives=collectives)
     hw, pl = hardware, load.placed
     get = lambda tier, kind: pl.get(tier, {}).get(kind, 0)  # noqa: E731
     gpu_rate = hw.gpu_tflops(precision) * 1e12
@@ -333,6 +341,13 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
     }
     startup = load.chunk_compute_bytes / h2d + (load.chunk_compute_bytes / nv_r if on_nvme else 0)
     phases, resources, tops = {}, {}, {}
+    gather_s = reduce_s = 0.0
+    if collectives is not None:
+        link = collectives.gbps * GB
+        gather_s, reduce_s = collectives.gather_bytes / 2 / link, collectives.reduce_bytes / link
+        fwd_busy["h2d + gather"] = fwd_busy.pop("pcie h2d") + gather_s
+        if collectives.via == "host":
+            fwd_busy["host dram"] += collectives.gather_bytes / dram  # in and out: half each pass
     t, top = _phase(fwd_busy, startup if stream else 0.0)
     phases["forward"], resources["forward"], tops["forward"] = t * cost.forwards * micro_batches, fwd_busy, top
 
@@ -361,6 +376,11 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
             "host dram": (src.get("host", 0) + load.grad_d2h_bytes) * micro_batches / dram
             + (load.cpu_update_bytes * host_share + 2 * (nv_read + nv_write)) / dram,
         }
+        if collectives is not None:
+            bwd_busy["h2d + gather"] = bwd_busy.pop("pcie h2d") + gather_s * micro_batches
+            bwd_busy["grad reduce"] = reduce_s
+            bwd_busy["host dram"] += 2 * collectives.reduce_bytes / dram + (
+                collectives.gather_bytes * micro_batches / dram if collectives.via == "host" else 0.0)
         t, top = _phase(bwd_busy, (startup if stream else 0.0) + tail)
         phases["backward"], resources["backward"], tops["backward"] = t, bwd_busy, top
     else:  # zeroth order: the update follows the second forward
@@ -373,7 +393,7 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
 
 
 def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: OptimizerSpec, load: StepLoad,
-                       tokens: int, micro_batches: int) -> StepPrediction:
+                       tokens: int, micro_batches: int, collectives: "Collectives | None" = None) -> StepPrediction:
     """The simulated device: "gpu" compute, the copy threads and the optimizer all run on the
     same CPU cores, so their times add up instead of overlapping (the update's CPU work is priced
     after backward: on shared cores it costs the same during backward), device-home chunks with
@@ -399,6 +419,10 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     params = load.cpu_params + load.gpu_params
     upd = {"cpu update": params / _cpu_rate(hw, cost) + load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12),
            "dispatch": 4 * load.num_chunks * overhead}
+    if collectives is not None:  # gloo between processes: copies on the same cores, added up
+        link_s = collectives.gbps * GB
+        fwd["gather"] = bwd["gather"] = collectives.gather_bytes / 2 / link_s
+        upd["grad reduce"] = collectives.reduce_bytes / link_s
     phases, resources, tops = {}, {"forward": fwd, "backward": bwd, "update": upd}, {}
     scale = hw.host.step_calibration or 1.0
     disk = _simulated_nvme(hw, load, needs_grad=cost.needs_grad)

@@ -18,10 +18,13 @@ The planner mirrors the engine byte for byte on the simulated device, by constru
   refusal where the engine would not fit (e.g. the CXL allocator's page rounding).
 Verified against the engine by tests/test_plan_vs_engine.py and tests/test_budget_matrix.py.
 What is left to a model is time: `perfmodel.predict_step`.
+Several ranks (`nproc_per_node`, `nnodes`): `_plan_ranks` and offload/plan/ranks.py (bytes per
+rank and per node, the frozen base once per node, collective bytes: tests/test_plan_ranks.py).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -41,6 +44,8 @@ from .lora import LoraModel, base_dtype_of, frozen_chunk_bytes, lora_specs, step
 from .schedule import ACQUIRE, plan_schedule
 from .needs import device_needs, zo_workspace
 from .placement import DeviceNeeds, DevicePlan, plan_device
+from . import ranks as multi
+from .ranks import Collectives, RankPlan
 from ..core.units import format_size
 from ..core.sizes import parse_size
 from ...profiles import HardwareProfile, ModelProfile, load_hardware_profile, load_model_profile
@@ -129,6 +134,10 @@ class Plan:
     """Seconds per step decoding the base on the device (memory-bound: encoded in, decoded out)."""
     suggestion: str | None = None
     """For LoRA runs: the micro-batch x grad-accum that makes the step compute-bound."""
+    ranks: RankPlan | None = None
+    """Several ranks (--nproc-per-node / --nnodes): then the gpu row, reserve and update split are
+    rank 0's, the host / cxl / nvme rows the node's (its ranks' own bytes and the base once), the
+    step time the slowest rank's and tokens/s the whole step's (plan.ranks)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -158,6 +167,9 @@ class Plan:
             lines.append(f"LoRA rank {self.lora_rank} on {self.lora_targets}: {_count(self.trainable_params)} "
                          f"trainable params; the base ({_count(self.num_params - self.trainable_params)}) frozen, "
                          f"stored {self.base_dtype}")
+        if self.ranks is not None:
+            lines.append(f"gpu: per rank (rank 0 shown); host, cxl, nvme: per node ({self.ranks.nproc_per_node} "
+                         f"ranks' own bytes{' and the frozen base once' if self.lora_rank is not None else ''})")
         lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
                   for r in rows]
         total = max(self.trainable_params or self.num_params, 1)
@@ -171,6 +183,8 @@ class Plan:
                          f"streamed base chunk and micro-batch: forward, then backward, where a recomputed layer's "
                          f"recompute and backward share one fetch when the cache holds the layer till then), "
                          f"written {format_size(self.base_written)}; decoding {self.dequant_s:.3f} s")
+        if self.ranks is not None:
+            lines += self.ranks.lines(format_size)
         if self.suggestion:
             lines.append(self.suggestion)
         lines.append("reserve (bytes besides the chunks): " + "; ".join(
@@ -356,7 +370,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               params: "Sequence[ParamSpec] | None" = None, device_mem: int | None = None,
               lora_rank: int | None = None, lora_targets: str = "all-linear", base_dtype: str | None = None,
               double_quant: bool = False, lora_dropout: float = 0.0, linears: "dict[str, str] | None" = None,
-              suggest: bool = True) -> Plan:
+              suggest: bool = True, nproc_per_node: int = 1, nnodes: int = 1) -> Plan:
     """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited;
     the gpu's at most `device_mem`, what the device of this machine has).
 
@@ -386,6 +400,9 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     Llama-family profile's).
     `suggest`: for a LoRA run, also find the micro-batch x grad-accum that makes it compute-bound
     (`Plan.suggestion`; see `suggest_micro_batch`).
+    `nproc_per_node` / `nnodes`: several ranks (offload.plan.ranks): the host, CXL and NVMe budgets
+    are the node's, the gpu budget each rank's, `grad_accum` the micro-batches of each rank
+    (`_plan_ranks`).
     Raises InfeasibleBudget naming the minimum gpu / host / nvme bytes when they cannot fit."""
     args = dict(locals())
     model = _resolve_model(model)
@@ -434,6 +451,17 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
             f"{format_size(needs.stream_window)}, gradient reserve {format_size(needs.grad_reserve)}, "
             f"activations {format_size(act)} at batch {batch_size} x {seq_len}{' padded' if padded else ''})",
             minimum={"gpu": needs.minimum})
+    if nproc_per_node * nnodes > 1:
+        multi.check_layout(hw, nproc_per_node=nproc_per_node, nnodes=nnodes, cost=ch.cost)
+        return _plan_ranks(ch, model=model, hw=hw, needs=needs, gpu=gpu, host=host, cxl=cxl, use_nvme=use_nvme,
+                           nvme_cap=nvme_cap, nproc=nproc_per_node, nnodes=nnodes, checkpointing=checkpointing,
+                           precision=precision, lora_act=lora_act, single=args,
+                           meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes,
+                                     optimizer=optimizer, checkpointing=checkpointing, padded=padded,
+                                     grad_accum=grad_accum, lora_rank=lora_rank,
+                                     lora_targets=lora_targets if lora_rank is not None else None,
+                                     base_dtype=(base_dtype or precision) if lora_rank is not None else None,
+                                     trainable_params=ch.trainable_params))
     # MeZO too may keep chunks on the device: its perturbed weights are temporaries.
     device = plan_device(needs, gpu, allow_gpu_home=True, prefer=ch.home_order())
     streamed = [c for c in range(ch.n) if c not in device.gpu_home]
@@ -576,10 +604,12 @@ def _streamed_homes(ch: _Chunks, homes: Homes, streamed: list[int]) -> Homes:
 
 
 def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int], flops_fwd: float,
-          ops: int, recompute: bool) -> StepLoad:
+          ops: int, recompute: bool, remote: frozenset[int] = frozenset()) -> StepLoad:
     """What one step moves and computes with this placement (input of the performance model).
     A frozen chunk's one kind is booked "base" in `placed` (never written back, never updated);
-    it crosses the link as stored (encoded) and is decoded on the device."""
+    it crosses the link as stored (encoded) and is decoded on the device. `remote`: trainable
+    chunks another rank owns (several ranks): their compute copies arrive by broadcast, not over
+    this rank's link, and this rank does not update them (only their gradients are its)."""
     source = "compute" if ch.bf16 else "master"
     stream = dict.fromkeys(("host", "cxl", "nvme"), 0)
     placed: dict[str, dict[str, int]] = {t: {} for t in ("host", "cxl", "nvme")}
@@ -588,21 +618,26 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
             name = "base" if c in ch.frozen else kind
             placed[tier][name] = placed[tier].get(name, 0) + ch.kinds[c][kind]
         src = "compute" if c in ch.frozen else source
-        stream[homes.tiers[c][src]] += ch.kinds[c][src]
+        if c not in remote:
+            stream[homes.tiers[c][src]] += ch.kinds[c][src]
     streamed_compute = sum(ch.compute[c] for c in streamed)
-    trainable = [c for c in streamed if c not in ch.frozen]
+    trainable = [c for c in streamed if c not in ch.frozen and c not in remote]
     home = sorted(device.gpu_home)
     # Belady over a forward and a backward pass: the cache keeps what fits across the turn
     fetched = max(0, 2 * streamed_compute - max(0, device.cache_limit - ch.widest)) if streamed else 0
     fetches = ch.fetches(device, streamed, recompute=recompute) if ch.frozen else {}
     if fetches:  # a LoRA step: the engine's own schedule over the step's trace, chunk by chunk
         fetched = sum(n * ch.compute[c] for c, n in fetches.items())
-    link = sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] if c in ch.frozen else ch.compute[c]) for c in streamed)
+    link = sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] if c in ch.frozen else ch.compute[c])
+               for c in streamed if c not in remote)
+    if remote and not ch.frozen:  # this rank's link carries only its own chunks' fetches
+        own = streamed_compute - sum(ch.compute[c] for c in remote)
+        link = round(fetched * own / streamed_compute) if streamed_compute else 0
     return StepLoad(
         tokens_flops_fwd=flops_fwd, placed=placed, stream_bytes=stream, fetched_bytes=fetched,
-        link_bytes=link if ch.frozen else None,
+        link_bytes=link if ch.frozen or remote else None,
         dequant_bytes=sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] + ch.compute[c]) for c in ch.encoded),
-        grad_d2h_bytes=sum(ch.compute[c] for c in trainable) if ch.needs_grad else 0,
+        grad_d2h_bytes=sum(ch.compute[c] for c in streamed if c not in ch.frozen) if ch.needs_grad else 0,
         cpu_params=sum(ch.params[c] for c in streamed), cpu_flops=sum(ch.flops[c] for c in streamed),
         cpu_update_bytes=sum(_update_bytes(ch, c) for c in trainable),
         gpu_params=sum(ch.params[c] for c in home),
@@ -722,3 +757,138 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
                 gpu_update_params=gpu_params, cpu_update_params=ch.trainable_params - gpu_params,
                 phases=pred.phases, step_s=pred.step_s, bottleneck=pred.bottleneck,
                 tokens_per_s=pred.tokens_per_s, **meta)
+
+
+def _rank_view(ch: _Chunks, remote: frozenset[int]) -> _Chunks:
+    """`ch` as one rank of several holds it: a remote trainable chunk is only its gradient
+    (Engine._place: {"grad": 4 * numel}), never updated here."""
+    view = copy.copy(ch)
+    view.kinds = [{"grad": 4 * ch.plan.chunks[c].numel} if c in remote else k for c, k in enumerate(ch.kinds)]
+    view.params = [0 if c in remote else p for c, p in enumerate(ch.params)]
+    view.flops = [0.0 if c in remote else f for c, f in enumerate(ch.flops)]
+    return view
+
+
+def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, gpu: int, host: int | None,
+                cxl: int, use_nvme: bool, nvme_cap: int | None, nproc: int, nnodes: int, checkpointing: bool,
+                precision: str, lora_act, single: dict, meta: dict) -> Plan:
+    """make_plan for `nproc` ranks per node on `nnodes` nodes (offload.plan.ranks). Every rank
+    streams every chunk (the engine allows no gpu-home chunk with several ranks). The homes of
+    a node: the frozen base once (`assign_homes` within what the ranks' minimums leave of the
+    node's host budget), then each of its L ranks `assign_homes` over its own kinds (its owned
+    chunks, and its gradient chunks of the others) within 1/L of the rest (cli.launch.node_share),
+    each with its own NVMe bounce buffers; node 0 (ranks 0..L-1, the largest shares) is the one
+    planned. Each rank is priced on its share of the node (`rank_share`) with its collectives;
+    the step lasts as long as the slowest rank."""
+    world, L = nproc * nnodes, nproc
+    trainable = [c for c in range(ch.n) if c not in ch.frozen]
+    owner = multi.owners(trainable, world)
+    remotes = [frozenset(c for c in trainable if owner[c] != r) for r in range(L)]
+    views = [_rank_view(ch, rem) for rem in remotes]
+    device = plan_device(needs, gpu, allow_gpu_home=False)
+    streamed = list(range(ch.n))
+    # the frozen base once per node, first (every rank reads it every micro-batch): in the host
+    # RAM the ranks' minimums leave, then CXL, then NVMe; each rank then gets 1/L of the rest
+    # (cli.launch.node_share) for its own kinds: its owned chunks and its gradients of the others
+    own = [{c: views[r].kinds[c] for c in trainable} for r in range(L)]
+    least = max(_host_minimum(views[r], trainable, cxl=0, nvme=use_nvme) for r in range(L))
+    base_kinds = {c: ch.kinds[c] for c in ch.frozen}
+    room = None if host is None else host - L * least
+    try:
+        if room is not None and room < 0:
+            raise InfeasibleBudget("", minimum={"host": 0})
+        base_homes = assign_homes(kinds=base_kinds, host=room, cxl=cxl or None, nvme=use_nvme) if base_kinds \
+            else Homes(tiers={}, bytes={}, bounce=0)
+    except InfeasibleBudget as exc:  # the base's own minimum (0 when the ranks' alone exceed the budget)
+        need = L * least + exc.minimum.get("host", 0)
+        raise InfeasibleBudget(f"node host budget {format_size(host or 0)} cannot hold "
+                               f"{'the frozen base once and ' if base_kinds else ''}{L} ranks' own chunks (each its "
+                               f"owned chunks and fp32 gradients of all the others): at least {format_size(need)} ({need} B) needed; raise --cpu-mem"
+                               f"{'' if use_nvme else ' or give --nvme-path'}", minimum={"host": need}) from None
+    base = {t: sum(base_homes.bytes.get(t, {}).values()) for t in ("host", "cxl", "nvme")}
+    base_bounce = L * base_homes.bounce  # each rank stages its own NVMe reads of the base
+    per_host = None if host is None else (host - base["host"] - base_bounce) // L
+    per_cxl = (cxl - base["cxl"]) // L if cxl else 0
+    rank_homes = []
+    for r in range(L):
+        try:
+            rank_homes.append(assign_homes(kinds=own[r], host=per_host, cxl=per_cxl or None, nvme=use_nvme))
+        except InfeasibleBudget as exc:
+            need = base["host"] + base_bounce + L * exc.minimum.get("host", 0)
+            raise InfeasibleBudget(f"node host budget {format_size(host or 0)}: after the frozen base "
+                                   f"({format_size(base['host'])} in host RAM) each of {L} ranks gets "
+                                   f"{format_size(per_host or 0)}, too little for its own chunks: at least "
+                                   f"{format_size(need)} ({need} B) needed; raise --cpu-mem", minimum={"host": need}) from None
+    node_bytes = {t: base[t] + sum(sum(h.bytes.get(t, {}).values()) for h in rank_homes) for t in ("host", "cxl", "nvme")}
+    bounces = base_bounce + sum(h.bounce for h in rank_homes)
+    node_bytes["host"] += bounces
+    if nvme_cap is not None and node_bytes["nvme"] > nvme_cap:
+        raise InfeasibleBudget(f"--nvme-path has {format_size(nvme_cap)} of space: the node needs at least "
+                               f"{format_size(node_bytes['nvme'])}; raise --cpu-mem / --cxl-mem or free disk space",
+                               minimum={"nvme": node_bytes["nvme"]})
+    gbps, link_words = multi.link(hw, nnodes)
+    share = multi.rank_share(hw, L)
+    flops_fwd = model_flops(model=model, batch_size=meta["batch_size"], seq_len=meta["seq_len"])
+    accum, tokens = meta["grad_accum"], meta["batch_size"] * meta["seq_len"] * meta["grad_accum"] * world
+    preds, loads, homes_of, step_loads = [], [], [], []
+    for r in range(L):
+        tiers = base_homes.tiers | rank_homes[r].tiers
+        homes_r = Homes(tiers=tiers, bytes={}, bounce=rank_homes[r].bounce + base_homes.bounce)
+        load = _load(views[r], device=device, homes=homes_r, streamed=streamed, flops_fwd=flops_fwd,
+                     ops=ops_per_forward(model), recompute=checkpointing, remote=remotes[r])
+        if ch.frozen:  # the adapters: as the LoRA schedule fetches them, every micro-batch
+            gather = accum * sum(views[r].fetches_last.get(c, 0) * ch.compute[c] for c in trainable)
+        else:
+            gather = multi.gather_bytes(trainable_compute=sum(ch.compute[c] for c in trainable),
+                                        streamed_compute=sum(ch.compute[c] for c in streamed),
+                                        cache_limit=device.cache_limit, widest=ch.widest, micro_batches=accum)
+        reduce = sum(4 * ch.plan.chunks[c].numel for c in trainable) if ch.needs_grad else 0
+        coll = Collectives(gather_bytes=gather / accum, reduce_bytes=reduce, gbps=gbps, via=hw.node.gpu_link)
+        preds.append(predict_step(hardware=share, precision=precision, cost=ch.cost, tokens=tokens, load=load,
+                                  micro_batches=accum, collectives=coll))
+        loads.append((gather, reduce))
+        step_loads.append(load)
+        homes_of.append(homes_r)
+    slowest = max(range(L), key=lambda r: preds[r].step_s)
+    gather, reduce = loads[0]
+    homes0 = _streamed_homes(views[0], homes_of[0], streamed)
+    plan = _build(views[0], model=model, hw=hw, needs=needs, device=device, homes=homes0, pred=preds[slowest],
+                  precision=precision, budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
+                  host_minimum=L * least + (minimum_host(base_kinds, cxl=cxl or None, nvme=use_nvme) if base_kinds
+                                            else 0), lora_act=lora_act,
+                  **_base_traffic(views[0], load=step_loads[0], homes=homes0, streamed=streamed,
+                                  micro_batches=accum, hw=hw), **meta)
+    gpu_peaks = []
+    for r in range(L):
+        p_r = plan if r == 0 else _build(views[r], model=model, hw=hw, needs=needs, device=device,
+                                         homes=_streamed_homes(views[r], homes_of[r], streamed), pred=preds[r],
+                                         precision=precision, budgets=plan.budgets, host_minimum=0,
+                                         lora_act=lora_act, **meta)
+        gpu_peaks.append(p_r.peak["gpu"])
+    by_tier = {t: dict(plan.bytes[t]) for t in TIERS}
+    for t in ("host", "cxl", "nvme"):  # the node's rows: its ranks' own kinds and the base once
+        by_tier[t] = {k: 0 for k in by_tier[t]}
+    for c, d in base_homes.tiers.items():
+        by_tier[d["compute"]]["base"] = by_tier[d["compute"]].get("base", 0) + ch.kinds[c]["compute"]
+    for r, h in enumerate(rank_homes):  # the ranks' own kinds
+        for c, d in h.tiers.items():
+            for kind, tier in d.items():
+                by_tier[tier][kind] = by_tier[tier].get(kind, 0) + own[r][c][kind]
+    reserve = dict(plan.reserve) | {"host": {"nvme bounce": bounces}}
+    peak = dict(plan.peak) | {t: node_bytes[t] for t in ("host", "cxl", "nvme")}
+    private = [sum(h.bytes.get("host", {}).values()) + h.bounce + base_homes.bounce for h in rank_homes]
+    owned = [sum(ch.params[c] for c in trainable if owner[c] == r) for r in range(L)]
+    single_tps = None
+    try:
+        single_tps = make_plan(**(single | {"nproc_per_node": 1, "nnodes": 1, "suggest": False, "model": model,
+                                            "hardware": hw})).tokens_per_s
+    except (InfeasibleBudget, TierwiseError):
+        pass
+    coll_s = (gather + reduce) / (gbps * 1e9)
+    ranks = RankPlan(nproc_per_node=nproc, nnodes=nnodes, gpu_peak=gpu_peaks, private_host=private,
+                     owned_params=owned, base=base, node=node_bytes,
+                     node_budgets={"host": host, "cxl": cxl or None, "nvme": nvme_cap if use_nvme else None},
+                     gather_bytes=gather, reduce_bytes=reduce, collective_s=coll_s, link=link_words,
+                     single_tokens_per_s=single_tps)
+    return dataclasses.replace(plan, bytes=by_tier, reserve=reserve, peak=peak, ranks=ranks,
+                               gpu_update_params=0, cpu_update_params=owned[0])

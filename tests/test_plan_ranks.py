@@ -1,0 +1,176 @@
+"""The planner with several ranks (offload.plan.ranks) against the engine's layout and against
+2 gloo ranks: bytes per rank and per node, the frozen base once per node, the node budget
+divided among local ranks, collective bytes per step measured vs planned, and the multi-GPU
+hardware profiles' [node] table (bad values: one-line errors, exit 2 from the CLI)."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierwise.offload.core.errors import InfeasibleBudget, TierwiseError
+from tierwise.offload.plan.planner import make_plan
+from tierwise.profiles import FieldValueError, UnknownFieldError, load_hardware_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(model="tiny", hardware="cpu-sim", gpu_mem=None, optimizer="adamw", precision="fp32", batch_size=2,
+            seq_len=16, chunk_bytes=16 << 10)
+QLORA_70B = dict(model="70b", hardware="2x-rtx4090-128g", gpu_mem="24G", optimizer="adamw", precision="bf16",
+                 batch_size=1, seq_len=2048, lora_rank=16, base_dtype="nf4", double_quant=True, suggest=False)
+
+
+def test_multi_gpu_profiles_load_with_their_node_table():
+    two = load_hardware_profile("2x-rtx4090-128g")
+    assert (two.gpus_per_node, two.node.gpu_link, two.host.memory, two.node.network_gbps) == (2, "host", 128 << 30, None)
+    assert two.gpu.memory == 24 << 30 and two.pcie.gen == 4
+    eight = load_hardware_profile("8x-rtx4090-nvme")
+    assert eight.gpus_per_node == 8 and eight.nvme is not None and eight.gpu.memory == 24 << 30
+    dgx = load_hardware_profile("8x-a100-80g-1t-nvme")
+    assert (dgx.gpus_per_node, dgx.node.gpu_link, dgx.host.memory) == (8, "nvlink", 1 << 40)
+    assert dgx.node.network_gbps > 0 and dgx.nvme is not None
+    assert load_hardware_profile("rtx4090").gpus_per_node == 1
+
+
+@pytest.mark.parametrize("node, error, message", [
+    ('gpus = 2\ngpu_link = "infiniband"\ngpu_link_gbps = 12', FieldValueError,
+     "field 'node.gpu_link' must be one of nvlink, pcie, host, got 'infiniband'"),
+    ('gpus = 0\ngpu_link = "host"\ngpu_link_gbps = 12', FieldValueError, "field 'node.gpus' must be > 0, got 0"),
+    ('gpus = 2\ngpu_link = "host"\ngpu_link_gbps = 12\nnetwork_gbps = -1', FieldValueError,
+     "field 'node.network_gbps' must be > 0, got -1.0"),
+    ('gpus = 2\ngpu_link = "host"\ngpu_link_gbps = 12\nnvlinks = 4', UnknownFieldError,
+     "unknown field 'node.nvlinks'"),
+], ids=["link-choice", "zero-gpus", "negative-network", "unknown-key"])
+def test_bad_node_table_is_a_one_line_error_and_exit_2(tmp_path, node, error, message):
+    path = tmp_path / "hw.toml"
+    path.write_text((ROOT / "profiles/hardware/rtx4090.toml").read_text() + f"\n[node]\n{node}\n")
+    with pytest.raises(error) as info:
+        load_hardware_profile(path)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    from typer.testing import CliRunner
+
+    from tierwise.cli.main import app
+
+    out = CliRunner().invoke(app, ["plan", "--model", "tiny", "--hardware", str(path), "--nproc-per-node", "2"])
+    assert out.exit_code == 2 and message in out.output
+
+
+def test_layouts_the_profile_or_engine_cannot_run_are_refused():
+    with pytest.raises(TierwiseError, match="'rtx4090' has 1 GPU per node"):
+        make_plan(**(TINY | {"hardware": "rtx4090"}), cpu_mem=None, nproc_per_node=2)
+    with pytest.raises(TierwiseError, match="states no network between nodes"):
+        make_plan(**(QLORA_70B | {"cpu_mem": "64G"}), nproc_per_node=2, nnodes=2)
+    with pytest.raises(TierwiseError, match="galore is not supported with several ranks"):
+        make_plan(**(TINY | {"optimizer": "galore"}), cpu_mem=None, nproc_per_node=2)
+
+
+def test_bytes_per_rank_and_per_node_follow_the_engines_layout():
+    one = make_plan(**TINY, cpu_mem=None)
+    two = make_plan(**TINY, cpu_mem=None, nproc_per_node=2)
+    trainable = sum(c.params for c in one.chunk_homes)
+    r = two.ranks
+    assert sum(r.owned_params) == trainable and min(r.owned_params) > 0
+    # every chunk's kinds once (its owner's) and each rank's fp32 gradients of the others' chunks
+    kinds = sum(sum(one.bytes[t].values()) for t in ("gpu", "host", "cxl", "nvme"))
+    others = sum(4 * trainable - 4 * p for p in r.owned_params)
+    assert r.node["host"] == kinds + others == sum(r.private_host)
+    assert two.peak["host"] == r.node["host"] and two.bytes["gpu"]["master"] == 0  # nothing trainable gpu-home
+    assert r.reduce_bytes == 4 * trainable
+
+
+def test_the_frozen_base_is_held_once_per_node_whatever_the_gpu_count():
+    one = make_plan(**QLORA_70B, cpu_mem="64G")
+    two = make_plan(**QLORA_70B, cpu_mem="64G", nproc_per_node=2)
+    eight = make_plan(**(QLORA_70B | {"hardware": "8x-rtx4090-nvme"}), cpu_mem="64G", nproc_per_node=8)
+    base = sum(one.bytes[t].get("base", 0) for t in ("gpu", "host"))  # one rank keeps a few chunks on the gpu
+    assert base > 30 << 30
+    assert two.ranks.base["host"] == eight.ranks.base["host"] == base == two.bytes["host"]["base"]
+    assert two.ranks.node["host"] == base + sum(two.ranks.private_host) <= 64 << 30
+
+
+def test_node_budget_is_divided_among_local_ranks_and_the_named_minimum_fits():
+    two = make_plan(**TINY, cpu_mem=None, nproc_per_node=2)
+    need = two.ranks.node["host"]
+    with pytest.raises(InfeasibleBudget, match="node host budget") as info:
+        make_plan(**TINY, cpu_mem=need - 1, nproc_per_node=2)
+    assert info.value.minimum["host"] == two.host_minimum
+    assert make_plan(**TINY, cpu_mem=info.value.minimum["host"], nproc_per_node=2).ranks.node["host"] <= \
+        info.value.minimum["host"]
+    # with NVMe: each rank's own bytes within half of what the node has left
+    budget = need * 3 // 5
+    nv = make_plan(**TINY, cpu_mem=budget, nvme_path="/nvme", nproc_per_node=2)
+    assert nv.ranks.node["nvme"] > 0 and nv.ranks.node["host"] <= budget
+    assert max(nv.ranks.private_host) <= budget // 2
+
+
+def test_host_resources_are_shared_by_the_local_ranks():
+    from tierwise.offload.plan.ranks import rank_share
+
+    hw = load_hardware_profile("8x-a100-80g-1t-nvme")
+    share = rank_share(hw, 8)
+    assert share.host.dram_bandwidth_gbps == hw.host.dram_bandwidth_gbps / 8
+    assert share.nvme.read_gbps == hw.nvme.read_gbps / 8 and share.host.cpu_cores == hw.host.cpu_cores // 8
+    assert share.gpu == hw.gpu and share.pcie == hw.pcie  # each rank its own GPU and link
+
+
+def test_two_gpus_plan_at_least_1_8x_one_for_70b_qlora():
+    two = make_plan(**QLORA_70B, cpu_mem="64G", nproc_per_node=2)
+    assert two.tokens_per_s >= 1.8 * two.ranks.single_tokens_per_s
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """Collective payload per rank per step on 2 gloo ranks (bench/collective_bytes.py): one
+    process launch, two cases -- a roomy device (each chunk gathered once a step) and a tight
+    one in bf16 with 2 micro-batches per rank (chunks gathered again)."""
+    sys.path.insert(0, str(ROOT / "bench"))  # the spawned ranks import it by name too
+    try:
+        cb = importlib.import_module("collective_bytes")
+        cases = [dict(precision="fp32", checkpointing=True, grad_accum=1, gpu_mem=None),
+                 dict(precision="bf16", checkpointing=True, grad_accum=2, gpu_mem="tight")]
+        yield cb, cb.measure(cases, steps=1, start_method="fork")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_collective_bytes_planned_within_10_percent_of_measured_and_below_zero3(measured):
+    cb, results = measured
+    params = sum(p.numel() for p in cb.build().parameters())
+    for r in results:
+        assert r["ranks_agree"]
+        gather, reduce = cb.planned(r)
+        assert reduce == r["grads"]  # fp32 gradients, once per step: exact
+        total = r["gather"] + r["grads"]
+        assert abs((gather + reduce) / total - 1) <= 0.10, (r, gather, reduce)
+        zero3 = cb.zero3_bytes(params=params, precision=r["precision"], micro_batches=r["grad_accum"],
+                               recompute=r["checkpointing"])
+        assert total < zero3, (total, zero3)  # recompute: each layer gathered once for recompute + backward
+    roomy = results[0]
+    assert roomy["gather"] == 4 * params  # the cache keeps every chunk from the first forward to the update
+
+
+def test_readme_multi_gpu_plan_sample_is_what_plan_prints():
+    import re
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from tierwise.cli.main import app
+
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"```\n\$ (finetune plan [^\n]*--nproc-per-node 2[^\n]*\\\n[^\n]*)\n(.*?)```", text, re.S)
+    assert m, "README's multi-GPU plan sample"
+    r = CliRunner().invoke(app, shlex.split(m.group(1).replace("\\\n", " "))[1:], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert r.stdout == m.group(2)
+
+
+def test_dry_run_plans_the_ranks(tmp_path):
+    from typer.testing import CliRunner
+
+    from tierwise.cli.main import app
+
+    r = CliRunner().invoke(app, ["--dry-run", "--nproc-per-node", "2", "--output", str(tmp_path / "run")],
+                           env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "ranks: 2 (2 per node x 1 node)" in r.output and "collectives per rank per step" in r.output
