@@ -69,8 +69,10 @@ sys.path.insert(0, str(BENCH))
 
 import e2e_common as common  # noqa: E402
 
-VENV = BENCH / ".ds-venv"
-EXT_DIR = BENCH / ".torch-extensions"
+# resolved: a worktree may link these to a shared copy, and the JIT-built ops' build files
+# name the venv's path, so a second path to the same venv would rebuild every op
+VENV = (BENCH / ".ds-venv").resolve()
+EXT_DIR = (BENCH / ".torch-extensions").resolve()
 DS_VERSION = "0.19.8"
 WARMUP = 2
 REL_TOL = 1e-5
@@ -118,10 +120,10 @@ def ensure_ds_venv(*, cuda: bool) -> None:
         r = subprocess.run(probe, capture_output=True, text=True, env=ds_env(cuda=cuda))
         if r.returncode == 0 and r.stdout.strip().splitlines()[-1:] == [" ".join(want)]:
             return
-        print(f"[setup] completing {VENV.relative_to(ROOT)} (it has: "
+        print(f"[setup] completing {VENV} (it has: "
               f"{r.stdout.strip().splitlines()[-1:] or 'not all of deepspeed, torch, transformers, peft'})", flush=True)
     else:
-        print(f"[setup] creating {VENV.relative_to(ROOT)} (torch {torch_version}, deepspeed {DS_VERSION}, "
+        print(f"[setup] creating {VENV} (torch {torch_version}, deepspeed {DS_VERSION}, "
               f"transformers {transformers.__version__}, peft {peft.__version__}); a few minutes", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     pip = [str(ds_python()), "-m", "pip", "install", "-q", f"torch=={torch_version}",
@@ -142,8 +144,7 @@ def build_ds_ops(*, cuda: bool) -> None:
     r = subprocess.run([str(ds_python()), str(BENCH / "ds_runner.py"), "--build-ops"], env=ds_env(cuda=cuda))
     if r.returncode != 0:
         sys.exit("building DeepSpeed's cpu_adam / async_io failed (see above)")
-    print(f"[setup] DeepSpeed ops ready in {time.perf_counter() - t0:.0f} s "
-          f"(cached in {EXT_DIR.relative_to(ROOT)})", flush=True)
+    print(f"[setup] DeepSpeed ops ready in {time.perf_counter() - t0:.0f} s (cached in {EXT_DIR})", flush=True)
 
 
 # -- the run specification -----------------------------------------------------------------------
