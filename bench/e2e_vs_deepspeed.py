@@ -24,8 +24,8 @@ on NVMe, as DeepSpeed's do here. It benchmarks the installed tierwise;
 PYTHONPATH=<a checkout>/tests/devtree benchmarks that checkout (README, Development).
 
 DeepSpeed lives in its own venv, bench/.ds-venv, made on first use by
-`pip install torch==<this torch> deepspeed==0.19.8 transformers==<this transformers>` (one
-command, so pip takes the local CPU torch); its JIT-built ops (cpu_adam, async_io, and on
+`pip install torch==<this torch> deepspeed==0.19.8 transformers==<this transformers>
+peft==<this peft>` (one command, so pip takes the local CPU torch; a venv that has all four is kept); its JIT-built ops (cpu_adam, async_io, and on
 the CPU accelerator shm comm and pin_memory; ~20 min on a busy 2-core machine) are cached
 in bench/.torch-extensions. async_io needs libaio-dev (apt-get install -y libaio-dev).
 
