@@ -13,6 +13,11 @@ found it must be on DeepSpeed 0.19.8 for fp32 results that agree with plain PyTo
   stage3_prefetch_bucket_size 0 (else it asserts);
 - aio threads via intra_op_parallelism; aio.block_size is also the size below which a
   tensor is not swapped at all.
+With the spec's `lora` (--lora) the model is peft.get_peft_model over the same Llama
+(e2e_common.build: the same adapters as ours), the optimizer gets the adapters only, and
+offload_optimizer goes where `ds_offload_optimizer` says (--lora default: cpu, the adapters'
+state is a few MiB; sub_group_size 1 is the NVMe optimizer's workaround, so with cpu it is
+DeepSpeed's default).
 """
 
 from __future__ import annotations
@@ -49,8 +54,11 @@ def build_ops() -> None:
 
 
 def ds_config(spec: dict, *, largest_param: int) -> dict:
-    """ZeRO-3, params and optimizer state on NVMe, fp32, AdamW (see the module docstring)."""
+    """ZeRO-3, params on NVMe, optimizer state on NVMe (or the CPU), fp32, AdamW (see the module docstring)."""
     nvme = spec["nvme_path"]
+    opt_device = spec.get("ds_offload_optimizer", "nvme")
+    offload_optimizer = ({"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 4}
+                         if opt_device == "nvme" else {"device": "cpu", "pin_memory": True})
     return {
         "train_micro_batch_size_per_gpu": spec["batch"],
         "gradient_accumulation_steps": 1,
@@ -62,13 +70,13 @@ def ds_config(spec: dict, *, largest_param: int) -> dict:
                                                   "weight_decay": spec["weight_decay"]}},
         "zero_optimization": {
             "stage": 3,
-            "sub_group_size": 1,
+            "sub_group_size": 1 if opt_device == "nvme" else 1_000_000_000,
             "stage3_max_reuse_distance": 0,
             "stage3_prefetch_bucket_size": 0,
             "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "max_in_cpu": 0,
                               "buffer_count": spec["ds_buffer_count"],
                               "buffer_size": largest_param},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 4},
+            "offload_optimizer": offload_optimizer,
         },
         "aio": {"block_size": spec["aio_block_size"], "queue_depth": 8, "intra_op_parallelism": spec["aio_threads"],
                 "single_submit": False, "overlap_events": True},
@@ -85,16 +93,18 @@ def train(spec: dict) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
     cuda = spec["device"] == "cuda"
-    model = common.build_model(spec["hf_config"], seed=spec["seed"])
+    model = common.build(spec)
     checksum = common.weights_checksum(model)
     n_params = sum(p.numel() for p in model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for p in trainable)  # before zero.Init empties the parameters
     largest = max(p.numel() for p in model.parameters())
     cfg = ds_config(spec, largest_param=largest)
     batches = common.make_batches(vocab=spec["hf_config"]["vocab_size"], count=spec["warmup"] + spec["steps"],
                                   batch=spec["batch"], seq=spec["seq"], seed=spec["data_seed"])
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), auto_mpi_discovery=False)
     deepspeed.zero.Init(module=model, config_dict_or_path=cfg)  # partitions now; no dtype: fp32 stays fp32
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=cfg)
     dtypes = sorted({str(p.ds_tensor.dtype) for p in model.parameters() if hasattr(p, "ds_tensor")})
     device = engine.device
 
@@ -109,7 +119,7 @@ def train(spec: dict) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     out = common.timed_loop(step, batches, warmup=spec["warmup"], sync=sync)
-    out.update(side="ds", n_params=n_params, checksum=checksum, partition_dtypes=dtypes,
+    out.update(side="ds", n_params=n_params, n_trainable=n_trainable, checksum=checksum, partition_dtypes=dtypes,
                deepspeed=deepspeed.__version__, accelerator=get_accelerator().device_name(),
                optimizer=type(engine.optimizer.optimizer).__name__ if hasattr(engine.optimizer, "optimizer")
                else type(engine.optimizer).__name__)

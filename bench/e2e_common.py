@@ -25,6 +25,42 @@ def build_model(hf_config: dict, *, seed: int) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).float()
 
 
+def lora_config(lora: dict):
+    """PEFT's LoraConfig for the spec's `lora` entry: rank `r`, `alpha`, `targets` ("all-linear"
+    or a list of module names), no dropout (dropout draws random masks: the sides would differ)."""
+    from peft import LoraConfig
+
+    targets = lora["targets"]
+    if targets != "all-linear" and (not isinstance(targets, list) or not targets):
+        raise ValueError(f"LoRA targets must be 'all-linear' or a non-empty list of module names, got {targets!r}")
+    return LoraConfig(r=int(lora["r"]), lora_alpha=int(lora["alpha"]), lora_dropout=0.0, bias="none",
+                      target_modules=targets)
+
+
+def parse_lora_targets(text: str) -> "str | list[str]":
+    """`--lora-targets`: 'all-linear' or 'q_proj,k_proj,...' (the list PEFT matches by name)."""
+    if text.strip() == "all-linear":
+        return "all-linear"
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise ValueError(f"--lora-targets: no module names in {text!r}")
+    return names
+
+
+def build(spec: dict) -> torch.nn.Module:
+    """The spec's model: the Llama, and with `spec["lora"]` PEFT's get_peft_model over it, its
+    adapters drawn (PEFT's init: lora_A Kaiming-uniform, lora_B zero) from `spec["lora"]["seed"]`.
+    Every side builds it with this one function, so all start from the same weights."""
+    model = build_model(spec["hf_config"], seed=spec["seed"])
+    lora = spec.get("lora")
+    if not lora:
+        return model
+    from peft import get_peft_model
+
+    torch.manual_seed(int(lora["seed"]))
+    return get_peft_model(model, lora_config(lora))
+
+
 def make_batches(*, vocab: int, count: int, batch: int, seq: int, seed: int) -> list[torch.Tensor]:
     """`count` fixed token batches [batch, seq] (int64), the same on every run for `seed`."""
     g = torch.Generator().manual_seed(seed)

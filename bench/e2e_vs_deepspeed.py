@@ -24,8 +24,8 @@ on NVMe, as DeepSpeed's do here. It benchmarks the installed tierwise;
 PYTHONPATH=<a checkout>/tests/devtree benchmarks that checkout (README, Development).
 
 DeepSpeed lives in its own venv, bench/.ds-venv, made on first use by
-`pip install torch==<this torch> deepspeed==0.19.8 transformers==<this transformers>` (one
-command, so pip takes the local CPU torch); its JIT-built ops (cpu_adam, async_io, and on
+`pip install torch==<this torch> deepspeed==0.19.8 transformers==<this transformers>
+peft==<this peft>` (one command, so pip takes the local CPU torch; a venv that has all four is kept); its JIT-built ops (cpu_adam, async_io, and on
 the CPU accelerator shm comm and pin_memory; ~20 min on a busy 2-core machine) are cached
 in bench/.torch-extensions. async_io needs libaio-dev (apt-get install -y libaio-dev).
 
@@ -34,6 +34,14 @@ in bench/.torch-extensions. async_io needs libaio-dev (apt-get install -y libaio
     python bench/e2e_vs_deepspeed.py --no-deepspeed      # ours only
     python bench/e2e_vs_deepspeed.py --setup-only        # make the venv and build the ops
     python bench/e2e_vs_deepspeed.py --only-adamw8bit    # the AdamW8bit row only
+    python bench/e2e_vs_deepspeed.py --lora              # LoRA r16 all-linear over a frozen base
+`--lora` (issue 14): every side trains peft.get_peft_model(<the same Llama>, LoraConfig(r=16,
+alpha=32, dropout 0, all-linear)) built by e2e_common.build, adapters drawn from one seed, so
+all start from the same weights (checksummed); the base stays fp32 on every side. Ours gets the
+wrapped model as is, its base homed on NVMe at the engine's minimum host budget (--cpu-mem min);
+DeepSpeed ZeRO-3 offloads params to NVMe and the adapters' optimizer state to the CPU
+(--ds-offload-optimizer); the reference is plain PyTorch + PEFT. Ours' NVMe bytes of the frozen
+base are counted per step (goal: 0 written).
 `--adamw8bit` adds a row (no DeepSpeed in it): the engine with optimizer="adamw8bit", its 8-bit
 state on NVMe, against plain PyTorch + our drop-in tierwise.optim.AdamW8bit without offload,
 alternating; `--cpu-mem-8bit` sets its host budget (default 800M: gradients in DRAM, masters
@@ -61,8 +69,10 @@ sys.path.insert(0, str(BENCH))
 
 import e2e_common as common  # noqa: E402
 
-VENV = BENCH / ".ds-venv"
-EXT_DIR = BENCH / ".torch-extensions"
+# resolved: a worktree may link these to a shared copy, and the JIT-built ops' build files
+# name the venv's path, so a second path to the same venv would rebuild every op
+VENV = (BENCH / ".ds-venv").resolve()
+EXT_DIR = (BENCH / ".torch-extensions").resolve()
 DS_VERSION = "0.19.8"
 WARMUP = 2
 REL_TOL = 1e-5
@@ -95,21 +105,29 @@ def ds_env(*, cuda: bool) -> dict[str, str]:
 
 
 def ensure_ds_venv(*, cuda: bool) -> None:
-    """Make bench/.ds-venv with DeepSpeed, torch and transformers matching this python's."""
+    """Make bench/.ds-venv with DeepSpeed, and torch, transformers and peft matching this
+    python's (peft: the --lora runs). A venv that already has all four at those versions is
+    kept as is; one that lacks some gets them installed into it (pip keeps what is satisfied)."""
+    import peft
     import torch
     import transformers
 
-    probe = [str(ds_python()), "-c", "import deepspeed, transformers; print(deepspeed.__version__)"]
+    torch_version = torch.__version__.split("+")[0]
+    want = [DS_VERSION, torch_version, transformers.__version__, peft.__version__]
+    probe = [str(ds_python()), "-c", "import deepspeed, torch, transformers, peft; print(deepspeed.__version__, "
+             "torch.__version__.split('+')[0], transformers.__version__, peft.__version__)"]
     if ds_python().exists():
         r = subprocess.run(probe, capture_output=True, text=True, env=ds_env(cuda=cuda))
-        if r.returncode == 0 and r.stdout.strip().splitlines()[-1:] == [DS_VERSION]:
+        if r.returncode == 0 and r.stdout.strip().splitlines()[-1:] == [" ".join(want)]:
             return
-    torch_version = torch.__version__.split("+")[0]
-    print(f"[setup] creating {VENV.relative_to(ROOT)} (torch {torch_version}, deepspeed {DS_VERSION}, "
-          f"transformers {transformers.__version__}); a few minutes", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        print(f"[setup] completing {VENV} (it has: "
+              f"{r.stdout.strip().splitlines()[-1:] or 'not all of deepspeed, torch, transformers, peft'})", flush=True)
+    else:
+        print(f"[setup] creating {VENV} (torch {torch_version}, deepspeed {DS_VERSION}, "
+              f"transformers {transformers.__version__}, peft {peft.__version__}); a few minutes", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     pip = [str(ds_python()), "-m", "pip", "install", "-q", f"torch=={torch_version}",
-           f"deepspeed=={DS_VERSION}", f"transformers=={transformers.__version__}"]
+           f"deepspeed=={DS_VERSION}", f"transformers=={transformers.__version__}", f"peft=={peft.__version__}"]
     t0 = time.perf_counter()
     r = subprocess.run(pip, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in r.stdout.splitlines():  # drop pip's notes about absent local index folders
@@ -126,8 +144,7 @@ def build_ds_ops(*, cuda: bool) -> None:
     r = subprocess.run([str(ds_python()), str(BENCH / "ds_runner.py"), "--build-ops"], env=ds_env(cuda=cuda))
     if r.returncode != 0:
         sys.exit("building DeepSpeed's cpu_adam / async_io failed (see above)")
-    print(f"[setup] DeepSpeed ops ready in {time.perf_counter() - t0:.0f} s "
-          f"(cached in {EXT_DIR.relative_to(ROOT)})", flush=True)
+    print(f"[setup] DeepSpeed ops ready in {time.perf_counter() - t0:.0f} s (cached in {EXT_DIR})", flush=True)
 
 
 # -- the run specification -----------------------------------------------------------------------
@@ -153,7 +170,19 @@ def make_spec(a: argparse.Namespace, *, cuda: bool) -> dict:
         "nvme": not a.no_nvme, "aio_threads": a.aio_threads, "aio_block_size": a.aio_block_size,
         "ds_buffer_count": a.ds_buffer_count, "chunk_bytes": a.chunk_bytes or ("2M" if a.quick else "64M"),
         "checkpointing": a.recompute,
+        "lora": lora_spec(a), "ds_offload_optimizer": a.ds_offload_optimizer or ("cpu" if a.lora else "nvme"),
     }
+
+
+def lora_spec(a: argparse.Namespace) -> dict | None:
+    """The `lora` entry of the spec (e2e_common.build reads it), or None without --lora."""
+    if not a.lora:
+        return None
+    try:
+        targets = common.parse_lora_targets(a.lora_targets)
+    except ValueError as exc:
+        sys.exit(str(exc))
+    return {"r": a.lora_rank, "alpha": a.lora_alpha or 2 * a.lora_rank, "targets": targets, "seed": a.seed + 2}
 
 
 # -- one child process -------------------------------------------------------------------------
@@ -213,17 +242,18 @@ def child_plain(spec: dict) -> None:
 
     common.pin_threads(spec)
     cuda = spec["device"] == "cuda"
-    model = common.build_model(spec["hf_config"], seed=spec["seed"]).to(spec["device"])
+    model = common.build(spec).to(spec["device"])
     checksum = common.weights_checksum(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     batches = common.make_batches(vocab=spec["hf_config"]["vocab_size"], count=spec["warmup"] + spec["steps"],
                                   batch=spec["batch"], seq=spec["seq"], seed=spec["data_seed"])
     if spec.get("optimizer", "adamw") == "adamw8bit":  # our drop-in 8-bit AdamW, no offload
         from tierwise.optim import AdamW8bit
 
-        opt = AdamW8bit(model.parameters(), lr=spec["lr"], betas=tuple(spec["betas"]), eps=spec["eps"],
+        opt = AdamW8bit(trainable, lr=spec["lr"], betas=tuple(spec["betas"]), eps=spec["eps"],
                         weight_decay=spec["weight_decay"])
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], betas=tuple(spec["betas"]), eps=spec["eps"],
+        opt = torch.optim.AdamW(trainable, lr=spec["lr"], betas=tuple(spec["betas"]), eps=spec["eps"],
                                 weight_decay=spec["weight_decay"])
 
     def step(x: torch.Tensor) -> float:
@@ -236,7 +266,8 @@ def child_plain(spec: dict) -> None:
 
     out = common.timed_loop(step, batches, warmup=spec["warmup"],
                             sync=torch.cuda.synchronize if cuda else (lambda: None))
-    out.update(side="plain", checksum=checksum, n_params=sum(p.numel() for p in model.parameters()))
+    out.update(side="plain", checksum=checksum, n_params=sum(p.numel() for p in model.parameters()),
+               n_trainable=sum(p.numel() for p in trainable))
     common.emit(out)
 
 
@@ -252,9 +283,10 @@ def child_ours(spec_file: str) -> None:
         return
     common.pin_threads(spec)
     cuda = spec["device"] == "cuda"
-    model = common.build_model(spec["hf_config"], seed=spec["seed"])
+    model = common.build(spec)
     checksum = common.weights_checksum(model)
     n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     batches = common.make_batches(vocab=spec["hf_config"]["vocab_size"], count=spec["warmup"] + spec["steps"],
                                   batch=spec["batch"], seq=spec["seq"], seed=spec["data_seed"])
     # "min": start below any minimum (the device tier must still hold the module buffers)
@@ -282,8 +314,9 @@ def child_ours(spec_file: str) -> None:
                   f"chunks={len(eng.plan.chunks)}", flush=True)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
+            by_key = _tally_nvme_keys(eng)
             out = common.timed_loop(lambda x: eng.step({"input_ids": x, "labels": x}), batches,
-                                    warmup=spec["warmup"], sync=sync, counters=lambda: _nvme_counters(eng))
+                                    warmup=spec["warmup"], sync=sync, counters=lambda: _nvme_counters(eng, by_key))
             break
         except InfeasibleBudget as exc:  # at construction, or in the warm-up step (measured activations)
             if not exc.minimum:
@@ -298,10 +331,10 @@ def child_ours(spec_file: str) -> None:
         if eng is not None:
             eng.close()
         del eng
-        model = common.build_model(spec["hf_config"], seed=spec["seed"])
+        model = common.build(spec)
     else:
         raise SystemExit("the engine kept refusing its budgets: " + " | ".join(raised))
-    out.update(side="ours", n_params=n_params, checksum=checksum, gpu_mem=gpu_mem, cpu_mem=cpu_mem,
+    out.update(side="ours", n_params=n_params, n_trainable=n_trainable, checksum=checksum, base_tiers=_base_tiers(eng), gpu_mem=gpu_mem, cpu_mem=cpu_mem,
                nvme=nvme_path is not None, budget_raised=raised,
                homes={t: dict(k) for t, k in getattr(getattr(eng, "homes", None), "bytes", {}).items()},
                gpu_home=len(eng.device_plan.gpu_home) if eng.device_plan else 0, chunks=len(eng.plan.chunks))
@@ -313,12 +346,51 @@ def child_ours(spec_file: str) -> None:
     common.emit(out)
 
 
-def _nvme_counters(eng) -> dict[str, int]:
-    """NvmeStore's own count of the bytes it moved (cumulative)."""
+def _nvme_counters(eng, by_key: dict[str, int]) -> dict[str, int]:
+    """NvmeStore's own count of the bytes it moved (cumulative), and of those the frozen base's
+    (`by_key`, from _tally_nvme_keys)."""
     if getattr(eng, "nvme", None) is None:
         return {}
     st = eng.nvme.stats
-    return {"nvme_bytes_written": st.bytes_written, "nvme_bytes_read": st.bytes_read}
+    return {"nvme_bytes_written": st.bytes_written, "nvme_bytes_read": st.bytes_read, **by_key}
+
+
+def _tally_nvme_keys(eng) -> dict[str, int]:
+    """Count the bytes the engine asks its NvmeStore to write / read for frozen (base) chunks:
+    their swap keys are `c<chunk>.compute` (a frozen chunk has no other kind). Preallocated
+    zeros count as written. The returned dict is updated in place, cumulative."""
+    tally = {"nvme_base_bytes_written": 0, "nvme_base_bytes_read": 0}
+    nvme = getattr(eng, "nvme", None)
+    if nvme is None or not eng.plan.frozen:
+        return tally
+    base = {f"c{c}.compute" for c in eng.plan.frozen}
+
+    def wrap(name: str, counter: str, size) -> None:
+        orig = getattr(nvme, name)
+
+        def counted(key, arg, *rest, **kw):
+            if key in base:
+                tally[counter] += size(arg)
+            return orig(key, arg, *rest, **kw)
+
+        setattr(nvme, name, counted)
+
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    wrap("write_async", "nvme_base_bytes_written", nbytes)
+    wrap("read_async", "nvme_base_bytes_read", nbytes)
+    wrap("zeros", "nvme_base_bytes_written", int)
+    return tally
+
+
+def _base_tiers(eng) -> dict[str, int]:
+    """Bytes of the frozen base per home tier ("gpu" for gpu-home chunks)."""
+    tiers: dict[str, int] = {}
+    gpu_home = eng.device_plan.gpu_home if eng.device_plan else ()
+    for c in eng.plan.frozen:
+        ch = eng.store.chunks[c]
+        tier = "gpu" if c in gpu_home else ch.tiers["compute"]
+        tiers[tier] = tiers.get(tier, 0) + ch.compute.nbytes
+    return tiers
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -353,6 +425,14 @@ def report(runs: dict[str, list[dict]], spec: dict, *, cuda: bool) -> None:
           f"chunks gpu-home; host-side homes: " + "; ".join(
               f"{t}: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in kinds.items())
               for t, kinds in ref["homes"].items()))
+    lora = spec.get("lora")
+    if lora:
+        targets = lora["targets"] if isinstance(lora["targets"], str) else ",".join(lora["targets"])
+        print(f"LoRA (peft.get_peft_model on every side, adapters from seed {lora['seed']}): r {lora['r']}, alpha "
+              f"{lora['alpha']}, dropout 0, targets {targets}; {ref['n_trainable'] / 1e6:.2f}M trainable of "
+              f"{ref['n_params'] / 1e6:.1f}M; base fp32 on every side (frozen); DeepSpeed offload_param nvme, "
+              f"offload_optimizer {spec['ds_offload_optimizer']}")
+        print("ours: base homes: " + ", ".join(f"{t} {b / 2**20:.0f} MiB" for t, b in sorted(ref["base_tiers"].items())))
     for msg in spec["budget_notes"] + ref["budget_raised"]:
         print(f"      budget raised to the engine's minimum: {msg}")
     if not ref["nvme"]:
@@ -372,6 +452,10 @@ def report(runs: dict[str, list[dict]], spec: dict, *, cuda: bool) -> None:
             print(f"          NvmeStore's own count per step: written "
                   f"{statistics.median(c['nvme_bytes_written'] for c in own) / 1e9:.3f} GB, read "
                   f"{statistics.median(c['nvme_bytes_read'] for c in own) / 1e9:.3f} GB")
+            if lora:
+                wb = max(c["nvme_base_bytes_written"] for c in own)
+                print(f"          of which the frozen base: written {wb:.0f} B (worst run; goal 0), read "
+                      f"{statistics.median(c['nvme_base_bytes_read'] for c in own) / 1e9:.3f} GB")
         if cuda and "gpu_peak_alloc" in rs[-1]:
             print(f"          peak GPU memory allocated {rs[-1]['gpu_peak_alloc'] / 2**30:.2f} GiB")
     if "ds" in med:
@@ -387,7 +471,7 @@ def report(runs: dict[str, list[dict]], spec: dict, *, cuda: bool) -> None:
     plain = runs.get("plain")
     if plain:
         p = plain[0]
-        print(f"plain PyTorch + torch AdamW, no offload (reference): step {p['step_s']:.3f} s, "
+        print(f"plain PyTorch{' + PEFT' if lora else ''} + torch AdamW, no offload (reference): step {p['step_s']:.3f} s, "
               f"peak RSS {p['rss_gib']:.2f} GiB")
         print(f"losses ours vs plain PyTorch: {agreement(ours[0]['losses'], p['losses'])}")
         if runs["ds"]:
@@ -452,6 +536,16 @@ def main() -> None:
     ap.add_argument("--aio-threads", type=int, default=2, help="DeepSpeed aio intra_op_parallelism")
     ap.add_argument("--aio-block-size", type=int, default=1 << 20, help="DeepSpeed aio block_size")
     ap.add_argument("--ds-buffer-count", type=int, default=5, help="DeepSpeed offload_param buffer_count")
+    ap.add_argument("--ds-offload-optimizer", choices=("nvme", "cpu"), default=None,
+                    help="DeepSpeed offload_optimizer device (default nvme; with --lora cpu: the adapters' state is small)")
+    ap.add_argument("--lora", action="store_true",
+                    help="LoRA on every side: peft.get_peft_model over the Llama (same adapters), the fp32 base "
+                         "frozen; ours homes the base on NVMe at its minimum host budget, DeepSpeed offloads "
+                         "params to NVMe (issue 14)")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--lora-alpha", type=int, default=None, help="default 2 x rank")
+    ap.add_argument("--lora-targets", default="all-linear",
+                    help="'all-linear' (PEFT: every Linear but the output layer) or e.g. q_proj,k_proj,v_proj,o_proj")
     ap.add_argument("--no-reference", dest="reference", action="store_false",
                     help="skip the plain-PyTorch run (no offload) whose losses both sides are checked against")
     ap.add_argument("--adamw8bit", action="store_true",
@@ -475,6 +569,8 @@ def main() -> None:
 
     cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
     use_ds = not a.no_deepspeed and not a.only_adamw8bit
+    if a.lora and (a.adamw8bit or a.only_adamw8bit):
+        sys.exit("--lora runs the fp32 AdamW comparison only; run the AdamW8bit row without --lora")
     if use_ds or a.setup_only:
         check_libaio()
         ensure_ds_venv(cuda=cuda)
@@ -482,10 +578,12 @@ def main() -> None:
     if a.setup_only:
         return
     spec = make_spec(a, cuda=cuda)
+    print(f"load average at start: {_load()}", flush=True)
     scratch_root = a.nvme_dir or tempfile.gettempdir()
     os.makedirs(scratch_root, exist_ok=True)
     if a.only_adamw8bit:
         run_8bit(a, spec, scratch_root=scratch_root, cuda=cuda)
+        print(f"load average at end: {_load()}", flush=True)
         return
     if "min" in (spec["gpu_mem"], spec["cpu_mem"]):
         resolve_min_budgets(spec, scratch_root=scratch_root, cuda=cuda, verbose=a.verbose)
@@ -501,7 +599,7 @@ def main() -> None:
             print(f"round {r} {side:4s}: step {res['step_s']:.3f} s (steps "
                   f"{', '.join(f'{t:.2f}' for t in res['step_times'])}), rss {res['rss_gib']:.2f} GiB, "
                   f"disk/step w {res['write_bytes_per_step'] / 1e9:.3f} GB r {res['read_bytes_per_step'] / 1e9:.3f} GB, "
-                  f"process {res['wall_s']:.0f} s", flush=True)
+                  f"process {res['wall_s']:.0f} s, load {os.getloadavg()[0]:.1f}", flush=True)
     if a.reference:
         res = run_child("plain", spec, scratch_root=scratch_root, cuda=cuda, verbose=a.verbose)
         print(f"reference plain PyTorch (no offload): step {res['step_s']:.3f} s, rss {res['rss_gib']:.2f} GiB", flush=True)
@@ -509,6 +607,11 @@ def main() -> None:
     report(runs, spec, cuda=cuda)
     if a.adamw8bit:
         run_8bit(a, spec, scratch_root=scratch_root, cuda=cuda)
+    print(f"load average at end: {_load()}", flush=True)
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" ({os.cpu_count()} CPUs)"
 
 
 def run_8bit(a: argparse.Namespace, spec: dict, *, scratch_root: str, cuda: bool) -> None:
