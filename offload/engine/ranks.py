@@ -93,9 +93,12 @@ class Ranks:
         self.global_rank = members  # group rank -> global rank (collectives name global ranks)
         timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
-        # every rank of the default group takes part in new_group (all ranks build an Engine)
-        self.gather_group, self.grad_group, self.main_group = (
-            dist.new_group(ranks=members, timeout=timeout) for _ in range(3))
+        # every rank of the default group takes part in new_group (all ranks build an Engine).
+        # `gather` moves device buffers: the default backend (NCCL on CUDA). `grads` and `main`
+        # move host tensors (host gradient chunks, scalars, fp32 masters): gloo, which NCCL is not.
+        self.gather_group = dist.new_group(ranks=members, timeout=timeout)
+        self.grad_group, self.main_group = (
+            dist.new_group(ranks=members, timeout=timeout, backend="gloo") for _ in range(2))
         self.owner = {cid: k % self.world for k, cid in enumerate(trainable)}
         #: payload bytes this rank passed to each group's collectives (bench/collective_bytes.py);
         #: one key per group, each written by the one thread that issues that group's collectives
