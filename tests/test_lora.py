@@ -216,3 +216,18 @@ def test_meta_adapters_are_refused():
         model = tiny_llama(layers=2)
     with pytest.raises(ValueError, match="meta device"):
         Engine(model, lora=lora_config())
+
+
+def test_activations_above_the_estimate_use_the_free_budget():
+    """Every chunk fits gpu-home with room to spare, the up-front activation estimate is low
+    (LoRA dropout saves its dropped inputs; the planner does not price them): the warm-up's
+    larger activations fit in the unused budget, the run goes on as PEFT's."""
+    model, data, cfg = tiny_llama(layers=2), batches(3), lora_config(target_modules="all-linear", lora_dropout=0.1)
+    ref_losses, ref = peft_reference(model, cfg, data)
+    torch.manual_seed(7)
+    eng = Engine(copy.deepcopy(model), lora=cfg, lr=1e-2, gpu_mem="64M", chunk_bytes=CHUNK, activations=1024)
+    losses = [eng.step(b) for b in data]
+    assert losses == ref_losses
+    mine = adapters(eng.named_parameters_fp32())
+    assert all(torch.equal(mine[k], v) for k, v in adapters(ref.named_parameters()).items())
+    eng.close()
