@@ -46,10 +46,23 @@ def check_targets(model: torch.nn.Module, targets: "list[str] | str") -> None:
     names = [n for n, _ in model.named_modules()]
     for t in targets:
         if not any(n == t or n.endswith("." + t) for n in names):
-            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                             if isinstance(m, torch.nn.Linear)})
+            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()  # GPT-2's are Conv1D
+                             if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
             raise ConfigError(f"--lora-targets: no module of {type(model).__name__} is named {t!r} "
                               f"(its linear layers: {', '.join(leaves)})")
+
+
+def check_base_dtype(model: torch.nn.Module, cfg: TrainConfig) -> None:
+    """--base-dtype int8/nf4 on a model whose linear layers the engine cannot encode (GPT-2's
+    Conv1D): refused before anything is written, as the engine would refuse it."""
+    from ..offload.engine.frozen_base import unencodable
+
+    names = unencodable(model, cfg.base_dtype, frozen_only=False)
+    if names:
+        flag = "--qlora" if cfg.qlora else f"--base-dtype {cfg.base_dtype}"
+        raise ConfigError(f"{flag}: {names[0]!r} ({len(names)} in all) is the weight of a transformers Conv1D "
+                          f"layer, which is not encoded in {cfg.base_dtype} yet; use --lora-rank with "
+                          f"--base-dtype bf16 or fp16 for {type(model).__name__}")
 
 
 def inject(model: torch.nn.Module, config, *, seed: int, values: bool = True) -> dict[str, str]:
