@@ -120,7 +120,7 @@ def summary(cfg: TrainConfig, model: torch.nn.Module) -> str:
     """One line: rank, alpha, targets, trainable parameters and %, base dtype, adapter bytes."""
     trainable, total = counts(model)
     base = cfg.base_dtype or cfg.precision
-    quant = " (double quant)" if cfg.qlora else ""
+    quant = " (double quant)" if base == "nf4" else ""  # the engine double-quantizes every nf4 base
     return (f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} dropout={cfg.lora_dropout:g} "
             f"targets={cfg.lora_targets}: {trainable:,} trainable of {total:,} parameters "
             f"({100 * trainable / max(total, 1):.3f}%), adapters {_size(4 * trainable)} fp32; "
@@ -129,7 +129,7 @@ def summary(cfg: TrainConfig, model: torch.nn.Module) -> str:
 
 def label(cfg: TrainConfig) -> str:
     """The progress line's and plots' short name of a LoRA run, e.g. "QLoRA r=16 nf4"."""
-    return f"{'QLoRA' if cfg.qlora else 'LoRA'} r={cfg.lora_rank} {cfg.base_dtype or cfg.precision}"
+    return f"{'QLoRA' if cfg.base_dtype == 'nf4' else 'LoRA'} r={cfg.lora_rank} {cfg.base_dtype or cfg.precision}"
 
 
 def _size(n: int) -> str:

@@ -59,3 +59,16 @@ def test_unknown_target_names_the_conv1d_layers(gpt2, tmp_path):
     line = error_line(CliRunner().invoke(app, _args(gpt2, tmp_path / "run", "--lora-rank", "4",
                                                     "--lora-targets", "q_proj")))
     assert "c_attn" in line and "c_fc" in line and "c_proj" in line, line
+
+
+def test_an_nf4_base_is_double_quantized_and_says_so(tmp_path):
+    """--lora-rank with --base-dtype nf4 is --qlora's recipe (the engine double-quantizes every
+    nf4 base): the summary says so as it does for --qlora."""
+    from tinyhf import make_tiny_llama_dir
+
+    model = make_tiny_llama_dir(tmp_path / "llama", vocab_size=288, hidden=32, layers=2)
+    data = write_jsonl(tmp_path / "train.jsonl", sample_rows(8))
+    result = CliRunner().invoke(app, _args((model, data), tmp_path / "run", "--lora-rank", "4", "--base-dtype", "nf4",
+                                           "--dry-run"), env={"COLUMNS": "200"})
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "base nf4 (double quant)" in result.output, result.output
