@@ -44,10 +44,23 @@ def check_targets(model: torch.nn.Module, targets: "list[str] | str") -> None:
     names = [n for n, _ in model.named_modules()]
     for t in targets:
         if not any(n == t or n.endswith("." + t) for n in names):
-            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                             if isinstance(m, torch.nn.Linear)})
+            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()  # GPT-2's are Conv1D
+                             if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
             raise ConfigError(f"--lora-targets: no module of {type(model).__name__} is named {t!r} "
                               f"(its linear layers: {', '.join(leaves)})")
+
+
+def check_base_dtype(model: torch.nn.Module, cfg: TrainConfig) -> None:
+    """--base-dtype int8/nf4 on a model whose linear layers the engine cannot encode (GPT-2's
+    Conv1D): refused before anything is written, as the engine would refuse it."""
+    from ..offload.engine.frozen_base import unencodable
+
+    names = unencodable(model, cfg.base_dtype, frozen_only=False)
+    if names:
+        flag = "--qlora" if cfg.qlora else f"--base-dtype {cfg.base_dtype}"
+        raise ConfigError(f"{flag}: {names[0]!r} ({len(names)} in all) is the weight of a transformers Conv1D "
+                          f"layer, which is not encoded in {cfg.base_dtype} yet; use --lora-rank with "
+                          f"--base-dtype bf16 or fp16 for {type(model).__name__}")
 
 
 def inject(model: torch.nn.Module, config, *, seed: int, values: bool = True) -> dict[str, str]:
@@ -76,7 +89,7 @@ def summary(cfg: TrainConfig, model: torch.nn.Module) -> str:
     """One line: rank, alpha, targets, trainable parameters and %, base dtype, adapter bytes."""
     trainable, total = counts(model)
     base = cfg.base_dtype or cfg.precision
-    quant = " (double quant)" if cfg.qlora else ""
+    quant = " (double quant)" if base == "nf4" else ""  # the engine double-quantizes every nf4 base
     return (f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} dropout={cfg.lora_dropout:g} "
             f"targets={cfg.lora_targets}: {trainable:,} trainable of {total:,} parameters "
             f"({100 * trainable / max(total, 1):.3f}%), adapters {_size(4 * trainable)} fp32; "
@@ -85,7 +98,7 @@ def summary(cfg: TrainConfig, model: torch.nn.Module) -> str:
 
 def label(cfg: TrainConfig) -> str:
     """The progress line's and plots' short name of a LoRA run, e.g. "QLoRA r=16 nf4"."""
-    return f"{'QLoRA' if cfg.qlora else 'LoRA'} r={cfg.lora_rank} {cfg.base_dtype or cfg.precision}"
+    return f"{'QLoRA' if cfg.base_dtype == 'nf4' else 'LoRA'} r={cfg.lora_rank} {cfg.base_dtype or cfg.precision}"
 
 
 def _size(n: int) -> str:

@@ -238,8 +238,9 @@ def export(
     trust_remote_code: bool = Opt(False, "--trust-remote-code", help="Allow a base model that "
                                   "ships its own Python code."),
 ) -> None:
-    """Write a LoRA adapter merged into its base as an ordinary Hugging Face model, streamed
-    shard by shard (never the whole model in memory)."""
+    """Merge a LoRA adapter into its base: an ordinary Hugging Face model directory.
+
+    Streamed shard by shard (never the whole model in memory)."""
     if not merge:
         raise TierwiseError("export: give --merge (merging a LoRA adapter is the only export)")
     for flag, value in (("--adapter", adapter), ("--base", base), ("--output", output)):

@@ -383,6 +383,7 @@ def dry_run(cfg: TrainConfig, *, console: Console) -> int:
         from . import lora as lora_mod
 
         lora_mod.check_targets(model, cfg.target_list())
+        lora_mod.check_base_dtype(model, cfg)
         lora_mod.inject(model, lora_mod.lora_config(cfg), seed=cfg.seed, values=False)
         lora = lora_mod.summary(cfg, model)
     console.print(summary_table(cfg, name=src.name, params=total, lora=lora))

@@ -206,7 +206,9 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     if cfg.lora:  # a --lora-targets name no module has: refused before anything is written
         from .loading import build_meta_model
 
-        lora_mod.check_targets(build_meta_model(src.config), cfg.target_list())
+        meta = build_meta_model(src.config)
+        lora_mod.check_targets(meta, cfg.target_list())
+        lora_mod.check_base_dtype(meta, cfg)
     padded = has_padding(blocks)  # then the worst step is a padded batch: planned for
     auto = cfg.recompute is None
     cfg = resolve_recompute(cfg, src=src, padded=padded)

@@ -236,3 +236,18 @@ def test_mixtral_all_linear_adapts_the_fused_experts_as_peft_does():
     for n, t in theirs.items():
         assert torch.equal(mine[n], t), n
     eng.close()
+
+
+def test_activations_above_the_estimate_use_the_free_budget():
+    """Every chunk fits gpu-home with room to spare, the up-front activation estimate is low
+    (here given far too low, as a caller's own estimate may be): the warm-up's
+    larger activations fit in the unused budget, the run goes on as PEFT's."""
+    model, data, cfg = tiny_llama(layers=2), batches(3), lora_config(target_modules="all-linear", lora_dropout=0.1)
+    ref_losses, ref = peft_reference(model, cfg, data)
+    torch.manual_seed(7)
+    eng = Engine(copy.deepcopy(model), lora=cfg, lr=1e-2, gpu_mem="64M", chunk_bytes=CHUNK, activations=1024)
+    losses = [eng.step(b) for b in data]
+    assert losses == ref_losses
+    mine = adapters(eng.named_parameters_fp32())
+    assert all(torch.equal(mine[k], v) for k, v in adapters(ref.named_parameters()).items())
+    eng.close()

@@ -589,8 +589,10 @@ class Engine:
         if over <= 0:
             return
         budget = self.ledger.budgets["gpu"]
+        unplaced = 0 if budget is None else budget - self._placed_bytes()
         self.needs = dataclasses.replace(self.needs, activations=act)
-        if budget is None:
+        over -= max(unplaced, 0)  # e.g. every chunk gpu-home with room to spare: nothing gives way
+        if budget is None or over <= 0:
             return
         limit = self.residency.cache.limit - over
         if limit < self.needs.stream_window:
@@ -599,6 +601,14 @@ class Engine:
                  format_size(limit))
         self.residency.cache.limit = limit
         self.device_plan = dataclasses.replace(self.device_plan, cache_limit=limit)
+
+    def _placed_bytes(self) -> int:
+        """Device bytes the placement spends: buffers, gradient reserve, activations, gpu-home
+        chunks and the stream cache (which holds the streaming window). Equal to the budget
+        unless every chunk fits whole, when the rest is left free."""
+        n = self.needs
+        home = sum(n.home_bytes[c] for c in self.device_plan.gpu_home)
+        return n.buffers + n.grad_reserve + n.activations + home + self.residency.cache.limit
 
     def _schedule(self) -> None:
         """A trace was just recorded (or the placement changed): plan fetches and evictions."""

@@ -44,9 +44,32 @@ def linear_modules(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
+def unencodable(model: torch.nn.Module, base_dtype: "str | None", *, frozen_only: bool = True) -> list[str]:
+    """Frozen weights int8/NF4 would silently leave unencoded: those of transformers' Conv1D
+    layers (GPT-2's c_attn, c_fc, c_proj: linear layers stored transposed, which bitsandbytes
+    quantizes transposed and the engine does not encode yet). Empty for other dtypes.
+    `frozen_only=False`: whether frozen or not (a model before LoRA freezes its base)."""
+    if base_dtype not in ("int8", "nf4"):
+        return []
+    return [f"{name}.weight" for name, mod in model.named_modules()
+            if type(mod).__name__ == "Conv1D" and isinstance(getattr(mod, "weight", None), torch.Tensor)
+            and "lora_" not in name and not (frozen_only and mod.weight.requires_grad)]
+
+
+def check_encodable(model: torch.nn.Module, base_dtype: "str | None", *, frozen_only: bool = True) -> None:
+    """Refuse an int8/NF4 base of which some linear weights would stay unencoded (more memory
+    and other numbers than asked for), naming one."""
+    names = unencodable(model, base_dtype, frozen_only=frozen_only)
+    if names:
+        raise ValueError(f"base_dtype {base_dtype}: {names[0]!r} ({len(names)} in all) is the weight of a "
+                         f"transformers Conv1D layer, which is not encoded in {base_dtype} yet; use base_dtype "
+                         f"bf16 or fp16 for {type(model).__name__}")
+
+
 def frozen_layouts(plan: ChunkPlan, model: torch.nn.Module, *, base_dtype: "str | None", double_quant: bool,
                    compute_dtype: torch.dtype) -> "dict[int, FrozenLayout | None]":
     """{frozen chunk: its blob layout, or None when nothing in it is encoded}."""
+    check_encodable(model, base_dtype)
     names = [n for c in sorted(plan.frozen) for n in plan.chunks[c].params]
     base = base_dtypes(names, base_dtype=base_dtype, quantizable=quantizable(model), compute_dtype=compute_dtype)
     plain = DTYPE_NAMES[compute_dtype]

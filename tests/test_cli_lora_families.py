@@ -1,0 +1,74 @@
+"""LoRA runs of `finetune` on model families other than Llama: what PEFT and bitsandbytes do
+with their layers is the reference (tests/test_cli_lora.py covers Llama end to end)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+peft = pytest.importorskip("peft")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tinyhf import error_line, family_config, make_tiny_family_dir, write_jsonl  # noqa: E402
+
+from tierwise.cli.builtin import sample_rows  # noqa: E402
+from tierwise.cli.main import app  # noqa: E402
+from tierwise.offload import Engine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpt2")
+    return make_tiny_family_dir(root / "gpt2", "gpt2"), write_jsonl(root / "train.jsonl", sample_rows(8))
+
+
+def _args(assets, out, *flags) -> list[str]:
+    model, data = assets
+    return ["--model", str(model), "--data", str(data), "--output", str(out), "--seq-len", "16",
+            "--batch-size", "2", "--steps", "1", "--chunk-size", "16K", *flags]
+
+
+@pytest.mark.parametrize("flags,dtype", [(["--qlora"], "nf4"), (["--lora-rank", "4", "--base-dtype", "int8"], "int8")])
+def test_quantized_base_of_conv1d_layers_is_refused(gpt2, tmp_path, flags, dtype):
+    """GPT-2's linear layers are transformers Conv1D, which bitsandbytes quantizes (transposed)
+    and the engine does not: an int8/NF4 base would silently stay fp32. One line, before the
+    run directory is touched; --dry-run and the Engine API refuse it too."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    for extra in ([], ["--dry-run"], ["--overwrite"]):
+        line = error_line(CliRunner().invoke(app, _args(gpt2, out, *flags, *extra)))
+        assert "transformer.h.0.attn.c_attn.weight" in line and "Conv1D" in line and dtype in line, line
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_config(family_config("gpt2"))
+    with pytest.raises(ValueError, match=r"c_attn\.base_layer\.weight.*Conv1D"):
+        Engine(hf, lora=peft.LoraConfig(r=4, target_modules="all-linear"), chunk_bytes=16 << 10,
+               base_dtype=dtype)
+
+
+def test_unknown_target_names_the_conv1d_layers(gpt2, tmp_path):
+    """PEFT adapts GPT-2's Conv1D layers (c_attn, c_fc, c_proj): the hint for a misspelt target
+    lists them, not only the output head."""
+    line = error_line(CliRunner().invoke(app, _args(gpt2, tmp_path / "run", "--lora-rank", "4",
+                                                    "--lora-targets", "q_proj")))
+    assert "c_attn" in line and "c_fc" in line and "c_proj" in line, line
+
+
+def test_an_nf4_base_is_double_quantized_and_says_so(tmp_path):
+    """--lora-rank with --base-dtype nf4 is --qlora's recipe (the engine double-quantizes every
+    nf4 base): the summary says so as it does for --qlora."""
+    from tinyhf import make_tiny_llama_dir
+
+    model = make_tiny_llama_dir(tmp_path / "llama", vocab_size=288, hidden=32, layers=2)
+    data = write_jsonl(tmp_path / "train.jsonl", sample_rows(8))
+    result = CliRunner().invoke(app, _args((model, data), tmp_path / "run", "--lora-rank", "4", "--base-dtype", "nf4",
+                                           "--dry-run"), env={"COLUMNS": "200"})
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "base nf4 (double quant)" in result.output, result.output
