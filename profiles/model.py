@@ -138,7 +138,9 @@ class ModelProfile:
         config = getattr(config, "config", config)
         family = getattr(config, "model_type", "llama")
         if family not in FAMILIES:
-            raise FieldValueError(f"field 'family' must be one of {', '.join(FAMILIES)}, got {family!r}",
+            raise FieldValueError(f"the planner prices the {', '.join(FAMILIES)} families, not {family!r} yet: "
+                                  "`plan` and `--dry-run` cannot price this model; training runs (the engine "
+                                  "measures its budgets in the warm-up step)",
                                   where=name or type(config).__name__, field="family")
         rope = getattr(config, "rope_parameters", None) or {}
         return cls(

@@ -72,3 +72,24 @@ def test_an_nf4_base_is_double_quantized_and_says_so(tmp_path):
                                            "--dry-run"), env={"COLUMNS": "200"})
     assert result.exit_code == 0, (result.output, result.exception)
     assert "base nf4 (double quant)" in result.output, result.output
+
+
+def test_a_target_the_planner_does_not_price_trains(tmp_path):
+    """PEFT adapts the output head too (--lora-targets lm_head): the planner does not price a
+    head adapter, so the run measures its budgets instead of being refused (it was: the
+    planner's refusal stopped the run before the engine was built)."""
+    from tinyhf import make_tiny_llama_dir
+
+    model = make_tiny_llama_dir(tmp_path / "llama", vocab_size=288, hidden=32, layers=2)
+    data = write_jsonl(tmp_path / "train.jsonl", sample_rows(8))
+    result = CliRunner().invoke(app, _args((model, data), tmp_path / "run", "--lora-rank", "4",
+                                           "--lora-targets", "q_proj,lm_head"))
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").exists()
+
+
+def test_plan_of_a_family_the_planner_does_not_price_says_training_runs(gpt2, tmp_path):
+    """`--dry-run` on GPT-2 (no planner profile): one line that says what is not priced and
+    that training runs, not a profile field error."""
+    line = error_line(CliRunner().invoke(app, _args(gpt2, tmp_path / "run", "--lora-rank", "4", "--dry-run")))
+    assert "'gpt2'" in line and "training runs" in line and "field 'family'" not in line, line

@@ -71,8 +71,10 @@ def parse_targets(targets: "str | Sequence[str]", linears: "dict[str, str] | Non
     known = sorted({m.rpartition(".")[2] for m in body})
     unknown = sorted(n for n in names if not any(_matches(m, n) for m in body))
     if names != ["all-linear"] and (unknown or not names):
-        raise TierwiseError(f"--lora-targets {','.join(names) or '(none)'}: the planner knows the linears "
-                            f"{', '.join(known)} (or all-linear); unknown: {', '.join(unknown) or '-'}")
+        # not a wrong name (the CLI checks names against the model first): a module the planner
+        # does not price (the head, an embedding): the run measures its budgets instead
+        raise UnsupportedModel(f"--lora-targets {','.join(names) or '(none)'}: the planner prices LoRA on the "
+                               f"linears {', '.join(known)} (or all-linear); not on {', '.join(unknown) or '-'}")
     return frozenset(m.rpartition(".")[2] for m in _targeted(linears, targets))
 
 
