@@ -93,7 +93,20 @@ def summary(cfg: TrainConfig, model: torch.nn.Module) -> str:
     return (f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} dropout={cfg.lora_dropout:g} "
             f"targets={cfg.lora_targets}: {trainable:,} trainable of {total:,} parameters "
             f"({100 * trainable / max(total, 1):.3f}%), adapters {_size(4 * trainable)} fp32; "
-            f"base {base}{quant}")
+            f"base {base}{quant}{_unencoded(cfg, model, base, total - trainable)}")
+
+
+def _unencoded(cfg: TrainConfig, model: torch.nn.Module, base: str, frozen: int) -> str:
+    """int8/nf4 encode only nn.Linear weights (frozen_base.quantizable): the share of the base
+    that stays in the compute dtype (embeddings, norms, the head, fused MoE experts), said, so
+    a summary never claims an nf4 base that is mostly bf16."""
+    if base not in ("int8", "nf4") or frozen <= 0:
+        return ""
+    from ..offload.engine.frozen_base import quantizable
+
+    names = quantizable(model)
+    encoded = sum(p.numel() for n, p in model.named_parameters() if n in names and not p.requires_grad)
+    return f" on {100 * encoded / frozen:.1f}% of it, the rest {cfg.precision} (embeddings, norms, head, fused experts)"
 
 
 def label(cfg: TrainConfig) -> str:

@@ -93,3 +93,22 @@ def test_plan_of_a_family_the_planner_does_not_price_says_training_runs(gpt2, tm
     that training runs, not a profile field error."""
     line = error_line(CliRunner().invoke(app, _args(gpt2, tmp_path / "run", "--lora-rank", "4", "--dry-run")))
     assert "'gpt2'" in line and "training runs" in line and "field 'family'" not in line, line
+
+
+def test_the_summary_says_how_much_of_an_nf4_base_is_encoded(tmp_path):
+    """Mixtral's fused 3-D experts are no nn.Linear: an NF4 base leaves them in the compute
+    dtype, as bitsandbytes' Linear4bit would. The summary gives the encoded share (the linear
+    weights but the head, counted here from the transformers model) instead of claiming an nf4
+    base that is mostly not."""
+    from transformers import AutoModelForCausalLM
+
+    model = make_tiny_family_dir(tmp_path / "mixtral", "mixtral")
+    data = write_jsonl(tmp_path / "train.jsonl", sample_rows(8))
+    result = CliRunner().invoke(app, _args((model, data), tmp_path / "run", "--qlora", "--lora-targets",
+                                           "q_proj,v_proj", "--dry-run"), env={"COLUMNS": "300"})
+    hf = AutoModelForCausalLM.from_config(family_config("mixtral"))
+    head = hf.get_output_embeddings()
+    linear = sum(m.weight.numel() for m in hf.modules() if type(m) is torch.nn.Linear and m is not head)
+    share = 100 * linear / sum(p.numel() for p in hf.parameters())
+    assert f"base nf4 (double quant) on {share:.1f}% of it" in result.output, result.output
+    assert share < 50
