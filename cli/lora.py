@@ -41,13 +41,22 @@ def check_targets(model: torch.nn.Module, targets: "list[str] | str") -> None:
     none matches): a typo would silently train fewer adapters."""
     if targets == "all-linear":
         return
-    names = [n for n, _ in model.named_modules()]
+    modules = list(model.named_modules())
+    leaves = sorted({n.rsplit(".", 1)[-1] for n, m in modules if _adaptable(m)})
     for t in targets:
-        if not any(n == t or n.endswith("." + t) for n in names):
-            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()  # GPT-2's are Conv1D
-                             if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
+        matched = [m for n, m in modules if n == t or n.endswith("." + t)]
+        if not matched:
             raise ConfigError(f"--lora-targets: no module of {type(model).__name__} is named {t!r} "
                               f"(its linear layers: {', '.join(leaves)})")
+        if not any(_adaptable(m) for m in matched):  # e.g. "mlp": a block, not a layer
+            raise ConfigError(f"--lora-targets {t}: {type(matched[0]).__name__} is not a layer LoRA adapts "
+                              f"(name linear layers: {', '.join(leaves)})")
+
+
+def _adaptable(m: torch.nn.Module) -> bool:
+    """A layer PEFT's LoRA adapts: linear (GPT-2's Conv1D too), embedding, convolution."""
+    return isinstance(m, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) \
+        or type(m).__name__ == "Conv1D"
 
 
 def check_base_dtype(model: torch.nn.Module, cfg: TrainConfig) -> None:
