@@ -158,3 +158,37 @@ def test_node_budgets_are_divided_among_local_ranks():
     assert from_env({}) == RankInfo()
     assert drop_option(["--steps", "3", "--nproc-per-node", "2", "--nproc-per-node=4", "-x"],
                        "--nproc-per-node") == ["--steps", "3", "-x"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_equal_one_node_of_two_ranks_and_each_node_loads_its_base(tmp_path):
+    """Two torchrun launches with --nnodes 2 --node-rank 0/1 (one rank each, a loopback
+    rendezvous), LoRA: the same losses as --nproc-per-node 2 on one node, bit for bit; each node
+    has 1 local rank (its --cpu-mem whole) and loads its own base, so rank 0 books the whole base
+    in host memory (a node of two books half)."""
+    args = ["--steps", "3", "--lora-rank", "4", "--cpu-mem", "64M"]
+    port, nodes = free_port(), tmp_path / "nodes"
+    env = dict(os.environ, LOGLEVEL="ERROR", OMP_NUM_THREADS="1")
+    env.pop(FAULT_ENV, None)
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(r), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "-m", "tierwise.cli.main", *args, "--output", str(nodes)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=LAUNCH_TIMEOUT)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "2 ranks (1 on this node)" in outs[0]
+    one = tmp_path / "one"
+    proc = subprocess.run([sys.executable, "-m", "tierwise.cli.main", "--nproc-per-node", "2", *args, "--output", str(one)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=LAUNCH_TIMEOUT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert train_losses(nodes) == train_losses(one) and len(train_losses(one)) == 3
+    host = [json.loads((d / "metrics.jsonl").read_text().splitlines()[0])["peak_bytes"]["host"] for d in (nodes, one)]
+    assert host[0] > host[1], host  # measured 626,688 vs 378,880 B: the whole base vs half of it
