@@ -142,3 +142,23 @@ def test_stale_shared_base_files_are_removed_live_ones_kept(tmp_path):
     live.unlink()
     live.close()
     assert not list(tmp_path.glob(f"{PREFIX}[0-9]*"))
+
+
+def test_a_shm_too_small_for_the_base_is_one_line_not_sigbus(tmp_path, monkeypatch):
+    """A container's /dev/shm (64 MiB by default) smaller than the base: the leader's create
+    reserves the pages and fails in one line naming the remedy, leaving no file behind (with a
+    bare ftruncate the first write past the tmpfs's end would kill the rank with SIGBUS)."""
+    import errno
+    import os
+
+    from tierwise.offload.runtime import sharedmem
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(sharedmem.os, "posix_fallocate", full)
+    with pytest.raises(sharedmem.SharedMemoryError) as info:
+        sharedmem.SharedRegion.create(1 << 20, directory=str(tmp_path))
+    text = str(info.value)
+    assert "\n" not in text and "No space left" in text and "--shm-size" in text and "share_base=False" in text
+    assert list(tmp_path.iterdir()) == []

@@ -57,14 +57,20 @@ class SharedRegion:
             raise SharedMemoryError(f"cannot create the shared base {path}: {exc.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            os.ftruncate(fd, nbytes)
+            # reserve the pages now: a tmpfs too small for the base (a container's /dev/shm is
+            # 64 MiB by default) then fails here, in one line, not with SIGBUS while loading
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
             return cls(path, fd, nbytes, writable=True)
         except BaseException as exc:
             os.close(fd)
             os.unlink(path)
             if isinstance(exc, OSError):
+                free = _free(directory)
                 raise SharedMemoryError(f"cannot size the shared base {path} to {format_size(nbytes)}: "
-                                        f"{exc.strerror}") from None
+                                        f"{exc.strerror} ({directory} has {format_size(free)} free; in a "
+                                        "container raise it, e.g. docker --shm-size, or pass "
+                                        "Engine(share_base=False) to give every rank its own copy)") from None
             raise
 
     @classmethod
@@ -99,6 +105,14 @@ class SharedRegion:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _free(directory: str) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def remove_stale(directory: str = SHM_DIR) -> list[str]:
