@@ -596,10 +596,7 @@ def main() -> None:
                 hint = "  (use --no-nvme until the nvme tier is wired)" if "not wired" in res["error"] else ""
                 sys.exit(f"{side}: {res['kind']}: {res['error']}{hint}")
             runs[side].append(res)
-            print(f"round {r} {side:4s}: step {res['step_s']:.3f} s (steps "
-                  f"{', '.join(f'{t:.2f}' for t in res['step_times'])}), rss {res['rss_gib']:.2f} GiB, "
-                  f"disk/step w {res['write_bytes_per_step'] / 1e9:.3f} GB r {res['read_bytes_per_step'] / 1e9:.3f} GB, "
-                  f"process {res['wall_s']:.0f} s, load {os.getloadavg()[0]:.1f}", flush=True)
+            print(_round_line(f"round {r} {side:4s}", res, process=True), flush=True)
     if a.reference:
         res = run_child("plain", spec, scratch_root=scratch_root, cuda=cuda, verbose=a.verbose)
         print(f"reference plain PyTorch (no offload): step {res['step_s']:.3f} s, rss {res['rss_gib']:.2f} GiB", flush=True)
@@ -608,6 +605,14 @@ def main() -> None:
     if a.adamw8bit:
         run_8bit(a, spec, scratch_root=scratch_root, cuda=cuda)
     print(f"load average at end: {_load()}", flush=True)
+
+
+def _round_line(label: str, res: dict, *, process: bool = False) -> str:
+    """One timed run of a side: its step, RSS, disk bytes per step, the load now."""
+    wall = f"process {res['wall_s']:.0f} s, " if process else ""
+    return (f"{label}: step {res['step_s']:.3f} s (steps {', '.join(f'{t:.2f}' for t in res['step_times'])}), "
+            f"rss {res['rss_gib']:.2f} GiB, disk/step w {res['write_bytes_per_step'] / 1e9:.3f} GB "
+            f"r {res['read_bytes_per_step'] / 1e9:.3f} GB, {wall}load {os.getloadavg()[0]:.1f}")
 
 
 def _load() -> str:
@@ -627,10 +632,7 @@ def run_8bit(a: argparse.Namespace, spec: dict, *, scratch_root: str, cuda: bool
             if "error" in res:
                 sys.exit(f"adamw8bit {side}: {res['kind']}: {res['error']}")
             runs[side].append(res)
-            print(f"round {r} 8bit {side:5s}: step {res['step_s']:.3f} s (steps "
-                  f"{', '.join(f'{t:.2f}' for t in res['step_times'])}), rss {res['rss_gib']:.2f} GiB, "
-                  f"disk/step w {res['write_bytes_per_step'] / 1e9:.3f} GB r {res['read_bytes_per_step'] / 1e9:.3f} GB, "
-                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+            print(_round_line(f"round {r} 8bit {side:5s}", res), flush=True)
     report_8bit(runs, spec)
 
 
