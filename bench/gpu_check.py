@@ -1,25 +1,38 @@
 """The CUDA figures a lent GPU is for, in one short run (bench/gpu_check.sh calls this).
 
-Measures, each on its own and printed as one JSON line plus a readable summary:
-  link      pinned host <-> device copy bandwidth (GB/s), 1 GiB each way
-  plain     a ~1B random Llama (hidden 2048, 16 layers, vocab 32000) in plain PyTorch on
-            the GPU: bf16 autocast over fp32 weights, fused AdamW; tokens/s and MFU
-  engine    the same model and data through the Engine (bf16 compute copies, fp32 master
-            and AdamW state on the host), streamed under --gpu-mem; tokens/s, MFU, the
-            ledger's gpu peak and the CUDA allocator's peak, losses next to plain's
-MFU = 6 * params * tokens/s / peak bf16 FLOP/s (--peak-tflops, 989 for an H200 SXM).
+Each section runs on its own (a failing one prints its traceback and the next goes on) and
+prints one JSON line; a summary follows. Sections:
+  link        pinned host <-> device copy bandwidth (GB/s), 1 GiB each way
+  plain       a ~1B random Llama (hidden 2048, 16 layers, vocab 32000) in plain PyTorch on the
+              GPU: bf16 autocast over fp32 weights, fused AdamW; tokens/s and MFU
+  engine      the same model and data through the Engine (bf16 compute copies, fp32 master and
+              AdamW state on the host, update on the CPU), streamed under --gpu-mem
+  resident    the Engine with a budget the whole model fits (what the engine costs by itself)
+  adamw8bit   `engine` with AdamW8bit (8-bit state on the host, our C kernel)
+  qlora_peft  PEFT LoRA (r 16, all linear layers of the blocks) over bitsandbytes Linear4bit
+              (NF4, double quant, bf16 compute), the whole 4-bit base on the GPU
+  qlora       the same adapters through the Engine: NF4 base on the host, streamed under
+              --lora-gpu-mem, decoded on the GPU
+MFU = 6 * params * tokens/s / peak bf16 FLOP/s (--peak-tflops, 989 for an H200 SXM); for LoRA
+4 * params (no weight gradient of the base), reported as `mfu`.
 
-    python bench/gpu_check.py [--layers 16] [--steps 6] [--gpu-mem 6G] [--peak-tflops 989]
+    python bench/gpu_check.py [--layers 16] [--steps 6] [--gpu-mem 6G] [--deadline 300]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
+import traceback
 
 import torch
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"  # cpu: a smoke test of this script on a tiny model (--layers 2)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def link_bandwidth(nbytes: int = 1 << 30) -> dict:
@@ -37,10 +50,15 @@ def link_bandwidth(nbytes: int = 1 << 30) -> dict:
     return out
 
 
-def build(layers: int):
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def build(layers: int, hidden: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
                       num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
                       max_position_embeddings=2048, tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -50,78 +68,170 @@ def build(layers: int):
 def timed(step, data: list) -> tuple[list[float], float]:
     losses, times = [], []
     for i, x in enumerate(data):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         losses.append(float(step(x)))
-        torch.cuda.synchronize()
+        sync()
         if i >= 2:  # two warm-up steps (the engine traces and places in its first)
             times.append(time.perf_counter() - t0)
     return losses, statistics.median(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--gpu-mem", default="6G")
-    ap.add_argument("--peak-tflops", type=float, default=989.0)
-    a = ap.parse_args()
-    res: dict = {"device": torch.cuda.get_device_name(), "link": link_bandwidth()}
-    print(json.dumps(res), flush=True)
+def figures(t: float, tokens: int, flops_per_token: float, peak_tflops: float, losses: list) -> dict:
+    return {"step_s": t, "tokens_per_s": tokens / t, "mfu": flops_per_token * tokens / t / (peak_tflops * 1e12),
+            "cuda_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0, "losses": losses}
 
-    g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, 32000, (a.batch, a.seq), generator=g) for _ in range(a.steps + 2)]
-    tokens = a.batch * a.seq
-    model = build(a.layers)
-    n = sum(p.numel() for p in model.parameters())
-    res["params"] = n
 
-    ref = build(a.layers).cuda()
+def plain(a, model, data) -> dict:
+    ref = copy.deepcopy(model).to(DEV)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-5, fused=True)
 
-    def plain_step(x):
-        x = x.cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    def step(x):
+        x = x.to(DEV)
+        with torch.autocast(DEV, dtype=torch.bfloat16):
             loss = ref(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    torch.cuda.reset_peak_memory_stats()
-    losses, t = timed(plain_step, data)
-    res["plain"] = {"step_s": t, "tokens_per_s": tokens / t, "mfu": 6 * n * tokens / t / (a.peak_tflops * 1e12),
-                    "cuda_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": losses}
-    print(json.dumps(res["plain"]), flush=True)
-    del ref, opt
-    torch.cuda.empty_cache()
+    losses, t = timed(step, data)
+    return figures(t, a.batch * a.seq, 6 * a.n, a.peak_tflops, losses)
 
+
+def engine(a, model, data, *, gpu_mem: str, **kw) -> dict:
     from tierwise.offload import Engine
 
-    eng = Engine(model, lr=1e-5, precision="bf16", gpu_mem=a.gpu_mem, device="cuda",
-                 chunk_bytes="64M", checkpointing=True)
-    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    eng = Engine(copy.deepcopy(model), lr=1e-5, precision="bf16", gpu_mem=gpu_mem, device=DEV,
+                 chunk_bytes=a.chunk, checkpointing=True, **kw)
+    setup = time.perf_counter() - t0
     try:
         losses, t = timed(lambda x: eng.step({"input_ids": x, "labels": x}), data)
-        res["engine"] = {"step_s": t, "tokens_per_s": tokens / t,
-                         "mfu": 6 * n * tokens / t / (a.peak_tflops * 1e12),
-                         "gpu_budget": a.gpu_mem, "ledger_gpu_peak_gib": eng.ledger.peaks()["gpu"] / 2**30,
-                         "cuda_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                         "fetched_gib_per_step": eng.cache.fetched_bytes / 2**30 / len(data),
-                         "losses": losses}
+        flops = (4 if kw.get("lora") is not None else 6) * a.n
+        out = figures(t, a.batch * a.seq, flops, a.peak_tflops, losses)
+        peaks = eng.ledger.peaks()
+        out.update(setup_s=setup, gpu_budget=gpu_mem, ledger_peaks_gib={k: v / 2**30 for k, v in peaks.items()},
+                   fetched_gib_per_step=eng.cache.fetched_bytes / 2**30 / len(data),
+                   copy_wait_s=eng.executor.wait_seconds)
+        return out
     finally:
         eng.close()
-    print(json.dumps(res["engine"]), flush=True)
-    p, e = res["plain"], res["engine"]
-    print(f"\n{res['device']}: {n / 1e9:.2f}B params, batch {a.batch} x {a.seq}")
-    print(f"link  h2d {res['link']['h2d_gbs']:.1f} GB/s  d2h {res['link']['d2h_gbs']:.1f} GB/s")
-    print(f"plain  {p['tokens_per_s']:,.0f} tok/s  MFU {p['mfu']:.1%}  cuda peak {p['cuda_peak_gib']:.1f} GiB")
-    print(f"engine {e['tokens_per_s']:,.0f} tok/s  MFU {e['mfu']:.1%}  ledger peak {e['ledger_gpu_peak_gib']:.2f} GiB "
-          f"(budget {a.gpu_mem}), cuda peak {e['cuda_peak_gib']:.2f} GiB, {e['fetched_gib_per_step']:.1f} GiB streamed/step")
-    print(f"engine/plain step time = {e['step_s'] / p['step_s']:.2f}")
-    print(f"first losses plain {p['losses'][:3]}  engine {e['losses'][:3]}")
+
+
+def qlora_peft(a, model, data) -> dict:
+    import bitsandbytes as bnb
+    import peft
+
+    m = copy.deepcopy(model)
+    head = m.get_output_embeddings()
+    for mod in list(m.modules()):
+        for name, child in list(mod.named_children()):
+            if type(child) is torch.nn.Linear and child is not head:
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True)
+                q.weight = bnb.nn.Params4bit(child.weight.data.clone(), requires_grad=False, quant_type="nf4",
+                                             compress_statistics=True)
+                setattr(mod, name, q)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(7)
+    ref = peft.get_peft_model(m, lora_config()).to(DEV)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-4, fused=True)
+
+    def step(x):
+        x = x.to(DEV)
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            loss = ref(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    losses, t = timed(step, data)
+    return figures(t, a.batch * a.seq, 4 * a.n, a.peak_tflops, losses)
+
+
+def lora_config():
+    import peft
+
+    return peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--gpu-mem", default="6G")
+    ap.add_argument("--lora-gpu-mem", default="2G")
+    ap.add_argument("--chunk", default="64M")
+    ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--deadline", type=float, default=300.0, help="seconds; later sections are skipped")
+    ap.add_argument("--only", default="", help="comma-separated sections (default: all)")
+    ap.add_argument("--json", default="", help="write the figures here too")
+    a = ap.parse_args()
+    start = time.perf_counter()
+    res: dict = {"device": torch.cuda.get_device_name() if CUDA else "cpu (smoke test)"}
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 32000, (a.batch, a.seq), generator=g) for _ in range(a.steps + 2)]
+    model = build(a.layers, a.hidden)
+    a.n = sum(p.numel() for p in model.parameters())
+    res["params"] = a.n
+    print(json.dumps(res), flush=True)
+    sections = {
+        "link": lambda: link_bandwidth() if CUDA else {"skipped": "no CUDA"},
+        "plain": lambda: plain(a, model, data),
+        "engine": lambda: engine(a, model, data, gpu_mem=a.gpu_mem),
+        "qlora_peft": lambda: qlora_peft(a, model, data),
+        "qlora": lambda: engine(a, model, data, gpu_mem=a.lora_gpu_mem, lora=lora_config(),
+                                base_dtype="nf4", double_quant=True),
+        "resident": lambda: engine(a, model, data, gpu_mem="100G"),
+        "adamw8bit": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, optimizer="adamw8bit"),
+    }
+    only = [s for s in a.only.split(",") if s] or list(sections)
+    for name in only:
+        if time.perf_counter() - start > a.deadline:
+            res[name] = {"skipped": "deadline"}
+            print(name, "skipped: deadline", flush=True)
+            continue
+        if CUDA:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        try:
+            res[name] = sections[name]()
+        except Exception as exc:  # one broken section must not hide the others' figures
+            traceback.print_exc()
+            res[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        res[name]["section_s"] = time.perf_counter() - t0
+        print(name, json.dumps(res[name]), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+    summary(a, res)
+
+
+def summary(a, res: dict) -> None:
+    print(f"\n{res['device']}: {a.n / 1e9:.2f}B params, batch {a.batch} x {a.seq}")
+    if "h2d_gbs" in res.get("link", {}):
+        print(f"link  h2d {res['link']['h2d_gbs']:.1f} GB/s  d2h {res['link']['d2h_gbs']:.1f} GB/s")
+    for name in ("plain", "engine", "resident", "adamw8bit", "qlora_peft", "qlora"):
+        r = res.get(name, {})
+        if "tokens_per_s" not in r:
+            print(f"{name:10s} {r.get('error') or r.get('skipped') or 'not run'}")
+            continue
+        extra = ""
+        if "ledger_peaks_gib" in r:
+            extra = (f"  ledger gpu peak {r['ledger_peaks_gib'].get('gpu', 0):.2f} GiB (budget {r['gpu_budget']}),"
+                     f" {r['fetched_gib_per_step']:.1f} GiB streamed/step, setup {r['setup_s']:.0f} s")
+        print(f"{name:10s} {r['tokens_per_s']:9,.0f} tok/s  MFU {r['mfu']:6.1%}  step {r['step_s']:.3f} s"
+              f"  cuda peak {r['cuda_peak_gib']:.2f} GiB{extra}  losses {[round(x, 4) for x in r['losses'][:3]]}")
+    for x, y in (("engine", "plain"), ("resident", "plain"), ("adamw8bit", "plain"), ("qlora", "qlora_peft")):
+        if "step_s" in res.get(x, {}) and "step_s" in res.get(y, {}):
+            print(f"{x}/{y} step time = {res[x]['step_s'] / res[y]['step_s']:.2f}")
 
 
 if __name__ == "__main__":
