@@ -7,12 +7,16 @@ prints one JSON line; a summary follows. Sections:
               GPU: bf16 autocast over fp32 weights, fused AdamW; tokens/s and MFU
   engine      the same model and data through the Engine (bf16 compute copies, fp32 master and
               AdamW state on the host, update on the CPU), streamed under --gpu-mem
-  resident    the Engine with a budget the whole model fits (what the engine costs by itself)
+  capped      `engine` with the CUDA allocator itself capped at --gpu-mem (an OOM = bytes the
+              ledger misses)
+  resident    the Engine with a budget the whole model fits, no recompute (what the engine
+              costs by itself)
   adamw8bit   `engine` with AdamW8bit (8-bit state on the host, our C kernel)
   qlora_peft  PEFT LoRA (r 16, all linear layers of the blocks) over bitsandbytes Linear4bit
               (NF4, double quant, bf16 compute), the whole 4-bit base on the GPU
   qlora       the same adapters through the Engine: NF4 base on the host, streamed under
               --lora-gpu-mem, decoded on the GPU
+  qlora_resident  `qlora` with a budget the whole base fits (streamed / resident, issue 14)
 MFU = 6 * params * tokens/s / peak bf16 FLOP/s (--peak-tflops, 989 for an H200 SXM); for LoRA
 4 * params (no weight gradient of the base), reported as `mfu`.
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import statistics
 import time
@@ -77,9 +82,13 @@ def timed(step, data: list) -> tuple[list[float], float]:
     return losses, statistics.median(times)
 
 
+BASE = [0]  # bytes the CUDA allocator held when the section began (freed before it, in theory)
+
+
 def figures(t: float, tokens: int, flops_per_token: float, peak_tflops: float, losses: list) -> dict:
+    peak = (torch.cuda.max_memory_allocated() - BASE[0]) / 2**30 if CUDA else 0.0
     return {"step_s": t, "tokens_per_s": tokens / t, "mfu": flops_per_token * tokens / t / (peak_tflops * 1e12),
-            "cuda_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0, "losses": losses}
+            "cuda_peak_gib": peak, "losses": losses}
 
 
 def plain(a, model, data) -> dict:
@@ -99,12 +108,19 @@ def plain(a, model, data) -> dict:
     return figures(t, a.batch * a.seq, 6 * a.n, a.peak_tflops, losses)
 
 
-def engine(a, model, data, *, gpu_mem: str, **kw) -> dict:
+def engine(a, model, data, *, gpu_mem: str, cap: bool = False, **kw) -> dict:
+    """`cap`: the CUDA allocator itself is limited to the gpu budget (on top of what it already
+    held), so any byte the ledger does not count but the run needs shows as an OOM."""
     from tierwise.offload import Engine
+    from tierwise.offload.core.sizes import parse_size
 
+    if cap and CUDA:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (BASE[0] + parse_size(gpu_mem)) / total))
+    kw = {"checkpointing": True} | kw
     t0 = time.perf_counter()
     eng = Engine(copy.deepcopy(model), lr=1e-5, precision="bf16", gpu_mem=gpu_mem, device=DEV,
-                 chunk_bytes=a.chunk, checkpointing=True, **kw)
+                 chunk_bytes=a.chunk, **kw)
     setup = time.perf_counter() - t0
     try:
         losses, t = timed(lambda x: eng.step({"input_ids": x, "labels": x}), data)
@@ -113,10 +129,12 @@ def engine(a, model, data, *, gpu_mem: str, **kw) -> dict:
         peaks = eng.ledger.peaks()
         out.update(setup_s=setup, gpu_budget=gpu_mem, ledger_peaks_gib={k: v / 2**30 for k, v in peaks.items()},
                    fetched_gib_per_step=eng.cache.fetched_bytes / 2**30 / len(data),
-                   copy_wait_s=eng.executor.wait_seconds)
+                   copy_wait_s=eng.executor.wait_seconds, phase_s=dict(eng.phase_times))
         return out
     finally:
         eng.close()
+        if cap and CUDA:
+            torch.cuda.set_per_process_memory_fraction(1.0)
 
 
 def qlora_peft(a, model, data) -> dict:
@@ -188,7 +206,10 @@ def main() -> None:
         "qlora_peft": lambda: qlora_peft(a, model, data),
         "qlora": lambda: engine(a, model, data, gpu_mem=a.lora_gpu_mem, lora=lora_config(),
                                 base_dtype="nf4", double_quant=True),
-        "resident": lambda: engine(a, model, data, gpu_mem="100G"),
+        "qlora_resident": lambda: engine(a, model, data, gpu_mem="100G", lora=lora_config(),
+                                         base_dtype="nf4", double_quant=True),
+        "capped": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, cap=True),
+        "resident": lambda: engine(a, model, data, gpu_mem="100G", checkpointing=False),
         "adamw8bit": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, optimizer="adamw8bit"),
     }
     only = [s for s in a.only.split(",") if s] or list(sections)
@@ -197,9 +218,11 @@ def main() -> None:
             res[name] = {"skipped": "deadline"}
             print(name, "skipped: deadline", flush=True)
             continue
+        gc.collect()  # an engine of the section before is freed here, not at some later collection
         if CUDA:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+            BASE[0] = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         try:
             res[name] = sections[name]()
@@ -207,6 +230,7 @@ def main() -> None:
             traceback.print_exc()
             res[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         res[name]["section_s"] = time.perf_counter() - t0
+        res[name]["cuda_base_gib"] = BASE[0] / 2**30
         print(name, json.dumps(res[name]), flush=True)
         if a.json:
             with open(a.json, "w") as f:
@@ -218,7 +242,7 @@ def summary(a, res: dict) -> None:
     print(f"\n{res['device']}: {a.n / 1e9:.2f}B params, batch {a.batch} x {a.seq}")
     if "h2d_gbs" in res.get("link", {}):
         print(f"link  h2d {res['link']['h2d_gbs']:.1f} GB/s  d2h {res['link']['d2h_gbs']:.1f} GB/s")
-    for name in ("plain", "engine", "resident", "adamw8bit", "qlora_peft", "qlora"):
+    for name in ("plain", "engine", "capped", "resident", "adamw8bit", "qlora_peft", "qlora", "qlora_resident"):
         r = res.get(name, {})
         if "tokens_per_s" not in r:
             print(f"{name:10s} {r.get('error') or r.get('skipped') or 'not run'}")
@@ -229,7 +253,8 @@ def summary(a, res: dict) -> None:
                      f" {r['fetched_gib_per_step']:.1f} GiB streamed/step, setup {r['setup_s']:.0f} s")
         print(f"{name:10s} {r['tokens_per_s']:9,.0f} tok/s  MFU {r['mfu']:6.1%}  step {r['step_s']:.3f} s"
               f"  cuda peak {r['cuda_peak_gib']:.2f} GiB{extra}  losses {[round(x, 4) for x in r['losses'][:3]]}")
-    for x, y in (("engine", "plain"), ("resident", "plain"), ("adamw8bit", "plain"), ("qlora", "qlora_peft")):
+    for x, y in (("engine", "plain"), ("resident", "plain"), ("adamw8bit", "plain"), ("qlora", "qlora_peft"),
+                 ("qlora", "qlora_resident")):
         if "step_s" in res.get(x, {}) and "step_s" in res.get(y, {}):
             print(f"{x}/{y} step time = {res[x]['step_s'] / res[y]['step_s']:.2f}")
 

@@ -38,8 +38,10 @@ for m in ("torch", "transformers", "peft", "safetensors", "typer", "bitsandbytes
 import torch
 print("cuda", torch.version.cuda, torch.cuda.get_device_name())
 EOF
-  timeout 170 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rfEs --tb=short
-  echo "tests/gpu exit $?"
+  if [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1: a rerun for the figures alone
+    timeout 170 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rfEs --tb=short
+    echo "tests/gpu exit $?"
+  fi
   timeout 45 python3 -m tierwise.cli.main --output /tmp/q --overwrite
   echo "quickstart exit $?"
   timeout 45 python3 -m tierwise.cli.main --qlora --output /tmp/ql --overwrite

@@ -312,11 +312,22 @@ def iter_export(model: torch.nn.Module, layout: ModelLayout,
         raise ModelError(f"export: no tensor was given for {left[0]!r}")
 
 
+def _first_converter(name: str, converters: list) -> tuple[str, "str | None"]:
+    """`name` renamed by the first converter that matches it, and that converter's pattern
+    (None: none matched). transformers >= 5.2x has this as `apply_converters`; 5.17 (seen on a
+    CUDA machine) lacks it, while every 5.x converter has `rename_source_key`."""
+    for converter in converters:
+        renamed, pattern = converter.rename_source_key(name)
+        if pattern is not None:
+            return renamed, pattern
+    return name, None
+
+
 def _export_groups(model, names: list[str]) -> dict[str, tuple]:
     """{saved name: group}: names that one reverse converter turns into tensors together share
     a group (the key that converter renames them to); every other name is its own group."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange, WeightConverter, apply_converters
+    from transformers.core_model_loading import PrefixChange, WeightConverter
 
     transforms = getattr(model, "_weight_conversions", None)
     if transforms is None:  # a new model: the transforms save_pretrained reverts for it
@@ -326,6 +337,6 @@ def _export_groups(model, names: list[str]) -> dict[str, tuple]:
     converters = [t for t in reverse if isinstance(t, WeightConverter)]
     out = {}
     for n in names:
-        renamed, pattern = apply_converters(n, converters)
+        renamed, pattern = _first_converter(n, converters)
         out[n] = ("converted", renamed) if pattern is not None else ("single", n)
     return out
