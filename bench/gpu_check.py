@@ -129,7 +129,8 @@ def engine(a, model, data, *, gpu_mem: str, cap: bool = False, **kw) -> dict:
         peaks = eng.ledger.peaks()
         out.update(setup_s=setup, gpu_budget=gpu_mem, ledger_peaks_gib={k: v / 2**30 for k, v in peaks.items()},
                    fetched_gib_per_step=eng.cache.fetched_bytes / 2**30 / len(data),
-                   copy_wait_s=eng.executor.wait_seconds, phase_s=dict(eng.phase_times))
+                   copy_wait_s=eng.executor.wait_seconds, phase_s=dict(eng.phase_times),
+                   workspace_gib=eng.workspace.bytes / 2**30)
         return out
     finally:
         eng.close()
