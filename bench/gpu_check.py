@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--gpu-mem", default="6G")
-    ap.add_argument("--lora-gpu-mem", default="2G")
+    ap.add_argument("--lora-gpu-mem", default="3G")
     ap.add_argument("--chunk", default="64M")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds; later sections are skipped")

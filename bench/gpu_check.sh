@@ -16,6 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp}"
 export PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # as the CLI sets it
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -260,6 +260,10 @@ def main() -> None:
     peer failed (measured 5 s), while the launcher waits for every rank."""
     from .launch import from_env
 
+    # CUDA's caching allocator grows segments instead of carving fixed ones: a capped 6 GiB
+    # budget on an H200 lost 295 MiB to fragmentation without it. Read at CUDA's first
+    # allocation, so set before any; a user's own setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if not from_env().several:
         app()
         return

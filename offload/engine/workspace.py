@@ -8,6 +8,8 @@ top of a 6 GiB budget the ledger filled: an allocator capped at the budget ran o
 So the warm-up step streams through the smallest window, reads the allocator's peak, and the
 placement then leaves room for what the ledger missed plus a margin. The simulated device has
 no allocator to ask: 0 there. Resets CUDA's peak memory statistics once, at the warm-up.
+Fragmentation is what the margin covers; the CLI turns on the allocator's expandable segments
+(PYTORCH_CUDA_ALLOC_CONF) to keep it small; a library user sets that variable before CUDA starts.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from ..runtime.ledger import Ledger
 
 MARGIN_MIN = 2 << 20  # fragmentation of the caching allocator: at least one small segment...
-MARGIN_SHARE = 32  # ...or 1/32 of the gpu budget (125 MiB of 6 GiB was seen unusable)
+MARGIN_SHARE = 16  # ...or 1/16 of the gpu budget (125-295 MiB of 6 GiB were seen unusable)
 
 
 class Workspace:
