@@ -1,0 +1,38 @@
+"""The CUDA workspace (offload.engine.workspace) on the simulated device, the allocator faked:
+bytes the allocator held beside the ledger in the warm-up are kept free by the placement."""
+
+import torch
+
+from tierwise.offload import Engine
+from tierwise.offload.engine import workspace
+from tests.models import batches, tiny_llama
+
+MISSED = 1 << 20  # what the fake allocator held beyond the ledger at its peak
+
+
+def run(monkeypatch, *, fake: bool):
+    data = batches(3)
+    eng = Engine(tiny_llama(hidden=128), lr=1e-3, gpu_mem="8M", chunk_bytes=16 << 10, device="cpu")
+    if fake:
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: None)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: eng.ledger.used("gpu") + 5)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: eng.ledger.peaks()["gpu"] + 5 + MISSED)
+        eng.workspace.cuda = True
+    losses = [eng.step(b) for b in data]
+    return eng, losses
+
+
+def test_the_placement_leaves_the_measured_workspace_free(monkeypatch):
+    plain, plain_losses = run(monkeypatch, fake=False)
+    eng, losses = run(monkeypatch, fake=True)
+    budget = 8 << 20
+    margin = max(workspace.MARGIN_MIN, budget // workspace.MARGIN_SHARE)
+    assert eng.workspace.bytes == MISSED + margin
+    assert plain.workspace.bytes == 0
+    # without the workspace the cache fills the budget; with it the ledger stays below by that much
+    assert plain.ledger.peaks()["gpu"] > budget - eng.workspace.bytes
+    assert eng.ledger.peaks()["gpu"] + eng.workspace.bytes <= budget
+    assert eng.minimum_gpu_bytes == plain.minimum_gpu_bytes + eng.workspace.bytes
+    assert losses == plain_losses  # where bytes live never changes the numbers
