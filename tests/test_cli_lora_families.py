@@ -95,6 +95,17 @@ def test_plan_of_a_family_the_planner_does_not_price_says_training_runs(gpt2, tm
     assert "'gpt2'" in line and "training runs" in line and "field 'family'" not in line, line
 
 
+@pytest.mark.parametrize("family,experts", [("mixtral", "2 of 4"), ("qwen2-moe", "2 of 4")])
+def test_plan_of_a_moe_family_says_why_it_is_not_priced(tmp_path, family, experts):
+    """A mixture of experts is not priced with the dense formulas (top-k compute, routing): one
+    line that says so and that training runs."""
+    model = make_tiny_family_dir(tmp_path / family, family)
+    data = write_jsonl(tmp_path / "train.jsonl", sample_rows(8))
+    line = error_line(CliRunner().invoke(app, _args((model, data), tmp_path / "run", "--qlora", "--lora-targets",
+                                                    "q_proj", "--dry-run"), env={"COLUMNS": "300"}))
+    assert f"mixture of experts ({experts} experts per token)" in line and "training runs" in line, line
+
+
 def test_the_summary_says_how_much_of_an_nf4_base_is_encoded(tmp_path):
     """The summary gives the encoded share of an NF4 base, counted here from the transformers
     model: the nn.Linear weights but the head, and Mixtral's fused 3-D experts (encoded since
