@@ -125,3 +125,34 @@ def test_the_summary_says_how_much_of_an_nf4_base_is_encoded(tmp_path):
     share = 100 * (linear + experts) / sum(p.numel() for p in hf.parameters())
     assert f"base nf4 (double quant) on {share:.1f}% of it" in result.output, result.output
     assert experts > linear
+
+
+def test_mixtral_all_linear_run_exports_and_merges(tmp_path):
+    """A Mixtral all-linear LoRA run (PEFT adapts the fused experts and the router as parameters)
+    exports an adapter PEFT loads, and `export --merge` of it equals PEFT's merge_and_unload bit
+    for bit; its logits equal the unmerged PEFT model's within 1e-5 (merged weights: W + BA
+    rounds differently from W x + B A x)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = make_tiny_family_dir(tmp_path / "mixtral", "mixtral")
+    data = write_jsonl(tmp_path / "train.jsonl", sample_rows(8))
+    run = tmp_path / "run"
+    result = CliRunner().invoke(app, _args((model, data), run, "--lora-rank", "4", "--lora-targets", "all-linear",
+                                           "--lr", "1e-2", "--steps", "2"))
+    assert result.exit_code == 0, (result.output, result.exception)
+    merged = tmp_path / "merged"
+    result = CliRunner().invoke(app, ["export", "--merge", "--adapter", str(run / "adapter"), "--base", str(model),
+                                      "--output", str(merged)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), str(run / "adapter"))
+    trained = {n: p for n, p in peft_model.named_parameters() if "experts" in n and "lora_B" in n}
+    assert trained and all(p.abs().sum() > 0 for p in trained.values())  # the experts' adapters trained
+    ids = torch.tensor([[1, 5, 9, 33, 200, 7]])
+    got = AutoModelForCausalLM.from_pretrained(merged)
+    with torch.no_grad():
+        unmerged = peft_model(ids).logits
+        ref = peft_model.merge_and_unload()
+        rs, gs = ref.state_dict(), got.state_dict()
+        assert set(rs) == set(gs) and all(torch.equal(rs[k], gs[k]) for k in rs)
+        torch.testing.assert_close(got(ids).logits, unmerged, rtol=0, atol=1e-5)
