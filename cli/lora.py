@@ -106,16 +106,16 @@ def summary(cfg: TrainConfig, model: torch.nn.Module) -> str:
 
 
 def _unencoded(cfg: TrainConfig, model: torch.nn.Module, base: str, frozen: int) -> str:
-    """int8/nf4 encode only nn.Linear weights (frozen_base.quantizable): the share of the base
-    that stays in the compute dtype (embeddings, norms, the head, fused MoE experts), said, so
-    a summary never claims an nf4 base that is mostly bf16."""
+    """int8/nf4 encode only the linear weights (frozen_base.quantizable: nn.Linear's, fused MoE
+    experts): the share of the base that stays in the compute dtype (embeddings, norms, the
+    head, MoE routers), said, so a summary never claims an nf4 base that is mostly bf16."""
     if base not in ("int8", "nf4") or frozen <= 0:
         return ""
     from ..offload.engine.frozen_base import quantizable
 
     names = quantizable(model)
     encoded = sum(p.numel() for n, p in model.named_parameters() if n in names and not p.requires_grad)
-    return f" on {100 * encoded / frozen:.1f}% of it, the rest {cfg.precision} (embeddings, norms, head, fused experts)"
+    return f" on {100 * encoded / frozen:.1f}% of it, the rest {cfg.precision} (embeddings, norms, head, routers)"
 
 
 def label(cfg: TrainConfig) -> str:

@@ -14,9 +14,19 @@ differs from the trained one by the base's quantisation error (as PEFT's merge o
 unquantised base does), where merging into the dequantised NF4 weights would make that error
 a permanent part of every weight, targeted or not.
 
+Adapters on parameters (`target_parameters`: PEFT's ParamWrapper, e.g. over Mixtral's fused
+3-D experts `experts.gate_up_proj` and its router `gate.weight`) are merged as ParamWrapper.merge
+does: which parameter each (nested) wrapper adapts, its experts and scaling are read off PEFT's
+own injection of the adapter config into the meta model; the delta is get_delta_weight's (per
+expert B @ A, cast to the weight's dtype, then added). A base checkpoint that stores the experts
+per expert (what transformers converts into the fused tensor on load) gets them converted with
+transformers' converter (cli.layout), the delta added, and converted back
+(`revert_weight_conversion`) into the same keys: one layer's fused tensor at a time, refused
+when that is over the memory budget.
+
 What is refused (ModelError, one line): an adapter other than LoRA, DoRA, `lora_bias`,
-`target_parameters`, modules_to_save / trainable tokens, an adapter tensor this module cannot
-place, a target the base checkpoint lacks (or only makes through a fused conversion), a shape
+modules_to_save / trainable tokens, an adapter tensor this module cannot place, a target the
+base checkpoint lacks (or only makes through a fused conversion, for a module target), a shape
 that does not fit, and an output directory that is the base or the adapter, or non-empty
 without `overwrite`.
 """
@@ -52,6 +62,21 @@ class _Delta:
     b_key: str
     scaling: float
     base_copy: str | None = None              # adapter key of a saved base_layer.weight, if any
+    experts: int = 0                          # "param": the experts of a 3-D parameter (0: 2-D)
+    swapped: bool = False                     # "param", 3-D: stored [experts, out, in] (else [e, in, out])
+
+
+@dataclass
+class _Group:
+    """A parameter the base checkpoint makes by a conversion (e.g. one layer's per-expert
+    tensors -> the fused experts): converted, merged and converted back at once, on first use."""
+
+    target: Any                               # cli.layout._Target
+    name: str                                 # the model's state-dict name of the parameter
+    plan: Any                                 # cli.layout.CheckpointPlan
+    model: Any                                # cli.layout._AsBuilt
+    deltas: list[_Delta]
+    done: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -64,6 +89,7 @@ class _Out:
     base: int
     dtype: torch.dtype
     deltas: list[_Delta] = field(default_factory=list)
+    group: _Group | None = None
 
     @property
     def shape(self) -> list[int]:
@@ -101,7 +127,6 @@ def read_lora_config(adapter_dir: Path):
         raise ModelError(f"--adapter {adapter_dir}: a {kind} adapter; only LoRA adapters are "
                          "merged")
     for flag, what in (("use_dora", "DoRA"), ("lora_bias", "lora_bias"),
-                       ("target_parameters", "target_parameters"),
                        ("modules_to_save", "modules_to_save"),
                        ("trainable_token_indices", "trainable_token_indices"),
                        ("layer_replication", "layer_replication")):
@@ -171,8 +196,14 @@ def plan_merge(adapter_dir: Path, base_dir: Path, *, dtype: torch.dtype | None,
         outputs[key] = _Out(key, entry, path, base, out_dtype)
 
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    wrappers = _param_wrappers(source.config, lcfg)
+    groups: dict[str, _Group] = {}
     for module in sorted(modules, key=lambda m: order.get(m, -1)):
         parts = modules[module]
+        if module in wrappers:
+            _plan_param_delta(module, parts, wrappers[module], a_meta, layout=layout, ckpt=ckpt, model=model,
+                              outputs=outputs, key_of=key_of, groups=groups, base_dir=base_dir)
+            continue
         if module not in order:
             raise ModelError(f"adapter module {module}: {type(model).__name__} has no such module")
         mod = model.get_submodule(module)
@@ -215,6 +246,116 @@ def plan_merge(adapter_dir: Path, base_dir: Path, *, dtype: torch.dtype | None,
     return ranked, {"base": a_base, "meta": a_meta, "path": adapter_dir / ADAPTER_FILE}
 
 
+def _param_wrappers(config, lcfg) -> dict[str, Any]:
+    """{module name in the adapter file: PEFT's ParamWrapper} for an adapter on parameters
+    (target_parameters), from PEFT's own injection of the adapter config into a meta model:
+    which parameter each (nested) wrapper adapts, its experts, layout and scaling."""
+    if not getattr(lcfg, "target_parameters", None):
+        return {}
+    import copy
+
+    from peft import inject_adapter_in_model
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from .loading import build_meta_model
+
+    model = build_meta_model(config)
+    try:
+        inject_adapter_in_model(copy.deepcopy(lcfg), model, adapter_name="default", low_cpu_mem_usage=True)
+    except ValueError as e:
+        raise ModelError(f"adapter: PEFT cannot apply its config to {type(model).__name__} "
+                         f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+    return {n: m for n, m in model.named_modules() if isinstance(m, ParamWrapper)}
+
+
+def _plan_param_delta(module: str, parts: dict, wrapper, a_meta: dict, *, layout, ckpt, model,
+                      outputs: dict, key_of: dict, groups: dict, base_dir: Path) -> None:
+    """Place the delta of one ParamWrapper (an adapter on a parameter: a fused 3-D expert
+    stack, or a 2-D weight such as Mixtral's router) on the tensor(s) the base stores it in."""
+    from .layout import _AsBuilt
+
+    if set(parts) != {".lora_A.weight", ".lora_B.weight"}:
+        raise ModelError(f"adapter module {module}: expected lora_A and lora_B for an adapter on "
+                         f"{wrapper.parameter_name}, found {sorted(p[1:] for p in parts)}")
+    a, b = a_meta[parts[".lora_A.weight"]]["shape"], a_meta[parts[".lora_B.weight"]]["shape"]
+    experts, r = wrapper.num_experts, wrapper.r["default"]
+    if len(a) != 2 or len(b) != 2 or a[0] != r * experts or b[1] != r * experts:
+        raise ModelError(f"adapter module {module}: lora A {a} and B {b} are not rank {r} over "
+                         f"{experts} experts")
+    owner = ".".join(p for p in module.split(".") if p != "base_layer")
+    name = f"{owner}.{wrapper.parameter_name}"
+    param = layout.canonical.get(name)
+    if param is None:
+        raise ModelError(f"adapter module {module}: {type(model).__name__} has no {name}")
+    swapped = bool(wrapper._did_swap_in_out_features)
+    if experts > 1:
+        want = [experts, b[0], a[1]] if swapped else [experts, a[1], b[0]]
+    else:
+        want = [b[0], a[1]]
+    if list(layout.meta[param].shape) != want:
+        raise ModelError(f"adapter module {module}: its delta has shape {want}, {param} "
+                         f"{list(layout.meta[param].shape)}")
+    delta = _Delta(module, "param", parts[".lora_A.weight"], parts[".lora_B.weight"],
+                   float(wrapper.scaling["default"]), experts=experts if experts > 1 else 0, swapped=swapped)
+    if param in key_of:  # stored as the model holds it: merged in blocks of rows (experts)
+        k = key_of[param]
+        if outputs[k].shape != want:
+            raise ModelError(f"adapter module {module}: its delta has shape {want}, the base's "
+                             f"{k!r} {outputs[k].shape}")
+        outputs[k].deltas.append(delta)
+        return
+    target = next((t for t in ckpt.targets if t.name == param and t.converter is not None), None)
+    if target is None:
+        raise ModelError(f"adapter module {module}: the base checkpoint {base_dir} has no tensor "
+                         f"for {param} (or makes it together with others)")
+    if param not in groups:
+        groups[param] = _Group(target, param, ckpt, _AsBuilt(model, layout), [])
+        for key, _ in target.sources:
+            outputs[key].group = groups[param]
+    groups[param].deltas.append(delta)
+
+
+def group_bytes(g: _Group) -> int:
+    """Working memory of merging one converted parameter: its sources, the converted tensor,
+    the fp32 delta and its product (upper bound), in the stored dtype's size."""
+    meta = g.model._meta[g.name]
+    return meta.numel() * (2 * meta.element_size() + 8)
+
+
+def _group_tensor(o: _Out, src: "_Adapter") -> torch.Tensor:
+    """Output `o` of a converted parameter: the group converted from the checkpoint, merged
+    (ParamWrapper.merge: param += delta cast to its dtype) and converted back, on first use."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from .layout import _convert
+
+    g = o.group
+    if g.done is None:
+        handles: dict[Path, Any] = {}
+        try:
+            made = _convert(g.target, g.plan, g.model, handles)
+        finally:
+            for h in handles.values():
+                h.close()
+        if list(made) != [g.name]:
+            raise ModelError(f"merge: the checkpoint's conversion of {g.name} makes {sorted(made)}; "
+                             "merging into it is not supported")
+        w = made[g.name]
+        rows = w.shape[0]
+        for d in g.deltas:
+            w += _delta_rows(d, src.get(d.a_key), src.get(d.b_key), 0, rows, whole=True).to(w.dtype)
+        back = revert_weight_conversion(g.model, {g.name: w})
+        want = {k for k, _ in g.target.sources}
+        if set(back) != want:
+            raise ModelError(f"merge: converting {g.name} back gives {sorted(back)[:2]}..., not the base "
+                             f"checkpoint's keys {sorted(want)[:2]}...")
+        g.done = dict(back)
+    t = g.done.pop(o.key)
+    if list(t.shape) != o.shape:
+        raise ModelError(f"merge: {o.key!r} converts back to shape {list(t.shape)}, the base's is {o.shape}")
+    return t
+
+
 def _read_rows(f, base: int, entry: dict, lo: int, hi: int, what: str) -> torch.Tensor:
     """Rows lo:hi (of the first dimension) of a safetensors tensor, with a plain file read."""
     stored = _ST_DTYPES.get(entry["dtype"])
@@ -255,7 +396,14 @@ def _delta_rows(d: _Delta, a: torch.Tensor, b: torch.Tensor, lo: int, hi: int, w
     default (autocast_adapter_dtype) holds it."""
     if b.dtype in (torch.float16, torch.bfloat16):
         a, b = a.float(), b.float()
-    if d.kind == "linear":
+    if d.kind == "param" and d.experts:  # ParamWrapper.get_delta_weight over experts lo:hi
+        a = a.reshape(d.experts, -1, a.shape[-1])  # experts x rank x in
+        b = b.reshape(b.shape[0], -1, d.experts)  # out x rank x experts
+        if not whole:
+            a, b = a[lo:hi], b[..., lo:hi]
+        eq = "o r e, e r i -> e o i" if d.swapped else "o r e, e r i -> e i o"
+        return torch.einsum(eq, b, a) * d.scaling
+    if d.kind in ("linear", "param"):
         prod = b @ a if whole else b[lo:hi] @ a
     else:  # conv1d (fan_in_fan_out) and embedding: transpose(B @ A)
         prod = (b @ a).T if whole else (b @ a[:, lo:hi]).T
@@ -314,6 +462,10 @@ def _header(shard: list[_Out]) -> bytes:
 
 
 def _write_tensor(f, base_f, o: _Out, src: _Adapter, block_bytes: int) -> None:
+    if o.group is not None:
+        w = _group_tensor(o, src).to(o.dtype).contiguous()
+        f.write(memoryview(w.reshape(-1).view(torch.uint8).numpy()))
+        return
     shape = o.shape
     rows = shape[0] if shape else 1
     per_row = 1
@@ -332,7 +484,9 @@ def _write_tensor(f, base_f, o: _Out, src: _Adapter, block_bytes: int) -> None:
                 raise ModelError(f"adapter module {d.module}: the adapter stores its own "
                                  f"{d.module}.weight and it differs from the base's {o.key!r}")
         for d, a, b in ab:
-            w += _delta_rows(d, a, b, lo, hi, whole=(lo == 0 and hi == rows))
+            delta = _delta_rows(d, a, b, lo, hi, whole=(lo == 0 and hi == rows))
+            # an adapter on a parameter casts its delta to the weight's dtype first (ParamWrapper)
+            w += delta.to(w.dtype) if d.kind == "param" else delta
         w = w.to(o.dtype).contiguous()
         f.write(memoryview(w.reshape(-1).view(torch.uint8).numpy()))
 
@@ -370,6 +524,11 @@ def merge(adapter_dir: "str | Path", base_dir: "str | Path", out_dir: "str | Pat
     if need > budget // 2:
         raise ModelError(f"--cpu-mem {cpu_mem}: one adapter module's A and B take {need} bytes; "
                          "give at least twice that")
+    groups = {id(o.group): o.group for o in outputs if o.group is not None}
+    big = max(groups.values(), key=group_bytes, default=None)
+    if big is not None and group_bytes(big) + need > budget:
+        raise ModelError(f"--cpu-mem {cpu_mem}: the base stores {big.name} per expert; merging it converts the "
+                         f"whole tensor at once ({group_bytes(big) + need} bytes with its adapter): give at least that")
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in list(out_dir.glob("model*.safetensors")) + [out_dir / WEIGHT_FILES[0]]:
         if old.exists():  # --overwrite: stale shards of an earlier merge would be read too

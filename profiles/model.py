@@ -138,7 +138,13 @@ class ModelProfile:
         config = getattr(config, "config", config)
         family = getattr(config, "model_type", "llama")
         if family not in FAMILIES:
-            raise FieldValueError(f"the planner prices the {', '.join(FAMILIES)} families, not {family!r} yet: "
+            experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+            # a MoE layer runs top-k of its experts per token (compute), routes tokens (activations) and
+            # runs router + experts modules (trace): none of it is the dense formulas' (not priced, not guessed)
+            why = (f": a mixture of experts ({config.num_experts_per_tok} of {experts} experts per token), not the "
+                   "dense decoder its compute, activation and traffic formulas model"
+                   if experts and getattr(config, "num_experts_per_tok", None) else " yet")
+            raise FieldValueError(f"the planner prices the {', '.join(FAMILIES)} families, not {family!r}{why}: "
                                   "`plan` and `--dry-run` cannot price this model; training runs (the engine "
                                   "measures its budgets in the warm-up step)",
                                   where=name or type(config).__name__, field="family")

@@ -134,16 +134,20 @@ def test_lora_run_equals_peft_and_exports_a_peft_adapter(assets, tmp_path, monke
 
 def test_qlora_run_equals_peft_over_bitsandbytes_linear4bit(assets, tmp_path, monkeypatch):
     """Stated tolerance: none. On CPU bitsandbytes' Linear4bit computes with dequantize_4bit's
-    weight, which the engine's NF4 decode equals bit for bit (tests/test_codecs.py)."""
+    weight, which the engine's NF4 decode equals bit for bit (tests/test_codecs.py). Hidden 64:
+    bitsandbytes 0.50's CPU dequantize_4bit misplaces the absmax of a weight whose rows are not
+    a whole number of blocks (in_features 32 or 48: tests/test_moe_base.py), the reference then
+    being wrong, not the engine."""
     pytest.importorskip("bitsandbytes")
     from tests.test_lora import linear4bit_model
 
     out = tmp_path / "run"
-    seen = _finetune(_args(assets["untied"], assets, out, "--qlora", "--lora-rank", "4"), monkeypatch)
+    model = make_tiny_llama_dir(tmp_path / "llama64", vocab_size=288, hidden=64, layers=2)
+    seen = _finetune(_args(model, assets, out, "--qlora", "--lora-rank", "4"), monkeypatch)
     assert "base nf4 (double quant)" in seen["output"]
     losses = _losses(out)
     assert all(torch.isfinite(torch.tensor(losses)))
-    ref_losses, _, _ = _replay(assets["untied"], assets, dict(r=4, lora_alpha=8, target_modules="all-linear"),
+    ref_losses, _, _ = _replay(model, assets, dict(r=4, lora_alpha=8, target_modules="all-linear"),
                                make_base=lambda m: linear4bit_model(m, double_quant=True))
     assert losses == ref_losses
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())

@@ -257,3 +257,76 @@ def test_merge_of_a_checkpoint_bigger_than_cpu_mem_stays_within_it(tmp_path):
     index = json.loads((tmp_path / "merged" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) >= 4  # streamed into several shards
     # (bit-exactness against PEFT: the tests above; this one is about memory)
+
+
+@pytest.mark.parametrize("family,lora,original", [
+    ("mixtral", dict(target_modules="all-linear"), True),  # PEFT: experts + router as parameters
+    ("mixtral", dict(target_modules="all-linear"), False),  # the base stores the fused experts
+    ("qwen2-moe", dict(target_modules=["q_proj"],
+                       target_parameters=["experts.gate_up_proj", "experts.down_proj"]), True),
+])
+def test_merge_of_adapters_on_fused_experts_equals_peft(tmp_path, family, lora, original):
+    """target_parameters (PEFT's ParamWrapper over the fused 3-D experts, and Mixtral's router):
+    the merge equals PeftModel.merge_and_unload bit for bit, state dict and logits, whether the
+    base stores one tensor per expert (converted, merged, converted back into the same keys) or
+    the fused tensors as the model holds them."""
+    base = make_tiny_family_dir(tmp_path / "base", family, save_original_format=original)
+    keys = set(json.loads(Path(base / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        Path(base / "model.safetensors").read_bytes()[:8], "little")])) - {"__metadata__"}
+    assert any(".experts.0." in k for k in keys) == original
+    adapter = _adapter(base, tmp_path / "adapter", **lora)
+    wrapped = json.loads((adapter / "adapter_config.json").read_text())["target_parameters"]
+    assert {"gate_up_proj", "down_proj"} <= {t.rpartition(".")[2] for t in wrapped}
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(app, ["export", "--merge", "--adapter", str(adapter), "--base",
+                                      str(base), "--output", str(out), "--shard-size", "20K"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    from safetensors import safe_open
+
+    written = set()
+    for f in out.glob("*.safetensors"):
+        with safe_open(f, "pt") as h:
+            written |= set(h.keys())
+    assert written == keys  # the base's key layout
+    ref = _peft_merged(base, adapter)
+    got = _check_equal(ref, out)
+    base_model = __import__("transformers").AutoModelForCausalLM.from_pretrained(base)
+    changed = {k for k, v in base_model.state_dict().items() if not torch.equal(v, got.state_dict()[k])}
+    assert any("experts.gate_up_proj" in k for k in changed) and any("experts.down_proj" in k for k in changed)
+
+
+def test_merge_of_converted_experts_over_cpu_mem_is_refused(tmp_path):
+    """One layer's per-expert tensors are converted into the fused one at once: a --cpu-mem
+    below that is refused in one line, before anything is written."""
+    base = make_tiny_family_dir(tmp_path / "base", "mixtral")
+    adapter = _adapter(base, tmp_path / "adapter", target_modules=["q_proj"],
+                       target_parameters=["experts.gate_up_proj"])
+    line = error_line(_run("--merge", "--adapter", adapter, "--base", base, "--output", tmp_path / "o",
+                           "--cpu-mem", "40K"))
+    assert "per expert" in line and "gate_up_proj" in line, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_merge_of_fused_experts_in_blocks_of_experts(tmp_path):
+    """Fused experts stored as the model holds them, over --cpu-mem's working share: merged in
+    blocks of experts (each block's einsum), equal to PEFT's whole-tensor merge within rounding."""
+    base = make_tiny_family_dir(tmp_path / "base", "mixtral", save_original_format=False)
+    adapter = _adapter(base, tmp_path / "adapter", target_modules=["q_proj"],
+                       target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    import tierwise.cli.merge as m
+
+    calls = []
+    real = m._delta_rows
+    try:
+        m._delta_rows = lambda d, *a, **k: (calls.append((d.kind, k["whole"])), real(d, *a, **k))[1]
+        out = merge(adapter, base, tmp_path / "m", cpu_mem="48K", progress=False)
+    finally:
+        m._delta_rows = real
+    assert ("param", False) in calls  # blocks of experts were used
+    from transformers import AutoModelForCausalLM
+
+    got = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    ref = _peft_merged(base, adapter).state_dict()
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7)

@@ -15,7 +15,17 @@ ALIGN_BYTES = 16  # each parameter's encoding starts 16-byte aligned in a frozen
 
 BASE_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4")
 QUANTIZED = ("int8", "nf4")
-"""Base dtypes that encode only nn.Linear weights (not the output head), as bitsandbytes does."""
+"""Base dtypes that encode only the linear weights: nn.Linear's (not the output head), as
+bitsandbytes does, and fused MoE experts (`fused_experts`)."""
+
+
+def fused_experts(name: str, shape) -> bool:
+    """Whether parameter `name` of `shape` is a fused MoE expert stack: a 3-D parameter of a
+    module named `experts` (transformers 5's Mixtral, Qwen-MoE, ...: `mlp.experts.gate_up_proj`
+    [experts, 2 x ffn, hidden]; PEFT's target_parameters wrappers insert `base_layer`s). An
+    int8/NF4 base encodes it as one flat tensor (what bitsandbytes' quantize_4bit does with it)."""
+    parts = [p for p in name.split(".")[:-1] if p != "base_layer"]
+    return len(shape) == 3 and bool(parts) and parts[-1] == "experts" and "lora_" not in name
 
 
 def _blocks(n: int, block: int) -> int:

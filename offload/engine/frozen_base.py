@@ -10,15 +10,18 @@ from __future__ import annotations
 import torch
 
 from ..core.chunks import ChunkPlan
+from ..core.encoding import fused_experts
 from ..runtime.frozen import DTYPE_NAMES, FrozenLayout, base_dtypes, layout_of
 
 
 def quantizable(model: torch.nn.Module) -> set[str]:
     """Parameters an int8/NF4 base encodes: the weights of nn.Linear modules (PEFT's base
-    layers included) except the output head, which bitsandbytes leaves unquantized too."""
+    layers included) except the output head, which bitsandbytes leaves unquantized too, and
+    fused MoE expert stacks (`core.encoding.fused_experts`; not the router, a small gate)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return {f"{name}.weight" if name else "weight" for name, mod in model.named_modules()
-            if type(mod) is torch.nn.Linear and mod is not head and "lora_" not in name}
+    linear = {f"{name}.weight" if name else "weight" for name, mod in model.named_modules()
+              if type(mod) is torch.nn.Linear and mod is not head and "lora_" not in name}
+    return linear | {n for n, p in model.named_parameters() if fused_experts(n, p.shape)}
 
 
 def linear_modules(model: torch.nn.Module) -> dict[str, str]:

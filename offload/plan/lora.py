@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..core.chunks import ChunkPlan, ParamSpec
-from ..core.encoding import BASE_DTYPES, QUANTIZED, aligned, encoded_nbytes
+from ..core.encoding import BASE_DTYPES, QUANTIZED, aligned, encoded_nbytes, fused_experts
 from ..core.errors import TierwiseError, UnsupportedModel
 
 #: The nn.Linear modules of a Llama-family decoder layer (PEFT's "all-linear" takes them all,
@@ -41,7 +41,8 @@ class LoraModel:
     specs: tuple[ParamSpec, ...]
     frozen: frozenset[str]
     quantizable: frozenset[str]
-    """Frozen parameters an int8/NF4 base encodes: nn.Linear weights, not the output head."""
+    """Frozen parameters an int8/NF4 base encodes: nn.Linear weights, not the output head, and
+    fused MoE experts (`core.encoding.fused_experts`)."""
     targets: frozenset[str]
     """Short names of the targeted linears (e.g. {"q_proj", "v_proj"})."""
     rank: int
@@ -134,7 +135,7 @@ def lora_specs(specs: Sequence[ParamSpec], *, rank: int, targets: "str | Sequenc
             name = s.name
         out.append(ParamSpec(name=name, shape=tuple(s.shape)))
         frozen.add(name)
-        if kind == "linear" and leaf == "weight":
+        if (kind == "linear" and leaf == "weight") or fused_experts(name, s.shape):
             quantizable.add(name)
     if not adapters:
         raise UnsupportedModel("LoRA targets none of this model's linears the planner knows ("

@@ -76,7 +76,7 @@ def base_dtypes(names: list[str], *, base_dtype: "str | None", quantizable: set[
                 compute_dtype: torch.dtype) -> dict[str, str]:
     """Each frozen parameter's base dtype. None: the compute dtype (nothing encoded); bf16/fp16:
     every frozen parameter; int8/nf4: the `quantizable` ones (nn.Linear weights but the output
-    head, as bitsandbytes quantizes a model), the rest in the compute dtype."""
+    head, as bitsandbytes quantizes a model, and fused MoE experts), the rest in the compute dtype."""
     plain = DTYPE_NAMES[compute_dtype]
     if base_dtype is None:
         return dict.fromkeys(names, plain)
