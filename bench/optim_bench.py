@@ -179,7 +179,8 @@ def main() -> None:
         isa = in_use if name == BEST_8BIT else name[len(BEST_8BIT) + 2:-1]
         goal = {"avx2": " (goal >= 1.0)", "avx512": " (goal >= 1.5)"}.get(isa, "")
         print(f"  tierwise AdamW8bit [{isa}] vs torch AdamW fused: {med['torch AdamW fused'] / med[name]:.2f}x{goal}"
-              + (f", vs bitsandbytes CPU: {med[bnb_name] / med[name]:.1f}x (goal >= 20)" if bnb_name in med else ""))
+              + (f", vs bitsandbytes CPU: {med[bnb_name] / med[name]:.1f}x" + (" (goal >= 20)" if goal else "")
+                 if bnb_name in med else ""))
         key = "8bit_vs_fused" if name == BEST_8BIT else f"8bit_vs_fused_{isa}"
         goals[key] = med["torch AdamW fused"] / med[name]
     if bnb_name in med:
