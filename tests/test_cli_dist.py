@@ -2,7 +2,8 @@
 torch.distributed.run ... -m tierwise.cli.main`, what a user types by hand) on the quickstart
 tiny model; its losses equal one rank's with --grad-accum 2 (the same micro-batches), bit for
 bit; rank 0 alone prints. Checkpoints: one shard per rank, one manifest; a rank killed mid-run,
-then --resume, continues exactly; another number of ranks is refused in one line."""
+then --resume, continues exactly; another number of ranks is refused in one line. The 2-rank
+run is one (killed at step 3, resumed) for all of these: each launch is seconds of imports."""
 
 import json
 import os
