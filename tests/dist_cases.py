@@ -232,12 +232,25 @@ def _run_cases(rank: int, world: int, cases: list[dict], tmp_path: Path) -> None
         torch.save(out, tmp_path / "results.pt")
 
 
+def _forkserver() -> str:
+    """"forkserver", its server having imported this module (torch, transformers) once for the
+    session: each rank is a fork of it (one thread, nothing run yet), not a fresh interpreter
+    importing them again (seconds a rank). Not for cases that measure PSS: pages shared with
+    the server and its other children make it move for reasons of their own."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["tests.dist_cases"])
+    return "forkserver"
+
+
 def spawn(world: int, cases: list[dict], tmp: "Path | None" = None) -> list[dict]:
     """Run `cases` on `world` gloo ranks in processes; rank 0's results."""
     import torch.multiprocessing as mp
 
+    if any(c.get("pss") for c in cases):
+        raise ValueError("a case measuring PSS needs fresh processes (spawn_then_die), not the forkserver's")
     tmp = Path(tmp or tempfile.mkdtemp(prefix="tierwise-dist-"))
-    mp.start_processes(_worker, args=(world, cases, str(tmp)), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, cases, str(tmp)), nprocs=world, start_method=_forkserver())
     return torch.load(tmp / "results.pt")
 
 
@@ -277,6 +290,7 @@ def spawn_then_die(cases: list[dict], tmp: Path) -> tuple[list[dict], dict, list
     the exit codes)."""
     import torch.multiprocessing as mp
 
+    # spawn, not the forkserver: the LoRA cases measure PSS
     ctx = mp.start_processes(_worker, args=(2, cases, str(tmp), True), nprocs=2, start_method="spawn",
                              join=False)
     for p in ctx.processes:
