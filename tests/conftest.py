@@ -25,3 +25,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory):
+    """The 2-rank cases of tests/test_dist.py and tests/test_dist_lora.py: one launch of two
+    gloo ranks for both (tests/dist_cases.run_two_ranks)."""
+    from tests.dist_cases import run_two_ranks
+
+    return run_two_ranks(tmp_path_factory.mktemp("two-ranks"))

@@ -6,6 +6,9 @@ per case the step losses, the final weights (gathered) and each rank's device pe
 is a dict: `kind` ("engine", "ddp", "resume": `split` steps, a new engine from the
 shards, the rest), `data` ("plain" or "masked"), `steps`, `grad_accum`
 (per rank), and Engine keywords for "engine" (`nvme`: each rank its own swap directory).
+`spawn_then_die(cases, tmp)`: the same on 2 ranks, then rank 1 SIGKILLed mid-step on them;
+`run_two_ranks`: every 2-rank case of tests/test_dist.py and tests/test_dist_lora.py that way
+(the session fixture `two_ranks`, tests/conftest.py): one launch, as imports are most of one.
 """
 
 from __future__ import annotations
@@ -198,38 +201,63 @@ class _null:
         return False
 
 
-def _worker(rank: int, world: int, cases: list[dict], tmp: str) -> None:
+def _worker(rank: int, world: int, cases: list[dict], tmp: str, die: bool = False) -> None:
     torch.set_num_threads(1)
     tmp_path = Path(tmp)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
+    if die:  # the cases, then rank 1 killed mid-step: the group is not torn down
+        _run_cases(rank, world, cases, tmp_path)
+        dist.barrier()  # rank 0 has saved the results
+        _die(rank, tmp_path, DIE_TIMEOUT_S)
+        return
     try:
-        out = []
-        for case in cases:
-            torch.manual_seed(0)
-            if case["kind"] == "refusals":
-                out.append(refusals())
-            elif case["kind"] == "resume":
-                out.append(resume_case(case, rank, world))
-            else:
-                out.append(ddp_case(case, rank, world) if case["kind"] == "ddp"
-                           else engine_case(case, rank, world, tmp_path))
-        if rank == 0:
-            torch.save(out, tmp_path / "results.pt")
+        _run_cases(rank, world, cases, tmp_path)
     finally:
         dist.destroy_process_group()
+
+
+def _run_cases(rank: int, world: int, cases: list[dict], tmp_path: Path) -> None:
+    out = []
+    for case in cases:
+        torch.manual_seed(0)
+        if case["kind"] == "refusals":
+            out.append(refusals())
+        elif case["kind"] == "resume":
+            out.append(resume_case(case, rank, world))
+        else:
+            out.append(ddp_case(case, rank, world) if case["kind"] == "ddp"
+                       else engine_case(case, rank, world, tmp_path))
+    if rank == 0:
+        torch.save(out, tmp_path / "results.pt")
+
+
+def _forkserver() -> str:
+    """"forkserver", its server having imported this module (torch, transformers) once for the
+    session: each rank is a fork of it (one thread, nothing run yet), not a fresh interpreter
+    importing them again (seconds a rank). Not for cases that measure PSS: pages shared with
+    the server and its other children make it move for reasons of their own."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["tests.dist_cases"])
+    return "forkserver"
 
 
 def spawn(world: int, cases: list[dict], tmp: "Path | None" = None) -> list[dict]:
     """Run `cases` on `world` gloo ranks in processes; rank 0's results."""
     import torch.multiprocessing as mp
 
+    if any(c.get("pss") for c in cases):
+        raise ValueError("a case measuring PSS needs fresh processes (spawn_then_die), not the forkserver's")
     tmp = Path(tmp or tempfile.mkdtemp(prefix="tierwise-dist-"))
-    mp.start_processes(_worker, args=(world, cases, str(tmp)), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, cases, str(tmp)), nprocs=world, start_method=_forkserver())
     return torch.load(tmp / "results.pt")
 
 
-def _die_worker(rank: int, world: int, tmp: str, timeout_s: float) -> None:
+DIE_TIMEOUT_S = 20.0  # the dying run's collective timeout
+
+
+def _die(rank: int, tmp_path: Path, timeout_s: float) -> None:
     """Rank 1 is killed (SIGKILL) in the forward of step 2; rank 0 records how it stopped."""
     import signal
     import sys
@@ -237,16 +265,12 @@ def _die_worker(rank: int, world: int, tmp: str, timeout_s: float) -> None:
 
     from tierwise.offload import Engine
 
-    torch.set_num_threads(1)
-    tmp_path = Path(tmp)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-
     def loss_fn(model, batch):
         if rank == 1 and eng.steps == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         return model(**batch).loss
 
+    torch.manual_seed(0)
     eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, loss_fn=loss_fn, dist_timeout=timeout_s)
     data = data_for("plain", 3, rows=4)
     t0 = time.perf_counter()
@@ -256,20 +280,77 @@ def _die_worker(rank: int, world: int, tmp: str, timeout_s: float) -> None:
             eng.step(b)
     except Exception as exc:  # noqa: BLE001 - what the survivor reports is the result
         torch.save({"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0},
-                   tmp_path / "results.pt")
+                   tmp_path / "dying.pt")
         sys.exit(3)
 
 
-def spawn_dying(tmp: Path, *, timeout_s: float = 20.0) -> tuple[dict, list]:
-    """Two ranks, rank 1 killed mid-step: (rank 0's record, the exit codes)."""
+def spawn_then_die(cases: list[dict], tmp: Path) -> tuple[list[dict], dict, list]:
+    """`cases` on 2 gloo ranks, then on the same ranks rank 1 killed mid-step (one launch: the
+    imports are most of a launch's time): (rank 0's results, rank 0's record of how it stopped,
+    the exit codes)."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_die_worker, args=(2, str(tmp), timeout_s), nprocs=2, start_method="spawn",
+    # spawn, not the forkserver: the LoRA cases measure PSS
+    ctx = mp.start_processes(_worker, args=(2, cases, str(tmp), True), nprocs=2, start_method="spawn",
                              join=False)
     for p in ctx.processes:
-        p.join(timeout=timeout_s * 3 + 60)
+        p.join(timeout=DIE_TIMEOUT_S * 3 + 600)
     codes = [p.exitcode for p in ctx.processes]
     for p in ctx.processes:
         if p.exitcode is None:
             p.kill()
-    return (torch.load(tmp / "results.pt") if (tmp / "results.pt").exists() else {}), codes
+    if not (tmp / "results.pt").exists():
+        raise RuntimeError(f"the ranks stopped before their results (exit codes {codes}): see their stderr")
+    record = torch.load(tmp / "dying.pt") if (tmp / "dying.pt").exists() else {}
+    return torch.load(tmp / "results.pt"), record, codes
+
+
+STEPS = 3
+CPU_TIGHT = "96K"  # per rank: state, master and gradients partly on NVMe (tests/test_dist.py)
+LORA_TIGHT = "90K"  # per rank: the LoRA base partly in the shared host memory, partly on NVMe
+BIG = dict(layers=4, hidden=512, vocab=64)  # a ~19 MiB bf16 base: big enough to see in PSS
+BIG_KW = dict(base_dtype="bf16", chunk_bytes="2M")
+
+
+def case(kind="engine", data="plain", grad_accum=1, *, lora=None, model=None, pss=False, **engine) -> dict:
+    return {"kind": kind, "data": data, "steps": STEPS, "grad_accum": grad_accum, "engine": engine,
+            "lora": lora, "model": model or {}, "pss": pss}
+
+
+def minimum_gpu() -> int:
+    """The engine's smallest device budget for the tiny model (one rank, all chunks streamed)."""
+    from tierwise.offload import Engine
+
+    eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, allow_gpu_home=False)
+    eng.step(data_for("plain", 1, rows=4)[0], grad_accum=2)
+    eng.close()
+    return eng.minimum_gpu_bytes
+
+
+def run_two_ranks(tmp: Path) -> dict:
+    """Every 2-rank case of tests/test_dist.py and tests/test_dist_lora.py in one launch, by
+    name, then rank 1 SIGKILLed mid-step ("dying": rank 0's record and the exit codes); "tight":
+    the device budget of the tight cases."""
+    tight = minimum_gpu()
+    # the LoRA cases first: their PSS is measured in as fresh a process as with a launch of their own
+    cases = {  # tests/test_dist_lora.py: LoRA over a frozen base
+        "lora": case(lora={}),
+        "peft_ddp": case("ddp", lora={}),
+        "lora_masked_accum": case(data="masked", grad_accum=2, lora={}),
+        "peft_ddp_masked_accum": case("ddp", data="masked", grad_accum=2, lora={}),
+        "unshared": case(lora={}, model=BIG, pss=True, share_base=False, **BIG_KW),
+        "shared": case(lora={}, model=BIG, pss=True, **BIG_KW),
+        "shared_nvme": case(lora={}, cpu_mem=LORA_TIGHT, nvme=True, pss=True),
+    } | {  # tests/test_dist.py
+        "roomy": case(),
+        "ddp": case("ddp"),
+        "masked": case(data="masked"),
+        "ddp_masked_accum": case("ddp", data="masked", grad_accum=2),
+        "masked_accum": case(data="masked", grad_accum=2),
+        "tight_nvme": case(data="masked", gpu_mem=tight, cpu_mem=CPU_TIGHT, nvme=True, nvme_checksum=True),
+        "adamw8bit": case(optimizer="adamw8bit", gpu_mem=tight),
+        "clip": case(grad_clip=0.05),
+        "mezo": case(data="masked", optimizer="mezo"),
+    }
+    results, record, codes = spawn_then_die(list(cases.values()), tmp)
+    return dict(zip(cases, results)) | {"tight": tight, "dying": (record, codes)}

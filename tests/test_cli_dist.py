@@ -2,7 +2,8 @@
 torch.distributed.run ... -m tierwise.cli.main`, what a user types by hand) on the quickstart
 tiny model; its losses equal one rank's with --grad-accum 2 (the same micro-batches), bit for
 bit; rank 0 alone prints. Checkpoints: one shard per rank, one manifest; a rank killed mid-run,
-then --resume, continues exactly; another number of ranks is refused in one line."""
+then --resume, continues exactly; another number of ranks is refused in one line. The 2-rank
+run is one (killed at step 3, resumed) for all of these: each launch is seconds of imports."""
 
 import json
 import os
@@ -58,26 +59,39 @@ def launch(out: Path, *args: str, fault: str = "") -> subprocess.CompletedProces
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    """The quickstart model, 4 steps on 2 ranks, a checkpoint after each."""
-    out = tmp_path_factory.mktemp("dist") / "two"
-    proc = launch(out)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return out, proc
+    """The quickstart model, 4 steps on 2 ranks, a checkpoint after each; rank 1 SIGKILLed at
+    the start of step 3 (rank 0 is in it), then --resume runs steps 3-4. One run for every test
+    below (a launch is mostly imports): its steps 1-2 are an uninterrupted run's, and the whole
+    equals one rank's bit for bit. `killed`: a copy of the output as the kill left it."""
+    base = tmp_path_factory.mktemp("dist")
+    out, killed = base / "two", base / "killed"
+    proc = launch(out, fault="1:3:kill")
+    ended = time.time()
+    shutil.copytree(out, killed)
+    resumed = launch(out, "--resume")
+    return {"out": out, "proc": proc, "ended": ended, "killed": killed, "resumed": resumed}
 
 
-def test_nproc_per_node_2_equals_one_rank_with_grad_accum_2(two, tmp_path):
-    out, proc = two
-    assert proc.stdout.count("warm-up step") == 1 and proc.stdout.count("done: model exported") == 1  # rank 0 only
-    assert "2 ranks" in proc.stdout
-    one = tmp_path / "one"
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """The reference: one rank with --grad-accum 2 (the same micro-batches), uninterrupted."""
+    one = tmp_path_factory.mktemp("dist") / "one"
     result = CliRunner().invoke(app, ["--grad-accum", "2", *STEPS, "--output", str(one)])
     assert result.exit_code == 0, result.output
-    assert train_losses(out) == train_losses(one) and len(train_losses(one)) == 4
-    assert same_weights(out, one)
+    return one
+
+
+def test_nproc_per_node_2_equals_one_rank_with_grad_accum_2(two, one):
+    proc, resumed = two["proc"], two["resumed"]
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert proc.stdout.count("warm-up step") == 1 and "2 ranks" in proc.stdout  # rank 0 only
+    assert resumed.stdout.count("done: model exported") == 1
+    assert train_losses(two["out"]) == train_losses(one) and len(train_losses(one)) == 4
+    assert same_weights(two["out"], one)
 
 
 def test_a_checkpoint_of_two_ranks_is_one_shard_per_rank_tied_by_one_manifest(two):
-    out, _ = two
+    out = two["out"]
     latest = out / (out / "latest").read_text().strip()
     assert latest.name == "ckpt-000004" and sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000003", "ckpt-000004"]
     listed = json.loads((latest / "manifest.json").read_text())["files"]
@@ -90,20 +104,18 @@ def test_a_checkpoint_of_two_ranks_is_one_shard_per_rank_tied_by_one_manifest(tw
     assert all(masters) and not masters[0] & masters[1]  # each rank the masters of its own chunks
 
 
-def test_sigkill_of_one_rank_then_resume_continues_exactly(two, tmp_path):
+def test_sigkill_of_one_rank_then_resume_continues_exactly(two, one, tmp_path):
     """Rank 1 SIGKILLed at the start of step 3 (rank 0 is in it): rank 0 stops with one error
     line naming rank 1, the launch ends well within the collective timeout; checkpoint 2 is complete; --resume runs steps 3-4
-    with the same losses and the same final weights as the uninterrupted run, bit for bit. A
+    with the same losses and the same final weights as the uninterrupted one-rank run, bit for bit. A
     corrupted shard of it is named by the manifest check, and a resume on another number of
     ranks is refused in one line."""
-    out = tmp_path / "killed"
-    proc = launch(out, fault="1:3:kill")
-    ended = time.time()
+    proc, out = two["proc"], two["killed"]
     assert proc.returncode != 0
     killed = float(re.search(r"kills itself at t=([0-9.]+)", proc.stderr).group(1))
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: rank 0: ") and "rank 1 stopped" in errors[0], proc.stderr
-    assert ended - killed < 30.0, ended - killed  # well within the collective timeout (60 s); measured 7 s
+    assert two["ended"] - killed < 30.0, two["ended"] - killed  # well within the collective timeout (60 s); measured 7 s
     assert (out / "latest").read_text().strip() == "ckpt-000002" and not list(out.glob("ckpt-*.tmp"))
 
     bad = tmp_path / "bad"
@@ -121,11 +133,11 @@ def test_sigkill_of_one_rank_then_resume_continues_exactly(two, tmp_path):
     line = error_line(CliRunner().invoke(app, ["--nproc-per-node", "3", *STEPS, "--output", str(out), "--resume"]))
     assert "written by 2 ranks, this run has 3 ranks: resharding a checkpoint is not built" in line
 
-    resumed = launch(out, "--resume")
+    resumed = two["resumed"]
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from ckpt-000002" in resumed.stdout
-    assert train_losses(out) == train_losses(two[0])
-    assert same_weights(out, two[0])
+    assert train_losses(two["out"]) == train_losses(one)
+    assert same_weights(two["out"], one)
 
 
 def test_a_rank_that_raises_stops_the_others_promptly_naming_it_and_its_cause(tmp_path):

@@ -4,18 +4,16 @@
 - plain DistributedDataParallel + torch.optim.AdamW(fused=True) on the same split.
 Two ranks: bit-exact where each sum has two terms (order-free); three ranks (an uneven split of
 the chunks) and two micro-batches per rank: within fp32 rounding of a sum in another order.
-One process launch per world size (tests/dist_cases.py runs every case in it): the imports of
-torch and transformers in each process are most of the time."""
+One process launch per world size (tests/dist_cases.py runs every case in it; the 2-rank one also
+runs tests/test_dist_lora.py's cases and ends with a rank SIGKILLed): the imports of torch and
+transformers in each process are most of the time."""
 
 import pytest
 import torch
 
 from tierwise.offload import Engine
-from tests.dist_cases import CHUNK, TINY, data_for, spawn
+from tests.dist_cases import CHUNK, STEPS, TINY, case, data_for, spawn
 from tests.models import tiny_llama
-
-STEPS = 3
-CPU_TIGHT = "96K"  # per rank: state, master and gradients partly on NVMe (asserted below)
 
 
 def one_rank(data_name: str, *, world: int, grad_accum: int, optimizer: str = "adamw", **kw) -> tuple:
@@ -28,33 +26,10 @@ def one_rank(data_name: str, *, world: int, grad_accum: int, optimizer: str = "a
     return losses, weights
 
 
-def minimum_gpu() -> int:
-    eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, allow_gpu_home=False)
-    eng.step(data_for("plain", 1, rows=4)[0], grad_accum=2)
-    eng.close()
-    return eng.minimum_gpu_bytes
-
-
-def case(kind="engine", data="plain", grad_accum=1, **engine):
-    return {"kind": kind, "data": data, "steps": STEPS, "grad_accum": grad_accum, "engine": engine}
-
-
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    tight = minimum_gpu()
-    cases = {
-        "roomy": case(),
-        "ddp": case("ddp"),
-        "masked": case(data="masked"),
-        "ddp_masked_accum": case("ddp", data="masked", grad_accum=2),
-        "masked_accum": case(data="masked", grad_accum=2),
-        "tight_nvme": case(data="masked", gpu_mem=tight, cpu_mem=CPU_TIGHT, nvme=True, nvme_checksum=True),
-        "adamw8bit": case(optimizer="adamw8bit", gpu_mem=tight),
-        "clip": case(grad_clip=0.05),
-        "mezo": case(data="masked", optimizer="mezo"),
-    }
-    results = spawn(2, list(cases.values()), tmp_path_factory.mktemp("two"))
-    return dict(zip(cases, results)) | {"tight": tight}
+def two(two_ranks):
+    """The 2-rank cases (tests/dist_cases.run_two_ranks: one launch shared with test_dist_lora)."""
+    return two_ranks
 
 
 def equal(a: dict, b: dict) -> bool:
@@ -141,12 +116,11 @@ def test_each_rank_resumes_from_its_shard_exactly(three):
     assert resumed["held"] == resumed["owned"] and resumed["owned"]
 
 
-def test_a_rank_killed_mid_step_stops_the_other_in_bounded_time(tmp_path):
-    """SIGKILL of rank 1 in step 2's forward: rank 0 stops with a one-line error (which rank,
-    which collective), well within the collective timeout, and exits non-zero: never a hang."""
-    from tests.dist_cases import spawn_dying
-
-    record, codes = spawn_dying(tmp_path, timeout_s=20.0)
+def test_a_rank_killed_mid_step_stops_the_other_in_bounded_time(two):
+    """SIGKILL of rank 1 in step 2's forward (after the 2-rank cases, on the same ranks): rank 0
+    stops with a one-line error (which rank, which collective), well within the collective
+    timeout (20 s), and exits non-zero: never a hang."""
+    record, codes = two["dying"]
     assert codes == [3, -9], codes
     assert record["error"].startswith("RankFailure: rank 0: "), record
     assert "rank 1 stopped" in record["error"] and "\n" not in record["error"]

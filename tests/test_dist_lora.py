@@ -11,19 +11,9 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from tierwise.offload import Engine  # noqa: E402
-from tests.dist_cases import CHUNK, TINY, data_for, lora_config, spawn  # noqa: E402
+from tierwise.offload import Engine, parse_size  # noqa: E402
+from tests.dist_cases import BIG, BIG_KW, CHUNK, LORA_TIGHT, STEPS, TINY, data_for, lora_config  # noqa: E402
 from tests.models import tiny_llama  # noqa: E402
-
-STEPS = 3
-TIGHT = "90K"  # per rank: the base partly in the shared host memory, partly on NVMe
-BIG = dict(layers=4, hidden=512, vocab=64)  # a ~19 MiB bf16 base: big enough to see in PSS
-BIG_KW = dict(base_dtype="bf16", chunk_bytes="2M")
-
-
-def case(kind="engine", data="plain", grad_accum=1, model=None, pss=False, **engine):
-    return {"kind": kind, "data": data, "steps": STEPS, "grad_accum": grad_accum, "engine": engine,
-            "lora": {}, "model": model or {}, "pss": pss}
 
 
 def one_rank(data_name: str, *, grad_accum: int, model=None, **kw) -> tuple:
@@ -39,17 +29,11 @@ def one_rank(data_name: str, *, grad_accum: int, model=None, **kw) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    cases = {
-        "lora": case(),
-        "peft_ddp": case("ddp"),
-        "lora_masked_accum": case(data="masked", grad_accum=2),
-        "peft_ddp_masked_accum": case("ddp", data="masked", grad_accum=2),
-        "unshared": case(model=BIG, pss=True, share_base=False, **BIG_KW),
-        "shared": case(model=BIG, pss=True, **BIG_KW),
-        "shared_nvme": case(cpu_mem=TIGHT, nvme=True, pss=True),
-    }
-    return dict(zip(cases, spawn(2, list(cases.values()), tmp_path_factory.mktemp("two"))))
+def two(two_ranks):
+    """The LoRA cases on 2 ranks (tests/dist_cases.run_two_ranks: one launch shared with
+    test_dist): "lora", "peft_ddp", their masked 2-micro-batch pairs, "unshared"/"shared" (BIG,
+    PSS measured) and "shared_nvme" (LORA_TIGHT)."""
+    return two_ranks
 
 
 def equal(a: dict, b: dict) -> bool:
@@ -110,7 +94,7 @@ def test_a_base_partly_on_nvme_is_placed_alike_on_both_ranks(two):
     assert not any(f.endswith(".compute.swp") for f in other["nvme_files"])
     assert leader["nvme_usage"]["shared"] == other["nvme_usage"]["shared"] > 0
     assert got["losses"] == two["lora"]["losses"] and equal(got["weights"], two["lora"]["weights"])
-    budget = 90 << 10
+    budget = parse_size(LORA_TIGHT)
     assert all(sum(r["host_usage"].values()) <= budget for r in got["ranks_memory"])
     assert {r["shared_nbytes"] for r in got["ranks_memory"]} != {0}
 

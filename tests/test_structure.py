@@ -20,11 +20,52 @@ STAGES = ["core", "update", "plan", "runtime", "engine", "tools"]
 KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 
+def python_files(root: Path, *dirs: str) -> list[Path]:
+    """The .py files under `dirs` that are the project's: those git tracks (not a venv or a
+    build a developer made in the tree, e.g. bench/.ds-venv); outside a git checkout, a walk
+    that skips dot-directories and what a .gitignore names."""
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True)
+        if top.returncode == 0 and Path(top.stdout.strip()).resolve() == root.resolve():
+            listed = subprocess.run(["git", "ls-files", "-z", "--", *dirs], cwd=root, capture_output=True,
+                                    text=True, check=True).stdout.split("\0")
+            return sorted(root / f for f in listed if f.endswith(".py") and (root / f).is_file())
+    except OSError:  # no git: walk
+        pass
+    return sorted(p for d in dirs for p in walk(root, root / d) if p.suffix == ".py")
+
+
+def walk(root: Path, folder: Path) -> list[Path]:
+    """Files under `folder`, without dot-directories and what the .gitignore files (root's and
+    those on the way) name, read simply: one name or glob a line."""
+    import fnmatch
+    import os
+
+    def patterns(d: Path) -> list[str]:
+        f = d / ".gitignore"
+        lines = f.read_text().splitlines() if f.is_file() else []
+        return [ln.strip().strip("/") for ln in lines if ln.strip() and not ln.startswith(("#", "!"))]
+
+    found, rules = [], patterns(root)
+    for here, dirs, files in os.walk(folder):
+        here_path = Path(here)
+        local = rules + [r for d in (here_path, *here_path.parents) if d != root and root in d.parents
+                         for r in patterns(d)]
+
+        def ignored(name: str) -> bool:
+            rel = (here_path / name).relative_to(root).as_posix()
+            return any(fnmatch.fnmatch(name, r) or fnmatch.fnmatch(rel, r) for r in local)
+
+        dirs[:] = [d for d in dirs if not d.startswith(".") and not ignored(d)]
+        found += [here_path / f for f in files if not ignored(f)]
+    return found
+
+
 def modules(root: Path = ROOT, prefix: str = "tierwise.") -> dict[str, Path]:
     """Dotted name -> file for every module of the package (packages by their __init__)."""
     found = {}
     for top in TOPS:
-        for path in sorted((root / top).rglob("*.py")):
+        for path in python_files(root, top):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
@@ -99,11 +140,28 @@ def test_graph_sees_imports():
     assert "tierwise.profiles" in graph["tierwise.offload.plan.planner"]
 
 
+def test_source_files_are_the_tracked_ones_not_a_venv_in_the_tree(tmp_path):
+    """A developer's bench/.ds-venv (a DeepSpeed venv, or a symlink to one) and other ignored or
+    untracked files are not the project's: the structure tests read what git tracks, or without
+    git, a walk that skips dot-directories and ignored paths."""
+    for rel in ("bench/a.py", "bench/.ds-venv/lib/deepspeed/x.py", "bench/build/y.py", "bench/b.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("import offload\n")
+    (tmp_path / "bench/.gitignore").write_text("build/\n")
+    assert walk(tmp_path, tmp_path / "bench") and python_files(tmp_path, "bench") == \
+        [tmp_path / "bench/a.py", tmp_path / "bench/b.py"]  # no git here: the walk
+    git = ["git", "-c", "init.defaultBranch=main"]
+    subprocess.run([*git, "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "add", "bench/a.py"], cwd=tmp_path, check=True)
+    assert python_files(tmp_path, "bench") == [tmp_path / "bench/a.py"]  # b.py is not tracked
+    assert (ROOT / "bench/e2e_vs_deepspeed.py") in python_files(ROOT, "bench")
+
+
 def test_no_bare_top_level_imports():
     """Inside the package imports are relative; tests, bench and examples import `tierwise.…`.
     A bare `offload`/`optim`/`cli`/`profiles` works in a checkout and breaks once installed."""
     bare = []
-    for path in sorted(p for d in (*TOPS, "tests", "bench", "examples") for p in (ROOT / d).rglob("*.py")):
+    for path in python_files(ROOT, *TOPS, "tests", "bench", "examples"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])

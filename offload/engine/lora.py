@@ -16,10 +16,8 @@ import torch
 
 ADAPTER = "default"  # PEFT's adapter name inside the model
 
-try:  # re-exported: Engine(model, lora=LoraConfig(...))
-    from peft import LoraConfig
-except ImportError:  # pragma: no cover - peft is a dependency
-    LoraConfig = None  # type: ignore[assignment,misc]
+# peft (bitsandbytes under it) is imported in the functions, by a LoRA run only: a module-level
+# import cost every process, torchrun's ranks of a full fine-tune included, seconds at start.
 
 
 def has_adapters(model: torch.nn.Module) -> bool:
