@@ -13,6 +13,7 @@ shards, the rest), `data` ("plain" or "masked"), `steps`, `grad_accum`
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import tempfile
@@ -193,6 +194,21 @@ def ddp_case(case: dict, rank: int, world: int) -> dict:
     return {"losses": losses, "weights": {n: p.detach().clone() for n, p in named}}
 
 
+RANK_THREADS = 1  # each rank computes with one thread (2-3 ranks share 2 cores)
+
+
+@contextlib.contextmanager
+def rank_threads():
+    """An in-process one-rank reference computes with the ranks' thread count: a matmul's
+    blocking (so its sums' order, seen in bf16's last bit) depends on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(RANK_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class _null:
     def __enter__(self):
         return None
@@ -202,7 +218,7 @@ class _null:
 
 
 def _worker(rank: int, world: int, cases: list[dict], tmp: str, die: bool = False) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(RANK_THREADS)
     tmp_path = Path(tmp)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))

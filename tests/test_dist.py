@@ -12,15 +12,16 @@ import pytest
 import torch
 
 from tierwise.offload import Engine
-from tests.dist_cases import CHUNK, STEPS, TINY, case, data_for, spawn
+from tests.dist_cases import CHUNK, STEPS, TINY, case, data_for, rank_threads, spawn
 from tests.models import tiny_llama
 
 
 def one_rank(data_name: str, *, world: int, grad_accum: int, optimizer: str = "adamw", **kw) -> tuple:
     """The engine on one rank with grad_accum * world: (losses, weights)."""
     data = data_for(data_name, STEPS, rows=grad_accum * world * 2)
-    eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, optimizer=optimizer, **kw)
-    losses = [eng.step(b, grad_accum=grad_accum * world) for b in data]
+    with rank_threads():
+        eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, optimizer=optimizer, **kw)
+        losses = [eng.step(b, grad_accum=grad_accum * world) for b in data]
     weights = dict(eng.named_parameters_fp32())
     eng.close()
     return losses, weights
@@ -93,7 +94,9 @@ def test_three_ranks_uneven_split_within_rounding(three):
     for got, (data, accum) in zip(res, (("plain", 1), ("masked", 2))):
         losses, weights = one_rank(data, world=3, grad_accum=accum)
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got["losses"], losses))
-        close(got["weights"], weights)
+        # three partial sums meet in another order than one rank's: 2.2e-6 measured on an AMD
+        # Zen 3, 1.8e-5 on an Intel Xeon with AVX-512 (2026-12-04); a wrong gradient gives ~1e-2
+        close(got["weights"], weights, rel=1e-4)
     assert res[0]["chunks"] % 3 != 0  # an uneven split of the chunks
 
 

@@ -12,7 +12,8 @@ import torch
 peft = pytest.importorskip("peft")
 
 from tierwise.offload import Engine, parse_size  # noqa: E402
-from tests.dist_cases import BIG, BIG_KW, CHUNK, LORA_TIGHT, STEPS, TINY, data_for, lora_config  # noqa: E402
+from tests.dist_cases import (BIG, BIG_KW, CHUNK, LORA_TIGHT, STEPS, TINY, data_for, lora_config,  # noqa: E402
+                              rank_threads)
 from tests.models import tiny_llama  # noqa: E402
 
 
@@ -20,9 +21,10 @@ def one_rank(data_name: str, *, grad_accum: int, model=None, **kw) -> tuple:
     """The engine on one rank with grad_accum x2: (losses, adapters)."""
     data = data_for(data_name, STEPS, rows=grad_accum * 2 * 2)
     torch.manual_seed(0)
-    eng = Engine(tiny_llama(**(TINY | (model or {}))), lora=lora_config({}),
-                 **({"lr": 1e-2, "chunk_bytes": CHUNK} | kw))
-    losses = [eng.step(b, grad_accum=grad_accum * 2) for b in data]
+    with rank_threads():
+        eng = Engine(tiny_llama(**(TINY | (model or {}))), lora=lora_config({}),
+                     **({"lr": 1e-2, "chunk_bytes": CHUNK} | kw))
+        losses = [eng.step(b, grad_accum=grad_accum * 2) for b in data]
     weights = dict(eng.named_parameters_fp32(trainable_only=True))
     eng.close()
     return losses, weights
@@ -70,9 +72,11 @@ def test_the_base_is_held_once_per_node(two):
     shm = sum(r["shm_pss_kib"] for r in shared) * 1024
     assert abs(shm - nbytes) <= 0.02 * nbytes, (shm, nbytes)
     # the node: the engines' growth (PSS after the steps - before the Engine, summed over the
-    # ranks) is one base less than with a copy per rank
+    # ranks) is one base less than with a copy per rank. A coarser check than the mapping's
+    # above: the malloc arenas of ranks that ran other cases before move by a few MiB (seen
+    # failing at +-20% of this 18 MiB base under load, 2026-12-04); a second copy would be 2 bases
     node = {k: sum(r["growth_kib"] for r in v) * 1024 for k, v in (("shared", shared), ("unshared", unshared))}
-    assert 0.8 * nbytes <= node["unshared"] - node["shared"] <= 1.2 * nbytes, (node, nbytes)
+    assert 0.5 * nbytes <= node["unshared"] - node["shared"] <= 1.5 * nbytes, (node, nbytes)
 
 
 def test_the_shared_base_gives_the_unshared_result_bit_for_bit(two):
