@@ -53,10 +53,18 @@ def engine_case(case: dict, rank: int, world: int, tmp: Path) -> dict:
     t = torch.tensor(peaks, dtype=torch.int64)
     dist.all_reduce(t)
     owned = sum(1 for c in eng.plan.chunks if eng.ranks is None or eng.ranks.owns(c.index))
+    # gradient bytes each rank held at its peak in its host, CXL and NVMe tiers (the ledger), and
+    # the fp32 bytes of the trainable chunks it owns
+    grad = torch.zeros(2, world, dtype=torch.int64)
+    grad[0, rank] = sum(eng.ledger.kind_peak(t, "grad") for t in ("host", "cxl", "nvme"))
+    grad[1, rank] = sum(4 * c.numel for c in eng.plan.chunks
+                        if not eng.plan.is_frozen(c.index) and (eng.ranks is None or eng.ranks.owns(c.index)))
+    dist.all_reduce(grad)
     homes = {tier: sorted(kinds) for tier, kinds in eng.homes.bytes.items() if any(kinds.values())}
     eng.close()
     return {"losses": losses, "weights": weights, "gpu_peaks": t.tolist(), "owned_chunks": owned,
-            "chunks": len(eng.plan.chunks), "homes": homes} | memory
+            "chunks": len(eng.plan.chunks), "homes": homes, "grad_bytes": grad[0].tolist(),
+            "owned_grad_bytes": grad[1].tolist(), "grad_window": eng.grad_window} | memory
 
 
 def pss_kib(path: str = "/proc/self/smaps_rollup", match: "str | None" = None) -> int:
