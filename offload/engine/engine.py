@@ -89,7 +89,8 @@ from .sharedbase import SharedBase
 from .overbudget import estimate_over_budget, step_over_budget, warmup_over_budget
 from .residency import Residency
 from .surgery import ModelSurgery, booked
-from .transient import TransientGrads, window_bytes
+from .transient import TransientGrads
+from ..plan.ranks import window_bytes
 from .timeline import Timeline
 
 log = logging.getLogger(__name__)

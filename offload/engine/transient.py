@@ -5,8 +5,8 @@ arrival in a backward; once the chunk is complete it is reduced onto its owner a
 (offload.engine.engine._reduce_grads). The owner keeps its own chunks' gradients across
 micro-batches in their homes as one rank does.
 
-The buffers open at once are bounded by `window` bytes (`window_bytes`: the host budget leaves
-them free): a chunk that would open past it waits for the reduce of a complete one queued to
+The buffers open at once are bounded by `window` bytes (offload.plan.ranks.window_bytes: the
+host budget leaves them free, the planner counts them): a chunk that would open past it waits for the reduce of a complete one queued to
 the worker; with none queued it opens anyway (the ledger refuses it past the host budget).
 """
 
@@ -18,12 +18,6 @@ from typing import Any
 import torch
 
 from ..core.chunks import ChunkPlan
-
-
-def window_bytes(plan: ChunkPlan, trainable: list[int]) -> int:
-    """Host bytes a rank keeps free for the transient gradients of chunks it does not own: two of
-    the largest trainable chunks in fp32 (one filling while the last one is reduced)."""
-    return 2 * 4 * max((plan.chunks[c].numel for c in trainable), default=0)
 
 
 class TransientGrads:
