@@ -136,9 +136,14 @@ GRAD_REDUCE = ("micro", "step")
 
 def window_bytes(plan: "ChunkPlan", trainable: list[int]) -> int:
     """Host bytes a rank keeps free for the transient gradients of chunks it does not own
-    ("micro"; offload.engine.transient): two of the largest trainable chunks in fp32, one filling
-    while the last one is reduced."""
-    return 2 * 4 * max((plan.chunks[c].numel for c in trainable), default=0)
+    ("micro"; offload.engine.transient): the largest trainable chunk and one more, in fp32 (one
+    filling while the last one is reduced). The second is at most a packed chunk's size: a
+    parameter larger than a chunk (an embedding, an untied LM head) has one of its own, and
+    two of those are not produced at once (their gradients come at the two ends of backward)."""
+    numels = sorted((plan.chunks[c].numel for c in trainable), reverse=True)
+    if not numels:
+        return 0
+    return 4 * (numels[0] + min(numels[1] if len(numels) > 1 else 0, plan.chunk_numel))
 
 
 def owners(trainable: list[int], world: int) -> dict[int, int]:
