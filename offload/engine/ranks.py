@@ -4,10 +4,12 @@ Shard layout: whole chunks per rank. The k-th trainable chunk (in chunk order) b
 k mod N: only its owner stores its fp32 master and optimizer state (in the owner's tiers: host,
 CXL, NVMe) and updates it. Before a chunk is used its compute copy is *gathered*: the owner
 fills the device buffer from its home, as one rank does, and broadcasts it to the others, into
-the same device window (the resident cache) as on one rank. Gradients: every rank accumulates
-its own micro-batches in a grad chunk of its own (as one rank does); once a chunk's gradients
-are complete (in the last micro-batch, as the early update sees them, else at the step's end)
-they are reduced (summed) onto its owner, who updates it. Frozen chunks (a LoRA base) are not
+the same device window (the resident cache) as on one rank. Gradients (owned-only, the default
+grad_reduce="micro"): a rank holds a chunk another owns only while the current micro-batch
+produces its gradient (offload.engine.transient); once the chunk's gradients of that micro-batch
+are complete they are reduced (summed) onto its owner during backward and the buffer is freed;
+the owner accumulates across micro-batches and updates it. grad_reduce="step": every rank
+accumulates its own micro-batches in a grad chunk of its own and reduces it once per step. Frozen chunks (a LoRA base) are not
 sharded: the local ranks of a node share one copy (offload.engine.sharedbase).
 
 Why whole chunks, not a slice of every chunk (ZeRO-3's layout): every updater runs unchanged on
