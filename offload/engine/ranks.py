@@ -25,8 +25,9 @@ Order of collectives. Collectives of one process group must run in the same orde
 rank. Three groups, one per thread that issues them: `gather` (the executor's h2d copy thread:
 fetches in the order the residency asks for them, which is the same on every rank because the
 trace, the placement and the cache limit are the same: the activation peak that sizes the cache
-is the maximum over ranks, and no trainable chunk is gpu-home), `grads` (the early-update worker
-or the compute thread at the step's end, never both at once) and `main` (the compute thread:
+is the maximum over ranks, and no trainable chunk is gpu-home), `grads` (the update worker during
+backward, or the compute thread: the first backward, a backward's end once the worker is idle,
+the step's end; never both at once) and `main` (the compute thread:
 loss, token counts, gradient norms, exports). Every collective has a timeout (`timeout`): a
 rank that died makes the others fail within it, with the rank named.
 """
