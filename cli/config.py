@@ -243,6 +243,11 @@ class TrainConfig:
     nnodes: int = _f(1, "Nodes the run spans, for `plan` and --dry-run (to train across nodes, start "
                      "`torchrun --nnodes M --node-rank I ... -m tierwise.cli.main ...` on each).", panel=HW, plan=True)
     """Nodes priced by the planner (offload.plan.ranks); training learns them from torchrun."""
+    grad_reduce: str = _f("micro", "Several ranks: 'micro' reduces each chunk's gradient onto its owner after every "
+                          "micro-batch (a rank holds only its own chunks' gradients); 'step' keeps every chunk's "
+                          "gradient on every rank and reduces once per step (less traffic with --grad-accum > 1).",
+                          panel=HW, plan=True, choices=("micro", "step"))
+    """Engine(grad_reduce=...) and the planner's (offload.plan.ranks)."""
     budgets: dict = field(init=False)
     """Parsed bytes: {"gpu": int|None, "cpu": ..., "cxl": ..., "chunk": int}."""
 

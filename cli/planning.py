@@ -54,7 +54,8 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
         checkpointing=checkpointing(cfg), padded=padded,
         **lora_options(cfg, linears=engine_linears(src) if cfg.lora and not is_profile(cfg.model) else None),
-        **({"nproc_per_node": cfg.nproc_per_node, "nnodes": cfg.nnodes} if ranks else {}),
+        **({"nproc_per_node": cfg.nproc_per_node, "nnodes": cfg.nnodes, "grad_reduce": cfg.grad_reduce}
+           if ranks else {}),
     )
 
 

@@ -89,6 +89,8 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True
         checkpointing=checkpointing(cfg),
     )
     kwargs["activations"] = activation_estimate(model, cfg, padded=padded)
+    if cfg.grad_reduce != "micro":  # (the engine's default)
+        kwargs["grad_reduce"] = cfg.grad_reduce
     if cfg.lora:  # the model carries its adapters already (cli.lora.inject): the engine takes it as is
         kwargs.update(base_dtype=cfg.base_dtype, double_quant=cfg.base_dtype == "nf4")  # the QLoRA recipe
     kwargs = {k: v for k, v in kwargs.items() if v is not None}

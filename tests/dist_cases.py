@@ -57,10 +57,18 @@ def engine_case(case: dict, rank: int, world: int, tmp: Path) -> dict:
     t = torch.tensor(peaks, dtype=torch.int64)
     dist.all_reduce(t)
     owned = sum(1 for c in eng.plan.chunks if eng.ranks is None or eng.ranks.owns(c.index))
+    # gradient bytes each rank held at its peak in its host, CXL and NVMe tiers (the ledger), and
+    # the fp32 bytes of the trainable chunks it owns
+    grad = torch.zeros(2, world, dtype=torch.int64)
+    grad[0, rank] = sum(eng.ledger.kind_peak(t, "grad") for t in ("host", "cxl", "nvme"))
+    grad[1, rank] = sum(4 * c.numel for c in eng.plan.chunks
+                        if not eng.plan.is_frozen(c.index) and (eng.ranks is None or eng.ranks.owns(c.index)))
+    dist.all_reduce(grad)
     homes = {tier: sorted(kinds) for tier, kinds in eng.homes.bytes.items() if any(kinds.values())}
     eng.close()
     return {"losses": losses, "weights": weights, "gpu_peaks": t.tolist(), "owned_chunks": owned,
-            "chunks": len(eng.plan.chunks), "homes": homes} | memory
+            "chunks": len(eng.plan.chunks), "homes": homes, "grad_bytes": grad[0].tolist(),
+            "owned_grad_bytes": grad[1].tolist(), "grad_window": eng.grad_window} | memory
 
 
 def pss_kib(path: str = "/proc/self/smaps_rollup", match: "str | None" = None) -> int:
@@ -322,7 +330,9 @@ def spawn_then_die(cases: list[dict], tmp: Path) -> tuple[list[dict], dict, list
 
 
 STEPS = 3
-CPU_TIGHT = "96K"  # per rank: state, master and gradients partly on NVMe (tests/test_dist.py)
+CPU_TIGHT = "104K"  # per rank: state, master and gradients on NVMe (tests/test_dist.py); 16K of it
+# the window of transient gradients (offload.engine.transient.window_bytes: two 8K chunks)
+DEEP = dict(layers=8)  # ~40 chunks: the transient window (two chunks) is small beside them
 LORA_TIGHT = "90K"  # per rank: the LoRA base partly in the shared host memory, partly on NVMe
 BIG = dict(layers=4, hidden=512, vocab=64)  # a ~19 MiB bf16 base: big enough to see in PSS
 BIG_KW = dict(base_dtype="bf16", chunk_bytes="2M")
@@ -352,7 +362,7 @@ def run_two_ranks(tmp: Path) -> dict:
     cases = {  # tests/test_dist_lora.py: LoRA over a frozen base
         "lora": case(lora={}),
         "peft_ddp": case("ddp", lora={}),
-        "lora_masked_accum": case(data="masked", grad_accum=2, lora={}),
+        "lora_masked_accum": case(data="masked", grad_accum=2, lora={}, grad_reduce="step"),  # DDP's no_sync sums
         "peft_ddp_masked_accum": case("ddp", data="masked", grad_accum=2, lora={}),
         "unshared": case(lora={}, model=BIG, pss=True, share_base=False, **BIG_KW),
         "shared": case(lora={}, model=BIG, pss=True, **BIG_KW),
@@ -362,8 +372,11 @@ def run_two_ranks(tmp: Path) -> dict:
         "ddp": case("ddp"),
         "masked": case(data="masked"),
         "ddp_masked_accum": case("ddp", data="masked", grad_accum=2),
-        "masked_accum": case(data="masked", grad_accum=2),
+        "masked_accum": case(data="masked", grad_accum=2, grad_reduce="step"),
+        "masked_accum_micro": case(data="masked", grad_accum=2),
+        "deep": case(model=DEEP),
         "tight_nvme": case(data="masked", gpu_mem=tight, cpu_mem=CPU_TIGHT, nvme=True, nvme_checksum=True),
+        "nvme_accum": case(data="masked", grad_accum=2, cpu_mem=CPU_TIGHT, nvme=True),
         "adamw8bit": case(optimizer="adamw8bit", gpu_mem=tight),
         "clip": case(grad_clip=0.05),
         "mezo": case(data="masked", optimizer="mezo"),

@@ -63,7 +63,7 @@ def test_every_toml_key_sets_its_field(tmp_path, monkeypatch):
               "checkpoint_every": 4, "keep_checkpoints": 5, "seed": 9, "output": "o", "resume": True,
               "overwrite": False, "export_dtype": "fp16", "hardware": "h100", "dry_run": True,
               "trust_remote_code": True, "skip_nonfinite": 2, "reset_optimizer": True,
-              "nproc_per_node": 2, "nnodes": 2,  # with --dry-run: no torchrun started
+              "nproc_per_node": 2, "nnodes": 2, "grad_reduce": "step",  # with --dry-run: no torchrun started
               "lora_rank": 8, "lora_alpha": 12.0, "lora_dropout": 0.05, "lora_targets": "q_proj,v_proj",
               "base_dtype": "nf4", "qlora": True}
     assert set(values) == set(TOML_KEYS)

@@ -12,19 +12,22 @@ import pytest
 import torch
 
 from tierwise.offload import Engine
-from tests.dist_cases import CHUNK, STEPS, TINY, case, data_for, rank_threads, spawn
+from tests.dist_cases import CHUNK, DEEP, STEPS, TINY, case, data_for, rank_threads, spawn
 from tests.models import tiny_llama
 
 
-def one_rank(data_name: str, *, world: int, grad_accum: int, optimizer: str = "adamw", **kw) -> tuple:
-    """The engine on one rank with grad_accum * world: (losses, weights)."""
+def one_rank(data_name: str, *, world: int, grad_accum: int, optimizer: str = "adamw", model=None,
+             ledger: bool = False, **kw) -> tuple:
+    """The engine on one rank with grad_accum * world: (losses, weights[, its gradient bytes at
+    their peak in host, CXL and NVMe])."""
     data = data_for(data_name, STEPS, rows=grad_accum * world * 2)
     with rank_threads():
-        eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, optimizer=optimizer, **kw)
+        eng = Engine(tiny_llama(**(TINY | (model or {}))), lr=1e-2, chunk_bytes=CHUNK, optimizer=optimizer, **kw)
         losses = [eng.step(b, grad_accum=grad_accum * world) for b in data]
     weights = dict(eng.named_parameters_fp32())
+    grad = sum(eng.ledger.kind_peak(t, "grad") for t in ("host", "cxl", "nvme"))
     eng.close()
-    return losses, weights
+    return (losses, weights, grad) if ledger else (losses, weights)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +69,13 @@ def test_two_ranks_equal_ddp_bit_exact(two):
     losses, weights = one_rank("masked", world=2, grad_accum=2)  # one rank sums in another order
     assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(two["masked_accum"]["losses"], losses))
     close(two["masked_accum"]["weights"], weights)
+    # owned-only gradients (the default) reduce after each micro-batch: the owner adds each
+    # micro-batch's sum over the ranks, another order again, within rounding of both
+    got = two["masked_accum_micro"]
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got["losses"], losses))
+    close(got["weights"], weights)
+    close(got["weights"], two["ddp_masked_accum"]["weights"])
+    assert got["grad_bytes"] < two["masked_accum"]["grad_bytes"]  # "step" keeps every chunk's
 
 
 def test_two_ranks_tight_budget_state_on_nvme_and_8bit_and_clipping(two):
@@ -73,6 +83,13 @@ def test_two_ranks_tight_budget_state_on_nvme_and_8bit_and_clipping(two):
     assert two["tight_nvme"]["losses"] == losses and equal(two["tight_nvme"]["weights"], weights)
     assert "nvme" in two["tight_nvme"]["homes"] and "state" in two["tight_nvme"]["homes"]["nvme"]
     assert max(two["tight_nvme"]["gpu_peaks"]) <= two["tight"]
+    # two micro-batches per rank, the owners' gradients on NVMe: after the first micro-batch each
+    # complete chunk is reduced into its staging buffer and written out, the second adds to it
+    got = two["nvme_accum"]
+    assert "grad" in got["homes"]["nvme"]
+    losses, weights = one_rank("masked", world=2, grad_accum=2)
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got["losses"], losses))
+    close(got["weights"], weights)
     assert max(two["adamw8bit"]["gpu_peaks"]) <= two["tight"]
     losses, weights = one_rank("plain", world=2, grad_accum=1, optimizer="adamw8bit")
     assert two["adamw8bit"]["losses"] == losses and equal(two["adamw8bit"]["weights"], weights)
@@ -137,3 +154,17 @@ def test_mezo_on_two_ranks_equals_one_rank_on_the_whole_batch(two):
     assert two["mezo"]["losses"] == losses and equal(two["mezo"]["weights"], weights)
     before = dict(tiny_llama(**TINY).named_parameters())
     assert any(not torch.equal(weights[n], before[n].detach()) for n in weights)  # it did train
+
+
+def test_each_rank_holds_only_its_own_gradients(two):
+    """Owned-only gradients: a rank's gradient bytes at their peak (the ledger: host, CXL and NVMe)
+    are the fp32 gradients of the chunks it owns plus at most the transient window (chunks of
+    others while one micro-batch produces them) -- about half of one rank's on two ranks, where
+    every rank used to hold every chunk's. The losses and weights stay one rank's, bit for bit."""
+    losses, weights, one = one_rank("plain", world=2, grad_accum=1, model=DEEP, ledger=True)
+    got = two["deep"]
+    assert got["losses"] == losses and equal(got["weights"], weights)
+    assert sum(got["owned_grad_bytes"]) == one  # the ranks own every chunk once
+    for held, owned in zip(got["grad_bytes"], got["owned_grad_bytes"]):
+        assert owned <= held <= owned + got["grad_window"], (held, owned, got["grad_window"])
+        assert 0.45 * one <= held <= 0.6 * one, (held, one)

@@ -119,7 +119,7 @@ def test_router_submits_a_chunk_early_once_all_its_sums_are_in():
     class Early:
         done: set = set()
 
-        def submit(self, cid, tickets, handed=None):
+        def submit(self, cid, tickets, handed=None, final=True):
             submitted.append((cid, len(tickets)))
 
         def wait(self):

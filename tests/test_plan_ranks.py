@@ -70,12 +70,23 @@ def test_bytes_per_rank_and_per_node_follow_the_engines_layout():
     trainable = sum(c.params for c in one.chunk_homes)
     r = two.ranks
     assert sum(r.owned_params) == trainable and min(r.owned_params) > 0
-    # every chunk's kinds once (its owner's) and each rank's fp32 gradients of the others' chunks
+    # every chunk's kinds once (its owner's) and each rank's window for the others' gradients,
+    # one micro-batch at a time (owned-only gradients, the default)
     kinds = sum(sum(one.bytes[t].values()) for t in ("gpu", "host", "cxl", "nvme"))
-    others = sum(4 * trainable - 4 * p for p in r.owned_params)
-    assert r.node["host"] == kinds + others == sum(r.private_host)
+    window = r.grad_bytes[0] - 4 * r.owned_params[0]
+    assert window == r.grad_bytes[1] - 4 * r.owned_params[1] > 0 and r.grad_reduce == "micro"
+    assert r.node["host"] == kinds + 2 * window == sum(r.private_host)
     assert two.peak["host"] == r.node["host"] and two.bytes["gpu"]["master"] == 0  # nothing trainable gpu-home
     assert r.reduce_bytes == 4 * trainable
+    # grad_reduce="step": each rank keeps fp32 gradients of the others' chunks too
+    step = make_plan(**TINY, cpu_mem=None, nproc_per_node=2, grad_reduce="step").ranks
+    others = sum(4 * trainable - 4 * p for p in step.owned_params)
+    assert step.node["host"] == kinds + others == sum(step.private_host)
+    assert step.grad_bytes == [4 * trainable] * 2 and step.reduce_bytes == 4 * trainable
+    # two micro-batches per rank: "micro" reduces twice, "step" once
+    assert make_plan(**(TINY | {"grad_accum": 2}), cpu_mem=None, nproc_per_node=2).ranks.reduce_bytes == 8 * trainable
+    assert make_plan(**(TINY | {"grad_accum": 2}), cpu_mem=None, nproc_per_node=2,
+                     grad_reduce="step").ranks.reduce_bytes == 4 * trainable
 
 
 def test_the_frozen_base_is_held_once_per_node_whatever_the_gpu_count():
@@ -97,7 +108,7 @@ def test_node_budget_is_divided_among_local_ranks_and_the_named_minimum_fits():
     assert make_plan(**TINY, cpu_mem=info.value.minimum["host"], nproc_per_node=2).ranks.node["host"] <= \
         info.value.minimum["host"]
     # with NVMe: each rank's own bytes within half of what the node has left
-    budget = need * 3 // 5
+    budget = need * 4 // 5
     nv = make_plan(**TINY, cpu_mem=budget, nvme_path="/nvme", nproc_per_node=2)
     assert nv.ranks.node["nvme"] > 0 and nv.ranks.node["host"] <= budget
     assert max(nv.ranks.private_host) <= budget // 2

@@ -21,8 +21,9 @@ from typing import Any, Callable
 
 
 class EarlyUpdater:
-    """Gets `update(chunks, handed)`: the step's update of those chunks (update_all on the
-    store); `handed`: {chunk: (its gradient in host memory, called once it is consumed)}."""
+    """Gets `update(chunks, handed, final)`: the step's update of those chunks (update_all on
+    the store; `final` False: their reduce only); `handed`: {chunk: (its gradient in host
+    memory, called once it is consumed)}."""
 
     def __init__(self, update: Callable[[list[int]], None]):
         self.update = update
@@ -37,13 +38,15 @@ class EarlyUpdater:
         self._thread = threading.Thread(target=self._work, daemon=True, name="tierwise-update")
         self._thread.start()
 
-    def submit(self, cid: int, tickets: list[Any], handed: "tuple[Any, Callable[[], None]] | None" = None) -> None:
+    def submit(self, cid: int, tickets: list[Any], handed: "tuple[Any, Callable[[], None]] | None" = None, *,
+               final: bool = True) -> None:
         """Update chunk `cid` once `tickets` (its gradients' copies) are done; `handed`: its
-        gradient in a host buffer and what gives the buffer back."""
+        gradient in a host buffer and what gives the buffer back. `final` False (several ranks,
+        a micro-batch before the step's last): only reduce it onto its owner, no update."""
         with self._lock:
             self._pending += 1
             self._idle.clear()
-        self.jobs.put((cid, tickets, handed))
+        self.jobs.put((cid, tickets, handed, final))
 
     def _work(self) -> None:
         while True:
@@ -60,14 +63,17 @@ class EarlyUpdater:
                     self.jobs.put(None)
                     break
                 batch.append(nxt)
-            handed = {c: h for c, _, h in batch if h is not None}
+            handed = {c: h for c, _, h, _ in batch if h is not None}
+            final = all(f for *_, f in batch)  # (one backward's jobs: all final or none)
             try:
-                for _, tickets, _ in batch:
+                for _, tickets, _, _ in batch:
                     for t in tickets:
                         t.wait()  # the gradient has landed in host memory
-                self.update([c for c, _, _ in batch], handed)
-                self.done.update(c for c, _, _ in batch)
-                self.updated += len(batch)
+                chunks = [c for c, *_ in batch]
+                self.update(chunks, handed) if final else self.update(chunks, handed, final=False)
+                if final:
+                    self.done.update(c for c, *_ in batch)
+                    self.updated += len(batch)
             except BaseException as exc:  # raised on the compute thread by wait()
                 self.error = exc
             finally:

@@ -25,8 +25,14 @@ default group of more than one rank. Every rank builds the Engine on the same mo
 rank i mod world, so the math is one rank's with grad_accum * world. Trainable chunks are
 sharded whole (rank k mod world owns the k-th): master weights and optimizer state live and
 are updated on their owner only; compute copies are broadcast from it into every rank's device
-window when used; gradients are reduced onto it per chunk once complete (during backward when
-the early update runs). `eval_loss`, `measure` and `named_parameters_fp32` are collective:
+window when used; gradients are reduced onto it per chunk once complete, during backward.
+Owned-only gradients (`grad_reduce="micro"`, the default): a rank holds the gradient of a chunk
+it does not own only while the current micro-batch produces it (offload.engine.transient), and
+reduces it onto the owner after every micro-batch: memory of the owned gradients only, the
+reduce traffic times the micro-batches per rank. `grad_reduce="step"`: every rank keeps a
+gradient chunk of every trainable chunk, sums its own micro-batches there and reduces once per
+step (DDP's no_sync: one reduce per step, the gradients of all chunks on every rank). With one
+micro-batch per rank both reduce once; "micro" holds less. `eval_loss`, `measure` and `named_parameters_fp32` are collective:
 every rank calls them; `state_dict`/`load_state_dict` are this rank's shard. Not yet with
 several ranks: gpu-home trainable chunks (all stream), GaLore/APOLLO. MeZO: the ranks share the
 perturbation seed, split each batch's rows and sum only the two losses (`_zo_step`).
@@ -61,7 +67,7 @@ from ..core.units import format_size
 from ..plan.homes import assign_homes, bounce_sizes
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
 from ..runtime.executor import Executor
-from ..runtime.store import ChunkStore, frozen_kind_bytes, kind_bytes
+from ..runtime.store import ChunkStore, SwapKind, frozen_kind_bytes, kind_bytes
 from ..runtime.swapping import Bounce, update_all
 from ..runtime.tiers import pick_device
 from ..runtime.trace import Phase
@@ -83,7 +89,9 @@ from .sharedbase import SharedBase
 from .overbudget import estimate_over_budget, step_over_budget, warmup_over_budget
 from .residency import Residency
 from .surgery import ModelSurgery, booked
+from .transient import TransientGrads
 from .workspace import Workspace
+from ..plan.ranks import window_bytes
 from .timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -118,7 +126,8 @@ class Engine:
                  d2h_bandwidth: float | None = None, allow_gpu_home: bool = True,
                  offload_activations: bool = False, overlap_update: bool = True,
                  lora: Any = None, base_dtype: str | None = None, double_quant: bool = False,
-                 process_group: Any = None, dist_timeout: float = DIST_TIMEOUT_S, share_base: bool = True):
+                 process_group: Any = None, dist_timeout: float = DIST_TIMEOUT_S, share_base: bool = True,
+                 grad_reduce: str = "micro"):
         """`activations`: the expected peak of saved activations (e.g. the planner's estimate).
         Given, chunks are placed in their final tiers now; otherwise after the warm-up step,
         which measures it (until then every chunk lives host-side).
@@ -138,9 +147,13 @@ class Engine:
         more than one rank; see the module docstring); `dist_timeout`: seconds a collective
         waits for the other ranks before this rank fails naming the collective. `share_base`: the
         local ranks of a node hold one copy of the frozen base (offload.engine.sharedbase); False:
-        each rank its own."""
+        each rank its own. `grad_reduce` ("micro" | "step"): several ranks reduce gradients after
+        every micro-batch, holding only the owned ones across micro-batches, or once per step,
+        holding all (see the module docstring)."""
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
+        if grad_reduce not in ("micro", "step"):
+            raise ValueError(f"grad_reduce must be 'micro' or 'step', got {grad_reduce!r}")
         if lora is not None:
             model = apply_lora(model, lora)
         self.model, self.loss_fn = model, loss_fn
@@ -187,6 +200,10 @@ class Engine:
         self.updater = make_updater(optimizer, self.plan.trainable(),
                                     shapes={n: tuple(p.shape) for n, p in named if n not in frozen},
                                     momentum=momentum, **(optimizer_kwargs or {}))
+        #: several ranks with owned-only gradients (offload.engine.transient)
+        self.owned_grads = self.ranks is not None and grad_reduce == "micro" and self.updater.needs_grad
+        trainable = [c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)]
+        self.grad_window = window_bytes(self.plan, trainable) if self.owned_grads else 0
         weights = [(n, p) for n, p in named if p.device.type != "meta"]
         self.surgery = ModelSurgery(model)
         named = self.surgery.materialize_meta(named, dtype=self.compute_dtype, device=self.device)
@@ -254,6 +271,7 @@ class Engine:
         remote = self.ranks.remote() if self.ranks is not None else frozenset()
         self.kinds = self._kinds(remote)
         budgets = self.ledger.budgets
+        host = None if budgets["host"] is None else budgets["host"] - self.grad_window  # transient grads
         # CUDA: encoded frozen chunks cross the link into one device staging buffer, decoded
         # from there (fetches run in order on the copy stream); the simulated device decodes in place
         staging = max((self.kinds[c]["compute"] for c in self.plan.frozen if self.frozen_layouts[c] is not None),
@@ -274,10 +292,10 @@ class Engine:
             lead = self.shared.leader
             self.homes = self.shared.place(kinds=streamed, leader_kinds=self._kinds(frozenset(
                 c for c, r in self.ranks.owner.items() if r != lead)), frozen=set(self.plan.frozen),
-                host=budgets["host"], nvme=self.nvme is not None)
+                host=host, nvme=self.nvme is not None)
             self.shared.map(self.ledger)
         else:
-            self.homes = assign_homes(kinds=streamed, host=budgets["host"], cxl=budgets.get("cxl"),
+            self.homes = assign_homes(kinds=streamed, host=host, cxl=budgets.get("cxl"),
                                       nvme=self.nvme is not None)
         if self.nvme is not None:
             self.nvme.preflight(sum(self.homes.bytes.get("nvme", {}).values()))
@@ -285,7 +303,7 @@ class Engine:
         self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
                                 state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
                                 homes=tiers, nvme=self.nvme, frozen=self.frozen_layouts, remote=remote,
-                                shared=self.shared)
+                                shared=self.shared, remote_grads=not self.owned_grads)
         if self.shared is not None:
             self.shared.attach_files(self.store, self.nvme)
         if staging:
@@ -299,7 +317,7 @@ class Engine:
         return {c.index: frozen_kind_bytes(c.numel, layout=self.frozen_layouts[c.index],
                                            compute_dtype=self.compute_dtype)
                 if c.index in self.frozen_layouts else
-                {"grad": 4 * c.numel} if c.index in remote else
+                ({} if self.owned_grads else {"grad": 4 * c.numel}) if c.index in remote else
                 kind_bytes(c.numel, state_bytes=self.updater.state_bytes(c.index),
                            compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
                 for c in self.plan.chunks}
@@ -328,28 +346,39 @@ class Engine:
                     buffers=BufferGuard(b, **booked(self.ledger, "gpu", "activation"))))
         self.checkpointing = checkpointing
         surgery.keep(install_module_hooks(model, res.enter_module, res.exit_module))
-        early = EarlyUpdater(self._update_chunks) if self.overlap_update and self.updater.needs_grad else None
+        early = (EarlyUpdater(self._update_chunks) if self.updater.needs_grad
+                 and (self.overlap_update or self.owned_grads) else None)  # (owned: the reduce worker too)
         self.grads = GradientRouter(
             store=self.store, executor=self.executor, ledger=self.ledger, param_names=self.param_names,
             grad_reserve=lambda: self.needs.grad_reserve, early=early,
             new_spill=lambda: GradSpill(self.store, self.bounce, self.nvme, self.executor),
-            compute_itemsize=self.compute_dtype.itemsize)
+            compute_itemsize=self.compute_dtype.itemsize, ranks=self.ranks,
+            transient=TransientGrads(self.plan, self.tiers, self.grad_window) if self.owned_grads else None,
+            reduce_rest=self._reduce_rest)
         surgery.keep(p.register_post_accumulate_grad_hook(self.grads.grad_ready)
                      for p in self.params.values() if p.requires_grad)  # frozen ones get no gradient
         if self.offload_activations:
             self.tracker.offloader = Offloader(ledger=self.ledger, tiers=self.tiers, executor=self.executor,
                                                device=self.device, phase=lambda: self.moments.phase)
 
-    def _update_chunks(self, chunks: list[int], handed: dict) -> None:
+    def _update_chunks(self, chunks: list[int], handed: dict, final: bool = True) -> None:
         """Update `chunks` (their gradients complete); `handed`: {chunk: (its gradient still in
         host memory, give-back)} for NVMe gradients never written. Several ranks: reduce each onto
-        its owner first, in the given order (the same on every rank), and update this rank's own."""
+        its owner first, in the given order (the same on every rank), and update this rank's own.
+        `final` False (owned-only gradients, a micro-batch before the last): reduce only; a handed
+        gradient goes to its swap file."""
         if self.ranks is not None:
             self._reduce_grads(chunks, handed)
             chunks = [c for c in chunks if self.ranks.owns(c)]
+        if not final:
+            for c in chunks:
+                if c in handed:
+                    self.grads.spill.write_handed(c)
+            return
         update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks, handed=handed)
 
     def _reduce_grads(self, chunks: list[int], handed: dict) -> None:
+        transient = self.grads.transient
         for cid in chunks:
             if self.plan.is_frozen(cid):
                 continue
@@ -357,8 +386,35 @@ class Engine:
                 self.ranks.reduce_grad(cid, handed[cid][0])
                 continue
             mine = self.ranks.owns(cid)
+            if transient is not None and not mine:  # this micro-batch's sum (zeros if none came)
+                self.ranks.reduce_grad(cid, transient.target(cid))
+                transient.free(cid)
+                continue
             with self.store.opened(cid, only=("grad",), write_back=mine) as work:
                 self.ranks.reduce_grad(cid, work["grad"])
+
+    def _reduce_rest(self, chunks: list[int]) -> None:
+        """Owned-only gradients, at the end of a backward: reduce the chunks not complete during
+        it (a parameter without a gradient this time, or a chunk held back), in chunk order on
+        every rank. An owned gradient holds the step's sum so far: a parameter this rank has not
+        seen yet this step is zeroed first, and counts as seen afterwards (the next micro-batch
+        adds to the reduced sum)."""
+        spill = self.grads.spill
+        spill.settle()
+        for cid in chunks:
+            if not self.ranks.owns(cid):
+                continue
+            grad = self.store.chunks[cid].grad
+            unseen = [n for n in self.plan.chunks[cid].params if self.params[n] not in self.grads.seen]
+            if isinstance(grad, SwapKind):
+                if cid not in spill.written:  # its file holds the last step's sum: start from zeros
+                    self.nvme.zeros(grad.key, grad.nbytes)
+                    spill.written.add(cid)
+            else:
+                for n in unseen:
+                    self.store.grad_view(self.plan.slots[n]).zero_()
+            self.grads.seen.update(self.params[n] for n in unseen)
+        self._reduce_grads(chunks, {})
 
     def _home_order(self) -> list[int]:
         """Chunks that may be gpu-home, most wanted first: trainable ones (adapters: small, and
@@ -455,13 +511,14 @@ class Engine:
                 finite = finite and bool(torch.isfinite(loss.detach()).all())
             # the last micro-batch's gradients are final: chunks may update as they complete
             # (once the first backward has counted each chunk's gradients)
-            self.grads.early_on = (self.grads.early is not None and self.grad_clip is None
+            self.grads.reduce_on = self.owned_grads
+            self.grads.early_on = (self.overlap_update and self.grad_clip is None
                                    and i == mine[-1] and self.grads.uses is not None and finite
                                    and not (self.ranks is not None and self.skip_nonfinite))
             try:
                 self.backward(loss * weights[i] if weights[i] != 1.0 else loss)
             finally:
-                self.grads.early_on = False
+                self.grads.early_on = self.grads.reduce_on = False
             total += loss.detach().float().item() * weights[i]
         if self.ranks is not None:
             total = float(self.ranks.sum_(torch.tensor([total], dtype=torch.float64), "summing the loss")[0])
@@ -517,7 +574,7 @@ class Engine:
         early = self.grads.finish_step(self.params, zero_unseen=self.updater.needs_grad)
         rest = [c for c in range(len(self.plan.chunks)) if c not in early]
         if self.ranks is not None:
-            if self.updater.needs_grad:
+            if self.updater.needs_grad and not self.owned_grads:  # (owned: reduced in each backward)
                 self._reduce_grads(rest, {})
             rest = [c for c in rest if self.ranks.owns(c)]
         if self.grad_clip is not None:
@@ -704,6 +761,8 @@ class Engine:
         collective; each rank loads its own shard back with the same world size."""
         buffers = {n: b.to("cpu", copy=True) for n, b in self.surgery.persistent_buffers().items()}
         shard = {} if self.ranks is None else {"rank": self.ranks.rank, "world": self.ranks.world}
+        if self.owned_grads and self.grads.uses is not None:  # a resumed run reduces as this one does
+            shard["grad_uses"] = dict(self.grads.uses)
         return self.store.state_dict() | {"steps": self.steps, "optimizer_meta": self.updater.meta_state(),
                                           "buffers": buffers} | shard
 
@@ -722,6 +781,10 @@ class Engine:
         self.store.load_state_dict(sd)
         self.updater.load_meta_state(sd.get("optimizer_meta", {}))
         self.steps = int(sd["steps"])
+        if self.owned_grads and sd.get("grad_uses") is not None:
+            # the first backward then reduces whole chunks, as the interrupted run's did: a sum of
+            # three ranks is summed in the same order only over the same buffers
+            self.grads._learn_uses(sd["grad_uses"])
         with torch.no_grad():
             for name, value in sd.get("buffers", {}).items():
                 own[name].copy_(value)

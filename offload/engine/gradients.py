@@ -11,6 +11,12 @@
 - Early update: in the last micro-batch (`early_on`), a chunk whose parameters have all sent
   their sums is updated while backward goes on (offload.engine.early); a gradient on NVMe goes
   to it in its staging buffer, not through the swap file.
+- Several ranks, owned-only gradients (`transient`, offload.engine.transient): a chunk another
+  rank owns accumulates this micro-batch only, in a transient buffer; once complete (`reduce_on`)
+  every rank hands it to the worker, which reduces it onto its owner and frees the non-owners'
+  buffers; the chunks not complete by the end of backward are reduced then (`reduce_rest`).
+  The first backward, before the uses are counted, reduces each contribution as it arrives
+  (`_reduce_contribution`): no buffer of another's chunk is held at all.
 """
 
 from __future__ import annotations
@@ -38,11 +44,14 @@ class GradientRouter:
 
     def __init__(self, *, store: ChunkStore, executor: Executor, ledger: Ledger,
                  param_names: dict[torch.nn.Parameter, str], grad_reserve: Callable[[], int],
-                 new_spill: Callable[[], GradSpill], early: EarlyUpdater | None, compute_itemsize: int):
+                 new_spill: Callable[[], GradSpill], early: EarlyUpdater | None, compute_itemsize: int,
+                 ranks: Any = None, transient: Any = None, reduce_rest: Callable[[list[int]], None] | None = None):
         self.store, self.plan = store, store.plan
         self.executor, self.ledger, self.param_names = executor, ledger, param_names
         self.grad_reserve, self.new_spill, self.early = grad_reserve, new_spill, early
         self.compute_itemsize = compute_itemsize
+        self.ranks, self.transient, self.reduce_rest = ranks, transient, reduce_rest
+        self.reduce_on = False  # owned-only gradients: complete chunks are reduced during backward
         self.spill = new_spill()
         self.seen: set[torch.nn.Parameter] = set()  # parameters with a gradient in this step
         self.early_on = False
@@ -66,17 +75,22 @@ class GradientRouter:
         self._chunk_tickets: dict[int, list] = {}
         self._submitted: set[int] = set()
         self._held_back: set[int] = set()
+        self._in_backward: set[torch.nn.Parameter] = set()  # arrived in this backward (transient buffers)
 
     def end_backward(self) -> None:
         """After loss.backward(): flush held sums, learn the uses (first backward), let every
         copy land, write spilled chunks out, wait for early updates."""
         self._flush_gathered()
-        if self.uses is None:
+        first = self.uses is None
+        if first:
             self._learn_uses()
         self.drain()
         self.spill.end_backward()
-        if self.early_on:
+        if self.early_on or self.reduce_on:
             self.early.wait()
+        if self.transient is not None and not first:  # (the first backward reduced each contribution)
+            self.reduce_rest([c.index for c in self.plan.chunks
+                              if not self.plan.is_frozen(c.index) and c.index not in self._submitted])
 
     def finish_step(self, params: dict[str, torch.nn.Parameter], *, zero_unseen: bool) -> set[int]:
         """Before the update: every gradient in place; returns the chunks already updated early
@@ -96,6 +110,8 @@ class GradientRouter:
             self.ledger.release("gpu", "activation", nbytes)
         self._gathered = {}
         self.drain()
+        if self.transient is not None:
+            self.transient.free_all()
         if self.early is not None:
             try:
                 self.early.wait()  # never leave the worker writing while the caller saves
@@ -119,8 +135,16 @@ class GradientRouter:
         first = p not in self.seen
         self.seen.add(p)
         src = in_slot_order(g, slot)  # a transposed parameter's gradient lands in its memory order
+        if self.transient is not None and self.uses is None:
+            self._reduce_contribution(slot, src, first)
+            return
         spilled = isinstance(self.store.chunks[slot.chunk].grad, SwapKind)
-        if spilled:
+        remote = self.transient is not None and not self.ranks.owns(slot.chunk)
+        if remote:  # this micro-batch's sum only: the buffer opens empty in every backward
+            first = p not in self._in_backward
+            self._in_backward.add(p)
+            dst = self.transient.target(slot.chunk)[slot.offset: slot.offset + slot.numel]
+        elif spilled:
             dst = self.spill.target(slot.chunk)[slot.offset: slot.offset + slot.numel]
         else:
             dst = self.store.grad_view(slot)
@@ -140,6 +164,27 @@ class GradientRouter:
         self._arrived_grad(slot, ticket)  # an early update may take the spill's buffer
         if spilled and self.spill.complete(slot.chunk):
             self.spill.flush(slot.chunk)
+
+    def _reduce_contribution(self, slot: Any, src: torch.Tensor, first: bool) -> None:
+        """The first backward with owned-only gradients: this contribution is reduced onto the
+        chunk's owner at once (every rank gets the same hooks in the same order), which adds it
+        to its gradient chunk; nobody holds a buffer of another's chunk."""
+        cid = slot.chunk
+        if not self.ranks.owns(cid):
+            host = torch.empty(slot.numel, dtype=torch.float32)
+            host.copy_(src.reshape(-1))
+            self.ranks.reduce_grad(cid, host)
+            return
+        spilled = isinstance(self.store.chunks[cid].grad, SwapKind)
+        dst = (self.spill.target(cid)[slot.offset: slot.offset + slot.numel] if spilled
+               else self.store.grad_view(slot))
+        src = src.reshape(-1).to("cpu", torch.float32)
+        dst.copy_(src) if first else dst.add_(src)
+        self.ranks.reduce_grad(cid, dst)  # (the sum so far + this rank's) + the others': as a chunk's reduce
+        if spilled:
+            self.spill.landed(cid, None)
+            if self.spill.complete(cid):
+                self.spill.flush(cid)
 
     def _gathering(self, p: torch.nn.Parameter) -> bool:
         """Count `p`'s gradient contributions of this backward: its post-accumulate hook runs
@@ -173,7 +218,7 @@ class GradientRouter:
         """A parameter's gradient sum reached its grad chunk. Once every parameter of a chunk has
         sent its sum (last micro-batch, no clipping), the chunk's update starts while backward
         goes on (offload.engine.early)."""
-        if not self.early_on:
+        if not (self.early_on or self.reduce_on):
             return
         cid = slot.chunk
         n, traced = self._counts[slot.name], self.uses.get(slot.name, 0)
@@ -190,13 +235,16 @@ class GradientRouter:
         if cid not in self._held_back and self._arrived[cid] == self.expected.get(cid):
             self._submitted.add(cid)
             handed = self.spill.hand_over(cid)  # a gradient on NVMe: no round trip through the disk
-            self.early.submit(cid, self._chunk_tickets.pop(cid, []), handed)
+            if self.transient is not None and cid in self.transient.bufs:
+                self.transient.queue(cid)
+            self.early.submit(cid, self._chunk_tickets.pop(cid, []), handed, final=self.early_on)
 
-    def _learn_uses(self) -> None:
+    def _learn_uses(self, uses: dict[str, int] | None = None) -> None:
         """After the first backward: the contributions each parameter gets per backward (the
         trace of gradients). A chunk expects one sum per parameter; one with a parameter that
-        got none is not updated early (that slot is zeroed at the end of the step)."""
-        self.uses = dict(self._counts)
+        got none is not updated early (that slot is zeroed at the end of the step). `uses`:
+        those of an earlier run (a resumed one: its first backward then sums as the run did)."""
+        self.uses = dict(self._counts if uses is None else uses)
         self.expected = {c.index: len(c.params) for c in self.plan.chunks
                          if all(self.uses.get(name, 0) for name in c.params)}
         # the sums later backwards hold in p.grad (at most all at once): the warm-up held none

@@ -11,6 +11,8 @@ In the last micro-batch a complete chunk that is updated early (offload.engine.e
 written at all: its buffer is handed to the update (`hand_over`) and comes back once that chunk
 is updated, which saves the gradient's round trip through NVMe (a write and a read of the same
 bytes moments apart). Backward waits for a buffer only when both are with the update.
+Several ranks (owned-only gradients): in the other micro-batches a complete chunk's buffer is
+handed over too, for the reduce onto its owner, and then written out (`write_handed`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class GradSpill:
         self.writes: dict[int, tuple[Future, int]] = {}  # staging index -> pending write
         self.written: set[int] = set()  # chunks whose swap file holds this step's sum
         self.consumed: set[int] = set()  # chunks whose sum went to an early update instead
+        self.handed: dict[int, int] = {}  # chunk -> staging buffer index, while handed over
         self._returned = threading.Condition()  # guards `free`: buffers come back from the update worker
 
     def begin_cycle(self) -> None:
@@ -95,20 +98,39 @@ class GradSpill:
         idx = self.open.pop(cid)
         del self.arrived[cid], self.tickets[cid]
         self.consumed.add(cid)
+        self.handed[cid] = idx
         given = []
 
         def give_back() -> None:
             with self._returned:
                 if not given:
                     given.append(idx)
+                    self.handed.pop(cid, None)
                     self.free.append(idx)
                     self._returned.notify_all()
         return self._staging(idx, cid), give_back
 
+    def write_handed(self, cid: int) -> None:
+        """Handed-over chunk `cid`'s buffer (reduced, not updated) goes to its swap file; the
+        buffer is reused only once that write has landed (`target` waits for it)."""
+        idx = self.handed[cid]
+        key = self.store.chunks[cid].grad.key
+        with self._returned:
+            self.writes[idx] = (self.nvme.write_async(key, self._staging(idx, cid)), cid)
+            self.written.add(cid)
+            self.consumed.discard(cid)
+
+    def settle(self) -> None:
+        """Every open chunk written out and every write landed (the swap files hold the sums)."""
+        self.end_backward()
+        for fut, _ in list(self.writes.values()):
+            fut.result()
+
     def flush(self, cid: int) -> None:
         idx = self.open.pop(cid)
         for t in self.tickets.pop(cid):
-            self.executor.wait(t)
+            if t is not None:  # (None: added in place, on this thread)
+                self.executor.wait(t)
         del self.arrived[cid]
         key = self.store.chunks[cid].grad.key
         self.writes[idx] = (self.nvme.write_async(key, self._staging(idx, cid)), cid)

@@ -4,10 +4,12 @@ Shard layout: whole chunks per rank. The k-th trainable chunk (in chunk order) b
 k mod N: only its owner stores its fp32 master and optimizer state (in the owner's tiers: host,
 CXL, NVMe) and updates it. Before a chunk is used its compute copy is *gathered*: the owner
 fills the device buffer from its home, as one rank does, and broadcasts it to the others, into
-the same device window (the resident cache) as on one rank. Gradients: every rank accumulates
-its own micro-batches in a grad chunk of its own (as one rank does); once a chunk's gradients
-are complete (in the last micro-batch, as the early update sees them, else at the step's end)
-they are reduced (summed) onto its owner, who updates it. Frozen chunks (a LoRA base) are not
+the same device window (the resident cache) as on one rank. Gradients (owned-only, the default
+grad_reduce="micro"): a rank holds a chunk another owns only while the current micro-batch
+produces its gradient (offload.engine.transient); once the chunk's gradients of that micro-batch
+are complete they are reduced (summed) onto its owner during backward and the buffer is freed;
+the owner accumulates across micro-batches and updates it. grad_reduce="step": every rank
+accumulates its own micro-batches in a grad chunk of its own and reduces it once per step. Frozen chunks (a LoRA base) are not
 sharded: the local ranks of a node share one copy (offload.engine.sharedbase).
 
 Why whole chunks, not a slice of every chunk (ZeRO-3's layout): every updater runs unchanged on
@@ -23,8 +25,9 @@ Order of collectives. Collectives of one process group must run in the same orde
 rank. Three groups, one per thread that issues them: `gather` (the executor's h2d copy thread:
 fetches in the order the residency asks for them, which is the same on every rank because the
 trace, the placement and the cache limit are the same: the activation peak that sizes the cache
-is the maximum over ranks, and no trainable chunk is gpu-home), `grads` (the early-update worker
-or the compute thread at the step's end, never both at once) and `main` (the compute thread:
+is the maximum over ranks, and no trainable chunk is gpu-home), `grads` (the update worker during
+backward, or the compute thread: the first backward, a backward's end once the worker is idle,
+the step's end; never both at once) and `main` (the compute thread:
 loss, token counts, gradient norms, exports). Every collective has a timeout (`timeout`): a
 rank that died makes the others fail within it, with the rank named.
 """

@@ -370,7 +370,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               params: "Sequence[ParamSpec] | None" = None, device_mem: int | None = None,
               lora_rank: int | None = None, lora_targets: str = "all-linear", base_dtype: str | None = None,
               double_quant: bool = False, lora_dropout: float = 0.0, linears: "dict[str, str] | None" = None,
-              suggest: bool = True, nproc_per_node: int = 1, nnodes: int = 1) -> Plan:
+              suggest: bool = True, nproc_per_node: int = 1, nnodes: int = 1, grad_reduce: str = "micro") -> Plan:
     """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited;
     the gpu's at most `device_mem`, what the device of this machine has).
 
@@ -402,7 +402,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     (`Plan.suggestion`; see `suggest_micro_batch`).
     `nproc_per_node` / `nnodes`: several ranks (offload.plan.ranks): the host, CXL and NVMe budgets
     are the node's, the gpu budget each rank's, `grad_accum` the micro-batches of each rank
-    (`_plan_ranks`).
+    (`_plan_ranks`); `grad_reduce` ("micro" | "step"): the Engine's, how several ranks hold and
+    reduce gradients (offload.plan.ranks).
     Raises InfeasibleBudget naming the minimum gpu / host / nvme bytes when they cannot fit."""
     args = dict(locals())
     model = _resolve_model(model)
@@ -455,7 +456,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
         multi.check_layout(hw, nproc_per_node=nproc_per_node, nnodes=nnodes, cost=ch.cost)
         return _plan_ranks(ch, model=model, hw=hw, needs=needs, gpu=gpu, host=host, cxl=cxl, use_nvme=use_nvme,
                            nvme_cap=nvme_cap, nproc=nproc_per_node, nnodes=nnodes, checkpointing=checkpointing,
-                           precision=precision, lora_act=lora_act, single=args,
+                           precision=precision, lora_act=lora_act, single=args, grad_reduce=grad_reduce,
                            meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes,
                                      optimizer=optimizer, checkpointing=checkpointing, padded=padded,
                                      grad_accum=grad_accum, lora_rank=lora_rank,
@@ -759,11 +760,13 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
                 tokens_per_s=pred.tokens_per_s, **meta)
 
 
-def _rank_view(ch: _Chunks, remote: frozenset[int]) -> _Chunks:
-    """`ch` as one rank of several holds it: a remote trainable chunk is only its gradient
-    (Engine._place: {"grad": 4 * numel}), never updated here."""
+def _rank_view(ch: _Chunks, remote: frozenset[int], owned_grads: bool) -> _Chunks:
+    """`ch` as one rank of several holds it (Engine._kinds): a remote trainable chunk is nothing
+    with owned-only gradients (its transient gradient lies in the window), else its gradient
+    ({"grad": 4 * numel}); never updated here."""
     view = copy.copy(ch)
-    view.kinds = [{"grad": 4 * ch.plan.chunks[c].numel} if c in remote else k for c, k in enumerate(ch.kinds)]
+    view.kinds = [({} if owned_grads else {"grad": 4 * ch.plan.chunks[c].numel}) if c in remote else k
+                  for c, k in enumerate(ch.kinds)]
     view.params = [0 if c in remote else p for c, p in enumerate(ch.params)]
     view.flops = [0.0 if c in remote else f for c, f in enumerate(ch.flops)]
     return view
@@ -771,7 +774,7 @@ def _rank_view(ch: _Chunks, remote: frozenset[int]) -> _Chunks:
 
 def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, gpu: int, host: int | None,
                 cxl: int, use_nvme: bool, nvme_cap: int | None, nproc: int, nnodes: int, checkpointing: bool,
-                precision: str, lora_act, single: dict, meta: dict) -> Plan:
+                precision: str, lora_act, single: dict, meta: dict, grad_reduce: str = "micro") -> Plan:
     """make_plan for `nproc` ranks per node on `nnodes` nodes (offload.plan.ranks). Every rank
     streams every chunk (the engine allows no gpu-home chunk with several ranks). The homes of
     a node: the frozen base once (`assign_homes` within what the ranks' minimums leave of the
@@ -780,18 +783,22 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     each with its own NVMe bounce buffers; node 0 (ranks 0..L-1, the largest shares) is the one
     planned. Each rank is priced on its share of the node (`rank_share`) with its collectives;
     the step lasts as long as the slowest rank."""
+    if grad_reduce not in multi.GRAD_REDUCE:
+        raise TierwiseError(f"--grad-reduce must be one of {', '.join(multi.GRAD_REDUCE)}, got {grad_reduce!r}")
     world, L = nproc * nnodes, nproc
     trainable = [c for c in range(ch.n) if c not in ch.frozen]
     owner = multi.owners(trainable, world)
     remotes = [frozenset(c for c in trainable if owner[c] != r) for r in range(L)]
-    views = [_rank_view(ch, rem) for rem in remotes]
+    owned_grads = grad_reduce == "micro" and ch.needs_grad
+    window = multi.window_bytes(ch.plan, trainable) if owned_grads else 0  # each rank keeps it free
+    views = [_rank_view(ch, rem, owned_grads) for rem in remotes]
     device = plan_device(needs, gpu, allow_gpu_home=False)
     streamed = list(range(ch.n))
     # the frozen base once per node, first (every rank reads it every micro-batch): in the host
     # RAM the ranks' minimums leave, then CXL, then NVMe; each rank then gets 1/L of the rest
     # (cli.launch.node_share) for its own kinds: its owned chunks and its gradients of the others
     own = [{c: views[r].kinds[c] for c in trainable} for r in range(L)]
-    least = max(_host_minimum(views[r], trainable, cxl=0, nvme=use_nvme) for r in range(L))
+    least = max(_host_minimum(views[r], trainable, cxl=0, nvme=use_nvme) for r in range(L)) + window
     base_kinds = {c: ch.kinds[c] for c in ch.frozen}
     room = None if host is None else host - L * least
     try:
@@ -800,14 +807,15 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
         base_homes = assign_homes(kinds=base_kinds, host=room, cxl=cxl or None, nvme=use_nvme) if base_kinds \
             else Homes(tiers={}, bytes={}, bounce=0)
     except InfeasibleBudget as exc:  # the base's own minimum (0 when the ranks' alone exceed the budget)
+        others = "a window for the others' gradients" if owned_grads else "fp32 gradients of all the others"
         need = L * least + exc.minimum.get("host", 0)
         raise InfeasibleBudget(f"node host budget {format_size(host or 0)} cannot hold "
                                f"{'the frozen base once and ' if base_kinds else ''}{L} ranks' own chunks (each its "
-                               f"owned chunks and fp32 gradients of all the others): at least {format_size(need)} ({need} B) needed; raise --cpu-mem"
+                               f"owned chunks and {others}): at least {format_size(need)} ({need} B) needed; raise --cpu-mem"
                                f"{'' if use_nvme else ' or give --nvme-path'}", minimum={"host": need}) from None
     base = {t: sum(base_homes.bytes.get(t, {}).values()) for t in ("host", "cxl", "nvme")}
     base_bounce = L * base_homes.bounce  # each rank stages its own NVMe reads of the base
-    per_host = None if host is None else (host - base["host"] - base_bounce) // L
+    per_host = None if host is None else (host - base["host"] - base_bounce) // L - window
     per_cxl = (cxl - base["cxl"]) // L if cxl else 0
     rank_homes = []
     for r in range(L):
@@ -821,7 +829,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                                    f"{format_size(need)} ({need} B) needed; raise --cpu-mem", minimum={"host": need}) from None
     node_bytes = {t: base[t] + sum(sum(h.bytes.get(t, {}).values()) for h in rank_homes) for t in ("host", "cxl", "nvme")}
     bounces = base_bounce + sum(h.bounce for h in rank_homes)
-    node_bytes["host"] += bounces
+    node_bytes["host"] += bounces + L * window
     if nvme_cap is not None and node_bytes["nvme"] > nvme_cap:
         raise InfeasibleBudget(f"--nvme-path has {format_size(nvme_cap)} of space: the node needs at least "
                                f"{format_size(node_bytes['nvme'])}; raise --cpu-mem / --cxl-mem or free disk space",
@@ -843,6 +851,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                                         streamed_compute=sum(ch.compute[c] for c in streamed),
                                         cache_limit=device.cache_limit, widest=ch.widest, micro_batches=accum)
         reduce = sum(4 * ch.plan.chunks[c].numel for c in trainable) if ch.needs_grad else 0
+        reduce *= accum if owned_grads else 1  # owned-only gradients: a reduce per micro-batch
         coll = Collectives(gather_bytes=gather / accum, reduce_bytes=reduce, gbps=gbps, via=hw.node.gpu_link)
         preds.append(predict_step(hardware=share, precision=precision, cost=ch.cost, tokens=tokens, load=load,
                                   micro_batches=accum, collectives=coll))
@@ -874,9 +883,12 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
         for c, d in h.tiers.items():
             for kind, tier in d.items():
                 by_tier[tier][kind] = by_tier[tier].get(kind, 0) + own[r][c][kind]
-    reserve = dict(plan.reserve) | {"host": {"nvme bounce": bounces}}
+    reserve = dict(plan.reserve) | {"host": {"nvme bounce": bounces} | ({"grad window": L * window} if window else {})}
     peak = dict(plan.peak) | {t: node_bytes[t] for t in ("host", "cxl", "nvme")}
-    private = [sum(h.bytes.get("host", {}).values()) + h.bounce + base_homes.bounce for h in rank_homes]
+    private = [sum(h.bytes.get("host", {}).values()) + h.bounce + base_homes.bounce + window for h in rank_homes]
+    all_grads = sum(4 * ch.plan.chunks[c].numel for c in trainable) if ch.needs_grad else 0
+    grad_bytes = [(sum(4 * ch.plan.chunks[c].numel for c in trainable if owner[c] == r) + window) if owned_grads
+                  else all_grads for r in range(L)]
     owned = [sum(ch.params[c] for c in trainable if owner[c] == r) for r in range(L)]
     single_tps = None
     try:
@@ -889,6 +901,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                      owned_params=owned, base=base, node=node_bytes,
                      node_budgets={"host": host, "cxl": cxl or None, "nvme": nvme_cap if use_nvme else None},
                      gather_bytes=gather, reduce_bytes=reduce, collective_s=coll_s, link=link_words,
+                     grad_bytes=grad_bytes, grad_reduce=grad_reduce if ch.needs_grad else "step",
                      single_tokens_per_s=single_tps)
     return dataclasses.replace(plan, bytes=by_tier, reserve=reserve, peak=peak, ranks=ranks,
                                gpu_update_params=0, cpu_update_params=owned[0])

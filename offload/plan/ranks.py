@@ -1,9 +1,11 @@
 """Several ranks (pure): what the planner needs to price `--nproc-per-node N --nnodes M`.
 
 The engine's layout (offload.engine.ranks): the k-th trainable chunk belongs to rank k mod
-world, which alone stores its master and optimizer state and updates it; every rank keeps a
-gradient chunk of every trainable chunk (its own micro-batches accumulate there) and reduces it
-onto the owner once per step; before use the owner broadcasts the chunk's compute copy to all
+world, which alone stores its master and optimizer state and updates it; gradients are owned
+too (`grad_reduce="micro"`, the default): a rank holds a gradient buffer of a chunk it does not
+own only while the current micro-batch produces it (at most `window_bytes` at once) and reduces
+it onto the owner after every micro-batch; with "step" every rank keeps a gradient chunk of
+every trainable chunk, sums its own micro-batches there and reduces once per step; before use the owner broadcasts the chunk's compute copy to all
 ranks ("gather"); nothing trainable is gpu-home. A frozen base is planned ONCE per node (held in
 memory the node's ranks share), each rank reading it through its own PCIe link.
 
@@ -14,7 +16,10 @@ Per rank, the payload of its collectives per step (the unit of ZeRO's communicat
           backward -> the next micro-batch's forward), at least once per step (the update
           invalidates every copy): max(S, 2 M S - (2 M - 1) R), S = the trainable compute bytes,
           R = what the cache keeps (its limit less the widest module), M = micro-batches per rank;
-  reduce  4 bytes per trainable parameter (fp32 gradients), once per step.
+  reduce  4 bytes per trainable parameter (fp32 gradients), once per micro-batch ("micro") or
+          once per step ("step").
+Gradient bytes per rank: the fp32 gradients of the chunks it owns plus the window ("micro"), or
+of every trainable chunk ("step"): `grad_bytes`.
 The node's host DRAM, CXL and NVMe bandwidth and its CPU cores are shared by its local ranks,
 each doing the same work at once: each rank is priced on 1/L of them (`rank_share`).
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..core.chunks import ChunkPlan
 from ..core.errors import TierwiseError
 from ..update.table import OptimizerSpec
 from ...profiles.hardware import HardwareProfile
@@ -64,6 +70,10 @@ class RankPlan:
     """Broadcast payload per rank per step (see the module docstring)."""
     reduce_bytes: int
     """Gradient reduce payload per rank per step."""
+    grad_bytes: list[int]
+    """fp32 gradient bytes each of those ranks holds at most (host, CXL, NVMe): see the module docstring."""
+    grad_reduce: str
+    """"micro" (owned-only gradients, a reduce per micro-batch) or "step"."""
     collective_s: float
     """Seconds of those collectives per step on `link` (they overlap compute: see phases)."""
     link: str
@@ -92,7 +102,11 @@ class RankPlan:
                   if any(self.base.values()) else ""),
                f"  collectives per rank per step: gather {fmt(self.gather_bytes)} (compute copies broadcast "
                f"from their owners), reduce {fmt(self.reduce_bytes)} (fp32 gradients onto their owners); "
-               f"{self.collective_s:.3f} s on {self.link}; the frozen base is not communicated"]
+               f"{self.collective_s:.3f} s on {self.link}; the frozen base is not communicated",
+               "  gradients held per rank: " + ", ".join(fmt(b) for b in self.grad_bytes)
+               + (" (the chunks it owns, and others' one micro-batch at a time: reduced after every micro-batch)"
+                  if self.grad_reduce == "micro" else
+                  " (every trainable chunk's: each rank sums its micro-batches, reduced once per step)")]
         if self.single_tokens_per_s:
             out.append(f"  one rank of this node (its whole budgets): {self.single_tokens_per_s:,.1f} tokens/s")
         out.append("  modelled, not measured: bytes follow the engine's layout (collective bytes checked against "
@@ -115,6 +129,21 @@ def check_layout(hw: HardwareProfile, *, nproc_per_node: int, nnodes: int, cost:
     if cost.low_rank:
         raise TierwiseError(f"--optimizer {cost.name} is not supported with several ranks yet (the engine refuses "
                             f"it: its projections are not sharded); use adamw, adamw8bit, sgd or mezo")
+
+
+GRAD_REDUCE = ("micro", "step")
+
+
+def window_bytes(plan: "ChunkPlan", trainable: list[int]) -> int:
+    """Host bytes a rank keeps free for the transient gradients of chunks it does not own
+    ("micro"; offload.engine.transient): the largest trainable chunk and one more, in fp32 (one
+    filling while the last one is reduced). The second is at most a packed chunk's size: a
+    parameter larger than a chunk (an embedding, an untied LM head) has one of its own, and
+    two of those are not produced at once (their gradients come at the two ends of backward)."""
+    numels = sorted((plan.chunks[c].numel for c in trainable), reverse=True)
+    if not numels:
+        return 0
+    return 4 * (numels[0] + min(numels[1] if len(numels) > 1 else 0, plan.chunk_numel))
 
 
 def owners(trainable: list[int], world: int) -> dict[int, int]:

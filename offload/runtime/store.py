@@ -14,7 +14,8 @@ the memory the node's ranks share, or in the leader's swap file that every local
 loaded by the node's leader only.
 A *remote* chunk (several ranks, offload.engine.ranks) is a trainable chunk another rank owns:
 only its grad accumulator is here (no master, state or compute copy; its compute copy is
-gathered from the owner into the device buffer).
+gathered from the owner into the device buffer), or nothing at all with owned-only gradients
+(`remote_grads=False`: offload.engine.transient holds its gradient per micro-batch).
 A kind lives in `host`, `cxl` (tensors bound to a CXL node), `nvme` (a swap file, see
 SwapKind) or, after `promote`, `gpu`. NVMe-resident kinds are brought into bounce buffers
 for the update (`offload.update_loop`) and streamed through a staging buffer to the device.
@@ -104,11 +105,11 @@ class ChunkStore:
     def __init__(self, *, plan: ChunkPlan, tiers: Tiers, compute_dtype: torch.dtype,
                  state_bytes: "Callable[[int], int]", needs_grad: bool, homes: dict[int, dict[str, str]],
                  nvme: NvmeStore | None = None, frozen: "dict[int, FrozenLayout | None] | None" = None,
-                 remote: frozenset[int] = frozenset(), shared: Any = None):
+                 remote: frozenset[int] = frozenset(), shared: Any = None, remote_grads: bool = True):
         """`frozen`: per frozen chunk of `plan`, its blob layout when encoded, else None.
         `remote`: trainable chunks another rank owns (only their gradient lives here).
         `shared`: the node's SharedBase (its host-homed frozen chunks live there), or None."""
-        self.remote = remote
+        self.remote, self.remote_grads = remote, remote_grads
         self.shared = shared
         self.plan, self.tiers, self.compute_dtype = plan, tiers, compute_dtype
         self.frozen = dict(frozen or {})
@@ -159,7 +160,8 @@ class ChunkStore:
         if cid in self.remote:
             tier = tiers.get("grad", "host")
             return _Chunk(tiers={"grad": tier}, master=None, state=None,
-                          grad=self._new(cid, "grad", "grad", tier, torch.float32) if self.needs_grad else None,
+                          grad=self._new(cid, "grad", "grad", tier, torch.float32)
+                          if self.needs_grad and self.remote_grads else None,
                           step=torch.zeros((), dtype=torch.float32), names=self.plan.chunks[cid].params)
         tiers = dict(tiers)
         tiers.setdefault("state", tiers.get("master", "host"))
@@ -359,10 +361,10 @@ class ChunkStore:
         """
         norms: list[torch.Tensor] = []
         for cid, ch in enumerate(self.chunks):
-            if ch.grad is None:  # frozen
-                continue
-            if cid in self.remote:
+            if cid in self.remote:  # (its gradient is its owner's; none here with owned-only gradients)
                 norms.extend(torch.zeros((), dtype=torch.float32) for _ in ch.names)
+                continue
+            if ch.grad is None:  # frozen
                 continue
             with self.opened(cid, only=("grad",)) as work:
                 views = [self.plan.slots[n].view(work["grad"]) for n in ch.names]  # as the reference's grads
