@@ -267,7 +267,7 @@ class Engine:
         gpu_home: frozenset[int] = frozenset()
         if activations is not None:
             self.device_plan = plan_device(self.needs, budgets["gpu"], allow_gpu_home=self.allow_gpu_home,
-                                           prefer=self._home_order())
+                                           prefer=self._home_order(), decoded=self._decoded())
             gpu_home = self.device_plan.gpu_home
         streamed = {c: k for c, k in self.kinds.items() if c not in gpu_home}
         if self.shared is not None:  # the base's homes are the node's (the leader's placement)
@@ -362,12 +362,16 @@ class Engine:
 
     def _home_order(self) -> list[int]:
         """Chunks that may be gpu-home, most wanted first: trainable ones (adapters: small, and
-        the whole update stays on the device), then frozen ones; both last-used first. Encoded
-        frozen chunks never: they are decoded per use."""
+        the whole update stays on the device), then frozen ones; both last-used first. An encoded
+        frozen chunk is home as its encoded bytes (decoded into a cache buffer per use)."""
         n = len(self.plan.chunks)
         trainable = [c for c in reversed(range(n)) if not self.plan.is_frozen(c)]
-        frozen = [c for c in reversed(range(n)) if self.plan.is_frozen(c) and self.frozen_layouts[c] is None]
+        frozen = [c for c in reversed(range(n)) if self.plan.is_frozen(c)]
         return trainable + frozen
+
+    def _decoded(self) -> frozenset[int]:
+        """Encoded frozen chunks: they pass through the cache even when gpu-home (plan_device)."""
+        return frozenset(c for c, layout in self.frozen_layouts.items() if layout is not None)
 
     def _device_needs(self, *, activations: int, pinned: int = 0) -> DeviceNeeds:
         return device_needs(self.plan, self.module_chunks, self.param_names, kinds=self.kinds,
@@ -592,7 +596,7 @@ class Engine:
             return
         self.needs = measured
         self.device_plan = plan_device(self.needs, self.ledger.budgets["gpu"], allow_gpu_home=self.allow_gpu_home,
-                                       prefer=self._home_order())
+                                       prefer=self._home_order(), decoded=self._decoded())
         for cid in sorted(self.device_plan.gpu_home):
             self.residency.promote(cid)
         self.residency.cache.limit = self.device_plan.cache_limit
