@@ -105,3 +105,19 @@ def test_partial_home_between_fits_and_not():
     for n, t in tight_adapters.items():
         assert torch.equal(mine[n], t), n
     eng.close()
+
+
+def test_encoded_base_placed_up_front():
+    """Placed before the first step (`activations` given): the blobs are allocated in the gpu tier
+    and the weights encoded straight into them; the run is the streamed one, bit for bit."""
+    model, data = tiny_llama(layers=4), batches(3)
+    tight_losses, tight_adapters, tight, _ = run(model, "int8", data, **STREAMED)
+    tight.close()
+    losses, mine, eng, (link, fetched) = run(model, "int8", data, activations=1 << 20, **ROOMY)
+    enc = encoded(eng)
+    assert enc and all(in_gpu(eng, c) for c in enc) and link == 0 and fetched == 0
+    assert eng.ledger.peaks()["host"] < blob_bytes(eng, enc)  # the base never had a host home
+    assert losses == tight_losses
+    for n, t in tight_adapters.items():
+        assert torch.equal(mine[n], t), n
+    eng.close()
