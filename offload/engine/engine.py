@@ -131,9 +131,11 @@ class Engine:
         (offload.engine.early); `engine.step` only, and not with clipping.
         `lora`: a peft.LoraConfig whose adapters are injected (offload.engine.lora); a model
         already wrapped by peft.get_peft_model is taken as is. Parameters with
-        requires_grad=False (the base) are frozen: a compute copy only, streamed read-only.
+        requires_grad=False (the base) are frozen: a compute copy only, read-only, gpu-home
+        where the budget allows (after the trainable chunks), else streamed.
         `base_dtype` (bf16 | fp16 | int8 | nf4; None: the compute dtype): how frozen weights are
-        stored and carried (offload.runtime.codecs); `double_quant`: NF4's absmax quantized too.
+        stored and carried (offload.runtime.codecs; a gpu-home encoded chunk keeps its encoded
+        bytes on the device, decoded per use); `double_quant`: NF4's absmax quantized too.
         `process_group`: shard over these ranks (None: the default group when initialised with
         more than one rank; see the module docstring); `dist_timeout`: seconds a collective
         waits for the other ranks before this rank fails naming the collective. `share_base`: the

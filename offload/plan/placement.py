@@ -1,7 +1,8 @@
 """Placement (pure): which chunks live in the `gpu` tier whole, which are streamed.
 
 A *gpu-home* chunk keeps every kind (compute copy, grad, master, optimizer state) in device
-memory and is updated there: no transfer at all. A *streamed* chunk lives in host-side tiers;
+memory and is updated there: no transfer at all (an encoded frozen chunk keeps its encoded
+bytes there and is decoded into a cache buffer per use). A *streamed* chunk lives in host-side tiers;
 its compute copy visits the device when a module needs it, its gradient goes straight back.
 The device budget is spent, in this order, on: module buffers, the streaming window (the
 chunks of the widest module plus one chunk being prefetched), the in-flight gradient
