@@ -718,3 +718,34 @@ def test_lora_base_traffic_matches_plan(base, tmp_path):
     assert not written and wrote == 0, written  # the adapters live on the device: nothing is written at all
     assert read > on_nvme  # some chunks cross twice
     assert abs(planned.base_read["nvme"] - read) <= TOL * read, (planned.base_read, read, on_nvme)
+
+
+@pytest.mark.parametrize("base", ["nf4", "int8"])
+def test_lora_partial_gpu_home_base_traffic_matches_plan(base):
+    """A gpu budget that holds the adapters and about half the encoded base: the planner and the
+    engine keep the same base bytes on the device (encoded), and the bytes the link carries over a
+    steady step are the planner's `base_read["host"]` within 10% (a gpu-home chunk reads none)."""
+    model, prec, targets = "dense", "fp32", "all-linear"
+    roomy = lora_plan(model, prec, base, targets, gpu=1 << 30, host=1 << 30)
+    assert roomy.base_read["host"] == 0 and roomy.bytes["gpu"]["base"] > 0 and roomy.bytes["host"]["base"] == 0
+    adapters = sum(roomy.bytes["gpu"][k] for k in ("compute", "grad", "master", "state"))
+    gpu = roomy.gpu_minimum + adapters + roomy.bytes["gpu"]["base"] // 2
+    planned = lora_plan(model, prec, base, targets, gpu=gpu, host=1 << 30)
+    assert 0 < planned.bytes["gpu"]["base"] < roomy.bytes["gpu"]["base"] and planned.base_read["host"] > 0
+    torch.manual_seed(7)
+    eng = Engine(fresh_model(model), lora=lora_config(targets), base_dtype=base, double_quant=base == "nf4",
+                 precision=prec, chunk_bytes=CHUNK, gpu_mem=gpu, cpu_mem=1 << 30,
+                 activations=planned.reserve["gpu"]["activations"], **HP)
+    try:
+        batches = data(model)
+        eng.step(batches[0])  # the warm-up records the trace
+        link = eng.executor.lanes["h2d"].link
+        before = link.bytes_moved
+        eng.step(batches[1])
+        read = link.bytes_moved - before
+        home = sum(eng.store.chunks[c].compute.nbytes for c in eng.plan.frozen
+                   if eng.store.chunks[c].tiers["compute"] == "gpu")
+    finally:
+        eng.close()
+    assert home == planned.bytes["gpu"]["base"]
+    assert abs(planned.base_read["host"] - read) <= TOL * read, (planned.base_read, read, home)

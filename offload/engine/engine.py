@@ -140,9 +140,11 @@ class Engine:
         (offload.engine.early); `engine.step` only, and not with clipping.
         `lora`: a peft.LoraConfig whose adapters are injected (offload.engine.lora); a model
         already wrapped by peft.get_peft_model is taken as is. Parameters with
-        requires_grad=False (the base) are frozen: a compute copy only, streamed read-only.
+        requires_grad=False (the base) are frozen: a compute copy only, read-only, gpu-home
+        where the budget allows (after the trainable chunks), else streamed.
         `base_dtype` (bf16 | fp16 | int8 | nf4; None: the compute dtype): how frozen weights are
-        stored and carried (offload.runtime.codecs); `double_quant`: NF4's absmax quantized too.
+        stored and carried (offload.runtime.codecs; a gpu-home encoded chunk keeps its encoded
+        bytes on the device, decoded per use); `double_quant`: NF4's absmax quantized too.
         `process_group`: shard over these ranks (None: the default group when initialised with
         more than one rank; see the module docstring); `dist_timeout`: seconds a collective
         waits for the other ranks before this rank fails naming the collective. `share_base`: the
@@ -285,7 +287,7 @@ class Engine:
         gpu_home: frozenset[int] = frozenset()
         if activations is not None:
             self.device_plan = plan_device(self.needs, budgets["gpu"], allow_gpu_home=self.allow_gpu_home,
-                                           prefer=self._home_order())
+                                           prefer=self._home_order(), decoded=self._decoded())
             gpu_home = self.device_plan.gpu_home
         streamed = {c: k for c, k in self.kinds.items() if c not in gpu_home}
         if self.shared is not None:  # the base's homes are the node's (the leader's placement)
@@ -418,12 +420,16 @@ class Engine:
 
     def _home_order(self) -> list[int]:
         """Chunks that may be gpu-home, most wanted first: trainable ones (adapters: small, and
-        the whole update stays on the device), then frozen ones; both last-used first. Encoded
-        frozen chunks never: they are decoded per use."""
+        the whole update stays on the device), then frozen ones; both last-used first. An encoded
+        frozen chunk is home as its encoded bytes (decoded into a cache buffer per use)."""
         n = len(self.plan.chunks)
         trainable = [c for c in reversed(range(n)) if not self.plan.is_frozen(c)]
-        frozen = [c for c in reversed(range(n)) if self.plan.is_frozen(c) and self.frozen_layouts[c] is None]
+        frozen = [c for c in reversed(range(n)) if self.plan.is_frozen(c)]
         return trainable + frozen
+
+    def _decoded(self) -> frozenset[int]:
+        """Encoded frozen chunks: they pass through the cache even when gpu-home (plan_device)."""
+        return frozenset(c for c, layout in self.frozen_layouts.items() if layout is not None)
 
     def _device_needs(self, *, activations: int, pinned: int = 0) -> DeviceNeeds:
         return device_needs(self.plan, self.module_chunks, self.param_names, kinds=self.kinds,
@@ -649,7 +655,7 @@ class Engine:
             return
         self.needs = measured
         self.device_plan = plan_device(self.needs, self.ledger.budgets["gpu"], allow_gpu_home=self.allow_gpu_home,
-                                       prefer=self._home_order())
+                                       prefer=self._home_order(), decoded=self._decoded())
         for cid in sorted(self.device_plan.gpu_home):
             self.residency.promote(cid)
         self.residency.cache.limit = self.device_plan.cache_limit

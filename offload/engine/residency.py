@@ -7,7 +7,8 @@ head through F.linear, nn.MultiheadAttention's out_proj.weight) is seen by the r
 (offload.engine.reads) and made resident for the innermost frame, released when it ends.
 The first step records the access trace (offload.runtime.trace); later steps carry out the
 schedule made from it (evictions and prefetches around each acquisition). The chunks' bytes
-come from their home tier (`fetch`: host, CXL, or NVMe through a bounce buffer); with several
+come from their home tier (`fetch`: host, CXL, or NVMe through a bounce buffer; an encoded
+chunk whose blob is gpu-home is decoded on the device, nothing crosses the link); with several
 ranks (offload.engine.ranks), a trainable chunk's bytes come from its owner's home: the owner
 fills the buffer and broadcasts it, on the copy thread, in the same order on every rank.
 
@@ -66,7 +67,8 @@ class Residency:
         self._frames: list[tuple[torch.nn.Module | None, list[int]]] = []
         self.cache = ResidentCache(tiers=tiers, executor=executor, limit=limit, dtype=store.compute_dtype,
                                    numel=lambda c: self.plan.chunks[c].numel, fetch=self._fetch,
-                                   on_resident=self._on_resident, on_evict=self._on_evict)
+                                   on_resident=self._on_resident, on_evict=self._on_evict,
+                                   local=store.decodes_on_device)
         for cid in range(len(self.plan.chunks)):
             if store.is_gpu_home(cid):
                 self.home(cid)
@@ -79,15 +81,22 @@ class Residency:
         self.store.point_params(cid, self.store.compute_source(cid), self.params)
 
     def promote(self, cid: int) -> None:
-        """Move chunk `cid` to the device for good (placement after the warm-up)."""
+        """Move chunk `cid` to the device for good (placement after the warm-up). An encoded
+        chunk's blob moves; its uses still go through the cache (decoded there, no link)."""
         self.store.promote(cid, self.params)
-        self.home_storage.add(storage_key(self.store.compute_source(cid)))
+        if self.store.is_gpu_home(cid):
+            self.home_storage.add(storage_key(self.store.compute_source(cid)))
 
     # -- the cache's callbacks (compute thread) -------------------------------------------
     def _fetch(self, cid: int, buf: torch.Tensor) -> Ticket:
         """Start copying chunk `cid`'s compute copy from its home tier into device `buf` (several
         ranks: the owner's copy, broadcast to every rank)."""
         src = self.store.compute_source(cid)
+        if self.store.decodes_on_device(cid):  # a gpu-home blob: decoded where it lies, no link
+            def fn(stream: Any) -> None:
+                self.store.to_compute(cid, src, buf)
+
+            return self.executor.job("h2d", fn, nbytes=0)
         links = (self.cxl.link_out,) if self.cxl is not None and self.store.compute_tier(cid) == "cxl" else ()
         ranks = self.ranks if self.ranks is not None and cid in self.ranks.owner else None
         if src is None:  # a remote chunk: its owner sends it

@@ -1,7 +1,8 @@
 """Placement (pure): which chunks live in the `gpu` tier whole, which are streamed.
 
 A *gpu-home* chunk keeps every kind (compute copy, grad, master, optimizer state) in device
-memory and is updated there: no transfer at all. A *streamed* chunk lives in host-side tiers;
+memory and is updated there: no transfer at all (an encoded frozen chunk keeps its encoded
+bytes there and is decoded into a cache buffer per use). A *streamed* chunk lives in host-side tiers;
 its compute copy visits the device when a module needs it, its gradient goes straight back.
 The device budget is spent, in this order, on: module buffers, the streaming window (the
 chunks of the widest module plus one chunk being prefetched), the in-flight gradient
@@ -58,11 +59,13 @@ def check_minimum(needs: DeviceNeeds, budget: "int | None", *, measured: bool) -
 
 
 def plan_device(needs: DeviceNeeds, budget: "int | None", *, allow_gpu_home: bool = True,
-                prefer: "Sequence[int] | None" = None) -> DevicePlan:
+                prefer: "Sequence[int] | None" = None, decoded: "frozenset[int]" = frozenset()) -> DevicePlan:
     """Choose gpu-home chunks and the cache size within `budget` (None: everything fits).
     `prefer`: the chunks that may be gpu-home, most wanted first (default: every chunk, last
     first: the first ones backward needs); the engine puts trainable chunks (LoRA adapters)
-    before frozen ones and leaves out encoded frozen chunks (decoded per use, never home)."""
+    before frozen ones. `decoded`: chunks that pass through the cache even when gpu-home (an
+    encoded frozen chunk: its encoded bytes are home, each use decodes them into a cache buffer),
+    so the streaming window stays reserved while any of them is placed."""
     check_minimum(needs, budget, measured=True)
     n = len(needs.home_bytes)
     order = list(reversed(range(n))) if prefer is None else list(prefer)
@@ -70,7 +73,8 @@ def plan_device(needs: DeviceNeeds, budget: "int | None", *, allow_gpu_home: boo
         return DevicePlan(gpu_home=frozenset(order) if allow_gpu_home else frozenset(),
                           cache_limit=sum(needs.compute_bytes) + needs.stream_window)
     spare = budget - needs.minimum
-    if allow_gpu_home and len(set(order)) == n and sum(needs.home_bytes) <= spare + needs.stream_window:
+    if (allow_gpu_home and len(set(order)) == n and not decoded
+            and sum(needs.home_bytes) <= spare + needs.stream_window):
         # Everything fits whole: no streaming at all, so no streaming window either.
         return DevicePlan(gpu_home=frozenset(range(n)), cache_limit=needs.stream_window)
     home: set[int] = set()

@@ -248,7 +248,7 @@ class _Chunks:
         self.kinds: list[dict[str, int]] = []  # per chunk, as the engine's store.kind_bytes / frozen_kind_bytes
         self.params: list[int] = []
         self.flops: list[float] = []
-        self.encoded: set[int] = set()  # frozen chunks stored in another dtype (decoded per use)
+        self.encoded: set[int] = set()  # frozen chunks stored in another dtype (decoded per use, home or not)
         self.layers, self.tied = (model.num_hidden_layers, model.tie_word_embeddings) if lora is not None else (0, False)
         self.targets = lora.targets if lora is not None else frozenset()
         self.fetches_last: dict[int, int] = {}
@@ -290,7 +290,8 @@ class _Chunks:
         self.zo_chunks = sorted(modules.get(widest, ()))
 
     def fetches(self, device: DevicePlan, streamed: list[int], *, recompute: bool) -> dict[int, int]:
-        """Times each streamed chunk is fetched in one micro-batch of a LoRA step: the schedule
+        """Times each chunk of `streamed` (those through the cache: `cached`) is fetched, or for a
+        gpu-home encoded one decoded, in one micro-batch of a LoRA step: the schedule
         (`plan.schedule.plan_schedule`, Belady + in-order prefetch, as the engine runs it) over
         the trace the engine records (`lora.step_trace`), within the cache limit. A recomputed
         block's chunks are fetched once for its recompute and backward when the cache holds
@@ -310,9 +311,14 @@ class _Chunks:
         return counts
 
     def home_order(self) -> list[int]:
-        """The engine's `_home_order`: trainable chunks, then unencoded frozen ones, last first."""
+        """The engine's `_home_order`: trainable chunks, then frozen ones, last first."""
         trainable = [c for c in reversed(range(self.n)) if c not in self.frozen]
-        return trainable + [c for c in reversed(range(self.n)) if c in self.frozen and c not in self.encoded]
+        return trainable + [c for c in reversed(range(self.n)) if c in self.frozen]
+
+    def cached(self, device: DevicePlan) -> list[int]:
+        """Chunks whose uses go through the engine's cache: the streamed ones, and the encoded
+        ones that are gpu-home (decoded into a cache buffer per use, nothing on the link)."""
+        return [c for c in range(self.n) if c not in device.gpu_home or c in self.encoded]
 
     def staging(self, hw: HardwareProfile) -> int:
         """CUDA's device buffer the encoded chunks land in to be decoded (Engine._place); none on
@@ -464,7 +470,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                                      base_dtype=(base_dtype or precision) if lora_rank is not None else None,
                                      trainable_params=ch.trainable_params))
     # MeZO too may keep chunks on the device: its perturbed weights are temporaries.
-    device = plan_device(needs, gpu, allow_gpu_home=True, prefer=ch.home_order())
+    device = plan_device(needs, gpu, allow_gpu_home=True, prefer=ch.home_order(), decoded=frozenset(ch.encoded))
     streamed = [c for c in range(ch.n) if c not in device.gpu_home]
     # The chunks the engine places host-side when it is built: the streamed ones when placed up
     # front, else every chunk (gpu-home chunks leave their homes when promoted after the warm-up).
@@ -608,7 +614,8 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
           ops: int, recompute: bool, remote: frozenset[int] = frozenset()) -> StepLoad:
     """What one step moves and computes with this placement (input of the performance model).
     A frozen chunk's one kind is booked "base" in `placed` (never written back, never updated);
-    it crosses the link as stored (encoded) and is decoded on the device. `remote`: trainable
+    it crosses the link as stored (encoded) and is decoded on the device; a gpu-home encoded one
+    is decoded there per use (dequantization, no link, no base read). `remote`: trainable
     chunks another rank owns (several ranks): their compute copies arrive by broadcast, not over
     this rank's link, and this rank does not update them (only their gradients are its)."""
     source = "compute" if ch.bf16 else "master"
@@ -626,9 +633,10 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
     home = sorted(device.gpu_home)
     # Belady over a forward and a backward pass: the cache keeps what fits across the turn
     fetched = max(0, 2 * streamed_compute - max(0, device.cache_limit - ch.widest)) if streamed else 0
-    fetches = ch.fetches(device, streamed, recompute=recompute) if ch.frozen else {}
+    # a gpu-home encoded chunk is decoded into the cache: it competes for it, off the link
+    fetches = ch.fetches(device, ch.cached(device), recompute=recompute) if ch.frozen else {}
     if fetches:  # a LoRA step: the engine's own schedule over the step's trace, chunk by chunk
-        fetched = sum(n * ch.compute[c] for c, n in fetches.items())
+        fetched = sum(n * ch.compute[c] for c, n in fetches.items() if c not in device.gpu_home)
     link = sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] if c in ch.frozen else ch.compute[c])
                for c in streamed if c not in remote)
     if remote and not ch.frozen:  # this rank's link carries only its own chunks' fetches
@@ -677,14 +685,14 @@ def _update_bytes(ch: _Chunks, c: int) -> int:
 
 
 def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
-    """Streamed compute copies resident when the gpu peaks (the end of forward, or just after
+    """Streamed (or decoded) compute copies resident when the gpu peaks (the end of forward, or just after
     it in backward). The schedule keeps the chunks needed soonest: lm_head's chunk (in use),
     then the others in backward (reverse first-use) order, as many as fit in the cache limit;
     a chunk that does not fit is left out (Belady evicts it: e.g. a big embedding, needed
     last). MeZO (no backward) peaks while its widest module runs (its perturbed copies): then
     that module's chunks, the ones after it and the ones before it are resident, in that order
     of preference (the cache is emptied after every step)."""
-    streamed = [c for c in range(ch.n) if c not in device.gpu_home]
+    streamed = ch.cached(device)
     if ch.needs_grad or ch.zo_module == "lm_head":
         head = ch.plan.slots.get("lm_head.weight") or ch.plan.slots.get("model.embed_tokens.weight")
         first = [head.chunk] if head is not None and head.chunk in streamed else []

@@ -7,7 +7,9 @@ absent is fetched on demand, making room by evicting the least recently used unp
 what is cached, not what is pinned: chunks pinned at once may exceed it (the ledger's device
 budget is the hard limit), and `pinned_peak` records the most bytes ever pinned at once, the
 streaming window a step really needs. Compute copies are read-only on the device, so eviction
-never writes back: the home copy is the truth.
+never writes back: the home copy is the truth. An encoded frozen chunk that is gpu-home passes
+through the cache too: its buffer is decoded from the resident blob (counted in `decoded_bytes`,
+not `fetched_bytes`: nothing crossed the link).
 """
 
 from __future__ import annotations
@@ -35,16 +37,19 @@ class ResidentCache:
     def __init__(self, *, tiers: Tiers, executor: Executor, limit: int, dtype: torch.dtype,
                  numel: Callable[[int], int], fetch: Callable[[int, torch.Tensor], Ticket],
                  on_resident: Callable[[int, torch.Tensor], None],
-                 on_evict: Callable[[int], None]):
+                 on_evict: Callable[[int], None], local: Callable[[int], bool] = lambda cid: False):
         self.tiers, self.executor, self.limit, self.dtype = tiers, executor, limit, dtype
         self.numel, self.fetch = numel, fetch  # fetch(cid, device_buffer) starts the copy in
         self.on_resident, self.on_evict = on_resident, on_evict
+        self.local = local  # local(cid): its buffer is filled on the device (a gpu-home blob decoded), no link
         self.entries: dict[int, _Entry] = {}
         self.bytes = 0
         self.clock = 0
         self.fetches = 0
         self.prefetches = 0  # fetches started ahead of use
-        self.fetched_bytes = 0
+        self.fetched_bytes = 0  # filled over the link
+        self.decodes = 0  # filled on the device (`local`)
+        self.decoded_bytes = 0
         self.pinned_bytes = 0
         self.pinned_peak = 0
 
@@ -115,8 +120,12 @@ class ResidentCache:
         entry = _Entry(buf=buf, ticket=ticket, last_use=self.clock)
         self.entries[cid] = entry
         self.bytes += buf.numel() * buf.element_size()
-        self.fetches += 1
-        self.fetched_bytes += buf.numel() * buf.element_size()
+        if self.local(cid):
+            self.decodes += 1
+            self.decoded_bytes += buf.numel() * buf.element_size()
+        else:
+            self.fetches += 1
+            self.fetched_bytes += buf.numel() * buf.element_size()
         self.on_resident(cid, buf)
         return entry
 

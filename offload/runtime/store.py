@@ -191,11 +191,10 @@ class ChunkStore:
                               compute_dtype=self.compute_dtype, needs_grad=self.needs_grad).values())
 
     def promote(self, cid: int, params: dict[str, torch.nn.Parameter]) -> None:
-        """Move every kind of chunk `cid` into the gpu tier; its params point there for good."""
+        """Move every kind of chunk `cid` into the gpu tier; its params point there for good
+        (an encoded frozen chunk: its blob moves, each use decodes it there, see `to_compute`)."""
         if self.is_shared(cid):
             raise ValueError(f"chunk {cid} lies in the node's shared base: it streams, never gpu-home")
-        if self.is_encoded(cid):
-            raise ValueError(f"chunk {cid} is stored encoded: it streams (decoded per use), never gpu-home")
         old = self.chunks[cid]
         new = self._allocate(cid, {k: "gpu" for k in ("master", "grad", "state", "compute")})
         with self.opened(cid) as work:
@@ -204,7 +203,8 @@ class ChunkStore:
         new.step.copy_(old.step)
         self._free(old)
         self.chunks[cid] = new
-        self.point_params(cid, self.compute_source(cid), params)
+        if not self.is_encoded(cid):  # an encoded chunk's params point at a decoded cache buffer per use
+            self.point_params(cid, self.compute_source(cid), params)
 
     # -- in-memory access to possibly swapped kinds ------------------------------------------
     def opened(self, cid: int, *, write_back: bool = False, only: tuple[str, ...] | None = None,
@@ -215,11 +215,19 @@ class ChunkStore:
         return _Opened(self, cid, write_back=write_back, only=only, scratch=scratch)
 
     # -- views ------------------------------------------------------------------------------
+    def in_gpu_tier(self, cid: int) -> bool:
+        """Chunk `cid`'s home (its compute copy, or master) is the gpu tier."""
+        tiers = self.chunks[cid].tiers
+        return (tiers["compute"] if cid in self.frozen else tiers.get("master")) == "gpu"
+
     def is_gpu_home(self, cid: int) -> bool:
         """The parameters point at the home compute copy for good (never an encoded chunk)."""
-        tiers = self.chunks[cid].tiers
-        tier = tiers["compute"] if cid in self.frozen else tiers.get("master")
-        return tier == "gpu" and self.frozen.get(cid) is None
+        return self.in_gpu_tier(cid) and self.frozen.get(cid) is None
+
+    def decodes_on_device(self, cid: int) -> bool:
+        """An encoded chunk whose blob lives in the gpu tier: each use decodes it into a cache
+        buffer there, nothing crosses the link."""
+        return self.in_gpu_tier(cid) and self.is_encoded(cid)
 
     def is_frozen(self, cid: int) -> bool:
         return cid in self.frozen
@@ -232,7 +240,8 @@ class ChunkStore:
 
     def to_compute(self, cid: int, src: torch.Tensor, buf: torch.Tensor, *, non_blocking: bool = False) -> None:
         """Chunk `cid`'s home compute copy `src` (or its staged bytes) into device `buf`: a copy,
-        or for an encoded frozen chunk, the blob to the device and decoded there."""
+        or for an encoded frozen chunk, the blob to the device and decoded there (a blob already
+        on the device, gpu-home or the simulated device's, is decoded from where it lies)."""
         layout = self.frozen.get(cid)
         if layout is None:
             buf.copy_(src, non_blocking=non_blocking)

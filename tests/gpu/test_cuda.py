@@ -148,3 +148,32 @@ def test_qlora_on_cuda_matches_peft_over_linear4bit():
         torch.testing.assert_close(mine[n], t.cpu(), rtol=1e-3, atol=1e-5)
     assert eng.ledger.peaks()["gpu"] <= eng.ledger.budgets["gpu"]
     eng.close()
+
+
+def test_gpu_home_nf4_base_on_cuda_equals_the_streamed_run():
+    """With room, the NF4 base's encoded bytes are gpu-home and decoded from where they lie (no
+    staging copy, no link traffic after the warm-up): losses and adapters equal the run that
+    streams the base from host and decodes it from the staging buffer (the same kernel, the same
+    bytes: bit for bit)."""
+    pytest.importorskip("peft")
+    from tests.test_lora import adapters, lora_config
+
+    model, data = tiny_llama(), cuda_batches(3)
+    runs = []
+    for kw in (TIGHT, dict(gpu_mem="64M")):
+        torch.manual_seed(7)
+        eng = Engine(copy.deepcopy(model), lora=lora_config(), lr=1e-2, base_dtype="nf4", double_quant=True,
+                     chunk_bytes=16 << 10, device="cuda", **kw)
+        losses = [eng.step(data[0])]
+        link = eng.executor.lanes["h2d"].link.bytes_moved
+        losses += [eng.step(b) for b in data[1:]]
+        moved = eng.executor.lanes["h2d"].link.bytes_moved - link
+        home = [c for c in eng.plan.frozen if eng.store.is_encoded(c) and eng.store.decodes_on_device(c)]
+        runs.append((losses, adapters(eng.named_parameters_fp32()), moved, len(home)))
+        assert eng.ledger.peaks()["gpu"] <= eng.ledger.budgets["gpu"]
+        eng.close()
+    (l1, a1, moved1, home1), (l2, a2, moved2, home2) = runs
+    assert home1 == 0 and moved1 > 0 and home2 > 0 and moved2 == 0
+    assert l1 == l2
+    for n, t in a1.items():
+        assert torch.equal(a2[n], t), n
