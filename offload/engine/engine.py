@@ -614,7 +614,9 @@ class Engine:
                      for n, b in m._buffers.items() if b is not None]
             cuda = [self.device] if self.device.type == "cuda" else []
             cache = self.residency.cache
-            limit = cache.limit  # placed for an estimate that `batch` may exceed: stream through
+            # placed for an estimate that `batch` may exceed: stream through (a failed CUDA
+            # warm-up may have left the cache lowered: its saved limit is the real one)
+            limit = cache.limit if self._warm_limit is None else self._warm_limit
             cache.limit = min(limit, self.needs.stream_window)  # the smallest window, so the peak
             with torch.random.fork_rng(devices=cuda):  # is the minimum whatever the timing
                 try:
@@ -623,6 +625,7 @@ class Engine:
                     self._abort_cycle()
                     cache.evict_all()
                     cache.limit, self._warm_limit = limit, None
+                    self.workspace.end()  # the worst batch's allocator peak counts at placement
                     self.moments.reset()
                     with torch.no_grad():
                         for m, n, b, value in found:

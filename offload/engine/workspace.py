@@ -27,22 +27,29 @@ class Workspace:
         self.cuda = device.type == "cuda"
         self.device, self.ledger = device, ledger
         self.outside = 0  # bytes the process held on the device that are not the engine's
-        self.bytes = 0  # the measured workspace plus the margin, once measured
+        self.missed = 0  # the most the allocator held beside the ledger, over the measured passes
+        self.bytes = 0  # that plus the margin, once measured
 
     def begin(self) -> None:
-        """At the start of the warm-up step."""
+        """At the start of a measured pass (Engine.measure, the warm-up step)."""
         if not self.cuda:
             return
         torch.cuda.synchronize(self.device)
         self.outside = torch.cuda.memory_allocated(self.device) - self.ledger.used("gpu")
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.ledger.mark()
 
     def end(self) -> int:
-        """After the warm-up step: bytes to keep free beside the ledger's (0 off CUDA)."""
+        """After a measured pass: bytes to keep free beside the ledger's (0 off CUDA). The
+        largest of the passes counts (measure() may see a larger batch than the warm-up). The
+        allocator's peak and the ledger's are read over the same pass but not at the same
+        moment, so this is a lower bound of what was missed: the margin covers the rest."""
         if not self.cuda:
             return 0
         torch.cuda.synchronize(self.device)
-        missed = torch.cuda.max_memory_allocated(self.device) - self.outside - self.ledger.peaks()["gpu"]
+        missed = (torch.cuda.max_memory_allocated(self.device) - self.outside
+                  - self.ledger.peak_since_mark("gpu"))
+        self.missed = max(self.missed, missed)
         budget = self.ledger.budgets["gpu"] or 0
-        self.bytes = max(missed, 0) + max(MARGIN_MIN, budget // MARGIN_SHARE)
+        self.bytes = max(self.missed, 0) + max(MARGIN_MIN, budget // MARGIN_SHARE)
         return self.bytes

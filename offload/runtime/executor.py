@@ -133,12 +133,18 @@ class Executor:
         The lane's link (and `links`, e.g. a CXL link) are charged `nbytes`.
         """
         lane = self.lanes[lane_name]
+        ready = None
+        if self.cuda:  # fn writes device buffers the compute stream allocated (a cache buffer
+            # whose memory a chunk evicted a moment ago still feeds queued kernels): wait for them
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
         done_event = torch.cuda.Event() if self.cuda else None
 
         def run() -> None:
             start = time.perf_counter()
             if self.cuda:
                 with torch.cuda.stream(lane.stream):
+                    lane.stream.wait_event(ready)
                     fn(lane.stream)
                     done_event.record(lane.stream)
                 done_event.synchronize()  # fn's host buffers may be reused by the next job

@@ -31,6 +31,7 @@ class Ledger:
         self._peak = {t: 0 for t in budgets}
         self._peak_by_kind: dict[str, dict[str, int]] = {t: {} for t in budgets}
         self._kind_peak: dict[tuple[str, str], int] = defaultdict(int)
+        self._since = {t: 0 for t in budgets}  # peak since mark(), beside the run's peak
         self._lock = threading.Lock()
         self.moment_hook = None  # called after every change; the timeline recorder sets it
 
@@ -47,6 +48,7 @@ class Ledger:
             self._total[tier] = used + nbytes
             if self._used[tier][kind] > self._kind_peak[tier, kind]:
                 self._kind_peak[tier, kind] = self._used[tier][kind]
+            self._since[tier] = max(self._since[tier], self._total[tier])
             if self._total[tier] > self._peak[tier]:
                 self._peak[tier] = self._total[tier]
                 self._peak_by_kind[tier] = {k: v for k, v in self._used[tier].items() if v}
@@ -89,6 +91,14 @@ class Ledger:
     def kind_peak(self, tier: str, kind: str) -> int:
         """The most bytes of `kind` ever held in `tier` at once."""
         return self._kind_peak[tier, kind]
+
+    def mark(self) -> None:
+        """Start a second peak (peak_since_mark), leaving the run's peaks as they are."""
+        with self._lock:
+            self._since = dict(self._total)
+
+    def peak_since_mark(self, tier: str) -> int:
+        return self._since[tier]
 
     def reset_peaks(self) -> None:
         with self._lock:
