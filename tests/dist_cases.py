@@ -65,9 +65,16 @@ def engine_case(case: dict, rank: int, world: int, tmp: Path) -> dict:
                         if not eng.plan.is_frozen(c.index) and (eng.ranks is None or eng.ranks.owns(c.index)))
     dist.all_reduce(grad)
     homes = {tier: sorted(kinds) for tier, kinds in eng.homes.bytes.items() if any(kinds.values())}
+    # every rank's ledger peak in every tier (the budget matrix's 2-rank cases) and its budgets
+    tier_peaks = torch.zeros(len(TIERS), world, dtype=torch.int64)
+    for i, tier in enumerate(TIERS):
+        tier_peaks[i, rank] = eng.ledger.peaks().get(tier, 0)
+    dist.all_reduce(tier_peaks)
+    budgets = {tier: eng.ledger.budgets.get(tier) for tier in TIERS}
     eng.close()
     return {"losses": losses, "weights": weights, "gpu_peaks": t.tolist(), "owned_chunks": owned,
             "chunks": len(eng.plan.chunks), "homes": homes, "grad_bytes": grad[0].tolist(),
+            "tier_peaks": dict(zip(TIERS, tier_peaks.tolist())), "budgets": budgets,
             "owned_grad_bytes": grad[1].tolist(), "grad_window": eng.grad_window} | memory
 
 
@@ -329,6 +336,7 @@ def spawn_then_die(cases: list[dict], tmp: Path) -> tuple[list[dict], dict, list
     return torch.load(tmp / "results.pt"), record, codes
 
 
+TIERS = ("gpu", "host", "cxl", "nvme")
 STEPS = 3
 CPU_TIGHT = "104K"  # per rank: state, master and gradients on NVMe (tests/test_dist.py); 16K of it
 # the window of transient gradients (offload.engine.transient.window_bytes: two 8K chunks)

@@ -27,6 +27,10 @@ Custom nn.Modules with a 0-dim, a non-contiguous or odd-sized parameters (tests/
 run the same axes with checks (a) and (c) (`test_budget_matrix_custom_modules`: 3 default
 cases, 285 more under `matrix_full`).
 
+Two ranks (issue 18): the budgeted cases of the shared 2-rank gloo launch
+(tests/dist_cases.run_two_ranks) with checks (a) per rank and per node and (b) against
+`make_plan(nproc_per_node=2)`; (c) is asserted on the same runs in tests/test_dist*.py.
+
 Ordinary nn.Modules (tests/module_zoo.py: nn.TransformerEncoder, a head tied through F.linear,
 BatchNorm, a weight shared across recomputed blocks, data fed straight into a block) form a
 second matrix, module x gpu budget x tier set x optimizer: 5 default cases, 55 more under
@@ -749,3 +753,57 @@ def test_lora_partial_gpu_home_base_traffic_matches_plan(base):
         eng.close()
     assert home == planned.bytes["gpu"]["base"]
     assert abs(planned.base_read["host"] - read) <= TOL * read, (planned.base_read, read, home)
+
+
+# -- two ranks (issue 18) -----------------------------------------------------------------
+# The cases with budgets of the shared 2-rank gloo launch (tests/dist_cases.run_two_ranks):
+# full fine-tunes with master, state and gradients on NVMe at the smallest device budget, two
+# micro-batches per rank with the owners' gradients on NVMe, AdamW8bit at the smallest device
+# budget, and LoRA with the shared base split between host memory and NVMe. Check (c), the
+# results against one rank and DDP, is asserted on these same runs in tests/test_dist.py and
+# tests/test_dist_lora.py.
+TWO_RANK_CASES = ("tight_nvme", "nvme_accum", "adamw8bit", "shared_nvme")
+
+
+@pytest.mark.parametrize("name", TWO_RANK_CASES)
+def test_budget_matrix_two_ranks(two_ranks, name):
+    """(a) on every rank, every tier's ledger peak within that rank's budget, and the node's (the
+    two ranks' sum) within the node's (twice a rank's: the CLI divides --cpu-mem among local
+    ranks); a budget the run came close to (it binds)."""
+    got = two_ranks[name]
+    limited = {t: b for t, b in got["budgets"].items() if b is not None}
+    assert "gpu" in limited or "host" in limited
+    for tier, budget in limited.items():
+        peaks = got["tier_peaks"][tier]
+        assert len(peaks) == 2 and all(p <= budget for p in peaks), (tier, peaks, budget)
+        assert sum(peaks) <= 2 * budget
+    assert max(max(got["tier_peaks"][t]) / b for t, b in limited.items() if b) >= 0.5
+
+
+@pytest.mark.parametrize("name", ["roomy", "tight_nvme", "nvme_accum"])
+def test_budget_matrix_two_ranks_planned(two_ranks, name):
+    """(b) with two ranks: `make_plan(nproc_per_node=2)` for the same model, budgets (the node's:
+    twice a rank's) and micro-batches against the ranks' ledger peaks: each rank's host bytes, the
+    node's NVMe bytes and a rank's device peak within 10%."""
+    from tests.dist_cases import CHUNK as DIST_CHUNK, TINY as DIST_TINY, case as dist_case
+
+    from tierwise.offload.core.chunks import specs_of
+    from tierwise.offload.core.sizes import parse_size
+    from tests.models import tiny_llama
+
+    got, spec = two_ranks[name], {"roomy": dist_case(), "tight_nvme": dist_case(cpu_mem="104K", nvme=True),
+                                  "nvme_accum": dist_case(grad_accum=2, cpu_mem="104K", nvme=True)}[name]
+    gpu = two_ranks["tight"] if name == "tight_nvme" else None
+    cpu = spec["engine"].get("cpu_mem")
+    model = tiny_llama(**DIST_TINY)
+    plan = make_plan(model=model.config, hardware="cpu-sim", gpu_mem=gpu,
+                     cpu_mem=None if cpu is None else 2 * parse_size(cpu),
+                     nvme_path="/nvme" if spec["engine"].get("nvme") else None, optimizer="adamw",
+                     precision="fp32", batch_size=2, seq_len=12, grad_accum=spec["grad_accum"],
+                     chunk_bytes=DIST_CHUNK, params=specs_of(model.named_parameters()), nproc_per_node=2,
+                     suggest=False)
+    peaks = got["tier_peaks"]
+    for planned, measured in zip(plan.ranks.private_host, peaks["host"]):
+        assert abs(planned - measured) <= TOL * measured, (plan.ranks.private_host, peaks["host"])
+    assert abs(plan.peak["nvme"] - sum(peaks["nvme"])) <= TOL * max(sum(peaks["nvme"]), 1)
+    assert abs(plan.peak["gpu"] - max(peaks["gpu"])) <= TOL * max(peaks["gpu"])
