@@ -15,9 +15,11 @@ from tierwise.offload.engine.early import EarlyUpdater
 from tierwise.offload.engine.gradients import GradientRouter
 from tierwise.offload.engine.gradspill import GradSpill
 from tierwise.offload.engine.hooks import ActivationTracker, install_module_hooks
+from tierwise.offload.engine.ranks import RankFailure
 from tierwise.offload.engine.residency import Residency
 from tierwise.offload.engine.surgery import ModelSurgery
 from tierwise.offload.engine.timeline import Timeline
+from tierwise.offload.engine.transient import TransientGrads
 from tierwise.offload.runtime.executor import Executor
 from tierwise.offload.runtime.ledger import Ledger
 from tierwise.offload.runtime.storage import storage_key
@@ -246,6 +248,54 @@ def test_early_updater_runs_the_given_update_and_reraises_its_error():
     early.submit(4, [])
     with pytest.raises(ZeroDivisionError):
         early.wait()
+    early.close()
+
+
+def test_transient_grads_wake_a_full_window_when_the_reduce_worker_fails():
+    """A peer dies in the worker's reduce: the compute thread waiting for a window slot that
+    only that reduce would free raises instead of waiting for ever; the worker reduces nothing
+    more (a collective out of step), and an abort (free_all) leaves the window empty."""
+    import threading
+
+    named = [(f"w{i}", torch.zeros(8, 8)) for i in range(4)]
+    plan = pack_chunks(specs_of(named), chunk_bytes=8 * 8 * 4)  # one chunk per weight
+    ledger = Ledger({"gpu": None, "host": None})
+    tg = TransientGrads(plan, Tiers(ledger=ledger, device=CPU), window=2 * 8 * 8 * 4)
+    reduced, entered, go = [], threading.Event(), threading.Event()
+
+    def reduce(chunks, handed, final=True):  # a gloo reduce whose peer is gone
+        entered.set()
+        go.wait()
+        reduced.extend(chunks)
+        raise RuntimeError("Connection closed by peer")
+
+    early = EarlyUpdater(reduce, on_error=tg.fail)
+    tg.target(0), tg.target(1)
+    tg.queue(0)
+    early.submit(0, [], final=False)
+    assert entered.wait(timeout=30)
+    early.submit(1, [], final=False)  # behind the failing one: skipped
+    raised = []
+
+    def compute():
+        try:
+            tg.target(2)  # the window is full: waits for chunk 0's reduce
+        except RankFailure as exc:
+            raised.append(exc)
+
+    t = threading.Thread(target=compute, daemon=True)
+    t.start()
+    go.set()
+    t.join(timeout=30)
+    assert not t.is_alive(), "target() still waits after the worker failed"
+    assert len(raised) == 1 and "Connection closed by peer" in str(raised[0])
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        early.wait()
+    assert reduced == [0]  # chunk 1's reduce never ran
+    tg.free_all()
+    assert tg.bufs == {} and tg.queued == set() and tg.bytes == 0
+    assert ledger.usage()["host"].get("grad", 0) == 0
+    assert tg.target(2).numel() == 64  # usable again after the abort
     early.close()
 
 

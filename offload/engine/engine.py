@@ -348,14 +348,16 @@ class Engine:
                     buffers=BufferGuard(b, **booked(self.ledger, "gpu", "activation"))))
         self.checkpointing = checkpointing
         surgery.keep(install_module_hooks(model, res.enter_module, res.exit_module))
-        early = (EarlyUpdater(self._update_chunks) if self.updater.needs_grad
-                 and (self.overlap_update or self.owned_grads) else None)  # (owned: the reduce worker too)
+        transient = TransientGrads(self.plan, self.tiers, self.grad_window) if self.owned_grads else None
+        early = (EarlyUpdater(self._update_chunks, on_error=None if transient is None else transient.fail)
+                 if self.updater.needs_grad and (self.overlap_update or self.owned_grads)
+                 else None)  # (owned: the reduce worker too)
         self.grads = GradientRouter(
             store=self.store, executor=self.executor, ledger=self.ledger, param_names=self.param_names,
             grad_reserve=lambda: self.needs.grad_reserve, early=early,
             new_spill=lambda: GradSpill(self.store, self.bounce, self.nvme, self.executor),
             compute_itemsize=self.compute_dtype.itemsize, ranks=self.ranks,
-            transient=TransientGrads(self.plan, self.tiers, self.grad_window) if self.owned_grads else None,
+            transient=transient,
             reduce_rest=self._reduce_rest)
         surgery.keep(p.register_post_accumulate_grad_hook(self.grads.grad_ready)
                      for p in self.params.values() if p.requires_grad)  # frozen ones get no gradient
@@ -381,19 +383,25 @@ class Engine:
 
     def _reduce_grads(self, chunks: list[int], handed: dict) -> None:
         transient = self.grads.transient
-        for cid in chunks:
-            if self.plan.is_frozen(cid):
-                continue
-            if cid in handed:  # the sum is in the handed buffer, not in the store
-                self.ranks.reduce_grad(cid, handed[cid][0])
-                continue
-            mine = self.ranks.owns(cid)
-            if transient is not None and not mine:  # this micro-batch's sum (zeros if none came)
-                self.ranks.reduce_grad(cid, transient.target(cid))
-                transient.free(cid)
-                continue
-            with self.store.opened(cid, only=("grad",), write_back=mine) as work:
-                self.ranks.reduce_grad(cid, work["grad"])
+        try:
+            for cid in chunks:
+                if self.plan.is_frozen(cid):
+                    continue
+                if cid in handed:  # the sum is in the handed buffer, not in the store
+                    self.ranks.reduce_grad(cid, handed[cid][0])
+                    continue
+                mine = self.ranks.owns(cid)
+                if transient is not None and not mine:  # this micro-batch's sum (zeros if none came)
+                    self.ranks.reduce_grad(cid, transient.target(cid))
+                    transient.free(cid)
+                    continue
+                with self.store.opened(cid, only=("grad",), write_back=mine) as work:
+                    self.ranks.reduce_grad(cid, work["grad"])
+        finally:  # a failed reduce too: its buffers and the later ones' go back (nobody waits on them)
+            if transient is not None:
+                for cid in chunks:
+                    if not self.ranks.owns(cid):
+                        transient.free(cid)
 
     def _reduce_rest(self, chunks: list[int]) -> None:
         """Owned-only gradients, at the end of a backward: reduce the chunks not complete during

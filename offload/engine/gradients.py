@@ -110,8 +110,6 @@ class GradientRouter:
             self.ledger.release("gpu", "activation", nbytes)
         self._gathered = {}
         self.drain()
-        if self.transient is not None:
-            self.transient.free_all()
         if self.early is not None:
             try:
                 self.early.wait()  # never leave the worker writing while the caller saves
@@ -119,6 +117,8 @@ class GradientRouter:
                 log.exception("an early update failed while a step was aborted")
             intact = not self.early.done
             self.early.done.clear()
+        if self.transient is not None:  # (after the worker: it may still be reducing one)
+            self.transient.free_all()
         self.spill.finish_cycle()
         self.spill = self.new_spill()
         self.store.zero_grads()
