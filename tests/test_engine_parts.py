@@ -237,6 +237,32 @@ def test_engine_close_gives_the_model_back_unpatched():
         assert torch.equal(model(**data[0]).logits, twin(**data[0]).logits)
 
 
+def test_a_backward_that_raises_drops_the_steps_gradients():
+    """Any error in backward (here a hook's; a rank's timeout, UnsupportedModel), not only a
+    budget: the cycle ends, the gradients of the failed step are gone and nothing stays booked."""
+    from tests.models import batches, tiny_llama
+
+    torch.manual_seed(0)
+    eng = Engine(tiny_llama(layers=2, hidden=32), lr=1e-2, gpu_mem=None, cpu_mem=None)
+    data = batches(2)
+    eng.step(data[0])
+    between = eng.ledger.usage()  # between steps
+    loss = eng.forward(data[1])
+    p = next(q for q in eng.params.values() if q.requires_grad)
+
+    def fail(grad):
+        raise RuntimeError("a peer stopped")
+
+    handle = p.register_hook(fail)
+    with pytest.raises(RuntimeError, match="a peer stopped"):
+        eng.backward(loss)
+    handle.remove()
+    assert not eng._in_cycle
+    assert all(not c.grad.any() for c in eng.store.chunks if isinstance(c.grad, torch.Tensor))
+    assert eng.ledger.usage() == between
+    eng.close()
+
+
 # -- helpers -------------------------------------------------------------------------------
 def test_early_updater_runs_the_given_update_and_reraises_its_error():
     seen = []

@@ -476,7 +476,11 @@ class Engine:
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate `loss`; gradients accumulate (fp32) in their grad chunks."""
+        """Backpropagate `loss`; gradients accumulate (fp32) in their grad chunks. A failure
+        (a budget, a rank that stopped) drops the step's gradients before it is raised."""
+        # owned-only gradients: complete chunks are reduced during backward (the window of
+        # transient buffers counts on it), in step() as in a caller's own forward/backward
+        self.grads.reduce_on = self.owned_grads
         try:
             with self.moments.timed(Phase.BACKWARD):
                 self.moments.moment()  # without recompute no module hook fires in backward: mark it
@@ -486,6 +490,11 @@ class Engine:
                 self.grads.end_backward()
         except BudgetExceeded as exc:
             raise self._budget_error(exc, intact=self._abort_cycle()) from exc
+        except BaseException:
+            self._abort_cycle()
+            raise
+        finally:
+            self.grads.reduce_on = False
 
     def _abort_cycle(self) -> bool:
         """Drop a failed step's gradients; True when its early updates (offload.engine.early) had not
@@ -525,14 +534,13 @@ class Engine:
                 finite = finite and bool(torch.isfinite(loss.detach()).all())
             # the last micro-batch's gradients are final: chunks may update as they complete
             # (once the first backward has counted each chunk's gradients)
-            self.grads.reduce_on = self.owned_grads
             self.grads.early_on = (self.overlap_update and self.grad_clip is None
                                    and i == mine[-1] and self.grads.uses is not None and finite
                                    and not (self.ranks is not None and self.skip_nonfinite))
             try:
                 self.backward(loss * weights[i] if weights[i] != 1.0 else loss)
             finally:
-                self.grads.early_on = self.grads.reduce_on = False
+                self.grads.early_on = False
             total += loss.detach().float().item() * weights[i]
         if self.ranks is not None:
             total = float(self.ranks.sum_(torch.tensor([total], dtype=torch.float64), "summing the loss")[0])
@@ -812,6 +820,8 @@ class Engine:
         self.executor.close()
         if self.grads.early is not None:
             self.grads.early.close()
+        if self.grads.transient is not None:
+            self.grads.transient.free_all()
         if self.nvme is not None:
             self.nvme.close()
         self.surgery.close()
