@@ -2,6 +2,7 @@
 residency, gradients, timeline, surgery, early, actoffload, hooks) and runtime.storage_key."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -139,6 +140,22 @@ def test_router_submits_a_chunk_early_once_all_its_sums_are_in():
     assert len(plan.chunks) == 2 and sorted(submitted) == [(0, 2), (1, 2)]
     for h in hooks:
         h.remove()
+    ex.close()
+
+
+def test_router_refusal_names_the_setting_that_helps():
+    """A contribution more than traced after the chunk went early: one rank (or grad_reduce="step")
+    says overlap_update=False; owned-only gradients reduce early whatever the overlap: "step"."""
+    model = Two()
+    named, plan, ledger, _, store, ex = parts(model)
+    slot = plan.slots["a.weight"]
+    for transient, fix in ((None, "overlap_update=False"), (object(), 'grad_reduce="step"')):
+        r = router(store, ex, ledger, {p: n for n, p in named})
+        r.transient, r.reduce_on, r.early_on = transient, transient is not None, transient is None
+        r._learn_uses({n: 1 for n, _ in named})
+        r._counts, r._submitted = {"a.weight": 2}, {slot.chunk}
+        with pytest.raises(UnsupportedModel, match=f"contribution 2 .*use {re.escape(fix)} for"):
+            r._arrived_grad(slot, None)
     ex.close()
 
 
