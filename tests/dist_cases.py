@@ -133,7 +133,8 @@ def model_for(case: dict) -> torch.nn.Module:
 
 def resume_case(case: dict, rank: int, world: int) -> dict:
     """`split` steps, each rank's shard (state_dict) into a new engine, then the other steps:
-    the losses and weights of the run, and what a shard holds."""
+    the losses and weights of the run, and what a shard holds. "measure": the resumed engine
+    measures the next batch first (the CLI's --resume): its peak of gradient bytes then."""
     from tierwise.offload import Engine
 
     accum = case["grad_accum"]
@@ -144,13 +145,20 @@ def resume_case(case: dict, rank: int, world: int) -> dict:
     eng.close()
     eng = Engine(model_for(case), lr=1e-2, chunk_bytes=CHUNK, **case.get("engine", {}))
     eng.load_state_dict(shard)
+    measured = {}
+    if case.get("measure"):
+        eng.measure(data[case["split"]])
+        measured = {"grad_peak": sum(eng.ledger.kind_peak(t, "grad") for t in ("host", "cxl", "nvme")),
+                    "owned_grad_bytes": sum(4 * c.numel for c in eng.plan.chunks if eng.ranks.owns(c.index)
+                                            and not eng.plan.is_frozen(c.index)),
+                    "grad_window": eng.grad_window}
     losses += [eng.step(b, grad_accum=accum) for b in data[case["split"]:]]
     weights = dict(eng.named_parameters_fp32())
     held = [cid for cid, c in enumerate(shard["chunks"]) if "master" in c]
     owned = [c.index for c in eng.plan.chunks if eng.ranks.owns(c.index) and not eng.plan.is_frozen(c.index)]
     eng.close()
     return {"losses": losses, "weights": weights, "held": held, "owned": owned,
-            "shard": (shard["rank"], shard["world"])}
+            "shard": (shard["rank"], shard["world"])} | measured
 
 
 def refusals() -> dict:

@@ -102,7 +102,8 @@ def three(tmp_path_factory):
     return spawn(3, [case(), case(data="masked", grad_accum=2), {"kind": "refusals"},
                      case("resume", data="masked", grad_accum=2) | {"split": 1},
                      case(data="masked") | {"frozen": "self_attn"},
-                     case("resume", data="masked") | {"split": 2, "frozen": "self_attn"}],
+                     case("resume", data="masked") | {"split": 2, "frozen": "self_attn"},
+                     case("resume", data="masked", grad_accum=2) | {"split": 1, "measure": True}],
                  tmp_path_factory.mktemp("three"))
 
 
@@ -134,6 +135,16 @@ def test_each_rank_resumes_from_its_shard_exactly(three):
     resumed, straight = three[5], three[4]
     assert resumed["losses"] == straight["losses"] and equal(resumed["weights"], straight["weights"])
     assert resumed["held"] == resumed["owned"] and resumed["owned"]
+
+
+def test_a_resumed_engine_measures_within_its_gradient_window(three):
+    """measure() after load_state_dict (the CLI's --resume, the gradients' uses known): chunks of
+    others are reduced as they complete, as in a step, so the gradient bytes stay within the
+    owned chunks plus the transient window; the run's numbers are those without measure()."""
+    resumed, straight = three[6], three[1]
+    assert resumed["losses"] == straight["losses"] and equal(resumed["weights"], straight["weights"])
+    owned, window = resumed["owned_grad_bytes"], resumed["grad_window"]
+    assert owned <= resumed["grad_peak"] <= owned + window, (resumed["grad_peak"], owned, window)
 
 
 def test_a_rank_killed_mid_step_stops_the_other_in_bounded_time(two):

@@ -2,6 +2,7 @@
 residency, gradients, timeline, surgery, early, actoffload, hooks) and runtime.storage_key."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -15,9 +16,11 @@ from tierwise.offload.engine.early import EarlyUpdater
 from tierwise.offload.engine.gradients import GradientRouter
 from tierwise.offload.engine.gradspill import GradSpill
 from tierwise.offload.engine.hooks import ActivationTracker, install_module_hooks
+from tierwise.offload.engine.ranks import RankFailure
 from tierwise.offload.engine.residency import Residency
 from tierwise.offload.engine.surgery import ModelSurgery
 from tierwise.offload.engine.timeline import Timeline
+from tierwise.offload.engine.transient import TransientGrads
 from tierwise.offload.runtime.executor import Executor
 from tierwise.offload.runtime.ledger import Ledger
 from tierwise.offload.runtime.storage import storage_key
@@ -140,6 +143,22 @@ def test_router_submits_a_chunk_early_once_all_its_sums_are_in():
     ex.close()
 
 
+def test_router_refusal_names_the_setting_that_helps():
+    """A contribution more than traced after the chunk went early: one rank (or grad_reduce="step")
+    says overlap_update=False; owned-only gradients reduce early whatever the overlap: "step"."""
+    model = Two()
+    named, plan, ledger, _, store, ex = parts(model)
+    slot = plan.slots["a.weight"]
+    for transient, fix in ((None, "overlap_update=False"), (object(), 'grad_reduce="step"')):
+        r = router(store, ex, ledger, {p: n for n, p in named})
+        r.transient, r.reduce_on, r.early_on = transient, transient is not None, transient is None
+        r._learn_uses({n: 1 for n, _ in named})
+        r._counts, r._submitted = {"a.weight": 2}, {slot.chunk}
+        with pytest.raises(UnsupportedModel, match=f"contribution 2 .*use {re.escape(fix)} for"):
+            r._arrived_grad(slot, None)
+    ex.close()
+
+
 # -- residency -----------------------------------------------------------------------------
 def residency(model, **kw):
     named, plan, ledger, tiers, store, ex = parts(model)
@@ -235,6 +254,32 @@ def test_engine_close_gives_the_model_back_unpatched():
         assert torch.equal(model(**data[0]).logits, twin(**data[0]).logits)
 
 
+def test_a_backward_that_raises_drops_the_steps_gradients():
+    """Any error in backward (here a hook's; a rank's timeout, UnsupportedModel), not only a
+    budget: the cycle ends, the gradients of the failed step are gone and nothing stays booked."""
+    from tests.models import batches, tiny_llama
+
+    torch.manual_seed(0)
+    eng = Engine(tiny_llama(layers=2, hidden=32), lr=1e-2, gpu_mem=None, cpu_mem=None)
+    data = batches(2)
+    eng.step(data[0])
+    between = eng.ledger.usage()  # between steps
+    loss = eng.forward(data[1])
+    p = next(q for q in eng.params.values() if q.requires_grad)
+
+    def fail(grad):
+        raise RuntimeError("a peer stopped")
+
+    handle = p.register_hook(fail)
+    with pytest.raises(RuntimeError, match="a peer stopped"):
+        eng.backward(loss)
+    handle.remove()
+    assert not eng._in_cycle
+    assert all(not c.grad.any() for c in eng.store.chunks if isinstance(c.grad, torch.Tensor))
+    assert eng.ledger.usage() == between
+    eng.close()
+
+
 # -- helpers -------------------------------------------------------------------------------
 def test_early_updater_runs_the_given_update_and_reraises_its_error():
     seen = []
@@ -246,6 +291,54 @@ def test_early_updater_runs_the_given_update_and_reraises_its_error():
     early.submit(4, [])
     with pytest.raises(ZeroDivisionError):
         early.wait()
+    early.close()
+
+
+def test_transient_grads_wake_a_full_window_when_the_reduce_worker_fails():
+    """A peer dies in the worker's reduce: the compute thread waiting for a window slot that
+    only that reduce would free raises instead of waiting for ever; the worker reduces nothing
+    more (a collective out of step), and an abort (free_all) leaves the window empty."""
+    import threading
+
+    named = [(f"w{i}", torch.zeros(8, 8)) for i in range(4)]
+    plan = pack_chunks(specs_of(named), chunk_bytes=8 * 8 * 4)  # one chunk per weight
+    ledger = Ledger({"gpu": None, "host": None})
+    tg = TransientGrads(plan, Tiers(ledger=ledger, device=CPU), window=2 * 8 * 8 * 4)
+    reduced, entered, go = [], threading.Event(), threading.Event()
+
+    def reduce(chunks, handed, final=True):  # a gloo reduce whose peer is gone
+        entered.set()
+        go.wait()
+        reduced.extend(chunks)
+        raise RuntimeError("Connection closed by peer")
+
+    early = EarlyUpdater(reduce, on_error=tg.fail)
+    tg.target(0), tg.target(1)
+    tg.queue(0)
+    early.submit(0, [], final=False)
+    assert entered.wait(timeout=30)
+    early.submit(1, [], final=False)  # behind the failing one: skipped
+    raised = []
+
+    def compute():
+        try:
+            tg.target(2)  # the window is full: waits for chunk 0's reduce
+        except RankFailure as exc:
+            raised.append(exc)
+
+    t = threading.Thread(target=compute, daemon=True)
+    t.start()
+    go.set()
+    t.join(timeout=30)
+    assert not t.is_alive(), "target() still waits after the worker failed"
+    assert len(raised) == 1 and "Connection closed by peer" in str(raised[0])
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        early.wait()
+    assert reduced == [0]  # chunk 1's reduce never ran
+    tg.free_all()
+    assert tg.bufs == {} and tg.queued == set() and tg.bytes == 0
+    assert ledger.usage()["host"].get("grad", 0) == 0
+    assert tg.target(2).numel() == 64  # usable again after the abort
     early.close()
 
 

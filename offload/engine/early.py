@@ -11,6 +11,8 @@ update (`update_all`) as the end of the step; the step's own update then skips t
 A chunk whose gradient lives on NVMe comes with it still in host memory (`handed`: the gradient
 spill's staging buffer, offload.engine.gradspill), so the update neither waits for its write
 nor reads it back; the buffer goes back to the spill once that chunk is updated.
+After a failure the worker runs no more updates until wait() has reported it: with several
+ranks a later chunk's reduce would be a collective out of step with the other ranks.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from typing import Any, Callable
 class EarlyUpdater:
     """Gets `update(chunks, handed, final)`: the step's update of those chunks (update_all on
     the store; `final` False: their reduce only); `handed`: {chunk: (its gradient in host
-    memory, called once it is consumed)}."""
+    memory, called once it is consumed)}; `on_error(exc)`: called on the worker when an update
+    fails (it wakes what waits on the failed chunks)."""
 
-    def __init__(self, update: Callable[[list[int]], None]):
-        self.update = update
+    def __init__(self, update: Callable[[list[int]], None],
+                 on_error: "Callable[[BaseException], None] | None" = None):
+        self.update, self.on_error = update, on_error
         self.jobs: queue.Queue = queue.Queue()
         self.done: set[int] = set()
         self.updated = 0  # chunks updated during backward, over the run
@@ -66,16 +70,19 @@ class EarlyUpdater:
             handed = {c: h for c, _, h, _ in batch if h is not None}
             final = all(f for *_, f in batch)  # (one backward's jobs: all final or none)
             try:
-                for _, tickets, _, _ in batch:
-                    for t in tickets:
-                        t.wait()  # the gradient has landed in host memory
-                chunks = [c for c, *_ in batch]
-                self.update(chunks, handed) if final else self.update(chunks, handed, final=False)
-                if final:
-                    self.done.update(c for c, *_ in batch)
-                    self.updated += len(batch)
+                if self.error is None:  # (after a failure: skipped, until wait() reports it)
+                    for _, tickets, _, _ in batch:
+                        for t in tickets:
+                            t.wait()  # the gradient has landed in host memory
+                    chunks = [c for c, *_ in batch]
+                    self.update(chunks, handed) if final else self.update(chunks, handed, final=False)
+                    if final:
+                        self.done.update(c for c, *_ in batch)
+                        self.updated += len(batch)
             except BaseException as exc:  # raised on the compute thread by wait()
                 self.error = exc
+                if self.on_error is not None:
+                    self.on_error(exc)
             finally:
                 for _, give_back in handed.values():  # (once each: update_all pops what it used)
                     give_back()

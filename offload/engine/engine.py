@@ -348,14 +348,16 @@ class Engine:
                     buffers=BufferGuard(b, **booked(self.ledger, "gpu", "activation"))))
         self.checkpointing = checkpointing
         surgery.keep(install_module_hooks(model, res.enter_module, res.exit_module))
-        early = (EarlyUpdater(self._update_chunks) if self.updater.needs_grad
-                 and (self.overlap_update or self.owned_grads) else None)  # (owned: the reduce worker too)
+        transient = TransientGrads(self.plan, self.tiers, self.grad_window) if self.owned_grads else None
+        early = (EarlyUpdater(self._update_chunks, on_error=None if transient is None else transient.fail)
+                 if self.updater.needs_grad and (self.overlap_update or self.owned_grads)
+                 else None)  # (owned: the reduce worker too)
         self.grads = GradientRouter(
             store=self.store, executor=self.executor, ledger=self.ledger, param_names=self.param_names,
             grad_reserve=lambda: self.needs.grad_reserve, early=early,
             new_spill=lambda: GradSpill(self.store, self.bounce, self.nvme, self.executor),
             compute_itemsize=self.compute_dtype.itemsize, ranks=self.ranks,
-            transient=TransientGrads(self.plan, self.tiers, self.grad_window) if self.owned_grads else None,
+            transient=transient,
             reduce_rest=self._reduce_rest)
         surgery.keep(p.register_post_accumulate_grad_hook(self.grads.grad_ready)
                      for p in self.params.values() if p.requires_grad)  # frozen ones get no gradient
@@ -381,19 +383,25 @@ class Engine:
 
     def _reduce_grads(self, chunks: list[int], handed: dict) -> None:
         transient = self.grads.transient
-        for cid in chunks:
-            if self.plan.is_frozen(cid):
-                continue
-            if cid in handed:  # the sum is in the handed buffer, not in the store
-                self.ranks.reduce_grad(cid, handed[cid][0])
-                continue
-            mine = self.ranks.owns(cid)
-            if transient is not None and not mine:  # this micro-batch's sum (zeros if none came)
-                self.ranks.reduce_grad(cid, transient.target(cid))
-                transient.free(cid)
-                continue
-            with self.store.opened(cid, only=("grad",), write_back=mine) as work:
-                self.ranks.reduce_grad(cid, work["grad"])
+        try:
+            for cid in chunks:
+                if self.plan.is_frozen(cid):
+                    continue
+                if cid in handed:  # the sum is in the handed buffer, not in the store
+                    self.ranks.reduce_grad(cid, handed[cid][0])
+                    continue
+                mine = self.ranks.owns(cid)
+                if transient is not None and not mine:  # this micro-batch's sum (zeros if none came)
+                    self.ranks.reduce_grad(cid, transient.target(cid))
+                    transient.free(cid)
+                    continue
+                with self.store.opened(cid, only=("grad",), write_back=mine) as work:
+                    self.ranks.reduce_grad(cid, work["grad"])
+        finally:  # a failed reduce too: its buffers and the later ones' go back (nobody waits on them)
+            if transient is not None:
+                for cid in chunks:
+                    if not self.ranks.owns(cid):
+                        transient.free(cid)
 
     def _reduce_rest(self, chunks: list[int]) -> None:
         """Owned-only gradients, at the end of a backward: reduce the chunks not complete during
@@ -468,7 +476,11 @@ class Engine:
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate `loss`; gradients accumulate (fp32) in their grad chunks."""
+        """Backpropagate `loss`; gradients accumulate (fp32) in their grad chunks. A failure
+        (a budget, a rank that stopped) drops the step's gradients before it is raised."""
+        # owned-only gradients: complete chunks are reduced during backward (the window of
+        # transient buffers counts on it), in step() as in a caller's own forward/backward
+        self.grads.reduce_on = self.owned_grads
         try:
             with self.moments.timed(Phase.BACKWARD):
                 self.moments.moment()  # without recompute no module hook fires in backward: mark it
@@ -478,6 +490,11 @@ class Engine:
                 self.grads.end_backward()
         except BudgetExceeded as exc:
             raise self._budget_error(exc, intact=self._abort_cycle()) from exc
+        except BaseException:
+            self._abort_cycle()
+            raise
+        finally:
+            self.grads.reduce_on = False
 
     def _abort_cycle(self) -> bool:
         """Drop a failed step's gradients; True when its early updates (offload.engine.early) had not
@@ -517,14 +534,13 @@ class Engine:
                 finite = finite and bool(torch.isfinite(loss.detach()).all())
             # the last micro-batch's gradients are final: chunks may update as they complete
             # (once the first backward has counted each chunk's gradients)
-            self.grads.reduce_on = self.owned_grads
             self.grads.early_on = (self.overlap_update and self.grad_clip is None
                                    and i == mine[-1] and self.grads.uses is not None and finite
                                    and not (self.ranks is not None and self.skip_nonfinite))
             try:
                 self.backward(loss * weights[i] if weights[i] != 1.0 else loss)
             finally:
-                self.grads.early_on = self.grads.reduce_on = False
+                self.grads.early_on = False
             total += loss.detach().float().item() * weights[i]
         if self.ranks is not None:
             total = float(self.ranks.sum_(torch.tensor([total], dtype=torch.float64), "summing the loss")[0])
@@ -807,6 +823,8 @@ class Engine:
         self.executor.close()
         if self.grads.early is not None:
             self.grads.early.close()
+        if self.grads.transient is not None:
+            self.grads.transient.free_all()
         if self.nvme is not None:
             self.nvme.close()
         self.surgery.close()

@@ -110,8 +110,6 @@ class GradientRouter:
             self.ledger.release("gpu", "activation", nbytes)
         self._gathered = {}
         self.drain()
-        if self.transient is not None:
-            self.transient.free_all()
         if self.early is not None:
             try:
                 self.early.wait()  # never leave the worker writing while the caller saves
@@ -119,6 +117,8 @@ class GradientRouter:
                 log.exception("an early update failed while a step was aborted")
             intact = not self.early.done
             self.early.done.clear()
+        if self.transient is not None:  # (after the worker: it may still be reducing one)
+            self.transient.free_all()
         self.spill.finish_cycle()
         self.spill = self.new_spill()
         self.store.zero_grads()
@@ -224,10 +224,13 @@ class GradientRouter:
         n, traced = self._counts[slot.name], self.uses.get(slot.name, 0)
         if n > traced:  # a contribution more than the first backward had: the control flow changed
             if cid in self._submitted:
+                # owned-only gradients: every complete chunk is reduced early, whatever the overlap
+                fix = 'grad_reduce="step"' if self.transient is not None else "overlap_update=False"
+                done = "updated" if self.early_on else "reduced"
                 raise UnsupportedModel(
                     f"parameter {slot.name!r} got gradient contribution {n} in this backward (the first "
-                    f"backward had {traced}) after its chunk was updated early; use overlap_update=False "
-                    f"for a model whose backward changes from step to step")
+                    f"backward had {traced}) after its chunk was {done} "
+                    f"early; use {fix} for a model whose backward changes from step to step")
             self._held_back.add(cid)  # updated at the end of the step instead
         if ticket is not None:
             self._chunk_tickets.setdefault(cid, []).append(ticket)

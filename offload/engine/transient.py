@@ -8,6 +8,8 @@ micro-batches in their homes as one rank does.
 The buffers open at once are bounded by `window` bytes (offload.plan.ranks.window_bytes: the
 host budget leaves them free, the planner counts them): a chunk that would open past it waits for the reduce of a complete one queued to
 the worker; with none queued it opens anyway (the ledger refuses it past the host budget).
+A failed worker (`fail`: a peer died mid-reduce) frees nothing more: a waiting chunk raises
+instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from ..core.chunks import ChunkPlan
+from .ranks import RankFailure
 
 
 class TransientGrads:
@@ -29,6 +32,7 @@ class TransientGrads:
         self.bytes = 0
         self.queued: set[int] = set()  # complete, handed to the worker for their reduce
         self._freed = threading.Condition()
+        self.failed: BaseException | None = None  # the worker's error: the queued stay queued
 
     def target(self, cid: int) -> torch.Tensor:
         """Chunk `cid`'s buffer [numel] fp32 (opened as zeros at its first arrival)."""
@@ -37,8 +41,12 @@ class TransientGrads:
             return buf
         numel = self.plan.chunks[cid].numel
         with self._freed:
-            while self.bytes + 4 * numel > self.window and self.queued:
+            while self.bytes + 4 * numel > self.window and self.queued and self.failed is None:
                 self._freed.wait()
+            if self.failed is not None:
+                exc = self.failed
+                raise RankFailure(str(exc) if isinstance(exc, RankFailure)
+                                  else f"the reduce of gradients failed: {type(exc).__name__}: {exc}") from exc
             self.bytes += 4 * numel
         try:
             buf = self.tiers.zeros("host", "grad", numel, torch.float32)
@@ -63,6 +71,16 @@ class TransientGrads:
                 self.tiers.free("host", "grad", buf)
             self._freed.notify_all()
 
+    def fail(self, exc: BaseException) -> None:
+        """The worker failed: the chunks it was handed will not be freed; wake the waiting."""
+        with self._freed:
+            self.failed = exc
+            self._freed.notify_all()
+
     def free_all(self) -> None:
+        """A step's end or abort (the worker idle): every buffer back, ready for the next."""
         for cid in list(self.bufs):
             self.free(cid)
+        with self._freed:
+            self.queued.clear()
+            self.failed = None
