@@ -91,10 +91,8 @@ def figures(t: float, tokens: int, flops_per_token: float, peak_tflops: float, l
             "cuda_peak_gib": peak, "losses": losses}
 
 
-def plain(a, model, data) -> dict:
-    ref = copy.deepcopy(model).to(DEV)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-5, fused=True)
-
+def autocast_step(ref, opt):
+    """One plain PyTorch step of `ref` on token ids x (bf16 autocast): the loss."""
     def step(x):
         x = x.to(DEV)
         with torch.autocast(DEV, dtype=torch.bfloat16):
@@ -104,7 +102,14 @@ def plain(a, model, data) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    losses, t = timed(step, data)
+    return step
+
+
+def plain(a, model, data) -> dict:
+    ref = copy.deepcopy(model).to(DEV)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-5, fused=True)
+
+    losses, t = timed(autocast_step(ref, opt), data)
     return figures(t, a.batch * a.seq, 6 * a.n, a.peak_tflops, losses)
 
 
@@ -158,16 +163,7 @@ def qlora_peft(a, model, data) -> dict:
     ref = peft.get_peft_model(m, lora_config()).to(DEV)
     opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-4, fused=True)
 
-    def step(x):
-        x = x.to(DEV)
-        with torch.autocast(DEV, dtype=torch.bfloat16):
-            loss = ref(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    losses, t = timed(step, data)
+    losses, t = timed(autocast_step(ref, opt), data)
     return figures(t, a.batch * a.seq, 4 * a.n, a.peak_tflops, losses)
 
 
