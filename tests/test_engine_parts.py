@@ -283,11 +283,11 @@ def test_a_backward_that_raises_drops_the_steps_gradients():
 # -- helpers -------------------------------------------------------------------------------
 def test_early_updater_runs_the_given_update_and_reraises_its_error():
     seen = []
-    early = EarlyUpdater(lambda chunks, handed: seen.extend(chunks))
+    early = EarlyUpdater(lambda chunks, handed, final: seen.extend(chunks))
     early.submit(3, [])
     early.wait()
     assert seen == [3] and early.done == {3}
-    early.update = lambda chunks, handed: 1 / 0
+    early.update = lambda chunks, handed, final: 1 / 0
     early.submit(4, [])
     with pytest.raises(ZeroDivisionError):
         early.wait()

@@ -75,7 +75,7 @@ class EarlyUpdater:
                         for t in tickets:
                             t.wait()  # the gradient has landed in host memory
                     chunks = [c for c, *_ in batch]
-                    self.update(chunks, handed) if final else self.update(chunks, handed, final=False)
+                    self.update(chunks, handed, final=final)
                     if final:
                         self.done.update(c for c, *_ in batch)
                         self.updated += len(batch)
