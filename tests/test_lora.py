@@ -24,9 +24,9 @@ def lora_config(**kw):
     return peft.LoraConfig(**({"r": 4, "lora_alpha": 8, "target_modules": TARGETS, "lora_dropout": 0.0} | kw))
 
 
-def peft_reference(model, cfg, data, *, lr=1e-2, make_opt=None):
-    """(losses, the trained PeftModel) in plain PyTorch."""
-    torch.manual_seed(7)
+def peft_reference(model, cfg, data, *, lr=1e-2, make_opt=None, seed=7):
+    """(losses, the trained PeftModel) in plain PyTorch; `seed` draws the adapters' init."""
+    torch.manual_seed(seed)
     ref = peft.get_peft_model(copy.deepcopy(model), cfg)
     params = [p for p in ref.parameters() if p.requires_grad]
     opt = make_opt(params) if make_opt else torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)

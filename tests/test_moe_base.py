@@ -27,6 +27,7 @@ from tierwise.cli import lora as lora_mod  # noqa: E402
 from tierwise.cli.layout import ModelLayout, iter_checkpoint  # noqa: E402
 from tierwise.cli.loading import build_meta_model, resolve_model  # noqa: E402
 from tierwise.offload import Engine  # noqa: E402
+from tests.test_lora import peft_reference  # noqa: E402
 
 SEED = 3
 
@@ -144,17 +145,8 @@ def test_qlora_over_nf4_experts_equals_peft_on_dequantized_weights(moe_dir, tmp_
     x = torch.randint(0, 288, (2, 16), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": x, "labels": x, "attention_mask": torch.ones_like(x)}] * 3
 
-    torch.manual_seed(SEED)
-    ref = peft.get_peft_model(dequantized_reference(path, double_quant=True), copy.deepcopy(cfg))
-    params = [p for p in ref.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0, fused=True)
-    ref_losses = []
-    for b in data:
-        loss = ref(**b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses, ref = peft_reference(dequantized_reference(path, double_quant=True), copy.deepcopy(cfg), data,
+                                     seed=SEED)
 
     eng = engine_from_dir(path, copy.deepcopy(cfg), base_dtype="nf4", double_quant=True, gpu_mem="600K",
                           cpu_mem="200K", nvme_path=str(tmp_path))
