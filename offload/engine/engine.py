@@ -91,7 +91,7 @@ from .residency import Residency
 from .surgery import ModelSurgery, booked
 from .transient import TransientGrads
 from .workspace import Workspace
-from ..plan.ranks import window_bytes
+from ..plan.ranks import remote_kinds, window_bytes
 from .timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -319,7 +319,7 @@ class Engine:
         return {c.index: frozen_kind_bytes(c.numel, layout=self.frozen_layouts[c.index],
                                            compute_dtype=self.compute_dtype)
                 if c.index in self.frozen_layouts else
-                ({} if self.owned_grads else {"grad": 4 * c.numel}) if c.index in remote else
+                remote_kinds(c.numel, owned_grads=self.owned_grads) if c.index in remote else
                 kind_bytes(c.numel, state_bytes=self.updater.state_bytes(c.index),
                            compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
                 for c in self.plan.chunks}

@@ -773,7 +773,7 @@ def _rank_view(ch: _Chunks, remote: frozenset[int], owned_grads: bool) -> _Chunk
     with owned-only gradients (its transient gradient lies in the window), else its gradient
     ({"grad": 4 * numel}); never updated here."""
     view = copy.copy(ch)
-    view.kinds = [({} if owned_grads else {"grad": 4 * ch.plan.chunks[c].numel}) if c in remote else k
+    view.kinds = [multi.remote_kinds(ch.plan.chunks[c].numel, owned_grads=owned_grads) if c in remote else k
                   for c, k in enumerate(ch.kinds)]
     view.params = [0 if c in remote else p for c, p in enumerate(ch.params)]
     view.flops = [0.0 if c in remote else f for c, f in enumerate(ch.flops)]

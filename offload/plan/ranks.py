@@ -146,6 +146,13 @@ def window_bytes(plan: "ChunkPlan", trainable: list[int]) -> int:
     return 4 * (numels[0] + min(numels[1] if len(numels) > 1 else 0, plan.chunk_numel))
 
 
+def remote_kinds(numel: int, *, owned_grads: bool) -> dict[str, int]:
+    """A trainable chunk another rank owns, as this rank holds it between steps: nothing with
+    owned-only gradients (its transient gradient lies in the window), else its fp32 gradient.
+    The engine's (Engine._kinds) and the planner's (_rank_view) one fact."""
+    return {} if owned_grads else {"grad": 4 * numel}
+
+
 def owners(trainable: list[int], world: int) -> dict[int, int]:
     """Chunk -> its owner rank (offload.engine.ranks.Ranks.owner: k mod world)."""
     return {cid: k % world for k, cid in enumerate(trainable)}
