@@ -17,6 +17,11 @@ prints one JSON line; a summary follows. Sections:
   qlora       the same adapters through the Engine: NF4 base on the host, streamed under
               --lora-gpu-mem, decoded on the GPU
   qlora_resident  `qlora` with a budget the whole base fits (streamed / resident, issue 14)
+  limits      what bounds the streamed step on this host: DRAM copy bandwidth, torch's fused
+              CPU AdamW and our AdamW8bit kernel over all the model's parameters (one update)
+  profile     one streamed `engine` step (and one `qlora` step) under torch.profiler: the
+              top ops by CPU and by device time, the device's busy time (kernels, copies) vs
+              the step's wall time; a Chrome trace per run lands in --trace-dir
 MFU = 6 * params * tokens/s / peak bf16 FLOP/s (--peak-tflops, 989 for an H200 SXM); for LoRA
 4 * params (no weight gradient of the base), reported as `mfu`.
 
@@ -70,9 +75,11 @@ def build(layers: int, hidden: int):
     return LlamaForCausalLM(cfg)
 
 
-def timed(step, data: list) -> tuple[list[float], float]:
+def timed(step, data: list, on_warm=None) -> tuple[list[float], float]:
     losses, times = [], []
     for i, x in enumerate(data):
+        if i == 2 and on_warm is not None:
+            on_warm()
         sync()
         t0 = time.perf_counter()
         losses.append(float(step(x)))
@@ -127,14 +134,21 @@ def engine(a, model, data, *, gpu_mem: str, cap: bool = False, **kw) -> dict:
     eng = Engine(copy.deepcopy(model), lr=1e-5, precision="bf16", gpu_mem=gpu_mem, device=DEV,
                  chunk_bytes=a.chunk, **kw)
     setup = time.perf_counter() - t0
+    warm = {}
+
+    def on_warm():  # phase times and waits of the timed steps only (the warm-ups trace and place)
+        warm.update(phase=dict(eng.phase_times), wait=eng.executor.wait_seconds)
+
     try:
-        losses, t = timed(lambda x: eng.step({"input_ids": x, "labels": x}), data)
+        losses, t = timed(lambda x: eng.step({"input_ids": x, "labels": x}), data, on_warm)
         flops = (4 if kw.get("lora") is not None else 6) * a.n
         out = figures(t, a.batch * a.seq, flops, a.peak_tflops, losses)
         peaks = eng.ledger.peaks()
         out.update(setup_s=setup, gpu_budget=gpu_mem, ledger_peaks_gib={k: v / 2**30 for k, v in peaks.items()},
                    fetched_gib_per_step=eng.cache.fetched_bytes / 2**30 / len(data),
                    copy_wait_s=eng.executor.wait_seconds, phase_s=dict(eng.phase_times),
+                   per_step_phase_s={k: (v - warm["phase"][k]) / (len(data) - 2) for k, v in eng.phase_times.items()},
+                   per_step_wait_s=(eng.executor.wait_seconds - warm["wait"]) / (len(data) - 2),
                    workspace_gib=eng.workspace.bytes / 2**30)
         return out
     finally:
@@ -167,6 +181,53 @@ def qlora_peft(a, model, data) -> dict:
     return figures(t, a.batch * a.seq, 4 * a.n, a.peak_tflops, losses)
 
 
+def limits(a) -> dict:
+    """What bounds a streamed step with the update on the CPU: one update of all `a.n` parameters
+    at the measured CPU optimizer rates (tierwise.offload.tools.profiler), and DRAM bandwidth."""
+    from tierwise.offload.tools.profiler import Sizes, dram_bandwidth, optimizer_rates
+
+    sz = Sizes(copy_bytes=1 << 30, nvme_bytes=0, optim_numel=(64 << 20) if CUDA else (1 << 20), gemm_n=0,
+               repeats=3)
+    rates = optimizer_rates(sz)
+    return {"dram_gbs": dram_bandwidth(sz), "threads": torch.get_num_threads(),
+            "adamw_update_s": a.n / rates["adamw"], "adamw8bit_update_s": a.n / rates["adamw8bit"]}
+
+
+def profiled(a, model, data, *, name: str, gpu_mem: str, **kw) -> dict:
+    """One engine step under torch.profiler (after two warm-ups): top ops, device busy time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tierwise.offload import Engine
+
+    eng = Engine(copy.deepcopy(model), lr=1e-5, precision="bf16", gpu_mem=gpu_mem, device=DEV,
+                 chunk_bytes=a.chunk, **({"checkpointing": True} | kw))
+    try:
+        for x in data[:2]:
+            eng.step({"input_ids": x, "labels": x})
+        sync()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            eng.step({"input_ids": data[2], "labels": data[2]})
+            sync()
+            wall = time.perf_counter() - t0
+    finally:
+        eng.close()
+    ka = prof.key_averages()
+    print(f"--- profile {name}: top by self CPU time (threads the profiler records)")
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    out = {"wall_s": wall}
+    if CUDA:
+        print(f"--- profile {name}: top by self device time")
+        print(ka.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+        dev = [(e.key, e.self_device_time_total / 1e6) for e in ka if e.self_device_time_total > 0]
+        out["device_copy_s"] = sum(t for k, t in dev if "memcpy" in k.lower() or "memset" in k.lower())
+        out["device_kernel_s"] = sum(t for k, t in dev) - out["device_copy_s"]
+    if a.trace_dir:
+        prof.export_chrome_trace(f"{a.trace_dir}/trace_{name}.json")
+    return out
+
+
 def lora_config():
     import peft
 
@@ -187,6 +248,7 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds; later sections are skipped")
     ap.add_argument("--only", default="", help="comma-separated sections (default: all)")
     ap.add_argument("--json", default="", help="write the figures here too")
+    ap.add_argument("--trace-dir", default="", help="profile: write Chrome traces here")
     a = ap.parse_args()
     start = time.perf_counter()
     res: dict = {"device": torch.cuda.get_device_name() if CUDA else "cpu (smoke test)"}
@@ -208,6 +270,10 @@ def main() -> None:
         "capped": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, cap=True),
         "resident": lambda: engine(a, model, data, gpu_mem="100G", checkpointing=False),
         "adamw8bit": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, optimizer="adamw8bit"),
+        "limits": lambda: limits(a),
+        "profile": lambda: {"engine": profiled(a, model, data, name="engine", gpu_mem=a.gpu_mem),
+                            "qlora": profiled(a, model, data, name="qlora", gpu_mem=a.lora_gpu_mem,
+                                              lora=lora_config(), base_dtype="nf4", double_quant=True)},
     }
     only = [s for s in a.only.split(",") if s] or list(sections)
     for name in only:
@@ -250,6 +316,17 @@ def summary(a, res: dict) -> None:
                      f" {r['fetched_gib_per_step']:.1f} GiB streamed/step, setup {r['setup_s']:.0f} s")
         print(f"{name:10s} {r['tokens_per_s']:9,.0f} tok/s  MFU {r['mfu']:6.1%}  step {r['step_s']:.3f} s"
               f"  cuda peak {r['cuda_peak_gib']:.2f} GiB{extra}  losses {[round(x, 4) for x in r['losses'][:3]]}")
+        if "per_step_phase_s" in r:
+            print(" " * 11 + "per timed step, host wall: " + ", ".join(
+                f"{k} {v:.3f} s" for k, v in r["per_step_phase_s"].items()) + f", waiting on copies {r['per_step_wait_s']:.3f} s")
+    if "dram_gbs" in res.get("limits", {}):
+        li = res["limits"]
+        print(f"limits     DRAM copy {li['dram_gbs']:.1f} GB/s ({li['threads']} threads); one CPU update of all"
+              f" {a.n / 1e9:.2f}B params: fused AdamW {li['adamw_update_s']:.3f} s, AdamW8bit {li['adamw8bit_update_s']:.3f} s")
+    for name, r in res.get("profile", {}).items():
+        if isinstance(r, dict) and "device_kernel_s" in r:
+            print(f"profile {name}: step {r['wall_s']:.3f} s, device kernels {r['device_kernel_s']:.3f} s,"
+                  f" copies {r['device_copy_s']:.3f} s (busy {r['device_kernel_s'] / r['wall_s']:.0%} of the step)")
     for x, y in (("engine", "plain"), ("resident", "plain"), ("adamw8bit", "plain"), ("qlora", "qlora_peft"),
                  ("qlora", "qlora_resident")):
         if "step_s" in res.get(x, {}) and "step_s" in res.get(y, {}):

@@ -47,7 +47,8 @@ EOF
   echo "quickstart exit $?"
   timeout 45 python3 -m tierwise.cli.main --qlora --output /tmp/ql --overwrite
   echo "quickstart --qlora exit $?"
-  timeout 250 python3 bench/gpu_check.py --steps 5 --deadline 190 --json "$out/gpu_check.json" "$@"
+  timeout 280 python3 bench/gpu_check.py --steps 5 --deadline 220 --json "$out/gpu_check.json" --trace-dir "$out" "$@"
+  gzip -f "$out"/trace_*.json 2>/dev/null
   echo "gpu_check.py exit $?"
   date -u
 } 2>&1 | tee "$out/gpu_check.log"
