@@ -7,6 +7,9 @@ prints one JSON line; a summary follows. Sections:
               GPU: bf16 autocast over fp32 weights, fused AdamW; tokens/s and MFU
   engine      the same model and data through the Engine (bf16 compute copies, fp32 master and
               AdamW state on the host, update on the CPU), streamed under --gpu-mem
+  engine_old  `engine` as it was before 2026-12-04's second GPU session (`OLD`: every step fetches
+              the weights anew, the update takes every core, copy threads spin); engine_nokeep
+              and engine_spin undo one change each
   capped      `engine` with the CUDA allocator itself capped at --gpu-mem (an OOM = bytes the
               ledger misses)
   resident    the Engine with a budget the whole model fits, no recompute (what the engine
@@ -120,9 +123,30 @@ def plain(a, model, data) -> dict:
     return figures(t, a.batch * a.seq, 6 * a.n, a.peak_tflops, losses)
 
 
-def engine(a, model, data, *, gpu_mem: str, cap: bool = False, **kw) -> dict:
+OLD = {"keep": False, "reserve": 0, "blocking": False}  # before 2026-12-04's second GPU session
+
+
+def switches(keep: bool = True, reserve: int = 2, blocking: bool = True) -> dict:
+    """Set the engine's bench switches (the defaults are the engine's); returns the old ones."""
+    from tierwise.offload.engine import residency
+    from tierwise.offload.runtime import executor
+    from tierwise.offload.update import threads
+
+    old = {"keep": residency.KEEP_RESIDENT, "reserve": threads.RESERVE, "blocking": executor.BLOCKING}
+    residency.KEEP_RESIDENT, threads.RESERVE, executor.BLOCKING = keep, reserve, blocking
+    return old
+
+
+def engine(a, model, data, *, gpu_mem: str, cap: bool = False, switch: dict | None = None, **kw) -> dict:
     """`cap`: the CUDA allocator itself is limited to the gpu budget (on top of what it already
-    held), so any byte the ledger does not count but the run needs shows as an OOM."""
+    held), so any byte the ledger does not count but the run needs shows as an OOM. `switch`:
+    the engine's bench switches for this run (`switches`), e.g. OLD."""
+    if switch is not None:
+        old = switches(**switch)
+        try:
+            return engine(a, model, data, gpu_mem=gpu_mem, cap=cap, **kw)
+        finally:
+            switches(**old)
     from tierwise.offload import Engine
     from tierwise.offload.core.sizes import parse_size
 
@@ -262,6 +286,9 @@ def main() -> None:
         "link": lambda: link_bandwidth() if CUDA else {"skipped": "no CUDA"},
         "plain": lambda: plain(a, model, data),
         "engine": lambda: engine(a, model, data, gpu_mem=a.gpu_mem),
+        "engine_old": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, switch=OLD),
+        "engine_nokeep": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, switch={"keep": False}),
+        "engine_spin": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, switch={"reserve": 0, "blocking": False}),
         "qlora_peft": lambda: qlora_peft(a, model, data),
         "qlora": lambda: engine(a, model, data, gpu_mem=a.lora_gpu_mem, lora=lora_config(),
                                 base_dtype="nf4", double_quant=True),
@@ -305,7 +332,7 @@ def summary(a, res: dict) -> None:
     print(f"\n{res['device']}: {a.n / 1e9:.2f}B params, batch {a.batch} x {a.seq}")
     if "h2d_gbs" in res.get("link", {}):
         print(f"link  h2d {res['link']['h2d_gbs']:.1f} GB/s  d2h {res['link']['d2h_gbs']:.1f} GB/s")
-    for name in ("plain", "engine", "capped", "resident", "adamw8bit", "qlora_peft", "qlora", "qlora_resident"):
+    for name in ("plain", "engine", "engine_old", "engine_nokeep", "engine_spin", "capped", "resident", "adamw8bit", "qlora_peft", "qlora", "qlora_resident"):
         r = res.get(name, {})
         if "tokens_per_s" not in r:
             print(f"{name:10s} {r.get('error') or r.get('skipped') or 'not run'}")
@@ -327,7 +354,7 @@ def summary(a, res: dict) -> None:
         if isinstance(r, dict) and "device_kernel_s" in r:
             print(f"profile {name}: step {r['wall_s']:.3f} s, device kernels {r['device_kernel_s']:.3f} s,"
                   f" copies {r['device_copy_s']:.3f} s (busy {r['device_kernel_s'] / r['wall_s']:.0%} of the step)")
-    for x, y in (("engine", "plain"), ("resident", "plain"), ("adamw8bit", "plain"), ("qlora", "qlora_peft"),
+    for x, y in (("engine", "plain"), ("engine_old", "plain"), ("engine", "engine_old"), ("resident", "plain"), ("adamw8bit", "plain"), ("qlora", "qlora_peft"),
                  ("qlora", "qlora_resident")):
         if "step_s" in res.get(x, {}) and "step_s" in res.get(y, {}):
             print(f"{x}/{y} step time = {res[x]['step_s'] / res[y]['step_s']:.2f}")

@@ -153,8 +153,8 @@ def test_qlora_on_cuda_matches_peft_over_linear4bit():
 def test_gpu_home_nf4_base_on_cuda_equals_the_streamed_run():
     """With room, the NF4 base's encoded bytes are gpu-home and decoded from where they lie (no
     staging copy, no link traffic after the warm-up): losses and adapters equal the run that
-    streams the base from host and decodes it from the staging buffer (the same kernel, the same
-    bytes: bit for bit)."""
+    streams the base from host and decodes it from the staging buffer (the same decode of the
+    same bytes; the adapters' update runs on a different device, see below)."""
     pytest.importorskip("peft")
     from tests.test_lora import adapters, lora_config
 
@@ -174,6 +174,8 @@ def test_gpu_home_nf4_base_on_cuda_equals_the_streamed_run():
         eng.close()
     (l1, a1, moved1, home1), (l2, a2, moved2, home2) = runs
     assert home1 == 0 and moved1 > 0 and home2 > 0 and moved2 == 0
-    assert l1 == l2
+    # at 64M the adapters are gpu-home too: their AdamW runs in CUDA's fused kernel, not the
+    # CPU's (H200, 2026-12-04: the third step's loss differed by 5e-7): a tolerance, not equality
+    torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), rtol=1e-6, atol=0)
     for n, t in a1.items():
-        assert torch.equal(a2[n], t), n
+        torch.testing.assert_close(a2[n], t, rtol=1e-5, atol=1e-7, msg=n)
