@@ -7,6 +7,10 @@ prints one JSON line; a summary follows. Sections:
               GPU: bf16 autocast over fp32 weights, fused AdamW; tokens/s and MFU
   engine      the same model and data through the Engine (bf16 compute copies, fp32 master and
               AdamW state on the host, update on the CPU), streamed under --gpu-mem
+  engine_sequential  `engine` with overlap_update=False: backward alone, then the whole update
+  engine_noguard  `engine` without its read guard (what the guard's per-call Python costs)
+  plain_big, engine_big  `plain` and `engine` at --big-seq tokens per row (the CPU's per-op
+              overheads weigh less against the GPU's work), the engine under --big-gpu-mem
   engine_old  `engine` as it was before 2026-12-04's second GPU session (`OLD`: every step fetches
               the weights anew, the update takes every core, copy threads spin); engine_nokeep
               and engine_spin undo one change each
@@ -73,7 +77,7 @@ def build(layers: int, hidden: int):
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
                       num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
-                      max_position_embeddings=2048, tie_word_embeddings=False)
+                      max_position_embeddings=8192, tie_word_embeddings=False)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
 
@@ -115,12 +119,31 @@ def autocast_step(ref, opt):
     return step
 
 
-def plain(a, model, data) -> dict:
+def plain(a, model, data, tokens: int = 0) -> dict:
     ref = copy.deepcopy(model).to(DEV)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-5, fused=True)
 
     losses, t = timed(autocast_step(ref, opt), data)
-    return figures(t, a.batch * a.seq, 6 * a.n, a.peak_tflops, losses)
+    return figures(t, tokens or a.batch * a.seq, 6 * a.n, a.peak_tflops, losses)
+
+
+def without_read_guard(run):
+    """`run()` with the engine's read guard (a TorchFunctionMode over every torch call of the
+    forward and the recompute) not entered: what the guard costs. Only for models whose
+    parameters are read by their own modules alone (this Llama: untied head)."""
+    from tierwise.offload.engine.reads import ReadGuard
+
+    enter, exit_ = ReadGuard.__enter__, ReadGuard.__exit__
+    ReadGuard.__enter__, ReadGuard.__exit__ = lambda self: self, lambda self, *exc: None
+    try:
+        return run()
+    finally:
+        ReadGuard.__enter__, ReadGuard.__exit__ = enter, exit_
+
+
+def big_data(a) -> list:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, 32000, (a.batch, a.big_seq), generator=g) for _ in range(a.steps + 2)]
 
 
 OLD = {"keep": False, "reserve": 0, "blocking": False}  # before 2026-12-04's second GPU session
@@ -137,14 +160,15 @@ def switches(keep: bool = True, reserve: int = 2, blocking: bool = True) -> dict
     return old
 
 
-def engine(a, model, data, *, gpu_mem: str, cap: bool = False, switch: dict | None = None, **kw) -> dict:
+def engine(a, model, data, *, gpu_mem: str, cap: bool = False, switch: dict | None = None, tokens: int = 0,
+           **kw) -> dict:
     """`cap`: the CUDA allocator itself is limited to the gpu budget (on top of what it already
     held), so any byte the ledger does not count but the run needs shows as an OOM. `switch`:
     the engine's bench switches for this run (`switches`), e.g. OLD."""
     if switch is not None:
         old = switches(**switch)
         try:
-            return engine(a, model, data, gpu_mem=gpu_mem, cap=cap, **kw)
+            return engine(a, model, data, gpu_mem=gpu_mem, cap=cap, tokens=tokens, **kw)
         finally:
             switches(**old)
     from tierwise.offload import Engine
@@ -160,19 +184,21 @@ def engine(a, model, data, *, gpu_mem: str, cap: bool = False, switch: dict | No
     setup = time.perf_counter() - t0
     warm = {}
 
-    def on_warm():  # phase times and waits of the timed steps only (the warm-ups trace and place)
-        warm.update(phase=dict(eng.phase_times), wait=eng.executor.wait_seconds)
+    def on_warm():  # phase times, waits, fetches of the timed steps only (the warm-ups trace and place)
+        warm.update(phase=dict(eng.phase_times), wait=eng.executor.wait_seconds, fetched=eng.cache.fetched_bytes)
 
     try:
         losses, t = timed(lambda x: eng.step({"input_ids": x, "labels": x}), data, on_warm)
         flops = (4 if kw.get("lora") is not None else 6) * a.n
-        out = figures(t, a.batch * a.seq, flops, a.peak_tflops, losses)
+        out = figures(t, tokens or a.batch * a.seq, flops, a.peak_tflops, losses)
         peaks = eng.ledger.peaks()
         out.update(setup_s=setup, gpu_budget=gpu_mem, ledger_peaks_gib={k: v / 2**30 for k, v in peaks.items()},
                    fetched_gib_per_step=eng.cache.fetched_bytes / 2**30 / len(data),
                    copy_wait_s=eng.executor.wait_seconds, phase_s=dict(eng.phase_times),
                    per_step_phase_s={k: (v - warm["phase"][k]) / (len(data) - 2) for k, v in eng.phase_times.items()},
                    per_step_wait_s=(eng.executor.wait_seconds - warm["wait"]) / (len(data) - 2),
+                   timed_fetched_gib_per_step=(eng.cache.fetched_bytes - warm["fetched"]) / 2**30 / (len(data) - 2),
+                   keeps_weights=eng.residency.holds_all(),
                    workspace_gib=eng.workspace.bytes / 2**30)
         return out
     finally:
@@ -267,6 +293,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--gpu-mem", default="6G")
     ap.add_argument("--lora-gpu-mem", default="3G")
+    ap.add_argument("--big-seq", type=int, default=4096)
+    ap.add_argument("--big-gpu-mem", default="12G")
     ap.add_argument("--chunk", default="64M")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds; later sections are skipped")
@@ -287,6 +315,10 @@ def main() -> None:
         "plain": lambda: plain(a, model, data),
         "engine": lambda: engine(a, model, data, gpu_mem=a.gpu_mem),
         "engine_old": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, switch=OLD),
+        "engine_sequential": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, overlap_update=False),
+        "engine_noguard": lambda: without_read_guard(lambda: engine(a, model, data, gpu_mem=a.gpu_mem)),
+        "plain_big": lambda: plain(a, model, big_data(a), tokens=a.batch * a.big_seq),
+        "engine_big": lambda: engine(a, model, big_data(a), gpu_mem=a.big_gpu_mem, tokens=a.batch * a.big_seq),
         "engine_nokeep": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, switch={"keep": False}),
         "engine_spin": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, switch={"reserve": 0, "blocking": False}),
         "qlora_peft": lambda: qlora_peft(a, model, data),
@@ -332,7 +364,7 @@ def summary(a, res: dict) -> None:
     print(f"\n{res['device']}: {a.n / 1e9:.2f}B params, batch {a.batch} x {a.seq}")
     if "h2d_gbs" in res.get("link", {}):
         print(f"link  h2d {res['link']['h2d_gbs']:.1f} GB/s  d2h {res['link']['d2h_gbs']:.1f} GB/s")
-    for name in ("plain", "engine", "engine_old", "engine_nokeep", "engine_spin", "capped", "resident", "adamw8bit", "qlora_peft", "qlora", "qlora_resident"):
+    for name in ("plain", "engine", "engine_sequential", "engine_noguard", "plain_big", "engine_big", "engine_old", "engine_nokeep", "engine_spin", "capped", "resident", "adamw8bit", "qlora_peft", "qlora", "qlora_resident"):
         r = res.get(name, {})
         if "tokens_per_s" not in r:
             print(f"{name:10s} {r.get('error') or r.get('skipped') or 'not run'}")
@@ -340,7 +372,8 @@ def summary(a, res: dict) -> None:
         extra = ""
         if "ledger_peaks_gib" in r:
             extra = (f"  ledger gpu peak {r['ledger_peaks_gib'].get('gpu', 0):.2f} GiB (budget {r['gpu_budget']}),"
-                     f" {r['fetched_gib_per_step']:.1f} GiB streamed/step, setup {r['setup_s']:.0f} s")
+                     f" {r['timed_fetched_gib_per_step']:.2f} GiB streamed per timed step"
+                     f"{' (weights stay)' if r['keeps_weights'] else ''}, setup {r['setup_s']:.0f} s")
         print(f"{name:10s} {r['tokens_per_s']:9,.0f} tok/s  MFU {r['mfu']:6.1%}  step {r['step_s']:.3f} s"
               f"  cuda peak {r['cuda_peak_gib']:.2f} GiB{extra}  losses {[round(x, 4) for x in r['losses'][:3]]}")
         if "per_step_phase_s" in r:
@@ -354,7 +387,7 @@ def summary(a, res: dict) -> None:
         if isinstance(r, dict) and "device_kernel_s" in r:
             print(f"profile {name}: step {r['wall_s']:.3f} s, device kernels {r['device_kernel_s']:.3f} s,"
                   f" copies {r['device_copy_s']:.3f} s (busy {r['device_kernel_s'] / r['wall_s']:.0%} of the step)")
-    for x, y in (("engine", "plain"), ("engine_old", "plain"), ("engine", "engine_old"), ("resident", "plain"), ("adamw8bit", "plain"), ("qlora", "qlora_peft"),
+    for x, y in (("engine", "plain"), ("engine_big", "plain_big"), ("engine_old", "plain"), ("engine", "engine_old"), ("engine_noguard", "engine"), ("engine_sequential", "engine"), ("resident", "plain"), ("adamw8bit", "plain"), ("qlora", "qlora_peft"),
                  ("qlora", "qlora_resident")):
         if "step_s" in res.get(x, {}) and "step_s" in res.get(y, {}):
             print(f"{x}/{y} step time = {res[x]['step_s'] / res[y]['step_s']:.2f}")

@@ -175,7 +175,8 @@ def test_gpu_home_nf4_base_on_cuda_equals_the_streamed_run():
     (l1, a1, moved1, home1), (l2, a2, moved2, home2) = runs
     assert home1 == 0 and moved1 > 0 and home2 > 0 and moved2 == 0
     # at 64M the adapters are gpu-home too: their AdamW runs in CUDA's fused kernel, not the
-    # CPU's (H200, 2026-12-04: the third step's loss differed by 5e-7): a tolerance, not equality
-    torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), rtol=1e-6, atol=0)
+    # CPU's (H200, 2026-12-04: the third step's loss differed by 5e-7, lora_A by more than 1e-5
+    # relative): the tolerance of the PEFT comparison above, not equality
+    torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), rtol=1e-4, atol=1e-5)
     for n, t in a1.items():
-        torch.testing.assert_close(a2[n], t, rtol=1e-5, atol=1e-7, msg=n)
+        torch.testing.assert_close(a2[n], t, rtol=1e-3, atol=1e-5, msg=n)
