@@ -11,9 +11,6 @@ prints one JSON line; a summary follows. Sections:
   engine_noguard  `engine` without its read guard (what the guard's per-call Python costs)
   plain_big, engine_big  `plain` and `engine` at --big-seq tokens per row (the CPU's per-op
               overheads weigh less against the GPU's work), the engine under --big-gpu-mem
-  engine_old  `engine` as it was before 2026-12-04's second GPU session (`OLD`: every step fetches
-              the weights anew, the update takes every core, copy threads spin); engine_nokeep
-              and engine_spin undo one change each
   capped      `engine` with the CUDA allocator itself capped at --gpu-mem (an OOM = bytes the
               ledger misses)
   resident    the Engine with a budget the whole model fits, no recompute (what the engine
@@ -146,31 +143,9 @@ def big_data(a) -> list:
     return [torch.randint(0, 32000, (a.batch, a.big_seq), generator=g) for _ in range(a.steps + 2)]
 
 
-OLD = {"keep": False, "reserve": 0, "blocking": False}  # before 2026-12-04's second GPU session
-
-
-def switches(keep: bool = True, reserve: int = 2, blocking: bool = True) -> dict:
-    """Set the engine's bench switches (the defaults are the engine's); returns the old ones."""
-    from tierwise.offload.engine import residency
-    from tierwise.offload.runtime import executor
-    from tierwise.offload.update import threads
-
-    old = {"keep": residency.KEEP_RESIDENT, "reserve": threads.RESERVE, "blocking": executor.BLOCKING}
-    residency.KEEP_RESIDENT, threads.RESERVE, executor.BLOCKING = keep, reserve, blocking
-    return old
-
-
-def engine(a, model, data, *, gpu_mem: str, cap: bool = False, switch: dict | None = None, tokens: int = 0,
-           **kw) -> dict:
+def engine(a, model, data, *, gpu_mem: str, cap: bool = False, tokens: int = 0, **kw) -> dict:
     """`cap`: the CUDA allocator itself is limited to the gpu budget (on top of what it already
-    held), so any byte the ledger does not count but the run needs shows as an OOM. `switch`:
-    the engine's bench switches for this run (`switches`), e.g. OLD."""
-    if switch is not None:
-        old = switches(**switch)
-        try:
-            return engine(a, model, data, gpu_mem=gpu_mem, cap=cap, tokens=tokens, **kw)
-        finally:
-            switches(**old)
+    held), so any byte the ledger does not count but the run needs shows as an OOM."""
     from tierwise.offload import Engine
     from tierwise.offload.core.sizes import parse_size
 
@@ -198,7 +173,6 @@ def engine(a, model, data, *, gpu_mem: str, cap: bool = False, switch: dict | No
                    per_step_phase_s={k: (v - warm["phase"][k]) / (len(data) - 2) for k, v in eng.phase_times.items()},
                    per_step_wait_s=(eng.executor.wait_seconds - warm["wait"]) / (len(data) - 2),
                    timed_fetched_gib_per_step=(eng.cache.fetched_bytes - warm["fetched"]) / 2**30 / (len(data) - 2),
-                   keeps_weights=eng.residency.holds_all(),
                    workspace_gib=eng.workspace.bytes / 2**30)
         return out
     finally:
@@ -314,13 +288,10 @@ def main() -> None:
         "link": lambda: link_bandwidth() if CUDA else {"skipped": "no CUDA"},
         "plain": lambda: plain(a, model, data),
         "engine": lambda: engine(a, model, data, gpu_mem=a.gpu_mem),
-        "engine_old": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, switch=OLD),
         "engine_sequential": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, overlap_update=False),
         "engine_noguard": lambda: without_read_guard(lambda: engine(a, model, data, gpu_mem=a.gpu_mem)),
         "plain_big": lambda: plain(a, model, big_data(a), tokens=a.batch * a.big_seq),
         "engine_big": lambda: engine(a, model, big_data(a), gpu_mem=a.big_gpu_mem, tokens=a.batch * a.big_seq),
-        "engine_nokeep": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, switch={"keep": False}),
-        "engine_spin": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, switch={"reserve": 0, "blocking": False}),
         "qlora_peft": lambda: qlora_peft(a, model, data),
         "qlora": lambda: engine(a, model, data, gpu_mem=a.lora_gpu_mem, lora=lora_config(),
                                 base_dtype="nf4", double_quant=True),
@@ -364,7 +335,7 @@ def summary(a, res: dict) -> None:
     print(f"\n{res['device']}: {a.n / 1e9:.2f}B params, batch {a.batch} x {a.seq}")
     if "h2d_gbs" in res.get("link", {}):
         print(f"link  h2d {res['link']['h2d_gbs']:.1f} GB/s  d2h {res['link']['d2h_gbs']:.1f} GB/s")
-    for name in ("plain", "engine", "engine_sequential", "engine_noguard", "plain_big", "engine_big", "engine_old", "engine_nokeep", "engine_spin", "capped", "resident", "adamw8bit", "qlora_peft", "qlora", "qlora_resident"):
+    for name in ("plain", "engine", "engine_sequential", "engine_noguard", "plain_big", "engine_big", "capped", "resident", "adamw8bit", "qlora_peft", "qlora", "qlora_resident"):
         r = res.get(name, {})
         if "tokens_per_s" not in r:
             print(f"{name:10s} {r.get('error') or r.get('skipped') or 'not run'}")
@@ -372,8 +343,7 @@ def summary(a, res: dict) -> None:
         extra = ""
         if "ledger_peaks_gib" in r:
             extra = (f"  ledger gpu peak {r['ledger_peaks_gib'].get('gpu', 0):.2f} GiB (budget {r['gpu_budget']}),"
-                     f" {r['timed_fetched_gib_per_step']:.2f} GiB streamed per timed step"
-                     f"{' (weights stay)' if r['keeps_weights'] else ''}, setup {r['setup_s']:.0f} s")
+                     f" {r['timed_fetched_gib_per_step']:.2f} GiB streamed per timed step, setup {r['setup_s']:.0f} s")
         print(f"{name:10s} {r['tokens_per_s']:9,.0f} tok/s  MFU {r['mfu']:6.1%}  step {r['step_s']:.3f} s"
               f"  cuda peak {r['cuda_peak_gib']:.2f} GiB{extra}  losses {[round(x, 4) for x in r['losses'][:3]]}")
         if "per_step_phase_s" in r:
@@ -387,7 +357,7 @@ def summary(a, res: dict) -> None:
         if isinstance(r, dict) and "device_kernel_s" in r:
             print(f"profile {name}: step {r['wall_s']:.3f} s, device kernels {r['device_kernel_s']:.3f} s,"
                   f" copies {r['device_copy_s']:.3f} s (busy {r['device_kernel_s'] / r['wall_s']:.0%} of the step)")
-    for x, y in (("engine", "plain"), ("engine_big", "plain_big"), ("engine_old", "plain"), ("engine", "engine_old"), ("engine_noguard", "engine"), ("engine_sequential", "engine"), ("resident", "plain"), ("adamw8bit", "plain"), ("qlora", "qlora_peft"),
+    for x, y in (("engine", "plain"), ("engine_big", "plain_big"), ("engine_noguard", "engine"), ("engine_sequential", "engine"), ("resident", "plain"), ("adamw8bit", "plain"), ("qlora", "qlora_peft"),
                  ("qlora", "qlora_resident")):
         if "step_s" in res.get(x, {}) and "step_s" in res.get(y, {}):
             print(f"{x}/{y} step time = {res[x]['step_s'] / res[y]['step_s']:.2f}")

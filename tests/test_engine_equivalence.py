@@ -45,36 +45,6 @@ def test_bit_exact_with_pytorch_at_every_budget(reference, budget):
         assert not eng.device_plan.gpu_home and eng.cache.prefetches > 0
 
 
-@pytest.mark.parametrize("clip", [None, 0.05])
-def test_streamed_weights_stay_on_the_device_across_steps(reference, clip):
-    """No chunk gpu-home, but the cache holds every streamed chunk: the compute copies stay on
-    the device across steps, each refilled from its updated master right after its update
-    (during backward when it updates early; at the step's end under clipping), never fetched
-    again on demand. Bit-exact with plain PyTorch; one refill per chunk per step."""
-    from tierwise.offload.engine import residency
-
-    data, ref_losses, ref, _ = reference
-    if clip is not None:
-        ref_losses, ref = train_reference(tiny_llama(), data, clip=clip)
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="64M", chunk_bytes=CHUNK, allow_gpu_home=False, grad_clip=clip)
-    losses = [eng.step(b) for b in data[:2]]  # the warm-up places; the next step fetches them all
-    assert not eng.device_plan.gpu_home and eng.residency.holds_all()
-    fetches = eng.cache.fetches
-    losses += [eng.step(b) for b in data[2:]]
-    assert losses == ref_losses
-    assert weights_equal(eng, ref)
-    assert eng.cache.fetches - fetches == len(eng.plan.chunks) * (len(data) - 2)
-    assert (eng.grads.early is not None and eng.grads.early.updated > 0) == (clip is None)
-    eng.close()
-    residency.KEEP_RESIDENT = False  # the old way: every chunk fetched anew in each forward
-    try:
-        old = Engine(tiny_llama(), lr=1e-3, gpu_mem="64M", chunk_bytes=CHUNK, allow_gpu_home=False, grad_clip=clip)
-        assert [old.step(b) for b in data] == losses and not old.residency.holds_all()
-        old.close()
-    finally:
-        residency.KEEP_RESIDENT = True
-
-
 def test_grad_accumulation_and_clipping_bit_exact():
     data = batches(6, batch=8)
     ref_losses, ref = train_reference(tiny_llama(), data, grad_accum=4, clip=0.05)

@@ -384,25 +384,3 @@ def test_activation_tracker_books_activations_and_refers_to_chunks():
     assert ledger.usage()["gpu"]["activation"] == 16
     del held
     assert ledger.usage()["gpu"].get("activation", 0) == 0
-
-
-def test_update_threads_leave_cores_to_the_launching_threads_on_cuda():
-    """On CUDA the CPU update runs on RESERVE threads fewer (offload.update.threads); on the
-    simulated device, and with fewer than four threads, it keeps them all; restored after."""
-    import torch
-
-    from tierwise.offload.update.threads import RESERVE, update_threads
-
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(8)
-        with update_threads(torch.device("cuda")):
-            assert torch.get_num_threads() == 8 - RESERVE
-        assert torch.get_num_threads() == 8
-        with update_threads(torch.device("cpu")):
-            assert torch.get_num_threads() == 8
-        torch.set_num_threads(3)
-        with update_threads(torch.device("cuda")):
-            assert torch.get_num_threads() == 3
-    finally:
-        torch.set_num_threads(before)

@@ -71,7 +71,6 @@ from ..runtime.store import ChunkStore, SwapKind, frozen_kind_bytes, kind_bytes
 from ..runtime.swapping import Bounce, update_all
 from ..runtime.tiers import pick_device
 from ..runtime.trace import Phase
-from ..update.threads import update_threads
 from ..update.update import Hyper
 from ..update.updaters import make_updater
 from ..update.zeroth import dual_forward, hf_split_losses
@@ -380,9 +379,7 @@ class Engine:
                 if c in handed:
                     self.grads.spill.write_handed(c)
             return
-        with update_threads(self.device):
-            update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks, handed=handed)
-        self.residency.refresh(chunks)
+        update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks, handed=handed)
 
     def _reduce_grads(self, chunks: list[int], handed: dict) -> None:
         transient = self.grads.transient
@@ -608,12 +605,10 @@ class Engine:
             skip = skip or (self.skip_nonfinite and not bool(torch.isfinite(self.last_grad_norm)))
         self.skipped_last = skip
         if not skip:
-            with update_threads(self.device):
-                update_all(self.store, self.updater, self.hyper, self.bounce, chunks=rest)
-            self.residency.refresh(rest)
+            update_all(self.store, self.updater, self.hyper, self.bounce, chunks=rest)
         early.clear()
         self.store.grad_scale = None
-        self.residency.end_step()
+        self.residency.cache.evict_all()
         self.moments.moment()
         self.residency.follower.end_step()
         self._in_cycle = False

@@ -38,9 +38,6 @@ from .reads import Paused, ReadGuard
 from .timeline import Timeline
 
 
-KEEP_RESIDENT = True  # bench switch (bench/gpu_check.py): False streams every step's weights anew
-
-
 class Residency:
     """Owns the resident cache, the trace follower, the module stack and the read guard.
 
@@ -77,30 +74,6 @@ class Residency:
                 self.home(cid)
             else:
                 self._on_evict(cid)
-
-    # -- compute copies that stay across steps -------------------------------------------------
-    def holds_all(self) -> bool:
-        """Every chunk that goes through the cache fits it at once: then the compute copies stay
-        resident across steps, refreshed after each update (one rank: another rank's chunk comes
-        by a collective, which an update thread must not start)."""
-        if not KEEP_RESIDENT or self.ranks is not None:
-            return False
-        through = [c for c in range(len(self.plan.chunks)) if not self.store.is_gpu_home(c)]
-        return sum(self.cache.numel(c) for c in through) * self.store.compute_dtype.itemsize <= self.cache.limit
-
-    def refresh(self, chunks: list[int]) -> None:
-        """(The update's thread.) `chunks` were just updated: refill the resident ones from their
-        new home copy when it lies in memory (an NVMe home would cost a read: evicted instead)."""
-        if not self.holds_all():
-            return
-        for cid in chunks:  # (frozen ones were not updated: nothing to refresh)
-            if not self.store.is_frozen(cid) and not isinstance(self.store.compute_source(cid), SwapKind):
-                self.cache.refresh(cid)
-
-    def end_step(self) -> None:
-        """The step's update is done: drop the stale compute copies (all, unless they stay)."""
-        keep = self.holds_all()
-        self.cache.evict_all(keep=lambda c: keep and (c in self.cache.refreshed or self.store.is_frozen(c)))
 
     def home(self, cid: int) -> None:
         """Chunk `cid` was placed on the device: its parameters point at it for good."""

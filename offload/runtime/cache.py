@@ -10,14 +10,10 @@ streaming window a step really needs. Compute copies are read-only on the device
 never writes back: the home copy is the truth. An encoded frozen chunk that is gpu-home passes
 through the cache too: its buffer is decoded from the resident blob (counted in `decoded_bytes`,
 not `fetched_bytes`: nothing crossed the link).
-An update makes the compute copies stale. When the cache holds every streamed chunk at once, a
-chunk's buffer is refilled right after its update instead (`refresh`, from the update's thread,
-during backward) and stays for the next step: `evict_all(keep=...)` spares those.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,8 +52,6 @@ class ResidentCache:
         self.decoded_bytes = 0
         self.pinned_bytes = 0
         self.pinned_peak = 0
-        self.refreshed: set[int] = set()  # refilled after this step's update: fresh for the next
-        self._lock = threading.Lock()  # an update thread refreshes while the compute thread evicts
 
     # -- queries ---------------------------------------------------------------------
     def resident(self, cid: int) -> bool:
@@ -114,25 +108,10 @@ class ResidentCache:
             self.prefetches += 1
         return True
 
-    def refresh(self, cid: int) -> bool:
-        """(Any thread.) Chunk `cid` was just updated: refill its buffer from its home if it is
-        resident and unused, so it stays fresh past the step; False if it is not."""
-        with self._lock:
-            entry = self.entries.get(cid)
-            if entry is None or entry.pins:
-                return False
-            entry.ticket = self.fetch(cid, entry.buf)  # queued behind any earlier copy into it
-            self.refreshed.add(cid)
-            self.fetches += 1
-            self.fetched_bytes += entry.buf.numel() * entry.buf.element_size()
-        return True
-
-    def evict_all(self, keep: Callable[[int], bool] = lambda cid: False) -> None:
-        """Drop every unpinned chunk but those `keep` spares (after an update the compute copies
-        are stale unless refreshed)."""
-        for cid in [c for c, e in self.entries.items() if e.pins == 0 and not keep(c)]:
+    def evict_all(self) -> None:
+        """Drop every unpinned chunk (after an update their compute copies are stale)."""
+        for cid in [c for c, e in self.entries.items() if e.pins == 0]:
             self._evict(cid)
-        self.refreshed.clear()
 
     # -- internals -------------------------------------------------------------------
     def _fetch(self, cid: int) -> _Entry:
@@ -151,8 +130,7 @@ class ResidentCache:
         return entry
 
     def _evict(self, cid: int) -> None:
-        with self._lock:
-            entry = self.entries.pop(cid)
+        entry = self.entries.pop(cid)
         if entry.ticket is not None:  # the copy thread may still be writing into it
             entry.ticket.wait()
         self.on_evict(cid)

@@ -6,9 +6,7 @@ carries no policy: what to move and when is decided by the engine's schedule.
 
 Simulated device: one thread per direction (PCIe is full duplex), each copy optionally
 throttled by a Link so that overlap can be measured on a CPU-only machine.
-CUDA: one stream per direction; a Ticket is an event the compute stream waits on. A worker that
-waits for its copy to land (a host destination, a job's staging buffer) sleeps on a blocking
-event: spinning, the two workers held two cores the update and the launching thread needed.
+CUDA: one stream per direction; a Ticket is an event the compute stream waits on.
 """
 
 from __future__ import annotations
@@ -23,8 +21,6 @@ from typing import Callable
 import torch
 
 from .link import Link
-
-BLOCKING = True  # workers sleep, not spin, while their copies land (bench switch)
 
 
 class Ticket:
@@ -105,7 +101,7 @@ class Executor:
         if self.cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream())
-        done_event = torch.cuda.Event(blocking=BLOCKING) if self.cuda else None
+        done_event = torch.cuda.Event() if self.cuda else None
 
         def run() -> None:
             start = time.perf_counter()
@@ -142,7 +138,7 @@ class Executor:
             # whose memory a chunk evicted a moment ago still feeds queued kernels): wait for them
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream())
-        done_event = torch.cuda.Event(blocking=BLOCKING) if self.cuda else None
+        done_event = torch.cuda.Event() if self.cuda else None
 
         def run() -> None:
             start = time.perf_counter()
