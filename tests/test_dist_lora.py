@@ -132,6 +132,49 @@ def test_stale_shared_base_files_are_removed_live_ones_kept(tmp_path):
     assert not list(tmp_path.glob(f"{PREFIX}[0-9]*"))
 
 
+def test_shared_base_is_pinned_for_cuda_or_stays_pageable(tmp_path, monkeypatch, caplog):
+    """With CUDA each rank page-locks its mapping of the shared base (read-only flag where it maps
+    read-only) and unregisters it on close; where the driver refuses, one warning and the pages
+    stay pageable. (CUDA faked: tests/gpu runs the real one.)"""
+    from tierwise.offload.runtime import sharedmem
+
+    leader = sharedmem.SharedRegion.create(4096, directory=str(tmp_path))
+    try:
+        if not torch.cuda.is_available():
+            assert not leader.pin()  # nothing to pin for
+        calls = []
+
+        class Runtime:
+            result = 0
+
+            def cudaHostRegister(self, ptr, n, flags):
+                calls.append(("register", n, flags))
+                return self.result
+
+            def cudaHostUnregister(self, ptr):
+                calls.append(("unregister",))
+                return 0
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+        assert leader.pin() and calls == [("register", 4096, 0)]
+        other = sharedmem.SharedRegion.attach(leader.path, 4096)
+        assert other.pin() and calls[-1] == ("register", 4096, sharedmem._REGISTER_READ_ONLY)
+        other.close()
+        assert calls[-1] == ("unregister",) and not other.pinned
+        Runtime.result = 2  # e.g. out of lockable memory
+        refused = sharedmem.SharedRegion.attach(leader.path, 4096)
+        with caplog.at_level("WARNING"):
+            assert not refused.pin()
+        assert "could not be pinned" in caplog.text and "pageable" in caplog.text
+        refused.close()  # never registered: nothing to unregister
+        assert calls.count(("unregister",)) == 1
+    finally:
+        leader.unlink()
+        leader.close()
+
+
 def test_a_shm_too_small_for_the_base_is_one_line_not_sigbus(tmp_path, monkeypatch):
     """A container's /dev/shm (64 MiB by default) smaller than the base: the leader's create
     reserves the pages and fails in one line naming the remedy, leaving no file behind (with a

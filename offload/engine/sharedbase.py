@@ -19,8 +19,9 @@ model, and N copies of it make host RAM, not the GPUs, the limit (DeepSpeed #284
   collective run once at the first step, evaluation or export, waits for that.
 NVMe-homed base chunks: the leader's swap files (in its private directory under --nvme-path),
 which the others open read-only (offload.runtime.nvme.NvmeStore.attach); each rank books 1/L.
-Not yet: --nvme-checksum verifies the leader's reads of those files, not the others'; the
-shared host pages are pageable (not pinned for CUDA copies).
+On a CUDA device every rank pins its mapping of the region (SharedRegion.pin), so its copies to
+the device are DMA as from any pinned host tier.
+Not yet: --nvme-checksum verifies the leader's reads of those files, not the others'.
 """
 
 from __future__ import annotations
@@ -118,9 +119,10 @@ class SharedBase:
                                    minimum={"host": sum(totals.get("host", {}).values()) + bounce})
         return Homes(tiers=tiers, bytes=totals, bounce=bounce)
 
-    def map(self, ledger: Any) -> None:
-        """Book this rank's share, make (leader) or map (the others) the region; then the
-        leader unlinks its name (every local rank has it mapped)."""
+    def map(self, ledger: Any, *, cuda: bool = False) -> None:
+        """Book this rank's share, make (leader) or map (the others) the region (`cuda`: and pin
+        it for the copies to the device); then the leader unlinks its name (every local rank
+        has it mapped)."""
         # (the collectives run on every rank of the group, whatever its node placed)
         if self.nbytes:
             ledger.reserve("host", "shared", self.share)
@@ -129,6 +131,8 @@ class SharedBase:
         if region is None and self.nbytes:
             region = SharedRegion.attach(paths[self.leader], self.nbytes)
         self.region = region
+        if cuda and region is not None:
+            region.pin()
         self.ranks.all_true(True, "mapping the shared base")
         if self.is_leader and region is not None:
             region.unlink()

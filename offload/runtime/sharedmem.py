@@ -7,11 +7,15 @@ rather than changing what the others read); once every rank has mapped it the le
 A run killed between create and unlink leaves the file behind: every rank holds a shared
 `flock` on it while it lives, so `remove_stale` (run by each `create`) deletes only the
 files of this user that nobody holds (their runs are dead) -- never a live run's.
+With CUDA each rank `pin`s its mapping (cudaHostRegister; read-only where it maps read-only),
+so the copies to its device are DMA from the shared pages, as from any pinned host tier; where
+the driver refuses (a memlock limit), the region stays pageable and one warning says so.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import re
@@ -24,7 +28,9 @@ import torch
 from ..core.errors import TierwiseError
 from ..core.units import format_size
 
+log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
+_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (CUDA >= 11.1): a read-only mapping's pages
 PREFIX = "tierwise-base-"
 _NAME = re.compile(re.escape(PREFIX) + r"(\d+)-[0-9a-f]+")
 
@@ -39,6 +45,7 @@ class SharedRegion:
     def __init__(self, path: str, fd: int, nbytes: int, *, writable: bool):
         self.path, self.nbytes, self.writable = path, nbytes, writable
         self._fd = fd
+        self.pinned = False
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         self._map = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=prot)
         with warnings.catch_warnings():  # a read-only mapping: torch warns that it is not writable
@@ -88,6 +95,21 @@ class SharedRegion:
         fcntl.flock(fd, fcntl.LOCK_SH)
         return cls(path, fd, nbytes, writable=False)
 
+    def pin(self) -> bool:
+        """Page-lock the mapping for CUDA copies (cudaHostRegister); False where CUDA is absent
+        or refuses (the region then stays pageable: slower copies, the same bytes)."""
+        if self.pinned or not self.nbytes or not torch.cuda.is_available():
+            return self.pinned
+        flags = 0 if self.writable else _REGISTER_READ_ONLY
+        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, flags)
+        if int(err) != 0:
+            log.warning("the shared base (%s) could not be pinned for CUDA copies (cudaHostRegister error %d; "
+                        "a memlock limit? see ulimit -l): it stays pageable, copies from it are slower",
+                        format_size(self.nbytes), int(err))
+            return False
+        self.pinned = True
+        return True
+
     def unlink(self) -> None:
         """Remove the name (every rank has mapped it): the memory goes with the last mapping."""
         try:
@@ -97,6 +119,10 @@ class SharedRegion:
 
     def close(self) -> None:
         """Drop this process's mapping (tensors viewing it must be gone: their storage is it)."""
+        if self.pinned:
+            torch.cuda.synchronize()  # no copy may still be reading the pages
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
         self.tensor = None
         try:
             self._map.close()

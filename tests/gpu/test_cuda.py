@@ -181,3 +181,26 @@ def test_gpu_home_nf4_base_on_cuda_equals_the_streamed_run():
     torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), rtol=1e-4, atol=1e-5)
     for n, t in a1.items():
         torch.testing.assert_close(a2[n], t, rtol=1e-3, atol=1e-5, msg=n)
+
+
+def test_shared_base_region_pinned_for_cuda_copies(tmp_path):
+    """The shared base's /dev/shm mapping is page-locked on a CUDA machine (the leader's
+    read-write mapping and another rank's read-only one), copies from it land intact, and
+    close() unregisters it before unmapping."""
+    from tierwise.offload.runtime.sharedmem import SharedRegion
+
+    n = 8 << 20
+    leader = SharedRegion.create(n, directory=str(tmp_path))
+    leader.tensor.copy_(torch.arange(n, dtype=torch.int64).to(torch.uint8))
+    other = SharedRegion.attach(leader.path, n)
+    try:
+        assert leader.pin() and other.pin()
+        dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+        dev.copy_(other.tensor, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu(), leader.tensor)
+    finally:
+        other.close()
+        leader.unlink()
+        leader.close()
+    assert not leader.pinned and not other.pinned
