@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ..plan.needs import workspace_margin  # (one place for the margin: the planner leaves it too)
 from ..runtime.ledger import Ledger
 
-MARGIN_MIN = 2 << 20  # fragmentation of the caching allocator: at least one small segment...
-MARGIN_SHARE = 16  # ...or 1/16 of the gpu budget (125-295 MiB of 6 GiB were seen unusable)
 
 
 class Workspace:
@@ -50,6 +49,5 @@ class Workspace:
         missed = (torch.cuda.max_memory_allocated(self.device) - self.outside
                   - self.ledger.peak_since_mark("gpu"))
         self.missed = max(self.missed, missed)
-        budget = self.ledger.budgets["gpu"] or 0
-        self.bytes = max(self.missed, 0) + max(MARGIN_MIN, budget // MARGIN_SHARE)
+        self.bytes = max(self.missed, 0) + workspace_margin(self.ledger.budgets["gpu"])
         return self.bytes
