@@ -12,7 +12,9 @@ The planner mirrors the engine byte for byte on the simulated device, by constru
   `perfmodel.activation_bytes`, which matches what the engine measures for a full or, with
   `padded`, a padded batch: the run's worst step)
   handed to the engine's own `placement.plan_device`, which picks the gpu-home chunks (a
-  suffix of first-use order) and the cache size for streamed compute copies;
+  suffix of first-use order) and the cache size for streamed compute copies; on a CUDA
+  profile around the workspace margin the engine leaves the allocator (`needs.workspace_margin`,
+  1/16 of the budget; what its warm-up measures beside the ledger cannot be known here);
 - the host side: the kinds placed by the engine's own `homes.assign_homes` (DRAM, then CXL,
   then NVMe) over the chunks the engine keeps host-side when it is built (`up_front`), and a
   refusal where the engine would not fit (e.g. the CXL allocator's page rounding).
@@ -92,7 +94,8 @@ class Plan:
     limit), "grad in flight" (MeZO: "workspace", its perturbed parameter copies), "activations";
     host "nvme bounce"."""
     peak: dict[str, int]
-    """Predicted peak bytes per tier in steady state (after the warm-up step)."""
+    """Predicted peak bytes per tier in steady state (after the warm-up step), as the engine's
+    ledger books them (the gpu `workspace_margin` is left free beside them)."""
     gpu_minimum: int
     """The smallest gpu budget the engine accepts for this run (its `minimum_gpu_bytes`; on
     CUDA the smallest budget that holds it beside its own workspace margin)."""
