@@ -143,13 +143,13 @@ class Ranks:
             raise RankFailure(f"rank {self.rank}: {what} failed: {_others(self.rank, self.world)} stopped "
                               f"({_cause(exc)})") from exc
 
-    def _check_order(self, group: Any, doing: str, cid: int, offset: int, numel: int) -> None:
-        """Every rank is about to run the collective on the same part of the same chunk, else
-        CollectiveOrderError on every rank (see the module's docstring)."""
+    def _check_order(self, group: Any, what: str, doing: str, cid: int, offset: int, numel: int) -> None:
+        """Every rank is about to run the collective `what` on the same part of the same chunk,
+        else CollectiveOrderError on every rank (see the module's docstring). A peer that stopped
+        fails here as in the collective itself (RankFailure naming `what`)."""
         t = torch.zeros(self.world, 3, dtype=torch.int64)
         t[self.rank] = torch.tensor([cid, offset, numel])
-        self._call(f"checking the order ({doing} chunk {cid})", dist.all_reduce, t,
-                   op=dist.ReduceOp.SUM, group=group)
+        self._call(what, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=group)
         rows = [tuple(r) for r in t.tolist()]
         if len(set(rows)) == 1:
             return
@@ -166,24 +166,27 @@ class Ranks:
     # -- chunks ---------------------------------------------------------------------------
     def broadcast_chunk(self, cid: int, buf: torch.Tensor) -> None:
         """The owner's device copy of chunk `cid` into `buf` on every rank (byte for byte)."""
-        self._check_order(self.gather_check, "gathering", cid, 0, buf.numel())
+        what = f"gathering chunk {cid} from rank {self.owner[cid]}"
+        self._check_order(self.gather_check, what, "gathering", cid, 0, buf.numel())
         self.bytes["gather"] += buf.numel() * buf.element_size()
-        self._call(f"gathering chunk {cid} from rank {self.owner[cid]}", dist.broadcast,
+        self._call(what, dist.broadcast,
                    buf.view(torch.uint8), src=self.global_rank[self.owner[cid]], group=self.gather_group)
 
     def reduce_grad(self, cid: int, grad: torch.Tensor, offset: int = 0) -> None:
         """Sum chunk `cid`'s gradient over the ranks onto its owner (others' `grad` is scratch);
         `offset`: `grad` is the chunk's elements from there on (a slot's slice)."""
-        self._check_order(self.grad_group, "reducing gradients", cid, offset, grad.numel())
+        what = f"reducing the gradients of chunk {cid} onto rank {self.owner[cid]}"
+        self._check_order(self.grad_group, what, "reducing gradients", cid, offset, grad.numel())
         self.bytes["grads"] += grad.numel() * grad.element_size()
-        self._call(f"reducing the gradients of chunk {cid} onto rank {self.owner[cid]}", dist.reduce,
+        self._call(what, dist.reduce,
                    grad, dst=self.global_rank[self.owner[cid]], op=dist.ReduceOp.SUM, group=self.grad_group)
 
     def broadcast_from_owner(self, cid: int, t: torch.Tensor) -> None:
         """`t` from chunk `cid`'s owner to every rank (compute thread: exports)."""
-        self._check_order(self.main_group, "reading", cid, 0, t.numel())
+        what = f"reading chunk {cid} from rank {self.owner[cid]}"
+        self._check_order(self.main_group, what, "reading", cid, 0, t.numel())
         self.bytes["main"] += t.numel() * t.element_size()
-        self._call(f"reading chunk {cid} from rank {self.owner[cid]}", dist.broadcast,
+        self._call(what, dist.broadcast,
                    t, src=self.global_rank[self.owner[cid]], group=self.main_group)
 
     # -- scalars and small vectors (compute thread) ----------------------------------------
