@@ -6,7 +6,8 @@ per case the step losses, the final weights (gathered) and each rank's device pe
 is a dict: `kind` ("engine", "ddp", "resume": `split` steps, a new engine from the
 shards, the rest), `data` ("plain" or "masked"), `steps`, `grad_accum`
 (per rank), and Engine keywords for "engine" (`nvme`: each rank its own swap directory).
-`spawn_then_die(cases, tmp)`: the same on 2 ranks, then rank 1 SIGKILLed mid-step on them;
+`spawn_then_die(cases, tmp)`: the same on 2 ranks, then collectives in diverged orders, then
+rank 1 SIGKILLed mid-step on them;
 `run_two_ranks`: every 2-rank case of tests/test_dist.py and tests/test_dist_lora.py that way
 (the session fixture `two_ranks`, tests/conftest.py): one launch, as imports are most of one.
 """
@@ -245,8 +246,9 @@ def _worker(rank: int, world: int, cases: list[dict], tmp: str, die: bool = Fals
     tmp_path = Path(tmp)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
-    if die:  # the cases, then rank 1 killed mid-step: the group is not torn down
+    if die:  # the cases, the diverged orders, then rank 1 killed mid-step: the group is not torn down
         _run_cases(rank, world, cases, tmp_path)
+        _diverge(rank, tmp_path)
         dist.barrier()  # rank 0 has saved the results
         _die(rank, tmp_path, DIE_TIMEOUT_S)
         return
@@ -294,6 +296,49 @@ def spawn(world: int, cases: list[dict], tmp: "Path | None" = None) -> list[dict
 
 
 DIE_TIMEOUT_S = 20.0  # the dying run's collective timeout
+
+
+def _diverge(rank: int, tmp_path: Path) -> None:
+    """Collectives in a different order on the 2 ranks; each rank saves, per way, how it stopped
+    (`diverge-RANK.pt`: the error's type and message, the seconds it took):
+    "branch": the engine, rank 1 skipping a layer in step 2 (a data-dependent branch of a model);
+    "reduce": a Ranks reducing chunk 0 on rank 0 and chunk 2 on rank 1 (the same size and owner:
+    the sum of the two would be a wrong number); "gather": broadcasting chunk 1 on rank 0 and
+    chunk 3 on rank 1 (the same size, different owners: a hang)."""
+    import time
+
+    from tierwise.offload import Engine
+    from tierwise.offload.engine.ranks import Ranks
+
+    def loss_fn(model, batch):
+        layers = model.model.layers
+        if rank == 1 and eng.steps == 1:
+            model.model.layers = torch.nn.ModuleList(list(layers)[1:])
+        try:
+            return model(**batch).loss
+        finally:
+            model.model.layers = layers
+
+    def record(fn) -> dict:
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - how it stopped is the result
+            return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
+        return {"error": None, "seconds": time.perf_counter() - t0}
+
+    out = {}
+    torch.manual_seed(0)
+    eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, loss_fn=loss_fn, dist_timeout=3 * DIE_TIMEOUT_S)
+    data = data_for("plain", 2, rows=4)
+    eng.step(data[0])
+    out["branch"] = record(lambda: eng.step(data[1]))
+    eng.close()
+    ranks = Ranks(dist.group.WORLD, trainable=list(range(4)), timeout_s=3 * DIE_TIMEOUT_S)
+    out["reduce"] = record(lambda: ranks.reduce_grad(2 * rank, torch.ones(64)))
+    out["gather"] = record(lambda: ranks.broadcast_chunk(1 + 2 * rank, torch.ones(64)))
+    ranks.close()
+    torch.save(out, tmp_path / f"diverge-{rank}.pt")
 
 
 def _die(rank: int, tmp_path: Path, timeout_s: float) -> None:
@@ -371,7 +416,8 @@ def minimum_gpu() -> int:
 
 def run_two_ranks(tmp: Path) -> dict:
     """Every 2-rank case of tests/test_dist.py and tests/test_dist_lora.py in one launch, by
-    name, then rank 1 SIGKILLed mid-step ("dying": rank 0's record and the exit codes); "tight":
+    name, then collectives in diverged orders ("diverged": each rank's records), then rank 1
+    SIGKILLed mid-step ("dying": rank 0's record and the exit codes); "tight":
     the device budget of the tight cases."""
     tight = minimum_gpu()
     # the LoRA cases first: their PSS is measured in as fresh a process as with a launch of their own
@@ -398,4 +444,5 @@ def run_two_ranks(tmp: Path) -> dict:
         "mezo": case(data="masked", optimizer="mezo"),
     }
     results, record, codes = spawn_then_die(list(cases.values()), tmp)
-    return dict(zip(cases, results)) | {"tight": tight, "dying": (record, codes)}
+    diverged = [torch.load(tmp / f"diverge-{r}.pt") for r in range(2)]
+    return dict(zip(cases, results)) | {"tight": tight, "dying": (record, codes), "diverged": diverged}

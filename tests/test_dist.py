@@ -158,6 +158,24 @@ def test_a_rank_killed_mid_step_stops_the_other_in_bounded_time(two):
     assert record["seconds"] < 25.0
 
 
+def test_collectives_in_a_diverged_order_raise_on_every_rank_at_once(two):
+    """Rank 1 takes another branch of the model in step 2 (its backward then reduces the chunks
+    in another order), or reduces/gathers another chunk of the same size than rank 0 (unchecked:
+    the sum of two chunks' gradients, or a hang until the collective timeout, 60 s here): every
+    rank raises CollectiveOrderError naming both ranks' chunks, at once, never a hang."""
+    for way in ("branch", "reduce", "gather"):
+        for rank, got in enumerate(two["diverged"]):
+            error = got[way]["error"]
+            assert error is not None, (way, rank)
+            assert error.startswith(f"CollectiveOrderError: rank {rank}: collective order diverged"), (way, error)
+            assert "rank 0 chunk" in error and "rank 1 chunk" in error and "\n" not in error, error
+            assert got[way]["seconds"] < 30.0, (way, rank, got[way])
+    reduce = two["diverged"][0]["reduce"]["error"]
+    assert "(reducing gradients): rank 0 chunk 0 [0:64], rank 1 chunk 2 [0:64];" in reduce, reduce
+    gather = two["diverged"][1]["gather"]["error"]
+    assert "(gathering): rank 0 chunk 1 [0:64], rank 1 chunk 3 [0:64];" in gather, gather
+
+
 def test_mezo_on_two_ranks_equals_one_rank_on_the_whole_batch(two):
     """Each rank evaluates its micro-batch with the same z; only the two losses are summed:
     bit-exact with one rank evaluating both micro-batches (grad_accum 2)."""

@@ -84,5 +84,37 @@ def test_planner_predicts_engine_bytes(profile, precision, batch, seq, chunk, op
         assert peaks["gpu"] <= gpu
 
 
+def test_a_cuda_plan_and_the_engine_placed_up_front_leave_the_same_workspace_margin(monkeypatch):
+    """On CUDA the engine leaves the allocator a margin of the gpu budget (offload.engine.workspace);
+    placed up front from the planned activations (as `finetune` and --verify run), it picks the
+    gpu-home chunks and the cache of a CUDA profile's plan, fewer than the simulated device's
+    at the same budget. The CUDA device is faked at construction: only the placement is read."""
+    from tierwise.offload.engine import engine as engine_module
+    from tierwise.offload.engine.workspace import Workspace
+
+    class CudaWorkspace(Workspace):
+        def __init__(self, device, ledger):
+            super().__init__(device, ledger)
+            self.cuda = True
+
+    monkeypatch.setattr(engine_module, "Workspace", CudaWorkspace)
+    args = dict(model=TINY, cpu_mem="64G", optimizer="adamw", precision="fp32", batch_size=2, seq_len=32,
+                chunk_bytes=16 << 10)
+    smallest = make_plan(hardware="rtx4090", gpu_mem="64G", **args)
+    gpu = smallest.gpu_minimum + sum(smallest.bytes["gpu"].values()) // 2
+    plan, sim = (make_plan(hardware=hw, gpu_mem=gpu, **args) for hw in ("rtx4090", "cpu-sim"))
+    home = {h.index for h in plan.chunk_homes if h.update == "gpu"}
+    assert plan.workspace_margin > 0 and sim.workspace_margin == 0
+    assert 0 < len(home) < len({h.index for h in sim.chunk_homes if h.update == "gpu"})
+    torch.manual_seed(0)
+    eng = Engine(transformers.LlamaForCausalLM(TINY.to_hf_config()), gpu_mem=gpu, precision="fp32",
+                 chunk_bytes=16 << 10, activations=plan.reserve["gpu"]["activations"])
+    try:
+        assert set(eng.device_plan.gpu_home) == home
+        assert eng.device_plan.cache_limit == plan.cache_limit
+    finally:
+        eng.close()
+
+
 def pack(profile, chunk):
     return pack_chunks(profile.param_specs(), chunk_bytes=chunk)

@@ -29,9 +29,14 @@ def test_7b_adamw_24g_gpu_128g_host_by_hand():
     emb = 32000 * 4096  # 131,072,000: the largest parameter (embedding and lm_head)
     act = activation_bytes(model=load_model_profile("7b"), batch_size=1, seq_len=512, precision="bf16")
     minimum = 2 * 64 * 4 + 2 * emb * 2 + emb * 2 + act  # rotary inv_freq x2, window (2 chunks), grad reserve
-    assert plan.gpu_minimum == minimum and plan.reserve["gpu"]["activations"] == act
+    assert plan.reserve["gpu"]["activations"] == act
+    # a CUDA profile: the engine leaves 1/16 of the budget free for the allocator (offload.engine.workspace)
+    assert plan.workspace_margin == 24 * GiB // 16
+    # the smallest budget B holding the minimum beside its own margin, B / 16
+    b = plan.gpu_minimum
+    assert b - b // 16 >= minimum > (b - 1) - (b - 1) // 16
     # a gpu-home parameter costs bf16 2 + grad 4 + master 4 + AdamW state 8 = 18 B
-    free = 24 * GiB - minimum
+    free = 24 * GiB - minimum - 24 * GiB // 16
     assert free / 18 - emb <= plan.gpu_update_params <= free / 18   # within one chunk
     assert plan.gpu_update_params + plan.cpu_update_params == N7B
     assert plan.peak["gpu"] <= 24 * GiB
@@ -41,6 +46,25 @@ def test_7b_adamw_24g_gpu_128g_host_by_hand():
     assert host["compute"] == 2 * cpu and host["grad"] == host["master"] == 4 * cpu and host["state"] == 8 * cpu
     assert plan.peak["host"] == sum(host.values()) < 128 * GiB
     assert not any(plan.bytes["nvme"].values()) and not any(plan.bytes["cxl"].values())
+
+
+def test_a_cuda_plan_leaves_the_engines_workspace_margin_free():
+    """On CUDA the engine places chunks around 1/16 of the gpu budget kept free for the allocator
+    (offload.engine.workspace): a budget that would hold all of 7B gpu-home beside the minimum
+    streams part of it, as the engine would; the simulated device keeps no margin."""
+    act = activation_bytes(model=load_model_profile("7b"), batch_size=1, seq_len=512, precision="bf16")
+    emb = 32000 * 4096
+    minimum = 2 * 64 * 4 + 2 * emb * 2 + emb * 2 + act  # as test_7b_adamw_24g_gpu_128g_host_by_hand
+    gpu = minimum + 18 * N7B  # every parameter gpu-home (18 B each) with no margin
+    plan = plan7b(hardware="h200", optimizer="adamw", gpu_mem=gpu, cpu_mem="256G")
+    assert plan.workspace_margin == gpu // 16
+    free = gpu - minimum - gpu // 16
+    assert free / 18 - emb <= plan.gpu_update_params <= free / 18 < N7B  # within one chunk
+    assert plan.peak["gpu"] + plan.workspace_margin <= gpu
+    assert "gpu workspace margin" in plan.render_table()
+    sim = make_plan(model="tiny", hardware="cpu-sim", gpu_mem=None, cpu_mem=None, optimizer="adamw",
+                    precision="fp32", batch_size=1, seq_len=16)
+    assert sim.workspace_margin == 0 and "workspace margin" not in sim.render_table()
 
 
 def test_7b_less_host_spills_masters_to_nvme_with_bounce_buffers():

@@ -4,7 +4,7 @@ bytes the allocator held beside the ledger in the warm-up are kept free by the p
 import torch
 
 from tierwise.offload import Engine
-from tierwise.offload.engine import workspace
+from tierwise.offload.plan.needs import MARGIN_MIN, MARGIN_SHARE
 from tests.models import batches, tiny_llama
 
 MISSED = 1 << 20  # what the fake allocator held beyond the ledger at its peak
@@ -35,7 +35,7 @@ def test_the_placement_leaves_the_measured_workspace_free(monkeypatch):
     plain, plain_losses = run(monkeypatch, fake=False)
     eng, losses = run(monkeypatch, fake=True)
     budget = 8 << 20
-    margin = max(workspace.MARGIN_MIN, budget // workspace.MARGIN_SHARE)
+    margin = max(MARGIN_MIN, budget // MARGIN_SHARE)
     assert eng.workspace.bytes == MISSED + margin
     assert plain.workspace.bytes == 0
     # without the workspace the cache fills the budget; with it the ledger stays below by that much
@@ -49,5 +49,5 @@ def test_a_measured_worst_batch_counts_beside_the_warm_up(monkeypatch):
     """Engine.measure() (the CLI's worst batch) missed more than the warm-up step: the larger counts."""
     eng, _ = run(monkeypatch, fake=True, measured=2 * MISSED)
     budget = 8 << 20
-    assert eng.workspace.bytes == 2 * MISSED + max(workspace.MARGIN_MIN, budget // workspace.MARGIN_SHARE)
+    assert eng.workspace.bytes == 2 * MISSED + max(MARGIN_MIN, budget // MARGIN_SHARE)
     assert eng.ledger.peaks()["gpu"] + eng.workspace.bytes <= budget

@@ -65,6 +65,7 @@ from ..core.errors import DIST_TIMEOUT_S, BudgetExceeded, UnsupportedModel
 from ..core.sizes import parse_size
 from ..core.units import format_size
 from ..plan.homes import assign_homes, bounce_sizes
+from ..plan.needs import workspace_margin
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
 from ..runtime.executor import Executor
 from ..runtime.store import ChunkStore, SwapKind, frozen_kind_bytes, kind_bytes
@@ -281,7 +282,10 @@ class Engine:
         if staging:
             self.ledger.reserve("gpu", "buffer", staging)
             self.buffer_bytes += staging
-        self.needs = self._device_needs(activations=activations or 0)
+        # placed up front on CUDA: the allocator's margin is left free from the start, as the
+        # planner leaves it (the warm-up then adds what it measures beside the ledger)
+        margin = workspace_margin(budgets["gpu"]) if self.workspace.cuda and activations is not None else 0
+        self.needs = self._device_needs(activations=(activations or 0) + margin)
         check_minimum(self.needs, budgets["gpu"], measured=False)
         self.device_plan: DevicePlan | None = None
         gpu_home: frozenset[int] = frozenset()

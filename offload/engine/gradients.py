@@ -173,14 +173,14 @@ class GradientRouter:
         if not self.ranks.owns(cid):
             host = torch.empty(slot.numel, dtype=torch.float32)
             host.copy_(src.reshape(-1))
-            self.ranks.reduce_grad(cid, host)
+            self.ranks.reduce_grad(cid, host, offset=slot.offset)
             return
         spilled = isinstance(self.store.chunks[cid].grad, SwapKind)
         dst = (self.spill.target(cid)[slot.offset: slot.offset + slot.numel] if spilled
                else self.store.grad_view(slot))
         src = src.reshape(-1).to("cpu", torch.float32)
         dst.copy_(src) if first else dst.add_(src)
-        self.ranks.reduce_grad(cid, dst)  # (the sum so far + this rank's) + the others': as a chunk's reduce
+        self.ranks.reduce_grad(cid, dst, offset=slot.offset)  # (the sum so far + this rank's) + the others': as a chunk's reduce
         if spilled:
             self.spill.landed(cid, None)
             if self.spill.complete(cid):

@@ -30,6 +30,20 @@ backward, or the compute thread: the first backward, a backward's end once the w
 the step's end; never both at once) and `main` (the compute thread:
 loss, token counts, gradient norms, exports). Every collective has a timeout (`timeout`): a
 rank that died makes the others fail within it, with the rank named.
+
+Checked order. A rank whose control flow diverges (a data-dependent branch in a model) would
+pair its collective on one chunk with another rank's on another: a sum of two chunks' gradients
+of the same size (a wrong number) or a hang or abort (different sizes). So every per-chunk
+collective is preceded by a check on the same group: each rank's (chunk, offset, elements) summed
+into a [world, 3] int64 tensor (24 bytes a rank: one tiny all_reduce); a disagreement raises
+CollectiveOrderError on every rank at once, before any of the chunk's bytes move. Why a
+collective of its own, not one trailing element in the chunk's: the buffers reduced are views of
+the gradient chunks (a slot's slice in the first backward) with no room after them, and a check
+after the data is too late when the sizes differ. Its cost is one round trip per chunk
+collective (bench/order_check.py: 0.3-0.4 ms on gloo here, in the noise from 16 MiB chunks on);
+the payload counters (`bytes`) leave it out. On CUDA the
+gather group is NCCL: its checks go over a gloo group of their own (host tensors, no stream
+sync), issued by the same thread just before each broadcast.
 """
 
 from __future__ import annotations
@@ -51,6 +65,10 @@ SHARDED_OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "mezo")
 
 class RankFailure(TierwiseError):
     """A collective failed: another rank died, raised or stopped answering."""
+
+
+class CollectiveOrderError(RankFailure):
+    """The ranks were about to run different per-chunk collectives (their control flow diverged)."""
 
 
 def _cause(exc: BaseException) -> str:
@@ -102,6 +120,9 @@ class Ranks:
         self.gather_group = dist.new_group(ranks=members, timeout=timeout)
         self.grad_group, self.main_group = (
             dist.new_group(ranks=members, timeout=timeout, backend="gloo") for _ in range(2))
+        # the gather order's checks: host tensors, so gloo (the same decision on every rank)
+        self.gather_check = (self.gather_group if dist.get_backend(self.gather_group) == "gloo"
+                             else dist.new_group(ranks=members, timeout=timeout, backend="gloo"))
         self.owner = {cid: k % self.world for k, cid in enumerate(trainable)}
         #: payload bytes this rank passed to each group's collectives (bench/collective_bytes.py);
         #: one key per group, each written by the one thread that issues that group's collectives
@@ -122,23 +143,50 @@ class Ranks:
             raise RankFailure(f"rank {self.rank}: {what} failed: {_others(self.rank, self.world)} stopped "
                               f"({_cause(exc)})") from exc
 
+    def _check_order(self, group: Any, what: str, doing: str, cid: int, offset: int, numel: int) -> None:
+        """Every rank is about to run the collective `what` on the same part of the same chunk,
+        else CollectiveOrderError on every rank (see the module's docstring). A peer that stopped
+        fails here as in the collective itself (RankFailure naming `what`)."""
+        t = torch.zeros(self.world, 3, dtype=torch.int64)
+        t[self.rank] = torch.tensor([cid, offset, numel])
+        self._call(what, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=group)
+        rows = [tuple(r) for r in t.tolist()]
+        if len(set(rows)) == 1:
+            return
+
+        def part(r: int) -> str:
+            c, o, n = rows[r]
+            return f"rank {r} chunk {c} [{o}:{o + n}]"
+
+        raise CollectiveOrderError(
+            f"rank {self.rank}: collective order diverged ({doing}): {', '.join(map(part, range(self.world)))}; "
+            f"every rank must run the same chunks in the same order (control flow that differs "
+            f"between ranks is not supported)")
+
     # -- chunks ---------------------------------------------------------------------------
     def broadcast_chunk(self, cid: int, buf: torch.Tensor) -> None:
         """The owner's device copy of chunk `cid` into `buf` on every rank (byte for byte)."""
+        what = f"gathering chunk {cid} from rank {self.owner[cid]}"
+        self._check_order(self.gather_check, what, "gathering", cid, 0, buf.numel())
         self.bytes["gather"] += buf.numel() * buf.element_size()
-        self._call(f"gathering chunk {cid} from rank {self.owner[cid]}", dist.broadcast,
+        self._call(what, dist.broadcast,
                    buf.view(torch.uint8), src=self.global_rank[self.owner[cid]], group=self.gather_group)
 
-    def reduce_grad(self, cid: int, grad: torch.Tensor) -> None:
-        """Sum chunk `cid`'s gradient over the ranks onto its owner (others' `grad` is scratch)."""
+    def reduce_grad(self, cid: int, grad: torch.Tensor, offset: int = 0) -> None:
+        """Sum chunk `cid`'s gradient over the ranks onto its owner (others' `grad` is scratch);
+        `offset`: `grad` is the chunk's elements from there on (a slot's slice)."""
+        what = f"reducing the gradients of chunk {cid} onto rank {self.owner[cid]}"
+        self._check_order(self.grad_group, what, "reducing gradients", cid, offset, grad.numel())
         self.bytes["grads"] += grad.numel() * grad.element_size()
-        self._call(f"reducing the gradients of chunk {cid} onto rank {self.owner[cid]}", dist.reduce,
+        self._call(what, dist.reduce,
                    grad, dst=self.global_rank[self.owner[cid]], op=dist.ReduceOp.SUM, group=self.grad_group)
 
     def broadcast_from_owner(self, cid: int, t: torch.Tensor) -> None:
         """`t` from chunk `cid`'s owner to every rank (compute thread: exports)."""
+        what = f"reading chunk {cid} from rank {self.owner[cid]}"
+        self._check_order(self.main_group, what, "reading", cid, 0, t.numel())
         self.bytes["main"] += t.numel() * t.element_size()
-        self._call(f"reading chunk {cid} from rank {self.owner[cid]}", dist.broadcast,
+        self._call(what, dist.broadcast,
                    t, src=self.global_rank[self.owner[cid]], group=self.main_group)
 
     # -- scalars and small vectors (compute thread) ----------------------------------------
@@ -165,7 +213,7 @@ class Ranks:
         return int(t.item()) == 0
 
     def close(self) -> None:
-        for g in (self.gather_group, self.grad_group, self.main_group):
+        for g in dict.fromkeys((self.gather_group, self.gather_check, self.grad_group, self.main_group)):
             try:
                 dist.destroy_process_group(g)
             except Exception:  # noqa: BLE001 - the default group may be gone already

@@ -45,8 +45,9 @@ class TransientGrads:
                 self._freed.wait()
             if self.failed is not None:
                 exc = self.failed
-                raise RankFailure(str(exc) if isinstance(exc, RankFailure)
-                                  else f"the reduce of gradients failed: {type(exc).__name__}: {exc}") from exc
+                if isinstance(exc, RankFailure):  # (its kind too: CollectiveOrderError)
+                    raise type(exc)(str(exc)) from exc
+                raise RankFailure(f"the reduce of gradients failed: {type(exc).__name__}: {exc}") from exc
             self.bytes += 4 * numel
         try:
             buf = self.tiers.zeros("host", "grad", numel, torch.float32)

@@ -6,8 +6,10 @@ the loss, activation gradients in backward, plus the caching allocator's roundin
 fragmentation. On an H200 (0.85B Llama, 4 x 1024 tokens, 32k vocabulary) they were 1.8 GiB on
 top of a 6 GiB budget the ledger filled: an allocator capped at the budget ran out of memory.
 So the warm-up step streams through the smallest window, reads the allocator's peak, and the
-placement then leaves room for what the ledger missed plus a margin. The simulated device has
-no allocator to ask: 0 there. Resets CUDA's peak memory statistics once, at the warm-up.
+placement then leaves room for what the ledger missed plus a margin (offload.plan.needs.
+workspace_margin, which the planner leaves too; a placement made up front from estimated
+activations leaves the margin from the start). The simulated device has no allocator to ask:
+0 there. Resets CUDA's peak memory statistics once, at the warm-up.
 Fragmentation is what the margin covers; the CLI turns on the allocator's expandable segments
 (PYTORCH_CUDA_ALLOC_CONF) to keep it small; a library user sets that variable before CUDA starts.
 """
@@ -16,10 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from ..plan.needs import workspace_margin  # (one place for the margin: the planner leaves it too)
 from ..runtime.ledger import Ledger
 
-MARGIN_MIN = 2 << 20  # fragmentation of the caching allocator: at least one small segment...
-MARGIN_SHARE = 16  # ...or 1/16 of the gpu budget (125-295 MiB of 6 GiB were seen unusable)
 
 
 class Workspace:
@@ -50,6 +51,5 @@ class Workspace:
         missed = (torch.cuda.max_memory_allocated(self.device) - self.outside
                   - self.ledger.peak_since_mark("gpu"))
         self.missed = max(self.missed, missed)
-        budget = self.ledger.budgets["gpu"] or 0
-        self.bytes = max(self.missed, 0) + max(MARGIN_MIN, budget // MARGIN_SHARE)
+        self.bytes = max(self.missed, 0) + workspace_margin(self.ledger.budgets["gpu"])
         return self.bytes

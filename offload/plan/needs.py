@@ -32,6 +32,28 @@ def device_needs(*, compute: Sequence[int], home: Sequence[int], module_chunks: 
                        home_bytes=tuple(home), compute_bytes=tuple(compute))
 
 
+#: The CUDA allocator's room beside the ledger (offload.engine.workspace): the placement leaves
+#: what the warm-up measured the allocator holding outside the ledger plus this margin for its
+#: fragmentation: at least one small segment, or 1/16 of the gpu budget (125-295 MiB of 6 GiB
+#: were seen unusable). The simulated device has no allocator: no margin there.
+MARGIN_MIN = 2 << 20
+MARGIN_SHARE = 16
+
+
+def workspace_margin(budget: "int | None") -> int:
+    """The fragmentation margin the engine keeps free on a CUDA device with this gpu budget."""
+    return max(MARGIN_MIN, (budget or 0) // MARGIN_SHARE)
+
+
+def minimum_with_margin(minimum: int) -> int:
+    """The smallest gpu budget B that holds `minimum` bytes beside its own margin
+    (B >= minimum + workspace_margin(B))."""
+    b = max(minimum + MARGIN_MIN, minimum * MARGIN_SHARE // (MARGIN_SHARE - 1) - 2)  # at or below B
+    while b < minimum + workspace_margin(b):
+        b += 1
+    return b
+
+
 def zo_workspace(module_numels: Iterable[int], element_size: int) -> int:
     """MeZO's perturbed copies (+εz and -εz) of the widest module's parameters, in bytes."""
     return 2 * element_size * max(module_numels, default=0)

@@ -12,7 +12,9 @@ The planner mirrors the engine byte for byte on the simulated device, by constru
   `perfmodel.activation_bytes`, which matches what the engine measures for a full or, with
   `padded`, a padded batch: the run's worst step)
   handed to the engine's own `placement.plan_device`, which picks the gpu-home chunks (a
-  suffix of first-use order) and the cache size for streamed compute copies;
+  suffix of first-use order) and the cache size for streamed compute copies; on a CUDA
+  profile around the workspace margin the engine leaves the allocator (`needs.workspace_margin`,
+  1/16 of the budget; what its warm-up measures beside the ledger cannot be known here);
 - the host side: the kinds placed by the engine's own `homes.assign_homes` (DRAM, then CXL,
   then NVMe) over the chunks the engine keeps host-side when it is built (`up_front`), and a
   refusal where the engine would not fit (e.g. the CXL allocator's page rounding).
@@ -42,7 +44,7 @@ from .perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buf
 from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
 from .lora import LoraModel, base_dtype_of, frozen_chunk_bytes, lora_specs, step_trace
 from .schedule import ACQUIRE, plan_schedule
-from .needs import device_needs, zo_workspace
+from .needs import MARGIN_SHARE, device_needs, minimum_with_margin, workspace_margin, zo_workspace
 from .placement import DeviceNeeds, DevicePlan, plan_device
 from . import ranks as multi
 from .ranks import Collectives, RankPlan
@@ -92,9 +94,11 @@ class Plan:
     limit), "grad in flight" (MeZO: "workspace", its perturbed parameter copies), "activations";
     host "nvme bounce"."""
     peak: dict[str, int]
-    """Predicted peak bytes per tier in steady state (after the warm-up step)."""
+    """Predicted peak bytes per tier in steady state (after the warm-up step), as the engine's
+    ledger books them (the gpu `workspace_margin` is left free beside them)."""
     gpu_minimum: int
-    """The smallest gpu budget the engine accepts for this run (its `minimum_gpu_bytes`)."""
+    """The smallest gpu budget the engine accepts for this run (its `minimum_gpu_bytes`; on
+    CUDA the smallest budget that holds it beside its own workspace margin)."""
     host_minimum: int
     """The smallest host budget the engine accepts with these cxl/nvme tiers (`homes.minimum_host`
     over the chunks it places host-side when built -- see `make_plan(up_front=...)` -- raised
@@ -134,6 +138,11 @@ class Plan:
     """Seconds per step decoding the base on the device (memory-bound: encoded in, decoded out)."""
     suggestion: str | None = None
     """For LoRA runs: the micro-batch x grad-accum that makes the step compute-bound."""
+    workspace_margin: int = 0
+    """CUDA profiles: gpu bytes the engine leaves free for the allocator beside its ledger
+    (offload.plan.needs.workspace_margin: 1/16 of the budget; the engine adds what its warm-up
+    measures the allocator holding beside the ledger). Placed around, not in the gpu peak (the
+    ledger's bytes). 0 on the simulated device, which has no allocator."""
     ranks: RankPlan | None = None
     """Several ranks (--nproc-per-node / --nnodes): then the gpu row, reserve and update split are
     rank 0's, the host / cxl / nvme rows the node's (its ranks' own bytes and the base once), the
@@ -190,6 +199,9 @@ class Plan:
         lines.append("reserve (bytes besides the chunks): " + "; ".join(
             f"{tier} " + ", ".join(f"{k} {format_size(v)}" for k, v in parts.items() if v)
             for tier, parts in self.reserve.items() if any(parts.values())))
+        if self.workspace_margin:
+            lines.append(f"gpu workspace margin {format_size(self.workspace_margin)}: left free beside the peak "
+                         f"for the CUDA allocator (1/{MARGIN_SHARE} of the budget, as the engine leaves it)")
         lines.append(f"times modelled from hardware profile '{self.hardware}', not measured "
                      "(--verify runs real steps here; `finetune profile` measures this machine)")
         tight = max((self.peak[t] / b, t) for t, b in self.budgets.items() if b and self.peak.get(t))
@@ -451,16 +463,22 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     act = activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                            backward=ch.needs_grad, checkpointing=checkpointing, padded=padded, lora=lora_act)
     needs = ch.device_needs(buffers=buffer_bytes(model) + ch.staging(hw), activations=act)
-    if gpu < needs.minimum:
+    # CUDA: the engine leaves the allocator a margin of the budget beside its ledger (placed as
+    # activations: offload.engine.workspace); the simulated device has no allocator
+    margin = 0 if hw.simulated else workspace_margin(gpu)
+    minimum = minimum_with_margin(needs.minimum) if margin else needs.minimum
+    if gpu < minimum:
+        beside = f", workspace margin {format_size(minimum - needs.minimum)}" if margin else ""
         raise InfeasibleBudget(
-            f"--gpu-mem {format_size(gpu)} is too small: needs at least {format_size(needs.minimum)} "
-            f"({needs.minimum} B: buffers {format_size(needs.buffers)}, streaming window "
+            f"--gpu-mem {format_size(gpu)} is too small: needs at least {format_size(minimum)} "
+            f"({minimum} B: buffers {format_size(needs.buffers)}, streaming window "
             f"{format_size(needs.stream_window)}, gradient reserve {format_size(needs.grad_reserve)}, "
-            f"activations {format_size(act)} at batch {batch_size} x {seq_len}{' padded' if padded else ''})",
-            minimum={"gpu": needs.minimum})
+            f"activations {format_size(act)} at batch {batch_size} x {seq_len}{' padded' if padded else ''}{beside})",
+            minimum={"gpu": minimum})
+    placed = dataclasses.replace(needs, activations=needs.activations + margin)  # what plan_device leaves
     if nproc_per_node * nnodes > 1:
         multi.check_layout(hw, nproc_per_node=nproc_per_node, nnodes=nnodes, cost=ch.cost)
-        return _plan_ranks(ch, model=model, hw=hw, needs=needs, gpu=gpu, host=host, cxl=cxl, use_nvme=use_nvme,
+        return _plan_ranks(ch, model=model, hw=hw, needs=needs, placed=placed, gpu=gpu, host=host, cxl=cxl, use_nvme=use_nvme,
                            nvme_cap=nvme_cap, nproc=nproc_per_node, nnodes=nnodes, checkpointing=checkpointing,
                            precision=precision, lora_act=lora_act, single=args, grad_reduce=grad_reduce,
                            meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes,
@@ -470,7 +488,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                                      base_dtype=(base_dtype or precision) if lora_rank is not None else None,
                                      trainable_params=ch.trainable_params))
     # MeZO too may keep chunks on the device: its perturbed weights are temporaries.
-    device = plan_device(needs, gpu, allow_gpu_home=True, prefer=ch.home_order(), decoded=frozenset(ch.encoded))
+    device = plan_device(placed, gpu, allow_gpu_home=True, prefer=ch.home_order(), decoded=frozenset(ch.encoded))
     streamed = [c for c in range(ch.n) if c not in device.gpu_home]
     # The chunks the engine places host-side when it is built: the streamed ones when placed up
     # front, else every chunk (gpu-home chunks leave their homes when promoted after the warm-up).
@@ -489,7 +507,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     pred = predict_step(hardware=hw, precision=precision, cost=ch.cost, tokens=batch_size * seq_len * grad_accum,
                         load=load, micro_batches=grad_accum)
     base = _base_traffic(ch, load=load, homes=homes, streamed=streamed, micro_batches=grad_accum, hw=hw)
-    plan = _build(ch, model=model, hw=hw, needs=needs, device=device, homes=homes, pred=pred, precision=precision,
+    plan = _build(ch, model=model, hw=hw, needs=needs, margin=margin, device=device, homes=homes, pred=pred,
+                  precision=precision,
                   budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
                   batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes, optimizer=optimizer,
                   host_minimum=host_min, checkpointing=checkpointing, padded=padded, grad_accum=grad_accum,
@@ -732,7 +751,7 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
 
 
 def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, device: DevicePlan,
-           homes: Homes, pred, precision: str, budgets: dict, lora_act=None, **meta) -> Plan:
+           homes: Homes, pred, precision: str, budgets: dict, lora_act=None, margin: int = 0, **meta) -> Plan:
     act_args = dict(batch_size=meta["batch_size"], seq_len=meta["seq_len"], precision=precision,
                     checkpointing=meta["checkpointing"], padded=meta["padded"], lora=lora_act)
     by_tier = {t: dict.fromkeys(KINDS + (("base",) if ch.frozen else ()), 0) for t in TIERS}
@@ -762,7 +781,8 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
     gpu_params = sum(ch.params[c] for c in device.gpu_home)
     return Plan(model=model.name, hardware=hw.name, precision=precision, budgets=budgets,
                 num_params=ch.num_params, num_chunks=ch.n, bytes=by_tier, reserve=reserve, peak=peak,
-                gpu_minimum=needs.minimum, cache_limit=device.cache_limit, chunk_homes=tuple(chunk_homes),
+                gpu_minimum=minimum_with_margin(needs.minimum) if margin else needs.minimum,
+                workspace_margin=margin, cache_limit=device.cache_limit, chunk_homes=tuple(chunk_homes),
                 gpu_update_params=gpu_params, cpu_update_params=ch.trainable_params - gpu_params,
                 phases=pred.phases, step_s=pred.step_s, bottleneck=pred.bottleneck,
                 tokens_per_s=pred.tokens_per_s, **meta)
@@ -780,7 +800,8 @@ def _rank_view(ch: _Chunks, remote: frozenset[int], owned_grads: bool) -> _Chunk
     return view
 
 
-def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, gpu: int, host: int | None,
+def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, placed: DeviceNeeds,
+                gpu: int, host: int | None,
                 cxl: int, use_nvme: bool, nvme_cap: int | None, nproc: int, nnodes: int, checkpointing: bool,
                 precision: str, lora_act, single: dict, meta: dict, grad_reduce: str = "micro") -> Plan:
     """make_plan for `nproc` ranks per node on `nnodes` nodes (offload.plan.ranks). Every rank
@@ -800,7 +821,8 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     owned_grads = grad_reduce == "micro" and ch.needs_grad
     window = multi.window_bytes(ch.plan, trainable) if owned_grads else 0  # each rank keeps it free
     views = [_rank_view(ch, rem, owned_grads) for rem in remotes]
-    device = plan_device(needs, gpu, allow_gpu_home=False)
+    device = plan_device(placed, gpu, allow_gpu_home=False)
+    margin = placed.activations - needs.activations
     streamed = list(range(ch.n))
     # the frozen base once per node, first (every rank reads it every micro-batch): in the host
     # RAM the ranks' minimums leave, then CXL, then NVMe; each rank then gets 1/L of the rest
@@ -869,7 +891,8 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     slowest = max(range(L), key=lambda r: preds[r].step_s)
     gather, reduce = loads[0]
     homes0 = _streamed_homes(views[0], homes_of[0], streamed)
-    plan = _build(views[0], model=model, hw=hw, needs=needs, device=device, homes=homes0, pred=preds[slowest],
+    plan = _build(views[0], model=model, hw=hw, needs=needs, margin=margin, device=device, homes=homes0,
+                  pred=preds[slowest],
                   precision=precision, budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
                   host_minimum=L * least + (minimum_host(base_kinds, cxl=cxl or None, nvme=use_nvme) if base_kinds
                                             else 0), lora_act=lora_act,
@@ -877,7 +900,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                                   micro_batches=accum, hw=hw), **meta)
     gpu_peaks = []
     for r in range(L):
-        p_r = plan if r == 0 else _build(views[r], model=model, hw=hw, needs=needs, device=device,
+        p_r = plan if r == 0 else _build(views[r], model=model, hw=hw, needs=needs, margin=margin, device=device,
                                          homes=_streamed_homes(views[r], homes_of[r], streamed), pred=preds[r],
                                          precision=precision, budgets=plan.budgets, host_minimum=0,
                                          lora_act=lora_act, **meta)
