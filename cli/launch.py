@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 
 from ..offload.core.errors import DIST_TIMEOUT_S, TierwiseError
+from ..offload.runtime.cores import cpu_share
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "--tee=0", "-m", "tierwise.cli.main", *args]
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.setdefault("OMP_NUM_THREADS", str(cpu_share(nproc)))  # each rank its share of the cores
     env.setdefault("LOGLEVEL", "ERROR")  # torchrun's own banner: the ranks speak for themselves
     return subprocess.run(cmd, env=env).returncode
 

@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -71,11 +72,14 @@ def engine_case(case: dict, rank: int, world: int, tmp: Path) -> dict:
         tier_peaks[i, rank] = eng.ledger.peaks().get(tier, 0)
     dist.all_reduce(tier_peaks)
     budgets = {tier: eng.ledger.budgets.get(tier) for tier in TIERS}
+    # the node's cores and I/O threads divided among its ranks: live NVMe threads per direction
+    io = [sum(t.name.startswith(f"nvme-{d}-") for t in threading.enumerate()) for d in ("read", "write")]
+    threads = {"local_world": eng.ranks.local_world if eng.ranks else 1, "nvme": io, "cpu": torch.get_num_threads()}
     eng.close()
     return {"losses": losses, "weights": weights, "gpu_peaks": t.tolist(), "owned_chunks": owned,
             "chunks": len(eng.plan.chunks), "homes": homes, "grad_bytes": grad[0].tolist(),
             "tier_peaks": dict(zip(TIERS, tier_peaks.tolist())), "budgets": budgets,
-            "owned_grad_bytes": grad[1].tolist(), "grad_window": eng.grad_window} | memory
+            "owned_grad_bytes": grad[1].tolist(), "grad_window": eng.grad_window, "threads": threads} | memory
 
 
 def pss_kib(path: str = "/proc/self/smaps_rollup", match: "str | None" = None) -> int:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tierwise.offload import Engine
-from tests.dist_cases import CHUNK, DEEP, STEPS, TINY, case, data_for, rank_threads, spawn
+from tests.dist_cases import CHUNK, DEEP, RANK_THREADS, STEPS, TINY, case, data_for, rank_threads, spawn
 from tests.models import tiny_llama
 
 
@@ -83,6 +83,9 @@ def test_two_ranks_tight_budget_state_on_nvme_and_8bit_and_clipping(two):
     assert two["tight_nvme"]["losses"] == losses and equal(two["tight_nvme"]["weights"], weights)
     assert "nvme" in two["tight_nvme"]["homes"] and "state" in two["tight_nvme"]["homes"]["nvme"]
     assert max(two["tight_nvme"]["gpu_peaks"]) <= two["tight"]
+    # the node's I/O threads divided between its 2 ranks: 4 // 2 per direction, not one store's 4;
+    # the CPU threads the launch chose (RANK_THREADS, not above a rank's share) kept
+    assert two["tight_nvme"]["threads"] == {"local_world": 2, "nvme": [2, 2], "cpu": RANK_THREADS}
     # two micro-batches per rank, the owners' gradients on NVMe: after the first micro-batch each
     # complete chunk is reduced into its staging buffer and written out, the second adds to it
     got = two["nvme_accum"]

@@ -35,7 +35,9 @@ rank that died makes the others fail within it, with the rank named.
 from __future__ import annotations
 
 import datetime
+import os
 import re
+import socket
 from typing import Any
 
 import torch
@@ -78,6 +80,16 @@ def gather_objects(obj: Any, what: str) -> list:
     return out
 
 
+def node_key() -> str:
+    """What ranks on the same node (one host memory, one set of cores) have in common."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}|{boot}|{os.environ.get('GROUP_RANK', '')}"
+
+
 def default_group() -> Any:
     """The initialised default process group when it spans several ranks, else None."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -103,9 +115,17 @@ class Ranks:
         self.grad_group, self.main_group = (
             dist.new_group(ranks=members, timeout=timeout, backend="gloo") for _ in range(2))
         self.owner = {cid: k % self.world for k, cid in enumerate(trainable)}
+        keys = self.all_gather_object(node_key(), "finding the ranks of this node")
+        #: the ranks (of `group`) on this rank's node, lowest first: they share its host memory,
+        #: NVMe and cores (offload.engine.sharedbase, offload.runtime.cores)
+        self.local = [r for r, key in enumerate(keys) if key == keys[self.rank]]
         #: payload bytes this rank passed to each group's collectives (bench/collective_bytes.py);
         #: one key per group, each written by the one thread that issues that group's collectives
         self.bytes = {"gather": 0, "grads": 0, "main": 0}
+
+    @property
+    def local_world(self) -> int:
+        return len(self.local)
 
     def owns(self, cid: int) -> bool:
         """True for a chunk this rank stores and updates (frozen chunks: every rank)."""
