@@ -132,6 +132,28 @@ def finish_failing() -> None:
             signal.signal(s, signal.SIG_IGN)
 
 
+class Refused(TierwiseError):
+    """A refusal every rank raises together (`agree`): rank 0 alone prints it, every rank exits 2."""
+
+
+def agree(info: RankInfo, error: "TierwiseError | None", what: str) -> None:
+    """After a check every rank runs on its own (the pre-flight): if any refused, every rank
+    raises Refused with the first refusal (naming its rank where the ranks differ), so no rank
+    goes on into a collective another has left. Collective over the default group."""
+    if not info.several:
+        if error is not None:
+            raise error
+        return
+    from ..offload.engine.ranks import gather_objects
+
+    line = None if error is None else (str(error).splitlines() or [type(error).__name__])[0]
+    lines = gather_objects(line, what)
+    refused = [(r, text) for r, text in enumerate(lines) if text is not None]
+    if refused:
+        rank, text = refused[0]
+        raise Refused(text if lines.count(text) == len(lines) else f"rank {rank}: {text}") from error
+
+
 def node_share(nbytes: "int | None", info: RankInfo) -> "int | None":
     """A node's budget (--cpu-mem, --cxl-mem) divided among its local ranks."""
     return None if nbytes is None else nbytes // info.local_world

@@ -216,11 +216,18 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     cfg = resolve_recompute(cfg, src=src, padded=padded)
     if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:
         check_resumable(cfg, Path(cfg.output))  # a changed option says so before any budget does
-    try:
-        preflight(cfg, src=src, padded=padded)  # refuses what `plan` refuses, before allocating
+    refusal = None
+    try:  # refuses what `plan` refuses, before allocating; several ranks: all of them together
+        preflight(cfg, src=src, padded=padded, ranks=ranks)
     except InfeasibleBudget as e:
-        raise InfeasibleBudget(f"{str(e).splitlines()[0]} (`finetune plan` with these options "
-                               "lists changes that fit)", minimum=e.minimum) from None
+        layout = (f" --nproc-per-node {ranks.local_world}" + (f" --nnodes {-(-ranks.world // ranks.local_world)}"
+                                                              if ranks.world > ranks.local_world else "")
+                  if ranks.several else "")
+        refusal = InfeasibleBudget(f"{str(e).splitlines()[0]} (`finetune plan{layout}` with these options "
+                                   "lists changes that fit)", minimum=e.minimum)
+    except TierwiseError as e:
+        refusal = e
+    launch.agree(ranks, refusal, "agreeing on the pre-flight check")
     if auto and not cfg.recompute and cfg.optimizer != "mezo":
         console.print("activations: kept for backward, no recompute (the GPU budget holds them; "
                       "--recompute saves GPU memory)", highlight=False)
