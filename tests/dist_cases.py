@@ -166,8 +166,11 @@ def resume_case(case: dict, rank: int, world: int) -> dict:
 
 
 def refusals() -> dict:
-    """What several ranks refuse, each as its one-line message."""
-    from tierwise.offload import Engine
+    """What several ranks refuse, each as its one-line message; and the CLI's agreement on a
+    check each rank ran alone (cli.launch.agree: the pre-flight): every rank's outcome, when
+    none, all, or some ranks refused."""
+    from tierwise.cli.launch import RankInfo, Refused, agree
+    from tierwise.offload import Engine, TierwiseError
 
     out = {}
     for opt in ("galore", "apollo"):
@@ -175,6 +178,18 @@ def refusals() -> dict:
             Engine(tiny_llama(**TINY), optimizer=opt, chunk_bytes=CHUNK)
         except Exception as exc:  # noqa: BLE001 - the message is what is checked
             out[opt] = str(exc)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    info = RankInfo(rank=rank, world=world, local_world=world)
+    for name, refusing in {"none": {}, "all": dict.fromkeys(range(world), "too small"),
+                           "some": {1: "too small here", 2: "too small there"}}.items():
+        try:
+            agree(info, TierwiseError(refusing[rank]) if rank in refusing else None, "a test")
+            got = None
+        except Refused as exc:
+            got = str(exc)
+        every: list = [None] * world
+        dist.all_gather_object(every, got)
+        out[f"agree_{name}"] = every
     return out
 
 

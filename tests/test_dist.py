@@ -125,6 +125,11 @@ def test_refusals_with_several_ranks(three):
     res = three[2]
     assert "galore is not supported with several ranks" in res["galore"]
     assert "apollo is not supported with several ranks" in res["apollo"]
+    # a check each rank ran alone: all ranks go on, or all refuse with the first refusal (its
+    # rank named where the ranks differ)
+    assert res["agree_none"] == [None] * 3
+    assert res["agree_all"] == ["too small"] * 3
+    assert res["agree_some"] == ["rank 1: too small here"] * 3
 
 
 def test_each_rank_resumes_from_its_shard_exactly(three):
