@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import dataclasses
 from dataclasses import dataclass
 
 from ..offload.core.errors import DIST_TIMEOUT_S, TierwiseError
@@ -62,6 +63,19 @@ def init_group(info: RankInfo, *, timeout_s: float = DIST_TIMEOUT_S) -> None:
         torch.cuda.set_device(info.local_rank)
         backend = "nccl"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def on_node(info: RankInfo) -> RankInfo:
+    """`info` with `local_world` counted as the engine counts its node's ranks
+    (offload.engine.ranks.same_node: host name, boot id, torchrun's node rank), so the budgets
+    divided here and the engine's shares agree (LOCAL_WORLD_SIZE is a launcher's word for the
+    same). Collective over the default group."""
+    if not info.several:
+        return info
+    from ..offload.engine.ranks import gather_objects, node_key, same_node
+
+    keys = gather_objects(node_key(), "finding the ranks of this node")
+    return dataclasses.replace(info, local_world=len(same_node(keys, info.rank)))
 
 
 #: Test hook, never set in normal use: "RANK:STEP:ACTION" makes rank RANK misbehave at the start

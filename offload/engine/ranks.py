@@ -90,6 +90,12 @@ def node_key() -> str:
     return f"{socket.gethostname()}|{boot}|{os.environ.get('GROUP_RANK', '')}"
 
 
+def same_node(keys: list[str], rank: int) -> list[int]:
+    """The ranks whose `node_key` (in `keys`, by rank) is `rank`'s: its node's, lowest first. The
+    one count of a node's ranks: the engine's (`Ranks.local`) and the CLI's (cli.launch.on_node)."""
+    return [r for r, key in enumerate(keys) if key == keys[rank]]
+
+
 def default_group() -> Any:
     """The initialised default process group when it spans several ranks, else None."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -118,7 +124,7 @@ class Ranks:
         keys = self.all_gather_object(node_key(), "finding the ranks of this node")
         #: the ranks (of `group`) on this rank's node, lowest first: they share its host memory,
         #: NVMe and cores (offload.engine.sharedbase, offload.runtime.cores)
-        self.local = [r for r, key in enumerate(keys) if key == keys[self.rank]]
+        self.local = same_node(keys, self.rank)
         #: payload bytes this rank passed to each group's collectives (bench/collective_bytes.py);
         #: one key per group, each written by the one thread that issues that group's collectives
         self.bytes = {"gather": 0, "grads": 0, "main": 0}
