@@ -4,16 +4,16 @@ starts torchrun.
 
 `torchrun --nproc-per-node N -m tierwise.cli.main ...` (or `accelerate launch`, which sets the
 same variables) runs one `finetune` per rank: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and
-the rendezvous (MASTER_ADDR/PORT) come from it. `finetune --nproc-per-node N ...` re-executes
-itself under `python -m torch.distributed.run --standalone --nproc-per-node N`.
+the rendezvous (MASTER_ADDR/PORT) come from it. `finetune --nproc-per-node N ...` runs itself
+again as `torchrun --standalone --nproc-per-node N` does, torchrun's agent in this process.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import signal
-import subprocess
 import sys
 import dataclasses
 from dataclasses import dataclass
@@ -173,17 +173,36 @@ def node_share(nbytes: "int | None", info: RankInfo) -> "int | None":
     return None if nbytes is None else nbytes // info.local_world
 
 
+#: a rank's exit code for a user error (cli.main: its one `error:` line printed)
+USER_ERROR = 2
+
+
 def relaunch(nproc: int, argv: list[str]) -> int:
-    """Run this command again under torchrun with `nproc` processes; their exit code."""
+    """Run this command again on `nproc` ranks, torchrun's agent in this process; the exit code:
+    0, 2 when every rank that failed did so with a user error (rank 0 printed its one line:
+    torchrun's summary of the failed ranks is left out), 128 + a signal's number that stopped
+    the agent (after the ranks had it), else 1 with that summary."""
     if nproc < 1:
         raise TierwiseError(f"--nproc-per-node must be at least 1, got {nproc}")
     args = drop_option(argv, "--nproc-per-node")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--tee=0", "-m", "tierwise.cli.main", *args]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(cpu_share(nproc)))  # each rank its share of the cores
-    env.setdefault("LOGLEVEL", "ERROR")  # torchrun's own banner: the ranks speak for themselves
-    return subprocess.run(cmd, env=env).returncode
+    os.environ.setdefault("OMP_NUM_THREADS", str(cpu_share(nproc)))  # each rank its share of the cores
+    if "LOGLEVEL" not in os.environ:  # torchrun's log lines: the ranks (and the summary below) speak
+        os.environ["LOGLEVEL"] = "ERROR"
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "--tee=0", "-m", "tierwise.cli.main", *args]))
+    except ChildFailedError as exc:
+        if {f.exitcode for f in exc.failures.values()} == {USER_ERROR}:
+            return USER_ERROR
+        sys.stderr.write(exc.format_msg() + "\n")
+        return 1
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    return 0
 
 
 def drop_option(argv: list[str], flag: str) -> list[str]:

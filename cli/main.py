@@ -27,9 +27,9 @@ import typer
 from rich.console import Console
 
 from .config import DISK_FULL, OUTPUT, PANELS, TrainConfig, config_callback, option_fields, raise_config_error
+from .launch import USER_ERROR as EXIT_USER_ERROR
 from ..offload.core.errors import InfeasibleBudget, TierwiseError
 
-EXIT_USER_ERROR = 2
 #: errno values of a path the user gave that cannot be used.
 PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ENOTDIR,
                errno.EROFS, errno.ENAMETOOLONG)
