@@ -10,12 +10,12 @@ again as `torchrun --standalone --nproc-per-node N` does, torchrun's agent in th
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
 import signal
 import sys
-import dataclasses
 from dataclasses import dataclass
 
 from ..offload.core.errors import DIST_TIMEOUT_S, TierwiseError

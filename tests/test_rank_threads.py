@@ -24,24 +24,24 @@ def test_cpu_share_of_the_cores():
 
 
 def test_no_choice_is_lowered_to_the_share_never_raised():
-    assert cpu_threads(2, current=16, env={}, n_cores=16).set == 8  # torch's every-core default
-    assert cpu_threads(2, current=3, env={}, n_cores=16).set is None  # someone chose fewer
-    assert cpu_threads(1, current=16, env={}, n_cores=16).set is None  # one rank: the node is its own
+    assert cpu_threads(2, current=16, env={}, n_cores=16).count == 8  # torch's every-core default
+    assert cpu_threads(2, current=3, env={}, n_cores=16).count is None  # someone chose fewer
+    assert cpu_threads(1, current=16, env={}, n_cores=16).count is None  # one rank: the node is its own
 
 
 def test_torchrun_s_default_of_one_is_not_a_choice_the_user_s_one_is():
-    assert cpu_threads(2, current=1, env=TORCHRUN, n_cores=16, launcher={"PATH": "/bin"}).set == 8
+    assert cpu_threads(2, current=1, env=TORCHRUN, n_cores=16, launcher={"PATH": "/bin"}).count == 8
     kept = cpu_threads(2, current=1, env=TORCHRUN, n_cores=16, launcher={"OMP_NUM_THREADS": "1"})
-    assert kept.set is None and kept.note is None
+    assert kept.count is None and kept.note is None
     # not under torchrun, another value, or torch set otherwise since: the user's choice
-    assert cpu_threads(2, current=1, env={"OMP_NUM_THREADS": "1"}, n_cores=16, launcher={}).set is None
-    assert cpu_threads(2, current=3, env=TORCHRUN | {"OMP_NUM_THREADS": "3"}, n_cores=16, launcher={}).set is None
-    assert cpu_threads(2, current=2, env=TORCHRUN, n_cores=16, launcher={}).set is None
+    assert cpu_threads(2, current=1, env={"OMP_NUM_THREADS": "1"}, n_cores=16, launcher={}).count is None
+    assert cpu_threads(2, current=3, env=TORCHRUN | {"OMP_NUM_THREADS": "3"}, n_cores=16, launcher={}).count is None
+    assert cpu_threads(2, current=2, env=TORCHRUN, n_cores=16, launcher={}).count is None
 
 
 def test_when_the_launcher_cannot_be_read_one_is_kept_and_one_line_says_what_to_set():
     got = cpu_threads(4, current=1, env=TORCHRUN, n_cores=16, launcher=None)
-    assert got.set is None and "\n" not in got.note and "set OMP_NUM_THREADS=4" in got.note
+    assert got.count is None and "\n" not in got.note and "set OMP_NUM_THREADS=4" in got.note
 
 
 def test_the_launcher_s_environment_is_the_one_it_started_with():

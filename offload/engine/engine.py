@@ -279,9 +279,9 @@ class Engine:
         """One of `local` ranks on a node: torch's CPU threads (the CPU update) become its share
         of the cores where the process was given no choice (offload.runtime.cores)."""
         threads = cpu_threads(local, current=torch.get_num_threads())
-        if threads.set is not None:
-            log.info("CPU threads: %d per rank (%d local ranks)", threads.set, local)
-            torch.set_num_threads(threads.set)
+        if threads.count is not None:
+            log.info("CPU threads: %d per rank (%d local ranks)", threads.count, local)
+            torch.set_num_threads(threads.count)
         if threads.note:
             log.info("%s", threads.note)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+
 def cores() -> int:
     """The CPUs this process may run on (its affinity: a cgroup's or taskset's)."""
     try:
@@ -47,10 +48,10 @@ def launcher_env() -> "dict[str, str] | None":
 
 @dataclass(frozen=True)
 class Threads:
-    """What `cpu_threads` decided: `set` (threads to give torch; None: leave them) and `note`
+    """What `cpu_threads` decided: `count` (threads to give torch; None: leave them) and `note`
     (one info line, or None)."""
 
-    set: "int | None"
+    count: "int | None"
     note: "str | None" = None
 
 
