@@ -4,20 +4,22 @@ starts torchrun.
 
 `torchrun --nproc-per-node N -m tierwise.cli.main ...` (or `accelerate launch`, which sets the
 same variables) runs one `finetune` per rank: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and
-the rendezvous (MASTER_ADDR/PORT) come from it. `finetune --nproc-per-node N ...` re-executes
-itself under `python -m torch.distributed.run --standalone --nproc-per-node N`.
+the rendezvous (MASTER_ADDR/PORT) come from it. `finetune --nproc-per-node N ...` runs itself
+again as `torchrun --standalone --nproc-per-node N` does, torchrun's agent in this process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import logging
 import os
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 
 from ..offload.core.errors import DIST_TIMEOUT_S, TierwiseError
+from ..offload.runtime.cores import cpu_share
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,19 @@ def init_group(info: RankInfo, *, timeout_s: float = DIST_TIMEOUT_S) -> None:
         torch.cuda.set_device(info.local_rank)
         backend = "nccl"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def on_node(info: RankInfo) -> RankInfo:
+    """`info` with `local_world` counted as the engine counts its node's ranks
+    (offload.engine.ranks.same_node: host name, boot id, torchrun's node rank), so the budgets
+    divided here and the engine's shares agree (LOCAL_WORLD_SIZE is a launcher's word for the
+    same). Collective over the default group."""
+    if not info.several:
+        return info
+    from ..offload.engine.ranks import gather_objects, node_key, same_node
+
+    keys = gather_objects(node_key(), "finding the ranks of this node")
+    return dataclasses.replace(info, local_world=len(same_node(keys, info.rank)))
 
 
 #: Test hook, never set in normal use: "RANK:STEP:ACTION" makes rank RANK misbehave at the start
@@ -131,22 +146,63 @@ def finish_failing() -> None:
             signal.signal(s, signal.SIG_IGN)
 
 
+class Refused(TierwiseError):
+    """A refusal every rank raises together (`agree`): rank 0 alone prints it, every rank exits 2."""
+
+
+def agree(info: RankInfo, error: "TierwiseError | None", what: str) -> None:
+    """After a check every rank runs on its own (the pre-flight): if any refused, every rank
+    raises Refused with the first refusal (naming its rank where the ranks differ), so no rank
+    goes on into a collective another has left. Collective over the default group."""
+    if not info.several:
+        if error is not None:
+            raise error
+        return
+    from ..offload.engine.ranks import gather_objects
+
+    line = None if error is None else (str(error).splitlines() or [type(error).__name__])[0]
+    lines = gather_objects(line, what)
+    refused = [(r, text) for r, text in enumerate(lines) if text is not None]
+    if refused:
+        rank, text = refused[0]
+        raise Refused(text if lines.count(text) == len(lines) else f"rank {rank}: {text}") from error
+
+
 def node_share(nbytes: "int | None", info: RankInfo) -> "int | None":
     """A node's budget (--cpu-mem, --cxl-mem) divided among its local ranks."""
     return None if nbytes is None else nbytes // info.local_world
 
 
+#: a rank's exit code for a user error (cli.main: its one `error:` line printed)
+USER_ERROR = 2
+
+
 def relaunch(nproc: int, argv: list[str]) -> int:
-    """Run this command again under torchrun with `nproc` processes; their exit code."""
+    """Run this command again on `nproc` ranks, torchrun's agent in this process; the exit code:
+    0, 2 when every rank that failed did so with a user error (rank 0 printed its one line:
+    torchrun's summary of the failed ranks is left out), 128 + a signal's number that stopped
+    the agent (after the ranks had it), else 1 with that summary."""
     if nproc < 1:
         raise TierwiseError(f"--nproc-per-node must be at least 1, got {nproc}")
     args = drop_option(argv, "--nproc-per-node")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--tee=0", "-m", "tierwise.cli.main", *args]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    env.setdefault("LOGLEVEL", "ERROR")  # torchrun's own banner: the ranks speak for themselves
-    return subprocess.run(cmd, env=env).returncode
+    os.environ.setdefault("OMP_NUM_THREADS", str(cpu_share(nproc)))  # each rank its share of the cores
+    if "LOGLEVEL" not in os.environ:  # torchrun's log lines: the ranks (and the summary below) speak
+        os.environ["LOGLEVEL"] = "ERROR"
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "--tee=0", "-m", "tierwise.cli.main", *args]))
+    except ChildFailedError as exc:
+        if {f.exitcode for f in exc.failures.values()} == {USER_ERROR}:
+            return USER_ERROR
+        sys.stderr.write(exc.format_msg() + "\n")
+        return 1
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    return 0
 
 
 def drop_option(argv: list[str], flag: str) -> list[str]:

@@ -27,9 +27,9 @@ import typer
 from rich.console import Console
 
 from .config import DISK_FULL, OUTPUT, PANELS, TrainConfig, config_callback, option_fields, raise_config_error
+from .launch import USER_ERROR as EXIT_USER_ERROR
 from ..offload.core.errors import InfeasibleBudget, TierwiseError
 
-EXIT_USER_ERROR = 2
 #: errno values of a path the user gave that cannot be used.
 PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ENOTDIR,
                errno.EROFS, errno.ENAMETOOLONG)
@@ -48,11 +48,11 @@ app = typer.Typer(
 )
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, *, every_rank: bool = False) -> None:
     from .launch import from_env
 
-    info = from_env()  # several ranks: say which one failed
-    where = f"rank {info.rank}: " if info.several and not message.startswith("rank ") else ""
+    info = from_env()  # several ranks: say which one failed (unless all did alike)
+    where = f"rank {info.rank}: " if info.several and not every_rank and not message.startswith("rank ") else ""
     sys.stderr.write(f"error: {where}{message}\n")  # one line, never wrapped by rich
     sys.stderr.flush()
     raise typer.Exit(EXIT_USER_ERROR)
@@ -66,7 +66,12 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except TierwiseError as e:
-            _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            from .launch import Refused, from_env
+
+            together = isinstance(e, Refused)  # every rank refused it: rank 0 alone says so
+            if together and not from_env().main:
+                raise typer.Exit(EXIT_USER_ERROR)
+            _fail(str(e).splitlines()[0] if str(e) else type(e).__name__, every_rank=together)
         except OSError as e:
             if e.errno in DISK_FULL:
                 _fail(f"disk full ({e.strerror}) while writing {e.filename or 'output'}: free "

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from .config import ConfigError, TrainConfig
 from . import machine
+from .launch import RankInfo
 from .machine import free_disk, physical_ram
 from .profilemodel import is_profile, profile_params
 from ..offload.core.errors import InfeasibleBudget, UnsupportedModel
@@ -23,19 +24,21 @@ from ..profiles import ProfileError
 
 if TYPE_CHECKING:
     from .loading import ModelSource
+    from ..profiles.hardware import HardwareProfile
 
 log = logging.getLogger(__name__)
 
 
 def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: bool | None = None,
-              ranks: bool = False) -> Plan:
+              ranks: "bool | RankInfo" = False) -> Plan:
     """offload.plan.planner.make_plan for this run. `padded`: whether the run's batches can
     hold padding (None: `data_padded`). A model profile (`--model 7b`) plans by name, on a
     machine without torch or transformers too (unless --data must be tokenized); a model
     directory or the built-in model needs them (their parameters are read off the module
     training builds, on the meta device).
     A LoRA run is priced as one: frozen base at its encoded bytes, adapters and their state.
-    `ranks`: price --nproc-per-node x --nnodes ranks (`plan`, --dry-run; offload.plan.ranks);
+    `ranks`: True: price --nproc-per-node x --nnodes ranks (`plan`, --dry-run; offload.plan.ranks);
+    several ranks torchrun started (a RankInfo): price them (`started_ranks`, training's pre-flight);
     else one rank with the budgets given (the feasibility checks of a run)."""
     if is_profile(cfg.model):  # the planner reads the profile's extra fields
         model, params = cfg.model, profile_params(cfg.model)
@@ -45,8 +48,14 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         model, params = src.config, engine_params(src)
     if padded is None:
         padded = data_padded(cfg, src)
+    hardware, layout = cfg.hardware, {}
+    if isinstance(ranks, RankInfo):
+        if ranks.several:
+            hardware, layout = started_ranks(cfg, ranks)
+    elif ranks:
+        layout = {"nproc_per_node": cfg.nproc_per_node, "nnodes": cfg.nnodes, "grad_reduce": cfg.grad_reduce}
     return planner.make_plan(
-        model=model, hardware=cfg.hardware, params=params,
+        model=model, hardware=hardware, params=params,
         gpu_mem=cfg.budgets["gpu"], device_mem=None if cfg.hardware else gpu_budget(cfg),
         cpu_mem=host_budget(cfg, planning=True), cxl_mem=cfg.budgets["cxl"],
         nvme_path=cfg.nvme_path, nvme_mem=nvme_budget(cfg), optimizer=cfg.optimizer,
@@ -54,9 +63,25 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
         checkpointing=checkpointing(cfg), padded=padded,
         **lora_options(cfg, linears=engine_linears(src) if cfg.lora and not is_profile(cfg.model) else None),
-        **({"nproc_per_node": cfg.nproc_per_node, "nnodes": cfg.nnodes, "grad_reduce": cfg.grad_reduce}
-           if ranks else {}),
+        **layout,
     )
+
+
+def started_ranks(cfg: TrainConfig, info: RankInfo) -> tuple["HardwareProfile", dict]:
+    """The profile and layout that price the ranks torchrun started: LOCAL_WORLD_SIZE per node,
+    WORLD_SIZE / LOCAL_WORLD_SIZE nodes. The profile's [node] table is widened to hold them: the
+    pre-flight checks bytes (each rank's device, the node's host, CXL and NVMe), not times, so a
+    profile of fewer GPUs or without a network between nodes must not refuse a run that is
+    already on this machine."""
+    from ..profiles import load_hardware_profile
+    from ..profiles.hardware import NodeSpec
+
+    hw = load_hardware_profile(cfg.hardware or planner.DEFAULT_HARDWARE)
+    local = info.local_world
+    node = hw.node or NodeSpec(gpus=1, gpu_link="pcie", gpu_link_gbps=hw.pcie.h2d_pinned_gbps)
+    node = dataclasses.replace(node, gpus=max(node.gpus, local), network_gbps=node.network_gbps or node.gpu_link_gbps)
+    layout = {"nproc_per_node": local, "nnodes": -(-info.world // local), "grad_reduce": cfg.grad_reduce}
+    return dataclasses.replace(hw, node=node), layout
 
 
 def lora_options(cfg: TrainConfig, *, linears: "dict[str, str] | None" = None) -> dict:
@@ -116,14 +141,18 @@ def check_seq_len(cfg: TrainConfig, src: "ModelSource") -> None:
                           f"({limit} positions): use --seq-len {limit} or less")
 
 
-def preflight(cfg: TrainConfig, *, src: "ModelSource", padded: bool) -> "Plan | None":
+def preflight(cfg: TrainConfig, *, src: "ModelSource", padded: bool,
+              ranks: "RankInfo | None" = None) -> "Plan | None":
     """The feasibility checks every path runs before anything is allocated: --seq-len, the
     planner's budgets (gpu, host, NVMe free space; InfeasibleBudget names the minimum). A model
     family the planner cannot price passes (the engine then checks its budgets itself).
+    Several ranks (`ranks`, torchrun's): the node's budgets priced for all its local ranks, as
+    `plan --nproc-per-node` does (each rank's share after the frozen base once; every rank runs
+    it, with its own device; cli.launch.agree makes them refuse together).
     Returns the plan, or None."""
     check_seq_len(cfg, src)
     try:
-        return make_plan(cfg, src=src, padded=padded)
+        return make_plan(cfg, src=src, padded=padded, ranks=ranks or False)
     except (UnsupportedModel, ProfileError):  # e.g. a family the planner has no profile for
         log.debug("preflight: no plan for this model", exc_info=True)
         return None

@@ -70,14 +70,15 @@ def engine_class() -> Callable[..., TrainingEngine]:
     return Engine
 
 
-def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True) -> TrainingEngine:
+def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True,
+                ranks: "launch.RankInfo | None" = None) -> TrainingEngine:
     """Engine(model, ...) from the config (options left at the engine's default are not passed).
     `padded`: some batch of the run holds padding (its worst step; see activation_estimate).
 
     The engine's own checks of its options (ValueError: an optimizer it has no chunk updater
     for, a chunk size below its minimum, ...) become one-line user errors.
     """
-    ranks = launch.from_env()  # several ranks on a node share its host and CXL budgets
+    ranks = ranks or launch.from_env()  # several ranks on a node share its host and CXL budgets
     kwargs = dict(  # --hardware is the planner's (link speeds), not the engine's
         optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
         gpu_mem=gpu_budget(cfg), cpu_mem=launch.node_share(host_budget(cfg), ranks),
@@ -196,6 +197,7 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
 
 
 def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int:
+    ranks = launch.on_node(ranks)  # the node's ranks as the engine counts them
     if cfg.hardware:
         from ..profiles import load_hardware_profile
 
@@ -216,11 +218,18 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     cfg = resolve_recompute(cfg, src=src, padded=padded)
     if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:
         check_resumable(cfg, Path(cfg.output))  # a changed option says so before any budget does
-    try:
-        preflight(cfg, src=src, padded=padded)  # refuses what `plan` refuses, before allocating
+    refusal = None
+    try:  # refuses what `plan` refuses, before allocating; several ranks: all of them together
+        preflight(cfg, src=src, padded=padded, ranks=ranks)
     except InfeasibleBudget as e:
-        raise InfeasibleBudget(f"{str(e).splitlines()[0]} (`finetune plan` with these options "
-                               "lists changes that fit)", minimum=e.minimum) from None
+        layout = (f" --nproc-per-node {ranks.local_world}" + (f" --nnodes {-(-ranks.world // ranks.local_world)}"
+                                                              if ranks.world > ranks.local_world else "")
+                  if ranks.several else "")
+        refusal = InfeasibleBudget(f"{str(e).splitlines()[0]} (`finetune plan{layout}` with these options "
+                                   "lists changes that fit)", minimum=e.minimum)
+    except TierwiseError as e:
+        refusal = e
+    launch.agree(ranks, refusal, "agreeing on the pre-flight check")
     if auto and not cfg.recompute and cfg.optimizer != "mezo":
         console.print("activations: kept for backward, no recompute (the GPU budget holds them; "
                       "--recompute saves GPU memory)", highlight=False)
@@ -247,20 +256,20 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
             scratch = Path(tempfile.mkdtemp(prefix=f"tierwise-rank{ranks.rank}-"))
             try:
                 return _train(cfg, src=src, blocks=blocks, batches=batches, eval_data=eval_data,
-                              padded=padded, out=scratch, console=console)
+                              padded=padded, out=scratch, console=console, ranks=ranks)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
     # after every input is validated (--overwrite deletes); held until the run ends
     claimed = rundir.claim(cfg.output, resume=cfg.resume, overwrite=cfg.overwrite)
     try:
         return _train(cfg, src=src, blocks=blocks, batches=batches, eval_data=eval_data,
-                      padded=padded, out=claimed.path, console=console)
+                      padded=padded, out=claimed.path, console=console, ranks=ranks)
     finally:
         claimed.release()
 
 
 def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches, eval_data: list,
-           padded: bool, out: Path, console: Console) -> int:
+           padded: bool, out: Path, console: Console, ranks: "launch.RankInfo") -> int:
     """The run in its claimed --output: engine, loop, export."""
     total = cfg.steps or (cfg.epochs or 1) * batches.batches_per_epoch
     schedule = LRSchedule(kind=cfg.schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
@@ -272,7 +281,7 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
     if cfg.lora:  # adapters as PEFT makes them after torch.manual_seed(seed); the base stays meta
         renames = lora_mod.inject(model, lora_mod.lora_config(cfg, base=_base_name(src)), seed=cfg.seed)
         console.print(lora_mod.summary(cfg, model), highlight=False, soft_wrap=True)
-    engine = make_engine(model, cfg, padded=padded)
+    engine = make_engine(model, cfg, padded=padded, ranks=ranks)
     engine.skip_nonfinite = bool(cfg.skip_nonfinite)
     for note in engine.nvme.notices if engine.nvme is not None else []:
         warn(console, note)

@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -72,11 +73,14 @@ def engine_case(case: dict, rank: int, world: int, tmp: Path) -> dict:
         tier_peaks[i, rank] = eng.ledger.peaks().get(tier, 0)
     dist.all_reduce(tier_peaks)
     budgets = {tier: eng.ledger.budgets.get(tier) for tier in TIERS}
+    # the node's cores and I/O threads divided among its ranks: live NVMe threads per direction
+    io = [sum(t.name.startswith(f"nvme-{d}-") for t in threading.enumerate()) for d in ("read", "write")]
+    threads = {"local_world": eng.ranks.local_world if eng.ranks else 1, "nvme": io, "cpu": torch.get_num_threads()}
     eng.close()
     return {"losses": losses, "weights": weights, "gpu_peaks": t.tolist(), "owned_chunks": owned,
             "chunks": len(eng.plan.chunks), "homes": homes, "grad_bytes": grad[0].tolist(),
             "tier_peaks": dict(zip(TIERS, tier_peaks.tolist())), "budgets": budgets,
-            "owned_grad_bytes": grad[1].tolist(), "grad_window": eng.grad_window} | memory
+            "owned_grad_bytes": grad[1].tolist(), "grad_window": eng.grad_window, "threads": threads} | memory
 
 
 def pss_kib(path: str = "/proc/self/smaps_rollup", match: "str | None" = None) -> int:
@@ -163,8 +167,11 @@ def resume_case(case: dict, rank: int, world: int) -> dict:
 
 
 def refusals() -> dict:
-    """What several ranks refuse, each as its one-line message."""
-    from tierwise.offload import Engine
+    """What several ranks refuse, each as its one-line message; and the CLI's agreement on a
+    check each rank ran alone (cli.launch.agree: the pre-flight): every rank's outcome, when
+    none, all, or some ranks refused."""
+    from tierwise.cli.launch import RankInfo, Refused, agree
+    from tierwise.offload import Engine, TierwiseError
 
     out = {}
     for opt in ("galore", "apollo"):
@@ -172,6 +179,18 @@ def refusals() -> dict:
             Engine(tiny_llama(**TINY), optimizer=opt, chunk_bytes=CHUNK)
         except Exception as exc:  # noqa: BLE001 - the message is what is checked
             out[opt] = str(exc)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    info = RankInfo(rank=rank, world=world, local_world=world)
+    for name, refusing in {"none": {}, "all": dict.fromkeys(range(world), "too small"),
+                           "some": {1: "too small here", 2: "too small there"}}.items():
+        try:
+            agree(info, TierwiseError(refusing[rank]) if rank in refusing else None, "a test")
+            got = None
+        except Refused as exc:
+            got = str(exc)
+        every: list = [None] * world
+        dist.all_gather_object(every, got)
+        out[f"agree_{name}"] = every
     return out
 
 

@@ -125,7 +125,8 @@ def test_sigkill_of_one_rank_then_resume_continues_exactly(two, one, tmp_path):
     data[-3] ^= 0x40
     shard.write_bytes(bytes(data))
     refused = launch(bad, "--resume")
-    assert refused.returncode != 0
+    assert refused.returncode == 2, refused.stderr  # every rank a user error: exit 2, no torchrun summary
+    assert "FAILED" not in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
     assert "error: rank 1: checkpoint " in refused.stderr and "rank-1/shard.safetensors is corrupted" in refused.stderr
 
     line = error_line(CliRunner().invoke(app, [*STEPS, "--output", str(out), "--resume"]))
@@ -204,3 +205,32 @@ def test_two_nodes_on_loopback_equal_one_node_of_two_ranks_and_each_node_loads_i
     assert train_losses(nodes) == train_losses(one) and len(train_losses(one)) == 3
     host = [json.loads((d / "metrics.jsonl").read_text().splitlines()[0])["peak_bytes"]["host"] for d in (nodes, one)]
     assert host[0] > host[1], host  # measured 626,688 vs 378,880 B: the whole base vs half of it
+
+
+def test_a_node_budget_too_small_for_its_ranks_is_refused_by_all_in_one_line(tmp_path):
+    """Two ranks started as torchrun starts them (its variables, one process each, no agent: each
+    rank's exit code is its own), with a --cpu-mem one rank alone runs in (its chunks gpu-home)
+    but two ranks cannot share: the pre-flight prices the node for both and refuses before
+    anything is allocated: one line, on rank 0 only, exit 2 on both, neither left waiting for
+    the other (which would take the 60 s collective timeout)."""
+    env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    env.pop(FAULT_ENV, None)
+    args = [sys.executable, "-m", "tierwise.cli.main", "--steps", "1", "--cpu-mem", "1M", "--output", str(tmp_path / "o")]
+    procs = [subprocess.Popen(args, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    ended: dict[int, float] = {}
+    deadline = time.time() + LAUNCH_TIMEOUT
+    while len(ended) < 2 and time.time() < deadline:
+        ended |= {r: time.time() for r, p in enumerate(procs) if r not in ended and p.poll() is not None}
+        time.sleep(0.05)
+    outs = [p.communicate(timeout=5) if r in ended else (p.kill(), p.communicate())[1] for r, p in enumerate(procs)]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    assert abs(ended[0] - ended[1]) < 30.0, ended
+    errors = [[ln for ln in err.splitlines() if ln.strip()] for _, err in outs]
+    assert len(errors[0]) == 1 and errors[1] == [] and outs[1][0] == "", outs
+    assert errors[0][0].startswith("error: node host budget 1.00 MiB cannot hold 2 ranks' own chunks"), errors
+    assert "`finetune plan --nproc-per-node 2` with these options" in errors[0][0]
+    assert not (tmp_path / "o").exists()  # refused before --output was claimed
+    # one rank with the same budget runs: the refusal is the node's, shared by two
+    assert "verdict: fits" in CliRunner().invoke(app, ["plan", "--cpu-mem", "1M"]).output

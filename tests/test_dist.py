@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tierwise.offload import Engine
-from tests.dist_cases import CHUNK, DEEP, STEPS, TINY, case, data_for, rank_threads, spawn
+from tests.dist_cases import CHUNK, DEEP, RANK_THREADS, STEPS, TINY, case, data_for, rank_threads, spawn
 from tests.models import tiny_llama
 
 
@@ -83,6 +83,9 @@ def test_two_ranks_tight_budget_state_on_nvme_and_8bit_and_clipping(two):
     assert two["tight_nvme"]["losses"] == losses and equal(two["tight_nvme"]["weights"], weights)
     assert "nvme" in two["tight_nvme"]["homes"] and "state" in two["tight_nvme"]["homes"]["nvme"]
     assert max(two["tight_nvme"]["gpu_peaks"]) <= two["tight"]
+    # the node's I/O threads divided between its 2 ranks: 4 // 2 per direction, not one store's 4;
+    # the CPU threads the launch chose (RANK_THREADS, not above a rank's share) kept
+    assert two["tight_nvme"]["threads"] == {"local_world": 2, "nvme": [2, 2], "cpu": RANK_THREADS}
     # two micro-batches per rank, the owners' gradients on NVMe: after the first micro-batch each
     # complete chunk is reduced into its staging buffer and written out, the second adds to it
     got = two["nvme_accum"]
@@ -122,6 +125,11 @@ def test_refusals_with_several_ranks(three):
     res = three[2]
     assert "galore is not supported with several ranks" in res["galore"]
     assert "apollo is not supported with several ranks" in res["apollo"]
+    # a check each rank ran alone: all ranks go on, or all refuse with the first refusal (its
+    # rank named where the ranks differ)
+    assert res["agree_none"] == [None] * 3
+    assert res["agree_all"] == ["too small"] * 3
+    assert res["agree_some"] == ["rank 1: too small here"] * 3
 
 
 def test_each_rank_resumes_from_its_shard_exactly(three):

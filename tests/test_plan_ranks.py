@@ -185,3 +185,27 @@ def test_dry_run_plans_the_ranks(tmp_path):
                            env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert "ranks: 2 (2 per node x 1 node)" in r.output and "collectives per rank per step" in r.output
+
+
+def test_the_preflight_of_started_ranks_prices_their_node_on_any_profile():
+    """Training under torchrun (cli.planning.started_ranks): the ranks it started are priced,
+    L per node, on the profile the run names even when its [node] table has fewer GPUs or no
+    network: the pre-flight checks bytes; `plan` of the same layout on that profile refuses."""
+    import dataclasses
+
+    from tierwise.cli.config import TrainConfig
+    from tierwise.cli.launch import RankInfo
+    from tierwise.cli.planning import make_plan as cli_plan
+
+    cfg = TrainConfig(model="tiny", hardware="rtx4090", gpu_mem="1G", cpu_mem="64M", seq_len=16, batch_size=2,
+                      chunk_size="16K")
+    started = RankInfo(rank=0, world=4, local_rank=0, local_world=2)  # 2 nodes of 2 ranks
+    with pytest.raises(TierwiseError, match="has 1 GPU per node"):
+        cli_plan(dataclasses.replace(cfg, nproc_per_node=2, nnodes=2), ranks=True)
+    plan = cli_plan(cfg, ranks=started)
+    assert (plan.ranks.nproc_per_node, plan.ranks.nnodes) == (2, 2)
+    one_node = cli_plan(cfg, ranks=dataclasses.replace(started, world=2))  # each rank owns more
+    assert sum(plan.ranks.owned_params) < sum(one_node.ranks.owned_params)
+    need = one_node.ranks.node["host"]
+    with pytest.raises(InfeasibleBudget, match="node host budget"):
+        cli_plan(dataclasses.replace(cfg, cpu_mem=f"{need // 2}B"), ranks=dataclasses.replace(started, world=2))

@@ -37,7 +37,9 @@ every rank calls them; `state_dict`/`load_state_dict` are this rank's shard. Not
 several ranks: gpu-home trainable chunks (all stream), GaLore/APOLLO. MeZO: the ranks share the
 perturbation seed, split each batch's rows and sum only the two losses (`_zo_step`).
 Frozen chunks (a LoRA base) are not sharded: the local ranks of a node hold one copy, in shared
-memory or the leader's swap files (offload.engine.sharedbase; `share_base`).
+memory or the leader's swap files (offload.engine.sharedbase; `share_base`). The node's cores
+are divided too: each rank's NVMe I/O threads (offload.runtime.nvme.threads_per_rank) and its
+CPU update threads (offload.runtime.cores), by the ranks on its node (`Ranks.local`).
 
 Any nn.Module, with plain PyTorch's numbers. The Engine is a composition; each collaborator
 gets the few objects it uses, never the Engine:
@@ -67,7 +69,9 @@ from ..core.units import format_size
 from ..plan.homes import assign_homes, bounce_sizes
 from ..plan.needs import workspace_margin
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
+from ..runtime.cores import cpu_threads
 from ..runtime.executor import Executor
+from ..runtime.nvme import threads_per_rank
 from ..runtime.store import ChunkStore, SwapKind, frozen_kind_bytes, kind_bytes
 from ..runtime.swapping import Bounce, update_all
 from ..runtime.tiers import pick_device
@@ -169,14 +173,6 @@ class Engine:
         self.offload_activations = offload_activations
         self.overlap_update = overlap_update
         self.hyper = Hyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum)
-        self.ledger, self.tiers, self.cxl, self.nvme = open_tiers(
-            device=self.device, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
-            cxl_bandwidth=cxl_bandwidth, nvme_path=nvme_path, nvme_checksum=nvme_checksum)
-        self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
-        self.workspace = Workspace(self.device, self.ledger)
-        self._warm_limit: int | None = None
-        self.moments = Timeline(self.ledger)
-
         named = list(model.named_parameters())
         frozen = {n for n, p in named if not p.requires_grad}
         if frozen and optimizer == "mezo":
@@ -196,6 +192,16 @@ class Engine:
             self.ranks = Ranks(group, trainable=[c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)],
                                timeout_s=dist_timeout)
             self.allow_gpu_home = False  # every rank must fetch alike: all chunks stream (see ranks.py)
+        local = self.ranks.local_world if self.ranks is not None else 1
+        self._divide_cores(local)
+        self.ledger, self.tiers, self.cxl, self.nvme = open_tiers(
+            device=self.device, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
+            cxl_bandwidth=cxl_bandwidth, nvme_path=nvme_path, nvme_checksum=nvme_checksum,
+            nvme_threads=threads_per_rank(local))
+        self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
+        self.workspace = Workspace(self.device, self.ledger)
+        self._warm_limit: int | None = None
+        self.moments = Timeline(self.ledger)
         self.shared: SharedBase | None = None
         if self.ranks is not None and share_base and frozen and self.ledger.budgets.get("cxl") is None:
             # on every rank of the group, which all run its collectives (a node of one rank shares with itself)
@@ -269,6 +275,17 @@ class Engine:
         return self.grads.early
 
     # -- setup helpers -------------------------------------------------------------------
+    @staticmethod
+    def _divide_cores(local: int) -> None:
+        """One of `local` ranks on a node: torch's CPU threads (the CPU update) become its share
+        of the cores where the process was given no choice (offload.runtime.cores)."""
+        threads = cpu_threads(local, current=torch.get_num_threads())
+        if threads.count is not None:
+            log.info("CPU threads: %d per rank (%d local ranks)", threads.count, local)
+            torch.set_num_threads(threads.count)
+        if threads.note:
+            log.info("%s", threads.note)
+
     def _place(self, activations: int | None) -> None:
         """Decide every chunk kind's tier and allocate the chunk store there."""
         remote = self.ranks.remote() if self.ranks is not None else frozenset()

@@ -19,8 +19,9 @@ from .model_info import modules_with_params
 
 def open_tiers(*, device: torch.device, gpu_mem: Any, cpu_mem: Any, cxl_mem: Any, cxl_node: Any,
                cxl_bandwidth: Any, nvme_path: Any,
-               nvme_checksum: bool) -> tuple[Ledger, Tiers, CxlAllocator | None, NvmeStore | None]:
-    """Budgets, the ledger and the allocators of every tier in use."""
+               nvme_checksum: bool, nvme_threads: int) -> tuple[Ledger, Tiers, CxlAllocator | None, NvmeStore | None]:
+    """Budgets, the ledger and the allocators of every tier in use. `nvme_threads`: I/O threads
+    per direction (offload.engine.cores.nvme_threads: divided among a node's ranks)."""
     budgets = {"gpu": parse_size(gpu_mem, what="--gpu-mem"), "host": parse_size(cpu_mem, what="--cpu-mem")}
     cxl_bytes = parse_size(cxl_mem, what="--cxl-mem")
     cxl = None
@@ -34,7 +35,7 @@ def open_tiers(*, device: torch.device, gpu_mem: Any, cpu_mem: Any, cxl_mem: Any
     nvme = None
     if nvme_path is not None:
         budgets["nvme"] = None  # bounded by the disk: checked by preflight in Engine._place
-        nvme = NvmeStore(nvme_path, checksum=nvme_checksum)
+        nvme = NvmeStore(nvme_path, checksum=nvme_checksum, threads=nvme_threads)
     ledger = Ledger(budgets)
     return ledger, Tiers(ledger=ledger, device=device, cxl=cxl), cxl, nvme
 

@@ -49,7 +49,9 @@ sync), issued by the same thread just before each broadcast.
 from __future__ import annotations
 
 import datetime
+import os
 import re
+import socket
 from typing import Any
 
 import torch
@@ -96,6 +98,22 @@ def gather_objects(obj: Any, what: str) -> list:
     return out
 
 
+def node_key() -> str:
+    """What ranks on the same node (one host memory, one set of cores) have in common."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}|{boot}|{os.environ.get('GROUP_RANK', '')}"
+
+
+def same_node(keys: list[str], rank: int) -> list[int]:
+    """The ranks whose `node_key` (in `keys`, by rank) is `rank`'s: its node's, lowest first. The
+    one count of a node's ranks: the engine's (`Ranks.local`) and the CLI's (cli.launch.on_node)."""
+    return [r for r, key in enumerate(keys) if key == keys[rank]]
+
+
 def default_group() -> Any:
     """The initialised default process group when it spans several ranks, else None."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -124,9 +142,17 @@ class Ranks:
         self.gather_check = (self.gather_group if dist.get_backend(self.gather_group) == "gloo"
                              else dist.new_group(ranks=members, timeout=timeout, backend="gloo"))
         self.owner = {cid: k % self.world for k, cid in enumerate(trainable)}
+        keys = self.all_gather_object(node_key(), "finding the ranks of this node")
+        #: the ranks (of `group`) on this rank's node, lowest first: they share its host memory,
+        #: NVMe and cores (offload.engine.sharedbase, offload.runtime.cores)
+        self.local = same_node(keys, self.rank)
         #: payload bytes this rank passed to each group's collectives (bench/collective_bytes.py);
         #: one key per group, each written by the one thread that issues that group's collectives
         self.bytes = {"gather": 0, "grads": 0, "main": 0}
+
+    @property
+    def local_world(self) -> int:
+        return len(self.local)
 
     def owns(self, cid: int) -> bool:
         """True for a chunk this rank stores and updates (frozen chunks: every rank)."""

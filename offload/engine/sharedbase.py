@@ -2,8 +2,8 @@
 
 Ranks on one node would each hold the whole frozen base -- a LoRA/QLoRA base is most of the
 model, and N copies of it make host RAM, not the GPUs, the limit (DeepSpeed #2841). Instead:
-- Who shares: the ranks of one node (same host name, boot id and torchrun node rank); the
-  node's leader is its lowest rank.
+- Who shares: the ranks of one node (`Ranks.local`: same host name, boot id and torchrun node
+  rank); the node's leader is its lowest rank.
 - Placement: the base's homes are the same on every local rank: those of the leader's
   placement (its trainable chunks are known to all from the owner map) with each base chunk
   costing 1/L of its bytes (L local ranks). Each rank then places its own chunks in the host
@@ -26,8 +26,6 @@ Not yet: --nvme-checksum verifies the leader's reads of those files, not the oth
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any
 
 import torch
@@ -40,16 +38,6 @@ from ..runtime.sharedmem import SharedRegion
 _ALIGN = 4096
 
 
-def node_key() -> str:
-    """What ranks on the same node (one host memory) have in common."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}|{boot}|{os.environ.get('GROUP_RANK', '')}"
-
-
 def _up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -59,12 +47,11 @@ class SharedBase:
 
     def __init__(self, ranks: Any, *, host_budget: "int | None"):
         self.ranks = ranks
-        infos = ranks.all_gather_object((node_key(), host_budget), "finding the ranks of this node")
-        mine = infos[ranks.rank][0]
-        self.local = [r for r, (key, _) in enumerate(infos) if key == mine]
+        budgets = ranks.all_gather_object(host_budget, "sharing the host budgets of this node")
+        self.local = ranks.local  # offload.engine.ranks.node_key
         self.leader = self.local[0]
         self.is_leader = ranks.rank == self.leader
-        self.leader_host = infos[self.leader][1]
+        self.leader_host = budgets[self.leader]
         self.offsets: dict[int, int] = {}  # host-homed base chunk -> byte offset in the region
         self.nvme_chunks: set[int] = set()  # NVMe-homed base chunks: the leader's swap files
         self.nbytes = 0

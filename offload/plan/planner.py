@@ -379,6 +379,10 @@ def _resolve_model(model: Any) -> ModelProfile:
     return ModelProfile.from_hf_config(model)
 
 
+#: the profile a plan without --hardware prices on
+DEFAULT_HARDWARE = "cpu-sim"
+
+
 def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | str | None, gpu_mem: int | str | None,
               cpu_mem: int | str | None, cxl_mem: int | str | None = None, nvme_path: str | None = None,
               nvme_mem: int | str | None = None, optimizer: str, precision: str, batch_size: int, seq_len: int,
@@ -393,7 +397,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     the gpu's at most `device_mem`, what the device of this machine has).
 
     `model`: a profile, a profile name/path, or a transformers model/config (its shapes are read).
-    `hardware`: a profile or name/path; None means "cpu-sim". `batch_size` is the micro-batch
+    `hardware`: a profile or name/path; None means DEFAULT_HARDWARE ("cpu-sim"). `batch_size` is the micro-batch
     (the engine splits a batch into `grad_accum` of them; activations follow the micro-batch).
     `optimizer_kwargs` as the Engine takes them (e.g. {"rank": 8} for GaLore/APOLLO; `rank`
     is a shorthand for it): they decide the optimizer state bytes.
@@ -425,7 +429,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     Raises InfeasibleBudget naming the minimum gpu / host / nvme bytes when they cannot fit."""
     args = dict(locals())
     model = _resolve_model(model)
-    hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
+    hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or DEFAULT_HARDWARE)
     if batch_size <= 0 or seq_len <= 0 or grad_accum <= 0:
         raise TierwiseError(f"batch size, sequence length and grad_accum must be positive, got "
                             f"{batch_size} x {seq_len} (x {grad_accum})")
