@@ -8,8 +8,9 @@ leaves the CPU free.
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +23,7 @@ class Link:
     bandwidth: float | None = None
     bytes_moved: int = 0
     busy_seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst.copy_(src), then wait out the link time of src's bytes."""
@@ -31,10 +33,12 @@ class Link:
         self.wait_for(nbytes, start)
 
     def wait_for(self, nbytes: int, start: float) -> None:
-        """Account `nbytes` moved since `start`; sleep out what the bandwidth still owes."""
-        self.bytes_moved += nbytes
+        """Account `nbytes` moved since `start`; sleep out what the bandwidth still owes. (Any
+        thread: a lane's worker, or one that copies directly.)"""
         if self.bandwidth:
             left = start + nbytes / self.bandwidth - time.perf_counter()
             if left > 0:
                 time.sleep(left)
-        self.busy_seconds += time.perf_counter() - start
+        with self._lock:
+            self.bytes_moved += nbytes
+            self.busy_seconds += time.perf_counter() - start
