@@ -28,6 +28,15 @@ def free_disk(path: "str | os.PathLike[str]") -> int | None:
     return None
 
 
+def has_cuda() -> bool:
+    """The training device of this machine is a CUDA GPU (False without torch)."""
+    try:
+        import torch
+    except ModuleNotFoundError:
+        return False
+    return torch.cuda.is_available()
+
+
 def device_memory() -> int | None:
     """Bytes the training device can give a run: on CUDA the free memory of the current device
     (torch.cuda.mem_get_info); on the simulated device (CPU memory standing in) the RAM, and

@@ -83,27 +83,32 @@ def engine_case(case: dict, rank: int, world: int, tmp: Path) -> dict:
             "owned_grad_bytes": grad[1].tolist(), "grad_window": eng.grad_window, "threads": threads} | memory
 
 
-def pss_kib(path: str = "/proc/self/smaps_rollup", match: "str | None" = None) -> int:
+def pss_kib(path: str = "/proc/self/smaps_rollup", match: "str | None" = None,
+            fields: tuple = ("Pss:",)) -> int:
     """Proportional set size (KiB) of this process: shared pages split among their mappers.
-    `match`: only the mappings whose name contains it (read from /proc/self/smaps)."""
+    `match`: only the mappings whose name contains it (read from /proc/self/smaps); `fields`:
+    the smaps lines summed."""
     total, take = 0, match is None
     for line in open(path if match is None else "/proc/self/smaps"):
         head = line.split()
         if match is not None and head and "-" in head[0] and len(head) >= 5:
             take = match in line  # a mapping's header line
-        elif take and line.startswith("Pss:"):
+        elif take and head and head[0] in fields:
             total += int(head[1])
     return total
 
 
 def settled_pss_kib() -> int:
-    """PSS after garbage collection, with the memory that was freed given back to the system."""
+    """PSS of the process's anonymous and shared (/dev/shm) memory after garbage collection,
+    with the memory that was freed given back to the system. Not the file-backed pages (torch's
+    libraries): their share moves with every other process that maps them (other test runs on
+    the machine starting or ending), which made an engine's growth negative."""
     import ctypes
     import gc
 
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return pss_kib()
+    return pss_kib(fields=("Pss_Anon:", "Pss_Shmem:"))
 
 
 def node_memory(eng, before: int) -> dict:

@@ -157,7 +157,9 @@ def test_shared_base_is_pinned_for_cuda_or_stays_pageable(tmp_path, monkeypatch,
 
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
         assert leader.pin() and calls == [("register", 4096, 0)]
         other = sharedmem.SharedRegion.attach(leader.path, 4096)
         assert other.pin() and calls[-1] == ("register", 4096, sharedmem._REGISTER_READ_ONLY)
@@ -170,6 +172,41 @@ def test_shared_base_is_pinned_for_cuda_or_stays_pageable(tmp_path, monkeypatch,
         assert "could not be pinned" in caplog.text and "pageable" in caplog.text
         refused.close()  # never registered: nothing to unregister
         assert calls.count(("unregister",)) == 1
+    finally:
+        leader.unlink()
+        leader.close()
+
+
+def test_a_refused_pin_leaves_no_cuda_error_on_the_caller_and_registers_on_its_device(tmp_path, monkeypatch):
+    """A refused cudaHostRegister is also its thread's pending CUDA error (cudaGetLastError), which
+    torch's next kernel launch check on that thread raises as the kernel's own: the pageable
+    fallback would be a crash at the next step. And the runtime registers on the thread's current
+    device (device 0 unless set). CUDA faked, with those two per-thread states of the runtime
+    (tests/gpu runs the real one)."""
+    import threading
+
+    from tierwise.offload.runtime import sharedmem
+
+    state = threading.local()  # the runtime's per-thread current device and last error
+    registered_on = []
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, n, flags):
+            registered_on.append(getattr(state, "device", 0))
+            state.error = 2  # cudaErrorMemoryAllocation, left for cudaGetLastError
+            return 2
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: setattr(state, "device", device))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(state, "device", 0))
+    leader = sharedmem.SharedRegion.create(4096, directory=str(tmp_path))
+    try:
+        assert not leader.pin(torch.device("cuda", 3))
+        assert registered_on == [3]
+        assert getattr(state, "error", 0) == 0  # nothing pending for this thread's next kernel
+        state.device = 1  # None: the caller's current device
+        assert not leader.pin() and registered_on == [3, 1]
     finally:
         leader.unlink()
         leader.close()

@@ -84,11 +84,13 @@ def test_planner_predicts_engine_bytes(profile, precision, batch, seq, chunk, op
         assert peaks["gpu"] <= gpu
 
 
-def test_a_cuda_plan_and_the_engine_placed_up_front_leave_the_same_workspace_margin(monkeypatch):
+@pytest.mark.parametrize("hardware,cuda", [("rtx4090", None), ("cpu-sim", True)])
+def test_a_cuda_plan_and_the_engine_placed_up_front_leave_the_same_workspace_margin(monkeypatch, hardware, cuda):
     """On CUDA the engine leaves the allocator a margin of the gpu budget (offload.engine.workspace);
     placed up front from the planned activations (as `finetune` and --verify run), it picks the
     gpu-home chunks and the cache of a CUDA profile's plan, fewer than the simulated device's
-    at the same budget. The CUDA device is faked at construction: only the placement is read."""
+    at the same budget; so does a "cpu-sim" plan for a CUDA device (`cuda=True`: a GPU machine
+    run without --hardware). The CUDA device is faked at construction: only the placement is read."""
     from tierwise.offload.engine import engine as engine_module
     from tierwise.offload.engine.workspace import Workspace
 
@@ -102,7 +104,8 @@ def test_a_cuda_plan_and_the_engine_placed_up_front_leave_the_same_workspace_mar
                 chunk_bytes=16 << 10)
     smallest = make_plan(hardware="rtx4090", gpu_mem="64G", **args)
     gpu = smallest.gpu_minimum + sum(smallest.bytes["gpu"].values()) // 2
-    plan, sim = (make_plan(hardware=hw, gpu_mem=gpu, **args) for hw in ("rtx4090", "cpu-sim"))
+    plan = make_plan(hardware=hardware, cuda=cuda, gpu_mem=gpu, **args)
+    sim = make_plan(hardware="cpu-sim", gpu_mem=gpu, **args)
     home = {h.index for h in plan.chunk_homes if h.update == "gpu"}
     assert plan.workspace_margin > 0 and sim.workspace_margin == 0
     assert 0 < len(home) < len({h.index for h in sim.chunk_homes if h.update == "gpu"})

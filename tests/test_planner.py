@@ -67,6 +67,34 @@ def test_a_cuda_plan_leaves_the_engines_workspace_margin_free():
     assert sim.workspace_margin == 0 and "workspace margin" not in sim.render_table()
 
 
+def test_a_run_on_this_machine_s_gpu_without_hardware_is_priced_with_the_engine_s_margin(monkeypatch):
+    """`finetune` (its pre-flight) and `plan` without --hardware price on "cpu-sim"; on a machine
+    whose device is CUDA the engine still leaves its workspace margin (and a staging buffer for
+    an encoded base): the plan prices that device, not the simulated one, else the pre-flight
+    passes budgets the engine then refuses, and --verify compares a placement the engine does
+    not make. A named profile decides for itself."""
+    import dataclasses
+
+    from tierwise.cli import machine
+    from tierwise.cli.config import TrainConfig
+    from tierwise.cli.planning import make_plan as cli_plan
+    from tierwise.offload.plan.needs import workspace_margin
+
+    cfg = TrainConfig(model="tiny", gpu_mem="64M", cpu_mem="1G", seq_len=16, batch_size=2, chunk_size="16K")
+    monkeypatch.setattr(machine, "has_cuda", lambda: True)
+    on_gpu = cli_plan(cfg)
+    assert on_gpu.hardware == "cpu-sim" and on_gpu.workspace_margin == workspace_margin(64 << 20) > 0
+    monkeypatch.setattr(machine, "has_cuda", lambda: False)
+    assert cli_plan(cfg).workspace_margin == 0  # the simulated device: no allocator
+    named = cli_plan(dataclasses.replace(cfg, hardware="rtx4090"))
+    assert named.workspace_margin == workspace_margin(64 << 20)  # the profile's device, wherever planned
+    qlora = dict(lora_rank=8, base_dtype="nf4", double_quant=True)
+    sim, cuda = (make_plan(model="tiny", hardware="cpu-sim", gpu_mem="64M", cpu_mem="1G", optimizer="adamw",
+                           precision="bf16", batch_size=2, seq_len=16, chunk_bytes=16 << 10, cuda=c, **qlora)
+                 for c in (None, True))
+    assert cuda.reserve["gpu"]["buffers"] > sim.reserve["gpu"]["buffers"]  # CUDA's staging buffer
+
+
 def test_7b_less_host_spills_masters_to_nvme_with_bounce_buffers():
     plan = plan7b(optimizer="adamw", cpu_mem="32G", nvme_path="/tmp/swap")
     cpu = plan.cpu_update_params

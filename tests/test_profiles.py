@@ -45,6 +45,9 @@ def test_every_model_profile_loads_and_counts(name):
 def test_every_hardware_profile_loads(name):
     hw = load_hardware_profile(name)
     assert hw.gpu.memory > 0 and hw.pcie.h2d_pinned_gbps > 0 and hw.host.adamw_params_per_s > 0
+    # the C AdamW8bit kernel runs at fused AdamW's rate or above (H200 host 7.5e9 vs 4.9e9; this
+    # 2-core machine 0.94-0.99x side by side): a profile pricing it far slower predicts a wrong step time
+    assert hw.host.adamw8bit_params_per_s >= 0.9 * hw.host.adamw_params_per_s, name
 
 
 @pytest.mark.parametrize("alias, params", [

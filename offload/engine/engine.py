@@ -316,7 +316,7 @@ class Engine:
             self.homes = self.shared.place(kinds=streamed, leader_kinds=self._kinds(frozenset(
                 c for c, r in self.ranks.owner.items() if r != lead)), frozen=set(self.plan.frozen),
                 host=host, nvme=self.nvme is not None)
-            self.shared.map(self.ledger, cuda=self.device.type == "cuda")
+            self.shared.map(self.ledger, device=self.device)
         else:
             self.homes = assign_homes(kinds=streamed, host=host, cxl=budgets.get("cxl"),
                                       nvme=self.nvme is not None)

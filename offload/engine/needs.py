@@ -21,7 +21,7 @@ def open_tiers(*, device: torch.device, gpu_mem: Any, cpu_mem: Any, cxl_mem: Any
                cxl_bandwidth: Any, nvme_path: Any,
                nvme_checksum: bool, nvme_threads: int) -> tuple[Ledger, Tiers, CxlAllocator | None, NvmeStore | None]:
     """Budgets, the ledger and the allocators of every tier in use. `nvme_threads`: I/O threads
-    per direction (offload.engine.cores.nvme_threads: divided among a node's ranks)."""
+    per direction (offload.runtime.nvme.threads_per_rank: divided among a node's ranks)."""
     budgets = {"gpu": parse_size(gpu_mem, what="--gpu-mem"), "host": parse_size(cpu_mem, what="--cpu-mem")}
     cxl_bytes = parse_size(cxl_mem, what="--cxl-mem")
     cxl = None

@@ -106,9 +106,9 @@ class SharedBase:
                                    minimum={"host": sum(totals.get("host", {}).values()) + bounce})
         return Homes(tiers=tiers, bytes=totals, bounce=bounce)
 
-    def map(self, ledger: Any, *, cuda: bool = False) -> None:
-        """Book this rank's share, make (leader) or map (the others) the region (`cuda`: and pin
-        it for the copies to the device); then the leader unlinks its name (every local rank
+    def map(self, ledger: Any, *, device: Any = None) -> None:
+        """Book this rank's share, make (leader) or map (the others) the region (a CUDA `device`:
+        and pin it for the copies to it); then the leader unlinks its name (every local rank
         has it mapped)."""
         # (the collectives run on every rank of the group, whatever its node placed)
         if self.nbytes:
@@ -118,8 +118,8 @@ class SharedBase:
         if region is None and self.nbytes:
             region = SharedRegion.attach(paths[self.leader], self.nbytes)
         self.region = region
-        if cuda and region is not None:
-            region.pin()
+        if device is not None and device.type == "cuda" and region is not None:
+            region.pin(device)
         self.ranks.all_true(True, "mapping the shared base")
         if self.is_leader and region is not None:
             region.unlink()

@@ -13,7 +13,7 @@ The planner mirrors the engine byte for byte on the simulated device, by constru
   `padded`, a padded batch: the run's worst step)
   handed to the engine's own `placement.plan_device`, which picks the gpu-home chunks (a
   suffix of first-use order) and the cache size for streamed compute copies; on a CUDA
-  profile around the workspace margin the engine leaves the allocator (`needs.workspace_margin`,
+  device (a profile's or `cuda`) around the workspace margin the engine leaves the allocator (`needs.workspace_margin`,
   1/16 of the budget; what its warm-up measures beside the ledger cannot be known here);
 - the host side: the kinds placed by the engine's own `homes.assign_homes` (DRAM, then CXL,
   then NVMe) over the chunks the engine keeps host-side when it is built (`up_front`), and a
@@ -139,8 +139,8 @@ class Plan:
     suggestion: str | None = None
     """For LoRA runs: the micro-batch x grad-accum that makes the step compute-bound."""
     workspace_margin: int = 0
-    """CUDA profiles: gpu bytes the engine leaves free for the allocator beside its ledger
-    (offload.plan.needs.workspace_margin: 1/16 of the budget; the engine adds what its warm-up
+    """On a CUDA device (`make_plan(cuda=...)`): gpu bytes the engine leaves free for the
+    allocator beside its ledger (offload.plan.needs.workspace_margin: 1/16 of the budget; the engine adds what its warm-up
     measures the allocator holding beside the ledger). Placed around, not in the gpu peak (the
     ledger's bytes). 0 on the simulated device, which has no allocator."""
     ranks: RankPlan | None = None
@@ -237,7 +237,10 @@ class _Chunks:
     def __init__(self, *, model: ModelProfile, optimizer: str, precision: str, chunk_bytes: int,
                  rank: int | None, optimizer_kwargs: dict | None = None,
                  params: "Sequence[ParamSpec] | None" = None, lora: "LoraModel | None" = None,
-                 base_dtype: str | None = None, double_quant: bool = False) -> None:
+                 base_dtype: str | None = None, double_quant: bool = False, cuda: bool = False) -> None:
+        #: the engine's device is CUDA (make_plan's `cuda`): a staging buffer, the allocator's
+        #: margin, gradients in flight on the copy stream; else the simulated device
+        self.cuda = cuda
         self.cost = optimizer_spec(optimizer)
         self.ce = compute_bytes(precision)
         self.bf16 = precision == "bf16"
@@ -332,10 +335,10 @@ class _Chunks:
         ones that are gpu-home (decoded into a cache buffer per use, nothing on the link)."""
         return [c for c in range(self.n) if c not in device.gpu_home or c in self.encoded]
 
-    def staging(self, hw: HardwareProfile) -> int:
+    def staging(self) -> int:
         """CUDA's device buffer the encoded chunks land in to be decoded (Engine._place); none on
         the simulated device, which decodes in place."""
-        return 0 if hw.simulated else max((self.kinds[c]["compute"] for c in self.encoded), default=0)
+        return max((self.kinds[c]["compute"] for c in self.encoded), default=0) if self.cuda else 0
 
     def device_needs(self, *, buffers: int, activations: int) -> DeviceNeeds:
         """`needs.device_needs` for this model, as the engine's `_device_needs` calls it."""
@@ -392,7 +395,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               params: "Sequence[ParamSpec] | None" = None, device_mem: int | None = None,
               lora_rank: int | None = None, lora_targets: str = "all-linear", base_dtype: str | None = None,
               double_quant: bool = False, lora_dropout: float = 0.0, linears: "dict[str, str] | None" = None,
-              suggest: bool = True, nproc_per_node: int = 1, nnodes: int = 1, grad_reduce: str = "micro") -> Plan:
+              suggest: bool = True, nproc_per_node: int = 1, nnodes: int = 1, grad_reduce: str = "micro",
+              cuda: bool | None = None) -> Plan:
     """Plan a run; budgets are bytes or size strings (None: the profile's size, else unlimited;
     the gpu's at most `device_mem`, what the device of this machine has).
 
@@ -426,6 +430,9 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     are the node's, the gpu budget each rank's, `grad_accum` the micro-batches of each rank
     (`_plan_ranks`); `grad_reduce` ("micro" | "step"): the Engine's, how several ranks hold and
     reduce gradients (offload.plan.ranks).
+    `cuda`: the engine's device is CUDA, whose allocator it leaves `workspace_margin` beside the
+    ledger (None: a profile's that is not the simulated device; True for a run on this machine's
+    GPU priced on "cpu-sim", as `finetune` and --verify price it without --hardware).
     Raises InfeasibleBudget naming the minimum gpu / host / nvme bytes when they cannot fit."""
     args = dict(locals())
     model = _resolve_model(model)
@@ -458,18 +465,18 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                           targets=lora_targets, linears=linears)
     ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_bytes, rank=rank,
                  optimizer_kwargs=optimizer_kwargs, params=params, lora=lora, base_dtype=base_dtype,
-                 double_quant=double_quant)
+                 double_quant=double_quant, cuda=not hw.simulated if cuda is None else cuda)
     checkpointing = ch.needs_grad and checkpoints_blocks(model, checkpointing)  # resolved, as the engine does
     lora_act = None
     if lora is not None:  # dropout's saved mask: CPU dropout keeps its noise in the compute dtype, CUDA a bool
-        lora_act = (lora.targets, lora.rank) + ((compute_bytes(precision) if hw.simulated else 1,) if lora_dropout
+        lora_act = (lora.targets, lora.rank) + ((1 if ch.cuda else compute_bytes(precision),) if lora_dropout
                                                 else ())
     act = activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                            backward=ch.needs_grad, checkpointing=checkpointing, padded=padded, lora=lora_act)
-    needs = ch.device_needs(buffers=buffer_bytes(model) + ch.staging(hw), activations=act)
+    needs = ch.device_needs(buffers=buffer_bytes(model) + ch.staging(), activations=act)
     # CUDA: the engine leaves the allocator a margin of the budget beside its ledger (placed as
     # activations: offload.engine.workspace); the simulated device has no allocator
-    margin = 0 if hw.simulated else workspace_margin(gpu)
+    margin = workspace_margin(gpu) if ch.cuda else 0
     minimum = minimum_with_margin(needs.minimum) if margin else needs.minimum
     if gpu < minimum:
         beside = f", workspace margin {format_size(minimum - needs.minimum)}" if margin else ""
@@ -748,7 +755,7 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     held = p["fixed"] + p["inputs"] + p["layers"]  # without checkpointing, every layer's internals
     streamed_grad = {name: ch.ce * s.numel for name, s in ch.plan.slots.items()
                      if s.chunk not in device.gpu_home and s.chunk not in ch.frozen}  # frozen: no gradient
-    inflight = 0 if hw.simulated else (needs.grad_reserve if streamed_grad else 0)
+    inflight = (needs.grad_reserve if streamed_grad else 0) if ch.cuda else 0
     return max(held + p["head"], held + p["block"] + inflight,
                held + p["final_norm"] + max(streamed_grad.get("lm_head.weight", 0), inflight),
                p["fixed"] + max(streamed_grad.get("model.embed_tokens.weight", 0), inflight))

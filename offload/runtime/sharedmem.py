@@ -9,7 +9,11 @@ A run killed between create and unlink leaves the file behind: every rank holds 
 files of this user that nobody holds (their runs are dead) -- never a live run's.
 With CUDA each rank `pin`s its mapping (cudaHostRegister; read-only where it maps read-only),
 so the copies to its device are DMA from the shared pages, as from any pinned host tier; where
-the driver refuses (a memlock limit), the region stays pageable and one warning says so.
+the driver refuses (a memlock limit, no read-only registration), the region stays pageable and
+one warning says so. The register runs in a thread of its own, on the rank's device: a refusal
+is also the calling thread's pending CUDA error, which torch's next kernel launch check
+(cudaGetLastError) would raise as that kernel's; and a thread's current device is where the
+runtime registers (device 0's, a context of its own there, unless set).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 import warnings
 
 import torch
@@ -45,7 +50,7 @@ class SharedRegion:
     def __init__(self, path: str, fd: int, nbytes: int, *, writable: bool):
         self.path, self.nbytes, self.writable = path, nbytes, writable
         self._fd = fd
-        self.pinned = False
+        self.pinned, self._device = False, None  # pinned: for copies to CUDA device `_device`
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         self._map = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=prot)
         with warnings.catch_warnings():  # a read-only mapping: torch warns that it is not writable
@@ -95,19 +100,23 @@ class SharedRegion:
         fcntl.flock(fd, fcntl.LOCK_SH)
         return cls(path, fd, nbytes, writable=False)
 
-    def pin(self) -> bool:
-        """Page-lock the mapping for CUDA copies (cudaHostRegister); False where CUDA is absent
-        or refuses (the region then stays pageable: slower copies, the same bytes)."""
+    def pin(self, device: "torch.device | int | None" = None) -> bool:
+        """Page-lock the mapping for CUDA copies to `device` (None: the current one) with
+        cudaHostRegister; False where CUDA is absent or refuses (the region then stays pageable:
+        slower copies, the same bytes)."""
         if self.pinned or not self.nbytes or not torch.cuda.is_available():
             return self.pinned
+        index = torch.device("cuda", device).index if isinstance(device, int) else getattr(device, "index", None)
+        if index is None:
+            index = torch.cuda.current_device()
         flags = 0 if self.writable else _REGISTER_READ_ONLY
-        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, flags)
-        if int(err) != 0:
+        err = _host_register(self.tensor.data_ptr(), self.nbytes, flags, index)
+        if err != 0:
             log.warning("the shared base (%s) could not be pinned for CUDA copies (cudaHostRegister error %d; "
                         "a memlock limit? see ulimit -l): it stays pageable, copies from it are slower",
-                        format_size(self.nbytes), int(err))
+                        format_size(self.nbytes), err)
             return False
-        self.pinned = True
+        self.pinned, self._device = True, index
         return True
 
     def unlink(self) -> None:
@@ -120,7 +129,7 @@ class SharedRegion:
     def close(self) -> None:
         """Drop this process's mapping (tensors viewing it must be gone: their storage is it)."""
         if self.pinned:
-            torch.cuda.synchronize()  # no copy may still be reading the pages
+            torch.cuda.synchronize(self._device)  # no copy may still be reading the pages
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
         self.tensor = None
@@ -131,6 +140,24 @@ class SharedRegion:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _host_register(ptr: int, nbytes: int, flags: int, device: int) -> int:
+    """cudaHostRegister's error code (0: registered), called on `device` from a thread of its own
+    (see the module docstring); -1 where the call itself raised."""
+    result = [-1]
+
+    def register() -> None:
+        try:
+            torch.cuda.set_device(device)
+            result[0] = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags))
+        except Exception:  # noqa: BLE001 - a refusal like the driver's: pageable, one warning
+            log.debug("cudaHostRegister raised", exc_info=True)
+
+    t = threading.Thread(target=register, name="cuda-host-register")
+    t.start()
+    t.join()
+    return result[0]
 
 
 def _free(directory: str) -> int:

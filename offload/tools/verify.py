@@ -171,7 +171,7 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
     cuda = torch.cuda.is_available()
     local = user_hw if cuda and not user_hw.simulated else load_hardware_profile("cpu-sim")
     plan = make_plan(hardware=_with_cxl(local, asked["cxl"]), gpu_mem=asked["gpu"], cpu_mem=asked["host"],
-                     cxl_mem=asked["cxl"], **args)
+                     cxl_mem=asked["cxl"], cuda=cuda, **args)  # (cpu-sim on a GPU: its workspace margin)
     _check_memory(plan, cuda=cuda)
     budgets = {"gpu": asked["gpu"], "host": asked["host"]}
     if asked["cxl"]:

@@ -204,3 +204,25 @@ def test_shared_base_region_pinned_for_cuda_copies(tmp_path):
         leader.unlink()
         leader.close()
     assert not leader.pinned and not other.pinned
+
+
+def test_a_refused_pin_of_the_shared_base_leaves_cuda_usable(tmp_path, monkeypatch):
+    """A read-only mapping registered without the read-only flag is refused by the driver: the
+    region stays pageable (one warning) and the next kernel on this thread runs (the refusal's
+    pending error was left in the registering thread, not raised by torch's launch check here)."""
+    from tierwise.offload.runtime import sharedmem
+
+    leader = sharedmem.SharedRegion.create(1 << 20, directory=str(tmp_path))
+    other = sharedmem.SharedRegion.attach(leader.path, 1 << 20)
+    monkeypatch.setattr(sharedmem, "_REGISTER_READ_ONLY", 0)
+    try:
+        if other.pin(torch.device("cuda", torch.cuda.current_device())):
+            pytest.skip("this driver registered a read-only mapping without the read-only flag")
+        x = torch.ones(1024, device="cuda")
+        x.add_(1)
+        torch.cuda.synchronize()
+        assert x.sum().item() == 2048
+    finally:
+        other.close()
+        leader.unlink()
+        leader.close()
