@@ -283,8 +283,8 @@ class Engine:
         if threads.count is not None:
             log.info("CPU threads: %d per rank (%d local ranks)", threads.count, local)
             torch.set_num_threads(threads.count)
-        if threads.note:
-            log.info("%s", threads.note)
+        if threads.note:  # (a warning: the CLI shows warnings, not info lines)
+            log.warning("%s", threads.note)
 
     def _place(self, activations: int | None) -> None:
         """Decide every chunk kind's tier and allocate the chunk store there."""

@@ -112,9 +112,8 @@ class SharedRegion:
         flags = 0 if self.writable else _REGISTER_READ_ONLY
         err = _host_register(self.tensor.data_ptr(), self.nbytes, flags, index)
         if err != 0:
-            log.warning("the shared base (%s) could not be pinned for CUDA copies (cudaHostRegister error %d; "
-                        "a memlock limit? see ulimit -l): it stays pageable, copies from it are slower",
-                        format_size(self.nbytes), err)
+            log.warning("the shared base (%s) could not be pinned for CUDA copies (cudaHostRegister: %s): it "
+                        "stays pageable, copies from it are slower", format_size(self.nbytes), _error_name(err))
             return False
         self.pinned, self._device = True, index
         return True
@@ -158,6 +157,14 @@ def _host_register(ptr: int, nbytes: int, flags: int, device: int) -> int:
     t.start()
     t.join()
     return result[0]
+
+
+def _error_name(err: int) -> str:
+    """CUDA's name of runtime error `err` (e.g. 'out of memory': a memlock limit, ulimit -l)."""
+    try:
+        return f"{torch.cuda.cudart().cudaGetErrorString(err)} ({err})"
+    except Exception:  # noqa: BLE001 - no name: the number
+        return f"error {err}"
 
 
 def _free(directory: str) -> int:
