@@ -70,7 +70,7 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
 
 def started_ranks(cfg: TrainConfig, info: RankInfo) -> tuple["HardwareProfile", dict]:
     """The profile and layout that price the ranks torchrun started: LOCAL_WORLD_SIZE per node,
-    WORLD_SIZE / LOCAL_WORLD_SIZE nodes. The profile's [node] table is widened to hold them: the
+    WORLD_SIZE // LOCAL_WORLD_SIZE nodes. The profile's [node] table is widened to hold them: the
     pre-flight checks bytes (each rank's device, the node's host, CXL and NVMe), not times, so a
     profile of fewer GPUs or without a network between nodes must not refuse a run that is
     already on this machine."""
@@ -81,7 +81,9 @@ def started_ranks(cfg: TrainConfig, info: RankInfo) -> tuple["HardwareProfile", 
     local = info.local_world
     node = hw.node or NodeSpec(gpus=1, gpu_link="pcie", gpu_link_gbps=hw.pcie.h2d_pinned_gbps)
     node = dataclasses.replace(node, gpus=max(node.gpus, local), network_gbps=node.network_gbps or node.gpu_link_gbps)
-    layout = {"nproc_per_node": local, "nnodes": -(-info.world // local), "grad_reduce": cfg.grad_reduce}
+    # nodes of unequal rank counts: priced as fewer nodes of this one's count (each rank then owns a
+    # larger share of the chunks than it will: over-priced, the safe side), never more ranks than run
+    layout = {"nproc_per_node": local, "nnodes": max(1, info.world // local), "grad_reduce": cfg.grad_reduce}
     return dataclasses.replace(hw, node=node), layout
 
 

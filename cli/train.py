@@ -222,7 +222,7 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     try:  # refuses what `plan` refuses, before allocating; several ranks: all of them together
         preflight(cfg, src=src, padded=padded, ranks=ranks)
     except InfeasibleBudget as e:
-        layout = (f" --nproc-per-node {ranks.local_world}" + (f" --nnodes {-(-ranks.world // ranks.local_world)}"
+        layout = (f" --nproc-per-node {ranks.local_world}" + (f" --nnodes {max(1, ranks.world // ranks.local_world)}"
                                                               if ranks.world > ranks.local_world else "")
                   if ranks.several else "")
         refusal = InfeasibleBudget(f"{str(e).splitlines()[0]} (`finetune plan{layout}` with these options "
