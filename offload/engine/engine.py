@@ -551,7 +551,10 @@ class Engine:
         for i in mine:
             mb = micro[i]
             loss = self.forward(mb)
-            if self.skip_nonfinite:  # known before backward: no chunk may update early then
+            # weight 0 (no target token): HF's mean loss is nan (0/0) and counts for nothing;
+            # its backward still runs (the ranks' collectives pair up) and gives zero gradients
+            counted = weights[i] != 0.0
+            if self.skip_nonfinite and counted:  # known before backward: no chunk may update early then
                 finite = finite and bool(torch.isfinite(loss.detach()).all())
             # the last micro-batch's gradients are final: chunks may update as they complete
             # (once the first backward has counted each chunk's gradients)
@@ -562,7 +565,8 @@ class Engine:
                 self.backward(loss * weights[i] if weights[i] != 1.0 else loss)
             finally:
                 self.grads.early_on = False
-            total += loss.detach().float().item() * weights[i]
+            if counted:
+                total += loss.detach().float().item() * weights[i]
         if self.ranks is not None:
             total = float(self.ranks.sum_(torch.tensor([total], dtype=torch.float64), "summing the loss")[0])
             finite = self.ranks.all_true(finite, "checking the losses are finite")
@@ -593,8 +597,9 @@ class Engine:
                         loss_pos, loss_neg = hf_split_losses(self.model, mb, half)
                 finally:
                     self.zo_batch = None
-                pos += loss_pos * weights[i]
-                neg += loss_neg * weights[i]
+                if weights[i] != 0.0:  # no target token: nan (0/0) that weighs nothing
+                    pos += loss_pos * weights[i]
+                    neg += loss_neg * weights[i]
             if self.ranks is not None:
                 both = self.ranks.sum_(torch.tensor([pos, neg], dtype=torch.float64), "summing the MeZO losses")
                 pos, neg = float(both[0]), float(both[1])
