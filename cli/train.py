@@ -224,6 +224,7 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
             warn(console, "no --data: training on the built-in toy sample")
     # several ranks: every rank draws the same whole step (micro-batch i runs on rank i mod N)
     batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum * ranks.world, seed=cfg.seed)
+    claimed = _claim_output(cfg, ranks)
     if ranks.several:
         console.print(f"{ranks.world} ranks ({ranks.local_world} on this node): each step is "
                       f"{cfg.grad_accum * ranks.world} micro-batches, micro-batch i on rank i mod {ranks.world}; "
@@ -238,13 +239,31 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
                               padded=padded, out=scratch, console=console, ranks=ranks)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-    # after every input is validated (--overwrite deletes); held until the run ends
-    claimed = rundir.claim(cfg.output, resume=cfg.resume, overwrite=cfg.overwrite)
     try:
         return _train(cfg, src=src, blocks=blocks, batches=batches, eval_data=eval_data,
                       padded=padded, out=claimed.path, console=console, ranks=ranks)
     finally:
         claimed.release()
+
+
+def _claim_output(cfg: TrainConfig, ranks: "launch.RankInfo") -> "rundir.RunDir | None":
+    """Rank 0 claims --output, after every input is validated (--overwrite deletes) and held
+    until the run ends; several ranks agree on it, so a refusal (a non-empty --output, one in
+    use) stops them all in one line, exit 2 (before: rank 0 alone exited, torchrun SIGTERMed
+    the others and printed its failure summary)."""
+    claimed = refusal = None
+    if ranks.main:
+        try:
+            claimed = rundir.claim(cfg.output, resume=cfg.resume, overwrite=cfg.overwrite)
+        except TierwiseError as e:
+            refusal = e
+    try:
+        launch.agree(ranks, refusal, "claiming --output")
+    except BaseException:
+        if claimed is not None:
+            claimed.release()
+        raise
+    return claimed
 
 
 def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
