@@ -322,7 +322,7 @@ def has_padding(blocks: list) -> bool:
 def check_vocab(blocks: list, src: ModelSource) -> None:
     """Every token id must be an embedding row: a tokenizer bigger than the model is an error."""
     vocab = getattr(src.config, "vocab_size", None)
-    top = max(int(b[0].max()) for b in blocks)
+    top = max((int(b[0].max()) for b in blocks), default=-1)  # no blocks: Batches says so
     if vocab and top >= vocab:
         raise DataError(f"the tokenizer produced token id {top} but the model's vocab_size is "
                         f"{vocab}: --model and its tokenizer do not match")

@@ -202,6 +202,8 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     refusal = None
     try:  # inputs, then what `plan` refuses, before allocating; several ranks: all together
         src, blocks, eval_data, padded, cfg = _checked_inputs(cfg, console=console)
+        # several ranks: every rank draws the same whole step (micro-batch i runs on rank i mod N)
+        batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum * ranks.world, seed=cfg.seed)
         preflight(cfg, src=src, padded=padded, ranks=ranks)
     except InfeasibleBudget as e:
         layout = (f" --nproc-per-node {ranks.local_world}" + (f" --nnodes {-(-ranks.world // ranks.local_world)}"
@@ -222,8 +224,6 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     if cfg.data is None:
         if cfg.model is not None:
             warn(console, "no --data: training on the built-in toy sample")
-    # several ranks: every rank draws the same whole step (micro-batch i runs on rank i mod N)
-    batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum * ranks.world, seed=cfg.seed)
     claimed = _claim_output(cfg, ranks)
     if ranks.several:
         console.print(f"{ranks.world} ranks ({ranks.local_world} on this node): each step is "

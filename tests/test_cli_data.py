@@ -105,9 +105,17 @@ def test_blocks_without_a_target_token_are_left_out(tmp_path, tok):
     dropped_first = sum(1 for i in range(0, len(stream), 8)  # a block's only target at 0: left out
                         if stream[i] != IGNORE and all(x == IGNORE for x in stream[i + 1:i + 8]))
     assert kept == sum(lab != IGNORE for lab in stream) - dropped_first
-    long_prompt = Row(data={"prompt": "the cat sees the moon " * 4, "completion": " hi"}, where="")
+    long_prompt = {"prompt": "the cat sees the moon " * 4, "completion": " hi"}
     with pytest.raises(DataError, match="no target token"):
-        Batches(make_blocks([long_prompt], tok, seq_len=8, pack=False), batch_size=1, seed=0)
+        Batches(make_blocks([Row(data=long_prompt, where="")], tok, seq_len=8, pack=False), batch_size=1, seed=0)
+    from typer.testing import CliRunner
+    from tinyhf import error_line
+    from tierwise.cli.main import app
+
+    only_prompts = write_jsonl(tmp_path / "prompts.jsonl", [long_prompt])
+    result = CliRunner().invoke(app, ["--data", str(only_prompts), "--seq-len", "8", "--no-pack",
+                                      "--output", str(tmp_path / "o")])
+    assert error_line(result).startswith("error: no training blocks:"), result.stderr
 
 
 def test_batches_are_deterministic_and_resume_exactly(tok):
