@@ -212,7 +212,9 @@ def _assistant_spans(msgs: list[dict], full: str, render) -> list[tuple[int, int
 
 def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = True
                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """[(input_ids [T], labels [T], attention_mask [T])] with T = seq_len.
+    """[(input_ids [T], labels [T], attention_mask [T])] with T = seq_len. A block without a
+    target token (all of it a masked prompt: packed chat rows, a truncated long prompt) is left
+    out: it trains nothing.
 
     Streams: each row is tokenized and cut into blocks as it arrives, so besides the blocks
     only one row and less than one block of tokens are in memory (not the file's rows, nor
@@ -223,6 +225,8 @@ def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = Tr
     blocks: list = []
 
     def emit(ids: list[int], labels: list[int]) -> None:
+        if all(lab == IGNORE for lab in labels[1:]):  # no target token (after the shift): it
+            return  # would weigh 0 in its step, and a step of only such blocks has no loss
         n = len(ids)
         fill = seq_len - n
         blocks.append((torch.tensor(ids + [pad] * fill, dtype=torch.long),
@@ -274,7 +278,8 @@ class Batches:
     def __init__(self, blocks: list, *, batch_size: int, seed: int,
                  position: DataPosition | None = None):
         if not blocks:
-            raise DataError("no training blocks: the data tokenized to nothing")
+            raise DataError("no training blocks: the data tokenized to nothing, or to no "
+                            "target token (every label masked)")
         if batch_size < 1:
             raise DataError(f"--batch-size must be at least 1, got {batch_size}")
         self.blocks, self.batch_size, self.seed = blocks, batch_size, seed
@@ -317,7 +322,7 @@ def has_padding(blocks: list) -> bool:
 def check_vocab(blocks: list, src: ModelSource) -> None:
     """Every token id must be an embedding row: a tokenizer bigger than the model is an error."""
     vocab = getattr(src.config, "vocab_size", None)
-    top = max(int(b[0].max()) for b in blocks)
+    top = max((int(b[0].max()) for b in blocks), default=-1)  # no blocks: Batches says so
     if vocab and top >= vocab:
         raise DataError(f"the tokenizer produced token id {top} but the model's vocab_size is "
                         f"{vocab}: --model and its tokenizer do not match")

@@ -198,28 +198,12 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
 
 def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int:
     ranks = launch.on_node(ranks)  # the node's ranks as the engine counts them
-    if cfg.hardware:
-        from ..profiles import load_hardware_profile
-
-        load_hardware_profile(cfg.hardware)  # an unknown name is an error naming the known ones
-    src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    if src.note:
-        warn(console, src.note)
-    blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
-    check_vocab(blocks, src)
-    if cfg.lora:  # a --lora-targets name no module has: refused before anything is written
-        from .loading import build_meta_model
-
-        meta = build_meta_model(src.config)
-        lora_mod.check_targets(meta, cfg.target_list())
-        lora_mod.check_base_dtype(meta, cfg)
-    padded = has_padding(blocks)  # then the worst step is a padded batch: planned for
     auto = cfg.recompute is None
-    cfg = resolve_recompute(cfg, src=src, padded=padded)
-    if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:
-        check_resumable(cfg, Path(cfg.output))  # a changed option says so before any budget does
     refusal = None
-    try:  # refuses what `plan` refuses, before allocating; several ranks: all of them together
+    try:  # inputs, then what `plan` refuses, before allocating; several ranks: all together
+        src, blocks, eval_data, padded, cfg = _checked_inputs(cfg, console=console)
+        # several ranks: every rank draws the same whole step (micro-batch i runs on rank i mod N)
+        batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum * ranks.world, seed=cfg.seed)
         preflight(cfg, src=src, padded=padded, ranks=ranks)
     except InfeasibleBudget as e:
         layout = (f" --nproc-per-node {ranks.local_world}" + (f" --nnodes {max(1, ranks.world // ranks.local_world)}"
@@ -240,11 +224,7 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     if cfg.data is None:
         if cfg.model is not None:
             warn(console, "no --data: training on the built-in toy sample")
-    eval_data = (eval_batches(load_blocks(cfg.eval_data, src.tokenizer, seq_len=cfg.seq_len,
-                                          pack=cfg.pack), batch_size=cfg.batch_size)
-                 if cfg.eval_data else [])
-    # several ranks: every rank draws the same whole step (micro-batch i runs on rank i mod N)
-    batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum * ranks.world, seed=cfg.seed)
+    claimed = _claim_output(cfg, ranks)
     if ranks.several:
         console.print(f"{ranks.world} ranks ({ranks.local_world} on this node): each step is "
                       f"{cfg.grad_accum * ranks.world} micro-batches, micro-batch i on rank i mod {ranks.world}; "
@@ -259,13 +239,59 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
                               padded=padded, out=scratch, console=console, ranks=ranks)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-    # after every input is validated (--overwrite deletes); held until the run ends
-    claimed = rundir.claim(cfg.output, resume=cfg.resume, overwrite=cfg.overwrite)
     try:
         return _train(cfg, src=src, blocks=blocks, batches=batches, eval_data=eval_data,
                       padded=padded, out=claimed.path, console=console, ranks=ranks)
     finally:
         claimed.release()
+
+
+def _claim_output(cfg: TrainConfig, ranks: "launch.RankInfo") -> "rundir.RunDir | None":
+    """Rank 0 claims --output, after every input is validated (--overwrite deletes) and held
+    until the run ends; several ranks agree on it, so a refusal (a non-empty --output, one in
+    use) stops them all in one line, exit 2 (before: rank 0 alone exited, torchrun SIGTERMed
+    the others and printed its failure summary)."""
+    claimed = refusal = None
+    if ranks.main:
+        try:
+            claimed = rundir.claim(cfg.output, resume=cfg.resume, overwrite=cfg.overwrite)
+        except TierwiseError as e:
+            refusal = e
+    try:
+        launch.agree(ranks, refusal, "claiming --output")
+    except BaseException:
+        if claimed is not None:
+            claimed.release()
+        raise
+    return claimed
+
+
+def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
+    """The model, its data and the options checked against them (each a one-line error):
+    (src, blocks, eval batches, padded, cfg with recompute resolved)."""
+    if cfg.hardware:
+        from ..profiles import load_hardware_profile
+
+        load_hardware_profile(cfg.hardware)  # an unknown name is an error naming the known ones
+    src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    if src.note:
+        warn(console, src.note)
+    blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
+    check_vocab(blocks, src)
+    eval_data = (eval_batches(load_blocks(cfg.eval_data, src.tokenizer, seq_len=cfg.seq_len,
+                                          pack=cfg.pack), batch_size=cfg.batch_size)
+                 if cfg.eval_data else [])
+    if cfg.lora:  # a --lora-targets name no module has: refused before anything is written
+        from .loading import build_meta_model
+
+        meta = build_meta_model(src.config)
+        lora_mod.check_targets(meta, cfg.target_list())
+        lora_mod.check_base_dtype(meta, cfg)
+    padded = has_padding(blocks)  # then the worst step is a padded batch: planned for
+    cfg = resolve_recompute(cfg, src=src, padded=padded)
+    if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:
+        check_resumable(cfg, Path(cfg.output))  # a changed option says so before any budget does
+    return src, blocks, eval_data, padded, cfg
 
 
 def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches, eval_data: list,

@@ -33,6 +33,8 @@ CHUNK = 8 << 10  # ~13 chunks: every rank owns several
 def data_for(name: str, steps: int, rows: int) -> list[dict]:
     if name == "masked":
         return masked_batches(steps, batch=rows, seq=12, vocab=64)
+    if name == "masked-seed4":  # 4 micro-batches of step 1 whose loss terms sum to another
+        return masked_batches(steps, batch=rows, seq=12, vocab=64, seed=4)  # last bit by rank
     return batches(steps, batch=rows, seq=12, vocab=64)
 
 
@@ -460,6 +462,7 @@ def run_two_ranks(tmp: Path) -> dict:
         "ddp_masked_accum": case("ddp", data="masked", grad_accum=2),
         "masked_accum": case(data="masked", grad_accum=2, grad_reduce="step"),
         "masked_accum_micro": case(data="masked", grad_accum=2),
+        "loss_order": case(data="masked-seed4", grad_accum=2),
         "deep": case(model=DEEP),
         "tight_nvme": case(data="masked", gpu_mem=tight, cpu_mem=CPU_TIGHT, nvme=True, nvme_checksum=True),
         "nvme_accum": case(data="masked", grad_accum=2, cpu_mem=CPU_TIGHT, nvme=True),

@@ -90,6 +90,34 @@ def test_packing_and_truncation(tmp_path, tok):
     assert (short[1][short[2] == 0] == IGNORE).all()
 
 
+def test_blocks_without_a_target_token_are_left_out(tmp_path, tok):
+    """Packed chat rows cut blocks that are all prompt; a step of only such blocks has no
+    loss (HF's mean over 0 tokens is nan). Every block kept has a target after the shift, and
+    together they keep every target token of the data."""
+    chat = [{"messages": [{"role": "user", "content": f"what is {i} and the cat"},
+                          {"role": "assistant", "content": "a moon"}]} for i in range(24)]
+    path = write_jsonl(tmp_path / "chat.jsonl", chat)
+    blocks = load_blocks(path, tok, seq_len=8)
+    assert all(int((b[1][1:] != IGNORE).sum()) > 0 for b in blocks)
+    rows = [encode_row(Row(data=r, where=""), tok)[1] for r in chat]
+    stream = [lab for labels in rows for lab in labels]
+    kept = sum(int((b[1] != IGNORE).sum()) for b in blocks)
+    dropped_first = sum(1 for i in range(0, len(stream), 8)  # a block's only target at 0: left out
+                        if stream[i] != IGNORE and all(x == IGNORE for x in stream[i + 1:i + 8]))
+    assert kept == sum(lab != IGNORE for lab in stream) - dropped_first
+    long_prompt = {"prompt": "the cat sees the moon " * 4, "completion": " hi"}
+    with pytest.raises(DataError, match="no target token"):
+        Batches(make_blocks([Row(data=long_prompt, where="")], tok, seq_len=8, pack=False), batch_size=1, seed=0)
+    from typer.testing import CliRunner
+    from tinyhf import error_line
+    from tierwise.cli.main import app
+
+    only_prompts = write_jsonl(tmp_path / "prompts.jsonl", [long_prompt])
+    result = CliRunner().invoke(app, ["--data", str(only_prompts), "--seq-len", "8", "--no-pack",
+                                      "--output", str(tmp_path / "o")])
+    assert error_line(result).startswith("error: no training blocks:"), result.stderr
+
+
 def test_batches_are_deterministic_and_resume_exactly(tok):
     blocks = load_blocks(None, tok, seq_len=32)
     a = Batches(blocks, batch_size=4, seed=7)

@@ -207,16 +207,26 @@ def test_two_nodes_on_loopback_equal_one_node_of_two_ranks_and_each_node_loads_i
     assert host[0] > host[1], host  # measured 626,688 vs 378,880 B: the whole base vs half of it
 
 
-def test_a_node_budget_too_small_for_its_ranks_is_refused_by_all_in_one_line(tmp_path):
+@pytest.mark.parametrize("case", ["node-budget", "bad-data", "output-not-empty"])
+def test_a_node_budget_too_small_for_its_ranks_is_refused_by_all_in_one_line(tmp_path, case):
     """Two ranks started as torchrun starts them (its variables, one process each, no agent: each
     rank's exit code is its own), with a --cpu-mem one rank alone runs in (its chunks gpu-home)
     but two ranks cannot share: the pre-flight prices the node for both and refuses before
     anything is allocated: one line, on rank 0 only, exit 2 on both, neither left waiting for
-    the other (which would take the 60 s collective timeout)."""
+    the other (which would take the 60 s collective timeout). An input every rank refuses
+    alike (a bad --data line) is the same one line (before: one per rank), and so is a
+    non-empty --output, which rank 0 alone claims (before: rank 0 exited, and rank 1 only when
+    SIGTERMed)."""
     env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     env.pop(FAULT_ENV, None)
-    args = [sys.executable, "-m", "tierwise.cli.main", "--steps", "1", "--cpu-mem", "1M", "--output", str(tmp_path / "o")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": broken\n')
+    given = {"node-budget": ["--cpu-mem", "1M"], "bad-data": ["--data", str(bad)]}.get(case, [])
+    if case == "output-not-empty":
+        (tmp_path / "o").mkdir()
+        (tmp_path / "o" / "notes.txt").write_text("mine")
+    args = [sys.executable, "-m", "tierwise.cli.main", "--steps", "1", *given, "--output", str(tmp_path / "o")]
     procs = [subprocess.Popen(args, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
     ended: dict[int, float] = {}
@@ -229,6 +239,15 @@ def test_a_node_budget_too_small_for_its_ranks_is_refused_by_all_in_one_line(tmp
     assert abs(ended[0] - ended[1]) < 30.0, ended
     errors = [[ln for ln in err.splitlines() if ln.strip()] for _, err in outs]
     assert len(errors[0]) == 1 and errors[1] == [] and outs[1][0] == "", outs
+    if case == "output-not-empty":
+        assert errors[0][0] == f"error: rank 0: output directory {tmp_path / 'o'} is not empty: pass --resume to " \
+                               "continue its run or --overwrite to replace it", errors
+        assert [p.name for p in (tmp_path / "o").iterdir()] == ["notes.txt"]
+        return
+    assert not (tmp_path / "o").exists()  # refused before --output was claimed
+    if case == "bad-data":
+        assert errors[0][0] == f"error: {bad}:2: bad JSON: Expecting value (column 10)", errors
+        return
     assert errors[0][0].startswith("error: node host budget 1.00 MiB cannot hold 2 ranks' own chunks"), errors
     assert "`finetune plan --nproc-per-node 2` with these options" in errors[0][0]
     assert not (tmp_path / "o").exists()  # refused before --output was claimed

@@ -78,6 +78,15 @@ def test_two_ranks_equal_ddp_bit_exact(two):
     assert got["grad_bytes"] < two["masked_accum"]["grad_bytes"]  # "step" keeps every chunk's
 
 
+def test_the_loss_of_two_ranks_sums_its_micro_batches_in_one_ranks_order(two):
+    """Two micro-batches per rank, data whose step-1 terms (loss_i * n_i / N) sum to another
+    last bit as (t0 + t2) + (t1 + t3), each rank's partial sum, than as one rank sums them:
+    the reported loss is one rank's with grad_accum x 2, bit for bit (later steps' weights
+    differ within rounding, see above, so only step 1 compares exactly)."""
+    losses, _ = one_rank("masked-seed4", world=2, grad_accum=2)
+    assert two["loss_order"]["losses"][0] == losses[0]
+
+
 def test_two_ranks_tight_budget_state_on_nvme_and_8bit_and_clipping(two):
     losses, weights = one_rank("masked", world=2, grad_accum=1)
     assert two["tight_nvme"]["losses"] == losses and equal(two["tight_nvme"]["weights"], weights)

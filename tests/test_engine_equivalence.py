@@ -1,11 +1,14 @@
 """The engine against plain PyTorch: same seed and data, same losses and final weights."""
 
+import copy
+import math
+
 import pytest
 import torch
 
 from tierwise.offload import Engine, InfeasibleBudget
 from tierwise.offload.runtime.storage import storage_key
-from tests.models import batches, masked_batches, tiny_llama, train_reference
+from tests.models import accumulate, batches, masked_batches, tiny_llama, train_reference
 
 CHUNK = 16 << 10  # small chunks so a 4-layer toy model spans ~30 of them
 
@@ -71,6 +74,32 @@ def test_masked_micro_batches_weigh_by_their_target_tokens():
     halves = [{k: v.chunk(2)[i] for k, v in data[0].items()} for i in range(2)]
     mean_of_means = sum(whole(**h).loss.item() for h in halves) / 2
     assert abs(mean_of_means - losses[0]) > 1e-4  # the data makes the two rules differ
+
+
+def test_a_micro_batch_without_target_tokens_weighs_nothing():
+    """A packed, prompt-masked block can hold no target token; in a step that has some, its
+    micro-batch weighs 0 (transformers' loss with num_items_in_batch: its sum, 0). HF's mean
+    loss of such a micro-batch is nan (0/0); the step's loss and update must not be, also with
+    skip_nonfinite. Bit-exact with plain PyTorch that leaves the empty micro-batch out."""
+    data = masked_batches(3, batch=4, seq=12, vocab=64)
+    for b in data:
+        b["labels"][:2] = -100  # micro-batch 0 of 2 has no target token
+    model = tiny_llama(layers=2, hidden=32, vocab=64)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
+    ref_losses = []
+    for b in data:
+        ref_losses.append(accumulate(ref, [{k: v[2:] for k, v in b.items()}]))
+        opt.step()
+        opt.zero_grad()
+    for skip in (False, True):
+        eng = Engine(copy.deepcopy(model), lr=1e-3, gpu_mem="4M", chunk_bytes=CHUNK)
+        eng.skip_nonfinite = skip
+        losses = [eng.step(b, grad_accum=2) for b in data]
+        assert losses == ref_losses
+        assert weights_equal(eng, ref)
+    zo = Engine(copy.deepcopy(model), optimizer="mezo", lr=1e-3, gpu_mem="4M", chunk_bytes=CHUNK)
+    assert all(math.isfinite(zo.step(b, grad_accum=2)) for b in data)
 
 
 def test_tied_embeddings_and_sgd_momentum_bit_exact():

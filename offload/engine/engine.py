@@ -542,16 +542,19 @@ class Engine:
         the returned loss is the step's token mean, sum of loss_i * n_i / N."""
         if not self.updater.needs_grad:
             return self._zo_step(batch, grad_accum)
-        total = 0.0
         finite = True
         world = self.ranks.world if self.ranks is not None else 1
         micro = split_batch(batch, grad_accum * world)
         weights = step_weights(micro)
+        terms = [0.0] * len(micro)  # micro-batch i's loss * weight, summed in i's order (_ordered_sums)
         mine = [i for i in range(len(micro)) if self.ranks is None or i % world == self.ranks.rank]
         for i in mine:
             mb = micro[i]
             loss = self.forward(mb)
-            if self.skip_nonfinite:  # known before backward: no chunk may update early then
+            # weight 0 (no target token): HF's mean loss is nan (0/0) and counts for nothing;
+            # its backward still runs (the ranks' collectives pair up) and gives zero gradients
+            counted = weights[i] != 0.0
+            if self.skip_nonfinite and counted:  # known before backward: no chunk may update early then
                 finite = finite and bool(torch.isfinite(loss.detach()).all())
             # the last micro-batch's gradients are final: chunks may update as they complete
             # (once the first backward has counted each chunk's gradients)
@@ -562,12 +565,31 @@ class Engine:
                 self.backward(loss * weights[i] if weights[i] != 1.0 else loss)
             finally:
                 self.grads.early_on = False
-            total += loss.detach().float().item() * weights[i]
+            if counted:
+                terms[i] = loss.detach().float().item() * weights[i]
         if self.ranks is not None:
-            total = float(self.ranks.sum_(torch.tensor([total], dtype=torch.float64), "summing the loss")[0])
             finite = self.ranks.all_true(finite, "checking the losses are finite")
+        (total,) = self._ordered_sums([terms], "summing the loss")
         self.optimizer_step(skip=not finite)
         return total
+
+    def _ordered_sums(self, lists: list[list[float]], what: str) -> list[float]:
+        """Each list of per-micro-batch terms summed in micro-batch order, whatever the number
+        of ranks: each rank fills its own entries (the others' are 0), the ranks sum the vectors
+        in one collective (x + 0 is exact), then sequential float64 sums: N ranks report (and
+        MeZO updates with) one rank's figures with grad_accum x N bit for bit (a sum of each
+        rank's partial sums was not, from two micro-batches per rank on)."""
+        if self.ranks is not None:
+            flat = self.ranks.sum_(torch.tensor([t for ts in lists for t in ts], dtype=torch.float64), what).tolist()
+            n = len(lists[0])
+            lists = [flat[k * n:(k + 1) * n] for k in range(len(lists))]
+        sums = []
+        for terms in lists:
+            total = 0.0
+            for t in terms:
+                total += t
+            sums.append(total)
+        return sums
 
     def _zo_step(self, batch: Any, grad_accum: int = 1) -> float:
         """MeZO: per micro-batch, one forward over the doubled rows gives both losses, all with
@@ -579,7 +601,7 @@ class Engine:
         world = self.ranks.world if self.ranks is not None else 1
         micro = split_batch(batch, grad_accum * world)
         weights = step_weights(micro)
-        pos = neg = 0.0
+        pos, neg = [0.0] * len(micro), [0.0] * len(micro)  # summed in micro-batch order
         with self.moments.timed(Phase.FORWARD):
             self.updater.begin_step()
             for i, mb in enumerate(micro):
@@ -593,11 +615,9 @@ class Engine:
                         loss_pos, loss_neg = hf_split_losses(self.model, mb, half)
                 finally:
                     self.zo_batch = None
-                pos += loss_pos * weights[i]
-                neg += loss_neg * weights[i]
-            if self.ranks is not None:
-                both = self.ranks.sum_(torch.tensor([pos, neg], dtype=torch.float64), "summing the MeZO losses")
-                pos, neg = float(both[0]), float(both[1])
+                if weights[i] != 0.0:  # no target token: nan (0/0) that weighs nothing
+                    pos[i], neg[i] = loss_pos * weights[i], loss_neg * weights[i]
+            pos, neg = self._ordered_sums([pos, neg], "summing the MeZO losses")
             self.updater.projected_grad = (pos - neg) / (2.0 * self.updater.eps)
         finite = bool(torch.isfinite(torch.as_tensor([float(pos), float(neg)])).all())
         self.optimizer_step(skip=self.skip_nonfinite and not finite)
