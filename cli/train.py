@@ -618,6 +618,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                           "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9),
                           "step_s": dt, "epoch": batches.position.epoch}
                 record["peak_bytes"] = dict(engine.ledger.peaks())
+                record.update(_rank_peaks(engine))
                 metrics.write(**record)
                 bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"], usage=engine.ledger.usage())
             if step == start + 1:  # the engine's warm-up step (it traces and plans in it)
@@ -670,6 +671,19 @@ def _over_budget(e: StepOverBudget, engine, cfg: TrainConfig, out: Path, *, step
         path = save(engine, cfg, out, step=done, batches=batches, schedule=schedule, rng=rng)
         saved = f"checkpoint {path.name} saved (step {done}): --resume continues from it"
     return InfeasibleBudget(f"step {step + 1}: {str(e).splitlines()[0]}; {saved}", minimum=e.minimum)
+
+
+def _rank_peaks(engine) -> dict:
+    """Several ranks (a collective, on every rank): every rank's peaks by tier, and its node's:
+    the sum over the ranks on rank 0's node of their host, CXL and NVMe peaks (an upper bound of
+    the node's own peak: the ranks' peaks need not coincide), the largest rank's gpu peak."""
+    by_rank = getattr(engine, "rank_peaks", lambda: None)()
+    if by_rank is None:
+        return {}
+    local = engine.ranks.local
+    node = {tier: sum(by_rank[r].get(tier, 0) for r in local) for tier in ("host", "cxl", "nvme")}
+    node["gpu"] = max(by_rank[r].get("gpu", 0) for r in local)
+    return {"rank_peak_bytes": by_rank, "node_peak_bytes": node}
 
 
 def _warmup_lines(engine, cfg: TrainConfig, src: ModelSource, before: dict, *,

@@ -90,6 +90,19 @@ def test_nproc_per_node_2_equals_one_rank_with_grad_accum_2(two, one):
     assert same_weights(two["out"], one)
 
 
+def test_metrics_give_every_ranks_peaks_and_the_nodes(two):
+    """Rank 0 writes the metrics, with each rank's ledger peaks (not rank 0's alone) and the
+    node's: the sum over its ranks of host, CXL and NVMe, the largest gpu peak."""
+    rows = [json.loads(x) for x in (two["out"] / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert train
+    for r in train:
+        ranks, node = r["rank_peak_bytes"], r["node_peak_bytes"]
+        assert len(ranks) == 2 and all(ranks[0][tier] == v for tier, v in r["peak_bytes"].items())
+        assert ranks[1]["host"] > 0 and node["host"] == ranks[0]["host"] + ranks[1]["host"]
+        assert node["gpu"] == max(ranks[0]["gpu"], ranks[1]["gpu"])
+
+
 def test_a_checkpoint_of_two_ranks_is_one_shard_per_rank_tied_by_one_manifest(two):
     out = two["out"]
     latest = out / (out / "latest").read_text().strip()

@@ -71,6 +71,7 @@ from ..plan.needs import workspace_margin
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
 from ..runtime.cores import cpu_threads
 from ..runtime.executor import Executor
+from ..runtime.ledger import TIERS
 from ..runtime.nvme import threads_per_rank
 from ..runtime.store import ChunkStore, SwapKind, frozen_kind_bytes, kind_bytes
 from ..runtime.swapping import Bounce, update_all
@@ -572,6 +573,18 @@ class Engine:
         (total,) = self._ordered_sums([terms], "summing the loss")
         self.optimizer_step(skip=not finite)
         return total
+
+    def rank_peaks(self) -> "list[dict[str, int]] | None":
+        """Several ranks (a collective: every rank calls it): each rank's ledger peaks by tier,
+        indexed by rank; None on one rank."""
+        if self.ranks is None:
+            return None
+        tiers = list(TIERS)
+        t = torch.zeros(self.ranks.world, len(tiers), dtype=torch.int64)
+        peaks = self.ledger.peaks()
+        t[self.ranks.rank] = torch.tensor([peaks.get(k, 0) for k in tiers], dtype=torch.int64)
+        t = self.ranks.sum_(t, "gathering every rank's memory peaks")
+        return [{k: int(v) for k, v in zip(tiers, row)} for row in t.tolist()]
 
     def _ordered_sums(self, lists: list[list[float]], what: str) -> list[float]:
         """Each list of per-micro-batch terms summed in micro-batch order, whatever the number
