@@ -235,7 +235,7 @@ class TrainConfig:
     hardware: str | None = _f(None, "Hardware profile name or TOML file (default: detect).", panel=HW, plan=True)
     dry_run: bool = _f(False, "Resolve model and budgets, print the plan, train nothing.", panel=HW,
                        flag="--dry-run")
-    nproc_per_node: int = _f(1, "Processes (one per GPU) on this node: starts torchrun for you (or run "
+    nproc_per_node: int = _f(1, "Processes (one per GPU) on this node: training starts torchrun for you (or run "
                              "`torchrun --nproc-per-node N -m tierwise.cli.main ...`). --cpu-mem and --cxl-mem "
                              "are the node's, divided among them; --gpu-mem is per GPU. `plan` and --dry-run "
                              "price that many ranks.", panel=HW, plan=True)

@@ -209,8 +209,8 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
         layout = (f" --nproc-per-node {ranks.local_world}" + (f" --nnodes {max(1, ranks.world // ranks.local_world)}"
                                                               if ranks.world > ranks.local_world else "")
                   if ranks.several else "")
-        refusal = InfeasibleBudget(f"{str(e).splitlines()[0]} (`finetune plan{layout}` with these options "
-                                   "lists changes that fit)", minimum=e.minimum)
+        refusal = InfeasibleBudget(f"{str(e).splitlines()[0]} (`finetune plan{layout}` with the same model, "
+                                   "data, batch and budget options lists changes that fit)", minimum=e.minimum)
     except TierwiseError as e:
         refusal = e
     launch.agree(ranks, refusal, "agreeing on the pre-flight check")
@@ -527,7 +527,8 @@ def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None) ->
         hint = " (add --reset-optimizer to start the new optimizer from fresh state)" \
             if changed == ["optimizer"] else ""
         raise ConfigError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)}"
-                          f" differ from the checkpointed run in {out} (it used {was}){hint}")
+                          f" {'differs' if len(changed) == 1 else 'differ'} from the checkpointed run in {out} "
+                          f"(it used {was}){hint}")
 
 
 def _same_option(key: str, saved, now) -> bool:

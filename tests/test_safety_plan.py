@@ -61,7 +61,7 @@ def test_a_refused_plan_lists_changes_that_fit_each_checked():
 
 def test_training_refusal_points_at_plan(tmp_path):
     r = _invoke("--gpu-mem", "4M", "--no-recompute", "--output", str(tmp_path / "out"))
-    assert r.exit_code == 2 and "`finetune plan` with these options lists changes that fit" in r.stderr
+    assert r.exit_code == 2 and "`finetune plan` with the same model, data, batch and budget options lists changes that fit" in r.stderr
     assert not (tmp_path / "out").exists()
 
 
