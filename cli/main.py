@@ -68,7 +68,7 @@ def user_errors(fn):
         except TierwiseError as e:
             from .launch import Refused, from_env
 
-            together = isinstance(e, Refused)  # every rank refused it: rank 0 alone says so
+            together = isinstance(e, Refused) or e.every_rank  # every rank has it: rank 0 alone says so
             if together and not from_env().main:
                 raise typer.Exit(EXIT_USER_ERROR)
             _fail(str(e).splitlines()[0] if str(e) else type(e).__name__, every_rank=together)

@@ -339,7 +339,10 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
 
 
 class NonFiniteLoss(TierwiseError):
-    """A step's loss or gradient norm is NaN or infinite: the weights can no longer be trusted."""
+    """A step's loss or gradient norm is NaN or infinite: the weights can no longer be trusted.
+    With several ranks both figures are the step's, summed over the ranks: every rank raises it."""
+
+    every_rank = True
 
 
 def _nonfinite(engine, loss: float) -> tuple[str, float] | None:

@@ -220,7 +220,7 @@ def test_two_nodes_on_loopback_equal_one_node_of_two_ranks_and_each_node_loads_i
     assert host[0] > host[1], host  # measured 626,688 vs 378,880 B: the whole base vs half of it
 
 
-@pytest.mark.parametrize("case", ["node-budget", "bad-data", "output-not-empty"])
+@pytest.mark.parametrize("case", ["node-budget", "bad-data", "output-not-empty", "nonfinite"])
 def test_a_node_budget_too_small_for_its_ranks_is_refused_by_all_in_one_line(tmp_path, case):
     """Two ranks started as torchrun starts them (its variables, one process each, no agent: each
     rank's exit code is its own), with a --cpu-mem one rank alone runs in (its chunks gpu-home)
@@ -229,13 +229,14 @@ def test_a_node_budget_too_small_for_its_ranks_is_refused_by_all_in_one_line(tmp
     the other (which would take the 60 s collective timeout). An input every rank refuses
     alike (a bad --data line) is the same one line (before: one per rank), and so is a
     non-empty --output, which rank 0 alone claims (before: rank 0 exited, and rank 1 only when
-    SIGTERMed)."""
+    SIGTERMed), and a nan loss, which every rank sees at the same step (before: two lines)."""
     env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     env.pop(FAULT_ENV, None)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": broken\n')
-    given = {"node-budget": ["--cpu-mem", "1M"], "bad-data": ["--data", str(bad)]}.get(case, [])
+    given = {"node-budget": ["--cpu-mem", "1M"], "bad-data": ["--data", str(bad)],
+             "nonfinite": ["--steps", "3", "--optimizer", "sgd", "--lr", "1e8"]}.get(case, [])
     if case == "output-not-empty":
         (tmp_path / "o").mkdir()
         (tmp_path / "o" / "notes.txt").write_text("mine")
@@ -252,6 +253,9 @@ def test_a_node_budget_too_small_for_its_ranks_is_refused_by_all_in_one_line(tmp
     assert abs(ended[0] - ended[1]) < 30.0, ended
     errors = [[ln for ln in err.splitlines() if ln.strip()] for _, err in outs]
     assert len(errors[0]) == 1 and errors[1] == [] and outs[1][0] == "", outs
+    if case == "nonfinite":  # every rank's summed loss is nan at the same step: one line, not two
+        assert errors[0][0].startswith("error: step ") and "nan" in errors[0][0], errors
+        return
     if case == "output-not-empty":
         assert errors[0][0] == f"error: rank 0: output directory {tmp_path / 'o'} is not empty: pass --resume to " \
                                "continue its run or --overwrite to replace it", errors

@@ -10,6 +10,10 @@ DIST_TIMEOUT_S = 60.0
 class TierwiseError(Exception):
     """Base class: a problem with the user's input or machine, not a bug."""
 
+    #: raised by every rank alike, from figures all ranks share (several ranks: rank 0 alone
+    #: prints it, the others exit with the same code)
+    every_rank = False
+
 
 class SizeError(TierwiseError, ValueError):
     """A size string such as '24G' could not be parsed."""
