@@ -209,3 +209,18 @@ def test_the_preflight_of_started_ranks_prices_their_node_on_any_profile():
     need = one_node.ranks.node["host"]
     with pytest.raises(InfeasibleBudget, match="node host budget"):
         cli_plan(dataclasses.replace(cfg, cpu_mem=f"{need // 2}B"), ranks=dataclasses.replace(started, world=2))
+
+
+def test_a_node_refusal_says_when_uneven_ownership_decides_it():
+    """The node's host budget is split evenly among its ranks, but chunks are owned whole (k mod
+    N): a model of one chunk at the default size leaves rank 1 nothing, so rank 0's share decides
+    the refusal, which says so and that a smaller --chunk-size evens it out; chunks spread evenly
+    over the ranks: no such hint."""
+    from typer.testing import CliRunner
+
+    from tierwise.cli.main import app
+
+    one = CliRunner().invoke(app, ["plan", "--nproc-per-node", "2", "--cpu-mem", "2500K"])
+    assert one.exit_code == 2 and "1 trainable chunk on 2 ranks, 1/0 per rank; a smaller --chunk-size" in one.output
+    many = CliRunner().invoke(app, ["plan", "--nproc-per-node", "2", "--cpu-mem", "1K", "--chunk-size", "16K"])
+    assert many.exit_code == 2 and "cannot hold" in many.output and "--chunk-size evens" not in many.output

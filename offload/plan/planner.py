@@ -853,7 +853,8 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
         raise InfeasibleBudget(f"node host budget {format_size(host or 0)} cannot hold "
                                f"{'the frozen base once and ' if base_kinds else ''}{L} ranks' own chunks (each its "
                                f"owned chunks and {others}): at least {format_size(need)} ({need} B) needed; raise --cpu-mem"
-                               f"{'' if use_nvme else ' or give --nvme-path'}", minimum={"host": need}) from None
+                               f"{'' if use_nvme else ' or give --nvme-path'}{_uneven(owner, world)}",
+                               minimum={"host": need}) from None
     base = {t: sum(base_homes.bytes.get(t, {}).values()) for t in ("host", "cxl", "nvme")}
     base_bounce = L * base_homes.bounce  # each rank stages its own NVMe reads of the base
     per_host = None if host is None else (host - base["host"] - base_bounce) // L - window
@@ -867,7 +868,8 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
             raise InfeasibleBudget(f"node host budget {format_size(host or 0)}: after the frozen base "
                                    f"({format_size(base['host'])} in host RAM) each of {L} ranks gets "
                                    f"{format_size(per_host or 0)}, too little for its own chunks: at least "
-                                   f"{format_size(need)} ({need} B) needed; raise --cpu-mem", minimum={"host": need}) from None
+                                   f"{format_size(need)} ({need} B) needed; raise --cpu-mem{_uneven(owner, world)}",
+                                   minimum={"host": need}) from None
     node_bytes = {t: base[t] + sum(sum(h.bytes.get(t, {}).values()) for h in rank_homes) for t in ("host", "cxl", "nvme")}
     bounces = base_bounce + sum(h.bounce for h in rank_homes)
     node_bytes["host"] += bounces + L * window
@@ -947,3 +949,15 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                      single_tokens_per_s=single_tps)
     return dataclasses.replace(plan, bytes=by_tier, reserve=reserve, peak=peak, ranks=ranks,
                                gpu_update_params=0, cpu_update_params=owned[0])
+
+
+def _uneven(owner: dict[int, int], world: int) -> str:
+    """A refusal's hint where whole-chunk ownership is uneven (the node's budget is split evenly,
+    so the rank owning most decides it): empty when the ranks own about the same."""
+    counts = [0] * world
+    for r in owner.values():
+        counts[r] += 1
+    if not counts or (min(counts) > 0 and max(counts) < 2 * min(counts)):
+        return ""
+    return (f" (chunks are owned whole: {len(owner)} trainable chunk{'s' if len(owner) != 1 else ''} on {world} ranks, "
+            f"{'/'.join(map(str, counts))} per rank; a smaller --chunk-size evens them out)")
