@@ -10,13 +10,18 @@ again as `torchrun --standalone --nproc-per-node N` does, torchrun's agent in th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
 
 from ..offload.core.errors import DIST_TIMEOUT_S, TierwiseError
 from ..offload.runtime.cores import cpu_share
@@ -219,3 +224,37 @@ def drop_option(argv: list[str], flag: str) -> list[str]:
             continue
         out.append(a)
     return out
+
+
+SCRATCH_PREFIX = "tierwise-rank"
+
+
+@contextlib.contextmanager
+def rank_scratch(rank: int, directory: "str | None" = None) -> Iterator[Path]:
+    """A rank other than 0 writes what rank 0 keeps in --output (plots, its metrics) into a
+    scratch directory, removed when the run ends. A rank SIGKILLed cannot remove its own: the
+    directory names its pid, and the next run's ranks remove those of this user whose process
+    is gone."""
+    base = Path(directory or tempfile.gettempdir())
+    for old in base.glob(f"{SCRATCH_PREFIX}*-p*-*"):
+        try:
+            pid = int(old.name.split("-p", 1)[1].split("-", 1)[0])
+            if old.is_dir() and not old.is_symlink() and old.stat().st_uid == os.getuid() and not _alive(pid):
+                shutil.rmtree(old, ignore_errors=True)
+        except (ValueError, OSError):
+            continue
+    path = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{rank}-p{os.getpid()}-", dir=base))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True

@@ -230,15 +230,9 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
                       f"{cfg.grad_accum * ranks.world} micro-batches, micro-batch i on rank i mod {ranks.world}; "
                       "each rank checkpoints its shard", highlight=False)
         if not ranks.main:  # rank 0 owns --output; the others write into a scratch directory
-            import shutil
-            import tempfile
-
-            scratch = Path(tempfile.mkdtemp(prefix=f"tierwise-rank{ranks.rank}-"))
-            try:
+            with launch.rank_scratch(ranks.rank) as scratch:
                 return _train(cfg, src=src, blocks=blocks, batches=batches, eval_data=eval_data,
                               padded=padded, out=scratch, console=console, ranks=ranks)
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
     try:
         return _train(cfg, src=src, blocks=blocks, batches=batches, eval_data=eval_data,
                       padded=padded, out=claimed.path, console=console, ranks=ranks)

@@ -270,3 +270,25 @@ def test_a_node_budget_too_small_for_its_ranks_is_refused_by_all_in_one_line(tmp
     assert not (tmp_path / "o").exists()  # refused before --output was claimed
     # one rank with the same budget runs: the refusal is the node's, shared by two
     assert "verdict: fits" in CliRunner().invoke(app, ["plan", "--cpu-mem", "1M"]).output
+
+
+def test_a_killed_ranks_scratch_directory_is_removed_by_the_next_run(tmp_path):
+    """Ranks other than 0 write into a scratch directory removed at the end; one whose process
+    was SIGKILLed is left behind, and the next rank's start removes it (its pid is gone), never
+    a live process's or a directory of another name."""
+    import subprocess as sp
+
+    from tierwise.cli.launch import SCRATCH_PREFIX, rank_scratch
+
+    dead = sp.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{SCRATCH_PREFIX}1-p{dead.pid}-abc"
+    live = tmp_path / f"{SCRATCH_PREFIX}1-p{os.getpid()}-def"
+    other = tmp_path / "tierwise-rank-notes"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("{}")
+    with rank_scratch(1, str(tmp_path)) as mine:
+        assert mine.is_dir() and mine.name.startswith(f"{SCRATCH_PREFIX}1-p{os.getpid()}-")
+        assert not stale.exists() and live.exists() and other.exists()
+    assert not mine.exists() and live.exists() and other.exists()
