@@ -71,9 +71,11 @@ def engine_class() -> Callable[..., TrainingEngine]:
 
 
 def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True,
-                ranks: "launch.RankInfo | None" = None) -> TrainingEngine:
+                ranks: "launch.RankInfo | None" = None, plan: "Any" = None) -> TrainingEngine:
     """Engine(model, ...) from the config (options left at the engine's default are not passed).
     `padded`: some batch of the run holds padding (its worst step; see activation_estimate).
+    `plan`: the pre-flight's plan of this run, whose activations place the chunks up front (the
+    planner's figure, LoRA's and its dropout's included); None: activation_estimate.
 
     The engine's own checks of its options (ValueError: an optimizer it has no chunk updater
     for, a chunk size below its minimum, ...) become one-line user errors.
@@ -89,7 +91,8 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True
         chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip,
         checkpointing=checkpointing(cfg),
     )
-    kwargs["activations"] = activation_estimate(model, cfg, padded=padded)
+    planned = getattr(plan, "reserve", {}).get("gpu", {}).get("activations")
+    kwargs["activations"] = planned if planned is not None else activation_estimate(model, cfg, padded=padded)
     if cfg.grad_reduce != "micro":  # (the engine's default)
         kwargs["grad_reduce"] = cfg.grad_reduce
     if cfg.lora:  # the model carries its adapters already (cli.lora.inject): the engine takes it as is
@@ -199,12 +202,12 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
 def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int:
     ranks = launch.on_node(ranks)  # the node's ranks as the engine counts them
     auto = cfg.recompute is None
-    refusal = None
+    refusal = plan = None
     try:  # inputs, then what `plan` refuses, before allocating; several ranks: all together
         src, blocks, eval_data, padded, cfg = _checked_inputs(cfg, console=console)
         # several ranks: every rank draws the same whole step (micro-batch i runs on rank i mod N)
         batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum * ranks.world, seed=cfg.seed)
-        preflight(cfg, src=src, padded=padded, ranks=ranks)
+        plan = preflight(cfg, src=src, padded=padded, ranks=ranks)
     except InfeasibleBudget as e:
         layout = (f" --nproc-per-node {ranks.local_world}" + (f" --nnodes {max(1, ranks.world // ranks.local_world)}"
                                                               if ranks.world > ranks.local_world else "")
@@ -232,10 +235,10 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
         if not ranks.main:  # rank 0 owns --output; the others write into a scratch directory
             with launch.rank_scratch(ranks.rank) as scratch:
                 return _train(cfg, src=src, blocks=blocks, batches=batches, eval_data=eval_data,
-                              padded=padded, out=scratch, console=console, ranks=ranks)
+                              padded=padded, out=scratch, console=console, ranks=ranks, plan=plan)
     try:
         return _train(cfg, src=src, blocks=blocks, batches=batches, eval_data=eval_data,
-                      padded=padded, out=claimed.path, console=console, ranks=ranks)
+                      padded=padded, out=claimed.path, console=console, ranks=ranks, plan=plan)
     finally:
         claimed.release()
 
@@ -289,8 +292,8 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
 
 
 def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches, eval_data: list,
-           padded: bool, out: Path, console: Console, ranks: "launch.RankInfo") -> int:
-    """The run in its claimed --output: engine, loop, export."""
+           padded: bool, out: Path, console: Console, ranks: "launch.RankInfo", plan: Any = None) -> int:
+    """The run in its claimed --output: engine, loop, export (`plan`: the pre-flight's, or None)."""
     total = cfg.steps or (cfg.epochs or 1) * batches.batches_per_epoch
     schedule = LRSchedule(kind=cfg.schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                           total_steps=total)
@@ -301,7 +304,7 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
     if cfg.lora:  # adapters as PEFT makes them after torch.manual_seed(seed); the base stays meta
         renames = lora_mod.inject(model, lora_mod.lora_config(cfg, base=_base_name(src)), seed=cfg.seed)
         console.print(lora_mod.summary(cfg, model), highlight=False, soft_wrap=True)
-    engine = make_engine(model, cfg, padded=padded, ranks=ranks)
+    engine = make_engine(model, cfg, padded=padded, ranks=ranks, plan=plan)
     engine.skip_nonfinite = bool(cfg.skip_nonfinite)
     for note in engine.nvme.notices if engine.nvme is not None else []:
         warn(console, note)
