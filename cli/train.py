@@ -70,12 +70,12 @@ def engine_class() -> Callable[..., TrainingEngine]:
     return Engine
 
 
-def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True,
-                ranks: "launch.RankInfo | None" = None, plan: "Any" = None) -> TrainingEngine:
+def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, ranks: "launch.RankInfo | None" = None,
+                plan: "Any" = None) -> TrainingEngine:
     """Engine(model, ...) from the config (options left at the engine's default are not passed).
-    `padded`: some batch of the run holds padding (its worst step; see activation_estimate).
-    `plan`: the pre-flight's plan of this run, whose activations place the chunks up front (the
-    planner's figure, LoRA's and its dropout's included); None: activation_estimate.
+    `plan`: the pre-flight's plan of this run (cli.planning.preflight, for its worst batch):
+    the engine places chunks up front for its activations (LoRA's and its dropout's included);
+    None (a family the planner does not price): the engine measures them in its warm-up.
 
     The engine's own checks of its options (ValueError: an optimizer it has no chunk updater
     for, a chunk size below its minimum, ...) become one-line user errors.
@@ -91,8 +91,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True
         chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip,
         checkpointing=checkpointing(cfg),
     )
-    planned = getattr(plan, "reserve", {}).get("gpu", {}).get("activations")
-    kwargs["activations"] = planned if planned is not None else activation_estimate(model, cfg, padded=padded)
+    kwargs["activations"] = None if plan is None else plan.reserve["gpu"]["activations"]
     if cfg.grad_reduce != "micro":  # (the engine's default)
         kwargs["grad_reduce"] = cfg.grad_reduce
     if cfg.lora:  # the model carries its adapters already (cli.lora.inject): the engine takes it as is
@@ -104,22 +103,6 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True
         if isinstance(e, TierwiseError):
             raise
         raise ConfigError(f"the engine cannot run with these options: {e}") from None
-
-
-def activation_estimate(model: torch.nn.Module, cfg: TrainConfig, *, padded: bool = True) -> int | None:
-    """The planner's activation peak for a Llama-family model, so the engine places chunks in
-    their final tiers before the first step; None (measure in the warm-up) for other models.
-    `padded`: of a padded batch, the run's worst step when its data has any padding."""
-    from ..offload.plan.perfmodel import activation_bytes
-    from ..profiles import ModelProfile, ProfileError
-
-    try:
-        profile = ModelProfile.from_hf_config(model.config)
-    except ProfileError:  # not a model family the planner knows: the engine measures instead
-        return None
-    return activation_bytes(model=profile, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                            precision=cfg.precision, backward=cfg.optimizer != "mezo",
-                            checkpointing=checkpointing(cfg), padded=padded)
 
 
 def seed_everything(seed: int) -> None:
@@ -304,7 +287,7 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
     if cfg.lora:  # adapters as PEFT makes them after torch.manual_seed(seed); the base stays meta
         renames = lora_mod.inject(model, lora_mod.lora_config(cfg, base=_base_name(src)), seed=cfg.seed)
         console.print(lora_mod.summary(cfg, model), highlight=False, soft_wrap=True)
-    engine = make_engine(model, cfg, padded=padded, ranks=ranks, plan=plan)
+    engine = make_engine(model, cfg, ranks=ranks, plan=plan)
     engine.skip_nonfinite = bool(cfg.skip_nonfinite)
     for note in engine.nvme.notices if engine.nvme is not None else []:
         warn(console, note)
@@ -373,7 +356,7 @@ def _measure_worst(engine, batch: dict) -> None:
     this model family) first runs the worst batch without updating (Engine.measure), so the
     placement holds for every step. measure() leaves the RNG as it was: --resume replays exactly."""
     if engine.device_plan is not None:
-        return  # placed up front for the worst batch already (activation_estimate)
+        return  # placed up front for the worst batch already (the pre-flight plan's activations)
     engine.measure(batch)
 
 

@@ -140,7 +140,8 @@ def test_the_reported_run_trains_through_its_short_batch(tmp_path, engines, monk
     the planner does not know, the engine places chunks after measuring, so `finetune` first
     measures the padded batch (Engine.measure); without that, step 2 would not fit."""
     if placed == "measured":
-        monkeypatch.setattr(cli_train, "activation_estimate", lambda *a, **kw: None)
+        real = cli_train.preflight  # its checks run; the engine gets no plan to place from
+        monkeypatch.setattr(cli_train, "preflight", lambda *a, **kw: real(*a, **kw) and None)
     args = ["--model", "tiny", "--gpu-mem", "4M", "--cpu-mem", "1.4M", "--chunk-size", "128K",
             "--nvme-path", str(tmp_path / "nvme"), "--seed", "4"]
     plan = make_plan(TrainConfig(model="tiny", gpu_mem="4M", cpu_mem="1.4M", chunk_size="128K",

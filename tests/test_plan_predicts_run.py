@@ -58,7 +58,7 @@ def test_plan_predicts_the_runs_peaks(tied_dir, tmp_path, optimizer, precision, 
     blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
     assert has_padding(blocks)
     plan = make_plan(cfg, src=src)
-    engine = make_engine(build_meta_model(src.config), cfg, padded=True)
+    engine = make_engine(build_meta_model(src.config), cfg, plan=plan)  # placed as finetune places it
     try:
         engine.load_weights(iter_safetensors(src.model_dir))
         torch.manual_seed(0)

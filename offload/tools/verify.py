@@ -336,7 +336,7 @@ def _engine(model: torch.nn.Module, config: Any, *, plan: Plan, budgets: dict, n
     from ..engine.engine import Engine
 
     try:
-        # placed up front from the planned activations, as `finetune` runs (cli.train.activation_estimate)
+        # placed up front from the planned activations, as `finetune` runs (cli.train.make_engine)
         engine = Engine(model, optimizer=plan.optimizer, optimizer_kwargs=optimizer_kwargs, lr=lr,
                         precision=plan.precision, chunk_bytes=plan.chunk_bytes, gpu_mem=budgets["gpu"],
                         cpu_mem=budgets["host"], cxl_mem=budgets.get("cxl"), nvme_path=nvme_path,
