@@ -154,6 +154,8 @@ def finish_failing() -> None:
 class Refused(TierwiseError):
     """A refusal every rank raises together (`agree`): rank 0 alone prints it, every rank exits 2."""
 
+    every_rank = True
+
 
 def agree(info: RankInfo, error: "TierwiseError | None", what: str) -> None:
     """After a check every rank runs on its own (the pre-flight): if any refused, every rank

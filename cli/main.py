@@ -66,12 +66,11 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except TierwiseError as e:
-            from .launch import Refused, from_env
+            from .launch import from_env
 
-            together = isinstance(e, Refused) or e.every_rank  # every rank has it: rank 0 alone says so
-            if together and not from_env().main:
+            if e.every_rank and not from_env().main:  # every rank has it: rank 0 alone says so
                 raise typer.Exit(EXIT_USER_ERROR)
-            _fail(str(e).splitlines()[0] if str(e) else type(e).__name__, every_rank=together)
+            _fail(str(e).splitlines()[0] if str(e) else type(e).__name__, every_rank=e.every_rank)
         except OSError as e:
             if e.errno in DISK_FULL:
                 _fail(f"disk full ({e.strerror}) while writing {e.filename or 'output'}: free "
