@@ -181,7 +181,6 @@ def engine(a, model, data, *, gpu_mem: str, cap: bool = False, tokens: int = 0, 
         out = figures(t, tokens or a.batch * a.seq, flops, a.peak_tflops, losses)
         peaks = eng.ledger.peaks()
         out.update(setup_s=setup, gpu_budget=gpu_mem, ledger_peaks_gib={k: v / 2**30 for k, v in peaks.items()},
-                   fetched_gib_per_step=eng.cache.fetched_bytes / 2**30 / len(data),
                    copy_wait_s=eng.executor.wait_seconds, phase_s=dict(eng.phase_times),
                    per_step_phase_s={k: (v - warm["phase"][k]) / (len(data) - 2) for k, v in eng.phase_times.items()},
                    per_step_wait_s=(eng.executor.wait_seconds - warm["wait"]) / (len(data) - 2),
