@@ -9,7 +9,6 @@ prints one JSON line; a summary follows. Sections:
               AdamW state on the host, update on the CPU), streamed under --gpu-mem
   engine_sequential  `engine` with overlap_update=False: backward alone, then the whole update
   engine_noguard  `engine` without its read guard (what the guard's per-call Python costs)
-  engine_direct, qlora_direct  `engine` / `qlora` with direct copies (offload.runtime.executor)
   plain_big, engine_big  `plain` and `engine` at --big-seq tokens per row (the CPU's per-op
               overheads weigh less against the GPU's work), the engine under --big-gpu-mem
   capped      `engine` with the CUDA allocator itself capped at --gpu-mem (an OOM = bytes the
@@ -137,18 +136,6 @@ def without_read_guard(run):
         return run()
     finally:
         ReadGuard.__enter__, ReadGuard.__exit__ = enter, exit_
-
-
-def direct_copies(run):
-    """`run()` with the executor's direct copies on (TIERWISE_DIRECT_COPIES=1: enqueued by the
-    calling thread, no worker handoff), for the A/B against `engine` / `qlora`."""
-    from tierwise.offload.runtime import executor
-
-    old, executor.DIRECT = executor.DIRECT, True
-    try:
-        return run()
-    finally:
-        executor.DIRECT = old
 
 
 def big_data(a) -> list:
@@ -302,9 +289,6 @@ def main() -> None:
         "engine": lambda: engine(a, model, data, gpu_mem=a.gpu_mem),
         "engine_sequential": lambda: engine(a, model, data, gpu_mem=a.gpu_mem, overlap_update=False),
         "engine_noguard": lambda: without_read_guard(lambda: engine(a, model, data, gpu_mem=a.gpu_mem)),
-        "engine_direct": lambda: direct_copies(lambda: engine(a, model, data, gpu_mem=a.gpu_mem)),
-        "qlora_direct": lambda: direct_copies(lambda: engine(a, model, data, gpu_mem=a.lora_gpu_mem, lora=lora_config(),
-                                                             base_dtype="nf4", double_quant=True)),
         "plain_big": lambda: plain(a, model, big_data(a), tokens=a.batch * a.big_seq),
         "engine_big": lambda: engine(a, model, big_data(a), gpu_mem=a.big_gpu_mem, tokens=a.batch * a.big_seq),
         "qlora_peft": lambda: qlora_peft(a, model, data),
@@ -350,7 +334,7 @@ def summary(a, res: dict) -> None:
     print(f"\n{res['device']}: {a.n / 1e9:.2f}B params, batch {a.batch} x {a.seq}")
     if "h2d_gbs" in res.get("link", {}):
         print(f"link  h2d {res['link']['h2d_gbs']:.1f} GB/s  d2h {res['link']['d2h_gbs']:.1f} GB/s")
-    for name in ("plain", "engine", "engine_direct", "engine_sequential", "engine_noguard", "plain_big", "engine_big", "capped", "resident", "adamw8bit", "qlora_peft", "qlora", "qlora_direct", "qlora_resident"):
+    for name in ("plain", "engine", "engine_sequential", "engine_noguard", "plain_big", "engine_big", "capped", "resident", "adamw8bit", "qlora_peft", "qlora", "qlora_resident"):
         r = res.get(name, {})
         if "tokens_per_s" not in r:
             print(f"{name:10s} {r.get('error') or r.get('skipped') or 'not run'}")
@@ -372,7 +356,7 @@ def summary(a, res: dict) -> None:
         if isinstance(r, dict) and "device_kernel_s" in r:
             print(f"profile {name}: step {r['wall_s']:.3f} s, device kernels {r['device_kernel_s']:.3f} s,"
                   f" copies {r['device_copy_s']:.3f} s (busy {r['device_kernel_s'] / r['wall_s']:.0%} of the step)")
-    for x, y in (("engine", "plain"), ("engine_big", "plain_big"), ("engine_noguard", "engine"), ("engine_direct", "engine"), ("qlora_direct", "qlora"), ("engine_sequential", "engine"), ("resident", "plain"), ("adamw8bit", "plain"), ("qlora", "qlora_peft"),
+    for x, y in (("engine", "plain"), ("engine_big", "plain_big"), ("engine_noguard", "engine"), ("engine_sequential", "engine"), ("resident", "plain"), ("adamw8bit", "plain"), ("qlora", "qlora_peft"),
                  ("qlora", "qlora_resident")):
         if "step_s" in res.get(x, {}) and "step_s" in res.get(y, {}):
             print(f"{x}/{y} step time = {res[x]['step_s'] / res[y]['step_s']:.2f}")

@@ -7,7 +7,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_24_x86_64 -d .whl bitsandbytes==0.50.2
 # 1. install the project without touching the machine's torch,
-# 2. the CUDA tests (tests/gpu), again with TIERWISE_DIRECT_COPIES=1,
+# 2. the CUDA tests (tests/gpu),
 # 3. the quickstart and its --qlora variant through the CLI on CUDA,
 # 4. bench/gpu_check.py: engine vs plain PyTorch on a ~1B random Llama (full, AdamW8bit,
 #    resident, QLoRA vs PEFT + bitsandbytes): tokens/s, MFU, link GB/s.
@@ -42,9 +42,6 @@ EOF
   if [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1: a rerun for the figures alone
     timeout 170 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rfEs --tb=short
     echo "tests/gpu exit $?"
-    # the same tests with direct copies (offload/runtime/executor.py: off by default until they pass here)
-    TIERWISE_DIRECT_COPIES=1 timeout 120 python3 -m pytest -q -m gpu tests/gpu -k "not capped and not nccl" -p no:cacheprovider -rfE --tb=short
-    echo "tests/gpu with direct copies exit $?"
     # the xfail'ed capped-allocator test, run for its error (pytest hides an xfail's traceback)
     timeout 60 python3 -m pytest -q -m gpu tests/gpu/test_cuda.py -k capped --runxfail -p no:cacheprovider --tb=short 2>&1 | tail -15
   fi

@@ -384,38 +384,3 @@ def test_activation_tracker_books_activations_and_refers_to_chunks():
     assert ledger.usage()["gpu"]["activation"] == 16
     del held
     assert ledger.usage()["gpu"].get("activation", 0) == 0
-
-
-def test_direct_copy_tickets_follow_their_event(monkeypatch):
-    """A direct copy's Ticket (offload.runtime.executor: CUDA, TIERWISE_DIRECT_COPIES=1) has no
-    future: done() asks its event, and wait() into host memory blocks on it (a CPU thread reads
-    what landed). The simulated device never copies directly."""
-    import torch
-
-    from tierwise.offload.runtime import executor
-
-    class Event:
-        def __init__(self):
-            self.calls = []
-
-        def query(self):
-            self.calls.append("query")
-            return False
-
-        def synchronize(self):
-            self.calls.append("synchronize")
-
-    event = Event()
-    ticket = executor.Ticket(None, event, host=True)
-    assert not ticket.done() and event.calls == ["query"]
-    ticket.wait()
-    assert event.calls[-1] == "synchronize"
-    monkeypatch.setattr(executor, "DIRECT", True)
-    ex = executor.Executor(device=torch.device("cpu"))
-    try:
-        assert not ex.direct
-        dst = torch.zeros(4)
-        ex.wait(ex.copy("d2h", dst, torch.ones(4)))
-        assert torch.equal(dst, torch.ones(4))
-    finally:
-        ex.close()

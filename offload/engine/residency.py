@@ -96,7 +96,7 @@ class Residency:
             def fn(stream: Any) -> None:
                 self.store.to_compute(cid, src, buf)
 
-            return self.executor.job("h2d", fn, nbytes=0, device_only=True)
+            return self.executor.job("h2d", fn, nbytes=0)
         links = (self.cxl.link_out,) if self.cxl is not None and self.store.compute_tier(cid) == "cxl" else ()
         ranks = self.ranks if self.ranks is not None and cid in self.ranks.owner else None
         if src is None:  # a remote chunk: its owner sends it
@@ -120,11 +120,7 @@ class Residency:
             def fn(stream: Any) -> None:
                 fill(stream)
                 ranks.broadcast_chunk(cid, buf)
-        # an in-memory, plain source on one rank: only device work, no buffer shared with another
-        # job (an encoded chunk passes the one device staging buffer: its copy and decode must not
-        # interleave with a worker's on the same stream)
-        device_only = ranks is None and not isinstance(src, SwapKind) and not self.store.is_encoded(cid)
-        return self.executor.job("h2d", fn, nbytes=nbytes, links=links, device_only=device_only)
+        return self.executor.job("h2d", fn, nbytes=nbytes, links=links)
 
     def _on_resident(self, cid: int, buf: torch.Tensor) -> None:
         self.streamed_storage[storage_key(buf)] = cid

@@ -7,18 +7,14 @@ carries no policy: what to move and when is decided by the engine's schedule.
 Simulated device: one thread per direction (PCIe is full duplex), each copy optionally
 throttled by a Link so that overlap can be measured on a CPU-only machine.
 CUDA: one stream per direction; a Ticket is an event the compute stream waits on.
-Direct copies (CUDA, `TIERWISE_DIRECT_COPIES=1`; off by default until a GPU has run them): a
-copy that needs no host work around it (from/to memory already in place, no accumulation, no
-throttled link) is enqueued on the lane's stream by the calling thread itself, as the worker
-would, instead of being handed to the worker: on the H200 each handoff (a Future, a queue, the
-GIL passed back and forth) cost ~160 us of the kernel-launching thread per parameter gradient.
-Its Ticket has no future: done() queries the event, and wait() synchronizes it when the
-destination is host memory (the reader is a CPU thread) or makes the compute stream wait.
+Every copy goes through its lane's worker, also on CUDA: enqueueing device-only copies from
+the calling thread instead ("direct copies") was measured on an H200 (bench/README.md,
+gpu_check.sh, 2026-12-04 third session) 1.18-1.24x slower per step and changed a QLoRA run's
+losses, so it was removed.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -30,29 +26,21 @@ import torch
 
 from .link import Link
 
-DIRECT = os.environ.get("TIERWISE_DIRECT_COPIES", "") == "1"  # read when an Executor is made
-
-
 class Ticket:
     """Completion of one transfer. `wait()` is called on the compute thread before use (or on a
     CPU thread that reads the host memory it filled)."""
 
-    def __init__(self, future: "Future | None", event: "torch.cuda.Event | None" = None, *, host: bool = False):
-        self._future = future  # None: a direct copy (its event alone tells)
+    def __init__(self, future: Future, event: "torch.cuda.Event | None" = None):
+        self._future = future
         self._event = event
-        self._host = host  # a direct copy into host memory: wait() blocks until it landed
 
     def done(self) -> bool:
-        return self._event.query() if self._future is None else self._future.done()
+        return self._future.done()
 
     def wait(self) -> None:
-        if self._future is not None:
-            self._future.result()  # re-raises a copy error on the compute thread
+        self._future.result()  # re-raises a copy error on the compute thread
         if self._event is not None:
-            if self._host:
-                self._event.synchronize()
-            else:
-                torch.cuda.current_stream().wait_event(self._event)
+            torch.cuda.current_stream().wait_event(self._event)
 
 
 @dataclass(kw_only=True)
@@ -84,7 +72,6 @@ class Executor:
                                            name=f"tierwise-{lane.name}")
             lane.thread.start()
         self.wait_seconds = 0.0  # compute-thread time spent waiting on tickets
-        self.direct = self.cuda and DIRECT
 
     def _work(self, lane: _Lane) -> None:
         while True:
@@ -114,9 +101,6 @@ class Executor:
         host buffer on CUDA (the add runs on the CPU once the bytes have landed).
         """
         lane = self.lanes[lane_name]
-        if not accumulate and then is None and self._can_direct(lane):
-            return self._direct(lane, lambda stream: dst.copy_(src, non_blocking=True),
-                                src.numel() * src.element_size(), host=dst.device.type == "cpu")
         ready = None
         if self.cuda:
             ready = torch.cuda.Event()
@@ -146,17 +130,13 @@ class Executor:
         return Ticket(self._submit(lane_name, run), done_event)
 
     def job(self, lane_name: str, fn: Callable[["torch.cuda.Stream | None"], None], *,
-            nbytes: int, links: tuple[Link, ...] = (), device_only: bool = False) -> Ticket:
+            nbytes: int, links: tuple[Link, ...] = ()) -> Ticket:
         """Run `fn(stream)` on a lane's worker (e.g. read a swap file, then copy to the device).
 
         On CUDA, `fn` issues its device copies on `stream`; the Ticket's event follows them.
-        The lane's link (and `links`, e.g. a CXL link) are charged `nbytes`. `device_only`: fn
-        only enqueues work on `stream` (no host I/O, no host buffer reused after it): it may run
-        as a direct copy.
+        The lane's link (and `links`, e.g. a CXL link) are charged `nbytes`.
         """
         lane = self.lanes[lane_name]
-        if device_only and not links and self._can_direct(lane):
-            return self._direct(lane, fn, nbytes, host=False)
         ready = None
         if self.cuda:  # fn writes device buffers the compute stream allocated (a cache buffer
             # whose memory a chunk evicted a moment ago still feeds queued kernels): wait for them
@@ -178,23 +158,6 @@ class Executor:
                 link.wait_for(nbytes, start)
 
         return Ticket(self._submit(lane_name, run), done_event)
-
-    def _can_direct(self, lane: _Lane) -> bool:
-        return self.direct and not lane.link.bandwidth
-
-    def _direct(self, lane: _Lane, fn: Callable[["torch.cuda.Stream"], object], nbytes: int, *,
-                host: bool) -> Ticket:
-        """Enqueue `fn` on the lane's stream from this thread (after what the current stream has
-        queued so far, as the worker would): a direct copy (module docstring)."""
-        start = time.perf_counter()
-        ready, done = torch.cuda.Event(), torch.cuda.Event()
-        ready.record(torch.cuda.current_stream())
-        with torch.cuda.stream(lane.stream):
-            lane.stream.wait_event(ready)
-            fn(lane.stream)
-            done.record(lane.stream)
-        lane.link.wait_for(nbytes, start)  # counts the bytes (no bandwidth: no wait)
-        return Ticket(None, done, host=host)
 
     def wait(self, ticket: Ticket) -> None:
         """Wait on the compute thread, counting the time spent (not overlapped)."""

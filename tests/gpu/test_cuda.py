@@ -183,14 +183,16 @@ def test_gpu_home_nf4_base_on_cuda_equals_the_streamed_run():
         torch.testing.assert_close(a2[n], t, rtol=1e-3, atol=1e-5, msg=n)
 
 
-def test_shared_base_region_pinned_for_cuda_copies(tmp_path):
+def test_shared_base_region_pinned_for_cuda_copies():
     """The shared base's /dev/shm mapping is page-locked on a CUDA machine (the leader's
     read-write mapping and another rank's read-only one), copies from it land intact, and
-    close() unregisters it before unmapping."""
+    close() unregisters it before unmapping. In /dev/shm, as the engine makes it: the driver
+    refuses to pin a writable mapping of a file on disk (H200, 2026-12-04: tmp_path gave
+    cudaErrorInvalidValue), not of shmem."""
     from tierwise.offload.runtime.sharedmem import SharedRegion
 
     n = 8 << 20
-    leader = SharedRegion.create(n, directory=str(tmp_path))
+    leader = SharedRegion.create(n)
     leader.tensor.copy_(torch.arange(n, dtype=torch.int64).to(torch.uint8))
     other = SharedRegion.attach(leader.path, n)
     try:
@@ -206,13 +208,13 @@ def test_shared_base_region_pinned_for_cuda_copies(tmp_path):
     assert not leader.pinned and not other.pinned
 
 
-def test_a_refused_pin_of_the_shared_base_leaves_cuda_usable(tmp_path, monkeypatch):
+def test_a_refused_pin_of_the_shared_base_leaves_cuda_usable(monkeypatch):
     """A read-only mapping registered without the read-only flag is refused by the driver: the
     region stays pageable (one warning) and the next kernel on this thread runs (the refusal's
     pending error was left in the registering thread, not raised by torch's launch check here)."""
     from tierwise.offload.runtime import sharedmem
 
-    leader = sharedmem.SharedRegion.create(1 << 20, directory=str(tmp_path))
+    leader = sharedmem.SharedRegion.create(1 << 20)  # /dev/shm, as the engine's
     other = sharedmem.SharedRegion.attach(leader.path, 1 << 20)
     monkeypatch.setattr(sharedmem, "_REGISTER_READ_ONLY", 0)
     try:
