@@ -167,6 +167,9 @@ def engine(a, model, data, *, gpu_mem: str, cap: bool = False, tokens: int = 0, 
         flops = (4 if kw.get("lora") is not None else 6) * a.n
         out = figures(t, tokens or a.batch * a.seq, flops, a.peak_tflops, losses)
         peaks = eng.ledger.peaks()
+        if a.profile:  # the planner's step on this machine's measured profile, beside the measurement
+            out["plan"] = planned(a, model, gpu_mem=gpu_mem, seq=data[0].shape[1], **kw)
+            out["plan_over_measured"] = out["plan"]["step_s"] / out["step_s"]
         out.update(setup_s=setup, gpu_budget=gpu_mem, ledger_peaks_gib={k: v / 2**30 for k, v in peaks.items()},
                    copy_wait_s=eng.executor.wait_seconds, phase_s=dict(eng.phase_times),
                    per_step_phase_s={k: (v - warm["phase"][k]) / (len(data) - 2) for k, v in eng.phase_times.items()},
@@ -178,6 +181,20 @@ def engine(a, model, data, *, gpu_mem: str, cap: bool = False, tokens: int = 0, 
         eng.close()
         if cap and CUDA:
             torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def planned(a, model, *, gpu_mem: str, seq: int, **kw) -> dict:
+    """`finetune plan` of an `engine` section's run on the profile at --profile."""
+    from tierwise.offload.plan.planner import make_plan
+    from tierwise.profiles import ModelProfile
+
+    lora = kw.get("lora")
+    plan = make_plan(model=ModelProfile.from_hf_config(model.config), hardware=a.profile, gpu_mem=gpu_mem,
+                     cpu_mem=None, optimizer=kw.get("optimizer", "adamw"), precision="bf16", batch_size=a.batch,
+                     seq_len=seq, chunk_bytes=a.chunk, checkpointing=kw.get("checkpointing", True),
+                     lora_rank=lora.r if lora is not None else None, base_dtype=kw.get("base_dtype"),
+                     double_quant=kw.get("double_quant", False), cuda=CUDA)
+    return {"step_s": plan.step_s, "bottleneck": plan.bottleneck, "phases": plan.phases}
 
 
 def qlora_peft(a, model, data) -> dict:
@@ -274,6 +291,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated sections (default: all)")
     ap.add_argument("--json", default="", help="write the figures here too")
     ap.add_argument("--trace-dir", default="", help="profile: write Chrome traces here")
+    ap.add_argument("--profile", default="", help="a hardware profile TOML of this machine (finetune profile): "
+                    "each engine section prints the planner's step beside the measured one")
     a = ap.parse_args()
     start = time.perf_counter()
     res: dict = {"device": torch.cuda.get_device_name() if CUDA else "cpu (smoke test)"}
@@ -348,6 +367,9 @@ def summary(a, res: dict) -> None:
         if "per_step_phase_s" in r:
             print(" " * 11 + "per timed step, host wall: " + ", ".join(
                 f"{k} {v:.3f} s" for k, v in r["per_step_phase_s"].items()) + f", waiting on copies {r['per_step_wait_s']:.3f} s")
+        if "plan" in r:
+            print(" " * 11 + f"planned {r['plan']['step_s']:.3f} s ({r['plan']['bottleneck']}-bound): "
+                  f"plan / measured {r['plan_over_measured']:.2f} (goal 0.75-1.25)")
     if "dram_gbs" in res.get("limits", {}):
         li = res["limits"]
         print(f"limits     DRAM copy {li['dram_gbs']:.1f} GB/s ({li['threads']} threads); one CPU update of all"

@@ -8,9 +8,10 @@
 #     --platform manylinux_2_24_x86_64 -d .whl bitsandbytes==0.50.2
 # 1. install the project without touching the machine's torch,
 # 2. the CUDA tests (tests/gpu),
-# 3. the quickstart and its --qlora variant through the CLI on CUDA,
+# 3. the quickstart and its --qlora variant through the CLI on CUDA, `finetune profile`,
 # 4. bench/gpu_check.py: engine vs plain PyTorch on a ~1B random Llama (full, AdamW8bit,
-#    resident, QLoRA vs PEFT + bitsandbytes): tokens/s, MFU, link GB/s.
+#    resident, QLoRA vs PEFT + bitsandbytes): tokens/s, MFU, link GB/s, and the planner's step
+#    on the profile just measured beside each measured one.
 # Everything it prints goes to $OUT/gpu_check.log too, the figures to $OUT/gpu_check.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,12 @@ EOF
   echo "quickstart exit $?"
   timeout 45 python3 -m tierwise.cli.main --qlora --output /tmp/ql --overwrite
   echo "quickstart --qlora exit $?"
-  timeout 280 python3 bench/gpu_check.py --steps 5 --deadline 220 --json "$out/gpu_check.json" --trace-dir "$out" "$@"
+  # this machine's profile (the launching thread's cost per op measured through the engine): each
+  # engine section then prints the planner's step on it beside the measured one
+  timeout 120 python3 -m tierwise.cli.main profile --hardware measured-here --output "$out/measured.toml"
+  echo "profile exit $?"
+  prof=(); [ -s "$out/measured.toml" ] && prof=(--profile "$out/measured.toml")
+  timeout 280 python3 bench/gpu_check.py --steps 5 --deadline 220 --json "$out/gpu_check.json" --trace-dir "$out" "${prof[@]}" "$@"
   gzip -f "$out"/trace_*.json 2>/dev/null
   echo "gpu_check.py exit $?"
   date -u

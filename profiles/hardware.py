@@ -73,8 +73,10 @@ class HostSpec:
     1.0-1.07x fused AdamW on its AVX2 path, 1.2-1.4x on AVX-512; the H200 host's 16 cores 7.5e9
     vs 4.9e9 parameters/s)."""
     op_overhead_us: float | None = None
-    """Host cost of dispatching one small op or module hook, in microseconds (None: not measured;
-    counts only on the simulated device, where it adds to compute instead of hiding under it)."""
+    """Host cost of one op or module hook the performance model counts, in microseconds (None: not
+    measured, priced as free). The simulated device adds it to compute; on a GPU the launching
+    thread is a resource of each phase ("host launch"), measured by `finetune profile` through
+    the engine (a tiny streamed Llama: launch thread only)."""
     step_calibration: float | None = None
     """Measured / modelled step time of a proxy model run by the engine (`finetune profile`);
     scales the simulated device's compute phases (None: 1, uncalibrated). It absorbs what the

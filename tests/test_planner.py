@@ -228,3 +228,28 @@ def test_step_calibration_scales_the_simulated_compute_phases():
     assert cal.phases["forward"] == pytest.approx(2 * base.phases["forward"])
     assert cal.phases["backward"] == pytest.approx(2 * base.phases["backward"])
     assert cal.phases["update"] == pytest.approx(base.phases["update"])
+
+
+def test_a_gpu_step_is_bound_by_the_launching_thread_when_ops_cost_more_than_the_device():
+    """On a GPU the host thread that launches the kernels is a resource of each phase: 100 us per
+    op makes a 1B model's small step last the forward's and the recomputing backward's dispatches
+    (ops_per_forward, hand-counted per layer); without the figure it is priced as before."""
+    import dataclasses
+
+    from tierwise.offload.plan.perfmodel import ops_per_forward
+    from tierwise.profiles import load_hardware_profile
+
+    hw = load_hardware_profile("h200")
+    kw = dict(model="1b", gpu_mem="6G", cpu_mem="64G", optimizer="adamw", precision="bf16",
+              batch_size=1, seq_len=128)
+    unmeasured = make_plan(hardware=dataclasses.replace(hw, host=dataclasses.replace(hw.host, op_overhead_us=None)), **kw)
+    slow = make_plan(hardware=dataclasses.replace(hw, host=dataclasses.replace(hw.host, op_overhead_us=100.0)), **kw)
+    ops = ops_per_forward(load_model_profile("1b"))
+    assert ops == 48 * load_model_profile("1b").num_hidden_layers + 24
+    slower = make_plan(hardware=dataclasses.replace(hw, host=dataclasses.replace(hw.host, op_overhead_us=200.0)), **kw)
+    # a launch-bound phase lasts its dispatches plus one chunk's startup (the same in both plans)
+    assert slower.phases["forward"] - slow.phases["forward"] == pytest.approx(ops * 100e-6)
+    # backward: the recompute's forward and twice the forward's dispatches for its own ops
+    assert slower.phases["backward"] - slow.phases["backward"] == pytest.approx(3 * ops * 100e-6)
+    assert slow.bottleneck == "host launch"
+    assert unmeasured.step_s < slow.step_s and unmeasured.bottleneck != "host launch"

@@ -5,6 +5,9 @@ the planner places on each tier. A phase lasts as long as its busiest resource (
 PCIe each way, NVMe, CXL, host DRAM bandwidth, CPU update) since transfers on independent
 links overlap compute, plus a non-overlappable startup of one chunk. CPU cores that run the
 optimizer also drive NVMe I/O; host DRAM bandwidth is shared by the CPU update and all DMA.
+On a GPU the host thread that launches the kernels is a resource too ("host launch"): every op
+and module hook costs it `host.op_overhead_us` (measured through the engine by `finetune
+profile`), so a small step is bound by Python and dispatch, not by the device.
 
 Per-optimizer numbers (CPU rate, forwards, whether there is a backward, the rank) come from
 the optimizer table, `offload.update.table`.
@@ -49,11 +52,12 @@ def param_update_flops(spec: ParamSpec, *, cost: OptimizerSpec, rank: int | None
     return 4.0 * m * n * min(cost.default_rank if rank is None else rank, m, n)
 
 
-def ops_per_forward(model: ModelProfile) -> int:
+def ops_per_forward(model: ModelProfile, *, adapters: int = 0, decoded: int = 0) -> int:
     """Ops one forward dispatches, counting a module hook as an op: per decoder layer ~48 (2
     RMSNorms of 8, 7 linears, rotary, SDPA, reshapes, residuals, SwiGLU, 9 hooked modules), plus
-    the embedding, the final norm, lm_head and the loss."""
-    return 48 * model.num_hidden_layers + 24
+    the embedding, the final norm, lm_head and the loss; per LoRA adapter 4 (its two linears,
+    the scaling, the add) and per encoded base weight 2 (its decode and the cast)."""
+    return 48 * model.num_hidden_layers + 24 + 4 * adapters + 2 * decoded
 
 
 def model_flops(*, model: ModelProfile, batch_size: int, seq_len: int) -> float:
@@ -287,6 +291,14 @@ class StepPrediction:
     tokens_per_s: float
 
 
+def dispatch_s(load: StepLoad, overhead_us: float | None) -> tuple[float, float]:
+    """Host seconds to dispatch one forward and one backward (`overhead_us` per op and hook):
+    backward runs each op's backward (twice its forward's dispatches) plus, with recompute,
+    the forward again."""
+    each = (overhead_us or 0.0) * 1e-6 * load.ops_per_forward
+    return each, each * (3 if load.recompute else 2)
+
+
 def _phase(busy: dict[str, float], startup: float) -> tuple[float, str]:
     busy = {k: v for k, v in busy.items() if v > 0}
     top = max(busy, key=busy.__getitem__, default="gpu compute")
@@ -330,10 +342,12 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
     on_nvme = src.get("nvme", 0)
     dequant = load.dequant_bytes / 2 / (hw.gpu.memory_bandwidth_gbps * GB)  # per pass, memory-bound
     bwd_passes = (1 if load.recompute else 0) + (2 if load.weight_grads else 1)
+    launch_fwd, launch_bwd = dispatch_s(load, hw.host.op_overhead_us)
 
     # forward: stream every streamed compute source in; nvme sources pass a DRAM bounce buffer.
     fwd_busy = {
         "gpu compute": load.tokens_flops_fwd / gpu_rate + dequant,
+        "host launch": launch_fwd,
         "pcie h2d": stream / h2d,
         "nvme read": on_nvme / nv_r,
         "cxl": src.get("cxl", 0) / cxl,
@@ -368,6 +382,7 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
         bwd_busy = {
             "gpu compute": (bwd_passes * load.tokens_flops_fwd / gpu_rate + dequant) * micro_batches
             + gpu_update,
+            "host launch": launch_bwd * micro_batches,
             "pcie h2d": stream / h2d * micro_batches,
             "pcie d2h": load.grad_d2h_bytes / d2h * micro_batches,
             "nvme": nv_update + on_nvme * (micro_batches - 1) / nv_r,  # the base: read again per micro-batch
@@ -407,15 +422,14 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     copy = hw.pcie.h2d_pinned_gbps * GB
     back = hw.pcie.d2h_pinned_gbps * GB
     overhead = (hw.host.op_overhead_us or 0.0) * 1e-6
-    ops = load.ops_per_forward
+    dispatch_fwd, dispatch_bwd = dispatch_s(load, hw.host.op_overhead_us)
     link = load.fetched_bytes if load.link_bytes is None else load.link_bytes
     decode = load.dequant_bytes / 2 / (hw.host.dram_bandwidth_gbps * GB)  # per pass, on the CPU cores
     fwd = {"gpu compute": load.tokens_flops_fwd / rate, "pcie h2d": link / 3 / copy,
-           "dispatch": ops * overhead, "dequant": decode}
-    passes = 3 if load.recompute else 2
+           "dispatch": dispatch_fwd, "dequant": decode}
     flops = (1 if load.recompute else 0) + (2 if load.weight_grads else 1)
     bwd = {"gpu compute": flops * load.tokens_flops_fwd / rate, "pcie h2d": 2 * link / 3 / copy,
-           "pcie d2h": load.grad_d2h_bytes / back, "dispatch": passes * ops * overhead, "dequant": decode}
+           "pcie d2h": load.grad_d2h_bytes / back, "dispatch": dispatch_bwd, "dequant": decode}
     params = load.cpu_params + load.gpu_params
     upd = {"cpu update": params / _cpu_rate(hw, cost) + load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12),
            "dispatch": 4 * load.num_chunks * overhead}

@@ -266,8 +266,11 @@ class _Chunks:
         self.encoded: set[int] = set()  # frozen chunks stored in another dtype (decoded per use, home or not)
         self.layers, self.tied = (model.num_hidden_layers, model.tie_word_embeddings) if lora is not None else (0, False)
         self.targets = lora.targets if lora is not None else frozenset()
-        self.fetches_last: dict[int, int] = {}
         plain = "bf16" if self.bf16 else "fp32"
+        self.fetches_last: dict[int, int] = {}
+        adapters = sum(1 for sp in specs if ".lora_A." in sp.name)
+        decoded = len(lora.quantizable) if lora is not None and base_dtype not in (None, plain) else 0
+        self.ops = ops_per_forward(model, adapters=adapters, decoded=decoded)
         for c in self.plan.chunks:
             ps = [by_name[n] for n in c.params]
             if c.index in self.frozen:  # one kind: the (maybe encoded) compute copy; never updated
@@ -513,7 +516,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                                f"{format_size(on_nvme)}; raise --cpu-mem / --cxl-mem or free disk space",
                                minimum={"nvme": on_nvme})
     flops_fwd = model_flops(model=model, batch_size=batch_size, seq_len=seq_len)
-    load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd, ops=ops_per_forward(model),
+    load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd, ops=ch.ops,
                  recompute=checkpointing)
     pred = predict_step(hardware=hw, precision=precision, cost=ch.cost, tokens=batch_size * seq_len * grad_accum,
                         load=load, micro_batches=grad_accum)
@@ -886,7 +889,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
         tiers = base_homes.tiers | rank_homes[r].tiers
         homes_r = Homes(tiers=tiers, bytes={}, bounce=rank_homes[r].bounce + base_homes.bounce)
         load = _load(views[r], device=device, homes=homes_r, streamed=streamed, flops_fwd=flops_fwd,
-                     ops=ops_per_forward(model), recompute=checkpointing, remote=remotes[r])
+                     ops=ch.ops, recompute=checkpointing, remote=remotes[r])
         if ch.frozen:  # the adapters: as the LoRA schedule fetches them, every micro-batch
             gather = accum * sum(views[r].fetches_last.get(c, 0) * ch.compute[c] for c in trainable)
         else:

@@ -8,7 +8,9 @@ What is measured (each a short timed loop; `quick=True` shrinks every size for t
 - each CXL node (`offload.runtime.cxl.detect_cxl_nodes`): copies into a buffer bound to it;
 - CPU optimizer throughput: torch fused AdamW and `optim.adamw8bit.adamw8bit_step_`;
 - matmul throughput on the device (bf16 and fp32) and on the CPU (fp32);
-- the dispatch cost of one small op through a hooked module (the simulated device pays it).
+- the host's cost per op: on the simulated device a hooked small op's dispatch; on CUDA a tiny
+  Llama streamed through the engine, whose step is all launch thread (Python, hooks, autograd,
+  kernel launches) and no device work, divided by the ops the model counts for it.
 """
 
 from __future__ import annotations
@@ -186,6 +188,39 @@ def op_overhead_us(sz: Sizes) -> float:
     return _best(run, sz.repeats) / calls / 4 * 1e6  # ~4 ops each: linear, sum, their backwards
 
 
+def engine_op_overhead_us(quick: bool, device: str = "cuda") -> float:
+    """CUDA: microseconds of the launching thread per op the performance model counts
+    (`perfmodel.ops_per_forward`, a forward plus a recomputing backward: 4 forwards' worth), from
+    a Llama too small for the device to matter, every chunk streamed as in an offloaded run."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..engine.engine import Engine
+    from ..plan.perfmodel import ops_per_forward
+    from ...profiles import ModelProfile
+
+    layers = 4 if quick else 8
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    eng = Engine(LlamaForCausalLM(cfg), lr=1e-4, precision="bf16", device=device, allow_gpu_home=False,
+                 chunk_bytes=256 << 10, checkpointing=True)  # about one chunk per layer
+    x = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        times = []
+        for i in range(3 if quick else 6):
+            t = time.perf_counter()
+            eng.step({"input_ids": x, "labels": x})
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i:  # the first is the warm-up (trace, placement)
+                times.append(time.perf_counter() - t)
+    finally:
+        eng.close()
+    step = sorted(times)[len(times) // 2]
+    return step / (4 * ops_per_forward(ModelProfile.from_hf_config(cfg))) * 1e6
+
+
 def measure(*, hardware: str | None = None, output: str | None = None, nvme_path: str | None = None,
             quick: bool = False, progress: Callable[[str], None] | None = None) -> str:
     """Measure this machine; write (and return) a hardware profile TOML named `hardware`."""
@@ -203,7 +238,7 @@ def measure(*, hardware: str | None = None, output: str | None = None, nvme_path
         ("device matmul bf16", lambda: gemm_tflops(sz, device=device, dtype=torch.bfloat16)),
         ("device matmul fp32", lambda: gemm_tflops(sz, device=device, dtype=torch.float32)),
         ("CPU matmul fp32", lambda: gemm_tflops(sz, device="cpu", dtype=torch.float32)),
-        ("op dispatch overhead", lambda: op_overhead_us(sz)),
+        ("op dispatch overhead", lambda: engine_op_overhead_us(quick) if cuda else op_overhead_us(sz)),
     ]
     for i, (name, fn) in enumerate(steps, 1):
         t = time.perf_counter()
