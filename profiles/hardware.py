@@ -78,9 +78,11 @@ class HostSpec:
     thread is a resource of each phase ("host launch"), measured by `finetune profile` through
     the engine (a tiny streamed Llama: launch thread only)."""
     step_calibration: float | None = None
-    """Measured / modelled step time of a proxy model run by the engine (`finetune profile`);
-    scales the simulated device's compute phases (None: 1, uncalibrated). It absorbs what the
-    model does not price op by op: softmax, norms, elementwise work, allocator traffic."""
+    """Measured / modelled step time of a proxy model (`finetune profile`; None: 1, uncalibrated).
+    It absorbs what the model does not price op by op: softmax, norms, elementwise work,
+    allocator traffic. The simulated device: a proxy run by the engine, scaling its compute
+    phases; CUDA: plain PyTorch's forward + backward of a bf16 proxy against its matmul flops at
+    the GEMM rate, scaling "gpu compute"."""
 
     def __post_init__(self) -> None:
         if self.adamw8bit_params_per_s is None:

@@ -331,7 +331,8 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
                                   micro_batches=micro_batches, collectives=collectives)
     hw, pl = hardware, load.placed
     get = lambda tier, kind: pl.get(tier, {}).get(kind, 0)  # noqa: E731
-    gpu_rate = hw.gpu_tflops(precision) * 1e12
+    # a step's kernels against the GEMM rate: attention, norms, elementwise (`finetune profile`)
+    gpu_rate = hw.gpu_tflops(precision) * 1e12 / (hw.host.step_calibration or 1.0)
     h2d, d2h = hw.pcie.h2d_pinned_gbps * GB, hw.pcie.d2h_pinned_gbps * GB
     dram = hw.host.dram_bandwidth_gbps * GB
     nv_r = hw.nvme.read_gbps * GB if hw.nvme else 1.0

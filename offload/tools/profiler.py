@@ -165,8 +165,8 @@ def optimizer_rates(sz: Sizes) -> dict[str, float]:
 
 
 def gemm_tflops(sz: Sizes, *, device: str, dtype: torch.dtype) -> float:
-    """Achieved TFLOPS of an n x n x n matmul."""
-    n = sz.gemm_n
+    """Achieved TFLOPS of an n x n x n matmul (8x larger on CUDA: a small one measures launches)."""
+    n = sz.gemm_n * (8 if device == "cuda" else 1)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     sync = _cuda_sync if device == "cuda" else (lambda: None)
@@ -188,37 +188,77 @@ def op_overhead_us(sz: Sizes) -> float:
     return _best(run, sz.repeats) / calls / 4 * 1e6  # ~4 ops each: linear, sum, their backwards
 
 
-def engine_op_overhead_us(quick: bool, device: str = "cuda") -> float:
-    """CUDA: microseconds of the launching thread per op the performance model counts
-    (`perfmodel.ops_per_forward`, a forward plus a recomputing backward: 4 forwards' worth), from
-    a Llama too small for the device to matter, every chunk streamed as in an offloaded run."""
+def _proxy_llama(width: int, layers: int, vocab: int):
+    """A Llama of `layers` decoder layers, each as wide as a ~1B model's at width 2048 (the
+    proxies of the CUDA measurements: per-layer op counts and chunk sizes as real)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=width * 11 // 4,
+                      num_hidden_layers=layers, num_attention_heads=max(1, width // 128),
+                      num_key_value_heads=max(1, width // 128), max_position_embeddings=4096,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return cfg, LlamaForCausalLM(cfg)
+
+
+def engine_op_overhead_us(quick: bool, device: str = "cuda") -> float:
+    """Microseconds of the launching thread per op the performance model counts
+    (`perfmodel.ops_per_forward`; a forward plus a recomputing backward: 4 forwards' worth),
+    measured as the engine's host wall time of forward and backward, less its waits on copies,
+    for a proxy whose device work is negligible (16 tokens) but whose layers are real-sized and
+    streamed (their gradients leave per parameter, the CPU update overlaps backward)."""
     from ..engine.engine import Engine
     from ..plan.perfmodel import ops_per_forward
     from ...profiles import ModelProfile
 
-    layers = 4 if quick else 8
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    eng = Engine(LlamaForCausalLM(cfg), lr=1e-4, precision="bf16", device=device, allow_gpu_home=False,
-                 chunk_bytes=256 << 10, checkpointing=True)  # about one chunk per layer
-    x = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    width, layers = (256, 2) if quick else (2048, 2)
+    cfg, model = _proxy_llama(width, layers, vocab=1024)
+    eng = Engine(model, lr=1e-4, precision="bf16", device=device, allow_gpu_home=False,
+                 checkpointing=True)
+    x = torch.randint(0, 1024, (1, 16), generator=torch.Generator().manual_seed(0))
     try:
-        times = []
+        per_step = []
         for i in range(3 if quick else 6):
-            t = time.perf_counter()
+            before = eng.phase_times.get("forward", 0.0) + eng.phase_times.get("backward", 0.0) \
+                - eng.executor.wait_seconds
             eng.step({"input_ids": x, "labels": x})
-            if device == "cuda":
-                torch.cuda.synchronize()
             if i:  # the first is the warm-up (trace, placement)
-                times.append(time.perf_counter() - t)
+                per_step.append(eng.phase_times["forward"] + eng.phase_times["backward"]
+                                - eng.executor.wait_seconds - before)
     finally:
         eng.close()
-    step = sorted(times)[len(times) // 2]
-    return step / (4 * ops_per_forward(ModelProfile.from_hf_config(cfg))) * 1e6
+    host = sorted(per_step)[len(per_step) // 2]
+    return host / (4 * ops_per_forward(ModelProfile.from_hf_config(cfg))) * 1e6
+
+
+def device_bandwidth(sz: Sizes) -> float:
+    """CUDA: GB/s of a device-to-device copy, counting the bytes read and written."""
+    src = torch.empty(4 * sz.copy_bytes, dtype=torch.uint8, device="cuda").fill_(1)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / _best(lambda: dst.copy_(src), sz.repeats, _cuda_sync) / GB
+
+
+def cuda_step_calibration(quick: bool, *, tflops: float, device: str = "cuda") -> float:
+    """Measured / modelled time of plain PyTorch's forward + backward of a bf16 proxy Llama,
+    everything on the device, the model's time being its matmul flops at `tflops` (the GEMM just
+    measured): what attention, norms and elementwise kernels add; scales "gpu compute"."""
+    from ..plan.perfmodel import model_flops
+    from ...profiles import ModelProfile
+
+    width, layers, batch, seq = (256, 2, 1, 256) if quick else (2048, 2, 4, 1024)
+    cfg, model = _proxy_llama(width, layers, vocab=8192)
+    model = model.to(device, torch.bfloat16)
+    x = torch.randint(0, 8192, (batch, seq), device=device, generator=torch.Generator(device).manual_seed(0))
+
+    def step():
+        model(input_ids=x, labels=x).loss.backward()
+
+    measured = _best(step, 2 if quick else 4, _cuda_sync)
+    modelled = 3 * model_flops(model=ModelProfile.from_hf_config(cfg), batch_size=batch, seq_len=seq) / (tflops * 1e12)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return measured / modelled
 
 
 def measure(*, hardware: str | None = None, output: str | None = None, nvme_path: str | None = None,
@@ -240,6 +280,8 @@ def measure(*, hardware: str | None = None, output: str | None = None, nvme_path
         ("CPU matmul fp32", lambda: gemm_tflops(sz, device="cpu", dtype=torch.float32)),
         ("op dispatch overhead", lambda: engine_op_overhead_us(quick) if cuda else op_overhead_us(sz)),
     ]
+    if cuda:
+        steps.insert(1, ("device memory", lambda: device_bandwidth(sz)))
     for i, (name, fn) in enumerate(steps, 1):
         t = time.perf_counter()
         results[name] = fn()
@@ -249,11 +291,15 @@ def measure(*, hardware: str | None = None, output: str | None = None, nvme_path
             for line in cxl_node_lines(results[name]):
                 say(f"      {line}")
     text = to_toml(results, name=hardware or ("measured-cuda" if cuda else "measured-cpu-sim"), cuda=cuda)
-    if not cuda:
-        t = time.perf_counter()
+    t = time.perf_counter()
+    if cuda:
+        scale = cuda_step_calibration(quick, tflops=results["device matmul bf16"])
+        say(f"[calibration] proxy model forward + backward on the device, measured / its matmuls at the "
+            f"GEMM rate: {scale:.3g} ({time.perf_counter() - t:.1f} s)")
+    else:
         scale = step_calibration(text, quick=quick)
         say(f"[calibration] proxy model step measured / modelled: {scale:.3g} ({time.perf_counter() - t:.1f} s)")
-        text = text.replace("\n[nvme]", f"step_calibration = {scale:.6g}\n\n[nvme]", 1)
+    text = text.replace("\n[nvme]", f"step_calibration = {scale:.6g}\n\n[nvme]", 1)
     if output:
         Path(output).write_text(text)
         say(f"wrote {output}")
@@ -300,7 +346,8 @@ def step_calibration(profile_text: str, *, quick: bool) -> float:
 #: The unit of each measurement of `measure`, printed on its progress line.
 UNITS = {"host <-> device copies": "GB/s", "DRAM bandwidth": "GB/s", "NVMe read/write": "GB/s",
          "CXL nodes": "GB/s", "CPU optimizer steps": "params/s", "device matmul bf16": "TFLOPS",
-         "device matmul fp32": "TFLOPS", "CPU matmul fp32": "TFLOPS", "op dispatch overhead": "µs/op"}
+         "device matmul fp32": "TFLOPS", "CPU matmul fp32": "TFLOPS", "op dispatch overhead": "µs/op",
+         "device memory": "GB/s"}
 
 
 def _show(v: object, unit: str = "") -> str:
@@ -322,7 +369,7 @@ def to_toml(r: dict, *, name: str, cuda: bool) -> str:
     cxl = r["CXL nodes"]
     if cuda:
         props = torch.cuda.get_device_properties(0)
-        gpu_mem, gpu_bw, desc = props.total_memory, r["DRAM bandwidth"] * 10, f"measured: {props.name}"
+        gpu_mem, gpu_bw, desc = props.total_memory, r["device memory"], f"measured: {props.name}"
     else:
         gpu_mem, gpu_bw, desc = 8 << 30, r["DRAM bandwidth"], "measured: simulated device on this CPU"
     lines = [f'name = "{name}"', f'description = "{desc}"', "", "[gpu]", f"memory = {gpu_mem}",

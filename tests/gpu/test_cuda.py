@@ -228,3 +228,18 @@ def test_a_refused_pin_of_the_shared_base_leaves_cuda_usable(monkeypatch):
         other.close()
         leader.unlink()
         leader.close()
+
+
+def test_a_cuda_profile_measures_the_launching_thread_and_the_device(tmp_path):
+    """`finetune profile` on CUDA (quick sizes): the launching thread's cost per op through the
+    engine, the device's own memory bandwidth (not the host's), a GEMM rate and the calibration
+    of a real step against it; the planner reads the file back."""
+    from tierwise.offload.tools.profiler import measure
+    from tierwise.profiles import load_hardware_profile
+
+    out = tmp_path / "here.toml"
+    measure(hardware="here", output=str(out), quick=True, nvme_path=str(tmp_path))
+    hw = load_hardware_profile(str(out))
+    assert hw.host.op_overhead_us > 1  # a Python-driven op with hooks costs microseconds
+    assert hw.gpu.memory_bandwidth_gbps > hw.host.dram_bandwidth_gbps
+    assert hw.gpu.bf16_tflops > 10 and hw.host.step_calibration > 1  # a step is slower than its GEMMs
