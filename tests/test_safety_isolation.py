@@ -231,3 +231,30 @@ def test_sigterm_mid_run_checkpoints_and_removes_the_swap(assets, tmp_path):
     assert "interrupted (SIGTERM)" in stdout and "Traceback" not in stderr
     assert ckpt.latest_checkpoint(out) is not None
     _untouched(nvme, planted)
+
+
+def test_a_refused_engine_leaves_no_threads_swap_files_or_hooks(tmp_path):
+    """A library caller whose Engine is refused after its tiers exist (a device budget below the
+    minimum, priced with the activations given) gets the error and nothing else: no copy
+    threads left running, no private swap directory under --nvme-path, the model's forward and
+    hooks as they were (before: two worker threads and the swap directory stayed)."""
+    import threading
+
+    from tierwise.offload import Engine
+    from tierwise.offload.core.errors import InfeasibleBudget
+    from models import tiny_llama
+
+    model = tiny_llama()
+    forwards = {name: m.forward for name, m in model.named_modules()}
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(InfeasibleBudget):
+        Engine(model, gpu_mem="64K", cpu_mem="64K", nvme_path=str(tmp_path), chunk_bytes="64K",
+               activations=1 << 20)
+    deadline = time.monotonic() + 10
+    while {t.name for t in threading.enumerate() if t.name.startswith(("tierwise", "nvme-"))} - before:
+        assert time.monotonic() < deadline, "copy threads still running"
+        time.sleep(0.05)
+    assert [p.name for p in tmp_path.iterdir()] == []
+    assert {name: m.forward for name, m in model.named_modules()} == forwards
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == hooks

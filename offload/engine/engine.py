@@ -184,66 +184,86 @@ class Engine:
         self.frozen_layouts = frozen_layouts(self.plan, model, base_dtype=base_dtype, double_quant=double_quant,
                                              compute_dtype=self.compute_dtype)
         self.optimizer_name = optimizer
-        group = process_group if process_group is not None else default_group()
-        self.ranks: Ranks | None = None
-        if group is not None and dist.get_world_size(group) > 1:
-            if optimizer not in SHARDED_OPTIMIZERS:
-                raise UnsupportedModel(f"--optimizer {optimizer} is not supported with several ranks yet "
-                                       f"(sharded: {', '.join(SHARDED_OPTIMIZERS)})")
-            self.ranks = Ranks(group, trainable=[c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)],
-                               timeout_s=dist_timeout)
-            self.allow_gpu_home = False  # every rank must fetch alike: all chunks stream (see ranks.py)
-        local = self.ranks.local_world if self.ranks is not None else 1
-        self._divide_cores(local)
-        self.ledger, self.tiers, self.cxl, self.nvme = open_tiers(
-            device=self.device, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
-            cxl_bandwidth=cxl_bandwidth, nvme_path=nvme_path, nvme_checksum=nvme_checksum,
-            nvme_threads=threads_per_rank(local))
-        self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
-        self.workspace = Workspace(self.device, self.ledger)
-        self._warm_limit: int | None = None
-        self.moments = Timeline(self.ledger)
-        self.shared: SharedBase | None = None
-        if self.ranks is not None and share_base and frozen and self.ledger.budgets.get("cxl") is None:
-            # on every rank of the group, which all run its collectives (a node of one rank shares with itself)
-            self.shared = SharedBase(self.ranks, host_budget=self.ledger.budgets["host"])
-        self.updater = make_updater(optimizer, self.plan.trainable(),
-                                    shapes={n: tuple(p.shape) for n, p in named if n not in frozen},
-                                    momentum=momentum, **(optimizer_kwargs or {}))
-        #: several ranks with owned-only gradients (offload.engine.transient)
-        self.owned_grads = self.ranks is not None and grad_reduce == "micro" and self.updater.needs_grad
-        trainable = [c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)]
-        self.grad_window = window_bytes(self.plan, trainable) if self.owned_grads else 0
-        weights = [(n, p) for n, p in named if p.device.type != "meta"]
-        self.surgery = ModelSurgery(model)
-        named = self.surgery.materialize_meta(named, dtype=self.compute_dtype, device=self.device)
-        self.params = dict(named)
-        self.param_names = {p: n for n, p in named}
-        self.buffer_bytes = self.surgery.move_buffers(self.device)
-        self.ledger.reserve("gpu", "buffer", self.buffer_bytes)
-        self.module_chunks = module_chunks(model, self.plan, self.param_names)
-        self.blocks = find_blocks(model)
-        self.zo_batch: int | None = None  # MeZO: rows of the +εz half while a dual forward runs
-        if not self.updater.needs_grad:
-            checkpointing = False  # no backward, nothing to recompute
-        self._place(activations)
-        self.store.load(weights, self.params)  # copy the weights in; the originals go when repointed
-        del weights
-        self.residency = Residency(
-            store=self.store, tiers=self.tiers, executor=self.executor,
-            limit=self.device_plan.cache_limit if self.device_plan else self.needs.stream_window,
-            params=self.params, param_names=self.param_names, module_chunks=self.module_chunks,
-            timeline=self.moments, name_of=self._module_name, cxl=self.cxl, nvme=self.nvme, bounce=self.bounce,
-            borrow_refusal=None if self.updater.needs_grad else self.optimizer_name, ranks=self.ranks)
-        self._install_hooks(model, checkpointing)
-        self.minimum_gpu_bytes: int | None = None
-        self.steps = 0
-        self._in_cycle = False
-        self.last_grad_norm: torch.Tensor | None = None
-        #: Set True to leave the weights and optimizer state as they were when a step's loss (or,
-        #: with grad_clip, its gradient norm) is NaN/inf; `skipped_last` then says it was skipped.
-        self.skip_nonfinite = False
-        self.skipped_last = False
+        self.ranks = self.shared = self.nvme = self.executor = self.surgery = self.grads = None
+        try:
+            group = process_group if process_group is not None else default_group()
+            self.ranks: Ranks | None = None
+            if group is not None and dist.get_world_size(group) > 1:
+                if optimizer not in SHARDED_OPTIMIZERS:
+                    raise UnsupportedModel(f"--optimizer {optimizer} is not supported with several ranks yet "
+                                           f"(sharded: {', '.join(SHARDED_OPTIMIZERS)})")
+                self.ranks = Ranks(group, trainable=[c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)],
+                                   timeout_s=dist_timeout)
+                self.allow_gpu_home = False  # every rank must fetch alike: all chunks stream (see ranks.py)
+            local = self.ranks.local_world if self.ranks is not None else 1
+            self._divide_cores(local)
+            self.ledger, self.tiers, self.cxl, self.nvme = open_tiers(
+                device=self.device, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
+                cxl_bandwidth=cxl_bandwidth, nvme_path=nvme_path, nvme_checksum=nvme_checksum,
+                nvme_threads=threads_per_rank(local))
+            self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
+            self.workspace = Workspace(self.device, self.ledger)
+            self._warm_limit: int | None = None
+            self.moments = Timeline(self.ledger)
+            self.shared: SharedBase | None = None
+            if self.ranks is not None and share_base and frozen and self.ledger.budgets.get("cxl") is None:
+                # on every rank of the group, which all run its collectives (a node of one rank shares with itself)
+                self.shared = SharedBase(self.ranks, host_budget=self.ledger.budgets["host"])
+            self.updater = make_updater(optimizer, self.plan.trainable(),
+                                        shapes={n: tuple(p.shape) for n, p in named if n not in frozen},
+                                        momentum=momentum, **(optimizer_kwargs or {}))
+            #: several ranks with owned-only gradients (offload.engine.transient)
+            self.owned_grads = self.ranks is not None and grad_reduce == "micro" and self.updater.needs_grad
+            trainable = [c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)]
+            self.grad_window = window_bytes(self.plan, trainable) if self.owned_grads else 0
+            weights = [(n, p) for n, p in named if p.device.type != "meta"]
+            self.surgery = ModelSurgery(model)
+            named = self.surgery.materialize_meta(named, dtype=self.compute_dtype, device=self.device)
+            self.params = dict(named)
+            self.param_names = {p: n for n, p in named}
+            self.buffer_bytes = self.surgery.move_buffers(self.device)
+            self.ledger.reserve("gpu", "buffer", self.buffer_bytes)
+            self.module_chunks = module_chunks(model, self.plan, self.param_names)
+            self.blocks = find_blocks(model)
+            self.zo_batch: int | None = None  # MeZO: rows of the +εz half while a dual forward runs
+            if not self.updater.needs_grad:
+                checkpointing = False  # no backward, nothing to recompute
+            self._place(activations)
+            self.store.load(weights, self.params)  # copy the weights in; the originals go when repointed
+            del weights
+            self.residency = Residency(
+                store=self.store, tiers=self.tiers, executor=self.executor,
+                limit=self.device_plan.cache_limit if self.device_plan else self.needs.stream_window,
+                params=self.params, param_names=self.param_names, module_chunks=self.module_chunks,
+                timeline=self.moments, name_of=self._module_name, cxl=self.cxl, nvme=self.nvme, bounce=self.bounce,
+                borrow_refusal=None if self.updater.needs_grad else self.optimizer_name, ranks=self.ranks)
+            self._install_hooks(model, checkpointing)
+            self.minimum_gpu_bytes: int | None = None
+            self.steps = 0
+            self._in_cycle = False
+            self.last_grad_norm: torch.Tensor | None = None
+            #: Set True to leave the weights and optimizer state as they were when a step's loss (or,
+            #: with grad_clip, its gradient norm) is NaN/inf; `skipped_last` then says it was skipped.
+            self.skip_nonfinite = False
+            self.skipped_last = False
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """A construction that failed (e.g. a budget refused once the tiers exist): stop and remove
+        what it had made - copy threads, swap files, hooks and patched forwards, the shared base,
+        the rank groups - so a library caller's process goes on as before; the error follows."""
+        grads = self.grads
+        for close in (self.executor and self.executor.close,
+                      grads is not None and grads.early is not None and grads.early.close,
+                      self.nvme and self.nvme.close, self.surgery and self.surgery.close,
+                      self.shared and self.shared.close, self.ranks and self.ranks.close):
+            if close:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - the construction's own error is the one to raise
+                    log.debug("cleanup after a failed construction", exc_info=True)
 
     # -- views of the collaborators' state (tests, cli and bench read them) ----------------
     @property
