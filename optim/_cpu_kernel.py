@@ -107,7 +107,11 @@ static inline float inverse(float n) {
     return inv < 3.4028234663852886e38f ? inv : 3.4028234663852886e38f;
 }
 
-/* nearest code of x (|x| <= 1 up to rounding); the AVX2 form is quantize8 + store32 */
+/* a signed map's code for a negative value: the mirror of its magnitude's code */
+static inline int mirror(int code) { return code > 254 ? 0 : 254 - code; }
+
+/* nearest code of x (|x| <= 1 up to rounding), before the signed mirror when is_signed is 0;
+   the AVX2 form is quantize8 + store32 */
 static inline int quantize_one(float x, const qtab_t *t, int is_signed) {
     uint32_t bx;
     memcpy(&bx, &x, 4);
@@ -121,8 +125,7 @@ static inline int quantize_one(float x, const qtab_t *t, int is_signed) {
     float r = fmaf(y, t->a[grp], -t->b[grp]);
     r = r < t->k[grp] ? r : t->k[grp];  /* as min_ps: the second operand unless r < it */
     int code = (int)r;
-    if (is_signed && (bx >> 31)) code = code > 254 ? 0 : 254 - code;
-    return code;
+    return is_signed && (bx >> 31) ? mirror(code) : code;
 }
 
 static void block_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, uint8_t *q2,
@@ -144,7 +147,9 @@ static void block_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, 
     }
     const float inv1 = inverse(n1), inv2 = inverse(n2);
     for (int j = 0; j < len; ++j) {
-        q1[j] = (uint8_t)quantize_one(m[j] * inv1, c->t1, 1);
+        /* the mirror follows m's sign: m * inv's, but for inf * 0 (a negative NaN) */
+        const int k1 = quantize_one(m[j] * inv1, c->t1, 0);
+        q1[j] = (uint8_t)(signbit(m[j]) ? mirror(k1) : k1);
         q2[j] = (uint8_t)quantize_one(v[j] * inv2, c->t2, 0);
     }
     *absmax1 = n1;
@@ -225,7 +230,7 @@ TW_AVX2 static inline void store32(uint8_t *dst, const __m256i *c, const __m256 
     _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(bytes, order));
 }
 
-/* codes of x[0..n) for n a multiple of 32 */
+/* codes of x[0..n) * scale for n a multiple of 32 (a signed map mirrors by the sign of x) */
 TW_AVX2 static void quantize_run8(const float *x, float scale, uint8_t *q, const qtab_t *t, int is_signed, int64_t n) {
     qreg_t r;
     load_qreg(&r, t);
@@ -234,8 +239,8 @@ TW_AVX2 static void quantize_run8(const float *x, float scale, uint8_t *q, const
         __m256 v[4];
         __m256i k[4];
         for (int u = 0; u < 4; ++u) {
-            v[u] = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * u), s);
-            k[u] = quantize8(v[u], &r);
+            v[u] = _mm256_loadu_ps(x + i + 8 * u);
+            k[u] = quantize8(_mm256_mul_ps(v[u], s), &r);
         }
         store32(q + i, k, v, is_signed);
     }
@@ -445,9 +450,13 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
                     mx1 = _mm512_max_ps(am, mx1);  /* as block_scalar's (NaN) */
                     mx2 = _mm512_max_ps(vj, mx2);
                 }
-                if (requant) {  /* |m| * inv = |m * inv| (inv >= 0); v's abs: a NaN's sign, as quantize_one */
+                /* |m| * inv = |m * inv| (inv >= 0; the mirror follows m's sign, as the other
+                   paths'). v * inv is +0..1, +inf or a NaN of either sign:
+                   no abs needed (a negative NaN reads as pair 63, group 8, as quantize_one's |x|;
+                   checked on all such floats) */
+                if (requant) {
                     k1[u] = quantize16(_mm512_mul_ps(_mm512_load_ps(m[prev] + j + 16 * u), inv1), &qt1);
-                    k2[u] = quantize16(_mm512_abs_ps(_mm512_mul_ps(_mm512_load_ps(v[prev] + j + 16 * u), inv2)), &qt2);
+                    k2[u] = quantize16(_mm512_mul_ps(_mm512_load_ps(v[prev] + j + 16 * u), inv2), &qt2);
                 }
             }
             if (requant) {
