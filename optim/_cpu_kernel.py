@@ -319,6 +319,26 @@ TW_AVX512 static inline void lookup64(const __m512i *planes, __m512i q, __m512i 
     out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(b01, b23));
 }
 
+/* lookup64 for a map symmetric about code 127 (code[q] = -code[254 - q], code[127] = +0, as the
+   signed dynamic map): one 128-entry lookup of the magnitude (codes 128..255) per byte plane
+   instead of two and a blend; the sign is added to the top byte */
+TW_AVX512 static inline void lookup64s(const __m512i *planes, __m512i q, __m512i perm, __m512 out[4]) {
+    const __m512i qp = _mm512_permutexvar_epi8(perm, q);
+    const __mmask64 nz = _mm512_cmpneq_epi8_mask(qp, _mm512_set1_epi8(127));
+    const __mmask64 neg = _kandn_mask64(_mm512_movepi8_mask(qp), nz);  /* q < 127 */
+    const __m512i idx = _mm512_mask_sub_epi8(qp, neg, _mm512_set1_epi8((char)254), qp);
+    __m512i b[4];
+    for (int k = 0; k < 4; ++k)
+        b[k] = _mm512_maskz_permutex2var_epi8(nz, planes[4 * k + 2], idx, planes[4 * k + 3]);
+    b[3] = _mm512_mask_add_epi8(b[3], neg, b[3], _mm512_set1_epi8((char)0x80));
+    const __m512i a01 = _mm512_unpacklo_epi8(b[0], b[1]), b01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i a23 = _mm512_unpacklo_epi8(b[2], b[3]), b23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(a01, a23));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(a01, a23));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(b01, b23));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(b01, b23));
+}
+
 /* The AVX-512 quantizer: DecadeTable's group D[E] + (y > L[E]) by one 16-entry lookup and an
    integer add. For x = bits(y) in a pair of binades P = x >> 24 (48..63: x >= 2^-31, smaller y
    share pair 48's group 0; no pair holds two group boundaries, see prep_qtab),
@@ -402,6 +422,8 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
         planes2[k] = _mm512_load_si512((const void *)(&pl[1][0][0] + 64 * k));
     }
     const __m512i perm = _mm512_load_si512((const void *)permb);
+    int sym = c->code1[127] == 0.0f && !signbit(c->code1[127]);  /* map 1 symmetric: lookup64s */
+    for (int i = 0; i < 127; ++i) sym &= c->code1[i] == -c->code1[254 - i];
     const __m512i pack = pack_index();
     const __m512 omb1 = _mm512_set1_ps(c->omb1), omb2 = _mm512_set1_ps(c->omb2);
     const __m512 eps = _mm512_set1_ps(c->eps), inv_bc2 = _mm512_set1_ps(c->inv_bc2);
@@ -430,7 +452,10 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
                 }
                 _mm_prefetch((const char *)(c1 + PREFETCH * 256 + j), _MM_HINT_T0);
                 _mm_prefetch((const char *)(c2 + PREFETCH * 256 + j), _MM_HINT_T0);
-                lookup64(planes1, _mm512_loadu_si512((const void *)(c1 + j)), perm, d1);
+                if (sym)
+                    lookup64s(planes1, _mm512_loadu_si512((const void *)(c1 + j)), perm, d1);
+                else
+                    lookup64(planes1, _mm512_loadu_si512((const void *)(c1 + j)), perm, d1);
                 lookup64(planes2, _mm512_loadu_si512((const void *)(c2 + j)), perm, d2);
             }
             __m512i k1[4], k2[4];
