@@ -2,7 +2,7 @@
 
 Per block of 256: dequantize, update p and both moments, new absmax, then requantize by
 arithmetic (quant.DecadeTable: no search and no gather). The path is chosen at run time:
-AVX-512 (F/BW/VBMI: dequantization by in-register byte permutes), else AVX2 + FMA (scalar
+AVX-512 (F/BW/DQ/VBMI: dequantization by in-register byte permutes), else AVX2 + FMA (scalar
 table loads inserted into vectors, the quantizer as one byte shuffle and four 8-lane
 permutes), else portable scalar; all three round every operation identically, so they give
 the same bytes. $TIERWISE_CPU_ISA (scalar, avx2 or avx512) caps the path, e.g. to measure
@@ -107,7 +107,11 @@ static inline float inverse(float n) {
     return inv < 3.4028234663852886e38f ? inv : 3.4028234663852886e38f;
 }
 
-/* nearest code of x (|x| <= 1 up to rounding); the AVX2 form is quantize8 + store32 */
+/* a signed map's code for a negative value: the mirror of its magnitude's code */
+static inline int mirror(int code) { return code > 254 ? 0 : 254 - code; }
+
+/* nearest code of x (|x| <= 1 up to rounding), before the signed mirror when is_signed is 0;
+   the AVX2 form is quantize8 + store32 */
 static inline int quantize_one(float x, const qtab_t *t, int is_signed) {
     uint32_t bx;
     memcpy(&bx, &x, 4);
@@ -121,8 +125,7 @@ static inline int quantize_one(float x, const qtab_t *t, int is_signed) {
     float r = fmaf(y, t->a[grp], -t->b[grp]);
     r = r < t->k[grp] ? r : t->k[grp];  /* as min_ps: the second operand unless r < it */
     int code = (int)r;
-    if (is_signed && (bx >> 31)) code = code > 254 ? 0 : 254 - code;
-    return code;
+    return is_signed && (bx >> 31) ? mirror(code) : code;
 }
 
 static void block_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, uint8_t *q2,
@@ -144,7 +147,9 @@ static void block_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, 
     }
     const float inv1 = inverse(n1), inv2 = inverse(n2);
     for (int j = 0; j < len; ++j) {
-        q1[j] = (uint8_t)quantize_one(m[j] * inv1, c->t1, 1);
+        /* the mirror follows m's sign: m * inv's, but for inf * 0 (a negative NaN) */
+        const int k1 = quantize_one(m[j] * inv1, c->t1, 0);
+        q1[j] = (uint8_t)(signbit(m[j]) ? mirror(k1) : k1);
         q2[j] = (uint8_t)quantize_one(v[j] * inv2, c->t2, 0);
     }
     *absmax1 = n1;
@@ -225,7 +230,7 @@ TW_AVX2 static inline void store32(uint8_t *dst, const __m256i *c, const __m256 
     _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(bytes, order));
 }
 
-/* codes of x[0..n) for n a multiple of 32 */
+/* codes of x[0..n) * scale for n a multiple of 32 (a signed map mirrors by the sign of x) */
 TW_AVX2 static void quantize_run8(const float *x, float scale, uint8_t *q, const qtab_t *t, int is_signed, int64_t n) {
     qreg_t r;
     load_qreg(&r, t);
@@ -234,8 +239,8 @@ TW_AVX2 static void quantize_run8(const float *x, float scale, uint8_t *q, const
         __m256 v[4];
         __m256i k[4];
         for (int u = 0; u < 4; ++u) {
-            v[u] = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * u), s);
-            k[u] = quantize8(v[u], &r);
+            v[u] = _mm256_loadu_ps(x + i + 8 * u);
+            k[u] = quantize8(_mm256_mul_ps(v[u], s), &r);
         }
         store32(q + i, k, v, is_signed);
     }
@@ -291,7 +296,7 @@ TW_AVX2 static void range_avx2(const ctx_t *c, float *p, const float *g, uint8_t
         absmax2[b] = n2;
     }
 }
-#define TW_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vbmi")))
+#define TW_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vbmi")))
 
 /* 256-entry fp32 lookup for 64 byte indices without a gather: each byte of the fp32 result is a
    vpermt2b lookup in a 256-byte plane (two 128-entry halves chosen by bit 7), then the four
@@ -314,52 +319,91 @@ TW_AVX512 static inline void lookup64(const __m512i *planes, __m512i q, __m512i 
     out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(b01, b23));
 }
 
-typedef struct { __m512 a, b, k, lim_lo, lim_hi; __m512i dec_lo, dec_hi; } qt16_t;
+/* lookup64 for a map symmetric about code 127 (code[q] = -code[254 - q], code[127] = +0, as the
+   signed dynamic map): one 128-entry lookup of the magnitude (codes 128..255) per byte plane
+   instead of two and a blend; the sign is added to the top byte */
+TW_AVX512 static inline void lookup64s(const __m512i *planes, __m512i q, __m512i perm, __m512 out[4]) {
+    const __m512i qp = _mm512_permutexvar_epi8(perm, q);
+    const __mmask64 nz = _mm512_cmpneq_epi8_mask(qp, _mm512_set1_epi8(127));
+    const __mmask64 neg = _kandn_mask64(_mm512_movepi8_mask(qp), nz);  /* q < 127 */
+    const __m512i idx = _mm512_mask_sub_epi8(qp, neg, _mm512_set1_epi8((char)254), qp);
+    __m512i b[4];
+    for (int k = 0; k < 4; ++k)
+        b[k] = _mm512_maskz_permutex2var_epi8(nz, planes[4 * k + 2], idx, planes[4 * k + 3]);
+    b[3] = _mm512_mask_add_epi8(b[3], neg, b[3], _mm512_set1_epi8((char)0x80));
+    const __m512i a01 = _mm512_unpacklo_epi8(b[0], b[1]), b01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i a23 = _mm512_unpacklo_epi8(b[2], b[3]), b23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(a01, a23));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(a01, a23));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(b01, b23));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(b01, b23));
+}
+
+/* The AVX-512 quantizer: DecadeTable's group D[E] + (y > L[E]) by one 16-entry lookup and an
+   integer add. For x = bits(y) in a pair of binades P = x >> 24 (48..63: x >= 2^-31, smaller y
+   share pair 48's group 0; no pair holds two group boundaries, see prep_qtab),
+   T[P] = (D[P] << 24) + 2^24 - 1 - bits(L) (L the pair's boundary, else the pair's top): x and
+   L differ by less than 2^24, so bits 24..27 of T[P] + x are D[P] plus the carry of x > L
+   (positive floats order as their bits). NaN and inf (P = 127, read as pair 63, which holds no
+   boundary) give group 8, as DecadeTable. Both indices come from byte 3 by a byte shuffle (a
+   shift measured the same). Equal to DecadeTable for every |x| < 2, inf and NaN (checked on
+   all 2^32 floats against quantize_one). Replaces two 32-entry lookups and a compare. */
+typedef struct { __m512 a, b, k; __m512i t; } qt16_t;
 
 TW_AVX512 static inline void load_qt16(qt16_t *q, const float *qt) {
     q->a = _mm512_loadu_ps(qt);
     q->b = _mm512_loadu_ps(qt + 16);
     q->k = _mm512_loadu_ps(qt + 32);
-    q->lim_lo = _mm512_loadu_ps(qt + 48);
-    q->lim_hi = _mm512_loadu_ps(qt + 64);
-    q->dec_lo = _mm512_cvttps_epi32(_mm512_loadu_ps(qt + 80));
-    q->dec_hi = _mm512_cvttps_epi32(_mm512_loadu_ps(qt + 96));
-}
-
-/* the AVX-512 form of quantize_one: 16 codes, one per 32-bit lane */
-TW_AVX512 static inline __m512i quantize16(__m512 x, const qt16_t *q, int is_signed) {
-    const __m512 y = is_signed ? _mm512_abs_ps(x) : x;
-    __m512i e = _mm512_srli_epi32(_mm512_castps_si512(y), 23);
-    e = _mm512_max_epi32(e, _mm512_set1_epi32(96));  /* permutes use the low 5 bits */
-    const __m512 lim = _mm512_permutex2var_ps(q->lim_lo, e, q->lim_hi);
-    __m512i grp = _mm512_permutex2var_epi32(q->dec_lo, e, q->dec_hi);
-    grp = _mm512_mask_add_epi32(grp, _mm512_cmp_ps_mask(y, lim, _CMP_GT_OQ), grp, _mm512_set1_epi32(1));
-    const __m512 r = _mm512_fmsub_ps(y, _mm512_permutexvar_ps(grp, q->a), _mm512_permutexvar_ps(grp, q->b));
-    __m512i code = _mm512_cvttps_epi32(_mm512_min_ps(r, _mm512_permutexvar_ps(grp, q->k)));
-    if (is_signed) {
-        const __mmask16 neg = _mm512_cmplt_epi32_mask(_mm512_castps_si512(x), _mm512_setzero_si512());
-        code = _mm512_mask_sub_epi32(code, neg, _mm512_set1_epi32(254), code);
-        code = _mm512_max_epi32(code, _mm512_setzero_si512());
+    uint32_t t[16];
+    for (int i = 0; i < 16; ++i) {
+        const uint32_t pair = 48 + i, e0 = 2 * pair, d = (uint32_t)qt[80 + (e0 & 31)];
+        uint32_t lim = (pair << 24) | 0xffffffu;  /* no boundary in this pair: never exceeded */
+        for (uint32_t e = e0; e <= e0 + 1; ++e)
+            if (qt[48 + (e & 31)] != 4.0f) memcpy(&lim, qt + 48 + (e & 31), 4);
+        t[i] = (d << 24) + (1u << 24) - 1u - lim;
     }
-    return code;
+    q->t = _mm512_loadu_si512((const void *)t);
 }
 
-/* 64 codes (the low byte of each lane of c[0..3]) to bytes in order: two byte permutes and
-   one insert instead of four vpmovdb (two port-5 uops each) */
-TW_AVX512 static inline __m512i pack64(const __m512i *c, __m512i idx) {
-    const __m512i c01 = _mm512_permutex2var_epi8(c[0], idx, c[1]);
-    const __m512i c23 = _mm512_permutex2var_epi8(c[2], idx, c[3]);
-    return _mm512_inserti64x4(c01, _mm512_castsi512_si256(c23), 1);
+/* byte 3 of each 32-bit lane into its low byte: a permute index (the permutes read bits 0-3) */
+TW_AVX512 static inline __m512i byte3(__m512i v) {
+    return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi32(0x03030303, 0x07070707, 0x0b0b0b0b, 0x0f0f0f0f)));
+}
+
+/* codes of y = |x| (sign bit clear; before the signed mirror): 16, one per 32-bit lane */
+TW_AVX512 static inline __m512i quantize16(__m512 y, const qt16_t *q) {
+    const __m512i x = _mm512_castps_si512(_mm512_max_ps(_mm512_set1_ps(0x1p-31f), y));  /* NaN: y */
+    const __m512i grp = byte3(_mm512_add_epi32(_mm512_permutexvar_epi32(byte3(x), q->t), x));
+    const __m512 r = _mm512_fmsub_ps(y, _mm512_permutexvar_ps(grp, q->a), _mm512_permutexvar_ps(grp, q->b));
+    return _mm512_cvttps_epi32(_mm512_min_ps(r, _mm512_permutexvar_ps(grp, q->k)));
+}
+
+/* 64 codes (0..255, lane i of c[u] is value 16u + i) to bytes in order: shifts and one
+   ternary-logic merge put four codes in each 32-bit lane, one byte permute orders them (a
+   vpermt2b takes two cycles of port 5 here); a signed map then mirrors the codes of negative
+   x (mask neg): max(254 - code, 0), one saturating subtract per 64 */
+TW_AVX512 static inline __m512i pack64(const __m512i *c, __m512i idx, int is_signed, __mmask64 neg) {
+    const __m512i w = _mm512_ternarylogic_epi32(c[0], _mm512_slli_epi32(c[1], 8), _mm512_slli_epi32(c[2], 16), 0xfe);
+    const __m512i bytes = _mm512_permutexvar_epi8(idx, _mm512_or_si512(w, _mm512_slli_epi32(c[3], 24)));
+    return is_signed ? _mm512_mask_subs_epu8(bytes, neg, _mm512_set1_epi8((char)254), bytes) : bytes;
+}
+
+/* pack64's byte permute: value 16u + i sits in byte u of lane i */
+TW_AVX512 static inline __m512i pack_index(void) {
+    uint8_t b[64];
+    for (int i = 0; i < 64; ++i) b[i] = (uint8_t)(4 * (i & 15) + (i >> 4));
+    return _mm512_loadu_si512((const void *)b);
 }
 
 /* Block b's update runs in the same loop as block b-1's requantization (its absmax is known
-   by then), so the divider (sqrt, div) and the permutes of the quantizer overlap instead of
-   taking turns; m and v of the two blocks alternate between two buffers. */
+   by then), 16 values of each in turn, so the divider (sqrt, div) and the quantizer's permutes
+   overlap instead of taking turns; |m|, v and the signs of m (one bit per value, for the
+   signed mirror on bytes) of the two blocks alternate between two buffers. */
 TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uint8_t *q1, uint8_t *q2,
                                    float *absmax1, float *absmax2, int64_t b0, int64_t b1) {
     float m[2][256] __attribute__((aligned(64))), v[2][256] __attribute__((aligned(64)));
     uint8_t pl[2][4][256] __attribute__((aligned(64))), permb[64] __attribute__((aligned(64)));
-    uint8_t packb[64] __attribute__((aligned(64)));
+    uint16_t sg[2][16] __attribute__((aligned(64)));
     for (int i = 0; i < 256; ++i) {
         uint32_t w1, w2;
         memcpy(&w1, c->code1 + i, 4);
@@ -372,14 +416,15 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
     for (int lane = 0; lane < 4; ++lane)
         for (int s = 0; s < 4; ++s)
             for (int i = 0; i < 4; ++i) permb[lane * 16 + 4 * s + i] = (uint8_t)(16 * s + 4 * lane + i);
-    for (int i = 0; i < 64; ++i) packb[i] = (uint8_t)(i < 16 ? 4 * i : i < 32 ? 64 + 4 * (i - 16) : 0);
     __m512i planes1[16], planes2[16];
     for (int k = 0; k < 16; ++k) {
         planes1[k] = _mm512_load_si512((const void *)(&pl[0][0][0] + 64 * k));
         planes2[k] = _mm512_load_si512((const void *)(&pl[1][0][0] + 64 * k));
     }
     const __m512i perm = _mm512_load_si512((const void *)permb);
-    const __m512i pack = _mm512_load_si512((const void *)packb);
+    int sym = c->code1[127] == 0.0f && !signbit(c->code1[127]);  /* map 1 symmetric: lookup64s */
+    for (int i = 0; i < 127; ++i) sym &= c->code1[i] == -c->code1[254 - i];
+    const __m512i pack = pack_index();
     const __m512 omb1 = _mm512_set1_ps(c->omb1), omb2 = _mm512_set1_ps(c->omb2);
     const __m512 eps = _mm512_set1_ps(c->eps), inv_bc2 = _mm512_set1_ps(c->inv_bc2);
     const __m512 decay = _mm512_set1_ps(c->decay), step = _mm512_set1_ps(c->step_size);
@@ -399,6 +444,7 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
         }
         __m512 mx1 = _mm512_setzero_ps(), mx2 = _mm512_setzero_ps();
         for (int j = 0; j < 256; j += 64) {
+            __m512 d1[4], d2[4];
             if (update) {
                 for (int u = 0; u < 4; ++u) {  /* PREFETCH blocks ahead (past the end: harmless) */
                     _mm_prefetch((const char *)(pb + PREFETCH * 256 + j + 16 * u), _MM_HINT_T0);
@@ -406,10 +452,15 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
                 }
                 _mm_prefetch((const char *)(c1 + PREFETCH * 256 + j), _MM_HINT_T0);
                 _mm_prefetch((const char *)(c2 + PREFETCH * 256 + j), _MM_HINT_T0);
-                __m512 d1[4], d2[4];
-                lookup64(planes1, _mm512_loadu_si512((const void *)(c1 + j)), perm, d1);
+                if (sym)
+                    lookup64s(planes1, _mm512_loadu_si512((const void *)(c1 + j)), perm, d1);
+                else
+                    lookup64(planes1, _mm512_loadu_si512((const void *)(c1 + j)), perm, d1);
                 lookup64(planes2, _mm512_loadu_si512((const void *)(c2 + j)), perm, d2);
-                for (int u = 0; u < 4; ++u) {
+            }
+            __m512i k1[4], k2[4];
+            for (int u = 0; u < 4; ++u) {
+                if (update) {
                     const int o = j + 16 * u;
                     const __m512 gj = _mm512_loadu_ps(gb + o);
                     const __m512 mj = _mm512_fmadd_ps(gj, omb1, _mm512_mul_ps(d1[u], a1));
@@ -417,20 +468,26 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
                     const __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(vj), inv_bc2, eps);
                     const __m512 pj = _mm512_mul_ps(_mm512_loadu_ps(pb + o), decay);
                     _mm512_storeu_ps(pb + o, _mm512_add_ps(pj, _mm512_div_ps(_mm512_mul_ps(step, mj), den)));
-                    _mm512_store_ps(m[cur] + o, mj);
+                    const __m512 am = _mm512_abs_ps(mj);
+                    _mm512_store_ps(m[cur] + o, am);
                     _mm512_store_ps(v[cur] + o, vj);
-                    mx1 = _mm512_max_ps(_mm512_abs_ps(mj), mx1);  /* as block_scalar's (NaN) */
+                    sg[cur][o / 16] = _mm512_movepi32_mask(_mm512_castps_si512(mj));
+                    mx1 = _mm512_max_ps(am, mx1);  /* as block_scalar's (NaN) */
                     mx2 = _mm512_max_ps(vj, mx2);
+                }
+                /* |m| * inv = |m * inv| (inv >= 0; the mirror follows m's sign, as the other
+                   paths'). v * inv is +0..1, +inf or a NaN of either sign:
+                   no abs needed (a negative NaN reads as pair 63, group 8, as quantize_one's |x|;
+                   checked on all such floats) */
+                if (requant) {
+                    k1[u] = quantize16(_mm512_mul_ps(_mm512_load_ps(m[prev] + j + 16 * u), inv1), &qt1);
+                    k2[u] = quantize16(_mm512_mul_ps(_mm512_load_ps(v[prev] + j + 16 * u), inv2), &qt2);
                 }
             }
             if (requant) {
-                __m512i k1[4], k2[4];
-                for (int u = 0; u < 4; ++u) {
-                    k1[u] = quantize16(_mm512_mul_ps(_mm512_load_ps(m[prev] + j + 16 * u), inv1), &qt1, 1);
-                    k2[u] = quantize16(_mm512_mul_ps(_mm512_load_ps(v[prev] + j + 16 * u), inv2), &qt2, 0);
-                }
-                _mm512_storeu_si512((void *)(c1 - 256 + j), pack64(k1, pack));
-                _mm512_storeu_si512((void *)(c2 - 256 + j), pack64(k2, pack));
+                const __mmask64 neg = _load_mask64((__mmask64 *)&sg[prev][j / 16]);
+                _mm512_storeu_si512((void *)(c1 - 256 + j), pack64(k1, pack, 1, neg));
+                _mm512_storeu_si512((void *)(c2 - 256 + j), pack64(k2, pack, 0, 0));
             }
         }
         if (update) {
@@ -447,9 +504,18 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
 TW_AVX512 static int64_t quantize_avx512(const float *x, uint8_t *q, const float *qt, int is_signed, int64_t n) {
     qt16_t t;
     load_qt16(&t, qt);
+    const __m512i pack = pack_index();
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(quantize16(_mm512_loadu_ps(x + i), &t, is_signed)));
+    for (; i + 64 <= n; i += 64) {
+        __m512i k[4];
+        __mmask64 neg = 0;
+        for (int u = 0; u < 4; ++u) {
+            const __m512 xu = _mm512_loadu_ps(x + i + 16 * u);
+            k[u] = quantize16(_mm512_abs_ps(xu), &t);
+            neg |= (__mmask64)_mm512_movepi32_mask(_mm512_castps_si512(xu)) << (16 * u);
+        }
+        _mm512_storeu_si512((void *)(q + i), pack64(k, pack, is_signed, neg));
+    }
     return i;
 }
 
@@ -460,13 +526,13 @@ TW_AVX2 static int64_t quantize_avx2(const float *x, uint8_t *q, const qtab_t *t
 }
 #endif
 
-/* the best path this CPU can run: 2 AVX-512 (F, BW, VBMI), 1 AVX2 + FMA, 0 portable scalar */
+/* the best path this CPU can run: 2 AVX-512 (F, BW, DQ, VBMI), 1 AVX2 + FMA, 0 portable scalar */
 int tw_best_isa(void) {
 #ifdef TW_X86
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vbmi")) return 2;
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi")) return 2;
     return 1;
 #else
     return 0;
@@ -512,7 +578,7 @@ int tw_adam8bit_step(float *p, const float *g, uint8_t *q1, uint8_t *q2, float *
 }
 
 /* codes of n already-scaled values (for tests): the path `isa` (lowered to what the CPU has)
-   on whole vectors (16 values for AVX-512, 32 for AVX2), the scalar form on the rest.
+   on whole vectors (64 values for AVX-512, 32 for AVX2), the scalar form on the rest.
    Returns the isa used, or -1 as tw_adam8bit_step. */
 int tw_quantize(const float *x, uint8_t *q, const float *qt, int is_signed, int64_t n, int isa) {
     qtab_t t;

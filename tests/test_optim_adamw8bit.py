@@ -94,6 +94,30 @@ def test_c_kernel_paths_are_bit_identical():
         assert all(torch.equal(state[k], results[0][1][k]) for k in state)
 
 
+@pytest.mark.skipif(_cpu_kernel.load() is None, reason="no C compiler")
+def test_c_kernel_paths_agree_on_nonfinite_gradients():
+    """NaN and inf gradients (a block's absmax becomes inf, 1/absmax 0): the paths still write
+    the same states and the same p, up to the sign of a NaN in p."""
+    results = []
+    for isa in (2, 1, 0):
+        torch.manual_seed(5)
+        n = 70_001
+        p = torch.randn(n)
+        state = init_adamw8bit_state(p)
+        for step in range(1, 4):
+            g = torch.randn(n) * torch.rand(n) ** 4
+            idx = torch.randperm(n)[:40]
+            g[idx[:10]], g[idx[10:20]] = float("nan"), -float("nan")
+            g[idx[20:30]], g[idx[30:]] = float("inf"), -float("inf")
+            _c_step(p, g, state, step=step, isa=isa, **HYPER)
+        results.append((p, state))
+    assert not bool(results[0][0].isfinite().all())
+    for p, state in results[1:]:
+        assert torch.equal(p.view(torch.int32) & 0x7FFFFFFF, results[0][0].view(torch.int32) & 0x7FFFFFFF)
+        for k in state:
+            assert torch.equal(state[k].view(torch.uint8), results[0][1][k].view(torch.uint8)), k
+
+
 @pytest.mark.parametrize("n", [4096, 70_001, 8_192 + 300], ids=["one-4k", "odd-70k", "partial-block"])
 def test_fast_path_matches_reference_path(n):
     torch.manual_seed(1)
