@@ -136,8 +136,16 @@ def main() -> None:
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
 
+    def sys_faults() -> tuple[float, int]:  # kernel CPU seconds, minor page faults (fresh pages)
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_stime, r.ru_minflt
+
+    def faults(s0: float, f0: int) -> dict:
+        s1, f1 = sys_faults()
+        return {"sys_s": s1 - s0, "kfaults": (f1 - f0) / 1e3}
+
     def plain_step(x: torch.Tensor) -> dict:
-        c0 = cpu()
+        c0, (s0, f0) = cpu(), sys_faults()
         t0 = time.perf_counter()
         loss = plain(input_ids=x, labels=x).loss
         t1 = time.perf_counter()
@@ -146,17 +154,18 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        return {"step_s": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "update": t3 - t2, "cpu_s": cpu() - c0}
+        return {"step_s": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "update": t3 - t2, "cpu_s": cpu() - c0,
+                **faults(s0, f0)}
 
     def engine_step(eng, x: torch.Tensor) -> dict:
         REC.clear()
         CURRENT[:] = [eng]
         ph0, r0, w0 = dict(eng.phase_times), eng.nvme.stats.bytes_read, eng.nvme.stats.bytes_written
-        wait0, c0 = eng.executor.wait_seconds, cpu()
+        wait0, c0, (s0, f0) = eng.executor.wait_seconds, cpu(), sys_faults()
         t0 = time.perf_counter()
         eng.step({"input_ids": x, "labels": x})
         out = {"step_s": time.perf_counter() - t0, **{k: eng.phase_times[k] - ph0[k] for k in ph0}, **REC,
-               "cpu_s": cpu() - c0, "copy_wait_s": eng.executor.wait_seconds - wait0,
+               "cpu_s": cpu() - c0, **faults(s0, f0), "copy_wait_s": eng.executor.wait_seconds - wait0,
                "read_GB": (eng.nvme.stats.bytes_read - r0) / 1e9, "write_GB": (eng.nvme.stats.bytes_written - w0) / 1e9}
         CURRENT.clear()
         return out
@@ -177,7 +186,7 @@ def main() -> None:
         v = [r.get(key, 0.0) for r in rows[name]]
         return f"{statistics.median(v):.3f} ({min(v):.2f}..{max(v):.2f})"
 
-    keys = ["step_s", "forward", "backward", "update", "cpu_s", "copy_wait_s", "tail_s", "update_all_s", "fetch_forward_s",
+    keys = ["step_s", "forward", "backward", "update", "cpu_s", "sys_s", "kfaults", "copy_wait_s", "tail_s", "update_all_s", "fetch_forward_s",
             "fetch_forward_GB", "fetch_backward_s", "fetch_backward_GB", "read_GB", "write_GB"]
     print(f"\nmedians over {a.steps} steps (min..max), threads {a.threads}, load {os.getloadavg()}")
     for name in rows:
