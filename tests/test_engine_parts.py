@@ -254,6 +254,46 @@ def test_cache_reuses_evicted_buffers_within_its_limit_on_the_simulated_device()
     ex.close()
 
 
+def test_cache_lends_a_filled_buffer_and_eviction_waits_for_it():
+    """`lent`: a resident chunk's buffer once an acquisition waited for its fetch (None while a
+    prefetch fills it, or when absent); evicting it waits until the borrower is done."""
+    import threading
+
+    sizes = {0: 64, 1: 64}
+    src = {c: torch.full((n,), float(c + 1)) for c, n in sizes.items()}
+    ex = Executor(device=CPU)
+    cache = ResidentCache(tiers=Tiers(ledger=Ledger({"gpu": None}), device=CPU), executor=ex, limit=1 << 20,
+                          dtype=torch.float32, numel=sizes.__getitem__, fetch=lambda c, buf: ex.copy("h2d", buf, src[c]),
+                          on_resident=lambda c, buf: None, on_evict=lambda c: None)
+    with cache.lent(0) as buf:
+        assert buf is None  # absent
+    cache.apply((), (1,))  # prefetched, no acquisition yet
+    with cache.lent(1) as buf:
+        assert buf is None
+    cache.acquire(0)
+    cache.release(0)
+    inside, leave, evicted = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def borrower():
+        with cache.lent(0) as buf:
+            seen.append(buf.clone())
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=borrower)
+    t.start()
+    inside.wait(10)
+    e = threading.Thread(target=lambda: (cache.apply((0,), ()), evicted.set()))
+    e.start()
+    assert not evicted.wait(0.2)  # held while lent
+    leave.set()
+    assert evicted.wait(10)
+    t.join(), e.join()
+    assert torch.equal(seen[0], src[0]) and not cache.resident(0)
+    ex.close()
+
+
 # -- surgery -------------------------------------------------------------------------------
 def hook_state(model):
     return [(type(m).__name__, "forward" in m.__dict__, len(m._forward_pre_hooks), len(m._forward_hooks),

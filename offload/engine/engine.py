@@ -401,7 +401,8 @@ class Engine:
                 if c in handed:
                     self.grads.spill.write_handed(c)
             return
-        update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks, handed=handed)
+        update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks, handed=handed,
+                   resident=self.residency.copy_master)
 
     def _reduce_grads(self, chunks: list[int], handed: dict) -> None:
         transient = self.grads.transient
@@ -659,7 +660,8 @@ class Engine:
             skip = skip or (self.skip_nonfinite and not bool(torch.isfinite(self.last_grad_norm)))
         self.skipped_last = skip
         if not skip:
-            update_all(self.store, self.updater, self.hyper, self.bounce, chunks=rest)
+            update_all(self.store, self.updater, self.hyper, self.bounce, chunks=rest,
+                       resident=self.residency.copy_master)
         early.clear()
         self.store.grad_scale = None
         self.residency.cache.evict_all()

@@ -12,6 +12,9 @@ chunk whose blob is gpu-home is decoded on the device, nothing crosses the link)
 ranks (offload.engine.ranks), a trainable chunk's bytes come from its owner's home: the owner
 fills the buffer and broadcasts it, on the copy thread, in the same order on every rank.
 
+The update of a swapped chunk takes its fp32 master from the cached compute copy while there is
+one (`copy_master`; simulated device).
+
 Also the storage identities the saved-tensor hooks need: `streamed_storage` (a resident copy's
 storage -> its chunk) and `home_storage` (the storages of device-home chunks).
 """
@@ -62,6 +65,7 @@ class Residency:
         self.streamed_storage: dict[int, int] = {}  # storage_key of a resident copy -> chunk
         self.home_storage: set[int] = set()  # storage_key of device-home chunks
         self.follower = TraceFollower()
+        self.copied_masters = 0  # swapped masters the update took from the cache (copy_master)
         self.guard = ReadGuard(self._on_read)
         # per running module (None: the loss function), the chunks read there that it does not own
         self._frames: list[tuple[torch.nn.Module | None, list[int]]] = []
@@ -86,6 +90,21 @@ class Residency:
         self.store.promote(cid, self.params)
         if self.store.is_gpu_home(cid):
             self.home_storage.add(storage_key(self.store.compute_source(cid)))
+
+    def copy_master(self, cid: int, dst: torch.Tensor) -> bool:
+        """(The update's thread.) Chunk `cid`'s fp32 master into host `dst` from its compute copy
+        while that is cached and filled (offload.runtime.swapping.update_all: one NVMe read less);
+        False when it is not. Only on the simulated device and in fp32 runs, where the compute
+        copy is the master's bytes (CUDA: the copy would have to wait for the fill's event)."""
+        if not (self.device.type != "cuda" and self.store.compute_dtype == torch.float32
+                and self.store.chunks[cid].compute is None and not self.store.is_encoded(cid)):
+            return False
+        with self.cache.lent(cid) as buf:
+            if buf is None:
+                return False
+            dst.copy_(buf)
+        self.copied_masters += 1
+        return True
 
     # -- the cache's callbacks (compute thread) -------------------------------------------
     def _fetch(self, cid: int, buf: torch.Tensor) -> Ticket:

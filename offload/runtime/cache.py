@@ -18,12 +18,16 @@ pages faults in zeroed on first write (measured: ~0.3 s of kernel CPU per step o
 Llama, bench/README.md "update_phases.py"). The ledger counts each chunk's own bytes; the real
 bytes of the live buffers and the spares together never pass `limit` (the cache's share of
 the device plan): beyond it a fetch takes a fresh buffer of its exact size, as before.
+Another thread may read a resident, filled buffer (`lent`: the update copies an fp32 master
+from it, offload.engine.residency.copy_master); its eviction waits until that copy is done.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -37,6 +41,7 @@ class _Entry:
     ticket: Ticket | None
     pins: int = 0
     last_use: int = 0
+    lent: int = 0  # another thread reads it (`lent`): eviction waits
 
 
 def _over(storage: torch.UntypedStorage, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -75,6 +80,7 @@ class ResidentCache:
         self.keep_spares = tiers.simulated  # CUDA: its caching allocator reuses blocks already
         self.spares: list[torch.Tensor] = []  # evicted buffers (simulated device), not in the ledger
         self.real_bytes = 0  # bytes of the live buffers' storages (a reused spare: all of it)
+        self._lending = threading.Condition()
 
     # -- queries ---------------------------------------------------------------------
     def resident(self, cid: int) -> bool:
@@ -86,6 +92,24 @@ class ResidentCache:
 
     def _nbytes(self, cid: int) -> int:
         return self.numel(cid) * self.dtype.itemsize
+
+    @contextlib.contextmanager
+    def lent(self, cid: int) -> Iterator["torch.Tensor | None"]:
+        """(Any thread.) Chunk `cid`'s buffer while it is resident and filled (its fetch waited
+        for by an acquisition), kept from eviction for the `with`; None otherwise."""
+        with self._lending:
+            entry = self.entries.get(cid)
+            if entry is not None and entry.ticket is not None:
+                entry = None  # still being filled (a prefetch)
+            if entry is not None:
+                entry.lent += 1
+        try:
+            yield None if entry is None else entry.buf
+        finally:
+            if entry is not None:
+                with self._lending:
+                    entry.lent -= 1
+                    self._lending.notify_all()
 
     # -- actions ---------------------------------------------------------------------
     def acquire(self, cid: int) -> torch.Tensor:
@@ -153,7 +177,10 @@ class ResidentCache:
         return entry
 
     def _evict(self, cid: int) -> None:
-        entry = self.entries.pop(cid)
+        with self._lending:
+            entry = self.entries.pop(cid)
+            while entry.lent:  # another thread still reads it (`lent`): a few ms
+                self._lending.wait()
         if entry.ticket is not None:  # the copy thread may still be writing into it
             entry.ticket.wait()
         self.on_evict(cid)

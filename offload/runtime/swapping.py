@@ -5,12 +5,16 @@ and one *fetch staging* buffer (the largest compute source), all 4096-byte align
 NVMe engine reads and writes them in place with O_DIRECT. The update of swapped chunk i runs
 in one set while chunk i+1 is read into the other and chunk i-1's write-back drains: with
 separate read and write queues the disk and the CPU optimizer overlap.
+A swapped master whose compute copy is still on the device (an fp32 run: the same bytes) is
+copied from there instead of read from NVMe (`resident`): in an fp32 run the backward has just
+computed with the compute copy of the chunk it completes, so it is often still cached when that
+chunk's early update starts.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -53,11 +57,14 @@ def _swapped(store: ChunkStore, cid: int) -> list[tuple[str, SwapKind]]:
 
 
 def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | None, *,
-               chunks: list[int] | None = None, handed: "dict[int, tuple[torch.Tensor, Any]] | None" = None) -> None:
+               chunks: list[int] | None = None, handed: "dict[int, tuple[torch.Tensor, Any]] | None" = None,
+               resident: "Callable[[int, torch.Tensor], bool] | None" = None) -> None:
     """One optimizer step on `chunks` (default: every chunk): in-memory ones in place, swapped
     ones pipelined through the two bounce sets. `handed`: {chunk: (gradient, give_back)} for
     chunks whose NVMe gradient is still in a host buffer: used from there (not read back), and
-    `give_back()` is called (and the entry popped) as soon as that chunk is updated."""
+    `give_back()` is called (and the entry popped) as soon as that chunk is updated.
+    `resident(chunk, dst)`: copies a swapped master into `dst` from a device copy of the same
+    bytes and returns True, or returns False (then it is read from NVMe)."""
     handed = {} if handed is None else handed
     todo = [c for c in (range(len(store.chunks)) if chunks is None else chunks) if not store.is_frozen(c)]
     swapped = [c for c in todo if _swapped(store, c)]
@@ -71,9 +78,14 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
         views = bounce.views(slot, cid)
         if cid in handed:
             views["grad"] = handed[cid][0]
-        return views, [store.nvme.read_async(d.key, views[n]) for n, d in _swapped(store, cid)
-                       if n != "compute"  # the compute copy is rewritten from the master
-                       and not (n == "grad" and cid in handed)]
+        kinds = [(n, d) for n, d in _swapped(store, cid)
+                 if n != "compute"  # the compute copy is rewritten from the master
+                 and not (n == "grad" and cid in handed)]
+        reads = [store.nvme.read_async(d.key, views[n]) for n, d in kinds if n != "master"]
+        master = [d for n, d in kinds if n == "master"]
+        if master and not (resident is not None and resident(cid, views["master"])):  # (while those read)
+            reads.append(store.nvme.read_async(master[0].key, views["master"]))
+        return views, reads
 
     pending = start(0) if swapped else None
     for cid in todo:  # while the first read is in flight
