@@ -75,6 +75,29 @@ def no_handoff(eng) -> None:
     eng.grads.spill.hand_over = lambda cid: None
 
 
+def no_spares(eng) -> None:
+    """The cache takes a fresh buffer per fetch (as before it kept evicted ones as spares)."""
+    eng.residency.cache.keep_spares = False
+
+
+def no_master_copy(eng) -> None:
+    """The update reads every swapped master from NVMe (none from the cached compute copy)."""
+    eng.residency.copy_master = lambda cid, dst: False
+
+
+def no_read_ahead(eng) -> None:
+    """The update reads no chunk's master and state ahead of its gradient."""
+    eng._expected = lambda chunks: None
+
+
+def before_1204(eng) -> None:
+    """The engine as on 2026-12-04 before the three changes above (bench/README.md)."""
+    no_spares(eng), no_master_copy(eng), no_read_ahead(eng)
+
+
+PATCHES = {"no-spares": no_spares, "no-copy": no_master_copy, "no-ahead": no_read_ahead, "before": before_1204}
+
+
 def build_engine(hf: dict, a: argparse.Namespace, act: int, overlap: bool, nvme_dir: str):
     from tierwise.offload import Engine, InfeasibleBudget
 
@@ -105,7 +128,8 @@ def main() -> None:
     ap.add_argument("--variants", default="early,no-early",
                     help="engine runs beside plain PyTorch: early (the default engine), no-early "
                          "(overlap_update=False), fifo (early, NVMe reads without priorities), old (fifo, "
-                         "and NVMe gradients written out and read back by the update)")
+                         "and NVMe gradients written out and read back by the update), no-spares, no-copy, "
+                         "no-ahead (early without one of 2026-12-04's changes), before (without all three)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from tierwise.offload.plan.perfmodel import activation_bytes
@@ -126,6 +150,9 @@ def main() -> None:
             fifo_reads(engines[name])
     if "old" in engines:
         no_handoff(engines["old"])
+    for name, eng in engines.items():
+        if name in PATCHES:
+            PATCHES[name](eng)
     e0 = next(iter(engines.values()))
     print(f"engine: chunks {len(e0.plan.chunks)}, homes {dict((t, dict(k)) for t, k in e0.homes.bytes.items())}", flush=True)
     batches = common.make_batches(vocab=hf["vocab_size"], count=a.warmup + a.steps, batch=a.batch, seq=a.seq,
