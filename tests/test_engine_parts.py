@@ -213,11 +213,12 @@ def test_cache_reuses_evicted_buffers_within_its_limit_on_the_simulated_device()
     """An evicted buffer is kept as a spare and the next fetch reuses the smallest that holds it;
     the ledger counts each chunk's own bytes, the real bytes (live + spares) stay within the
     limit, and every fetched copy holds its chunk's values."""
-    sizes = {0: 100, 1: 60, 2: 80, 3: 120}
+    k = 1024  # elements per 4096 bytes: the simulated device's buffers are rounded up to that
+    sizes = {0: 100 * k, 1: 60 * k, 2: 80 * k, 3: 120 * k}
     src = {c: torch.arange(n, dtype=torch.float32) + 1000 * c for c, n in sizes.items()}
     ledger = Ledger({"gpu": None})
     ex = Executor(device=CPU)
-    cache = ResidentCache(tiers=Tiers(ledger=ledger, device=CPU), executor=ex, limit=190 * 4, dtype=torch.float32,
+    cache = ResidentCache(tiers=Tiers(ledger=ledger, device=CPU), executor=ex, limit=190 * k * 4, dtype=torch.float32,
                           numel=sizes.__getitem__, fetch=lambda c, buf: ex.copy("h2d", buf, src[c]),
                           on_resident=lambda c, buf: None, on_evict=lambda c: None)
     storages = {}
@@ -225,27 +226,28 @@ def test_cache_reuses_evicted_buffers_within_its_limit_on_the_simulated_device()
     def use(cid):
         buf = cache.acquire(cid)
         assert torch.equal(buf, src[cid]) and buf.numel() == sizes[cid]
+        assert buf.data_ptr() % 4096 == 0 and buf.storage_offset() == 0  # (NVMe reads in place; hooks)
         storages[cid] = buf.untyped_storage().data_ptr()
         cache.release(cid)
         assert ledger.usage()["gpu"]["compute"] == cache.bytes == sum(4 * sizes[c] for c in cache.entries)
         assert cache.real_bytes + sum(4 * t.numel() for t in cache.spares) <= cache.limit
 
-    use(0)
+    use(0)  # (sizes in the comments: in k elements)
     use(1)  # 160 elements live
     first_of_1 = storages[1]
     cache.apply((0,), ())  # 0 becomes a spare (100 elements: 160 in all, within 190)
-    assert [t.numel() for t in cache.spares] == [100]
+    assert [t.numel() for t in cache.spares] == [100 * k]
     use(2)  # 80 elements: in 0's buffer
     assert storages[2] == storages[0] and not cache.spares
     cache.evict_all()  # 1 and 0's buffer: 160 elements of spares
-    assert sorted(t.numel() for t in cache.spares) == [60, 100]
+    assert sorted(t.numel() for t in cache.spares) == [60 * k, 100 * k]
     use(1)  # the smallest spare that holds 60 elements: its own
-    assert storages[1] == first_of_1 and [t.numel() for t in cache.spares] == [100]
+    assert storages[1] == first_of_1 and [t.numel() for t in cache.spares] == [100 * k]
     use(3)  # 120 elements: no spare holds it, and 60 + 100 + 120 would pass 190: the spare goes
-    assert not cache.spares and cache.real_bytes == 4 * (60 + 120)
-    cache.limit = 150 * 4  # lowered: what is evicted now is not kept
+    assert not cache.spares and cache.real_bytes == 4 * k * (60 + 120)
+    cache.limit = 150 * k * 4  # lowered: what is evicted now is not kept
     cache.evict_all()
-    assert cache.real_bytes == 0 and sum(t.numel() for t in cache.spares) <= 150
+    assert cache.real_bytes == 0 and sum(t.numel() for t in cache.spares) <= 150 * k
     cache.keep_spares = False  # (CUDA: its allocator reuses blocks)
     cache.spares.clear()
     use(0)

@@ -198,7 +198,8 @@ def test_nvme_gradients_go_straight_to_the_early_update_bit_exact(tmp_path, grad
 def test_a_read_ahead_of_another_chunk_is_dropped_bit_exact(tmp_path):
     """The update reads ahead the chunk it expects next; when another one comes first, the
     read-ahead is waited for and dropped (its set reused), and the numbers stay plain PyTorch's.
-    Here it always expects chunk 0 (the last to complete): wrong but for the last chunk."""
+    Here it always expects chunk 0 (the last to complete): wrong but for the last chunk (which
+    may come in one batch with the one before it: then every read-ahead is dropped)."""
     data = batches(4)
     ref_losses, ref = train_reference(tiny_llama(), data)
     eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="600K", cpu_mem="400K", chunk_bytes=CHUNK,
@@ -206,7 +207,7 @@ def test_a_read_ahead_of_another_chunk_is_dropped_bit_exact(tmp_path):
     assert eng.homes.bytes["nvme"]["master"] > 0 and eng.homes.bytes["nvme"]["state"] > 0
     eng._expected = lambda chunks: None if 0 in chunks else 0
     assert [eng.step(b) for b in data] == ref_losses
-    assert eng.reads_ahead > 0 and eng.early.updated > 0
+    assert eng._ahead["issued"] > eng.reads_ahead and eng.early.updated > 0  # some were dropped
     mine = weights(eng)
     assert all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
     eng.close()

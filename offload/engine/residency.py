@@ -28,6 +28,7 @@ import torch
 
 from ..core.errors import UnsupportedModel
 from ..plan.schedule import ACQUIRE, RELEASE
+from ..runtime.aligned import DIRECT_ALIGN
 from ..runtime.cache import ResidentCache
 from ..runtime.cxl import CxlAllocator
 from ..runtime.executor import Executor, Ticket
@@ -123,7 +124,10 @@ class Residency:
                 ranks.broadcast_chunk(cid, buf)
 
             return self.executor.job("h2d", fn, nbytes=buf.numel() * buf.element_size())
-        if isinstance(src, SwapKind):
+        if isinstance(src, SwapKind) and self._in_place(cid, src, buf):
+            def fn(stream: Any) -> None:
+                self.nvme.read(src.key, buf, urgent=True)  # before the optimizer's reads
+        elif isinstance(src, SwapKind):
             staging = self.bounce.staging_for(src)
 
             def fn(stream: Any) -> None:
@@ -140,6 +144,13 @@ class Residency:
                 fill(stream)
                 ranks.broadcast_chunk(cid, buf)
         return self.executor.job("h2d", fn, nbytes=nbytes, links=links)
+
+    def _in_place(self, cid: int, src: SwapKind, buf: torch.Tensor) -> bool:
+        """The simulated device's buffer is host memory: a swapped compute source that needs no
+        decoding is read from NVMe straight into it when aligned (the cache's are), not through
+        the staging buffer and a copy."""
+        return (self.device.type != "cuda" and not self.store.is_encoded(cid) and src.dtype == buf.dtype
+                and buf.is_contiguous() and buf.data_ptr() % DIRECT_ALIGN == 0)
 
     def _on_resident(self, cid: int, buf: torch.Tensor) -> None:
         self.streamed_storage[storage_key(buf)] = cid

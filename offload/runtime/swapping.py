@@ -93,7 +93,7 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
     `carry` (a dict kept between calls that never overlap): while the last chunk is updated, the
     master and state of swapped chunk `expect` are read ahead into the free set and left in
     carry["ahead"] (a ReadAhead); a later call whose first swapped chunk it is starts from them
-    (counted in carry["used"])."""
+    (counted in carry["issued"] and carry["used"])."""
     handed = {} if handed is None else handed
     todo = [c for c in (range(len(store.chunks)) if chunks is None else chunks) if not store.is_frozen(c)]
     swapped = [c for c in todo if _swapped(store, c)]
@@ -144,6 +144,7 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
         elif ahead:
             slot = (base + i + 1) % 2
             carry["ahead"] = ReadAhead(expect, slot, *read(expect, slot, grad=False))
+            carry["issued"] = carry.get("issued", 0) + 1
         for f in reads:
             f.result()
         ch = store.chunks[cid]
