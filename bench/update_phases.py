@@ -75,6 +75,36 @@ def no_handoff(eng) -> None:
     eng.grads.spill.hand_over = lambda cid: None
 
 
+def no_spares(eng) -> None:
+    """The cache takes a fresh buffer per fetch (as before it kept evicted ones as spares)."""
+    eng.residency.cache.keep_spares = False
+
+
+def no_master_copy(eng) -> None:
+    """The update reads every swapped master from NVMe (none from the cached compute copy)."""
+    eng.residency.copy_master = lambda cid, dst: False
+
+
+def no_read_ahead(eng) -> None:
+    """The update reads no chunk's master and state ahead of its gradient."""
+    eng._expected = lambda chunks: None
+
+
+def staged(eng) -> None:
+    """Fetches from NVMe go through the staging buffer and a copy (none read in place)."""
+    eng.residency._in_place = lambda *a: False
+
+
+def before_1204(eng) -> None:
+    """The engine as on 2026-12-04 before the four changes above (bench/README.md); its cache
+    buffers are still the mmapped, aligned ones."""
+    no_spares(eng), no_master_copy(eng), no_read_ahead(eng), staged(eng)
+
+
+PATCHES = {"no-spares": no_spares, "no-copy": no_master_copy, "no-ahead": no_read_ahead, "staged": staged,
+           "before": before_1204}
+
+
 def build_engine(hf: dict, a: argparse.Namespace, act: int, overlap: bool, nvme_dir: str):
     from tierwise.offload import Engine, InfeasibleBudget
 
@@ -105,7 +135,8 @@ def main() -> None:
     ap.add_argument("--variants", default="early,no-early",
                     help="engine runs beside plain PyTorch: early (the default engine), no-early "
                          "(overlap_update=False), fifo (early, NVMe reads without priorities), old (fifo, "
-                         "and NVMe gradients written out and read back by the update)")
+                         "and NVMe gradients written out and read back by the update), no-spares, no-copy, "
+                         "no-ahead, staged (early without one of 2026-12-04's changes), before (without all four)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from tierwise.offload.plan.perfmodel import activation_bytes
@@ -126,6 +157,9 @@ def main() -> None:
             fifo_reads(engines[name])
     if "old" in engines:
         no_handoff(engines["old"])
+    for name, eng in engines.items():
+        if name in PATCHES:
+            PATCHES[name](eng)
     e0 = next(iter(engines.values()))
     print(f"engine: chunks {len(e0.plan.chunks)}, homes {dict((t, dict(k)) for t, k in e0.homes.bytes.items())}", flush=True)
     batches = common.make_batches(vocab=hf["vocab_size"], count=a.warmup + a.steps, batch=a.batch, seq=a.seq,
@@ -136,8 +170,16 @@ def main() -> None:
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
 
+    def sys_faults() -> tuple[float, int]:  # kernel CPU seconds, minor page faults (fresh pages)
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_stime, r.ru_minflt
+
+    def faults(s0: float, f0: int) -> dict:
+        s1, f1 = sys_faults()
+        return {"sys_s": s1 - s0, "kfaults": (f1 - f0) / 1e3}
+
     def plain_step(x: torch.Tensor) -> dict:
-        c0 = cpu()
+        c0, (s0, f0) = cpu(), sys_faults()
         t0 = time.perf_counter()
         loss = plain(input_ids=x, labels=x).loss
         t1 = time.perf_counter()
@@ -146,17 +188,18 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        return {"step_s": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "update": t3 - t2, "cpu_s": cpu() - c0}
+        return {"step_s": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "update": t3 - t2, "cpu_s": cpu() - c0,
+                **faults(s0, f0)}
 
     def engine_step(eng, x: torch.Tensor) -> dict:
         REC.clear()
         CURRENT[:] = [eng]
         ph0, r0, w0 = dict(eng.phase_times), eng.nvme.stats.bytes_read, eng.nvme.stats.bytes_written
-        wait0, c0 = eng.executor.wait_seconds, cpu()
+        wait0, c0, (s0, f0) = eng.executor.wait_seconds, cpu(), sys_faults()
         t0 = time.perf_counter()
         eng.step({"input_ids": x, "labels": x})
         out = {"step_s": time.perf_counter() - t0, **{k: eng.phase_times[k] - ph0[k] for k in ph0}, **REC,
-               "cpu_s": cpu() - c0, "copy_wait_s": eng.executor.wait_seconds - wait0,
+               "cpu_s": cpu() - c0, **faults(s0, f0), "copy_wait_s": eng.executor.wait_seconds - wait0,
                "read_GB": (eng.nvme.stats.bytes_read - r0) / 1e9, "write_GB": (eng.nvme.stats.bytes_written - w0) / 1e9}
         CURRENT.clear()
         return out
@@ -177,7 +220,7 @@ def main() -> None:
         v = [r.get(key, 0.0) for r in rows[name]]
         return f"{statistics.median(v):.3f} ({min(v):.2f}..{max(v):.2f})"
 
-    keys = ["step_s", "forward", "backward", "update", "cpu_s", "copy_wait_s", "tail_s", "update_all_s", "fetch_forward_s",
+    keys = ["step_s", "forward", "backward", "update", "cpu_s", "sys_s", "kfaults", "copy_wait_s", "tail_s", "update_all_s", "fetch_forward_s",
             "fetch_forward_GB", "fetch_backward_s", "fetch_backward_GB", "read_GB", "write_GB"]
     print(f"\nmedians over {a.steps} steps (min..max), threads {a.threads}, load {os.getloadavg()}")
     for name in rows:

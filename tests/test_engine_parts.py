@@ -21,6 +21,7 @@ from tierwise.offload.engine.residency import Residency
 from tierwise.offload.engine.surgery import ModelSurgery
 from tierwise.offload.engine.timeline import Timeline
 from tierwise.offload.engine.transient import TransientGrads
+from tierwise.offload.runtime.cache import ResidentCache
 from tierwise.offload.runtime.executor import Executor
 from tierwise.offload.runtime.ledger import Ledger
 from tierwise.offload.runtime.storage import storage_key
@@ -205,6 +206,93 @@ def test_residency_lends_a_parameter_read_elsewhere_to_the_running_frame():
         with res.reading(), res.guard:
             res.enter_module(model.a)
             torch.nn.functional.linear(torch.ones(1, 8), model.b.weight)
+    ex.close()
+
+
+def test_cache_reuses_evicted_buffers_within_its_limit_on_the_simulated_device():
+    """An evicted buffer is kept as a spare and the next fetch reuses the smallest that holds it;
+    the ledger counts each chunk's own bytes, the real bytes (live + spares) stay within the
+    limit, and every fetched copy holds its chunk's values."""
+    k = 1024  # elements per 4096 bytes: the simulated device's buffers are rounded up to that
+    sizes = {0: 100 * k, 1: 60 * k, 2: 80 * k, 3: 120 * k}
+    src = {c: torch.arange(n, dtype=torch.float32) + 1000 * c for c, n in sizes.items()}
+    ledger = Ledger({"gpu": None})
+    ex = Executor(device=CPU)
+    cache = ResidentCache(tiers=Tiers(ledger=ledger, device=CPU), executor=ex, limit=190 * k * 4, dtype=torch.float32,
+                          numel=sizes.__getitem__, fetch=lambda c, buf: ex.copy("h2d", buf, src[c]),
+                          on_resident=lambda c, buf: None, on_evict=lambda c: None)
+    storages = {}
+
+    def use(cid):
+        buf = cache.acquire(cid)
+        assert torch.equal(buf, src[cid]) and buf.numel() == sizes[cid]
+        assert buf.data_ptr() % 4096 == 0 and buf.storage_offset() == 0  # (NVMe reads in place; hooks)
+        storages[cid] = buf.untyped_storage().data_ptr()
+        cache.release(cid)
+        assert ledger.usage()["gpu"]["compute"] == cache.bytes == sum(4 * sizes[c] for c in cache.entries)
+        assert cache.real_bytes + sum(4 * t.numel() for t in cache.spares) <= cache.limit
+
+    use(0)  # (sizes in the comments: in k elements)
+    use(1)  # 160 elements live
+    first_of_1 = storages[1]
+    cache.apply((0,), ())  # 0 becomes a spare (100 elements: 160 in all, within 190)
+    assert [t.numel() for t in cache.spares] == [100 * k]
+    use(2)  # 80 elements: in 0's buffer
+    assert storages[2] == storages[0] and not cache.spares
+    cache.evict_all()  # 1 and 0's buffer: 160 elements of spares
+    assert sorted(t.numel() for t in cache.spares) == [60 * k, 100 * k]
+    use(1)  # the smallest spare that holds 60 elements: its own
+    assert storages[1] == first_of_1 and [t.numel() for t in cache.spares] == [100 * k]
+    use(3)  # 120 elements: no spare holds it, and 60 + 100 + 120 would pass 190: the spare goes
+    assert not cache.spares and cache.real_bytes == 4 * k * (60 + 120)
+    cache.limit = 150 * k * 4  # lowered: what is evicted now is not kept
+    cache.evict_all()
+    assert cache.real_bytes == 0 and sum(t.numel() for t in cache.spares) <= 150 * k
+    cache.keep_spares = False  # (CUDA: its allocator reuses blocks)
+    cache.spares.clear()
+    use(0)
+    cache.evict_all()
+    assert not cache.spares
+    ex.close()
+
+
+def test_cache_lends_a_filled_buffer_and_eviction_waits_for_it():
+    """`lent`: a resident chunk's buffer once an acquisition waited for its fetch (None while a
+    prefetch fills it, or when absent); evicting it waits until the borrower is done."""
+    import threading
+
+    sizes = {0: 64, 1: 64}
+    src = {c: torch.full((n,), float(c + 1)) for c, n in sizes.items()}
+    ex = Executor(device=CPU)
+    cache = ResidentCache(tiers=Tiers(ledger=Ledger({"gpu": None}), device=CPU), executor=ex, limit=1 << 20,
+                          dtype=torch.float32, numel=sizes.__getitem__, fetch=lambda c, buf: ex.copy("h2d", buf, src[c]),
+                          on_resident=lambda c, buf: None, on_evict=lambda c: None)
+    with cache.lent(0) as buf:
+        assert buf is None  # absent
+    cache.apply((), (1,))  # prefetched, no acquisition yet
+    with cache.lent(1) as buf:
+        assert buf is None
+    cache.acquire(0)
+    cache.release(0)
+    inside, leave, evicted = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def borrower():
+        with cache.lent(0) as buf:
+            seen.append(buf.clone())
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=borrower)
+    t.start()
+    inside.wait(10)
+    e = threading.Thread(target=lambda: (cache.apply((0,), ()), evicted.set()))
+    e.start()
+    assert not evicted.wait(0.2)  # held while lent
+    leave.set()
+    assert evicted.wait(10)
+    t.join(), e.join()
+    assert torch.equal(seen[0], src[0]) and not cache.resident(0)
     ex.close()
 
 

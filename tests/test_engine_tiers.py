@@ -35,6 +35,8 @@ def test_fp32_bit_exact_with_state_on_nvme_and_cxl(tmp_path, tiers):
         assert eng.homes.bytes["nvme"]["state"] > 0
     assert [eng.step(b) for b in data] == ref_losses
     assert eng.early.updated > 0  # chunks were updated during backward, and the result is the same
+    assert eng.residency.copied_masters > 0  # masters taken from cached compute copies, not NVMe
+    assert eng.reads_ahead > 0  # and master and state read before the chunk's gradient completed
     mine = weights(eng)
     assert all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
     for tier, peak in eng.ledger.peaks().items():
@@ -186,8 +188,26 @@ def test_nvme_gradients_go_straight_to_the_early_update_bit_exact(tmp_path, grad
             spilled = [c for c, ch in enumerate(eng.store.chunks) if hasattr(ch.grad, "key")]
             if grad_accum == 1:  # (a chunk flushed early, when a third one opened, is still written)
                 assert len([k for k in writes if k.endswith(".grad")]) < len(spilled) // 4
-    assert losses == ref_losses and eng.early.updated > 0
+    assert losses == ref_losses and eng.early.updated > 0 and eng.reads_ahead > 0
     mine = weights(eng)
     assert all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
     assert eng.ledger.peaks()["host"] <= 400 << 10
+    eng.close()
+
+
+def test_a_read_ahead_of_another_chunk_is_dropped_bit_exact(tmp_path):
+    """The update reads ahead the chunk it expects next; when another one comes first, the
+    read-ahead is waited for and dropped (its set reused), and the numbers stay plain PyTorch's.
+    Here it always expects chunk 0 (the last to complete): wrong but for the last chunk (which
+    may come in one batch with the one before it: then every read-ahead is dropped)."""
+    data = batches(4)
+    ref_losses, ref = train_reference(tiny_llama(), data)
+    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="600K", cpu_mem="400K", chunk_bytes=CHUNK,
+                 nvme_path=str(tmp_path))
+    assert eng.homes.bytes["nvme"]["master"] > 0 and eng.homes.bytes["nvme"]["state"] > 0
+    eng._expected = lambda chunks: None if 0 in chunks else 0
+    assert [eng.step(b) for b in data] == ref_losses
+    assert eng._ahead["issued"] > eng.reads_ahead and eng.early.updated > 0  # some were dropped
+    mine = weights(eng)
+    assert all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
     eng.close()

@@ -10,7 +10,10 @@ One worker thread takes the chunks in the order they complete, in batches, and r
 update (`update_all`) as the end of the step; the step's own update then skips them.
 A chunk whose gradient lives on NVMe comes with it still in host memory (`handed`: the gradient
 spill's staging buffer, offload.engine.gradspill), so the update neither waits for its write
-nor reads it back; the buffer goes back to the spill once that chunk is updated.
+nor reads it back; the buffer goes back to the spill once that chunk is updated. Each pass
+also reads ahead the master and state of the chunk that completed next in the last step
+(offload.runtime.swapping.update_all, `expect`), and takes an fp32 master from the device cache
+while it is there (offload.engine.residency.copy_master).
 After a failure the worker runs no more updates until wait() has reported it: with several
 ranks a later chunk's reduce would be a collective out of step with the other ranks.
 """

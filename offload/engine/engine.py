@@ -74,7 +74,7 @@ from ..runtime.executor import Executor
 from ..runtime.ledger import TIERS
 from ..runtime.nvme import threads_per_rank
 from ..runtime.store import ChunkStore, SwapKind, frozen_kind_bytes, kind_bytes
-from ..runtime.swapping import Bounce, update_all
+from ..runtime.swapping import Bounce, drop_ahead, update_all
 from ..runtime.tiers import pick_device
 from ..runtime.trace import Phase
 from ..update.update import Hyper
@@ -204,6 +204,9 @@ class Engine:
             self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
             self.workspace = Workspace(self.device, self.ledger)
             self._warm_limit: int | None = None
+            self._ahead: dict = {}  # a swapped chunk's master and state read ahead of its update (update_all)
+            self._order: list[int] = []  # the chunks the last step updated early, in their order
+            self._order_now: list[int] = []  # (this step's, so far)
             self.moments = Timeline(self.ledger)
             self.shared: SharedBase | None = None
             if self.ranks is not None and share_base and frozen and self.ledger.budgets.get("cxl") is None:
@@ -290,6 +293,11 @@ class Engine:
     @property
     def streamed_storage(self) -> dict[int, int]:
         return self.residency.streamed_storage
+
+    @property
+    def reads_ahead(self) -> int:
+        """Updates that found their chunk's master and state already read (update_all's read-ahead)."""
+        return self._ahead.get("used", 0)
 
     @property
     def early(self) -> EarlyUpdater | None:
@@ -421,7 +429,18 @@ class Engine:
                 if c in handed:
                     self.grads.spill.write_handed(c)
             return
-        update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks, handed=handed)
+        update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks, handed=handed,
+                   resident=self.residency.copy_master, carry=self._ahead, expect=self._expected(chunks))
+
+    def _expected(self, chunks: list[int]) -> int | None:
+        """The chunk the last step updated early after `chunks` (one rank), unless this step
+        already updated it: its master and state are read while its gradient completes."""
+        self._order_now.extend(chunks)
+        if self.ranks is not None or not chunks or chunks[-1] not in self._order:
+            return None
+        k = self._order.index(chunks[-1]) + 1
+        nxt = self._order[k] if k < len(self._order) else None
+        return None if nxt is None or nxt in self._order_now else nxt
 
     def _reduce_grads(self, chunks: list[int], handed: dict) -> None:
         transient = self.grads.transient
@@ -542,6 +561,8 @@ class Engine:
         """Drop a failed step's gradients; True when its early updates (offload.engine.early) had not
         reached any chunk, so the weights are those of the last completed step."""
         intact = self.grads.abort()
+        drop_ahead(self._ahead)  # (after the worker: grads.abort waited for it)
+        self._order_now = []
         self._in_cycle = False
         return intact
 
@@ -679,7 +700,10 @@ class Engine:
             skip = skip or (self.skip_nonfinite and not bool(torch.isfinite(self.last_grad_norm)))
         self.skipped_last = skip
         if not skip:
-            update_all(self.store, self.updater, self.hyper, self.bounce, chunks=rest)
+            update_all(self.store, self.updater, self.hyper, self.bounce, chunks=rest,
+                       resident=self.residency.copy_master, carry=self._ahead)
+        drop_ahead(self._ahead)
+        self._order, self._order_now = self._order_now, []
         early.clear()
         self.store.grad_scale = None
         self.residency.cache.evict_all()

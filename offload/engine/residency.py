@@ -12,6 +12,9 @@ chunk whose blob is gpu-home is decoded on the device, nothing crosses the link)
 ranks (offload.engine.ranks), a trainable chunk's bytes come from its owner's home: the owner
 fills the buffer and broadcasts it, on the copy thread, in the same order on every rank.
 
+The update of a swapped chunk takes its fp32 master from the cached compute copy while there is
+one (`copy_master`; simulated device).
+
 Also the storage identities the saved-tensor hooks need: `streamed_storage` (a resident copy's
 storage -> its chunk) and `home_storage` (the storages of device-home chunks).
 """
@@ -25,6 +28,7 @@ import torch
 
 from ..core.errors import UnsupportedModel
 from ..plan.schedule import ACQUIRE, RELEASE
+from ..runtime.aligned import DIRECT_ALIGN
 from ..runtime.cache import ResidentCache
 from ..runtime.cxl import CxlAllocator
 from ..runtime.executor import Executor, Ticket
@@ -62,6 +66,7 @@ class Residency:
         self.streamed_storage: dict[int, int] = {}  # storage_key of a resident copy -> chunk
         self.home_storage: set[int] = set()  # storage_key of device-home chunks
         self.follower = TraceFollower()
+        self.copied_masters = 0  # swapped masters the update took from the cache (copy_master)
         self.guard = ReadGuard(self._on_read)
         # per running module (None: the loss function), the chunks read there that it does not own
         self._frames: list[tuple[torch.nn.Module | None, list[int]]] = []
@@ -87,6 +92,21 @@ class Residency:
         if self.store.is_gpu_home(cid):
             self.home_storage.add(storage_key(self.store.compute_source(cid)))
 
+    def copy_master(self, cid: int, dst: torch.Tensor) -> bool:
+        """(The update's thread.) Chunk `cid`'s fp32 master into host `dst` from its compute copy
+        while that is cached and filled (offload.runtime.swapping.update_all: one NVMe read less);
+        False when it is not. Only on the simulated device and in fp32 runs, where the compute
+        copy is the master's bytes (CUDA: the copy would have to wait for the fill's event)."""
+        if not (self.device.type != "cuda" and self.store.compute_dtype == torch.float32
+                and self.store.chunks[cid].compute is None and not self.store.is_encoded(cid)):
+            return False
+        with self.cache.lent(cid) as buf:
+            if buf is None:
+                return False
+            dst.copy_(buf)
+        self.copied_masters += 1
+        return True
+
     # -- the cache's callbacks (compute thread) -------------------------------------------
     def _fetch(self, cid: int, buf: torch.Tensor) -> Ticket:
         """Start copying chunk `cid`'s compute copy from its home tier into device `buf` (several
@@ -104,7 +124,10 @@ class Residency:
                 ranks.broadcast_chunk(cid, buf)
 
             return self.executor.job("h2d", fn, nbytes=buf.numel() * buf.element_size())
-        if isinstance(src, SwapKind):
+        if isinstance(src, SwapKind) and self._in_place(cid, src, buf):
+            def fn(stream: Any) -> None:
+                self.nvme.read(src.key, buf, urgent=True)  # before the optimizer's reads
+        elif isinstance(src, SwapKind):
             staging = self.bounce.staging_for(src)
 
             def fn(stream: Any) -> None:
@@ -121,6 +144,13 @@ class Residency:
                 fill(stream)
                 ranks.broadcast_chunk(cid, buf)
         return self.executor.job("h2d", fn, nbytes=nbytes, links=links)
+
+    def _in_place(self, cid: int, src: SwapKind, buf: torch.Tensor) -> bool:
+        """The simulated device's buffer is host memory: a swapped compute source that needs no
+        decoding is read from NVMe straight into it when aligned (the cache's are), not through
+        the staging buffer and a copy."""
+        return (self.device.type != "cuda" and not self.store.is_encoded(cid) and src.dtype == buf.dtype
+                and buf.is_contiguous() and buf.data_ptr() % DIRECT_ALIGN == 0)
 
     def _on_resident(self, cid: int, buf: torch.Tensor) -> None:
         self.streamed_storage[storage_key(buf)] = cid

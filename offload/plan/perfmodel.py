@@ -458,8 +458,8 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
 def _simulated_nvme(hw: HardwareProfile, load: StepLoad, *, needs_grad: bool) -> dict[str, float]:
     """Disk seconds per phase on the simulated device: the forward's reads of NVMe-resident
     compute sources (their share of the forward's fetches), and (with a backward) the backward's
-    refetches plus the update's reads and writes, which overlap backward; without a backward the
-    update's I/O is its own phase."""
+    refetches plus the update's reads (less the masters it copies from the cache) and writes,
+    which overlap backward; without a backward the update's I/O is its own phase."""
     on = load.placed.get("nvme", {})
     if hw.nvme is None or not on:
         return {}
@@ -468,9 +468,14 @@ def _simulated_nvme(hw: HardwareProfile, load: StepLoad, *, needs_grad: bool) ->
     fwd = load.fetched_bytes / (3 if load.recompute else 2)
     # the update reads master and state and writes them back (and a bf16 compute copy); a gradient
     # on NVMe reaches the early update in its staging buffer, so it is neither written nor read
-    reads = on.get("master", 0) + on.get("state", 0)
-    writes = reads + on.get("compute", 0)
+    writes = on.get("master", 0) + on.get("state", 0) + on.get("compute", 0)
+    refetch = (load.fetched_bytes - fwd) * share
+    # fp32 (no compute kind on NVMe: every NVMe source is a master): a master the backward
+    # refetched is still cached when its update starts, which copies it from there
+    # (offload.engine.residency.copy_master), not from NVMe
+    cached = min(on.get("master", 0), refetch) if needs_grad and not on.get("compute", 0) else 0
+    reads = on.get("master", 0) - cached + on.get("state", 0)
     update = reads / nv_r + writes / nv_w
     if not needs_grad:
         return {"forward": fwd * share / nv_r, "update": update}
-    return {"forward": fwd * share / nv_r, "backward": (load.fetched_bytes - fwd) * share / nv_r + update}
+    return {"forward": fwd * share / nv_r, "backward": refetch / nv_r + update}

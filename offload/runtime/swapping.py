@@ -5,12 +5,20 @@ and one *fetch staging* buffer (the largest compute source), all 4096-byte align
 NVMe engine reads and writes them in place with O_DIRECT. The update of swapped chunk i runs
 in one set while chunk i+1 is read into the other and chunk i-1's write-back drains: with
 separate read and write queues the disk and the CPU optimizer overlap.
+A swapped master whose compute copy is still on the device (an fp32 run: the same bytes) is
+copied from there instead of read from NVMe (`resident`): in an fp32 run the backward has just
+computed with the compute copy of the chunk it completes, so it is often still cached when that
+chunk's early update starts. Between the early update's calls (offload.engine.early: one per
+batch of chunks whose gradients completed) the free set holds a *read-ahead*: the master and
+state of the chunk expected to complete next (the last step's order), read while its gradient
+is still being computed, so its update does not start with a wait on the disk.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -52,29 +60,79 @@ def _swapped(store: ChunkStore, cid: int) -> list[tuple[str, SwapKind]]:
     return [(name, d) for _, name, d in store.chunks[cid].kinds() if isinstance(d, SwapKind)]
 
 
+@dataclass
+class ReadAhead:
+    """Master and state of chunk `cid`, read (or being read) into update set `slot` ahead of
+    its update: the chunk expected to complete next in backward, read while the disk would
+    otherwise wait for its gradient. `reads` lands them."""
+
+    cid: int
+    slot: int
+    views: dict[str, torch.Tensor]
+    reads: list[Future]
+
+
+def drop_ahead(carry: dict) -> None:
+    """Forget a read-ahead nobody used (its set is free once its reads landed)."""
+    ahead = carry.pop("ahead", None)
+    if ahead is not None:
+        for f in ahead.reads:
+            f.result()
+
+
 def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | None, *,
-               chunks: list[int] | None = None, handed: "dict[int, tuple[torch.Tensor, Any]] | None" = None) -> None:
+               chunks: list[int] | None = None, handed: "dict[int, tuple[torch.Tensor, Any]] | None" = None,
+               resident: "Callable[[int, torch.Tensor], bool] | None" = None,
+               carry: "dict | None" = None, expect: int | None = None) -> None:
     """One optimizer step on `chunks` (default: every chunk): in-memory ones in place, swapped
     ones pipelined through the two bounce sets. `handed`: {chunk: (gradient, give_back)} for
     chunks whose NVMe gradient is still in a host buffer: used from there (not read back), and
-    `give_back()` is called (and the entry popped) as soon as that chunk is updated."""
+    `give_back()` is called (and the entry popped) as soon as that chunk is updated.
+    `resident(chunk, dst)`: copies a swapped master into `dst` from a device copy of the same
+    bytes and returns True, or returns False (then it is read from NVMe).
+    `carry` (a dict kept between calls that never overlap): while the last chunk is updated, the
+    master and state of swapped chunk `expect` are read ahead into the free set and left in
+    carry["ahead"] (a ReadAhead); a later call whose first swapped chunk it is starts from them
+    (counted in carry["issued"] and carry["used"])."""
     handed = {} if handed is None else handed
     todo = [c for c in (range(len(store.chunks)) if chunks is None else chunks) if not store.is_frozen(c)]
     swapped = [c for c in todo if _swapped(store, c)]
     writes: dict[int, list[Future]] = {0: [], 1: []}
+    held = carry.pop("ahead", None) if carry is not None else None
+    base = held.slot if held is not None else 0  # set of the i-th swapped chunk: (base + i) % 2
+    if held is not None and (not swapped or swapped[0] != held.cid):
+        writes[held.slot] = held.reads  # not the chunk read ahead: its set is free once those land
+        held = None
 
-    def start(i: int) -> tuple[dict[str, torch.Tensor], list[Future]]:
-        slot = i % 2
+    def read(cid: int, slot: int, *, grad: bool) -> tuple[dict[str, torch.Tensor], list[Future]]:
         for f in writes[slot]:  # the set is free once its last write-back finished
             f.result()
-        cid = swapped[i]
+        writes[slot] = []
         views = bounce.views(slot, cid)
+        kinds = [(n, d) for n, d in _swapped(store, cid)
+                 if n != "compute"  # the compute copy is rewritten from the master
+                 and (n != "grad" or grad)]
+        reads = [store.nvme.read_async(d.key, views[n]) for n, d in kinds if n != "master"]
+        master = [d for n, d in kinds if n == "master"]
+        if master and not (resident is not None and resident(cid, views["master"])):  # (while those read)
+            reads.append(store.nvme.read_async(master[0].key, views["master"]))
+        return views, reads
+
+    def start(i: int) -> tuple[dict[str, torch.Tensor], list[Future]]:
+        cid = swapped[i]
+        if i == 0 and held is not None:  # master and state were read ahead
+            carry["used"] = carry.get("used", 0) + 1
+            views, reads = held.views, list(held.reads)
+            grad = dict(_swapped(store, cid)).get("grad")
+            if grad is not None and cid not in handed:
+                reads.append(store.nvme.read_async(grad.key, views["grad"]))
+        else:
+            views, reads = read(cid, (base + i) % 2, grad=cid not in handed)
         if cid in handed:
             views["grad"] = handed[cid][0]
-        return views, [store.nvme.read_async(d.key, views[n]) for n, d in _swapped(store, cid)
-                       if n != "compute"  # the compute copy is rewritten from the master
-                       and not (n == "grad" and cid in handed)]
+        return views, reads
 
+    ahead = carry is not None and expect is not None and expect not in todo and bool(_swapped(store, expect))
     pending = start(0) if swapped else None
     for cid in todo:  # while the first read is in flight
         if cid not in swapped:
@@ -83,6 +141,10 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
         views, reads = pending
         if i + 1 < len(swapped):
             pending = start(i + 1)
+        elif ahead:
+            slot = (base + i + 1) % 2
+            carry["ahead"] = ReadAhead(expect, slot, *read(expect, slot, grad=False))
+            carry["issued"] = carry.get("issued", 0) + 1
         for f in reads:
             f.result()
         ch = store.chunks[cid]
@@ -91,8 +153,8 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
         _step(ch, cid, updater, hyper, views)
         if cid in handed:
             handed.pop(cid)[1]()
-        writes[i % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)
-                         if n != "grad"]  # the next cycle overwrites the gradient anyway
+        writes[(base + i) % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)
+                                  if n != "grad"]  # the next cycle overwrites the gradient anyway
     for fs in writes.values():
         for f in fs:
             f.result()
