@@ -7,7 +7,8 @@ links overlap compute, plus a non-overlappable startup of one chunk. CPU cores t
 optimizer also drive NVMe I/O; host DRAM bandwidth is shared by the CPU update and all DMA.
 On a GPU the host thread that launches the kernels is a resource too ("host launch"): every op
 and module hook costs it `host.op_overhead_us` (measured through the engine by `finetune
-profile`), so a small step is bound by Python and dispatch, not by the device.
+profile`), and in backward it shares the cores with the CPU update, so a small step is bound by
+Python, dispatch and the update, not by the device.
 
 Per-optimizer numbers (CPU rate, forwards, whether there is a backward, the rank) come from
 the optimizer table, `offload.update.table`.
@@ -383,7 +384,10 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
         bwd_busy = {
             "gpu compute": (bwd_passes * load.tokens_flops_fwd / gpu_rate + dequant) * micro_batches
             + gpu_update,
-            "host launch": launch_bwd * micro_batches,
+            # the CPU update's threads take every core, the launching thread's too: they add up
+            # (H200 host, 0.85B, bench/README.md "gpu_check.sh": AdamW 0.361 s vs AdamW8bit 0.294 s
+            # per step, as their CPU updates differ)
+            "host launch": launch_bwd * micro_batches + (cpu_update if launch_bwd else 0.0),
             "pcie h2d": stream / h2d * micro_batches,
             "pcie d2h": load.grad_d2h_bytes / d2h * micro_batches,
             "nvme": nv_update + on_nvme * (micro_batches - 1) / nv_r,  # the base: read again per micro-batch
