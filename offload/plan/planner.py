@@ -270,7 +270,8 @@ class _Chunks:
         self.fetches_last: dict[int, int] = {}
         adapters = sum(1 for sp in specs if ".lora_A." in sp.name)
         decoded = len(lora.quantizable) if lora is not None and base_dtype not in (None, plain) else 0
-        self.ops = ops_per_forward(model, adapters=adapters, decoded=decoded)
+        # (None: the engine's own needs, no step to price)
+        self.ops = ops_per_forward(model, adapters=adapters, decoded=decoded) if model is not None else 0
         for c in self.plan.chunks:
             ps = [by_name[n] for n in c.params]
             if c.index in self.frozen:  # one kind: the (maybe encoded) compute copy; never updated
