@@ -302,6 +302,17 @@ TW_AVX2 static void range_avx2(const ctx_t *c, float *p, const float *g, uint8_t
    vpermt2b lookup in a 256-byte plane (two 128-entry halves chosen by bit 7), then the four
    planes are interleaved back into 4 x 16 floats. The indices are pre-permuted (PERM) so the
    lane-wise unpacks yield elements in order. planes: 4 planes x 4 zmm. */
+/* Four byte planes of 64 looked-up floats (plane k: byte k of each) back into 64 floats, in the
+   order the lanes' unpacks give (the callers' layout) */
+TW_AVX512 static inline void planes_to_floats(const __m512i b[4], __m512 out[4]) {
+    const __m512i a01 = _mm512_unpacklo_epi8(b[0], b[1]), b01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i a23 = _mm512_unpacklo_epi8(b[2], b[3]), b23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(a01, a23));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(a01, a23));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(b01, b23));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(b01, b23));
+}
+
 TW_AVX512 static inline void lookup64(const __m512i *planes, __m512i q, __m512i perm, __m512 out[4]) {
     const __m512i qp = _mm512_permutexvar_epi8(perm, q);
     const __mmask64 hi = _mm512_movepi8_mask(qp);
@@ -311,12 +322,7 @@ TW_AVX512 static inline void lookup64(const __m512i *planes, __m512i q, __m512i 
         const __m512i hi_k = _mm512_permutex2var_epi8(planes[4 * k + 2], qp, planes[4 * k + 3]);
         b[k] = _mm512_mask_blend_epi8(hi, lo_k, hi_k);
     }
-    const __m512i a01 = _mm512_unpacklo_epi8(b[0], b[1]), b01 = _mm512_unpackhi_epi8(b[0], b[1]);
-    const __m512i a23 = _mm512_unpacklo_epi8(b[2], b[3]), b23 = _mm512_unpackhi_epi8(b[2], b[3]);
-    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(a01, a23));
-    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(a01, a23));
-    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(b01, b23));
-    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(b01, b23));
+    planes_to_floats(b, out);
 }
 
 /* lookup64 for a map symmetric about code 127 (code[q] = -code[254 - q], code[127] = +0, as the
@@ -331,12 +337,7 @@ TW_AVX512 static inline void lookup64s(const __m512i *planes, __m512i q, __m512i
     for (int k = 0; k < 4; ++k)
         b[k] = _mm512_maskz_permutex2var_epi8(nz, planes[4 * k + 2], idx, planes[4 * k + 3]);
     b[3] = _mm512_mask_add_epi8(b[3], neg, b[3], _mm512_set1_epi8((char)0x80));
-    const __m512i a01 = _mm512_unpacklo_epi8(b[0], b[1]), b01 = _mm512_unpackhi_epi8(b[0], b[1]);
-    const __m512i a23 = _mm512_unpacklo_epi8(b[2], b[3]), b23 = _mm512_unpackhi_epi8(b[2], b[3]);
-    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(a01, a23));
-    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(a01, a23));
-    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(b01, b23));
-    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(b01, b23));
+    planes_to_floats(b, out);
 }
 
 /* The AVX-512 quantizer: DecadeTable's group D[E] + (y > L[E]) by one 16-entry lookup and an
