@@ -43,8 +43,10 @@ def test_fp32_bit_exact_with_state_on_nvme_and_cxl(tmp_path, tiers):
         budget = eng.ledger.budgets[tier]
         assert budget is None or peak <= budget, tier
     assert os.listdir(tmp_path / "swap")
+    cache = eng.residency.cache
     eng.close()
     assert not (tmp_path / "swap").exists() or not os.listdir(tmp_path / "swap")
+    assert not cache.spares  # the cache's reused buffers go with the engine
 
 
 def mixed_precision_reference(model, data, *, lr=1e-3):

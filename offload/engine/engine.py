@@ -919,6 +919,7 @@ class Engine:
         to use the model again."""
         self.executor.drain()
         self.executor.close()
+        self.residency.cache.drop_spares()
         if self.grads.early is not None:
             self.grads.early.close()
         if self.grads.transient is not None:

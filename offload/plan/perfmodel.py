@@ -444,7 +444,7 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
         upd["grad reduce"] = collectives.reduce_bytes / link_s
     phases, resources, tops = {}, {"forward": fwd, "backward": bwd, "update": upd}, {}
     scale = hw.host.step_calibration or 1.0
-    disk = _simulated_nvme(hw, load, needs_grad=cost.needs_grad)
+    disk = _simulated_nvme(hw, load, needs_grad=cost.needs_grad, fp32=precision == "fp32")
     for name, busy, n in (("forward", fwd, cost.forwards * micro_batches), ("backward", bwd, micro_batches),
                           ("update", upd, 1)):
         if name == "backward" and not cost.needs_grad:
@@ -459,7 +459,7 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     return _finish(phases, resources, tops, tokens)
 
 
-def _simulated_nvme(hw: HardwareProfile, load: StepLoad, *, needs_grad: bool) -> dict[str, float]:
+def _simulated_nvme(hw: HardwareProfile, load: StepLoad, *, needs_grad: bool, fp32: bool) -> dict[str, float]:
     """Disk seconds per phase on the simulated device: the forward's reads of NVMe-resident
     compute sources (their share of the forward's fetches), and (with a backward) the backward's
     refetches plus the update's reads (less the masters it copies from the cache) and writes,
@@ -474,10 +474,11 @@ def _simulated_nvme(hw: HardwareProfile, load: StepLoad, *, needs_grad: bool) ->
     # on NVMe reaches the early update in its staging buffer, so it is neither written nor read
     writes = on.get("master", 0) + on.get("state", 0) + on.get("compute", 0)
     refetch = (load.fetched_bytes - fwd) * share
-    # fp32 (no compute kind on NVMe: every NVMe source is a master): a master the backward
-    # refetched is still cached when its update starts, which copies it from there
-    # (offload.engine.residency.copy_master), not from NVMe
-    cached = min(on.get("master", 0), refetch) if needs_grad and not on.get("compute", 0) else 0
+    # fp32 (the compute copy is the master's bytes): a master the backward refetched is still
+    # cached when its update starts, which copies it from there (offload.engine.residency.
+    # copy_master), not from NVMe. (MeZO copies some too, those of the second forward's last
+    # chunks: not priced, its reads are overestimated.)
+    cached = min(on.get("master", 0), refetch) if needs_grad and fp32 else 0
     reads = on.get("master", 0) - cached + on.get("state", 0)
     update = reads / nv_r + writes / nv_w
     if not needs_grad:

@@ -154,6 +154,10 @@ class ResidentCache:
             self.prefetches += 1
         return True
 
+    def drop_spares(self) -> None:
+        """Let the spare buffers go (the engine closes)."""
+        self.spares = []
+
     def evict_all(self) -> None:
         """Drop every unpinned chunk (after an update their compute copies are stale)."""
         for cid in [c for c, e in self.entries.items() if e.pins == 0]:
