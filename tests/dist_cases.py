@@ -115,7 +115,10 @@ def settled_pss_kib() -> int:
 
 def node_memory(eng, before: int) -> dict:
     """Every rank's PSS (all of it; its growth since `before`, the engine's; its mappings of the
-    shared base) and host and NVMe ledger."""
+    shared base) and host and NVMe ledger. The cache's spare buffers (freed compute copies kept
+    for reuse, as CUDA's allocator keeps blocks; as many as its eviction order left) are let go
+    first: they are no base."""
+    eng.residency.cache.drop_spares()
     pss = settled_pss_kib()
     mine = {"pss_kib": pss, "growth_kib": pss - before, "shm_pss_kib": pss_kib(match="tierwise-base-"),
             "host_usage": eng.ledger.usage().get("host", {}),
