@@ -421,7 +421,8 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     dominates tiny models. The disk is not a core: NVMe traffic overlaps the CPU work of its
     phase (a phase lasts the longer of the two) - the forward's fetches of NVMe-resident compute
     sources, and in backward its refetches plus the update's reads and write-backs of master,
-    state and gradient, which the early update (offload.engine.early) runs during backward."""
+    state and gradient, which the early update (offload.engine.early) runs during backward. A
+    fetch from NVMe (not decoded) is read into the cache buffer in place: no copy to price."""
     hw = hardware
     rate = hw.gpu_tflops(precision) * 1e12
     copy = hw.pcie.h2d_pinned_gbps * GB
@@ -429,6 +430,8 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     overhead = (hw.host.op_overhead_us or 0.0) * 1e-6
     dispatch_fwd, dispatch_bwd = dispatch_s(load, hw.host.op_overhead_us)
     link = load.fetched_bytes if load.link_bytes is None else load.link_bytes
+    if load.link_bytes is None and not load.dequant_bytes:  # NVMe reads land in the cache buffer
+        link -= load.fetched_bytes * load.stream_bytes.get("nvme", 0) / max(1, sum(load.stream_bytes.values()))
     decode = load.dequant_bytes / 2 / (hw.host.dram_bandwidth_gbps * GB)  # per pass, on the CPU cores
     fwd = {"gpu compute": load.tokens_flops_fwd / rate, "pcie h2d": link / 3 / copy,
            "dispatch": dispatch_fwd, "dequant": decode}
