@@ -21,22 +21,27 @@ def weights(eng):
     return dict(eng.named_parameters_fp32())
 
 
-@pytest.mark.parametrize("tiers", ["host+nvme", "cxl+nvme"])
+@pytest.mark.parametrize("tiers", ["host+nvme", "cxl+nvme", "cxl-state+nvme"])
 def test_fp32_bit_exact_with_state_on_nvme_and_cxl(tmp_path, tiers):
     data = batches(5)
     ref_losses, ref = train_reference(tiny_llama(), data)
-    budgets = {"host+nvme": dict(cpu_mem="1M"), "cxl+nvme": dict(cpu_mem="1M", cxl_mem="1M")}[tiers]
+    # (fp32 masters take DRAM, then CXL, before states: offload.plan.homes)
+    budgets = {"host+nvme": dict(cpu_mem="1M"), "cxl+nvme": dict(cpu_mem="1M", cxl_mem="256K"),
+               "cxl-state+nvme": dict(cpu_mem="1M", cxl_mem="1M")}[tiers]
     eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, nvme_path=str(tmp_path / "swap"),
                  cxl_bandwidth=20e9, **budgets)
-    assert eng.homes.bytes["nvme"]["master"] > 0
-    if tiers == "cxl+nvme":
-        assert eng.homes.bytes["cxl"]["state"] > 0
+    assert eng.homes.bytes["nvme"]["state"] > 0
+    if tiers == "cxl-state+nvme":
+        assert eng.homes.bytes["cxl"]["state"] > 0 and "master" not in eng.homes.bytes["nvme"]
     else:
-        assert eng.homes.bytes["nvme"]["state"] > 0
+        assert eng.homes.bytes["nvme"]["master"] > 0
+        assert tiers == "host+nvme" or eng.homes.bytes["cxl"]["master"] > 0
     assert [eng.step(b) for b in data] == ref_losses
     assert eng.early.updated > 0  # chunks were updated during backward, and the result is the same
-    assert eng.residency.copied_masters > 0  # masters taken from cached compute copies, not NVMe
+    if tiers != "cxl-state+nvme":
+        assert eng.residency.copied_masters > 0  # masters taken from cached compute copies, not NVMe
     assert eng.reads_ahead > 0  # and master and state read before the chunk's gradient completed
+    assert eng.residency.kept > 0  # the next forward's first chunks stayed resident over the steps' ends
     mine = weights(eng)
     assert all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
     for tier, peak in eng.ledger.peaks().items():
@@ -47,6 +52,30 @@ def test_fp32_bit_exact_with_state_on_nvme_and_cxl(tmp_path, tiers):
     eng.close()
     assert not (tmp_path / "swap").exists() or not os.listdir(tmp_path / "swap")
     assert not cache.spares  # the cache's reused buffers go with the engine
+
+
+@pytest.mark.parametrize("load", ["load_weights", "init_weights_"])
+def test_weights_loaded_between_steps_replace_the_copies_kept_over_a_steps_end(tmp_path, load):
+    """The next forward's first chunks stay resident over a step's end (rewritten from their new
+    masters): new weights loaded between steps must not meet those copies."""
+    data = batches(3)
+    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="1M",
+                 nvme_path=str(tmp_path / "swap"))
+    for b in data[:2]:
+        eng.step(b)
+    assert eng.residency.kept > 0 and any(eng.residency.cache.resident(c) for c in eng.residency.keep)
+    other = tiny_llama(seed=5)
+    if load == "load_weights":
+        eng.load_weights((n, p.detach()) for n, p in other.named_parameters())
+    else:
+        eng.init_weights_(seed=3)
+        with torch.no_grad():
+            for n, p in other.named_parameters():
+                p.copy_(dict(eng.named_parameters_fp32())[n])
+    with torch.no_grad():
+        ref = other(**data[2]).loss.item()
+    assert eng.eval_loss(data[2]) == ref
+    eng.close()
 
 
 def mixed_precision_reference(model, data, *, lr=1e-3):

@@ -24,16 +24,28 @@ def test_working_set_prefers_dram_compute_prefers_cxl():
 
 
 def test_grads_then_states_then_masters_fill_dram_the_rest_goes_to_nvme_with_bounce():
-    k = chunks(8)  # grads 8U, states 16U, masters 8U: 32U in all
+    k = chunks(8, compute=U // 2)  # a bf16 run: grads 8U, states 16U, masters 8U, compute copies 4U
     h = assign_homes(kinds=k, host=30 * U, nvme=True)
     assert all(h.tiers[c]["grad"] == "host" for c in range(8))
     assert h.bounce == bounce_bytes(k, h.tiers)
     on_nvme = {(c, kind) for c, d in h.tiers.items() for kind, t in d.items() if t == "nvme"}
-    assert on_nvme and all(kind in ("state", "master") for _, kind in on_nvme)
+    assert on_nvme and all(kind in ("state", "master", "compute") for _, kind in on_nvme)
     # states are placed before masters (a master may still use a gap too small for a state)
     in_dram = {kind: sum(h.tiers[c][kind] == "host" for c in range(8)) for kind in ("state", "master")}
-    assert in_dram["state"] > in_dram["master"] >= 0 and in_dram["state"] >= 5
+    assert in_dram["state"] > in_dram["master"] >= 0 and in_dram["state"] >= 4
     assert sum(h.bytes["host"].values()) + h.bounce <= 30 * U
+
+
+def test_fp32_masters_that_are_the_compute_source_come_before_states():
+    """fp32 (no compute kind): a master on NVMe would be read in forward and backward and
+    written by the update, on the compute's path; a state only read and written by the update.
+    Measured (bench/e2e_vs_deepspeed.py --cpu-mem 1300M): disk bytes per step 1.97 -> 1.30 GB."""
+    k = chunks(8)  # grads 8U, states 16U, masters 8U: 32U in all
+    h = assign_homes(kinds=k, host=30 * U, nvme=True)
+    in_dram = {kind: sum(h.tiers[c][kind] == "host" for c in range(8)) for kind in ("state", "master")}
+    assert in_dram["master"] == 8 and 0 < in_dram["state"] < 8
+    assert all(h.tiers[c]["state"] == "nvme" for c in range(8) if h.tiers[c]["state"] != "host")
+    assert h.bounce == bounce_bytes(k, h.tiers) and sum(h.bytes["host"].values()) + h.bounce <= 30 * U
 
 
 def test_grads_overflow_to_nvme_when_dram_is_short():

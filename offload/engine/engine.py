@@ -430,7 +430,8 @@ class Engine:
                     self.grads.spill.write_handed(c)
             return
         update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks, handed=handed,
-                   resident=self.residency.copy_master, carry=self._ahead, expect=self._expected(chunks))
+                   resident=self.residency.copy_master, carry=self._ahead, expect=self._expected(chunks),
+                   refresh=self.residency.refresh_master)
 
     def _expected(self, chunks: list[int]) -> int | None:
         """The chunk the last step updated early after `chunks` (one rank), unless this step
@@ -521,6 +522,10 @@ class Engine:
                 self._begin_warmup()
             self.grads.begin_step()
             self.residency.follower.start_step()
+            # (not with several ranks: a remote chunk's fill is a collective; not MeZO: its
+            # forward perturbs the compute copies)
+            self.residency.keep_next(self.ranks is None and self.minimum_gpu_bytes is not None
+                                     and self.updater.needs_grad)
             self.moments.begin_step(self.steps)
 
     def forward(self, batch: Any) -> torch.Tensor:
@@ -701,12 +706,13 @@ class Engine:
         self.skipped_last = skip
         if not skip:
             update_all(self.store, self.updater, self.hyper, self.bounce, chunks=rest,
-                       resident=self.residency.copy_master, carry=self._ahead)
+                       resident=self.residency.copy_master, carry=self._ahead,
+                       refresh=self.residency.refresh_master)
         drop_ahead(self._ahead)
         self._order, self._order_now = self._order_now, []
         early.clear()
         self.store.grad_scale = None
-        self.residency.cache.evict_all()
+        self.residency.evict_updated()
         self.moments.moment()
         self.residency.follower.end_step()
         self._in_cycle = False
@@ -816,6 +822,7 @@ class Engine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (name, tensor) pairs into their slots, one at a time (meta-device models)."""
+        self.residency.cache.evict_all()  # a compute copy kept over a step's end would be stale
         self.store.load(named_tensors, self.params)
 
     def init_weights_(self, *, seed: int = 0, std: float = 0.02, frozen_only: bool = False) -> None:
@@ -835,6 +842,7 @@ class Engine:
                 else:
                     yield name, torch.zeros(slot.shape)
 
+        self.residency.cache.evict_all()  # a compute copy kept over a step's end would be stale
         self.store.load(tensors(), self.params)
 
     @torch.no_grad()

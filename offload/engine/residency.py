@@ -13,7 +13,11 @@ ranks (offload.engine.ranks), a trainable chunk's bytes come from its owner's ho
 fills the buffer and broadcasts it, on the copy thread, in the same order on every rank.
 
 The update of a swapped chunk takes its fp32 master from the cached compute copy while there is
-one (`copy_master`; simulated device).
+one (`copy_master`; simulated device). After its update, a chunk the next step's forward starts
+with (`keep`: the first chunks the schedule holds) has its cached copy rewritten from the new
+master (`refresh_master`) and stays resident over the step's end (`evict_updated`), so the next
+forward does not begin by reading back from NVMe what the update has just written there; frozen
+chunks among them stay as they are (nothing changed them).
 
 Also the storage identities the saved-tensor hooks need: `streamed_storage` (a resident copy's
 storage -> its chunk) and `home_storage` (the storages of device-home chunks).
@@ -67,6 +71,9 @@ class Residency:
         self.home_storage: set[int] = set()  # storage_key of device-home chunks
         self.follower = TraceFollower()
         self.copied_masters = 0  # swapped masters the update took from the cache (copy_master)
+        self.keep: tuple[int, ...] = ()  # chunks the next step starts with, in order (keep_next)
+        self.fresh: set[int] = set()  # of those, the ones whose cached copy holds the new master
+        self.kept = 0  # chunks kept resident over a step's end, over the run
         self.guard = ReadGuard(self._on_read)
         # per running module (None: the loss function), the chunks read there that it does not own
         self._frames: list[tuple[torch.nn.Module | None, list[int]]] = []
@@ -97,8 +104,7 @@ class Residency:
         while that is cached and filled (offload.runtime.swapping.update_all: one NVMe read less);
         False when it is not. Only on the simulated device and in fp32 runs, where the compute
         copy is the master's bytes (CUDA: the copy would have to wait for the fill's event)."""
-        if not (self.device.type != "cuda" and self.store.compute_dtype == torch.float32
-                and self.store.chunks[cid].compute is None and not self.store.is_encoded(cid)):
+        if not self._master_bytes(cid):
             return False
         with self.cache.lent(cid) as buf:
             if buf is None:
@@ -106,6 +112,40 @@ class Residency:
             dst.copy_(buf)
         self.copied_masters += 1
         return True
+
+    def _master_bytes(self, cid: int) -> bool:
+        """Chunk `cid`'s compute copy is its fp32 master's bytes (simulated device, fp32 run)."""
+        return (self.device.type != "cuda" and self.store.compute_dtype == torch.float32
+                and self.store.chunks[cid].compute is None and not self.store.is_encoded(cid))
+
+    def keep_next(self, allowed: bool) -> None:
+        """(A step begins.) Which chunks to keep resident over this step's end: those the
+        schedule holds after its first event; none when not `allowed`."""
+        self.keep = self.follower.first_resident() if allowed else ()
+        self.fresh = set()
+
+    def refresh_master(self, cid: int, master: torch.Tensor) -> None:
+        """(The update's thread, chunk `cid` just updated.) A chunk in `keep` whose compute copy
+        is cached and is its master's bytes takes the new master's bytes (a copy in host memory
+        instead of the next forward's NVMe read)."""
+        if cid not in self.keep or not self._master_bytes(cid):
+            return
+        with self.cache.lent(cid) as buf:
+            if buf is None:
+                return
+            buf.copy_(master)
+        self.fresh.add(cid)
+
+    def evict_updated(self) -> None:
+        """(The update is done.) Evict the stale compute copies; keep the refreshed ones and
+        frozen ones the next step starts with, and start fetching the others of those (e.g. an
+        embedding whose backward did not read it: not cached at its update), so the next
+        forward finds them there or on their way."""
+        keep = {c for c in self.keep if c in self.fresh or self.store.is_frozen(c)}
+        self.fresh = set()
+        self.cache.evict_all(keep=keep)
+        self.kept += sum(1 for c in keep if self.cache.resident(c))
+        self.cache.apply((), tuple(c for c in self.keep if not self.cache.resident(c)))
 
     # -- the cache's callbacks (compute thread) -------------------------------------------
     def _fetch(self, cid: int, buf: torch.Tensor) -> Ticket:

@@ -9,8 +9,11 @@ Policy, CXL-aware:
    staging buffer while they arrive and written out once complete.
 2. Compute copies (bf16 runs only; in fp32 the master is the compute copy) are
    latency-tolerant: they prefer CXL, then DRAM.
-3. The optimizer's working set — state, then master — fills the DRAM that is left, kind by
-   kind (all states before any master, since states are read and written every step).
+3. The optimizer's working set fills the DRAM that is left, kind by kind: first the masters
+   that are also the compute source (fp32 runs: on NVMe such a master is read in forward, read
+   again in backward once evicted, and written by the update, and the compute waits for its
+   reads), then the states (read and written every step, off the compute's path), then the
+   other masters.
 4. What does not fit overflows to CXL, then NVMe (when an --nvme-path is given).
 When anything lives on NVMe, host DRAM also holds bounce buffers (4096-byte aligned): two
 update sets, each the largest chunk's NVMe-resident bytes (the update works on one while the
@@ -70,7 +73,9 @@ def assign_homes(*, kinds: dict[int, dict[str, int]], host: "int | None", cxl: "
         by_kind = {k: [(c, k) for c in kinds if k in kinds[c]] for k in KIND_ORDER}
         grads_left = _fill(kinds, by_kind["grad"], "host", free, out)
         compute_left = _fill(kinds, by_kind["compute"], "cxl", free, out)
-        working_left = _fill(kinds, by_kind["state"] + by_kind["master"], "host", free, out)
+        sources = [(c, k) for c, k in by_kind["master"] if "compute" not in kinds[c]]
+        others = [(c, k) for c, k in by_kind["master"] if "compute" in kinds[c]]
+        working_left = _fill(kinds, sources + by_kind["state"] + others, "host", free, out)
         compute_left = _fill(kinds, compute_left, "host", free, out)
         rest = _fill(kinds, grads_left + working_left + compute_left, "cxl", free, out)
         rest = _fill(kinds, rest, "nvme", free, out)

@@ -158,9 +158,10 @@ class ResidentCache:
         """Let the spare buffers go (the engine closes)."""
         self.spares = []
 
-    def evict_all(self) -> None:
-        """Drop every unpinned chunk (after an update their compute copies are stale)."""
-        for cid in [c for c, e in self.entries.items() if e.pins == 0]:
+    def evict_all(self, keep: "frozenset[int] | set[int]" = frozenset()) -> None:
+        """Drop every unpinned chunk but those in `keep` (after an update their compute copies
+        are stale, unless rewritten from the new masters: offload.engine.residency.refresh_master)."""
+        for cid in [c for c, e in self.entries.items() if e.pins == 0 and c not in keep]:
             self._evict(cid)
 
     # -- internals -------------------------------------------------------------------

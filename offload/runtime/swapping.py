@@ -83,7 +83,8 @@ def drop_ahead(carry: dict) -> None:
 def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | None, *,
                chunks: list[int] | None = None, handed: "dict[int, tuple[torch.Tensor, Any]] | None" = None,
                resident: "Callable[[int, torch.Tensor], bool] | None" = None,
-               carry: "dict | None" = None, expect: int | None = None) -> None:
+               carry: "dict | None" = None, expect: int | None = None,
+               refresh: "Callable[[int, torch.Tensor], None] | None" = None) -> None:
     """One optimizer step on `chunks` (default: every chunk): in-memory ones in place, swapped
     ones pipelined through the two bounce sets. `handed`: {chunk: (gradient, give_back)} for
     chunks whose NVMe gradient is still in a host buffer: used from there (not read back), and
@@ -93,7 +94,8 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
     `carry` (a dict kept between calls that never overlap): while the last chunk is updated, the
     master and state of swapped chunk `expect` are read ahead into the free set and left in
     carry["ahead"] (a ReadAhead); a later call whose first swapped chunk it is starts from them
-    (counted in carry["issued"] and carry["used"])."""
+    (counted in carry["issued"] and carry["used"]).
+    `refresh(chunk, master)`: called with each chunk's new master right after its update."""
     handed = {} if handed is None else handed
     todo = [c for c in (range(len(store.chunks)) if chunks is None else chunks) if not store.is_frozen(c)]
     swapped = [c for c in todo if _swapped(store, c)]
@@ -137,6 +139,8 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
     for cid in todo:  # while the first read is in flight
         if cid not in swapped:
             _step(store.chunks[cid], cid, updater, hyper, {})
+            if refresh is not None and store.chunks[cid].master is not None:
+                refresh(cid, store.chunks[cid].master)
     for i, cid in enumerate(swapped):
         views, reads = pending
         if i + 1 < len(swapped):
@@ -151,6 +155,8 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
         if "grad" in views and store.grad_scale is not None:
             views["grad"].mul_(store.grad_scale)
         _step(ch, cid, updater, hyper, views)
+        if refresh is not None and "master" in views:
+            refresh(cid, views["master"])
         if cid in handed:
             handed.pop(cid)[1]()
         writes[(base + i) % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)

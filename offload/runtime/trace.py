@@ -58,6 +58,15 @@ class TraceFollower:
             self._rec_phases.append(phase)
         return None
 
+    def first_resident(self) -> tuple[int, ...]:
+        """The chunks the schedule holds right after its first event (the step's first
+        acquisition, then the prefetches it starts), in that order: a step may begin with these
+        resident without upsetting the schedule's room (offload.engine.residency.keep)."""
+        if self.actions is None or not self.events or self.events[0][0] != ACQUIRE:
+            return ()
+        a, first = self.actions[0], self.events[0][1]
+        return tuple(dict.fromkeys(c for c in (first, *a.prefetch) if c not in a.prefetch_evict))
+
     def drop(self) -> None:
         self.events = self.actions = None
         self._recording = None
