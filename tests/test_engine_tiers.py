@@ -78,6 +78,31 @@ def test_weights_loaded_between_steps_replace_the_copies_kept_over_a_steps_end(t
     eng.close()
 
 
+def test_a_failed_write_back_stops_the_run_with_no_wrong_loss(tmp_path, monkeypatch):
+    """The update's last write-backs outlive the step (update_all's `defer`): a write that
+    fails there stops the run at the next step at the latest, and every loss returned before
+    is the reference's (nothing read from the failed file reaches a forward)."""
+    import errno
+
+    data = batches(6)
+    ref_losses, _ = train_reference(tiny_llama(), data)
+    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="1M",
+                 nvme_path=str(tmp_path / "swap"))
+    losses = [eng.step(b) for b in data[:2]]
+    real = os.pwritev
+
+    def full(fd, bufs, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full)
+    with pytest.raises(NvmeError, match="No space left|no valid data"):
+        for b in data[2:]:
+            losses.append(eng.step(b))
+    assert 2 <= len(losses) <= 3 and losses == ref_losses[: len(losses)]
+    monkeypatch.setattr(os, "pwritev", real)
+    eng.close()
+
+
 def mixed_precision_reference(model, data, *, lr=1e-3):
     """bf16 compute, fp32 master weights and AdamW: the textbook mixed-precision loop."""
     master = copy.deepcopy(model)

@@ -431,7 +431,7 @@ class Engine:
             return
         update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks, handed=handed,
                    resident=self.residency.copy_master, carry=self._ahead, expect=self._expected(chunks),
-                   refresh=self.residency.refresh_master)
+                   refresh=self.residency.refresh_master, defer=True)
 
     def _expected(self, chunks: list[int]) -> int | None:
         """The chunk the last step updated early after `chunks` (one rank), unless this step
@@ -707,7 +707,7 @@ class Engine:
         if not skip:
             update_all(self.store, self.updater, self.hyper, self.bounce, chunks=rest,
                        resident=self.residency.copy_master, carry=self._ahead,
-                       refresh=self.residency.refresh_master)
+                       refresh=self.residency.refresh_master, defer=True)
         drop_ahead(self._ahead)
         self._order, self._order_now = self._order_now, []
         early.clear()

@@ -39,9 +39,22 @@ class Bounce:
         self.sets = [aligned_empty(sizes.update_set, pin=pin) for _ in range(2)]
         self.staging = aligned_empty(sizes.fetch, pin=pin)
         self.grad_staging = [aligned_empty(sizes.grad, pin=pin) for _ in range(2 if sizes.grad else 0)]
+        # per update set, the NVMe requests still using it: an update's write-back may outlive
+        # its update_all (`defer`); whoever takes the set next waits for them (views)
+        self.pending: dict[int, list[Future]] = {0: [], 1: []}
+
+    def settle(self, slot: int | None = None) -> None:
+        """Wait for the requests still using update set `slot` (None: both); re-raises their
+        first error (the key's swap file is then marked invalid: offload.runtime.nvme)."""
+        for s in ((0, 1) if slot is None else (slot,)):
+            futures, self.pending[s] = self.pending[s], []
+            for f in futures:
+                f.result()
 
     def views(self, slot: int, cid: int) -> dict[str, torch.Tensor]:
-        """Tensors for chunk `cid`'s swapped kinds, carved from update set `slot`."""
+        """Tensors for chunk `cid`'s swapped kinds, carved from update set `slot` (once the
+        requests still using that set are done)."""
+        self.settle(slot)
         out, off = {}, 0
         for _, name, d in self.store.chunks[cid].kinds():
             if isinstance(d, SwapKind):
@@ -84,7 +97,7 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
                chunks: list[int] | None = None, handed: "dict[int, tuple[torch.Tensor, Any]] | None" = None,
                resident: "Callable[[int, torch.Tensor], bool] | None" = None,
                carry: "dict | None" = None, expect: int | None = None,
-               refresh: "Callable[[int, torch.Tensor], None] | None" = None) -> None:
+               refresh: "Callable[[int, torch.Tensor], None] | None" = None, defer: bool = False) -> None:
     """One optimizer step on `chunks` (default: every chunk): in-memory ones in place, swapped
     ones pipelined through the two bounce sets. `handed`: {chunk: (gradient, give_back)} for
     chunks whose NVMe gradient is still in a host buffer: used from there (not read back), and
@@ -95,22 +108,23 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
     master and state of swapped chunk `expect` are read ahead into the free set and left in
     carry["ahead"] (a ReadAhead); a later call whose first swapped chunk it is starts from them
     (counted in carry["issued"] and carry["used"]).
-    `refresh(chunk, master)`: called with each chunk's new master right after its update."""
+    `refresh(chunk, master)`: called with each chunk's new master right after its update.
+    `defer`: return without waiting for the last write-backs (they stay in `bounce.pending`,
+    waited for by whoever takes their set next, or by `bounce.settle()`): the next early update,
+    or the next step's forward, starts while they drain; a read of the same key waits for them
+    (offload.runtime.nvme keeps one key's requests in order)."""
     handed = {} if handed is None else handed
     todo = [c for c in (range(len(store.chunks)) if chunks is None else chunks) if not store.is_frozen(c)]
     swapped = [c for c in todo if _swapped(store, c)]
-    writes: dict[int, list[Future]] = {0: [], 1: []}
+    writes = bounce.pending if bounce is not None else {0: [], 1: []}
     held = carry.pop("ahead", None) if carry is not None else None
     base = held.slot if held is not None else 0  # set of the i-th swapped chunk: (base + i) % 2
     if held is not None and (not swapped or swapped[0] != held.cid):
-        writes[held.slot] = held.reads  # not the chunk read ahead: its set is free once those land
+        writes[held.slot] = writes[held.slot] + held.reads  # not the chunk read ahead: free once those land
         held = None
 
     def read(cid: int, slot: int, *, grad: bool) -> tuple[dict[str, torch.Tensor], list[Future]]:
-        for f in writes[slot]:  # the set is free once its last write-back finished
-            f.result()
-        writes[slot] = []
-        views = bounce.views(slot, cid)
+        views = bounce.views(slot, cid)  # (waits until the set's last write-back finished)
         kinds = [(n, d) for n, d in _swapped(store, cid)
                  if n != "compute"  # the compute copy is rewritten from the master
                  and (n != "grad" or grad)]
@@ -161,9 +175,8 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
             handed.pop(cid)[1]()
         writes[(base + i) % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)
                                   if n != "grad"]  # the next cycle overwrites the gradient anyway
-    for fs in writes.values():
-        for f in fs:
-            f.result()
+    if bounce is not None and not defer:
+        bounce.settle()
 
 
 def _step(ch: Any, cid: int, updater: Any, hyper: Any, views: dict[str, torch.Tensor]) -> None:
