@@ -78,6 +78,29 @@ def test_weights_loaded_between_steps_replace_the_copies_kept_over_a_steps_end(t
     eng.close()
 
 
+def test_the_first_update_of_a_backward_starts_from_a_read_ahead(tmp_path):
+    """The master and state of the chunk that completed first in the last backward are read
+    before backward starts (not once its gradient is complete): the first update does not
+    begin with a wait on the disk. Bit-exact against plain PyTorch."""
+    data = batches(4)
+    ref_losses, _ = train_reference(tiny_llama(), data)
+    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="1M",
+                 nvme_path=str(tmp_path / "swap"))
+    events = []
+    read, submit = eng.nvme.read_async, eng.early.submit
+    eng.nvme.read_async = lambda key, *a, **k: (events.append(("read", key)), read(key, *a, **k))[1]
+    eng.early.submit = lambda cid, *a, **k: (events.append(("complete", cid)), submit(cid, *a, **k))[1]
+    losses = []
+    for b in data:
+        events.clear()
+        losses.append(eng.step(b))
+    first = eng._order[0]
+    assert any(t == "nvme" for t in eng.homes.tiers[first].values())
+    assert events.index(("read", f"c{first}.state")) < events.index(("complete", first))
+    assert losses == ref_losses
+    eng.close()
+
+
 def test_a_failed_write_back_stops_the_run_with_no_wrong_loss(tmp_path, monkeypatch):
     """The update's last write-backs outlive the step (update_all's `defer`): a write that
     fails there stops the run at the next step at the latest, and every loss returned before

@@ -10,8 +10,9 @@ One worker thread takes the chunks in the order they complete, in batches, and r
 update (`update_all`) as the end of the step; the step's own update then skips them.
 A chunk whose gradient lives on NVMe comes with it still in host memory (`handed`: the gradient
 spill's staging buffer, offload.engine.gradspill), so the update neither waits for its write
-nor reads it back; the buffer goes back to the spill once that chunk is updated. Each pass
-also reads ahead the master and state of the chunk that completed next in the last step
+nor reads it back; the buffer goes back to the spill once that chunk is updated. Before
+backward the worker starts reading the master and state of the chunk that completed first in
+the last step (`ahead`); each pass also reads ahead those of the chunk that completed next
 (offload.runtime.swapping.update_all, `expect`), and takes an fp32 master from the device cache
 while it is there (offload.engine.residency.copy_master).
 After a failure the worker runs no more updates until wait() has reported it: with several
@@ -55,11 +56,39 @@ class EarlyUpdater:
             self._idle.clear()
         self.jobs.put((cid, tickets, handed, final))
 
+    def ahead(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (a read-ahead: offload.runtime.swapping.read_ahead) on the worker, before the
+        updates submitted after it; a failure is reported as an update's."""
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self.jobs.put(fn)
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        try:
+            if self.error is None:
+                fn()
+        except BaseException as exc:
+            self.error = exc
+            if self.on_error is not None:
+                self.on_error(exc)
+        finally:
+            self._done(1)
+
+    def _done(self, n: int) -> None:
+        with self._lock:
+            self._pending -= n
+            if self._pending == 0:
+                self._idle.set()
+
     def _work(self) -> None:
         while True:
             item = self.jobs.get()
             if item is None:
                 return
+            if callable(item):
+                self._run(item)
+                continue
             batch = [item]
             while True:  # take every chunk already complete: one pipelined pass over them
                 try:
@@ -69,6 +98,9 @@ class EarlyUpdater:
                 if nxt is None:
                     self.jobs.put(None)
                     break
+                if callable(nxt):
+                    self._run(nxt)
+                    continue
                 batch.append(nxt)
             handed = {c: h for c, _, h, _ in batch if h is not None}
             final = all(f for *_, f in batch)  # (one backward's jobs: all final or none)
@@ -89,10 +121,7 @@ class EarlyUpdater:
             finally:
                 for _, give_back in handed.values():  # (once each: update_all pops what it used)
                     give_back()
-            with self._lock:
-                self._pending -= len(batch)
-                if self._pending == 0:
-                    self._idle.set()
+            self._done(len(batch))
 
     def wait(self) -> None:
         """Block until every submitted chunk is updated; re-raise a failure."""

@@ -74,7 +74,7 @@ from ..runtime.executor import Executor
 from ..runtime.ledger import TIERS
 from ..runtime.nvme import threads_per_rank
 from ..runtime.store import ChunkStore, SwapKind, frozen_kind_bytes, kind_bytes
-from ..runtime.swapping import Bounce, drop_ahead, update_all
+from ..runtime.swapping import Bounce, drop_ahead, read_ahead, update_all
 from ..runtime.tiers import pick_device
 from ..runtime.trace import Phase
 from ..update.update import Hyper
@@ -608,6 +608,10 @@ class Engine:
             self.grads.early_on = (self.overlap_update and self.grad_clip is None
                                    and i == mine[-1] and self.grads.uses is not None and finite
                                    and not (self.ranks is not None and self.skip_nonfinite))
+            if self.grads.early_on and self.ranks is None and self._order and self.bounce is not None:
+                first = self._order[0]  # (the worker is idle: the last step waited for it)
+                self.grads.early.ahead(lambda: read_ahead(self.store, self.bounce, self._ahead, first,
+                                                          resident=self.residency.copy_master))
             try:
                 self.backward(loss * weights[i] if weights[i] != 1.0 else loss)
             finally:

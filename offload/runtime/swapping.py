@@ -42,6 +42,7 @@ class Bounce:
         # per update set, the NVMe requests still using it: an update's write-back may outlive
         # its update_all (`defer`); whoever takes the set next waits for them (views)
         self.pending: dict[int, list[Future]] = {0: [], 1: []}
+        self.last = 1  # the set of the latest write-back: the other one is free first
 
     def settle(self, slot: int | None = None) -> None:
         """Wait for the requests still using update set `slot` (None: both); re-raises their
@@ -118,21 +119,14 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
     swapped = [c for c in todo if _swapped(store, c)]
     writes = bounce.pending if bounce is not None else {0: [], 1: []}
     held = carry.pop("ahead", None) if carry is not None else None
-    base = held.slot if held is not None else 0  # set of the i-th swapped chunk: (base + i) % 2
+    # set of the i-th swapped chunk: (base + i) % 2, the first one not the latest written
+    base = held.slot if held is not None else 1 - bounce.last if bounce is not None else 0
     if held is not None and (not swapped or swapped[0] != held.cid):
         writes[held.slot] = writes[held.slot] + held.reads  # not the chunk read ahead: free once those land
         held = None
 
     def read(cid: int, slot: int, *, grad: bool) -> tuple[dict[str, torch.Tensor], list[Future]]:
-        views = bounce.views(slot, cid)  # (waits until the set's last write-back finished)
-        kinds = [(n, d) for n, d in _swapped(store, cid)
-                 if n != "compute"  # the compute copy is rewritten from the master
-                 and (n != "grad" or grad)]
-        reads = [store.nvme.read_async(d.key, views[n]) for n, d in kinds if n != "master"]
-        master = [d for n, d in kinds if n == "master"]
-        if master and not (resident is not None and resident(cid, views["master"])):  # (while those read)
-            reads.append(store.nvme.read_async(master[0].key, views["master"]))
-        return views, reads
+        return _read(store, bounce, cid, slot, grad=grad, resident=resident)
 
     def start(i: int) -> tuple[dict[str, torch.Tensor], list[Future]]:
         cid = swapped[i]
@@ -175,8 +169,38 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
             handed.pop(cid)[1]()
         writes[(base + i) % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)
                                   if n != "grad"]  # the next cycle overwrites the gradient anyway
+        bounce.last = (base + i) % 2
     if bounce is not None and not defer:
         bounce.settle()
+
+
+def _read(store: ChunkStore, bounce: Bounce, cid: int, slot: int, *, grad: bool,
+          resident: "Callable[[int, torch.Tensor], bool] | None") -> tuple[dict[str, torch.Tensor], list[Future]]:
+    """Start reading chunk `cid`'s swapped master and state (and gradient if `grad`) into update
+    set `slot`, once the requests still using that set are done; its master from a cached
+    compute copy where `resident` can."""
+    views = bounce.views(slot, cid)
+    kinds = [(n, d) for n, d in _swapped(store, cid)
+             if n != "compute"  # the compute copy is rewritten from the master
+             and (n != "grad" or grad)]
+    reads = [store.nvme.read_async(d.key, views[n]) for n, d in kinds if n != "master"]
+    master = [d for n, d in kinds if n == "master"]
+    if master and not (resident is not None and resident(cid, views["master"])):  # (while those read)
+        reads.append(store.nvme.read_async(master[0].key, views["master"]))
+    return views, reads
+
+
+def read_ahead(store: ChunkStore, bounce: Bounce | None, carry: dict, cid: int, *,
+               resident: "Callable[[int, torch.Tensor], bool] | None" = None) -> None:
+    """Before backward: start reading the master and state of swapped chunk `cid` (the first to
+    complete in the last step) into the set written least recently, for update_all to start
+    from (carry["ahead"], as its own read-ahead): the first update of a backward then does not
+    begin with a wait on the disk. Nothing when a read-ahead is held or `cid` is not swapped."""
+    if bounce is None or "ahead" in carry or not _swapped(store, cid) or store.is_frozen(cid):
+        return
+    slot = 1 - bounce.last
+    carry["ahead"] = ReadAhead(cid, slot, *_read(store, bounce, cid, slot, grad=False, resident=resident))
+    carry["issued"] = carry.get("issued", 0) + 1
 
 
 def _step(ch: Any, cid: int, updater: Any, hyper: Any, views: dict[str, torch.Tensor]) -> None:
