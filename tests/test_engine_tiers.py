@@ -101,6 +101,34 @@ def test_the_first_update_of_a_backward_starts_from_a_read_ahead(tmp_path):
     eng.close()
 
 
+def test_an_update_that_fails_midway_leaves_no_read_in_flight(tmp_path, monkeypatch):
+    """An update that raises after it started reading the next chunk into the other set: the
+    error leaves once those reads landed (a later read into that set would race them)."""
+    import time
+
+    data = batches(3)
+    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="1M",
+                 nvme_path=str(tmp_path / "swap"), overlap_update=False)  # one update_all, every chunk
+    for b in data[:2]:
+        eng.step(b)
+    reads, real_read, real_preadv = [], eng.nvme.read_async, os.preadv
+    eng.nvme.read_async = lambda *a, **k: (reads.append(real_read(*a, **k)), reads[-1])[1]
+    monkeypatch.setattr(os, "preadv", lambda *a: (time.sleep(0.05), real_preadv(*a))[1])
+    calls, real_step = [0], eng.updater.step
+
+    def failing(*a, **k):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("update failed")
+        return real_step(*a, **k)
+
+    eng.updater.step = failing
+    with pytest.raises(RuntimeError, match="update failed"):
+        eng.step(data[2])
+    assert reads and all(f.done() for f in reads)
+    eng.close()
+
+
 def test_a_failed_write_back_stops_the_run_with_no_wrong_loss(tmp_path, monkeypatch):
     """The update's last write-backs outlive the step (update_all's `defer`): a write that
     fails there stops the run at the next step at the latest, and every loss returned before

@@ -16,7 +16,7 @@ is still being computed, so its update does not start with a wait on the disk.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -140,36 +140,43 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
             views, reads = read(cid, (base + i) % 2, grad=cid not in handed)
         if cid in handed:
             views["grad"] = handed[cid][0]
+        started.extend(reads)
         return views, reads
 
     ahead = carry is not None and expect is not None and expect not in todo and bool(_swapped(store, expect))
-    pending = start(0) if swapped else None
-    for cid in todo:  # while the first read is in flight
-        if cid not in swapped:
-            _step(store.chunks[cid], cid, updater, hyper, {})
-            if refresh is not None and store.chunks[cid].master is not None:
-                refresh(cid, store.chunks[cid].master)
-    for i, cid in enumerate(swapped):
-        views, reads = pending
-        if i + 1 < len(swapped):
-            pending = start(i + 1)
-        elif ahead:
-            slot = (base + i + 1) % 2
-            carry["ahead"] = ReadAhead(expect, slot, *read(expect, slot, grad=False))
-            carry["issued"] = carry.get("issued", 0) + 1
-        for f in reads:
-            f.result()
-        ch = store.chunks[cid]
-        if "grad" in views and store.grad_scale is not None:
-            views["grad"].mul_(store.grad_scale)
-        _step(ch, cid, updater, hyper, views)
-        if refresh is not None and "master" in views:
-            refresh(cid, views["master"])
-        if cid in handed:
-            handed.pop(cid)[1]()
-        writes[(base + i) % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)
-                                  if n != "grad"]  # the next cycle overwrites the gradient anyway
-        bounce.last = (base + i) % 2
+    started: list[Future] = []  # reads into the sets: waited for before an error leaves
+    try:
+        pending = start(0) if swapped else None
+        for cid in todo:  # while the first read is in flight
+            if cid not in swapped:
+                _step(store.chunks[cid], cid, updater, hyper, {})
+                if refresh is not None and store.chunks[cid].master is not None:
+                    refresh(cid, store.chunks[cid].master)
+        for i, cid in enumerate(swapped):
+            views, reads = pending
+            if i + 1 < len(swapped):
+                pending = start(i + 1)
+            elif ahead:
+                slot = (base + i + 1) % 2
+                carry["ahead"] = ReadAhead(expect, slot, *read(expect, slot, grad=False))
+                started.extend(carry["ahead"].reads)
+                carry["issued"] = carry.get("issued", 0) + 1
+            for f in reads:
+                f.result()
+            ch = store.chunks[cid]
+            if "grad" in views and store.grad_scale is not None:
+                views["grad"].mul_(store.grad_scale)
+            _step(ch, cid, updater, hyper, views)
+            if refresh is not None and "master" in views:
+                refresh(cid, views["master"])
+            if cid in handed:
+                handed.pop(cid)[1]()
+            writes[(base + i) % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)
+                                      if n != "grad"]  # the next cycle overwrites the gradient anyway
+            bounce.last = (base + i) % 2
+    except BaseException:
+        wait(started)  # (their sets are taken next by whoever reads into them)
+        raise
     if bounce is not None and not defer:
         bounce.settle()
 
