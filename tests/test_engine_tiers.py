@@ -78,6 +78,32 @@ def test_weights_loaded_between_steps_replace_the_copies_kept_over_a_steps_end(t
     eng.close()
 
 
+def test_fp32_masters_in_dram_with_states_on_nvme_keep_every_cached_first_chunk(tmp_path):
+    """fp32 masters take DRAM before states (offload.plan.homes): a chunk whose state is on
+    NVMe but whose master is in DRAM is updated through the bounce sets too; its cached copy
+    must still be rewritten from the new master and kept over the step's end, not evicted and
+    fetched again. Bit-exact with plain PyTorch."""
+    data = batches(5)
+    ref_losses, ref = train_reference(tiny_llama(), data)
+    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="1500K",
+                 nvme_path=str(tmp_path / "swap"))
+    assert eng.homes.bytes["nvme"]["state"] > 0 and "master" not in eng.homes.bytes["nvme"]
+    res, cached, kept = eng.residency, [], []
+
+    def evict_updated(orig=res.evict_updated):
+        cached.append(sum(res.cache.resident(c) for c in res.keep))  # cached through their update
+        before = res.kept
+        orig()
+        kept.append(res.kept - before)
+
+    res.evict_updated = evict_updated
+    assert [eng.step(b) for b in data] == ref_losses
+    assert sum(cached) > len(data) and kept == cached  # each of them kept, none fetched again
+    mine = weights(eng)
+    assert all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
+    eng.close()
+
+
 def mixed_precision_reference(model, data, *, lr=1e-3):
     """bf16 compute, fp32 master weights and AdamW: the textbook mixed-precision loop."""
     master = copy.deepcopy(model)
