@@ -409,6 +409,7 @@ class Engine:
             compute_itemsize=self.compute_dtype.itemsize, ranks=self.ranks,
             transient=transient,
             reduce_rest=self._reduce_rest)
+        res.on_backward_read = self.grads.read_in_backward
         surgery.keep(p.register_post_accumulate_grad_hook(self.grads.grad_ready)
                      for p in self.params.values() if p.requires_grad)  # frozen ones get no gradient
         if self.offload_activations:

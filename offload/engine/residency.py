@@ -74,6 +74,9 @@ class Residency:
         self.keep: tuple[int, ...] = ()  # chunks the next step starts with, in order (keep_next)
         self.fresh: set[int] = set()  # of those, the ones whose cached copy holds the new master
         self.kept = 0  # chunks kept resident over a step's end, over the run
+        # backward acquires chunk c (a recompute, a saved weight): the gradient router is told, so
+        # a chunk still read there is not updated (its copy rewritten) early (offload.engine.gradients)
+        self.on_backward_read: Callable[[int], None] | None = None
         self.guard = ReadGuard(self._on_read)
         # per running module (None: the loss function), the chunks read there that it does not own
         self._frames: list[tuple[torch.nn.Module | None, list[int]]] = []
@@ -293,6 +296,8 @@ class Residency:
         phase = self.timeline.phase
         if phase == Phase.EVAL:  # off the trace: evaluation is not part of a step
             return self.cache.acquire(cid)
+        if phase == Phase.BACKWARD and self.on_backward_read is not None:
+            self.on_backward_read(cid)
         actions = self.follower.event(ACQUIRE, cid, phase)
         if actions is not None and not self.cache.apply(actions.evict, ()):
             self.follower.drop()
