@@ -927,6 +927,7 @@ class Engine:
         weights with named_parameters_fp32 before closing, and load_state_dict(..., assign=True)
         to use the model again."""
         self.executor.drain()
+        self.residency.cache.evict_all()  # (the next step's first chunks, kept over the last step's end)
         self.executor.close()
         self.residency.cache.drop_spares()
         if self.grads.early is not None:
