@@ -456,7 +456,7 @@ def test_activation_tracker_books_activations_and_refers_to_chunks():
 
     class Res:
         streamed_storage = {storage_key(chunk): 5}
-        home_storage: set = set()
+        home_storage: dict = {}
         touched: list = []
 
         def touch_chunk(self, cid):
