@@ -296,6 +296,30 @@ def test_cache_lends_a_filled_buffer_and_eviction_waits_for_it():
     ex.close()
 
 
+def test_evicting_a_chunk_whose_fetch_failed_waits_for_it_and_does_not_raise():
+    """The fetch's error goes to whoever uses the bytes (an acquisition); evicting the unused
+    buffer (a prefetch, or close() dropping what the failed step left) only waits for the copy."""
+    sizes = {0: 64, 1: 64}
+    ex = Executor(device=CPU)
+
+    def fetch(c, buf):
+        def fn(stream):
+            raise OSError(f"chunk {c}: checksum mismatch")
+        return ex.job("h2d", fn, nbytes=0)
+
+    ledger = Ledger({"gpu": None})
+    cache = ResidentCache(tiers=Tiers(ledger=ledger, device=CPU), executor=ex, limit=1 << 20,
+                          dtype=torch.float32, numel=sizes.__getitem__, fetch=fetch,
+                          on_resident=lambda c, buf: None, on_evict=lambda c: None)
+    cache.apply((), (0, 1))
+    with pytest.raises(OSError, match="chunk 0: checksum mismatch"):
+        cache.acquire(0)
+    cache.release(0)
+    cache.evict_all()
+    assert not cache.entries and ledger.usage()["gpu"].get("compute", 0) == 0
+    ex.close()
+
+
 # -- surgery -------------------------------------------------------------------------------
 def hook_state(model):
     return [(type(m).__name__, "forward" in m.__dict__, len(m._forward_pre_hooks), len(m._forward_hooks),
@@ -456,7 +480,7 @@ def test_activation_tracker_books_activations_and_refers_to_chunks():
 
     class Res:
         streamed_storage = {storage_key(chunk): 5}
-        home_storage: set = set()
+        home_storage: dict = {}
         touched: list = []
 
         def touch_chunk(self, cid):

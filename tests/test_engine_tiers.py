@@ -51,7 +51,7 @@ def test_fp32_bit_exact_with_state_on_nvme_and_cxl(tmp_path, tiers):
     cache = eng.residency.cache
     eng.close()
     assert not (tmp_path / "swap").exists() or not os.listdir(tmp_path / "swap")
-    assert not cache.spares  # the cache's reused buffers go with the engine
+    assert not cache.spares and not cache.entries  # the cache's buffers (kept ones too) go with the engine
 
 
 @pytest.mark.parametrize("load", ["load_weights", "init_weights_"])
@@ -151,6 +151,31 @@ def test_a_failed_write_back_stops_the_run_with_no_wrong_loss(tmp_path, monkeypa
             losses.append(eng.step(b))
     assert 2 <= len(losses) <= 3 and losses == ref_losses[: len(losses)]
     monkeypatch.setattr(os, "pwritev", real)
+
+
+def test_fp32_masters_in_dram_with_states_on_nvme_keep_every_cached_first_chunk(tmp_path):
+    """fp32 masters take DRAM before states (offload.plan.homes): a chunk whose state is on
+    NVMe but whose master is in DRAM is updated through the bounce sets too; its cached copy
+    must still be rewritten from the new master and kept over the step's end, not evicted and
+    fetched again. Bit-exact with plain PyTorch."""
+    data = batches(5)
+    ref_losses, ref = train_reference(tiny_llama(), data)
+    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="1500K",
+                 nvme_path=str(tmp_path / "swap"))
+    assert eng.homes.bytes["nvme"]["state"] > 0 and "master" not in eng.homes.bytes["nvme"]
+    res, cached, kept = eng.residency, [], []
+
+    def evict_updated(orig=res.evict_updated):
+        cached.append(sum(res.cache.resident(c) for c in res.keep))  # cached through their update
+        before = res.kept
+        orig()
+        kept.append(res.kept - before)
+
+    res.evict_updated = evict_updated
+    assert [eng.step(b) for b in data] == ref_losses
+    assert sum(cached) > len(data) and kept == cached  # each of them kept, none fetched again
+    mine = weights(eng)
+    assert all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
     eng.close()
 
 

@@ -1,7 +1,9 @@
 """Updates that start during backward: a chunk whose gradients are complete is updated while
 backward goes on with earlier layers (its disk reads and writes, and on a GPU machine its CPU
 work, overlap the rest of backward). Only when nothing can still change its gradient: the last
-micro-batch of a step, and no global-norm clipping (which needs every gradient first).
+micro-batch of a step, and no global-norm clipping (which needs every gradient first); and not a
+chunk the first backward still read after its last gradient (a weight also used through
+.detach(): GradientRouter.read_in_backward), whose update would change what backward reads.
 "Complete" is counted from the first backward (GradientRouter._learn_uses): every parameter of the
 chunk has delivered its sum of as many contributions as that backward gave it (a weight
 shared by several recomputed blocks gets one per block).

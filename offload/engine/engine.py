@@ -409,6 +409,7 @@ class Engine:
             compute_itemsize=self.compute_dtype.itemsize, ranks=self.ranks,
             transient=transient,
             reduce_rest=self._reduce_rest)
+        res.on_backward_read = self.grads.read_in_backward
         surgery.keep(p.register_post_accumulate_grad_hook(self.grads.grad_ready)
                      for p in self.params.values() if p.requires_grad)  # frozen ones get no gradient
         if self.offload_activations:
@@ -930,6 +931,7 @@ class Engine:
         weights with named_parameters_fp32 before closing, and load_state_dict(..., assign=True)
         to use the model again."""
         self.executor.drain()
+        self.residency.cache.evict_all()  # (the next step's first chunks, kept over the last step's end)
         self.executor.close()
         self.residency.cache.drop_spares()
         if self.grads.early is not None:

@@ -10,7 +10,8 @@
   seen in a step, add afterwards: the reference's order).
 - Early update: in the last micro-batch (`early_on`), a chunk whose parameters have all sent
   their sums is updated while backward goes on (offload.engine.early); a gradient on NVMe goes
-  to it in its staging buffer, not through the swap file.
+  to it in its staging buffer, not through the swap file. Not a chunk the first backward read
+  after its last contribution (`read_in_backward`): that one is updated at the step's end.
 - Several ranks, owned-only gradients (`transient`, offload.engine.transient): a chunk another
   rank owns accumulates this micro-batch only, in a transient buffer; once complete (`reduce_on`)
   every rank hands it to the worker, which reduces it onto its owner and frees the non-owners'
@@ -58,6 +59,9 @@ class GradientRouter:
         self.uses: dict[str, int] | None = None  # gradients per backward, per parameter (traced)
         self.expected: dict[int, int] = {}  # per chunk, when every parameter in it gets some
         self.gather_bytes = 0  # the most bytes of sums held in p.grad at once (after the warm-up)
+        # first backward: per chunk read in backward, its parameters' contributions so far at its last read
+        self._read_at: dict[int, dict[str, int]] = {}
+        self.read_late: set[int] = set()  # chunks read in backward after their last contribution
         self._inflight: deque = deque()
         self._inflight_bytes = 0
         self._gathered: dict[torch.nn.Parameter, int] = {}  # p.grad kept for more contributions: bytes
@@ -123,6 +127,23 @@ class GradientRouter:
         self.spill = self.new_spill()
         self.store.zero_grads()
         return intact
+
+    def read_in_backward(self, cid: int) -> None:
+        """Backward reads chunk `cid` (a recompute, a saved weight). The first backward notes
+        how many contributions its parameters had by then: a chunk still read after its last
+        one (a weight read but not differentiated there, e.g. through .detach()) is never updated
+        early, as its update (and the rewrite of its cached copy, offload.engine.residency) would
+        change what backward still reads. Later, such a read of a chunk already updated early is
+        refused (the backward changed since the first one)."""
+        if self.plan.is_frozen(cid):
+            return
+        if self.uses is None:
+            self._read_at[cid] = {n: self._counts.get(n, 0) for n in self.plan.chunks[cid].params}
+        elif self.early_on and cid in self._submitted:
+            raise UnsupportedModel(
+                f"backward reads chunk {cid} ({', '.join(self.plan.chunks[cid].params[:2])}...) after it "
+                f"was updated early, which the first backward did not; use overlap_update=False for a "
+                f"model whose backward changes from step to step")
 
     # -- arrival --------------------------------------------------------------------------
     def grad_ready(self, p: torch.nn.Parameter) -> None:
@@ -248,8 +269,10 @@ class GradientRouter:
         got none is not updated early (that slot is zeroed at the end of the step). `uses`:
         those of an earlier run (a resumed one: its first backward then sums as the run did)."""
         self.uses = dict(self._counts if uses is None else uses)
+        self.read_late = {c for c, at in self._read_at.items()
+                          if all(k >= self.uses.get(n, 0) for n, k in at.items())}
         self.expected = {c.index: len(c.params) for c in self.plan.chunks
-                         if all(self.uses.get(name, 0) for name in c.params)}
+                         if all(self.uses.get(name, 0) for name in c.params) and c.index not in self.read_late}
         # the sums later backwards hold in p.grad (at most all at once): the warm-up held none
         self.gather_bytes = sum(self.plan.slots[n].numel for n, k in self.uses.items() if k > 1) \
             * self.compute_itemsize

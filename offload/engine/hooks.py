@@ -40,6 +40,15 @@ class _ChunkRef:
     offset: int
 
 
+@dataclass(frozen=True)
+class _HomeRef:
+    """A saved view of a device-home chunk: the tensor itself (permanent device bytes, already
+    counted); its unpack in backward is a read of that chunk (offload.engine.residency.note_read)."""
+
+    tensor: torch.Tensor
+    cid: int
+
+
 class _Held:
     """An activation kept for backward; gives its bytes back to the ledger when dropped."""
 
@@ -72,8 +81,11 @@ class ActivationTracker:
         cid = res.streamed_storage.get(key)
         if cid is not None:
             return _ChunkRef(cid, tuple(t.size()), tuple(t.stride()), t.storage_offset())
-        if key in res.home_storage or t.device != self.device:
-            return t  # permanent device bytes (already counted) or not in the gpu tier
+        home = res.home_storage.get(key)
+        if home is not None:
+            return _HomeRef(t, home)
+        if t.device != self.device:
+            return t  # not in the gpu tier
         if self.offloader is not None and self.offloader.wants(t):
             return self.offloader.pack(t)
         nbytes = t.untyped_storage().nbytes()
@@ -95,6 +107,9 @@ class ActivationTracker:
         if isinstance(packed, _ChunkRef):
             buf = self.residency.touch_chunk(packed.cid)
             return buf.as_strided(packed.size, packed.stride, packed.offset)
+        if isinstance(packed, _HomeRef):
+            self.residency.note_read(packed.cid)
+            return packed.tensor
         if isinstance(packed, _Held):
             return packed.tensor
         if self.offloader is not None and not isinstance(packed, torch.Tensor):

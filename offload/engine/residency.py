@@ -20,7 +20,7 @@ forward does not begin by reading back from NVMe what the update has just writte
 chunks among them stay as they are (nothing changed them).
 
 Also the storage identities the saved-tensor hooks need: `streamed_storage` (a resident copy's
-storage -> its chunk) and `home_storage` (the storages of device-home chunks).
+storage -> its chunk) and `home_storage` (a device-home chunk's storage -> the chunk).
 """
 
 from __future__ import annotations
@@ -68,12 +68,15 @@ class Residency:
         self.ranks = ranks  # offload.engine.ranks.Ranks, or None on one rank
         self.device = tiers.device
         self.streamed_storage: dict[int, int] = {}  # storage_key of a resident copy -> chunk
-        self.home_storage: set[int] = set()  # storage_key of device-home chunks
+        self.home_storage: dict[int, int] = {}  # storage_key of a device-home chunk -> the chunk
         self.follower = TraceFollower()
         self.copied_masters = 0  # swapped masters the update took from the cache (copy_master)
         self.keep: tuple[int, ...] = ()  # chunks the next step starts with, in order (keep_next)
         self.fresh: set[int] = set()  # of those, the ones whose cached copy holds the new master
         self.kept = 0  # chunks kept resident over a step's end, over the run
+        # backward reads chunk c (a recompute, a saved weight; streamed or device-home): the gradient
+        # router is told, so a chunk still read there is not updated early (offload.engine.gradients)
+        self.on_backward_read: Callable[[int], None] | None = None
         self.guard = ReadGuard(self._on_read)
         # per running module (None: the loss function), the chunks read there that it does not own
         self._frames: list[tuple[torch.nn.Module | None, list[int]]] = []
@@ -89,7 +92,7 @@ class Residency:
 
     def home(self, cid: int) -> None:
         """Chunk `cid` was placed on the device: its parameters point at it for good."""
-        self.home_storage.add(storage_key(self.store.compute_source(cid)))
+        self.home_storage[storage_key(self.store.compute_source(cid))] = cid
         self.store.point_params(cid, self.store.compute_source(cid), self.params)
 
     def promote(self, cid: int) -> None:
@@ -97,7 +100,7 @@ class Residency:
         chunk's blob moves; its uses still go through the cache (decoded there, no link)."""
         self.store.promote(cid, self.params)
         if self.store.is_gpu_home(cid):
-            self.home_storage.add(storage_key(self.store.compute_source(cid)))
+            self.home_storage[storage_key(self.store.compute_source(cid))] = cid
 
     def copy_master(self, cid: int, dst: torch.Tensor) -> bool:
         """(The update's thread.) Chunk `cid`'s fp32 master into host `dst` from its compute copy
@@ -255,7 +258,10 @@ class Residency:
         if name is None:
             return  # not a parameter of this model
         cid = self.plan.slots[name].chunk
-        if self.store.is_gpu_home(cid) or self.cache.pinned(cid):
+        if self.store.is_gpu_home(cid):
+            self.note_read(cid)
+            return
+        if self.cache.pinned(cid):
             return
         if not self._frames:
             raise UnsupportedModel(f"parameter {name!r} is read outside the forward and the loss function; "
@@ -275,12 +281,20 @@ class Residency:
         for cid in self.module_chunks[mod]:
             if not self.store.is_gpu_home(cid):
                 self._acquire(cid)
+            else:
+                self.note_read(cid)
         self.timeline.moment()
 
     def release_module(self, mod: torch.nn.Module) -> None:
         for cid in self.module_chunks[mod]:
             if not self.store.is_gpu_home(cid):
                 self._release(cid)
+
+    def note_read(self, cid: int) -> None:
+        """Chunk `cid` is read (acquired, or device-home and read): in backward, the gradient
+        router is told (offload.engine.gradients.read_in_backward)."""
+        if self.timeline.phase == Phase.BACKWARD and self.on_backward_read is not None:
+            self.on_backward_read(cid)
 
     def touch_chunk(self, cid: int) -> torch.Tensor:
         """A saved view of chunk `cid` is needed in backward: make it resident now."""
@@ -293,6 +307,7 @@ class Residency:
         phase = self.timeline.phase
         if phase == Phase.EVAL:  # off the trace: evaluation is not part of a step
             return self.cache.acquire(cid)
+        self.note_read(cid)
         actions = self.follower.event(ACQUIRE, cid, phase)
         if actions is not None and not self.cache.apply(actions.evict, ()):
             self.follower.drop()

@@ -9,8 +9,10 @@ Eviction is Belady's: the unpinned chunk whose next acquisition lies furthest in
 goes first (optimal for a known sequence). A prefetch looks ahead along the trace and starts
 fetching upcoming chunks in order while it can make room without evicting any chunk needed
 sooner than the one it fetches; it stops at the first one it cannot fetch, so fetches stay
-in use order. After the step's update every cached compute copy is stale, so nothing is
-reused across steps: a chunk with no later acquisition in the step is never needed again.
+in use order. After the step's update the cached compute copies are stale, so each step is
+planned from an empty cache: a chunk with no later acquisition in the step is never needed
+again. (The engine may begin a step with the chunks held after its first event already there,
+kept over the last step's end: offload.engine.residency.keep.)
 """
 
 from __future__ import annotations

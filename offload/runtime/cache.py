@@ -185,8 +185,8 @@ class ResidentCache:
             entry = self.entries.pop(cid)
             while entry.lent:  # another thread still reads it (`lent`): a few ms
                 self._lending.wait()
-        if entry.ticket is not None:  # the copy thread may still be writing into it
-            entry.ticket.wait()
+        if entry.ticket is not None:  # the copy thread may still be writing into it (a failed
+            entry.ticket.settle()       # fetch's error is moot: its bytes go unused)
         self.on_evict(cid)
         self.bytes -= entry.buf.numel() * entry.buf.element_size()
         self.tiers.free("gpu", "compute", entry.buf)

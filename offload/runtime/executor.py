@@ -18,7 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -39,6 +39,13 @@ class Ticket:
 
     def wait(self) -> None:
         self._future.result()  # re-raises a copy error on the compute thread
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+
+    def settle(self) -> None:
+        """Wait until the transfer is over, failed or not: its buffer is being dropped (a failed
+        copy's error is for whoever uses the bytes; nobody will)."""
+        futures_wait([self._future])
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
 

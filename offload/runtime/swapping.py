@@ -167,8 +167,8 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
             if "grad" in views and store.grad_scale is not None:
                 views["grad"].mul_(store.grad_scale)
             _step(ch, cid, updater, hyper, views)
-            if refresh is not None and "master" in views:
-                refresh(cid, views["master"])
+            if refresh is not None:  # (its master may be in memory, its state on NVMe)
+                refresh(cid, views.get("master", ch.master))
             if cid in handed:
                 handed.pop(cid)[1]()
             writes[(base + i) % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)
