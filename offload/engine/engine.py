@@ -598,8 +598,6 @@ class Engine:
         mine = [i for i in range(len(micro)) if self.ranks is None or i % world == self.ranks.rank]
         for i in mine:
             mb = micro[i]
-            if i == mine[-1] and self.overlap_update and self.grad_clip is None:
-                self._read_ahead(master=False)
             loss = self.forward(mb)
             # weight 0 (no target token): HF's mean loss is nan (0/0) and counts for nothing;
             # its backward still runs (the ranks' collectives pair up) and gives zero gradients
@@ -611,8 +609,10 @@ class Engine:
             self.grads.early_on = (self.overlap_update and self.grad_clip is None
                                    and i == mine[-1] and self.grads.uses is not None and finite
                                    and not (self.ranks is not None and self.skip_nonfinite))
-            if self.grads.early_on:
-                self._read_ahead(master=True)
+            if self.grads.early_on and self.ranks is None and self._order and self.bounce is not None:
+                first = self._order[0]  # (the worker is idle: the last step waited for it)
+                self.grads.early.ahead(lambda: read_ahead(self.store, self.bounce, self._ahead, first,
+                                                          resident=self.residency.copy_master))
             try:
                 self.backward(loss * weights[i] if weights[i] != 1.0 else loss)
             finally:
@@ -624,17 +624,6 @@ class Engine:
         (total,) = self._ordered_sums([terms], "summing the loss")
         self.optimizer_step(skip=not finite)
         return total
-
-    def _read_ahead(self, *, master: bool) -> None:
-        """(The last micro-batch, one rank.) The update worker reads ahead the chunk that completed
-        first in the last backward: its state during the forward (`master` False: the disk has
-        room then), its master before backward (copied from where the forward left it)
-        (offload.runtime.swapping.read_ahead). The worker is idle: the last step waited for it."""
-        if self.grads.early is None or self.ranks is not None or not self._order or self.bounce is None:
-            return
-        first = self._order[0]
-        self.grads.early.ahead(lambda: read_ahead(self.store, self.bounce, self._ahead, first,
-                                                  resident=self.residency.copy_master, master=master))
 
     def rank_peaks(self) -> "list[dict[str, int]] | None":
         """Several ranks (a collective: every rank calls it): each rank's ledger peaks by tier,

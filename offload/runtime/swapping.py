@@ -78,20 +78,12 @@ def _swapped(store: ChunkStore, cid: int) -> list[tuple[str, SwapKind]]:
 class ReadAhead:
     """Master and state of chunk `cid`, read (or being read) into update set `slot` ahead of
     its update: the chunk expected to complete next in backward, read while the disk would
-    otherwise wait for its gradient. `reads` lands them; `master` False: the state only so far
-    (its master is read or copied from the cache later: `fill_master`)."""
+    otherwise wait for its gradient. `reads` lands them."""
 
     cid: int
     slot: int
     views: dict[str, torch.Tensor]
     reads: list[Future]
-    master: bool = True
-
-    def fill_master(self, store: ChunkStore, resident: "Callable[[int, torch.Tensor], bool] | None") -> None:
-        """Start the master's part, if still missing."""
-        if not self.master:
-            self.master = True
-            self.reads += _read_master(store, self.cid, self.views, resident)
 
 
 def drop_ahead(carry: dict) -> None:
@@ -140,7 +132,6 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
         cid = swapped[i]
         if i == 0 and held is not None:  # master and state were read ahead
             carry["used"] = carry.get("used", 0) + 1
-            held.fill_master(store, resident)
             views, reads = held.views, list(held.reads)
             grad = dict(_swapped(store, cid)).get("grad")
             if grad is not None and cid not in handed:
@@ -191,45 +182,31 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
 
 
 def _read(store: ChunkStore, bounce: Bounce, cid: int, slot: int, *, grad: bool,
-          resident: "Callable[[int, torch.Tensor], bool] | None",
-          master: bool = True) -> tuple[dict[str, torch.Tensor], list[Future]]:
-    """Start reading chunk `cid`'s swapped state (and gradient if `grad`, master if `master`)
-    into update set `slot`, once the requests still using that set are done; its master from a
-    cached compute copy where `resident` can."""
+          resident: "Callable[[int, torch.Tensor], bool] | None") -> tuple[dict[str, torch.Tensor], list[Future]]:
+    """Start reading chunk `cid`'s swapped master and state (and gradient if `grad`) into update
+    set `slot`, once the requests still using that set are done; its master from a cached
+    compute copy where `resident` can."""
     views = bounce.views(slot, cid)
-    reads = [store.nvme.read_async(d.key, views[n]) for n, d in _swapped(store, cid)
-             if n not in ("compute", "master")  # (the compute copy is rewritten from the master)
+    kinds = [(n, d) for n, d in _swapped(store, cid)
+             if n != "compute"  # the compute copy is rewritten from the master
              and (n != "grad" or grad)]
-    return views, reads + (_read_master(store, cid, views, resident) if master else [])  # (while those read)
-
-
-def _read_master(store: ChunkStore, cid: int, views: dict[str, torch.Tensor],
-                 resident: "Callable[[int, torch.Tensor], bool] | None") -> list[Future]:
-    d = dict(_swapped(store, cid)).get("master")
-    if d is None or (resident is not None and resident(cid, views["master"])):
-        return []
-    return [store.nvme.read_async(d.key, views["master"])]
+    reads = [store.nvme.read_async(d.key, views[n]) for n, d in kinds if n != "master"]
+    master = [d for n, d in kinds if n == "master"]
+    if master and not (resident is not None and resident(cid, views["master"])):  # (while those read)
+        reads.append(store.nvme.read_async(master[0].key, views["master"]))
+    return views, reads
 
 
 def read_ahead(store: ChunkStore, bounce: Bounce | None, carry: dict, cid: int, *,
-               resident: "Callable[[int, torch.Tensor], bool] | None" = None, master: bool = True) -> None:
-    """Before backward: start reading the state of swapped chunk `cid` (the first to complete in
-    the last step), and its master unless `master` is False, into the set written least
-    recently, for update_all to start from (carry["ahead"], as its own read-ahead): the first
-    update of a backward then does not begin with a wait on the disk. Called during the forward
-    with `master` False (the disk has room then; the master is not cached yet), then before
-    backward for the master (copied from the cache, where the forward left it). Nothing when
-    `cid` is not swapped or another chunk's read-ahead is held."""
-    held = carry.get("ahead")
-    if held is not None:
-        if held.cid == cid and master:
-            held.fill_master(store, resident)
-        return
-    if bounce is None or not _swapped(store, cid) or store.is_frozen(cid):
+               resident: "Callable[[int, torch.Tensor], bool] | None" = None) -> None:
+    """Before backward: start reading the master and state of swapped chunk `cid` (the first to
+    complete in the last step) into the set written least recently, for update_all to start
+    from (carry["ahead"], as its own read-ahead): the first update of a backward then does not
+    begin with a wait on the disk. Nothing when a read-ahead is held or `cid` is not swapped."""
+    if bounce is None or "ahead" in carry or not _swapped(store, cid) or store.is_frozen(cid):
         return
     slot = 1 - bounce.last
-    carry["ahead"] = ReadAhead(cid, slot, *_read(store, bounce, cid, slot, grad=False, resident=resident,
-                                                 master=master), master=master)
+    carry["ahead"] = ReadAhead(cid, slot, *_read(store, bounce, cid, slot, grad=False, resident=resident))
     carry["issued"] = carry.get("issued", 0) + 1
 
 
