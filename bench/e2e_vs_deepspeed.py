@@ -10,13 +10,15 @@ batch 4 x seq 128, fp32, AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay
   ds    DeepSpeed ZeRO-3, offload_param and offload_optimizer to NVMe, configured as in
         shared/PEERS.md (zero.Init without dtype, sub_group_size 1, max_in_cpu 0,
         stage3_max_reuse_distance 0, stage3_prefetch_bucket_size 0, aio intra_op_parallelism)
-Each run is its own process; runs alternate (ours, ds, ours, ds, ...) so machine drift hits
-both alike. Per run: 2 warm-up steps, then --steps timed steps. Printed: median step time of
-each and the ratio ours / DeepSpeed (goal <= 0.40 with --cpu-mem 1300M, <= 0.50 at the minimum host budget), peak RSS (ru_maxrss of the child, from
-wait4), disk bytes written / read per timed step (/proc/self/io of the child: write_bytes,
-read_bytes; for ours also NvmeStore's own count), and whether the losses agree (first step
-exactly; later steps within 1e-5 relative), ours vs DeepSpeed and each vs one run of plain
-PyTorch + torch AdamW without offload (the reference; --no-reference skips it).
+Each run is its own process; runs alternate (ours, ds, plain, ours, ds, plain, ...) so
+machine drift hits all alike. Per run: 2 warm-up steps, then --steps timed steps. Printed:
+median step time of each and the ratios ours / DeepSpeed (goal <= 0.40 with --cpu-mem 1300M,
+<= 0.50 at the minimum host budget) and ours / plain (issue 16: <= 1.10 and <= 1.30), median
+over median with the per-round ratios, peak RSS (ru_maxrss of the child, from wait4), disk
+bytes written / read per timed step (/proc/self/io of the child: write_bytes, read_bytes; for
+ours also NvmeStore's own count), and whether the losses agree (first step exactly; later steps
+within 1e-5 relative), ours vs DeepSpeed and each vs plain PyTorch + torch AdamW without
+offload (the reference, run every round; --no-reference skips it).
 Budgets of ours: --gpu-mem / --cpu-mem, 'min' by default: a probe process (warm-up steps
 only) finds the engine's minimums first, so the timed runs hold no refused attempt. With
 NVMe the host minimum is the gradients plus bounce buffers: weights and optimizer state live
