@@ -76,19 +76,25 @@ def test_c_quantizer_paths_equal_the_decade_table(signed):
         assert torch.equal(q, want), isa
 
 
-@pytest.mark.skipif(_cpu_kernel.load() is None, reason="no C compiler")
-def test_c_kernel_paths_are_bit_identical():
-    """The AVX-512, AVX2 and portable paths round every operation the same way."""
+def _three_paths(seed: int, gradient) -> list:
+    """(p, state) after three steps on each kernel path (AVX-512, AVX2, portable), the same
+    start and the same gradients (`gradient(n)`, drawn after `seed`)."""
     results = []
     for isa in (2, 1, 0):
-        torch.manual_seed(3)
+        torch.manual_seed(seed)
         n = 70_001
         p = torch.randn(n)
         state = init_adamw8bit_state(p)
         for step in range(1, 4):
-            g = torch.randn(n) * torch.rand(n) ** 4
-            _c_step(p, g, state, step=step, isa=isa, **HYPER)
+            _c_step(p, gradient(n), state, step=step, isa=isa, **HYPER)
         results.append((p, state))
+    return results
+
+
+@pytest.mark.skipif(_cpu_kernel.load() is None, reason="no C compiler")
+def test_c_kernel_paths_are_bit_identical():
+    """The AVX-512, AVX2 and portable paths round every operation the same way."""
+    results = _three_paths(3, lambda n: torch.randn(n) * torch.rand(n) ** 4)
     for p, state in results[1:]:
         assert torch.equal(p, results[0][0])
         assert all(torch.equal(state[k], results[0][1][k]) for k in state)
@@ -98,19 +104,14 @@ def test_c_kernel_paths_are_bit_identical():
 def test_c_kernel_paths_agree_on_nonfinite_gradients():
     """NaN and inf gradients (a block's absmax becomes inf, 1/absmax 0): the paths still write
     the same states and the same p, up to the sign of a NaN in p."""
-    results = []
-    for isa in (2, 1, 0):
-        torch.manual_seed(5)
-        n = 70_001
-        p = torch.randn(n)
-        state = init_adamw8bit_state(p)
-        for step in range(1, 4):
-            g = torch.randn(n) * torch.rand(n) ** 4
-            idx = torch.randperm(n)[:40]
-            g[idx[:10]], g[idx[10:20]] = float("nan"), -float("nan")
-            g[idx[20:30]], g[idx[30:]] = float("inf"), -float("inf")
-            _c_step(p, g, state, step=step, isa=isa, **HYPER)
-        results.append((p, state))
+    def gradient(n):
+        g = torch.randn(n) * torch.rand(n) ** 4
+        idx = torch.randperm(n)[:40]
+        g[idx[:10]], g[idx[10:20]] = float("nan"), -float("nan")
+        g[idx[20:30]], g[idx[30:]] = float("inf"), -float("inf")
+        return g
+
+    results = _three_paths(5, gradient)
     assert not bool(results[0][0].isfinite().all())
     for p, state in results[1:]:
         assert torch.equal(p.view(torch.int32) & 0x7FFFFFFF, results[0][0].view(torch.int32) & 0x7FFFFFFF)
