@@ -13,7 +13,7 @@ CPU_MEM = 6 << 20
 
 SCRIPT = textwrap.dedent("""
     import json, sys, threading, time
-    import psutil, torch
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from tierwise.cli.layout import ModelLayout, iter_checkpoint
     from tierwise.cli.loading import build_meta_model
@@ -23,22 +23,27 @@ SCRIPT = textwrap.dedent("""
     model = build_meta_model(AutoConfig.from_pretrained(model_dir))
     layout = ModelLayout.of(model)
     eng = Engine(model, gpu_mem="64M", cpu_mem=cpu_mem, nvme_path=swap, chunk_bytes=512 << 10)
-    proc = psutil.Process()
-    base, peak, done = proc.memory_info().rss, [0], threading.Event()
+    def rss():  # anonymous (what the process holds) and file-backed (mapped shards, library code)
+        with open("/proc/self/status") as f:
+            kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if line.startswith("Rss"))}
+        return kb["RssAnon"] << 10, kb["RssFile"] << 10
+
+    base, peak, done = rss(), [0, 0], threading.Event()
 
     def watch():
         while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
+            peak[:] = map(max, peak, rss())
             time.sleep(0.001)
 
     t = threading.Thread(target=watch); t.start()
     eng.load_weights(iter_checkpoint(model, layout, model_dir))
     done.set(); t.join()
-    growth = max(peak[0], proc.memory_info().rss) - base  # before the checks below allocate
+    peak[:] = map(max, peak, rss())  # before the checks below allocate
+    anon, mapped = peak[0] - base[0], peak[1] - base[1]
     ref = AutoModelForCausalLM.from_pretrained(model_dir)
     mine = dict(eng.named_parameters_fp32())
     same = all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
-    print(json.dumps({"growth": growth, "same": same,
+    print(json.dumps({"anon": anon, "mapped": mapped, "same": same,
                       "nvme": eng.homes.bytes.get("nvme", {}), "host_peak": eng.ledger.peaks()["host"]}))
     eng.close()
 """)
@@ -56,5 +61,10 @@ def test_loading_a_checkpoint_bigger_than_cpu_mem_stays_within_it(tmp_path):
     assert res["same"]  # every weight arrived in its chunk, on NVMe
     assert res["nvme"].get("master", 0) > 2 * CPU_MEM
     assert res["host_peak"] <= CPU_MEM
-    # RSS grows by at most the host budget plus one tensor being read (the largest: 512 KiB)
-    assert res["growth"] <= CPU_MEM + (4 << 20), res
+    # Anonymous RSS grows by at most the host budget plus one tensor being read (the largest:
+    # 512 KiB) and the allocator's slack. File-backed RSS (about 3 MiB here: library code first
+    # run, the shard being read) is counted apart: summed with the anonymous part it came within
+    # 5% of the bound in CI, but it is not memory the engine holds. The whole checkpoint mapped at
+    # once would still fail the second bound.
+    assert res["anon"] <= CPU_MEM + (4 << 20), res
+    assert res["mapped"] <= weights // 3, res
