@@ -277,3 +277,31 @@ def test_the_h200_profile_prices_the_steps_measured_on_an_h200(case, measured):
                                optimizer="adamw", precision="bf16", batch_size=4, chunk_bytes=64 << 20,
                                checkpointing=True, cuda=True), **case})
     assert 0.65 <= plan.step_s / measured <= 1.35
+
+
+def test_the_step_s_last_write_backs_overlap_the_next_forward_s_idle_disk(tmp_path):
+    """Simulated device, masters and state on NVMe (the e2e setup): the update's last write-backs
+    are left in flight when the step returns (update_all defer=True), so the disk-bound backward
+    is priced less what the forward leaves the disk idle, up to one chunk's write-backs."""
+    import dataclasses
+
+    from tierwise.offload.plan import perfmodel
+    from tierwise.profiles import load_hardware_profile
+
+    hw = load_hardware_profile("cpu-sim")
+    slow = dataclasses.replace(hw, nvme=dataclasses.replace(hw.nvme, read_gbps=4.0, write_gbps=0.5))
+    kw = dict(model="100m", gpu_mem="300M", cpu_mem="1000M", nvme_path=str(tmp_path), optimizer="adamw",
+              precision="fp32", batch_size=2, seq_len=64, chunk_bytes=64 << 20)
+    seen = []
+    real = perfmodel._simulated_nvme
+    perfmodel._simulated_nvme = lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]
+    try:
+        plan = make_plan(hardware=slow, **kw)
+    finally:
+        perfmodel._simulated_nvme = real
+    disk = seen[-1]
+    idle = plan.phases["forward"] - disk["forward"]
+    assert plan.bottleneck == "nvme" and 0 < idle
+    assert 0 < disk["deferred"] < disk["backward"] / 4  # one chunk's write-backs of six
+    assert plan.phases["backward"] == pytest.approx(disk["backward"] - min(idle, disk["deferred"]))
+    assert plan.phases["backward"] < disk["backward"] * 0.99

@@ -421,8 +421,9 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     dominates tiny models. The disk is not a core: NVMe traffic overlaps the CPU work of its
     phase (a phase lasts the longer of the two) - the forward's fetches of NVMe-resident compute
     sources, and in backward its refetches plus the update's reads and write-backs of master,
-    state and gradient, which the early update (offload.engine.early) runs during backward. A
-    fetch from NVMe (not decoded) is read into the cache buffer in place: no copy to price."""
+    state and gradient, which the early update (offload.engine.early) runs during backward; the
+    step's last write-backs run on into the next forward, where the disk would idle. A fetch from
+    NVMe (not decoded) is read into the cache buffer in place: no copy to price."""
     hw = hardware
     rate = hw.gpu_tflops(precision) * 1e12
     copy = hw.pcie.h2d_pinned_gbps * GB
@@ -448,6 +449,7 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     phases, resources, tops = {}, {"forward": fwd, "backward": bwd, "update": upd}, {}
     scale = hw.host.step_calibration or 1.0
     disk = _simulated_nvme(hw, load, needs_grad=cost.needs_grad, fp32=precision == "fp32")
+    idle = 0.0  # seconds the forward leaves the disk idle
     for name, busy, n in (("forward", fwd, cost.forwards * micro_batches), ("backward", bwd, micro_batches),
                           ("update", upd, 1)):
         if name == "backward" and not cost.needs_grad:
@@ -455,6 +457,10 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
         phases[name] = sum(busy.values()) * n * (scale if name != "update" else 1.0)
         tops[name] = max(busy, key=busy.__getitem__)
         nvme = disk.get(name, 0.0) * (n if name == "forward" else 1)
+        if name == "forward":
+            idle = max(0.0, phases[name] - nvme)
+        elif name == "backward":  # the last write-backs drain into the next forward's idle disk
+            nvme -= min(idle, disk.get("deferred", 0.0))
         if nvme > 0:
             busy["nvme"] = nvme
             if nvme > phases[name]:
@@ -486,4 +492,7 @@ def _simulated_nvme(hw: HardwareProfile, load: StepLoad, *, needs_grad: bool, fp
     update = reads / nv_r + writes / nv_w
     if not needs_grad:
         return {"forward": fwd * share / nv_r, "update": update}
-    return {"forward": fwd * share / nv_r, "backward": refetch / nv_r + update}
+    # the step's last write-backs (one chunk's, at most) are left in flight when the step returns
+    # (offload.runtime.swapping.update_all, defer=True): they overlap the next forward
+    deferred = min(writes, load.chunk_params * writes / max(1, load.cpu_params)) / nv_w
+    return {"forward": fwd * share / nv_r, "backward": refetch / nv_r + update, "deferred": deferred}
