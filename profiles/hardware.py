@@ -83,6 +83,10 @@ class HostSpec:
     allocator traffic. The simulated device: a proxy run by the engine, scaling its compute
     phases; CUDA: plain PyTorch's forward + backward of a bf16 proxy against its matmul flops at
     the GEMM rate, scaling "gpu compute"."""
+    step_calibration_bf16: float | None = None
+    """The simulated device only: step_calibration of the same proxy run in bf16 (None: the fp32
+    one's). A CPU's bf16 GEMM probe runs 2-4x its fp32 one while a small model's whole bf16 step
+    gains far less (casts, norms in fp32): one factor for both priced bf16 runs 1.9x too fast."""
 
     def __post_init__(self) -> None:
         if self.adamw8bit_params_per_s is None:

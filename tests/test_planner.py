@@ -228,6 +228,13 @@ def test_step_calibration_scales_the_simulated_compute_phases():
     assert cal.phases["forward"] == pytest.approx(2 * base.phases["forward"])
     assert cal.phases["backward"] == pytest.approx(2 * base.phases["backward"])
     assert cal.phases["update"] == pytest.approx(base.phases["update"])
+    # a bf16 run takes the bf16 proxy's factor where the profile has one, else the fp32 one's
+    both = dataclasses.replace(hw, host=dataclasses.replace(hw.host, step_calibration=2.0, step_calibration_bf16=3.0))
+    bf = dict(kw, precision="bf16")
+    base, fp32_only, own = (make_plan(hardware=h, **bf) for h in (hw, doubled, both))
+    assert fp32_only.phases["forward"] == pytest.approx(2 * base.phases["forward"])
+    assert own.phases["forward"] == pytest.approx(3 * base.phases["forward"])
+    assert make_plan(hardware=both, **kw).phases["forward"] == pytest.approx(cal.phases["forward"])
 
 
 def test_a_gpu_step_is_bound_by_the_launching_thread_when_ops_cost_more_than_the_device():

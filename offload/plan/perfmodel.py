@@ -447,7 +447,7 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
         fwd["gather"] = bwd["gather"] = collectives.gather_bytes / 2 / link_s
         upd["grad reduce"] = collectives.reduce_bytes / link_s
     phases, resources, tops = {}, {"forward": fwd, "backward": bwd, "update": upd}, {}
-    scale = hw.host.step_calibration or 1.0
+    scale = (precision == "bf16" and hw.host.step_calibration_bf16) or hw.host.step_calibration or 1.0
     disk = _simulated_nvme(hw, load, needs_grad=cost.needs_grad, fp32=precision == "fp32")
     idle = 0.0  # seconds the forward leaves the disk idle
     for name, busy, n in (("forward", fwd, cost.forwards * micro_batches), ("backward", bwd, micro_batches),

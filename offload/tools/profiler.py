@@ -298,20 +298,24 @@ def measure(*, hardware: str | None = None, output: str | None = None, nvme_path
         scale = cuda_step_calibration(quick, tflops=results["device matmul bf16"])
         say(f"[calibration] proxy model forward + backward on the device, measured / its matmuls at the "
             f"GEMM rate: {scale:.3g} ({time.perf_counter() - t:.1f} s)")
+        line = f"step_calibration = {scale:.6g}"
     else:
         scale = step_calibration(text, quick=quick)
-        say(f"[calibration] proxy model step measured / modelled: {scale:.3g} ({time.perf_counter() - t:.1f} s)")
-    text = text.replace("\n[nvme]", f"step_calibration = {scale:.6g}\n\n[nvme]", 1)
+        bf16 = step_calibration(text, quick=quick, precision="bf16")
+        say(f"[calibration] proxy model step measured / modelled: fp32 {scale:.3g}, bf16 {bf16:.3g} "
+            f"({time.perf_counter() - t:.1f} s)")
+        line = f"step_calibration = {scale:.6g}\nstep_calibration_bf16 = {bf16:.6g}"
+    text = text.replace("\n[nvme]", f"{line}\n\n[nvme]", 1)
     if output:
         Path(output).write_text(text)
         say(f"wrote {output}")
     return text
 
 
-def step_calibration(profile_text: str, *, quick: bool) -> float:
-    """Run a small Llama through the engine (everything resident) and compare its step time
-    with the performance model's, on the profile just measured: the ratio calibrates the
-    simulated device's compute phases."""
+def step_calibration(profile_text: str, *, quick: bool, precision: str = "fp32") -> float:
+    """Run a small Llama through the engine (everything resident, in `precision`) and compare
+    its step time with the performance model's, on the profile just measured: the ratio
+    calibrates the simulated device's compute phases of runs in that precision."""
     import tempfile
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -327,7 +331,7 @@ def step_calibration(profile_text: str, *, quick: bool) -> float:
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                       max_position_embeddings=256, tie_word_embeddings=False)
     torch.manual_seed(0)
-    eng = Engine(LlamaForCausalLM(cfg), lr=1e-4, chunk_bytes=16 << 20)
+    eng = Engine(LlamaForCausalLM(cfg), lr=1e-4, chunk_bytes=16 << 20, precision=precision)
     g = torch.Generator().manual_seed(0)
     batch, seq = 2, 64
     x = torch.randint(0, 4096, (batch, seq), generator=g)
@@ -341,7 +345,7 @@ def step_calibration(profile_text: str, *, quick: bool) -> float:
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(profile_text)
     plan = make_plan(model=ModelProfile.from_hf_config(cfg), hardware=load_hardware_profile(f.name),
-                     gpu_mem=None, cpu_mem=None, optimizer="adamw", precision="fp32", batch_size=batch,
+                     gpu_mem=None, cpu_mem=None, optimizer="adamw", precision=precision, batch_size=batch,
                      seq_len=seq, chunk_bytes=16 << 20)
     os.unlink(f.name)
     return sorted(times)[len(times) // 2] / plan.step_s
