@@ -84,7 +84,7 @@ def fast_profiler(monkeypatch) -> list:
                         ("op_overhead_us", 20.0), ("cxl_bandwidths", {})):
         monkeypatch.setattr(profiler, name, lambda *a, _v=value, **k: _v)
     monkeypatch.setattr(profiler, "to_toml", lambda r, **k: "name = 'x'\n\n[nvme]\n")
-    monkeypatch.setattr(profiler, "step_calibration", lambda text, quick: 1.0)
+    monkeypatch.setattr(profiler, "step_calibration", lambda text, quick, precision="fp32": 1.0)
     return seen
 
 
