@@ -163,3 +163,19 @@ def test_verify_lora_on_qwen2_with_dropout(tmp_path):
     report = verify(**lora_run(tmp_path, base="bf16", rank=8, nvme=True) | {"model": qwen, "lora": cfg})
     assert report.passed, report.render()
     assert report.plan.bytes["nvme"]["base"] > 0 and report.base_read["nvme"] > 0
+
+
+def test_verify_without_cuda_prices_the_step_with_a_simulated_profile_given(tmp_path):
+    """A profile `finetune profile` measured on a machine without a GPU (simulated) is the one the
+    plan's step time comes from; a GPU's profile is not this device's: then cpu-sim's."""
+    import dataclasses
+
+    from tierwise.profiles import load_hardware_profile
+
+    sim = load_hardware_profile("cpu-sim")
+    slow = dataclasses.replace(sim, host=dataclasses.replace(sim.host, step_calibration=7.0))
+    base = verify(**RUN, hardware=sim, steps=2)
+    mine = verify(**RUN, hardware=slow, steps=2)
+    assert mine.plan.phases["forward"] == pytest.approx(7 * base.plan.phases["forward"] / (sim.host.step_calibration or 1))
+    gpu = verify(**{**RUN, "gpu_mem": "8M"}, hardware="rtx4090", steps=2)
+    assert gpu.plan.hardware == "cpu-sim" and mine.plan.hardware == slow.name

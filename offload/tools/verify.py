@@ -14,8 +14,9 @@ included, stays within its budget (on CUDA also the allocator's `max_memory_allo
 the planned steady-state peak of every tier is within `tolerance` of the measured one.
 
 On a machine without CUDA the `gpu` tier is the simulated device, planned with the
-`cpu-sim` hardware profile; budgets left unset come from the `--hardware` profile, as in
-`finetune plan`. A CXL budget without a CXL node runs on an emulated node.
+`--hardware` profile when it is a simulated device's (`finetune profile` run on such a machine),
+else with the built-in `cpu-sim` one; budgets left unset come from the `--hardware` profile, as
+in `finetune plan`. A CXL budget without a CXL node runs on an emulated node.
 
 A LoRA run (`lora=peft.LoraConfig(...)`, `base_dtype`, `double_quant`) is built as training
 builds it: PEFT's adapters injected into the meta-device model (offload.engine.lora.inject_meta,
@@ -167,9 +168,11 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
     # Budgets as `finetune plan` resolves them (unset: the --hardware profile's sizes) ...
     asked = make_plan(hardware=_with_cxl(user_hw, cxl_mem), gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
                       **args).budgets
-    # ... then the plan of the device the engine runs on here.
+    # ... then the plan of the device the engine runs on here: the given profile where it is of
+    # that kind (a GPU's on CUDA; without one, a simulated device's, e.g. `finetune profile`
+    # measured on this machine), else the built-in cpu-sim.
     cuda = torch.cuda.is_available()
-    local = user_hw if cuda and not user_hw.simulated else load_hardware_profile("cpu-sim")
+    local = user_hw if user_hw.simulated != cuda else load_hardware_profile("cpu-sim")
     plan = make_plan(hardware=_with_cxl(local, asked["cxl"]), gpu_mem=asked["gpu"], cpu_mem=asked["host"],
                      cxl_mem=asked["cxl"], cuda=cuda, **args)  # (cpu-sim on a GPU: its workspace margin)
     _check_memory(plan, cuda=cuda)
