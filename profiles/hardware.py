@@ -87,6 +87,11 @@ class HostSpec:
     """The simulated device only: step_calibration of the same proxy run in bf16 (None: the fp32
     one's). A CPU's bf16 GEMM probe runs 2-4x its fp32 one while a small model's whole bf16 step
     gains far less (casts, norms in fp32): one factor for both priced bf16 runs 1.9x too fast."""
+    dispatch_calibration: float | None = None
+    """The simulated device only: the factor on its per-op dispatch cost (ops x `op_overhead_us`),
+    fitted with step_calibration, which then scales the rest of its compute (None: step_calibration
+    scales both). `finetune profile` fits the two from a narrow proxy (mostly dispatch) and a
+    wider one (mostly matmuls)."""
 
     def __post_init__(self) -> None:
         if self.adamw8bit_params_per_s is None:

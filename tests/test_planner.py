@@ -235,6 +235,15 @@ def test_step_calibration_scales_the_simulated_compute_phases():
     assert fp32_only.phases["forward"] == pytest.approx(2 * base.phases["forward"])
     assert own.phases["forward"] == pytest.approx(3 * base.phases["forward"])
     assert make_plan(hardware=both, **kw).phases["forward"] == pytest.approx(cal.phases["forward"])
+    # dispatch_calibration: its own factor on the per-op dispatch, step_calibration on the rest
+    host = dataclasses.replace(hw.host, op_overhead_us=10.0, step_calibration=2.0)
+    ops_free = dataclasses.replace(hw, host=dataclasses.replace(host, op_overhead_us=None))
+    one = dataclasses.replace(hw, host=dataclasses.replace(host, step_calibration=1.0))
+    split = dataclasses.replace(hw, host=dataclasses.replace(host, dispatch_calibration=5.0))
+    rest, dispatch = (make_plan(hardware=ops_free, **kw).phases["forward"] / 2,
+                      make_plan(hardware=one, **kw).phases["forward"])
+    dispatch -= rest
+    assert dispatch > 0 and make_plan(hardware=split, **kw).phases["forward"] == pytest.approx(2 * rest + 5 * dispatch)
 
 
 def test_a_gpu_step_is_bound_by_the_launching_thread_when_ops_cost_more_than_the_device():

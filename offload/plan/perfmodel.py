@@ -418,7 +418,9 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     same CPU cores, so their times add up instead of overlapping (the update's CPU work is priced
     after backward: on shared cores it costs the same during backward), device-home chunks with
     the same CPU kernels. Each op also pays a fixed dispatch cost (`host.op_overhead_us`), which
-    dominates tiny models. The disk is not a core: NVMe traffic overlaps the CPU work of its
+    dominates tiny models. Both are scaled by the profile's calibration: dispatch by
+    `dispatch_calibration`, the rest of forward and backward by `step_calibration` (bf16:
+    `step_calibration_bf16`). The disk is not a core: NVMe traffic overlaps the CPU work of its
     phase (a phase lasts the longer of the two) - the forward's fetches of NVMe-resident compute
     sources, and in backward its refetches plus the update's reads and write-backs of master,
     state and gradient, which the early update (offload.engine.early) runs during backward; the
@@ -448,13 +450,17 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
         upd["grad reduce"] = collectives.reduce_bytes / link_s
     phases, resources, tops = {}, {"forward": fwd, "backward": bwd, "update": upd}, {}
     scale = (precision == "bf16" and hw.host.step_calibration_bf16) or hw.host.step_calibration or 1.0
+    ops = hw.host.dispatch_calibration or scale
     disk = _simulated_nvme(hw, load, needs_grad=cost.needs_grad, fp32=precision == "fp32")
     idle = 0.0  # seconds the forward leaves the disk idle
     for name, busy, n in (("forward", fwd, cost.forwards * micro_batches), ("backward", bwd, micro_batches),
                           ("update", upd, 1)):
         if name == "backward" and not cost.needs_grad:
             continue
-        phases[name] = sum(busy.values()) * n * (scale if name != "update" else 1.0)
+        if name == "update":
+            phases[name] = sum(busy.values()) * n
+        else:
+            phases[name] = (sum(v for k, v in busy.items() if k != "dispatch") * scale + busy["dispatch"] * ops) * n
         tops[name] = max(busy, key=busy.__getitem__)
         nvme = disk.get(name, 0.0) * (n if name == "forward" else 1)
         if name == "forward":

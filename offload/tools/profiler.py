@@ -300,11 +300,11 @@ def measure(*, hardware: str | None = None, output: str | None = None, nvme_path
             f"GEMM rate: {scale:.3g} ({time.perf_counter() - t:.1f} s)")
         line = f"step_calibration = {scale:.6g}"
     else:
-        scale = step_calibration(text, quick=quick)
-        bf16 = step_calibration(text, quick=quick, precision="bf16")
-        say(f"[calibration] proxy model step measured / modelled: fp32 {scale:.3g}, bf16 {bf16:.3g} "
+        cal = calibrations(text, quick=quick)
+        say(f"[calibration] proxy models measured / modelled: matmuls fp32 {cal['step_calibration']:.3g}, "
+            f"bf16 {cal['step_calibration_bf16']:.3g}; dispatch {cal['dispatch_calibration']:.3g} "
             f"({time.perf_counter() - t:.1f} s)")
-        line = f"step_calibration = {scale:.6g}\nstep_calibration_bf16 = {bf16:.6g}"
+        line = "\n".join(f"{k} = {v:.6g}" for k, v in cal.items())
     text = text.replace("\n[nvme]", f"{line}\n\n[nvme]", 1)
     if output:
         Path(output).write_text(text)
@@ -312,10 +312,37 @@ def measure(*, hardware: str | None = None, output: str | None = None, nvme_path
     return text
 
 
-def step_calibration(profile_text: str, *, quick: bool, precision: str = "fp32") -> float:
-    """Run a small Llama through the engine (everything resident, in `precision`) and compare
-    its step time with the performance model's, on the profile just measured: the ratio
-    calibrates the simulated device's compute phases of runs in that precision."""
+def calibrations(profile_text: str, *, quick: bool) -> dict[str, float]:
+    """Run small Llamas through the engine (everything resident) and fit the performance model's
+    compute to their step times, on the profile just measured. Two factors: one on the matmul
+    time at the GEMM rate (with the rest the model prices per byte), one on the per-op dispatch
+    cost; a narrow proxy's step is mostly dispatch, a wider one's mostly matmuls, and the two
+    fix both (one factor for both priced a 100M model 1.2-1.3x slow where it priced a tiny one
+    0.7-0.85x fast). The wider proxy again in bf16 gives bf16's matmul factor. Returns the
+    profile's `step_calibration`, `step_calibration_bf16` and `dispatch_calibration`; where the
+    fit is degenerate (a factor out of range) one factor for everything, as before."""
+    narrow = _proxy_step(profile_text, hidden=64, layers=4, vocab=512, steps=7 if quick else 11)
+    wide = _proxy_step(profile_text, hidden=768, layers=2, vocab=4096, steps=3 if quick else 5)
+    wide16 = _proxy_step(profile_text, hidden=768, layers=2, vocab=4096, steps=3 if quick else 5, precision="bf16")
+    (mn, fn, dn), (mw, fw, dw) = narrow, wide
+    det = fn * dw - fw * dn
+    a = (mn * dw - mw * dn) / det if det else 0.0
+    b = (fn * mw - fw * mn) / det if det else 0.0
+    if not (0.05 < a < 50 and 0.05 < b < 50):
+        a = b = mw / (fw + dw)
+    m16, f16, d16 = wide16
+    a16 = (m16 - b * d16) / f16 if f16 else 0.0
+    if not 0.05 < a16 < 50:
+        a16 = m16 / (f16 + d16)
+    return {"step_calibration": a, "step_calibration_bf16": a16, "dispatch_calibration": b}
+
+
+def _proxy_step(profile_text: str, *, hidden: int, layers: int, vocab: int, steps: int,
+                precision: str = "fp32") -> tuple[float, float, float]:
+    """A proxy Llama's forward + backward through the engine, everything resident: (measured
+    seconds, less the update the model prices apart; the model's seconds of all but dispatch;
+    the model's dispatch seconds), uncalibrated. Measured: the median of `steps` steps."""
+    import dataclasses
     import tempfile
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -324,31 +351,32 @@ def step_calibration(profile_text: str, *, quick: bool, precision: str = "fp32")
     from ..plan.planner import make_plan
     from ...profiles import ModelProfile, load_hardware_profile
 
-    # (quick too: a smaller proxy's step is mostly per-op dispatch, and the ratio then swung
-    # 0.15-3.5 with the machine's load where this one stays within ~1.5x)
-    hidden, layers = 384, 4
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                       max_position_embeddings=256, tie_word_embeddings=False)
     torch.manual_seed(0)
     eng = Engine(LlamaForCausalLM(cfg), lr=1e-4, chunk_bytes=16 << 20, precision=precision)
     g = torch.Generator().manual_seed(0)
     batch, seq = 2, 64
-    x = torch.randint(0, 4096, (batch, seq), generator=g)
+    x = torch.randint(0, vocab, (batch, seq), generator=g)
     eng.step({"input_ids": x, "labels": x})  # warm-up: trace, placement
     times = []
-    for _ in range(3 if quick else 4):
+    for _ in range(steps):
         t = time.perf_counter()
         eng.step({"input_ids": x, "labels": x})
         times.append(time.perf_counter() - t)
     eng.close()
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(profile_text)
-    plan = make_plan(model=ModelProfile.from_hf_config(cfg), hardware=load_hardware_profile(f.name),
-                     gpu_mem=None, cpu_mem=None, optimizer="adamw", precision=precision, batch_size=batch,
-                     seq_len=seq, chunk_bytes=16 << 20)
+    hw = load_hardware_profile(f.name)
     os.unlink(f.name)
-    return sorted(times)[len(times) // 2] / plan.step_s
+    no_ops = dataclasses.replace(hw, host=dataclasses.replace(hw.host, op_overhead_us=None))  # (None: free)
+    plans = [make_plan(model=ModelProfile.from_hf_config(cfg), hardware=h, gpu_mem=None, cpu_mem=None,
+                       optimizer="adamw", precision=precision, batch_size=batch, seq_len=seq,
+                       chunk_bytes=16 << 20) for h in (hw, no_ops)]
+    fwd_bwd = [p.phases["forward"] + p.phases.get("backward", 0.0) for p in plans]
+    measured = sorted(times)[len(times) // 2] - plans[0].phases.get("update", 0.0)
+    return measured, fwd_bwd[1], fwd_bwd[0] - fwd_bwd[1]
 
 
 #: The unit of each measurement of `measure`, printed on its progress line.
