@@ -80,11 +80,12 @@ class HostSpec:
     step_calibration: float | None = None
     """Measured / modelled step time of a proxy model (`finetune profile`; None: 1, uncalibrated).
     It absorbs what the model does not price op by op: softmax, norms, elementwise work,
-    allocator traffic. The simulated device: a proxy run by the engine, scaling its compute
-    phases; CUDA: plain PyTorch's forward + backward of a bf16 proxy against its matmul flops at
-    the GEMM rate, scaling "gpu compute"."""
+    allocator traffic. The simulated device: fitted to proxies run by the engine, scaling its
+    compute phases but their per-op dispatch (dispatch_calibration); CUDA: plain PyTorch's
+    forward + backward of a bf16 proxy against its matmul flops at the GEMM rate, scaling
+    "gpu compute"."""
     step_calibration_bf16: float | None = None
-    """The simulated device only: step_calibration of the same proxy run in bf16 (None: the fp32
+    """The simulated device only: step_calibration of the wider proxy run in bf16 (None: the fp32
     one's). A CPU's bf16 GEMM probe runs 2-4x its fp32 one while a small model's whole bf16 step
     gains far less (casts, norms in fp32): one factor for both priced bf16 runs 1.9x too fast."""
     dispatch_calibration: float | None = None

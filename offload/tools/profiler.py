@@ -12,7 +12,9 @@ What is measured (each a short timed loop; `quick=True` shrinks every size for t
   Llama streamed through the engine, whose step is all launching thread (Python, hooks,
   autograd, kernel launches), divided by the ops the model counts for it;
 - CUDA: the device's own memory bandwidth, and a calibration of "gpu compute" (plain PyTorch's
-  forward + backward of a bf16 proxy Llama against its matmuls at the GEMM rate).
+  forward + backward of a bf16 proxy Llama against its matmuls at the GEMM rate);
+- the simulated device: calibrations fitted to proxy Llamas run through the engine (a narrow
+  one for the per-op dispatch, a wider one in fp32 and bf16 for the rest: `calibrations`).
 """
 
 from __future__ import annotations
