@@ -244,6 +244,11 @@ def test_step_calibration_scales_the_simulated_compute_phases():
                       make_plan(hardware=one, **kw).phases["forward"])
     dispatch -= rest
     assert dispatch > 0 and make_plan(hardware=split, **kw).phases["forward"] == pytest.approx(2 * rest + 5 * dispatch)
+    # the bottleneck is the busiest resource once calibrated: with dispatch calibrated to almost
+    # nothing, that of the plan whose ops are free
+    assert make_plan(hardware=one, **kw).bottleneck == "dispatch"
+    nearly_free = dataclasses.replace(hw, host=dataclasses.replace(host, dispatch_calibration=1e-6))
+    assert make_plan(hardware=nearly_free, **kw).bottleneck == make_plan(hardware=ops_free, **kw).bottleneck != "dispatch"
 
 
 def test_a_gpu_step_is_bound_by_the_launching_thread_when_ops_cost_more_than_the_device():

@@ -461,7 +461,8 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
             phases[name] = sum(busy.values()) * n
         else:
             phases[name] = (sum(v for k, v in busy.items() if k != "dispatch") * scale + busy["dispatch"] * ops) * n
-        tops[name] = max(busy, key=busy.__getitem__)
+        # the busiest resource once calibrated (dispatch and the rest scale apart)
+        tops[name] = max(busy, key=lambda k: busy[k] * (1.0 if name == "update" else ops if k == "dispatch" else scale))
         nvme = disk.get(name, 0.0) * (n if name == "forward" else 1)
         if name == "forward":
             idle = max(0.0, phases[name] - nvme)
