@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from tierwise.cli.main import app
@@ -165,6 +166,7 @@ def test_verify_lora_on_qwen2_with_dropout(tmp_path):
     assert report.plan.bytes["nvme"]["base"] > 0 and report.base_read["nvme"] > 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine without CUDA's pricing")
 def test_verify_without_cuda_prices_the_step_with_a_simulated_profile_given(tmp_path):
     """A profile `finetune profile` measured on a machine without a GPU (simulated) is the one the
     plan's step time comes from; a GPU's profile is not this device's: then cpu-sim's."""
@@ -173,7 +175,7 @@ def test_verify_without_cuda_prices_the_step_with_a_simulated_profile_given(tmp_
     from tierwise.profiles import load_hardware_profile
 
     sim = load_hardware_profile("cpu-sim")
-    slow = dataclasses.replace(sim, host=dataclasses.replace(sim.host, step_calibration=7.0))
+    slow = dataclasses.replace(sim, name="measured-here", host=dataclasses.replace(sim.host, step_calibration=7.0))
     base = verify(**RUN, hardware=sim, steps=2)
     mine = verify(**RUN, hardware=slow, steps=2)
     assert mine.plan.phases["forward"] == pytest.approx(7 * base.plan.phases["forward"] / (sim.host.step_calibration or 1))
