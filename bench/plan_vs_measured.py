@@ -1,4 +1,4 @@
-"""Predicted vs measured on this machine: profile it (quick), then for each case plan and run the
+"""Predicted vs measured on this machine: profile it (full by default), then for each case plan and run the
 engine a few steps on the simulated device; print peak bytes per tier and step time, with ratios.
 
     python bench/plan_vs_measured.py [--steps 3] [--quick-profile] [--only lora]
