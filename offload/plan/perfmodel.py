@@ -462,7 +462,8 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
         else:
             phases[name] = (sum(v for k, v in busy.items() if k != "dispatch") * scale + busy["dispatch"] * ops) * n
         # the busiest resource once calibrated (dispatch and the rest scale apart)
-        tops[name] = max(busy, key=lambda k: busy[k] * (1.0 if name == "update" else ops if k == "dispatch" else scale))
+        factor = {} if name == "update" else {k: ops if k == "dispatch" else scale for k in busy}
+        tops[name] = max(busy, key=lambda k: busy[k] * factor.get(k, 1.0))
         nvme = disk.get(name, 0.0) * (n if name == "forward" else 1)
         if name == "forward":
             idle = max(0.0, phases[name] - nvme)
