@@ -17,8 +17,8 @@ def test_quick_profile_writes_a_loadable_hardware_profile(tmp_path):
     assert hw.name == "me" and hw.simulated
     assert hw.pcie.h2d_pinned_gbps > 0 and hw.nvme.read_gbps > 0 and hw.host.adamw_params_per_s > 0
     assert hw.gpu.fp32_tflops > 0 and hw.host.op_overhead_us > 0
-    assert 0.05 < hw.host.step_calibration < 20  # measured / modelled proxy step
-    assert 0.05 < hw.host.step_calibration_bf16 < 20  # the same proxy in bf16
+    assert 0.05 < hw.host.step_calibration < 50  # the fit accepts (0.05, 50): profiler.calibrations
+    assert 0.05 < hw.host.step_calibration_bf16 < 50  # the wider proxy in bf16
     assert 0.05 < hw.host.dispatch_calibration < 50  # per-op dispatch, fitted with a narrow proxy
     plan = make_plan(model="100m", hardware=out, gpu_mem="1G", cpu_mem="8G", optimizer="adamw",
                      precision="fp32", batch_size=1, seq_len=64)
