@@ -457,13 +457,10 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
                           ("update", upd, 1)):
         if name == "backward" and not cost.needs_grad:
             continue
-        if name == "update":
-            phases[name] = sum(busy.values()) * n
-        else:
-            phases[name] = (sum(v for k, v in busy.items() if k != "dispatch") * scale + busy["dispatch"] * ops) * n
-        # the busiest resource once calibrated (dispatch and the rest scale apart)
-        factor = {} if name == "update" else {k: ops if k == "dispatch" else scale for k in busy}
-        tops[name] = max(busy, key=lambda k: busy[k] * factor.get(k, 1.0))
+        # calibrated (the update is not): dispatch and the rest scale apart
+        seconds = busy if name == "update" else {k: v * (ops if k == "dispatch" else scale) for k, v in busy.items()}
+        phases[name] = sum(seconds.values()) * n
+        tops[name] = max(seconds, key=seconds.__getitem__)  # the busiest resource once calibrated
         nvme = disk.get(name, 0.0) * (n if name == "forward" else 1)
         if name == "forward":
             idle = max(0.0, phases[name] - nvme)
