@@ -101,6 +101,70 @@ def test_the_first_update_of_a_backward_starts_from_a_read_ahead(tmp_path):
     eng.close()
 
 
+def test_the_state_of_the_chunk_after_next_is_read_before_the_next_gradient_completes(tmp_path):
+    """Two update sets: while one chunk's update writes back from one set, the chunk expected
+    after the next is read into it as soon as those writes land (swapping.chained_read), not once
+    the next chunk's gradient is complete. Backward is held at that chunk's completion until the
+    read has started: without the chained read it never would. Bit-exact against plain PyTorch."""
+    import threading
+
+    data = batches(4)
+    ref_losses, ref = train_reference(tiny_llama(), data)
+    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="600K",
+                 nvme_path=str(tmp_path / "swap"))
+    losses = [eng.step(b) for b in data[:2]]
+    order = eng._order
+    assert len(order) > 3 and all(eng.homes.tiers[c].get("state") == "nvme" for c in order[:4])
+    started, read, submit = threading.Event(), eng.nvme.read_async, eng.early.submit
+    watch = f"c{order[3]}.state"  # the third read ahead of the backward (read_ahead takes 2)
+    waited = []
+
+    def read_async(key, *a, **k):
+        if key == watch:
+            started.set()
+        return read(key, *a, **k)
+
+    def held_submit(cid, *a, **k):
+        if cid == order[2]:
+            waited.append(started.wait(timeout=10))
+        return submit(cid, *a, **k)
+
+    eng.nvme.read_async, eng.early.submit = read_async, held_submit
+    for b in data[2:]:
+        started.clear()
+        losses.append(eng.step(b))
+    assert waited == [True, True]
+    assert losses == ref_losses
+    mine = weights(eng)
+    assert all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
+    eng.close()
+
+
+def test_kept_first_chunks_not_cached_come_from_the_update_sets(tmp_path):
+    """The next forward's first chunks, when not cached at their update (the embedding: backward
+    never reads it), are put into the cache from the update set that holds their new master
+    (residency.evict_updated), so that forward reads none of them from NVMe. Bit-exact."""
+    data = batches(5)
+    ref_losses, ref = train_reference(tiny_llama(), data)
+    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="600K",
+                 nvme_path=str(tmp_path / "swap"))
+    events, cache = [], eng.residency.cache
+    read, read_sync, put, backward = eng.nvme.read_async, eng.nvme.read, cache.put, eng.backward
+    eng.nvme.read_async = lambda key, *a, **k: (events.append(("read", key)), read(key, *a, **k))[1]
+    eng.nvme.read = lambda key, *a, **k: (events.append(("read", key)), read_sync(key, *a, **k))[1]
+    cache.put = lambda cid, fill: (events.append(("put", cid)), put(cid, fill))[1]
+    eng.backward = lambda *a, **k: (events.append(("backward", None)), backward(*a, **k))[1]
+    assert [eng.step(b) for b in data] == ref_losses
+    puts = [i for i, e in enumerate(events) if e[0] == "put"]
+    assert len(puts) >= len(data) - 2  # every step once the schedule exists
+    for i in puts:
+        forward = events[i:events.index(("backward", None), i)] if ("backward", None) in events[i:] else events[i:]
+        assert ("read", f"c{events[i][1]}.master") not in forward
+    mine = weights(eng)
+    assert all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
+    eng.close()
+
+
 def test_an_update_that_fails_midway_leaves_no_read_in_flight(tmp_path, monkeypatch):
     """An update that raises after it started reading the next chunk into the other set: the
     error leaves once those reads landed (a later read into that set would race them)."""
@@ -331,13 +395,14 @@ def test_a_read_ahead_of_another_chunk_is_dropped_bit_exact(tmp_path):
     """The update reads ahead the chunk it expects next; when another one comes first, the
     read-ahead is waited for and dropped (its set reused), and the numbers stay plain PyTorch's.
     Here it always expects chunk 0 (the last to complete): wrong but for the last chunk (which
-    may come in one batch with the one before it: then every read-ahead is dropped)."""
+    may come in one batch with the one before it: then every read-ahead is dropped); and chunk 1
+    after it, whose read chained into the set just written is dropped too (swapping.chained_read)."""
     data = batches(4)
     ref_losses, ref = train_reference(tiny_llama(), data)
     eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="600K", cpu_mem="400K", chunk_bytes=CHUNK,
                  nvme_path=str(tmp_path))
     assert eng.homes.bytes["nvme"]["master"] > 0 and eng.homes.bytes["nvme"]["state"] > 0
-    eng._expected = lambda chunks: None if 0 in chunks else 0
+    eng._expected = lambda chunks: (None, None) if 0 in chunks else (0, None if 1 in chunks else 1)
     assert [eng.step(b) for b in data] == ref_losses
     assert eng._ahead["issued"] > eng.reads_ahead and eng.early.updated > 0  # some were dropped
     mine = weights(eng)

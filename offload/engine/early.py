@@ -15,7 +15,8 @@ spill's staging buffer, offload.engine.gradspill), so the update neither waits f
 nor reads it back; the buffer goes back to the spill once that chunk is updated. Before
 backward the worker starts reading the master and state of the chunk that completed first in
 the last step (`ahead`); each pass also reads ahead those of the chunk that completed next
-(offload.runtime.swapping.update_all, `expect`), and takes an fp32 master from the device cache
+(offload.runtime.swapping.update_all, `expect`), and chains the read of the one after that
+behind its own write-backs (`expect_after`); it takes an fp32 master from the device cache
 while it is there (offload.engine.residency.copy_master).
 After a failure the worker runs no more updates until wait() has reported it: with several
 ranks a later chunk's reduce would be a collective out of step with the other ranks.

@@ -430,19 +430,21 @@ class Engine:
                 if c in handed:
                     self.grads.spill.write_handed(c)
             return
+        expect, expect_after = self._expected(chunks)
         update_all(self.store, self.updater, self.hyper, self.bounce, chunks=chunks, handed=handed,
-                   resident=self.residency.copy_master, carry=self._ahead, expect=self._expected(chunks),
-                   refresh=self.residency.refresh_master, defer=True)
+                   resident=self.residency.copy_master, carry=self._ahead, expect=expect,
+                   expect_after=expect_after, refresh=self.residency.refresh_master, defer=True)
 
-    def _expected(self, chunks: list[int]) -> int | None:
-        """The chunk the last step updated early after `chunks` (one rank), unless this step
-        already updated it: its master and state are read while its gradient completes."""
+    def _expected(self, chunks: list[int]) -> tuple[int | None, int | None]:
+        """The two chunks the last step updated early after `chunks` (one rank), unless this
+        step already updated them: their masters and states are read while their gradients
+        complete."""
         self._order_now.extend(chunks)
         if self.ranks is not None or not chunks or chunks[-1] not in self._order:
-            return None
+            return None, None
         k = self._order.index(chunks[-1]) + 1
-        nxt = self._order[k] if k < len(self._order) else None
-        return None if nxt is None or nxt in self._order_now else nxt
+        nxt = [c if c not in self._order_now else None for c in self._order[k:k + 2]] + [None, None]
+        return (nxt[0], nxt[1]) if nxt[0] is not None else (None, None)
 
     def _reduce_grads(self, chunks: list[int], handed: dict) -> None:
         transient = self.grads.transient
@@ -610,9 +612,9 @@ class Engine:
                                    and i == mine[-1] and self.grads.uses is not None and finite
                                    and not (self.ranks is not None and self.skip_nonfinite))
             if self.grads.early_on and self.ranks is None and self._order and self.bounce is not None:
-                first = self._order[0]  # (the worker is idle: the last step waited for it)
+                first, then = (self._order + [None])[:2]  # (the worker is idle: the last step waited for it)
                 self.grads.early.ahead(lambda: read_ahead(self.store, self.bounce, self._ahead, first,
-                                                          resident=self.residency.copy_master))
+                                                          resident=self.residency.copy_master, then=then))
             try:
                 self.backward(loss * weights[i] if weights[i] != 1.0 else loss)
             finally:

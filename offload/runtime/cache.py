@@ -74,6 +74,8 @@ class ResidentCache:
         self.fetched_bytes = 0  # filled over the link
         self.decodes = 0  # filled on the device (`local`)
         self.decoded_bytes = 0
+        self.puts = 0  # filled by `put`, not from the home tier
+        self.put_bytes = 0
         self.pinned_bytes = 0
         self.pinned_peak = 0
         self.keep_spares = tiers.simulated  # CUDA: its caching allocator reuses blocks already
@@ -153,6 +155,22 @@ class ResidentCache:
             self._fetch(cid)
             self.prefetches += 1
         return True
+
+    def put(self, cid: int, fill: Callable[[torch.Tensor], Ticket]) -> Ticket:
+        """Make absent chunk `cid` resident with bytes `fill(buffer)` starts copying in from
+        elsewhere than its home (offload.engine.residency.evict_updated: a new master still in
+        an update set); counted apart from fetches (`put_bytes`)."""
+        if cid in self.entries:
+            raise AssertionError(f"chunk {cid} is already resident")
+        self._make_room(self._nbytes(cid))
+        buf, whole = self._buffer(self.numel(cid))
+        ticket = fill(buf)
+        self.entries[cid] = _Entry(buf=buf, ticket=ticket, last_use=self.clock, whole=whole)
+        self.bytes += buf.numel() * buf.element_size()
+        self.puts += 1
+        self.put_bytes += buf.numel() * buf.element_size()
+        self.on_resident(cid, buf)
+        return ticket
 
     def drop_spares(self) -> None:
         """Let the spare buffers go (the engine closes)."""

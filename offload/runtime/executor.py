@@ -37,6 +37,12 @@ class Ticket:
     def done(self) -> bool:
         return self._future.done()
 
+    @property
+    def future(self) -> Future:
+        """Done once the transfer is over (on CUDA: its bytes have landed, for copies and jobs
+        whose destination or source is host memory)."""
+        return self._future
+
     def wait(self) -> None:
         self._future.result()  # re-raises a copy error on the compute thread
         if self._event is not None:

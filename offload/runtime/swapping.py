@@ -11,11 +11,17 @@ computed with the compute copy of the chunk it completes, so it is often still c
 chunk's early update starts. Between the early update's calls (offload.engine.early: one per
 batch of chunks whose gradients completed) the free set holds a *read-ahead*: the master and
 state of the chunk expected to complete next (the last step's order), read while its gradient
-is still being computed, so its update does not start with a wait on the disk.
+is still being computed, so its update does not start with a wait on the disk. The set an
+update has just written from is taken too: the state of the chunk expected after the next one
+is read into it as soon as those write-backs land (`chained_read`, on the thread that finishes
+the last of them), so the disk goes from one chunk's writes to a later chunk's reads instead of
+waiting for the next gradient to complete (measured at the 100M Llama's minimum host budget:
+bench/README.md, "Reads chained behind write-backs").
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -43,6 +49,7 @@ class Bounce:
         # its update_all (`defer`); whoever takes the set next waits for them (views)
         self.pending: dict[int, list[Future]] = {0: [], 1: []}
         self.last = 1  # the set of the latest write-back: the other one is free first
+        self.holder: list[int | None] = [None, None]  # per set, the chunk its views were last carved for
 
     def settle(self, slot: int | None = None) -> None:
         """Wait for the requests still using update set `slot` (None: both); re-raises their
@@ -52,16 +59,28 @@ class Bounce:
             for f in futures:
                 f.result()
 
-    def views(self, slot: int, cid: int) -> dict[str, torch.Tensor]:
+    def views(self, slot: int, cid: int, *, settle: bool = True) -> dict[str, torch.Tensor]:
         """Tensors for chunk `cid`'s swapped kinds, carved from update set `slot` (once the
-        requests still using that set are done)."""
-        self.settle(slot)
+        requests still using that set are done; `settle` False: the caller orders its use after
+        them, as `chained_read` does)."""
+        if settle:
+            self.settle(slot)
+        self.holder[slot] = cid
         out, off = {}, 0
         for _, name, d in self.store.chunks[cid].kinds():
             if isinstance(d, SwapKind):
                 out[name] = self.sets[slot][off: off + d.nbytes].view(d.dtype)
                 off += round_up(d.nbytes)
         return out
+
+    def holding(self, cid: int, t: torch.Tensor) -> int | None:
+        """The update set `t` lies in while that set still holds chunk `cid`'s views (nothing
+        carved another chunk's since), else None."""
+        for slot, s in enumerate(self.sets):
+            start = s.data_ptr()
+            if start <= t.data_ptr() < start + s.numel() and self.holder[slot] == cid:
+                return slot
+        return None
 
     def staging_for(self, swap: SwapKind) -> torch.Tensor:
         return self.staging[: swap.nbytes].view(swap.dtype)
@@ -84,21 +103,85 @@ class ReadAhead:
     slot: int
     views: dict[str, torch.Tensor]
     reads: list[Future]
+    master: bool = True  # False: its swapped master is not among `reads` (chained_read)
 
 
 def drop_ahead(carry: dict) -> None:
-    """Forget a read-ahead nobody used (its set is free once its reads landed)."""
-    ahead = carry.pop("ahead", None)
-    if ahead is not None:
-        for f in ahead.reads:
-            f.result()
+    """Forget the read-aheads nobody used (their sets are free once their reads landed). A
+    failed one raises nothing here (its bytes go unused; a failed write-back it waited for
+    stays among its set's pending requests, which raise it to whoever takes the set next)."""
+    for name in ("ahead", "after"):
+        ahead = carry.pop(name, None)
+        if ahead is not None:
+            wait(ahead.reads)
+
+
+def _after(futures: list[Future], then: Callable[[], list[Future]]) -> Future:
+    """A future done when `then()` (called once every one of `futures` is done, on the thread
+    that finished the last) has started requests and they are all done; it carries the first
+    error of either. Nothing blocks meanwhile."""
+    out: Future = Future()
+    left = [len(futures) + 1]
+    lock = threading.Lock()
+
+    def finish(inner: list[Future]) -> None:
+        errors = [f.exception() for f in inner if f.exception() is not None]
+        out.set_exception(errors[0]) if errors else out.set_result(None)
+
+    def one_done(_f: "Future | None" = None) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            out.set_exception(errors[0])
+            return
+        try:
+            inner = then()
+        except BaseException as exc:  # e.g. the store closed meanwhile
+            out.set_exception(exc)
+            return
+        rest = [len(inner) + 1]
+
+        def inner_done(_f: "Future | None" = None) -> None:
+            with lock:
+                rest[0] -= 1
+                if rest[0]:
+                    return
+            finish(inner)
+
+        for f in inner:
+            f.add_done_callback(inner_done)
+        inner_done()
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    one_done()
+    return out
+
+
+def chained_read(store: ChunkStore, bounce: Bounce, carry: dict, cid: int, slot: int) -> ReadAhead:
+    """Read chunk `cid`'s state into update set `slot` as soon as the requests still using that
+    set (its last chunk's write-backs) are done, without waiting for them here: the disk goes on
+    from those writes to this read while no gradient is complete yet. Its master too, unless
+    the last step's update copied it from the device (carry["copied"], `_read_master`):
+    backward has then most likely just fetched it there again when the update starts."""
+    before = bounce.pending[slot]
+    views = bounce.views(slot, cid, settle=False)
+    master = cid not in carry.get("copied", ())
+    kinds = [(n, d) for n, d in _swapped(store, cid) if n not in ("compute", "grad") and (master or n != "master")]
+    done = _after(before, lambda: [store.nvme.read_async(d.key, views[n]) for n, d in kinds])
+    bounce.pending[slot] = [*before, done]
+    return ReadAhead(cid, slot, views, [done], master=master)
 
 
 def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | None, *,
                chunks: list[int] | None = None, handed: "dict[int, tuple[torch.Tensor, Any]] | None" = None,
                resident: "Callable[[int, torch.Tensor], bool] | None" = None,
                carry: "dict | None" = None, expect: int | None = None,
-               refresh: "Callable[[int, torch.Tensor], None] | None" = None, defer: bool = False) -> None:
+               refresh: "Callable[[int, torch.Tensor], None] | None" = None, defer: bool = False,
+               expect_after: int | None = None) -> None:
     """One optimizer step on `chunks` (default: every chunk): in-memory ones in place, swapped
     ones pipelined through the two bounce sets. `handed`: {chunk: (gradient, give_back)} for
     chunks whose NVMe gradient is still in a host buffer: used from there (not read back), and
@@ -108,7 +191,10 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
     `carry` (a dict kept between calls that never overlap): while the last chunk is updated, the
     master and state of swapped chunk `expect` are read ahead into the free set and left in
     carry["ahead"] (a ReadAhead); a later call whose first swapped chunk it is starts from them
-    (counted in carry["issued"] and carry["used"]).
+    (counted in carry["issued"] and carry["used"]). `expect_after`: the chunk expected after
+    `expect`; its master and state are read into the set of this call's last update as soon as
+    that set's write-backs land (`chained_read`, kept in carry["after"]); the next call, if it
+    updates just `expect`, takes that read as its own read-ahead instead of starting one.
     `refresh(chunk, master)`: called with each chunk's new master right after its update.
     `defer`: return without waiting for the last write-backs (they stay in `bounce.pending`,
     waited for by whoever takes their set next, or by `bounce.settle()`): the next early update,
@@ -119,20 +205,27 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
     swapped = [c for c in todo if _swapped(store, c)]
     writes = bounce.pending if bounce is not None else {0: [], 1: []}
     held = carry.pop("ahead", None) if carry is not None else None
+    after = carry.pop("after", None) if carry is not None else None
     # set of the i-th swapped chunk: (base + i) % 2, the first one not the latest written
     base = held.slot if held is not None else 1 - bounce.last if bounce is not None else 0
     if held is not None and (not swapped or swapped[0] != held.cid):
         writes[held.slot] = writes[held.slot] + held.reads  # not the chunk read ahead: free once those land
         held = None
+    if after is not None and not (held is not None and len(swapped) == 1 and after.cid == expect
+                                  and after.slot != held.slot):
+        after = None  # (its read is among its set's pending requests: whoever takes the set waits)
 
     def read(cid: int, slot: int, *, grad: bool) -> tuple[dict[str, torch.Tensor], list[Future]]:
-        return _read(store, bounce, cid, slot, grad=grad, resident=resident)
+        return _read(store, bounce, cid, slot, grad=grad, resident=resident, carry=carry)
 
     def start(i: int) -> tuple[dict[str, torch.Tensor], list[Future]]:
         cid = swapped[i]
         if i == 0 and held is not None:  # master and state were read ahead
             carry["used"] = carry.get("used", 0) + 1
             views, reads = held.views, list(held.reads)
+            if not held.master:  # (its set is free once the state has landed)
+                wait(reads)
+                reads += _read_master(store, cid, views, resident, carry)
             grad = dict(_swapped(store, cid)).get("grad")
             if grad is not None and cid not in handed:
                 reads.append(store.nvme.read_async(grad.key, views["grad"]))
@@ -156,6 +249,9 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
             views, reads = pending
             if i + 1 < len(swapped):
                 pending = start(i + 1)
+            elif ahead and after is not None:  # (in the other set: see above)
+                carry["ahead"] = after
+                started.extend(after.reads)
             elif ahead:
                 slot = (base + i + 1) % 2
                 carry["ahead"] = ReadAhead(expect, slot, *read(expect, slot, grad=False))
@@ -174,6 +270,12 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
             writes[(base + i) % 2] = [store.nvme.write_async(d.key, views[n]) for n, d in _swapped(store, cid)
                                       if n != "grad"]  # the next cycle overwrites the gradient anyway
             bounce.last = (base + i) % 2
+        if (ahead and swapped and expect_after is not None and expect_after != expect
+                and expect_after not in todo and _swapped(store, expect_after)
+                and not store.is_frozen(expect_after)):
+            carry["after"] = chained_read(store, bounce, carry, expect_after, bounce.last)
+            started.extend(carry["after"].reads)
+            carry["issued"] = carry.get("issued", 0) + 1
     except BaseException:
         wait(started)  # (their sets are taken next by whoever reads into them)
         raise
@@ -182,7 +284,8 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
 
 
 def _read(store: ChunkStore, bounce: Bounce, cid: int, slot: int, *, grad: bool,
-          resident: "Callable[[int, torch.Tensor], bool] | None") -> tuple[dict[str, torch.Tensor], list[Future]]:
+          resident: "Callable[[int, torch.Tensor], bool] | None",
+          carry: "dict | None" = None) -> tuple[dict[str, torch.Tensor], list[Future]]:
     """Start reading chunk `cid`'s swapped master and state (and gradient if `grad`) into update
     set `slot`, once the requests still using that set are done; its master from a cached
     compute copy where `resident` can."""
@@ -191,23 +294,40 @@ def _read(store: ChunkStore, bounce: Bounce, cid: int, slot: int, *, grad: bool,
              if n != "compute"  # the compute copy is rewritten from the master
              and (n != "grad" or grad)]
     reads = [store.nvme.read_async(d.key, views[n]) for n, d in kinds if n != "master"]
-    master = [d for n, d in kinds if n == "master"]
-    if master and not (resident is not None and resident(cid, views["master"])):  # (while those read)
-        reads.append(store.nvme.read_async(master[0].key, views["master"]))
-    return views, reads
+    return views, reads + _read_master(store, cid, views, resident, carry)  # (while those read)
+
+
+def _read_master(store: ChunkStore, cid: int, views: dict[str, torch.Tensor],
+                 resident: "Callable[[int, torch.Tensor], bool] | None", carry: "dict | None") -> list[Future]:
+    """Chunk `cid`'s swapped master into views["master"]: copied from a cached compute copy
+    where `resident` can, else read (its future); which of the two it was is noted in
+    carry["copied"] for `chained_read`."""
+    master = dict(_swapped(store, cid)).get("master")
+    if master is None:
+        return []
+    copied = resident is not None and resident(cid, views["master"])
+    if carry is not None:
+        carry.setdefault("copied", set()).add(cid) if copied else carry.get("copied", set()).discard(cid)
+    return [] if copied else [store.nvme.read_async(master.key, views["master"])]
 
 
 def read_ahead(store: ChunkStore, bounce: Bounce | None, carry: dict, cid: int, *,
-               resident: "Callable[[int, torch.Tensor], bool] | None" = None) -> None:
+               resident: "Callable[[int, torch.Tensor], bool] | None" = None,
+               then: int | None = None) -> None:
     """Before backward: start reading the master and state of swapped chunk `cid` (the first to
     complete in the last step) into the set written least recently, for update_all to start
     from (carry["ahead"], as its own read-ahead): the first update of a backward then does not
-    begin with a wait on the disk. Nothing when a read-ahead is held or `cid` is not swapped."""
+    begin with a wait on the disk; and those of chunk `then` (the second) into the other set
+    once its write-backs land (carry["after"]). Nothing when a read-ahead is held or `cid` is
+    not swapped."""
     if bounce is None or "ahead" in carry or not _swapped(store, cid) or store.is_frozen(cid):
         return
     slot = 1 - bounce.last
-    carry["ahead"] = ReadAhead(cid, slot, *_read(store, bounce, cid, slot, grad=False, resident=resident))
+    carry["ahead"] = ReadAhead(cid, slot, *_read(store, bounce, cid, slot, grad=False, resident=resident, carry=carry))
     carry["issued"] = carry.get("issued", 0) + 1
+    if then is not None and then != cid and _swapped(store, then) and not store.is_frozen(then):
+        carry["after"] = chained_read(store, bounce, carry, then, bounce.last)
+        carry["issued"] += 1
 
 
 def _step(ch: Any, cid: int, updater: Any, hyper: Any, views: dict[str, torch.Tensor]) -> None:
