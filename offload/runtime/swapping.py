@@ -165,12 +165,16 @@ def chained_read(store: ChunkStore, bounce: Bounce, carry: dict, cid: int, slot:
     """Read chunk `cid`'s state into update set `slot` as soon as the requests still using that
     set (its last chunk's write-backs) are done, without waiting for them here: the disk goes on
     from those writes to this read while no gradient is complete yet. Its master too, unless
-    the last step's update copied it from the device (carry["copied"], `_read_master`):
-    backward has then most likely just fetched it there again when the update starts."""
+    the last time it was needed it came from the device cache (carry["copied"],
+    `_read_master`): backward has then most likely just fetched it there again when the
+    update starts. Counted in
+    carry["issued"] when it reads anything."""
     before = bounce.pending[slot]
     views = bounce.views(slot, cid, settle=False)
     master = cid not in carry.get("copied", ())
     kinds = [(n, d) for n, d in _swapped(store, cid) if n not in ("compute", "grad") and (master or n != "master")]
+    if kinds:
+        carry["issued"] = carry.get("issued", 0) + 1
     done = _after(before, lambda: [store.nvme.read_async(d.key, views[n]) for n, d in kinds])
     bounce.pending[slot] = [*before, done]
     return ReadAhead(cid, slot, views, [done], master=master)
@@ -223,6 +227,7 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
         if i == 0 and held is not None:  # master and state were read ahead
             carry["used"] = carry.get("used", 0) + 1
             views, reads = held.views, list(held.reads)
+            started.extend(reads)  # (waited for if what follows raises)
             if not held.master:  # (its set is free once the state has landed)
                 wait(reads)
                 reads += _read_master(store, cid, views, resident, carry)
@@ -275,7 +280,6 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
                 and not store.is_frozen(expect_after)):
             carry["after"] = chained_read(store, bounce, carry, expect_after, bounce.last)
             started.extend(carry["after"].reads)
-            carry["issued"] = carry.get("issued", 0) + 1
     except BaseException:
         wait(started)  # (their sets are taken next by whoever reads into them)
         raise
@@ -327,7 +331,6 @@ def read_ahead(store: ChunkStore, bounce: Bounce | None, carry: dict, cid: int, 
     carry["issued"] = carry.get("issued", 0) + 1
     if then is not None and then != cid and _swapped(store, then) and not store.is_frozen(then):
         carry["after"] = chained_read(store, bounce, carry, then, bounce.last)
-        carry["issued"] += 1
 
 
 def _step(ch: Any, cid: int, updater: Any, hyper: Any, views: dict[str, torch.Tensor]) -> None:
