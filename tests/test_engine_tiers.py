@@ -165,6 +165,48 @@ def test_kept_first_chunks_not_cached_come_from_the_update_sets(tmp_path):
     eng.close()
 
 
+@pytest.mark.parametrize("where", ["between forward and backward", "in the loss function"])
+def test_a_step_that_fails_before_its_backward_gives_its_activations_back(tmp_path, where):
+    """Ctrl-C between a step's forward and its backward, or a loss function that raises once the
+    model has run: the step is dropped (Engine.step aborts it), the activations its forward
+    saved are given back to the ledger (ActivationTracker.abandon: a graph whose backward never
+    runs holds them in a reference cycle the collector does not free), and training goes on as
+    plain PyTorch's does on the other batches, bit for bit."""
+    import gc
+
+    data = batches(5)
+    ref_losses, ref = train_reference(tiny_llama(), [b for i, b in enumerate(data) if i != 2])
+    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="600K",
+                 nvme_path=str(tmp_path / "swap"))
+    backward, loss_fn = eng.backward, eng.loss_fn
+
+    def interrupted(loss):
+        raise KeyboardInterrupt
+
+    def bad_batch(model, batch):
+        loss_fn(model, batch)
+        raise ValueError("bad batch")
+
+    losses = []
+    for i, b in enumerate(data):
+        if i != 2:
+            losses.append(eng.step(b))
+            continue
+        if where == "in the loss function":
+            eng.loss_fn = bad_batch
+        else:
+            eng.backward = interrupted
+        with pytest.raises((KeyboardInterrupt, ValueError)):
+            eng.step(b)
+        eng.backward, eng.loss_fn = backward, loss_fn
+        gc.collect()
+        assert eng.ledger.usage()["gpu"].get("activation", 0) == 0
+    assert losses == ref_losses
+    mine = weights(eng)
+    assert all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
+    eng.close()
+
+
 def test_an_update_that_fails_midway_leaves_no_read_in_flight(tmp_path, monkeypatch):
     """An update that raises after it started reading the next chunk into the other set: the
     error leaves once those reads landed (a later read into that set would race them)."""

@@ -542,6 +542,9 @@ class Engine:
                     self.tracker.offloader.end_forward()
         except BudgetExceeded as exc:
             raise self._budget_error(exc, intact=self._abort_cycle()) from exc
+        except BaseException:  # (the loss function raised, or Ctrl-C): the step is dropped
+            self._abort_cycle()
+            raise
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -569,6 +572,7 @@ class Engine:
         """Drop a failed step's gradients; True when its early updates (offload.engine.early) had not
         reached any chunk, so the weights are those of the last completed step."""
         intact = self.grads.abort()
+        self.tracker.abandon()
         drop_ahead(self._ahead)  # (after the worker: grads.abort waited for it)
         self._order_now = []
         self._in_cycle = False
@@ -592,6 +596,14 @@ class Engine:
         the returned loss is the step's token mean, sum of loss_i * n_i / N."""
         if not self.updater.needs_grad:
             return self._zo_step(batch, grad_accum)
+        try:
+            return self._step(batch, grad_accum)
+        except BaseException:
+            if self._in_cycle:  # it failed between a forward and its backward (Ctrl-C, say): each
+                self._abort_cycle()  # of those drops the step itself when it fails
+            raise
+
+    def _step(self, batch: Any, grad_accum: int) -> float:
         finite = True
         world = self.ranks.world if self.ranks is not None else 1
         micro = split_batch(batch, grad_accum * world)

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -52,13 +53,19 @@ class _HomeRef:
 class _Held:
     """An activation kept for backward; gives its bytes back to the ledger when dropped."""
 
-    __slots__ = ("tensor", "release")
+    __slots__ = ("tensor", "release", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, release: Callable[[], None]):
         self.tensor, self.release = tensor, release
 
+    def drop(self) -> None:
+        """Give the bytes back once, and let go of the tensor."""
+        release, self.release, self.tensor = self.release, None, None
+        if release is not None:
+            release()
+
     def __del__(self) -> None:
-        self.release()
+        self.drop()
 
 
 class ActivationTracker:
@@ -70,6 +77,7 @@ class ActivationTracker:
     def __init__(self, residency: "Residency", ledger: Ledger, device: torch.device):
         self.residency, self.ledger, self.device = residency, ledger, device
         self._live: dict[int, list[int]] = {}  # storage key -> [refcount, nbytes]
+        self._held: "weakref.WeakSet[_Held]" = weakref.WeakSet()
         self.offloader = None  # an offload.engine.actoffload.Offloader when activation offload is on
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
@@ -94,7 +102,19 @@ class ActivationTracker:
             self.ledger.reserve("gpu", "activation", nbytes)
             self._live[key] = live = [0, nbytes]
         live[0] += 1
-        return _Held(t, lambda: self._drop(key))
+        held = _Held(t, lambda: self._drop(key))
+        self._held.add(held)
+        return held
+
+    def abandon(self) -> None:
+        """A step failed before its backward consumed what it saved: drop every activation still
+        held. Autograd frees them only with their graph, and a node that saved its own output
+        (through a packed object holding that tensor) is a reference cycle Python's collector
+        does not see into: without a backward, its bytes would stay booked in the ledger (and
+        allocated) for the rest of the run. An abandoned graph's backward then fails (a saved
+        value is gone) instead of computing on anything."""
+        for held in list(self._held):
+            held.drop()
 
     def _drop(self, key: int) -> None:
         live = self._live[key]
