@@ -450,3 +450,18 @@ def test_a_read_ahead_of_another_chunk_is_dropped_bit_exact(tmp_path):
     mine = weights(eng)
     assert all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
     eng.close()
+
+
+@pytest.mark.parametrize("nvme", [False, True])
+def test_masters_copied_from_the_parameters_carry_no_autograd_history(tmp_path, nvme):
+    """The engine copies the model's weights into its fp32 masters under grad mode: the masters
+    must not join the parameters' graph (CopySlices on every master, requires_grad True): the
+    update and every copy made from them would then be recorded by autograd."""
+    kw = dict(cpu_mem="600K", nvme_path=str(tmp_path / "swap")) if nvme else {}
+    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, **kw)
+    for b in batches(2):
+        eng.step(b)
+    masters = [ch.master for ch in eng.store.chunks if isinstance(ch.master, torch.Tensor)]
+    assert masters and not any(t.requires_grad or t.grad_fn is not None for t in masters)
+    assert not any(e.buf.requires_grad for e in eng.residency.cache.entries.values())
+    eng.close()

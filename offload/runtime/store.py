@@ -284,6 +284,7 @@ class ChunkStore:
             params[name].data = nan.expand(self.plan.slots[name].shape)
 
     # -- data -------------------------------------------------------------------------------
+    @torch.no_grad()  # a master copied from a parameter must not join its autograd graph
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], params: dict[str, Any]) -> None:
         """Copy (name, tensor) into master slots. Swapped chunks are assembled in memory one
         or two at a time (tensors arrive shard by shard, roughly in chunk order)."""
