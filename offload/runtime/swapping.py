@@ -167,8 +167,7 @@ def chained_read(store: ChunkStore, bounce: Bounce, carry: dict, cid: int, slot:
     from those writes to this read while no gradient is complete yet. Its master too, unless
     the last time it was needed it came from the device cache (carry["copied"],
     `_read_master`): backward has then most likely just fetched it there again when the
-    update starts. Counted in
-    carry["issued"] when it reads anything."""
+    update starts. Counted in carry["issued"] when it reads anything."""
     before = bounce.pending[slot]
     views = bounce.views(slot, cid, settle=False)
     master = cid not in carry.get("copied", ())
@@ -196,8 +195,8 @@ def update_all(store: ChunkStore, updater: Any, hyper: Any, bounce: Bounce | Non
     master and state of swapped chunk `expect` are read ahead into the free set and left in
     carry["ahead"] (a ReadAhead); a later call whose first swapped chunk it is starts from them
     (counted in carry["issued"] and carry["used"]). `expect_after`: the chunk expected after
-    `expect`; its master and state are read into the set of this call's last update as soon as
-    that set's write-backs land (`chained_read`, kept in carry["after"]); the next call, if it
+    `expect`; its state (and master, see there) is read into the set of this call's last update
+    as soon as that set's write-backs land (`chained_read`, kept in carry["after"]); the next call, if it
     updates just `expect`, takes that read as its own read-ahead instead of starting one.
     `refresh(chunk, master)`: called with each chunk's new master right after its update.
     `defer`: return without waiting for the last write-backs (they stay in `bounce.pending`,
@@ -311,7 +310,11 @@ def _read_master(store: ChunkStore, cid: int, views: dict[str, torch.Tensor],
         return []
     copied = resident is not None and resident(cid, views["master"])
     if carry is not None:
-        carry.setdefault("copied", set()).add(cid) if copied else carry.get("copied", set()).discard(cid)
+        noted = carry.setdefault("copied", set())
+        if copied:
+            noted.add(cid)
+        else:
+            noted.discard(cid)
     return [] if copied else [store.nvme.read_async(master.key, views["master"])]
 
 
