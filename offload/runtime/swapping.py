@@ -116,48 +116,48 @@ def drop_ahead(carry: dict) -> None:
             wait(ahead.reads)
 
 
-def _after(futures: list[Future], then: Callable[[], list[Future]]) -> Future:
-    """A future done when `then()` (called once every one of `futures` is done, on the thread
-    that finished the last) has started requests and they are all done; it carries the first
-    error of either. Nothing blocks meanwhile."""
-    out: Future = Future()
+def _when_all(futures: list[Future], fn: Callable[[], None]) -> None:
+    """Call `fn()` once every one of `futures` is done (at once if they are), on the thread that
+    finished the last."""
     left = [len(futures) + 1]
     lock = threading.Lock()
-
-    def finish(inner: list[Future]) -> None:
-        errors = [f.exception() for f in inner if f.exception() is not None]
-        out.set_exception(errors[0]) if errors else out.set_result(None)
 
     def one_done(_f: "Future | None" = None) -> None:
         with lock:
             left[0] -= 1
             if left[0]:
                 return
-        errors = [f.exception() for f in futures if f.exception() is not None]
+        fn()
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    one_done()
+
+
+def _after(futures: list[Future], then: Callable[[], list[Future]]) -> Future:
+    """A future done when `then()` (called once every one of `futures` is done, on the thread
+    that finished the last) has started requests and they are all done; it carries the first
+    error of either. Nothing blocks meanwhile."""
+    out: Future = Future()
+
+    def failed(done: list[Future]) -> bool:
+        """Pass the first error of `done` on to `out`; True if there was one."""
+        errors = [f.exception() for f in done if f.exception() is not None]
         if errors:
             out.set_exception(errors[0])
+        return bool(errors)
+
+    def start() -> None:
+        if failed(futures):
             return
         try:
             inner = then()
         except BaseException as exc:  # e.g. the store closed meanwhile
             out.set_exception(exc)
             return
-        rest = [len(inner) + 1]
+        _when_all(inner, lambda: failed(inner) or out.set_result(None))
 
-        def inner_done(_f: "Future | None" = None) -> None:
-            with lock:
-                rest[0] -= 1
-                if rest[0]:
-                    return
-            finish(inner)
-
-        for f in inner:
-            f.add_done_callback(inner_done)
-        inner_done()
-
-    for f in futures:
-        f.add_done_callback(one_done)
-    one_done()
+    _when_all(futures, start)
     return out
 
 
