@@ -239,7 +239,8 @@ class Engine:
                 limit=self.device_plan.cache_limit if self.device_plan else self.needs.stream_window,
                 params=self.params, param_names=self.param_names, module_chunks=self.module_chunks,
                 timeline=self.moments, name_of=self._module_name, cxl=self.cxl, nvme=self.nvme, bounce=self.bounce,
-                borrow_refusal=None if self.updater.needs_grad else self.optimizer_name, ranks=self.ranks)
+                borrow_refusal=None if self.updater.needs_grad else self.optimizer_name, ranks=self.ranks,
+                borrows=h2d_bandwidth is None)  # (an emulated link: the copies are what is measured)
             self._install_hooks(model, checkpointing)
             self.minimum_gpu_bytes: int | None = None
             self.steps = 0

@@ -22,6 +22,13 @@ chunks among them stay as they are (nothing changed them). One not cached when i
 still holds its new master (`ResidentCache.put`; the set is taken again only once that copy is
 done), for the same reason.
 
+On the simulated device, with `borrows` (fp32, one rank, an optimizer that does not perturb
+weights, no emulated link), a chunk whose master lives in host DRAM is computed from in place:
+the cache takes the master itself as its compute copy (`_borrow`, ResidentCache's `borrow`)
+instead of copying it into a buffer of the same bytes in the same memory. The update writes the
+master only once backward no longer reads the chunk (offload.engine.gradients), as it does
+anyway, and a kept copy is then already the new master.
+
 Also the storage identities the saved-tensor hooks need: `streamed_storage` (a resident copy's
 storage -> its chunk) and `home_storage` (a device-home chunk's storage -> the chunk).
 """
@@ -63,13 +70,14 @@ class Residency:
                  module_chunks: dict[torch.nn.Module, list[int]], timeline: Timeline,
                  name_of: Callable[["torch.nn.Module | None"], str], borrow_refusal: str | None = None,
                  cxl: CxlAllocator | None = None, nvme: NvmeStore | None = None, bounce: Bounce | None = None,
-                 ranks: Any = None):
+                 ranks: Any = None, borrows: bool = False):
         self.store, self.plan, self.executor = store, store.plan, executor
         self.params, self.param_names, self.module_chunks = params, param_names, module_chunks
         self.timeline, self.name_of, self.borrow_refusal = timeline, name_of, borrow_refusal
         self.cxl, self.nvme, self.bounce = cxl, nvme, bounce
         self.ranks = ranks  # offload.engine.ranks.Ranks, or None on one rank
         self.device = tiers.device
+        self.borrows = borrows and tiers.simulated and ranks is None and borrow_refusal is None
         self.streamed_storage: dict[int, int] = {}  # storage_key of a resident copy -> chunk
         self.home_storage: dict[int, int] = {}  # storage_key of a device-home chunk -> the chunk
         self.follower = TraceFollower()
@@ -87,7 +95,7 @@ class Residency:
         self.cache = ResidentCache(tiers=tiers, executor=executor, limit=limit, dtype=store.compute_dtype,
                                    numel=lambda c: self.plan.chunks[c].numel, fetch=self._fetch,
                                    on_resident=self._on_resident, on_evict=self._on_evict,
-                                   local=store.decodes_on_device)
+                                   local=store.decodes_on_device, borrow=self._borrow)
         for cid in range(len(self.plan.chunks)):
             if store.is_gpu_home(cid):
                 self.home(cid)
@@ -125,6 +133,14 @@ class Residency:
         return (self.device.type != "cuda" and self.store.compute_dtype == torch.float32
                 and self.store.chunks[cid].compute is None and not self.store.is_encoded(cid))
 
+    def _borrow(self, cid: int) -> "torch.Tensor | None":
+        """Chunk `cid`'s fp32 master in host DRAM when the cache may compute from it in place
+        (`borrows`; not CXL: its slower memory is read once, by the copy), else None."""
+        if not self.borrows or not self._master_bytes(cid) or self.store.compute_tier(cid) != "host":
+            return None
+        src = self.store.compute_source(cid)
+        return src if isinstance(src, torch.Tensor) else None
+
     def keep_next(self, allowed: bool) -> None:
         """(A step begins.) Which chunks to keep resident over this step's end: those the
         schedule holds after its first event; none when not `allowed`."""
@@ -141,7 +157,8 @@ class Residency:
             if buf is None:
                 self.unfilled[cid] = master
                 return
-            buf.copy_(master)
+            if buf.data_ptr() != master.data_ptr():  # (borrowed: it is the master)
+                buf.copy_(master)
         self.fresh.add(cid)
 
     def evict_updated(self) -> None:

@@ -425,7 +425,8 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     sources, and in backward its refetches plus the update's reads and write-backs of master,
     state and gradient, which the early update (offload.engine.early) runs during backward; the
     step's last write-backs run on into the next forward, where the disk would idle. A fetch from
-    NVMe (not decoded) is read into the cache buffer in place: no copy to price."""
+    NVMe (not decoded) is read into the cache buffer in place, and an fp32 master in DRAM is
+    computed from where it lies (one rank, not MeZO): no copy to price."""
     hw = hardware
     rate = hw.gpu_tflops(precision) * 1e12
     copy = hw.pcie.h2d_pinned_gbps * GB
@@ -433,8 +434,12 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     overhead = (hw.host.op_overhead_us or 0.0) * 1e-6
     dispatch_fwd, dispatch_bwd = dispatch_s(load, hw.host.op_overhead_us)
     link = load.fetched_bytes if load.link_bytes is None else load.link_bytes
-    if load.link_bytes is None and not load.dequant_bytes:  # NVMe reads land in the cache buffer
-        link -= load.fetched_bytes * load.stream_bytes.get("nvme", 0) / max(1, sum(load.stream_bytes.values()))
+    if load.link_bytes is None and not load.dequant_bytes:  # no copy: NVMe reads land in the cache
+        # buffer, and fp32 masters in DRAM are computed from in place (offload.engine.residency)
+        inplace = load.stream_bytes.get("nvme", 0)
+        if precision == "fp32" and cost.needs_grad and collectives is None:
+            inplace += load.stream_bytes.get("host", 0)
+        link -= load.fetched_bytes * inplace / max(1, sum(load.stream_bytes.values()))
     decode = load.dequant_bytes / 2 / (hw.host.dram_bandwidth_gbps * GB)  # per pass, on the CPU cores
     fwd = {"gpu compute": load.tokens_flops_fwd / rate, "pcie h2d": link / 3 / copy,
            "dispatch": dispatch_fwd, "dequant": decode}

@@ -22,6 +22,13 @@ simulated device's buffers are page-aligned anonymous mappings (their length rou
 bytes), so an NVMe read lands in one in place (offload.engine.residency).
 Another thread may read a resident, filled buffer (`lent`: the update copies an fp32 master
 from it, offload.engine.residency.copy_master); its eviction waits until that copy is done.
+
+A chunk whose home copy already is its compute copy in device-reachable memory (`borrow`: on
+the simulated device, an fp32 master in host DRAM) is made resident as that tensor itself: no
+buffer, no copy (the copy is a memcpy on the cores that compute). Its bytes are still booked in
+the ledger as the device's, so budgets and the schedule are those of a real device; eviction
+books them back and keeps nothing as a spare. Counted in `fetches` (the schedule's fact) and in
+`borrowed_bytes` (what crossed no link).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ class _Entry:
     pins: int = 0
     last_use: int = 0
     lent: int = 0  # another thread reads it (`lent`): eviction waits
-    whole: torch.Tensor | None = None  # the buffer `buf` leads (a spare reused: all of it)
+    whole: torch.Tensor | None = None  # the buffer `buf` leads (a spare reused: all of it); None: borrowed
 
 
 def _over(storage: torch.UntypedStorage, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -61,11 +68,13 @@ class ResidentCache:
     def __init__(self, *, tiers: Tiers, executor: Executor, limit: int, dtype: torch.dtype,
                  numel: Callable[[int], int], fetch: Callable[[int, torch.Tensor], Ticket],
                  on_resident: Callable[[int, torch.Tensor], None],
-                 on_evict: Callable[[int], None], local: Callable[[int], bool] = lambda cid: False):
+                 on_evict: Callable[[int], None], local: Callable[[int], bool] = lambda cid: False,
+                 borrow: "Callable[[int], torch.Tensor | None]" = lambda cid: None):
         self.tiers, self.executor, self.limit, self.dtype = tiers, executor, limit, dtype
         self.numel, self.fetch = numel, fetch  # fetch(cid, device_buffer) starts the copy in
         self.on_resident, self.on_evict = on_resident, on_evict
         self.local = local  # local(cid): its buffer is filled on the device (a gpu-home blob decoded), no link
+        self.borrow = borrow  # borrow(cid): the tensor to compute from in place (no buffer, no copy), or None
         self.entries: dict[int, _Entry] = {}
         self.bytes = 0
         self.clock = 0
@@ -76,6 +85,7 @@ class ResidentCache:
         self.decoded_bytes = 0
         self.puts = 0  # filled by `put`, not from the home tier
         self.put_bytes = 0
+        self.borrowed_bytes = 0  # of `fetched_bytes`, made resident in place (`borrow`)
         self.pinned_bytes = 0
         self.pinned_peak = 0
         self.keep_spares = tiers.simulated  # CUDA: its caching allocator reuses blocks already
@@ -184,8 +194,14 @@ class ResidentCache:
 
     # -- internals -------------------------------------------------------------------
     def _fetch(self, cid: int) -> _Entry:
-        buf, whole = self._buffer(self.numel(cid))
-        ticket = self.fetch(cid, buf)
+        home = self.borrow(cid)
+        if home is not None:
+            self.tiers.ledger.reserve("gpu", "compute", self._nbytes(cid))
+            buf, whole, ticket = home, None, None
+            self.borrowed_bytes += self._nbytes(cid)
+        else:
+            buf, whole = self._buffer(self.numel(cid))
+            ticket = self.fetch(cid, buf)
         entry = _Entry(buf=buf, ticket=ticket, last_use=self.clock, whole=whole)
         self.entries[cid] = entry
         self.bytes += buf.numel() * buf.element_size()
@@ -209,6 +225,8 @@ class ResidentCache:
         self.bytes -= entry.buf.numel() * entry.buf.element_size()
         self.tiers.free("gpu", "compute", entry.buf)
         whole = entry.whole
+        if whole is None:  # borrowed: the home's tensor, not the cache's
+            return
         self.real_bytes -= whole.numel() * whole.element_size()
         if self.keep_spares and self.real_bytes + self._spare_bytes() + whole.numel() * whole.element_size() <= self.limit:
             self.spares.append(whole)
