@@ -93,6 +93,9 @@ class HostSpec:
     fitted with step_calibration, which then scales the rest of its compute (None: step_calibration
     scales both). `finetune profile` fits the two from a narrow proxy (mostly dispatch) and a
     wider one (mostly matmuls)."""
+    dispatch_calibration_bf16: float | None = None
+    """The simulated device only: dispatch_calibration fitted with the proxies run in bf16 (None:
+    the fp32 one's); a CPU's bf16 ops cost more per call than its fp32 ones."""
 
     def __post_init__(self) -> None:
         if self.adamw8bit_params_per_s is None:

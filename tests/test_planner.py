@@ -244,6 +244,14 @@ def test_step_calibration_scales_the_simulated_compute_phases():
                       make_plan(hardware=one, **kw).phases["forward"])
     dispatch -= rest
     assert dispatch > 0 and make_plan(hardware=split, **kw).phases["forward"] == pytest.approx(2 * rest + 5 * dispatch)
+    # bf16 takes dispatch_calibration_bf16 where the profile has one; fp32 never does
+    split16 = dataclasses.replace(hw, host=dataclasses.replace(host, dispatch_calibration=5.0,
+                                                               dispatch_calibration_bf16=7.0))
+    assert make_plan(hardware=split16, **kw).phases["forward"] == pytest.approx(2 * rest + 5 * dispatch)
+    rest16 = make_plan(hardware=ops_free, **bf).phases["forward"] / 2
+    dispatch16 = make_plan(hardware=one, **bf).phases["forward"] - rest16
+    assert make_plan(hardware=split16, **bf).phases["forward"] == pytest.approx(2 * rest16 + 7 * dispatch16)
+    assert make_plan(hardware=split, **bf).phases["forward"] == pytest.approx(2 * rest16 + 5 * dispatch16)
     # the bottleneck is the busiest resource once calibrated: with dispatch calibrated to almost
     # nothing, that of the plan whose ops are free
     assert make_plan(hardware=one, **kw).bottleneck == "dispatch"

@@ -20,6 +20,7 @@ def test_quick_profile_writes_a_loadable_hardware_profile(tmp_path):
     assert 0.05 < hw.host.step_calibration < 50  # the fit accepts (0.05, 50): profiler.calibrations
     assert 0.05 < hw.host.step_calibration_bf16 < 50  # the wider proxy in bf16
     assert 0.05 < hw.host.dispatch_calibration < 50  # per-op dispatch, fitted with a narrow proxy
+    assert 0.05 < hw.host.dispatch_calibration_bf16 < 50  # both proxies again in bf16
     plan = make_plan(model="100m", hardware=out, gpu_mem="1G", cpu_mem="8G", optimizer="adamw",
                      precision="fp32", batch_size=1, seq_len=64)
     assert plan.hardware == "me" and plan.step_s > 0

@@ -84,7 +84,7 @@ def fast_profiler(monkeypatch) -> list:
                         ("op_overhead_us", 20.0), ("cxl_bandwidths", {})):
         monkeypatch.setattr(profiler, name, lambda *a, _v=value, **k: _v)
     monkeypatch.setattr(profiler, "to_toml", lambda r, **k: "name = 'x'\n\n[nvme]\n")
-    factors = ("step_calibration", "step_calibration_bf16", "dispatch_calibration")
+    factors = ("step_calibration", "step_calibration_bf16", "dispatch_calibration", "dispatch_calibration_bf16")
     monkeypatch.setattr(profiler, "calibrations", lambda text, quick: dict.fromkeys(factors, 1.0))
     return seen
 

@@ -419,7 +419,7 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     after backward: on shared cores it costs the same during backward), device-home chunks with
     the same CPU kernels. Each op also pays a fixed dispatch cost (`host.op_overhead_us`), which
     dominates tiny models. Both are scaled by the profile's calibration: dispatch by
-    `dispatch_calibration`, the rest of forward and backward by `step_calibration` (bf16:
+    `dispatch_calibration` (bf16: `dispatch_calibration_bf16`), the rest of forward and backward by `step_calibration` (bf16:
     `step_calibration_bf16`). The disk is not a core: NVMe traffic overlaps the CPU work of its
     phase (a phase lasts the longer of the two) - the forward's fetches of NVMe-resident compute
     sources, and in backward its refetches plus the update's reads and write-backs of master,
@@ -455,7 +455,7 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
         upd["grad reduce"] = collectives.reduce_bytes / link_s
     phases, resources, tops = {}, {"forward": fwd, "backward": bwd, "update": upd}, {}
     scale = (precision == "bf16" and hw.host.step_calibration_bf16) or hw.host.step_calibration or 1.0
-    ops = hw.host.dispatch_calibration or scale
+    ops = (precision == "bf16" and hw.host.dispatch_calibration_bf16) or hw.host.dispatch_calibration or scale
     disk = _simulated_nvme(hw, load, needs_grad=cost.needs_grad, fp32=precision == "fp32")
     idle = 0.0  # seconds the forward leaves the disk idle
     for name, busy, n in (("forward", fwd, cost.forwards * micro_batches), ("backward", bwd, micro_batches),

@@ -304,7 +304,8 @@ def measure(*, hardware: str | None = None, output: str | None = None, nvme_path
     else:
         cal = calibrations(text, quick=quick)
         say(f"[calibration] proxy models measured / modelled: matmuls fp32 {cal['step_calibration']:.3g}, "
-            f"bf16 {cal['step_calibration_bf16']:.3g}; dispatch {cal['dispatch_calibration']:.3g} "
+            f"bf16 {cal['step_calibration_bf16']:.3g}; dispatch fp32 {cal['dispatch_calibration']:.3g}, "
+            f"bf16 {cal['dispatch_calibration_bf16']:.3g} "
             f"({time.perf_counter() - t:.1f} s)")
         line = "\n".join(f"{k} = {v:.6g}" for k, v in cal.items())
     text = text.replace("\n[nvme]", f"{line}\n\n[nvme]", 1)
@@ -320,23 +321,50 @@ def calibrations(profile_text: str, *, quick: bool) -> dict[str, float]:
     time at the GEMM rate (with the rest the model prices per byte), one on the per-op dispatch
     cost; a narrow proxy's step is mostly dispatch, a wider one's mostly matmuls, and the two
     fix both (one factor for both priced a 100M model 1.2-1.3x slow where it priced a tiny one
-    0.7-0.85x fast). The wider proxy again in bf16 gives bf16's matmul factor. Returns the
-    profile's `step_calibration`, `step_calibration_bf16` and `dispatch_calibration`; where the
-    fit is degenerate (a factor out of range) one factor for everything, as before."""
-    narrow = _proxy_step(profile_text, hidden=64, layers=4, vocab=512, steps=7 if quick else 11)
-    wide = _proxy_step(profile_text, hidden=768, layers=2, vocab=4096, steps=3 if quick else 5)
-    wide16 = _proxy_step(profile_text, hidden=768, layers=2, vocab=4096, steps=3 if quick else 5, precision="bf16")
+    0.7-0.85x fast). Both proxies again in bf16 give bf16's two factors (its ops dispatch slower:
+    with fp32's dispatch factor a tiny bf16 model ran 1.35-1.6x its plan). Returns the profile's
+    `step_calibration`, `step_calibration_bf16`, `dispatch_calibration` and
+    `dispatch_calibration_bf16`; where a fit is degenerate (a factor out of range) one factor for
+    everything (bf16: its matmul factor alone, on fp32's dispatch factor)."""
+    def proxies(precision: str) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+        return (_proxy_step(profile_text, hidden=64, layers=4, vocab=512, steps=7 if quick else 11,
+                            precision=precision),
+                _proxy_step(profile_text, hidden=768, layers=2, vocab=4096, steps=3 if quick else 5,
+                            precision=precision))
+
+    def fits(x: float) -> bool:
+        return 0.05 < x < 50
+
+    narrow, wide = proxies("fp32")
+    a, b = _fit(narrow, wide)
+    if not (fits(a) and fits(b)):
+        a = b = _one_factor(wide)
+        if not fits(a):  # (a proxy timed wrong, e.g. a machine under load): uncalibrated
+            a = b = 1.0
+    narrow16, wide16 = proxies("bf16")
+    a16, b16 = _fit(narrow16, wide16)
+    if not (fits(a16) and fits(b16)):  # bf16's matmul factor alone, on fp32's dispatch
+        m16, f16, d16 = wide16
+        a16, b16 = ((m16 - b * d16) / f16 if f16 else 0.0), b
+        if not fits(a16):
+            a16 = _one_factor(wide16) if fits(_one_factor(wide16)) else a
+    return {"step_calibration": a, "step_calibration_bf16": a16, "dispatch_calibration": b,
+            "dispatch_calibration_bf16": b16}
+
+
+def _fit(narrow: tuple[float, float, float], wide: tuple[float, float, float]) -> tuple[float, float]:
+    """The two factors (matmul-rate work, dispatch) that make both proxies' modelled seconds their
+    measured ones: (measured, modelled work, modelled dispatch) each; (0, 0) when degenerate."""
     (mn, fn, dn), (mw, fw, dw) = narrow, wide
     det = fn * dw - fw * dn
-    a = (mn * dw - mw * dn) / det if det else 0.0
-    b = (fn * mw - fw * mn) / det if det else 0.0
-    if not (0.05 < a < 50 and 0.05 < b < 50):
-        a = b = mw / (fw + dw)
-    m16, f16, d16 = wide16
-    a16 = (m16 - b * d16) / f16 if f16 else 0.0
-    if not 0.05 < a16 < 50:
-        a16 = m16 / (f16 + d16)
-    return {"step_calibration": a, "step_calibration_bf16": a16, "dispatch_calibration": b}
+    if not det:
+        return 0.0, 0.0
+    return (mn * dw - mw * dn) / det, (fn * mw - fw * mn) / det
+
+
+def _one_factor(proxy: tuple[float, float, float]) -> float:
+    m, f, d = proxy
+    return m / (f + d) if f + d else 0.0
 
 
 def _proxy_step(profile_text: str, *, hidden: int, layers: int, vocab: int, steps: int,
