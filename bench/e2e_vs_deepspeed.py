@@ -46,8 +46,9 @@ DeepSpeed ZeRO-3 offloads params to NVMe and the adapters' optimizer state to th
 base are counted per step (goal: 0 written).
 `--adamw8bit` adds a row (no DeepSpeed in it): the engine with optimizer="adamw8bit", its 8-bit
 state on NVMe, against plain PyTorch + our drop-in tierwise.optim.AdamW8bit without offload,
-alternating; `--cpu-mem-8bit` sets its host budget (default 800M: gradients in DRAM, masters
-and half the 8-bit state on NVMe).
+alternating; `--cpu-mem-8bit` sets its host budget (default 900M: gradients and masters in
+DRAM, 80% of the 8-bit state on NVMe, as --cpu-mem 1300M leaves 80% of fp32 AdamW's state there;
+800M, the earlier default, puts the masters on NVMe too).
 On a machine with CUDA both sides run on the GPU (ours with device cuda, DeepSpeed with its
 CUDA accelerator); --device cpu forces the CPU path.
 """
@@ -514,8 +515,8 @@ def report_8bit(runs: dict[str, list[dict]], spec: dict) -> None:
               f"peak RSS {max(r['rss_gib'] for r in rs):.2f} GiB; disk per step: written "
               f"{statistics.median(r['write_bytes_per_step'] for r in rs) / 1e9:.3f} GB, read "
               f"{statistics.median(r['read_bytes_per_step'] for r in rs) / 1e9:.3f} GB")
-    print(f"ratio ours/plain (AdamW8bit) = {med['ours'] / med['plain']:.3f}  (issue 16: <= 1.10 at a host budget "
-          f"with the gradients in DRAM)")
+    print(f"ratio ours/plain (AdamW8bit) = {med['ours'] / med['plain']:.3f}  (issue 16 asks for this row without "
+          f"a goal; the fp32 row's at --cpu-mem 1300M is <= 1.10)")
     print(f"losses ours vs plain (AdamW8bit): {agreement(ours[0]['losses'], plain[0]['losses'])}")
 
 
@@ -563,8 +564,8 @@ def main() -> None:
                          "PyTorch + tierwise.optim.AdamW8bit without offload, alternating, --rounds each")
     ap.add_argument("--only-adamw8bit", action="store_true", help="the AdamW8bit row only")
     ap.add_argument("--cpu-mem-8bit", default=None,
-                    help="ours' host budget in the AdamW8bit row (default 800M: the 100M model's gradients in DRAM, "
-                         "its masters and half its 8-bit state on NVMe, as --cpu-mem 1300M is for fp32 AdamW; "
+                    help="ours' host budget in the AdamW8bit row (default 900M: the 100M model's gradients and "
+                         "masters in DRAM, 80%% of its 8-bit state on NVMe, as --cpu-mem 1300M is for fp32 AdamW; "
                          "--quick: min; 'min': the engine's minimum, gradients on NVMe too)")
     ap.add_argument("--verbose", action="store_true", help="echo the children's output")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -629,7 +630,7 @@ def _load() -> str:
 
 def run_8bit(a: argparse.Namespace, spec: dict, *, scratch_root: str, cuda: bool) -> None:
     """The AdamW8bit row: ours and plain PyTorch + our AdamW8bit, alternating, --rounds each."""
-    cpu = a.cpu_mem_8bit or ("min" if a.quick else "800M")
+    cpu = a.cpu_mem_8bit or ("min" if a.quick else "900M")
     spec = dict(spec, optimizer="adamw8bit", gpu_mem=a.gpu_mem, cpu_mem=cpu, cpu_mem_asked=cpu, budget_notes=[])
     if "min" in (spec["gpu_mem"], spec["cpu_mem"]):
         resolve_min_budgets(spec, scratch_root=scratch_root, cuda=cuda, verbose=a.verbose)
