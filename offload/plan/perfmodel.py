@@ -419,8 +419,8 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     after backward: on shared cores it costs the same during backward), device-home chunks with
     the same CPU kernels. Each op also pays a fixed dispatch cost (`host.op_overhead_us`), which
     dominates tiny models. Both are scaled by the profile's calibration: dispatch by
-    `dispatch_calibration` (bf16: `dispatch_calibration_bf16`), the rest of forward and backward by `step_calibration` (bf16:
-    `step_calibration_bf16`). The disk is not a core: NVMe traffic overlaps the CPU work of its
+    `dispatch_calibration` (bf16: `dispatch_calibration_bf16`), the rest of forward and backward
+    by `step_calibration` (bf16: `step_calibration_bf16`). The disk is not a core: NVMe traffic overlaps the CPU work of its
     phase (a phase lasts the longer of the two) - the forward's fetches of NVMe-resident compute
     sources, and in backward its refetches plus the update's reads and write-backs of master,
     state and gradient, which the early update (offload.engine.early) runs during backward; the

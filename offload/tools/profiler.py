@@ -347,7 +347,8 @@ def calibrations(profile_text: str, *, quick: bool) -> dict[str, float]:
         m16, f16, d16 = wide16
         a16, b16 = ((m16 - b * d16) / f16 if f16 else 0.0), b
         if not fits(a16):
-            a16 = _one_factor(wide16) if fits(_one_factor(wide16)) else a
+            one = _one_factor(wide16)
+            a16 = one if fits(one) else a
     return {"step_calibration": a, "step_calibration_bf16": a16, "dispatch_calibration": b,
             "dispatch_calibration_bf16": b16}
 
