@@ -13,6 +13,7 @@ not a step-time question); their projector refresh is timed separately.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import torch
 
 from tierwise.optim import AdamW, AdamW8bit, ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit, perturb_
@@ -84,8 +86,23 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=0,
                     help="then repeat the core set in this many fresh processes and print the median of "
                          "their ratios (memory placement, hence bandwidth, differs from process to process)")
+    ap.add_argument("--ballast-gib", type=float, default=0.0,
+                    help="hold this many GiB (touched) while measuring: shows how much the fused step's "
+                         "time depends on where its memory lands (bench/README.md)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    ballast = torch.ones(int(args.ballast_gib * 2**28)) if args.ballast_gib else None  # fp32: 2^28 per GiB
+    measure(args)
+    del ballast
+    if args.processes:  # after measure() returned: its tensors (~5 GB at 100M) are freed, and a
+        # parent holding them measurably slowed the children's 8-bit step (1.45x vs 1.54-1.58x)
+        gc.collect()
+        print(f"  parent RSS before the processes: {psutil.Process().memory_info().rss / 2**30:.2f} GiB")
+        across_processes(args)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """The side-by-side run in this process; prints the table and a GOALS line."""
     n, lr_shape = args.numel, tuple(args.lowrank_shape)
     print(f"torch {torch.__version__}, {args.threads} threads, flat tensor {n / 1e6:.0f}M, "
           f"low-rank matrix {lr_shape} rank {args.rank}")
@@ -188,14 +205,12 @@ def main() -> None:
     if "DeepSpeedCPUAdam" in med:
         goals["fp32_vs_deepspeed"] = med["DeepSpeedCPUAdam"] / med["tierwise AdamW (fp32)"]
     print("GOALS " + json.dumps(goals), flush=True)
-    if args.processes:
-        across_processes(args)
 
 
 def across_processes(args: argparse.Namespace) -> None:
     """The core set in fresh processes, one after another; the median of their ratios."""
     cmd = [sys.executable, __file__, "--core", "--no-bnb", "--numel", str(args.numel), "--threads",
-           str(args.threads), "--repeats", str(args.repeats)]
+           str(args.threads), "--repeats", str(args.repeats), "--ballast-gib", str(args.ballast_gib)]
     seen: dict[str, list[float]] = {}
     for i in range(args.processes):
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
