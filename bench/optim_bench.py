@@ -7,7 +7,10 @@ importable: run it in bench/.ds-venv). AdamW8bit runs once per kernel path this 
 (AVX-512, AVX2, scalar: $TIERWISE_CPU_ISA set per step; the paths give identical bytes), and
 bitsandbytes' CPU AdamW8bit once (slow). Medians reported with the ratio to
 torch's fused AdamW, in wall time and in process CPU time (the latter is what to compare on a
-shared, oversubscribed host). Low-rank optimizers run on one matrix (SVD of 100M params per refresh is
+shared, oversubscribed host). `--processes N` then reruns the core set in N fresh processes, after
+this process has freed its tensors (holding them changed the children's ratios); `--ballast-gib`
+holds memory while measuring, to show how placement moves torch's fused step (bench/README.md).
+Low-rank optimizers run on one matrix (SVD of 100M params per refresh is
 not a step-time question); their projector refresh is timed separately.
 """
 from __future__ import annotations
