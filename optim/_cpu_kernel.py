@@ -346,8 +346,8 @@ TW_AVX512 static inline void lookup64s(const __m512i *planes, __m512i q, __m512i
    T[P] = (D[P] << 24) + 2^24 - 1 - bits(L) (L the pair's boundary, else the pair's top): x and
    L differ by less than 2^24, so bits 24..27 of T[P] + x are D[P] plus the carry of x > L
    (positive floats order as their bits). NaN and inf (P = 127, read as pair 63, which holds no
-   boundary) give group 8, as DecadeTable. Both indices come from byte 3 by a byte shuffle (a
-   shift measured the same). Equal to DecadeTable for every |x| < 2, inf and NaN (checked on
+   boundary) give group 8, as DecadeTable. Both indices come from byte 3 by a rotate: port 0,
+   where a byte shuffle would take port 5 from the permutes (2-3% faster step). Equal to DecadeTable for every |x| < 2, inf and NaN (checked on
    all 2^32 floats against quantize_one). Replaces two 32-entry lookups and a compare. */
 typedef struct { __m512 a, b, k; __m512i t; } qt16_t;
 
@@ -368,7 +368,7 @@ TW_AVX512 static inline void load_qt16(qt16_t *q, const float *qt) {
 
 /* byte 3 of each 32-bit lane into its low byte: a permute index (the permutes read bits 0-3) */
 TW_AVX512 static inline __m512i byte3(__m512i v) {
-    return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi32(0x03030303, 0x07070707, 0x0b0b0b0b, 0x0f0f0f0f)));
+    return _mm512_rol_epi32(v, 8);
 }
 
 /* codes of y = |x| (sign bit clear; before the signed mirror): 16, one per 32-bit lane */
