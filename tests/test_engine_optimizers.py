@@ -59,3 +59,20 @@ def test_8bit_state_is_about_2_bytes_per_parameter():
     small = sum(p.numel() for p in model.parameters() if p.numel() < 4096)  # fp32 fallback: 8 B each
     assert state <= 2.2 * (n - small) + 8 * small + 64 * 40
     assert state >= 2.0 * (n - small)
+
+
+@pytest.mark.parametrize("name, kw", [
+    ("adamw", dict(optimizer_kwargs={"amsgrad": True})),  # torch's option: the engine's AdamW has none
+    ("adamw", dict(optimizer_kwargs={"rank": 8})),
+    ("adamw8bit", dict(optimizer_kwargs={"rank": 8})),
+    ("sgd", dict(optimizer_kwargs={"nesterov": True})),
+    ("galore", dict(optimizer_kwargs={"seed": 1})),  # APOLLO's option, not GaLore's
+    ("mezo", dict(optimizer_kwargs={"rank": 8})),
+    ("adamw", dict(momentum=0.9)),  # SGD's
+])
+def test_an_option_the_optimizer_does_not_take_is_refused_not_ignored(name, kw):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    with pytest.raises(ValueError, match="does not (take|use)"):
+        Engine(model, optimizer=name, loss_fn=lambda m, b: m(b).sum(), **kw)
+    eng = Engine(model, optimizer="sgd", momentum=0.9, loss_fn=lambda m, b: m(b).sum())  # SGD's own
+    eng.close()
