@@ -358,3 +358,12 @@ def test_a_budget_error_while_holding_a_shared_gradient_sum_keeps_the_ledger_rig
         assert eng.ledger.usage()["gpu"].get("activation", 0) == 0
     finally:
         eng.close()
+
+
+def test_a_sparse_gradient_embedding_is_refused_at_construction():
+    """nn.Embedding(sparse=True) gives sparse gradients, which dense gradient chunks cannot hold;
+    MeZO computes no gradient, so it takes the same model."""
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 2))
+    with pytest.raises(UnsupportedModel, match=r"sparse gradients.*\b0\b.*sparse=False"):
+        Engine(model, loss_fn=lambda m, b: m(b).sum())
+    Engine(model, optimizer="mezo", loss_fn=lambda m, b: m(b).sum()).close()

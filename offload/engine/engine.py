@@ -88,7 +88,7 @@ from .gradspill import GradSpill
 from .frozen_base import frozen_layouts
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from .lora import apply_lora
-from .model_info import find_blocks
+from .model_info import check_dense_grads, find_blocks
 from .needs import device_needs, module_chunks, open_tiers
 from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
 from .sharedbase import SharedBase
@@ -215,6 +215,8 @@ class Engine:
             self.updater = make_updater(optimizer, self.plan.trainable(),
                                         shapes={n: tuple(p.shape) for n, p in named if n not in frozen},
                                         momentum=momentum, **(optimizer_kwargs or {}))
+            if self.updater.needs_grad:
+                check_dense_grads(model)
             #: several ranks with owned-only gradients (offload.engine.transient)
             self.owned_grads = self.ranks is not None and grad_reduce == "micro" and self.updater.needs_grad
             trainable = [c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)]

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ..core.errors import UnsupportedModel
+
 log = logging.getLogger(__name__)
 
 
@@ -61,3 +63,14 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
             if len(kids) > len(best):
                 best = kids
     return best
+
+
+def check_dense_grads(model: torch.nn.Module) -> None:
+    """Refuse trainable sparse-gradient embeddings: gradients land in dense chunks, so a sparse
+    one cannot be accumulated there (it failed deep in backward instead)."""
+    sparse = [n for n, m in model.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+    if sparse:
+        raise UnsupportedModel(f"sparse gradients are not supported: {', '.join(sparse[:3])} "
+                               f"{'is' if len(sparse) == 1 else 'are'} an embedding with sparse=True; "
+                               f"use sparse=False")
