@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from . import _cpu_kernel
-from .base import TierwiseOptimizer, write_back_
+from .base import TierwiseOptimizer, check_hyper, write_back_
 from .costs import OptimizerCost
 from .quant import BLOCK, dequantize_blockwise, dynamic_map, num_blocks, decade_table, quantize_blockwise
 
@@ -173,8 +173,7 @@ class AdamW8bit(TierwiseOptimizer):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *,
                  stochastic_rounding: bool = False) -> None:
-        if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"invalid lr/betas/eps: {lr}, {betas}, {eps}")
+        check_hyper(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         stochastic_rounding=stochastic_rounding)
         super().__init__(params, defaults)

@@ -9,6 +9,13 @@ import torch
 from .costs import OptimizerCost
 
 
+def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """torch.optim.AdamW's checks (a NaN fails them too): a bad value is refused here, not a NaN later."""
+    if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+        raise ValueError(f"invalid lr/betas/eps/weight_decay: {lr}, {tuple(betas)}, {eps}, {weight_decay} "
+                         f"(want lr, eps, weight_decay >= 0 and betas in [0, 1))")
+
+
 class TierwiseOptimizer(torch.optim.Optimizer):
     """A thin loop: for every param with a grad, `_update(p, group, state, index)`.
 
@@ -56,6 +63,18 @@ class LowRankOptimizer(TierwiseOptimizer):
     """GaLore / APOLLO plumbing: groups with a `rank` project their >= 2-D params through
     `_projected_step`; every other param gets plain AdamW (the papers' choice for embeddings,
     norms and biases). Non-fp32 params are updated through an fp32 copy."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # every group (the constructor's too) is checked here: a bad rank or gap fails now,
+        # with its name, not as a shape error inside the first step
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        rank, gap = group.get("rank"), group["update_proj_gap"]
+        if rank is not None and not (isinstance(rank, int) and rank >= 1):
+            raise ValueError(f"rank must be an int >= 1 (or None: plain AdamW), got {rank!r}")
+        if not (isinstance(gap, int) and gap >= 1):
+            raise ValueError(f"update_proj_gap must be an int >= 1, got {gap!r}")
 
     def _projected_step(self, p: torch.Tensor, master: torch.Tensor, group: dict[str, Any],
                         state: dict[str, Any], index: int, hyper: dict[str, float]) -> None:
