@@ -366,4 +366,13 @@ def test_a_sparse_gradient_embedding_is_refused_at_construction():
     model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 2))
     with pytest.raises(UnsupportedModel, match=r"sparse gradients.*\b0\b.*sparse=False"):
         Engine(model, loss_fn=lambda m, b: m(b).sum())
-    Engine(model, optimizer="mezo", loss_fn=lambda m, b: m(b).sum()).close()
+    Engine(model, optimizer="mezo").close()
+
+
+def test_mezo_with_a_custom_loss_function_is_refused_not_ignored():
+    """The engine's MeZO evaluates a Hugging Face causal LM's own loss (one forward over the
+    doubled batch); a loss_fn it would not call is refused at construction (a KeyError on
+    'labels' in the first step before, or the wrong loss silently for an HF model)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    with pytest.raises(UnsupportedModel, match="custom loss_fn"):
+        Engine(model, optimizer="mezo", loss_fn=lambda m, b: F.mse_loss(m(b["x"]), b["y"]))

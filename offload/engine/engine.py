@@ -176,6 +176,12 @@ class Engine:
         self.hyper = Hyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum)
         named = list(model.named_parameters())
         frozen = {n for n, p in named if not p.requires_grad}
+        if optimizer == "mezo" and loss_fn is not default_loss:
+            # its dual forward computes the Hugging Face causal-LM loss from `labels` itself
+            # (offload.update.zeroth.hf_split_losses): a loss_fn would be ignored
+            raise UnsupportedModel("mezo in the engine computes a Hugging Face causal LM's own loss from the "
+                                   "batch's labels; a custom loss_fn is not supported with it (the drop-in "
+                                   "tierwise.optim.MeZO takes any loss)")
         if frozen and optimizer == "mezo":
             raise UnsupportedModel(f"mezo perturbs every parameter of a module; frozen parameters "
                                    f"({sorted(frozen)[:3]}...) are not supported with it")
