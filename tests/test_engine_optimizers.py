@@ -77,3 +77,41 @@ def test_an_option_the_optimizer_does_not_take_is_refused_not_ignored(name, kw):
     eng = Engine(model, optimizer="sgd", momentum=0.9, loss_fn=lambda m, b: m(b).sum())  # SGD's own
     eng.close()
 
+
+@pytest.mark.parametrize("saved, loaded", [
+    (dict(optimizer="adamw"), dict(optimizer="adamw8bit")),  # small tensors: 8-bit keeps fp32 moments, 8 B each
+    (dict(optimizer="adamw"), dict(optimizer="sgd")),  # no state to put the moments in
+    (dict(optimizer="sgd", momentum=0.9), dict(optimizer="sgd")),
+])
+def test_the_state_of_another_optimizer_is_refused(saved, loaded):
+    """A state blob of the same size (or one the engine keeps none of) loaded silently before."""
+    def make(kw):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        return Engine(model, loss_fn=lambda m, b: m(b).square().mean(), **kw)
+
+    eng = make(saved)
+    eng.step(torch.randn(4, 8))
+    sd = eng.state_dict()
+    eng.close()
+    other = make(loaded)
+    try:
+        with pytest.raises(ValueError, match="state of optimizer 'adamw'|keeps none of"):
+            other.load_state_dict(sd)
+    finally:
+        other.close()
+    same = make(saved)
+    same.load_state_dict(sd)  # its own optimizer's state loads
+    same.close()
+
+
+def test_a_closed_engine_says_so():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    eng = Engine(model, loss_fn=lambda m, b: m(b).square().mean())
+    eng.step(torch.randn(4, 8))
+    eng.close()
+    eng.close()  # twice: nothing
+    for call in (lambda: eng.step(torch.randn(4, 8)), lambda: eng.eval_loss(torch.randn(4, 8)),
+                 lambda: dict(eng.named_parameters_fp32()), eng.state_dict):
+        with pytest.raises(RuntimeError, match="this Engine is closed"):
+            call()

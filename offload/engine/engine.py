@@ -191,6 +191,7 @@ class Engine:
                                              compute_dtype=self.compute_dtype)
         self.optimizer_name = optimizer
         self.ranks = self.shared = self.nvme = self.executor = self.surgery = self.grads = None
+        self._closed = False
         try:
             group = process_group if process_group is not None else default_group()
             self.ranks: Ranks | None = None
@@ -542,6 +543,7 @@ class Engine:
 
     def forward(self, batch: Any) -> torch.Tensor:
         """Run the loss function on `batch`; returns the loss tensor (graph kept for backward)."""
+        self._check_open()
         self._begin_cycle()
         try:
             with self.moments.timed(Phase.FORWARD):
@@ -603,6 +605,7 @@ class Engine:
         The step's loss is normalised by its target tokens (offload.engine.batches.step_weights):
         micro-batch i backpropagates loss_i * n_i / N (n_i its target tokens, N the step's), and
         the returned loss is the step's token mean, sum of loss_i * n_i / N."""
+        self._check_open()
         if not self.updater.needs_grad:
             return self._zo_step(batch, grad_accum)
         try:
@@ -714,6 +717,7 @@ class Engine:
         """Clip (optionally) and update every chunk; then the device copies are stale. `skip`
         (or, with skip_nonfinite, a NaN/inf gradient norm): no chunk is updated; the gradients
         of this cycle are overwritten by the next one's."""
+        self._check_open()
         with self.moments.timed(Phase.UPDATE):
             self._update(skip=skip)
         if self.minimum_gpu_bytes is None:
@@ -755,6 +759,7 @@ class Engine:
         full batch does without). Returns that activation peak in bytes (0 without backward).
         The model's buffers (BatchNorm's running statistics) and the RNG are left as they were:
         the run's numbers are those of a run without measure()."""
+        self._check_open()
         if self.minimum_gpu_bytes is not None:
             raise ValueError("Engine.measure() comes before the first step: the chunks are placed after it")
         if self.updater.needs_grad:
@@ -850,6 +855,7 @@ class Engine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (name, tensor) pairs into their slots, one at a time (meta-device models)."""
+        self._check_open()
         self.residency.cache.evict_all()  # a compute copy kept over a step's end would be stale
         self.store.load(named_tensors, self.params)
 
@@ -857,6 +863,7 @@ class Engine:
         """Random initialisation in place, chunk by chunk: N(0, std) for matrices, ones for
         norm weights, zeros for biases (the Llama convention). For benchmarking and demos.
         `frozen_only`: the frozen parameters only (a LoRA base; the adapters keep PEFT's init)."""
+        self._check_open()
         g = torch.Generator().manual_seed(seed)
 
         def tensors():
@@ -877,6 +884,7 @@ class Engine:
     def eval_loss(self, batch: Any) -> float:
         """The loss on `batch` without gradients (no update, nothing kept for backward), in eval
         mode (no dropout: e.g. LoRA's), as a model evaluated in plain PyTorch."""
+        self._check_open()
         phase, training = self.moments.phase, self.model.training
         self.moments.phase = Phase.EVAL
         self.model.eval()
@@ -894,6 +902,7 @@ class Engine:
         """(name, fp32 CPU tensor) for every parameter, from the master copies (frozen ones
         decoded); `trainable_only`: the trainable ones (e.g. LoRA adapters), no frozen chunk read.
         Several ranks: collective (every rank iterates it all); each chunk comes from its owner."""
+        self._check_open()
         if self.ranks is None:
             yield from self.store.named_master(self.params, trainable_only=trainable_only)
             return
@@ -918,20 +927,26 @@ class Engine:
         running statistics change in training too). Several ranks: this rank's shard (the
         master and optimizer state of the chunks it owns; `rank` and `world` say whose), not
         collective; each rank loads its own shard back with the same world size."""
+        self._check_open()
         buffers = {n: b.to("cpu", copy=True) for n, b in self.surgery.persistent_buffers().items()}
         shard = {} if self.ranks is None else {"rank": self.ranks.rank, "world": self.ranks.world}
         if self.owned_grads and self.grads.uses is not None:  # a resumed run reduces as this one does
             shard["grad_uses"] = dict(self.grads.uses)
-        return self.store.state_dict() | {"steps": self.steps, "optimizer_meta": self.updater.meta_state(),
+        return self.store.state_dict() | {"steps": self.steps, "optimizer": self.optimizer_name,
+                                          "optimizer_meta": self.updater.meta_state(),
                                           "buffers": buffers} | shard
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._check_open()
         mine = (None, None) if self.ranks is None else (self.ranks.rank, self.ranks.world)
         if (sd.get("rank"), sd.get("world")) != mine:  # ValueError: the CLI names the checkpoint
             def who(r, w):
                 return "one rank" if w is None else f"rank {r} of {w}"
             raise ValueError(f"it is the state of {who(*[sd.get('rank'), sd.get('world')])}, "
                              f"this engine is {who(*mine)}")
+        saved = sd.get("optimizer")  # (absent from checkpoints written before it was recorded)
+        if saved is not None and saved != self.optimizer_name:  # a state blob of the same size would load
+            raise ValueError(f"it is the state of optimizer {saved!r}, this engine runs {self.optimizer_name!r}")
         own = self.surgery.persistent_buffers()
         unknown = sorted(set(sd.get("buffers", {})) - set(own))
         if unknown:
@@ -948,11 +963,17 @@ class Engine:
             for name, value in sd.get("buffers", {}).items():
                 own[name].copy_(value)
 
+    def _check_open(self) -> None:
+        if self._closed:  # (its parameters are meta tensors now: the error would name a device)
+            raise RuntimeError("this Engine is closed: build a new one to go on training")
+
     def close(self) -> None:
         """Stop the copy threads, remove the swap files, the hooks and the patched forwards.
         The model's parameters become meta tensors (shared ones stay shared): read the trained
         weights with named_parameters_fp32 before closing, and load_state_dict(..., assign=True)
-        to use the model again."""
+        to use the model again. Closing twice does nothing."""
+        if self._closed:
+            return
         self.executor.drain()
         self.residency.cache.evict_all()  # (the next step's first chunks, kept over the last step's end)
         self.executor.close()
@@ -970,3 +991,4 @@ class Engine:
             self.ranks.close()
         # no placeholder values left: a use of the closed model fails loudly (meta tensors)
         self.surgery.to_meta(self.params.values())
+        self._closed = True
