@@ -376,3 +376,30 @@ def test_mezo_with_a_custom_loss_function_is_refused_not_ignored():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     with pytest.raises(UnsupportedModel, match="custom loss_fn"):
         Engine(model, optimizer="mezo", loss_fn=lambda m, b: F.mse_loss(m(b["x"]), b["y"]))
+
+
+def test_a_model_that_checkpoints_itself_is_refused_saying_so():
+    """The model's own recompute (torch.utils.checkpoint; transformers' gradient checkpointing)
+    runs modules in backward outside the engine's frames: refused naming that, not as a module
+    'run outside engine.step' (it was inside one)."""
+    from tests.models import tiny_llama
+
+    hf = tiny_llama(layers=2, hidden=32)
+    hf.gradient_checkpointing_enable()
+    with pytest.raises(UnsupportedModel, match="gradient_checkpointing_disable"):
+        Engine(hf)
+
+    class OwnCheckpoint(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.b(torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False))
+
+    eng = Engine(OwnCheckpoint(), loss_fn=lambda m, b: m(b).square().mean())
+    try:
+        with pytest.raises(UnsupportedModel, match="ran again in backward.*torch.utils.checkpoint"):
+            eng.step(torch.randn(4, 8))
+    finally:
+        eng.close()

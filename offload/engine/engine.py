@@ -88,7 +88,7 @@ from .gradspill import GradSpill
 from .frozen_base import frozen_layouts
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from .lora import apply_lora
-from .model_info import check_dense_grads, find_blocks
+from .model_info import check_dense_grads, check_no_own_checkpointing, find_blocks
 from .needs import device_needs, module_chunks, open_tiers
 from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
 from .sharedbase import SharedBase
@@ -165,6 +165,7 @@ class Engine:
         if lora is not None:
             model = apply_lora(model, lora)
         self.model, self.loss_fn = model, loss_fn
+        check_no_own_checkpointing(model)
         self.device = pick_device(device)
         self.compute_dtype = DTYPES[precision]
         self.precision = precision

@@ -74,3 +74,12 @@ def check_dense_grads(model: torch.nn.Module) -> None:
         raise UnsupportedModel(f"sparse gradients are not supported: {', '.join(sparse[:3])} "
                                f"{'is' if len(sparse) == 1 else 'are'} an embedding with sparse=True; "
                                f"use sparse=False")
+
+
+def check_no_own_checkpointing(model: torch.nn.Module) -> None:
+    """Refuse a Hugging Face model with gradient checkpointing on: its recompute runs modules in
+    backward outside the engine's frames (the engine checkpoints repeated blocks itself)."""
+    if getattr(model, "is_gradient_checkpointing", False):
+        raise UnsupportedModel("the model has gradient checkpointing enabled (gradient_checkpointing_enable); "
+                               "the engine checkpoints repeated blocks itself (Engine(checkpointing=...)): "
+                               "call model.gradient_checkpointing_disable() first")
