@@ -115,3 +115,29 @@ def test_a_closed_engine_says_so():
                  lambda: dict(eng.named_parameters_fp32()), eng.state_dict):
         with pytest.raises(RuntimeError, match="this Engine is closed"):
             call()
+
+
+@pytest.mark.parametrize("kw", [dict(lr=float("nan")), dict(lr=float("inf")), dict(grad_clip=-1.0),
+                                dict(grad_clip=0.0), dict(optimizer="sgd", momentum=-0.5)],
+                         ids=["lr-nan", "lr-inf", "clip-negative", "clip-0", "momentum-negative"])
+def test_a_hyper_parameter_that_cannot_work_is_refused(kw):
+    """NaN/inf lr made every weight NaN after the first update; a negative or zero clip and a
+    negative momentum (torch.optim.SGD refuses it) ran."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    with pytest.raises(ValueError, match="lr must be|grad_clip must be|momentum must be"):
+        Engine(model, loss_fn=lambda m, b: m(b).square().mean(), **kw)
+
+
+def test_set_lr_and_grad_accum_are_checked():
+    eng = Engine(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),
+                 loss_fn=lambda m, b: m(b).square().mean(), grad_clip=float("inf"))  # inf: measure the norm only
+    try:
+        with pytest.raises(ValueError, match="lr must be"):
+            eng.set_lr(float("nan"))
+        for bad in (0, -1, 2.0):
+            with pytest.raises(ValueError, match="grad_accum must be"):
+                eng.step(torch.randn(4, 8), grad_accum=bad)
+        eng.step(torch.randn(4, 8), grad_accum=2)
+        assert all(torch.isfinite(w).all() for _, w in eng.named_parameters_fp32())
+    finally:
+        eng.close()

@@ -77,7 +77,7 @@ from ..runtime.store import ChunkStore, SwapKind, frozen_kind_bytes, kind_bytes
 from ..runtime.swapping import Bounce, drop_ahead, read_ahead, update_all
 from ..runtime.tiers import pick_device
 from ..runtime.trace import Phase
-from ..update.update import Hyper
+from ..update.update import Hyper, check_lr
 from ..update.updaters import make_updater
 from ..update.zeroth import dual_forward, hf_split_losses
 from .actoffload import Offloader
@@ -160,6 +160,8 @@ class Engine:
         holding all (see the module docstring)."""
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
+        if grad_clip is not None and not grad_clip > 0:  # (inf: the norm is measured, nothing clipped)
+            raise ValueError(f"grad_clip must be a positive number (None: no clipping), got {grad_clip}")
         if grad_reduce not in ("micro", "step"):
             raise ValueError(f"grad_reduce must be 'micro' or 'step', got {grad_reduce!r}")
         if lora is not None:
@@ -607,6 +609,8 @@ class Engine:
         micro-batch i backpropagates loss_i * n_i / N (n_i its target tokens, N the step's), and
         the returned loss is the step's token mean, sum of loss_i * n_i / N."""
         self._check_open()
+        if not (isinstance(grad_accum, int) and grad_accum >= 1):
+            raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
         if not self.updater.needs_grad:
             return self._zo_step(batch, grad_accum)
         try:
@@ -852,6 +856,7 @@ class Engine:
 
     # -- weights in and out ----------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
+        check_lr(lr)
         self.hyper.lr = lr
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
