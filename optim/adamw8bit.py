@@ -168,7 +168,10 @@ def state_bytes_8bit(shape: tuple[int, ...], rank: Optional[int] = None) -> floa
 
 
 class AdamW8bit(TierwiseOptimizer):
-    """Drop-in AdamW with 8-bit moments. Non-fp32 params keep an fp32 master in the state."""
+    """Drop-in AdamW with 8-bit moments. A non-fp32 param is updated through a transient fp32
+    copy and written back each step, as bitsandbytes does (no fp32 master is kept: an update
+    below the param's precision is lost unless stochastic_rounding, bf16 only, keeps it in
+    expectation)."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *,
