@@ -403,3 +403,14 @@ def test_a_model_that_checkpoints_itself_is_refused_saying_so():
             eng.step(torch.randn(4, 8))
     finally:
         eng.close()
+
+
+def test_a_float64_trainable_parameter_is_refused_not_cast():
+    """Plain PyTorch trains a float64 model in float64; the engine made its parameters fp32
+    silently and the model's float64 inputs then failed in its forward."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).double()
+    with pytest.raises(UnsupportedModel, match="'0.weight' is torch.float64.*model.float"):
+        Engine(model, loss_fn=lambda m, b: m(b).square().mean())
+    model[0].requires_grad_(False)  # frozen: refused for its trainable sibling only
+    with pytest.raises(UnsupportedModel, match="'1.weight' is torch.float64"):
+        Engine(model, loss_fn=lambda m, b: m(b).square().mean())

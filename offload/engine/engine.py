@@ -88,7 +88,7 @@ from .gradspill import GradSpill
 from .frozen_base import frozen_layouts
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from .lora import apply_lora
-from .model_info import check_dense_grads, check_no_own_checkpointing, find_blocks
+from .model_info import check_dense_grads, check_no_own_checkpointing, check_trainable_dtypes, find_blocks
 from .needs import device_needs, module_chunks, open_tiers
 from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
 from .sharedbase import SharedBase
@@ -178,6 +178,7 @@ class Engine:
         self.overlap_update = overlap_update
         self.hyper = Hyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum)
         named = list(model.named_parameters())
+        check_trainable_dtypes(named)
         frozen = {n for n, p in named if not p.requires_grad}
         if optimizer == "mezo" and loss_fn is not default_loss:
             # its dual forward computes the Hugging Face causal-LM loss from `labels` itself

@@ -83,3 +83,15 @@ def check_no_own_checkpointing(model: torch.nn.Module) -> None:
         raise UnsupportedModel("the model has gradient checkpointing enabled (gradient_checkpointing_enable); "
                                "the engine checkpoints repeated blocks itself (Engine(checkpointing=...)): "
                                "call model.gradient_checkpointing_disable() first")
+
+
+def check_trainable_dtypes(named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """Refuse trainable parameters the engine cannot hold without losing precision silently: it
+    keeps fp32 masters and computes in fp32 or bf16, so a float64 (or complex) one became fp32
+    and the model's own float64 inputs then failed in its forward."""
+    odd = [(n, p.dtype) for n, p in named
+           if p.requires_grad and (p.dtype == torch.float64 or p.is_complex())]
+    if odd:
+        name, dtype = odd[0]
+        raise UnsupportedModel(f"parameter {name!r} is {dtype} ({len(odd)} such): the engine trains fp32 "
+                               f"masters and computes in fp32 or bf16; convert the model (model.float()) first")
