@@ -29,6 +29,16 @@ class TierwiseOptimizer(torch.optim.Optimizer):
     def _update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
         raise NotImplementedError
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        # the steps compute on real float copies: a complex param would lose its imaginary part
+        complex_ = [p for p in self.param_groups[-1]["params"] if p.is_complex()]
+        if complex_:
+            self.param_groups.pop()
+            raise ValueError(f"{type(self).__name__} does not support complex parameters (one of shape "
+                             f"{tuple(complex_[0].shape)}): keep it as a real (..., 2) parameter and "
+                             f"view_as_complex it in forward")
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None

@@ -109,3 +109,16 @@ def test_torch_options_pass_through_with_torchs_numbers(cls, ref, options):
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)
     assert opt.state_dict()["param_groups"][0]["param_names"] == [n for n, _ in named]
+
+
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n not in ("adamw", "sgd")])
+def test_a_complex_parameter_is_refused(name):
+    """torch.optim.AdamW takes complex parameters (as real pairs); our steps compute on real
+    float copies, which dropped the imaginary part silently."""
+    w = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="does not support complex parameters"):
+        get_optimizer(name)([torch.nn.Parameter(torch.randn(8, 8)), w], lr=1e-2)
+    opt = get_optimizer(name)([torch.nn.Parameter(torch.randn(8, 8))], lr=1e-2)
+    with pytest.raises(ValueError, match="does not support complex parameters"):
+        opt.add_param_group({"params": [w]})
+    assert len(opt.param_groups) == 1
