@@ -80,3 +80,25 @@ def test_a_tuple_batch_splits_into_micro_batches():
         assert_weights_equal(eng, ref)
     finally:
         eng.close()
+
+
+def test_plain_values_in_a_batch_go_to_every_micro_batch():
+    """None (an HF attention_mask left out), flags and numbers have no rows: each micro-batch
+    gets them as they are (a TypeError before)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)) for _ in range(2)]
+
+    def loss_fn(m, batch):
+        assert batch["mask"] is None and batch["scale"] == 2.0
+        return F.mse_loss(m(batch["x"]) * batch["scale"], batch["y"])
+
+    ref_losses, ref = reference_steps(model, data, 2, lambda m, b: F.mse_loss(m(b[0]) * 2.0, b[1]))
+    eng = Engine(copy.deepcopy(model), lr=1e-2, loss_fn=loss_fn)
+    try:
+        losses = [eng.step({"x": x, "y": y, "mask": None, "scale": 2.0}, grad_accum=2) for x, y in data]
+        assert losses == ref_losses
+        assert_weights_equal(eng, ref)
+    finally:
+        eng.close()
