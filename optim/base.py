@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -14,6 +15,17 @@ def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay:
     if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1):
         raise ValueError(f"invalid lr/betas/eps/weight_decay: {lr}, {tuple(betas)}, {eps}, {weight_decay} "
                          f"(want lr, eps, weight_decay >= 0 and betas in [0, 1))")
+
+
+def check_low_rank(rank: Any, update_proj_gap: Any, scale: Any) -> None:
+    """GaLore / APOLLO options (drop-in groups and the engine's): refused here, by name, rather
+    than as a shape error, a ZeroDivisionError or NaN weights in a step."""
+    if rank is not None and not (isinstance(rank, int) and rank >= 1):
+        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
+    if not (isinstance(update_proj_gap, int) and update_proj_gap >= 1):
+        raise ValueError(f"update_proj_gap must be an int >= 1, got {update_proj_gap!r}")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
 
 
 class TierwiseOptimizer(torch.optim.Optimizer):
@@ -80,11 +92,7 @@ class LowRankOptimizer(TierwiseOptimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        rank, gap = group.get("rank"), group["update_proj_gap"]
-        if rank is not None and not (isinstance(rank, int) and rank >= 1):
-            raise ValueError(f"rank must be an int >= 1 (or None: plain AdamW), got {rank!r}")
-        if not (isinstance(gap, int) and gap >= 1):
-            raise ValueError(f"update_proj_gap must be an int >= 1, got {gap!r}")
+        check_low_rank(group.get("rank"), group["update_proj_gap"], group["scale"])
 
     def _projected_step(self, p: torch.Tensor, master: torch.Tensor, group: dict[str, Any],
                         state: dict[str, Any], index: int, hyper: dict[str, float]) -> None:

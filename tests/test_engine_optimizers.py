@@ -141,3 +141,14 @@ def test_set_lr_and_grad_accum_are_checked():
         assert all(torch.isfinite(w).all() for _, w in eng.named_parameters_fp32())
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("name", ["galore", "galore8bit", "apollo"])
+@pytest.mark.parametrize("bad", [{"rank": 0}, {"rank": 2.5}, {"update_proj_gap": 0}, {"scale": float("nan")}],
+                         ids=["rank0", "rank2.5", "gap0", "scale-nan"])
+def test_a_low_rank_option_that_cannot_work_is_refused(name, bad):
+    """rank 0 trained the matrices not at all, silently; the others failed in a step (a shape
+    error, a ZeroDivisionError) or made the weights NaN."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
+    with pytest.raises(ValueError, match="rank must be|update_proj_gap must be|scale must be"):
+        Engine(model, optimizer=name, optimizer_kwargs=bad)

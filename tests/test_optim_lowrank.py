@@ -125,12 +125,13 @@ def test_a_bad_hyper_parameter_is_refused_as_torch_adamw_refuses_it(cls, bad):
 
 
 @pytest.mark.parametrize("cls", [GaLoreAdamW, ApolloAdamW])
-@pytest.mark.parametrize("bad", [dict(rank=0), dict(rank=-1), dict(rank=2.5), dict(rank=4, update_proj_gap=0)],
-                         ids=["rank0", "rank-1", "rank2.5", "gap0"])
+@pytest.mark.parametrize("bad", [dict(rank=0), dict(rank=-1), dict(rank=2.5), dict(rank=4, update_proj_gap=0),
+                                 dict(rank=4, scale=float("nan"))],
+                         ids=["rank0", "rank-1", "rank2.5", "gap0", "scale-nan"])
 def test_a_bad_rank_or_gap_in_a_later_group_is_refused_when_added(cls, bad):
     """A group's own rank / update_proj_gap are checked when the group is added (construction
     or add_param_group), not left to fail as a shape error or ZeroDivisionError in step()."""
     w, v = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(16, 8))
     opt = cls([{"params": [w], "rank": 2}])
-    with pytest.raises(ValueError, match="rank must be|update_proj_gap must be"):
+    with pytest.raises(ValueError, match="rank must be|update_proj_gap must be|scale must be"):
         opt.add_param_group({"params": [v], **bad})

@@ -21,6 +21,7 @@ from .update import AdamWChunks, Hyper, SGDChunks, SlotUpdater
 from ...optim.adamw import adamw_step_, init_adamw_state
 from ...optim.adamw8bit import adamw8bit_step_, init_adamw8bit_state
 from ...optim.apollo import apollo_step_, init_apollo_state
+from ...optim.base import check_low_rank
 from ...optim.galore import as_matrix, galore_step_, init_galore_state, svd_projector
 
 __all__ = ["LOW_RANK", "NAMES", "drop_in_groups", "make_updater", "projected_params"]
@@ -133,6 +134,11 @@ def make_updater(name: str, plan: ChunkPlan, *, shapes: dict[str, tuple[int, ...
         raise ValueError(f"momentum={momentum} is an SGD option; optimizer {name!r} does not use it")
     if name in LOW_RANK and kwargs.get("rank") is None:
         kwargs["rank"] = OPTIMIZERS[name].default_rank
+    if name in LOW_RANK:
+        builder = _galore if name.startswith("galore") else _apollo
+        defaults = {k: p.default for k, p in inspect.signature(builder).parameters.items()}
+        check_low_rank(kwargs["rank"], kwargs.get("update_proj_gap", defaults["update_proj_gap"]),
+                       kwargs.get("scale", defaults["scale"]))
     proj = projected_params(shapes) if name in LOW_RANK else set()
     order = [n for n in shapes if n in proj] + [n for n in shapes if n not in proj]
     if name == "adamw":
