@@ -42,19 +42,25 @@ def adamw_step_(
 
 def _fused_ok(params: Any) -> tuple[Any, bool]:
     params = list(params)
-    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    tensors = [t for g in params for t in (g["params"] if isinstance(g, dict) else [g])]
+    tensors = [t[1] if isinstance(t, tuple) else t for t in tensors]  # named parameters: (name, param)
     ok = all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors)
     return params, ok
 
 
 class AdamW(torch.optim.AdamW):
-    """torch.optim.AdamW, fused where the params allow, with cost() for the performance model."""
+    """torch.optim.AdamW, fused where the params allow, with cost() for the performance model.
+    Every other torch.optim.AdamW option (amsgrad, maximize, foreach, ...) is passed through;
+    a foreach choice (True or False) or differentiable=True picks torch's implementation instead
+    of the fused default."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, fused: bool | None = None) -> None:
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, fused: bool | None = None,
+                 **options: Any) -> None:
         params, ok = _fused_ok(params)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         fused=ok if fused is None else fused)
+        if fused is None:
+            fused = ok and options.get("foreach") is None and not options.get("differentiable")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused, **options)
 
     @classmethod
     def cost(cls) -> OptimizerCost:
@@ -63,12 +69,13 @@ class AdamW(torch.optim.AdamW):
 
 
 class SGD(torch.optim.SGD):
-    """torch.optim.SGD with cost(); momentum state only when momentum > 0."""
+    """torch.optim.SGD with cost(); momentum state only when momentum > 0; torch's other options
+    (maximize, foreach, ...) are passed through."""
 
     def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, *, nesterov: bool = False) -> None:
+                 weight_decay: float = 0.0, *, nesterov: bool = False, **options: Any) -> None:
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening,
-                         weight_decay=weight_decay, nesterov=nesterov)
+                         weight_decay=weight_decay, nesterov=nesterov, **options)
 
     @classmethod
     def cost(cls) -> OptimizerCost:

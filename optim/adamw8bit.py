@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from . import _cpu_kernel
-from .base import TierwiseOptimizer, write_back_
+from .base import TierwiseOptimizer, check_hyper, write_back_
 from .costs import OptimizerCost
 from .quant import BLOCK, dequantize_blockwise, dynamic_map, num_blocks, decade_table, quantize_blockwise
 
@@ -168,13 +168,15 @@ def state_bytes_8bit(shape: tuple[int, ...], rank: Optional[int] = None) -> floa
 
 
 class AdamW8bit(TierwiseOptimizer):
-    """Drop-in AdamW with 8-bit moments. Non-fp32 params keep an fp32 master in the state."""
+    """Drop-in AdamW with 8-bit moments. A non-fp32 param is updated through a transient fp32
+    copy and written back each step, as bitsandbytes does (no fp32 master is kept: an update
+    below the param's precision is lost unless stochastic_rounding, bf16 only, keeps it in
+    expectation)."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *,
                  stochastic_rounding: bool = False) -> None:
-        if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"invalid lr/betas/eps: {lr}, {betas}, {eps}")
+        check_hyper(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         stochastic_rounding=stochastic_rounding)
         super().__init__(params, defaults)

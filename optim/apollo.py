@@ -109,8 +109,6 @@ class ApolloAdamW(LowRankOptimizer):
                  eps: float = 1e-6, weight_decay: float = 0.0, *, rank: Optional[int] = None,
                  update_proj_gap: int = 200, scale: float = 1.0, mini: Optional[bool] = None,
                  seed: int = 0) -> None:
-        if update_proj_gap < 1:
-            raise ValueError(f"update_proj_gap must be >= 1, got {update_proj_gap}")
         mini = self._mini_default if mini is None else mini
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       rank=rank, update_proj_gap=update_proj_gap, scale=scale,

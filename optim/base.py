@@ -2,11 +2,30 @@
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Callable, Optional
 
 import torch
 
 from .costs import OptimizerCost
+
+
+def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """torch.optim.AdamW's checks (a NaN fails them too): a bad value is refused here, not a NaN later."""
+    if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+        raise ValueError(f"invalid lr/betas/eps/weight_decay: {lr}, {tuple(betas)}, {eps}, {weight_decay} "
+                         f"(want lr, eps, weight_decay >= 0 and betas in [0, 1))")
+
+
+def check_low_rank(rank: Any, update_proj_gap: Any, scale: Any) -> None:
+    """GaLore / APOLLO options (drop-in groups and the engine's): refused here, by name, rather
+    than as a shape error, a ZeroDivisionError or NaN weights in a step."""
+    if rank is not None and not (isinstance(rank, int) and rank >= 1):
+        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
+    if not (isinstance(update_proj_gap, int) and update_proj_gap >= 1):
+        raise ValueError(f"update_proj_gap must be an int >= 1, got {update_proj_gap!r}")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
 
 
 class TierwiseOptimizer(torch.optim.Optimizer):
@@ -21,6 +40,16 @@ class TierwiseOptimizer(torch.optim.Optimizer):
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
         raise NotImplementedError
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        # the steps compute on real float copies: a complex param would lose its imaginary part
+        complex_ = [p for p in self.param_groups[-1]["params"] if p.is_complex()]
+        if complex_:
+            self.param_groups.pop()
+            raise ValueError(f"{type(self).__name__} does not support complex parameters (one of shape "
+                             f"{tuple(complex_[0].shape)}): keep it as a real (..., 2) parameter and "
+                             f"view_as_complex it in forward")
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -56,6 +85,14 @@ class LowRankOptimizer(TierwiseOptimizer):
     """GaLore / APOLLO plumbing: groups with a `rank` project their >= 2-D params through
     `_projected_step`; every other param gets plain AdamW (the papers' choice for embeddings,
     norms and biases). Non-fp32 params are updated through an fp32 copy."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # every group (the constructor's too) is checked here: a bad rank or gap fails now,
+        # with its name, not as a shape error inside the first step
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        check_low_rank(group.get("rank"), group["update_proj_gap"], group["scale"])
 
     def _projected_step(self, p: torch.Tensor, master: torch.Tensor, group: dict[str, Any],
                         state: dict[str, Any], index: int, hyper: dict[str, float]) -> None:

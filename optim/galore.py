@@ -122,8 +122,6 @@ class GaLoreAdamW(LowRankOptimizer):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, *, rank: Optional[int] = None,
                  update_proj_gap: int = 200, scale: float = 0.25) -> None:
-        if update_proj_gap < 1:
-            raise ValueError(f"update_proj_gap must be >= 1, got {update_proj_gap}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       rank=rank, update_proj_gap=update_proj_gap, scale=scale))
 

@@ -55,8 +55,10 @@ class MeZO(TierwiseOptimizer):
 
     def __init__(self, params: Any, lr: float = 1e-6, eps: float = 1e-3, weight_decay: float = 0.0, *,
                  seed: int = 0) -> None:
-        if eps <= 0:
+        if not eps > 0:
             raise ValueError(f"eps must be > 0, got {eps}")
+        if not (lr >= 0 and weight_decay >= 0):  # (a NaN fails too), as torch.optim.SGD checks
+            raise ValueError(f"lr and weight_decay must be >= 0, got {lr}, {weight_decay}")
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
         self.state["mezo"] = {"seed": seed, "step": 0, "projected_grad": 0.0}
 

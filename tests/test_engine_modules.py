@@ -358,3 +358,59 @@ def test_a_budget_error_while_holding_a_shared_gradient_sum_keeps_the_ledger_rig
         assert eng.ledger.usage()["gpu"].get("activation", 0) == 0
     finally:
         eng.close()
+
+
+def test_a_sparse_gradient_embedding_is_refused_at_construction():
+    """nn.Embedding(sparse=True) gives sparse gradients, which dense gradient chunks cannot hold;
+    MeZO computes no gradient, so it takes the same model."""
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 2))
+    with pytest.raises(UnsupportedModel, match=r"sparse gradients.*\b0\b.*sparse=False"):
+        Engine(model, loss_fn=lambda m, b: m(b).sum())
+    Engine(model, optimizer="mezo").close()
+
+
+def test_mezo_with_a_custom_loss_function_is_refused_not_ignored():
+    """The engine's MeZO evaluates a Hugging Face causal LM's own loss (one forward over the
+    doubled batch); a loss_fn it would not call is refused at construction (a KeyError on
+    'labels' in the first step before, or the wrong loss silently for an HF model)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    with pytest.raises(UnsupportedModel, match="custom loss_fn"):
+        Engine(model, optimizer="mezo", loss_fn=lambda m, b: F.mse_loss(m(b["x"]), b["y"]))
+
+
+def test_a_model_that_checkpoints_itself_is_refused_saying_so():
+    """The model's own recompute (torch.utils.checkpoint; transformers' gradient checkpointing)
+    runs modules in backward outside the engine's frames: refused naming that, not as a module
+    'run outside engine.step' (it was inside one)."""
+    from tests.models import tiny_llama
+
+    hf = tiny_llama(layers=2, hidden=32)
+    hf.gradient_checkpointing_enable()
+    with pytest.raises(UnsupportedModel, match="gradient_checkpointing_disable"):
+        Engine(hf)
+
+    class OwnCheckpoint(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.b(torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False))
+
+    eng = Engine(OwnCheckpoint(), loss_fn=lambda m, b: m(b).square().mean())
+    try:
+        with pytest.raises(UnsupportedModel, match="ran again in backward.*torch.utils.checkpoint"):
+            eng.step(torch.randn(4, 8))
+    finally:
+        eng.close()
+
+
+def test_a_float64_trainable_parameter_is_refused_not_cast():
+    """Plain PyTorch trains a float64 model in float64; the engine made its parameters fp32
+    silently and the model's float64 inputs then failed in its forward."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).double()
+    with pytest.raises(UnsupportedModel, match="'0.weight' is torch.float64.*model.float"):
+        Engine(model, loss_fn=lambda m, b: m(b).square().mean())
+    model[0].requires_grad_(False)  # frozen: refused for its trainable sibling only
+    with pytest.raises(UnsupportedModel, match="'1.weight' is torch.float64"):
+        Engine(model, loss_fn=lambda m, b: m(b).square().mean())

@@ -59,3 +59,96 @@ def test_8bit_state_is_about_2_bytes_per_parameter():
     small = sum(p.numel() for p in model.parameters() if p.numel() < 4096)  # fp32 fallback: 8 B each
     assert state <= 2.2 * (n - small) + 8 * small + 64 * 40
     assert state >= 2.0 * (n - small)
+
+
+@pytest.mark.parametrize("name, kw", [
+    ("adamw", dict(optimizer_kwargs={"amsgrad": True})),  # torch's option: the engine's AdamW has none
+    ("adamw", dict(optimizer_kwargs={"rank": 8})),
+    ("adamw8bit", dict(optimizer_kwargs={"rank": 8})),
+    ("sgd", dict(optimizer_kwargs={"nesterov": True})),
+    ("galore", dict(optimizer_kwargs={"seed": 1})),  # APOLLO's option, not GaLore's
+    ("mezo", dict(optimizer_kwargs={"rank": 8})),
+    ("adamw", dict(momentum=0.9)),  # SGD's
+])
+def test_an_option_the_optimizer_does_not_take_is_refused_not_ignored(name, kw):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    with pytest.raises(ValueError, match="does not (take|use)"):
+        Engine(model, optimizer=name, **kw)
+    eng = Engine(model, optimizer="sgd", momentum=0.9, loss_fn=lambda m, b: m(b).sum())  # SGD's own
+    eng.close()
+
+
+@pytest.mark.parametrize("saved, loaded", [
+    (dict(optimizer="adamw"), dict(optimizer="adamw8bit")),  # small tensors: 8-bit keeps fp32 moments, 8 B each
+    (dict(optimizer="adamw"), dict(optimizer="sgd")),  # no state to put the moments in
+    (dict(optimizer="sgd", momentum=0.9), dict(optimizer="sgd")),
+])
+def test_the_state_of_another_optimizer_is_refused(saved, loaded):
+    """A state blob of the same size (or one the engine keeps none of) loaded silently before."""
+    def make(kw):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        return Engine(model, loss_fn=lambda m, b: m(b).square().mean(), **kw)
+
+    eng = make(saved)
+    eng.step(torch.randn(4, 8))
+    sd = eng.state_dict()
+    eng.close()
+    other = make(loaded)
+    try:
+        with pytest.raises(ValueError, match="state of optimizer 'adamw'|keeps none of"):
+            other.load_state_dict(sd)
+    finally:
+        other.close()
+    same = make(saved)
+    same.load_state_dict(sd)  # its own optimizer's state loads
+    same.close()
+
+
+def test_a_closed_engine_says_so():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    eng = Engine(model, loss_fn=lambda m, b: m(b).square().mean())
+    eng.step(torch.randn(4, 8))
+    eng.close()
+    eng.close()  # twice: nothing
+    for call in (lambda: eng.step(torch.randn(4, 8)), lambda: eng.eval_loss(torch.randn(4, 8)),
+                 lambda: dict(eng.named_parameters_fp32()), eng.state_dict):
+        with pytest.raises(RuntimeError, match="this Engine is closed"):
+            call()
+
+
+@pytest.mark.parametrize("kw", [dict(lr=float("nan")), dict(lr=float("inf")), dict(grad_clip=-1.0),
+                                dict(grad_clip=0.0), dict(optimizer="sgd", momentum=-0.5)],
+                         ids=["lr-nan", "lr-inf", "clip-negative", "clip-0", "momentum-negative"])
+def test_a_hyper_parameter_that_cannot_work_is_refused(kw):
+    """NaN/inf lr made every weight NaN after the first update; a negative or zero clip and a
+    negative momentum (torch.optim.SGD refuses it) ran."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    with pytest.raises(ValueError, match="lr must be|grad_clip must be|momentum must be"):
+        Engine(model, loss_fn=lambda m, b: m(b).square().mean(), **kw)
+
+
+def test_set_lr_and_grad_accum_are_checked():
+    eng = Engine(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),
+                 loss_fn=lambda m, b: m(b).square().mean(), grad_clip=float("inf"))  # inf: measure the norm only
+    try:
+        with pytest.raises(ValueError, match="lr must be"):
+            eng.set_lr(float("nan"))
+        for bad in (0, -1, 2.0):
+            with pytest.raises(ValueError, match="grad_accum must be"):
+                eng.step(torch.randn(4, 8), grad_accum=bad)
+        eng.step(torch.randn(4, 8), grad_accum=2)
+        assert all(torch.isfinite(w).all() for _, w in eng.named_parameters_fp32())
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("name", ["galore", "galore8bit", "apollo"])
+@pytest.mark.parametrize("bad", [{"rank": 0}, {"rank": 2.5}, {"update_proj_gap": 0}, {"scale": float("nan")}],
+                         ids=["rank0", "rank2.5", "gap0", "scale-nan"])
+def test_a_low_rank_option_that_cannot_work_is_refused(name, bad):
+    """rank 0 trained the matrices not at all, silently; the others failed in a step (a shape
+    error, a ZeroDivisionError) or made the weights NaN."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
+    with pytest.raises(ValueError, match="rank must be|update_proj_gap must be|scale must be"):
+        Engine(model, optimizer=name, optimizer_kwargs=bad)

@@ -84,3 +84,41 @@ def test_low_rank_state_bytes_scale_with_rank():
 def test_unknown_name_lists_choices():
     with pytest.raises(ValueError, match="adamw8bit"):
         get_optimizer("adam9bit")
+
+
+@pytest.mark.parametrize("cls, ref, options", [
+    ("adamw", torch.optim.AdamW, dict(amsgrad=True, maximize=True, weight_decay=0.1)),
+    ("adamw", torch.optim.AdamW, dict(foreach=False)),
+    ("sgd", torch.optim.SGD, dict(momentum=0.9, maximize=True, foreach=False)),
+])
+def test_torch_options_pass_through_with_torchs_numbers(cls, ref, options):
+    """A drop-in for torch.optim.AdamW / SGD takes their options; the numbers are torch's
+    (fused where we fuse, else the implementation the options pick)."""
+    model, _ = make("adamw")
+    named = list(model.named_parameters())  # torch takes (name, param) pairs too
+    opt = get_optimizer(cls)(named, lr=1e-2, **options)
+    ref_model, _ = make("adamw")
+    fused = {"fused": True} if cls == "adamw" and "foreach" not in options else {}
+    ref_opt = ref(ref_model.named_parameters(), lr=1e-2, **options, **fused)
+    for i in range(3):
+        x, y = torch.randn(32, 80, generator=torch.Generator().manual_seed(i)), torch.randn(32, 4)
+        for m, o in ((model, opt), (ref_model, ref_opt)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+    assert opt.state_dict()["param_groups"][0]["param_names"] == [n for n, _ in named]
+
+
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n not in ("adamw", "sgd")])
+def test_a_complex_parameter_is_refused(name):
+    """torch.optim.AdamW takes complex parameters (as real pairs); our steps compute on real
+    float copies, which dropped the imaginary part silently."""
+    w = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="does not support complex parameters"):
+        get_optimizer(name)([torch.nn.Parameter(torch.randn(8, 8)), w], lr=1e-2)
+    opt = get_optimizer(name)([torch.nn.Parameter(torch.randn(8, 8))], lr=1e-2)
+    with pytest.raises(ValueError, match="does not support complex parameters"):
+        opt.add_param_group({"params": [w]})
+    assert len(opt.param_groups) == 1

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from tierwise.optim import ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit, galore_step_, init_galore_state
+from tierwise.optim import (AdamW8bit, ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit, galore_step_,
+                            init_galore_state)
 from tierwise.optim.apollo import random_projector
 from tierwise.optim.galore import project, project_back, svd_projector
 
@@ -110,3 +111,27 @@ def test_apollo_mini_uses_rank_one_tensor_state():
     w.grad = torch.randn(32, 8)
     opt.step()
     assert opt.state[w]["exp_avg"].shape == (32, 1)
+
+
+@pytest.mark.parametrize("cls", [GaLoreAdamW, ApolloAdamW, AdamW8bit])
+@pytest.mark.parametrize("bad", [dict(lr=float("nan")), dict(lr=-1.0), dict(betas=(1.0, 0.999)), dict(eps=-1e-8),
+                                 dict(weight_decay=-0.1)], ids=lambda d: next(iter(d)))
+def test_a_bad_hyper_parameter_is_refused_as_torch_adamw_refuses_it(cls, bad):
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(ValueError):
+        torch.optim.AdamW([w], **bad)  # the reference refuses it too
+    with pytest.raises(ValueError, match="invalid lr/betas/eps/weight_decay"):
+        cls([w], **bad)
+
+
+@pytest.mark.parametrize("cls", [GaLoreAdamW, ApolloAdamW])
+@pytest.mark.parametrize("bad", [dict(rank=0), dict(rank=-1), dict(rank=2.5), dict(rank=4, update_proj_gap=0),
+                                 dict(rank=4, scale=float("nan"))],
+                         ids=["rank0", "rank-1", "rank2.5", "gap0", "scale-nan"])
+def test_a_bad_rank_or_gap_in_a_later_group_is_refused_when_added(cls, bad):
+    """A group's own rank / update_proj_gap are checked when the group is added (construction
+    or add_param_group), not left to fail as a shape error or ZeroDivisionError in step()."""
+    w, v = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(16, 8))
+    opt = cls([{"params": [w], "rank": 2}])
+    with pytest.raises(ValueError, match="rank must be|update_proj_gap must be|scale must be"):
+        opt.add_param_group({"params": [v], **bad})

@@ -1,4 +1,5 @@
 """MeZO: seed-regenerated perturbations, round trip, update formula, and a loss that decreases."""
+import pytest
 import torch
 
 from tierwise.optim import MeZO, mezo_update_, perturb_
@@ -50,3 +51,12 @@ def test_mezo_decreases_loss_on_regression():
             opt.step(closure)
         last = closure().item()
     assert last < 0.5 * first
+
+
+
+@pytest.mark.parametrize("bad", [dict(lr=float("nan")), dict(lr=-1e-3), dict(weight_decay=-0.1), dict(eps=float("nan"))],
+                         ids=["lr-nan", "lr-negative", "wd-negative", "eps-nan"])
+def test_a_bad_hyper_parameter_is_refused(bad):
+    """As torch.optim.SGD refuses a NaN or negative lr / weight decay (NaN weights otherwise)."""
+    with pytest.raises(ValueError, match="must be"):
+        MeZO([torch.nn.Parameter(torch.ones(2))], **bad)

@@ -24,27 +24,39 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def split_batch(batch: Any, n: int) -> list[Any]:
-    """Split a dict/tensor batch along dim 0 into `n` equal micro-batches."""
+def split_batch(batch: Any, n: int, *, inner: bool = False) -> list[Any]:
+    """Split a tensor / dict / list / tuple batch along dim 0 into `n` equal micro-batches.
+    Inside a dict, list or tuple, a plain value (None, a flag, a number, a string) goes to
+    every micro-batch as it is."""
     if n == 1:
         return [batch]
     if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            raise ValueError("a 0-dim tensor in the batch has no rows to split into micro-batches")
         if batch.shape[0] % n:
             raise ValueError(f"batch of {batch.shape[0]} does not split into {n} micro-batches")
         return list(batch.chunk(n))
     if isinstance(batch, dict):
-        parts = {k: split_batch(v, n) for k, v in batch.items()}
+        parts = {k: split_batch(v, n, inner=True) for k, v in batch.items()}
         return [{k: parts[k][i] for k in batch} for i in range(n)]
+    if isinstance(batch, (list, tuple)):  # e.g. (inputs, targets), as to_device takes it
+        items = [split_batch(v, n, inner=True) for v in batch]
+        return [type(batch)(item[i] for item in items) for i in range(n)]
+    if inner and (batch is None or isinstance(batch, (bool, int, float, str))):
+        return [batch] * n
     raise TypeError(f"cannot split a batch of type {type(batch).__name__}")
 
 
 def target_tokens(batch: Any) -> int | None:
     """Target tokens of a causal-LM batch: `labels` after the shift (position 0 predicts
-    nothing), not -100 -- what transformers' ForCausalLMLoss averages over. None when the batch
+    nothing), not -100 -- what transformers' ForCausalLMLoss averages over; 1-D labels (one per
+    row, a classifier's) count their rows that are not -100. None when the batch
     has no `labels` tensor (a custom loss function: its micro-batches weigh alike)."""
     labels = batch.get("labels") if isinstance(batch, dict) else None
     if not isinstance(labels, torch.Tensor):
         return None
+    if labels.dim() < 2:  # one label per row (sequence classification): nothing to shift
+        return int((labels != -100).sum())
     return int((labels[..., 1:] != -100).sum())
 
 

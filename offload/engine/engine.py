@@ -77,7 +77,7 @@ from ..runtime.store import ChunkStore, SwapKind, frozen_kind_bytes, kind_bytes
 from ..runtime.swapping import Bounce, drop_ahead, read_ahead, update_all
 from ..runtime.tiers import pick_device
 from ..runtime.trace import Phase
-from ..update.update import Hyper
+from ..update.update import Hyper, check_lr
 from ..update.updaters import make_updater
 from ..update.zeroth import dual_forward, hf_split_losses
 from .actoffload import Offloader
@@ -88,7 +88,7 @@ from .gradspill import GradSpill
 from .frozen_base import frozen_layouts
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from .lora import apply_lora
-from .model_info import find_blocks
+from .model_info import check_dense_grads, check_no_own_checkpointing, check_trainable_dtypes, find_blocks
 from .needs import device_needs, module_chunks, open_tiers
 from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
 from .sharedbase import SharedBase
@@ -160,11 +160,14 @@ class Engine:
         holding all (see the module docstring)."""
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
+        if grad_clip is not None and not grad_clip > 0:  # (inf: the norm is measured, nothing clipped)
+            raise ValueError(f"grad_clip must be a positive number (None: no clipping), got {grad_clip}")
         if grad_reduce not in ("micro", "step"):
             raise ValueError(f"grad_reduce must be 'micro' or 'step', got {grad_reduce!r}")
         if lora is not None:
             model = apply_lora(model, lora)
         self.model, self.loss_fn = model, loss_fn
+        check_no_own_checkpointing(model)
         self.device = pick_device(device)
         self.compute_dtype = DTYPES[precision]
         self.precision = precision
@@ -175,7 +178,14 @@ class Engine:
         self.overlap_update = overlap_update
         self.hyper = Hyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum)
         named = list(model.named_parameters())
+        check_trainable_dtypes(named)
         frozen = {n for n, p in named if not p.requires_grad}
+        if optimizer == "mezo" and loss_fn is not default_loss:
+            # its dual forward computes the Hugging Face causal-LM loss from `labels` itself
+            # (offload.update.zeroth.hf_split_losses): a loss_fn would be ignored
+            raise UnsupportedModel("mezo in the engine computes a Hugging Face causal LM's own loss from the "
+                                   "batch's labels; a custom loss_fn is not supported with it (the drop-in "
+                                   "tierwise.optim.MeZO takes any loss)")
         if frozen and optimizer == "mezo":
             raise UnsupportedModel(f"mezo perturbs every parameter of a module; frozen parameters "
                                    f"({sorted(frozen)[:3]}...) are not supported with it")
@@ -185,6 +195,7 @@ class Engine:
                                              compute_dtype=self.compute_dtype)
         self.optimizer_name = optimizer
         self.ranks = self.shared = self.nvme = self.executor = self.surgery = self.grads = None
+        self._closed = False
         try:
             group = process_group if process_group is not None else default_group()
             self.ranks: Ranks | None = None
@@ -215,6 +226,8 @@ class Engine:
             self.updater = make_updater(optimizer, self.plan.trainable(),
                                         shapes={n: tuple(p.shape) for n, p in named if n not in frozen},
                                         momentum=momentum, **(optimizer_kwargs or {}))
+            if self.updater.needs_grad:
+                check_dense_grads(model)
             #: several ranks with owned-only gradients (offload.engine.transient)
             self.owned_grads = self.ranks is not None and grad_reduce == "micro" and self.updater.needs_grad
             trainable = [c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)]
@@ -534,6 +547,7 @@ class Engine:
 
     def forward(self, batch: Any) -> torch.Tensor:
         """Run the loss function on `batch`; returns the loss tensor (graph kept for backward)."""
+        self._check_open()
         self._begin_cycle()
         try:
             with self.moments.timed(Phase.FORWARD):
@@ -595,6 +609,9 @@ class Engine:
         The step's loss is normalised by its target tokens (offload.engine.batches.step_weights):
         micro-batch i backpropagates loss_i * n_i / N (n_i its target tokens, N the step's), and
         the returned loss is the step's token mean, sum of loss_i * n_i / N."""
+        self._check_open()
+        if not (isinstance(grad_accum, int) and grad_accum >= 1):
+            raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
         if not self.updater.needs_grad:
             return self._zo_step(batch, grad_accum)
         try:
@@ -706,6 +723,7 @@ class Engine:
         """Clip (optionally) and update every chunk; then the device copies are stale. `skip`
         (or, with skip_nonfinite, a NaN/inf gradient norm): no chunk is updated; the gradients
         of this cycle are overwritten by the next one's."""
+        self._check_open()
         with self.moments.timed(Phase.UPDATE):
             self._update(skip=skip)
         if self.minimum_gpu_bytes is None:
@@ -747,6 +765,7 @@ class Engine:
         full batch does without). Returns that activation peak in bytes (0 without backward).
         The model's buffers (BatchNorm's running statistics) and the RNG are left as they were:
         the run's numbers are those of a run without measure()."""
+        self._check_open()
         if self.minimum_gpu_bytes is not None:
             raise ValueError("Engine.measure() comes before the first step: the chunks are placed after it")
         if self.updater.needs_grad:
@@ -838,10 +857,12 @@ class Engine:
 
     # -- weights in and out ----------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
+        check_lr(lr)
         self.hyper.lr = lr
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (name, tensor) pairs into their slots, one at a time (meta-device models)."""
+        self._check_open()
         self.residency.cache.evict_all()  # a compute copy kept over a step's end would be stale
         self.store.load(named_tensors, self.params)
 
@@ -849,6 +870,7 @@ class Engine:
         """Random initialisation in place, chunk by chunk: N(0, std) for matrices, ones for
         norm weights, zeros for biases (the Llama convention). For benchmarking and demos.
         `frozen_only`: the frozen parameters only (a LoRA base; the adapters keep PEFT's init)."""
+        self._check_open()
         g = torch.Generator().manual_seed(seed)
 
         def tensors():
@@ -869,6 +891,7 @@ class Engine:
     def eval_loss(self, batch: Any) -> float:
         """The loss on `batch` without gradients (no update, nothing kept for backward), in eval
         mode (no dropout: e.g. LoRA's), as a model evaluated in plain PyTorch."""
+        self._check_open()
         phase, training = self.moments.phase, self.model.training
         self.moments.phase = Phase.EVAL
         self.model.eval()
@@ -886,6 +909,7 @@ class Engine:
         """(name, fp32 CPU tensor) for every parameter, from the master copies (frozen ones
         decoded); `trainable_only`: the trainable ones (e.g. LoRA adapters), no frozen chunk read.
         Several ranks: collective (every rank iterates it all); each chunk comes from its owner."""
+        self._check_open()
         if self.ranks is None:
             yield from self.store.named_master(self.params, trainable_only=trainable_only)
             return
@@ -910,20 +934,26 @@ class Engine:
         running statistics change in training too). Several ranks: this rank's shard (the
         master and optimizer state of the chunks it owns; `rank` and `world` say whose), not
         collective; each rank loads its own shard back with the same world size."""
+        self._check_open()
         buffers = {n: b.to("cpu", copy=True) for n, b in self.surgery.persistent_buffers().items()}
         shard = {} if self.ranks is None else {"rank": self.ranks.rank, "world": self.ranks.world}
         if self.owned_grads and self.grads.uses is not None:  # a resumed run reduces as this one does
             shard["grad_uses"] = dict(self.grads.uses)
-        return self.store.state_dict() | {"steps": self.steps, "optimizer_meta": self.updater.meta_state(),
+        return self.store.state_dict() | {"steps": self.steps, "optimizer": self.optimizer_name,
+                                          "optimizer_meta": self.updater.meta_state(),
                                           "buffers": buffers} | shard
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._check_open()
         mine = (None, None) if self.ranks is None else (self.ranks.rank, self.ranks.world)
         if (sd.get("rank"), sd.get("world")) != mine:  # ValueError: the CLI names the checkpoint
             def who(r, w):
                 return "one rank" if w is None else f"rank {r} of {w}"
             raise ValueError(f"it is the state of {who(*[sd.get('rank'), sd.get('world')])}, "
                              f"this engine is {who(*mine)}")
+        saved = sd.get("optimizer")  # (absent from checkpoints written before it was recorded)
+        if saved is not None and saved != self.optimizer_name:  # a state blob of the same size would load
+            raise ValueError(f"it is the state of optimizer {saved!r}, this engine runs {self.optimizer_name!r}")
         own = self.surgery.persistent_buffers()
         unknown = sorted(set(sd.get("buffers", {})) - set(own))
         if unknown:
@@ -940,11 +970,17 @@ class Engine:
             for name, value in sd.get("buffers", {}).items():
                 own[name].copy_(value)
 
+    def _check_open(self) -> None:
+        if self._closed:  # (its parameters are meta tensors now: the error would name a device)
+            raise RuntimeError("this Engine is closed: build a new one to go on training")
+
     def close(self) -> None:
         """Stop the copy threads, remove the swap files, the hooks and the patched forwards.
         The model's parameters become meta tensors (shared ones stay shared): read the trained
         weights with named_parameters_fp32 before closing, and load_state_dict(..., assign=True)
-        to use the model again."""
+        to use the model again. Closing twice does nothing."""
+        if self._closed:
+            return
         self.executor.drain()
         self.residency.cache.evict_all()  # (the next step's first chunks, kept over the last step's end)
         self.executor.close()
@@ -962,3 +998,4 @@ class Engine:
             self.ranks.close()
         # no placeholder values left: a use of the closed model fails loudly (meta tensors)
         self.surgery.to_meta(self.params.values())
+        self._closed = True

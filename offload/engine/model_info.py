@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ..core.errors import UnsupportedModel
+
 log = logging.getLogger(__name__)
 
 
@@ -61,3 +63,35 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
             if len(kids) > len(best):
                 best = kids
     return best
+
+
+def check_dense_grads(model: torch.nn.Module) -> None:
+    """Refuse trainable sparse-gradient embeddings: gradients land in dense chunks, so a sparse
+    one cannot be accumulated there (it failed deep in backward instead)."""
+    sparse = [n for n, m in model.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+    if sparse:
+        raise UnsupportedModel(f"sparse gradients are not supported: {', '.join(sparse[:3])} "
+                               f"{'is' if len(sparse) == 1 else 'are'} an embedding with sparse=True; "
+                               f"use sparse=False")
+
+
+def check_no_own_checkpointing(model: torch.nn.Module) -> None:
+    """Refuse a Hugging Face model with gradient checkpointing on: its recompute runs modules in
+    backward outside the engine's frames (the engine checkpoints repeated blocks itself)."""
+    if getattr(model, "is_gradient_checkpointing", False):
+        raise UnsupportedModel("the model has gradient checkpointing enabled (gradient_checkpointing_enable); "
+                               "the engine checkpoints repeated blocks itself (Engine(checkpointing=...)): "
+                               "call model.gradient_checkpointing_disable() first")
+
+
+def check_trainable_dtypes(named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """Refuse trainable parameters the engine cannot hold without losing precision silently: it
+    keeps fp32 masters and computes in fp32 or bf16, so a float64 (or complex) one became fp32
+    and the model's own float64 inputs then failed in its forward."""
+    odd = [(n, p.dtype) for n, p in named
+           if p.requires_grad and (p.dtype == torch.float64 or p.is_complex())]
+    if odd:
+        name, dtype = odd[0]
+        raise UnsupportedModel(f"parameter {name!r} is {dtype} ({len(odd)} such): the engine trains fp32 "
+                               f"masters and computes in fp32 or bf16; convert the model (model.float()) first")

@@ -244,6 +244,11 @@ class Residency:
     # -- the module stack -------------------------------------------------------------------
     def enter_module(self, mod: torch.nn.Module) -> None:
         """A module's forward starts: a new frame; its own chunks become resident."""
+        if not self._frames and self.timeline.phase == Phase.BACKWARD:  # a recompute not the engine's
+            raise UnsupportedModel(
+                f"{self.name_of(mod)} ran again in backward: the model recomputes it itself "
+                f"(torch.utils.checkpoint); the engine checkpoints repeated blocks on its own "
+                f"(Engine(checkpointing=...)): take the model's checkpointing out")
         if not self._frames:
             raise UnsupportedModel(
                 f"{self.name_of(mod)} ran outside engine.step / forward / eval_loss: the engine "

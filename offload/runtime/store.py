@@ -443,6 +443,9 @@ class ChunkStore:
                         raise ValueError(f"checkpoint chunk {cid}'s {kind} is not this engine's "
                                          f"({work[kind].dtype} {tuple(work[kind].shape)}): another "
                                          "optimizer, precision or --chunk-size wrote it")
+                if "state" in saved and "state" not in work:  # it would be dropped (SGD without momentum)
+                    raise ValueError(f"checkpoint chunk {cid} has optimizer state this engine keeps none of: "
+                                     "another optimizer (or SGD momentum) wrote it")
                 work["master"].copy_(saved["master"])
                 if "state" in work:
                     work["state"].copy_(saved["state"])

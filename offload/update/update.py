@@ -30,6 +30,12 @@ from ..core.chunks import ALIGN, ChunkPlan, ChunkSpec
 from .table import ALIGN_BYTES
 
 
+def check_lr(lr: float) -> None:
+    """A NaN or infinite lr would turn every weight into NaN at the next update."""
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"lr must be finite and >= 0, got {lr}")
+
+
 @dataclass(kw_only=True)
 class Hyper:
     """Hyper-parameters shared by the chunk updaters (lr may change every step)."""
@@ -41,8 +47,10 @@ class Hyper:
     momentum: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.lr < 0 or self.eps < 0 or self.weight_decay < 0:
-            raise ValueError("lr, eps and weight_decay must be >= 0")
+        check_lr(self.lr)
+        if not all(math.isfinite(x) and x >= 0 for x in (self.eps, self.weight_decay, self.momentum)):
+            raise ValueError(f"eps, weight_decay and momentum must be finite and >= 0, got "
+                             f"{self.eps}, {self.weight_decay}, {self.momentum}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be in [0, 1): {self.betas}")
 

@@ -10,6 +10,7 @@ also the order `SlotUpdater` numbers parameters in.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from .update import AdamWChunks, Hyper, SGDChunks, SlotUpdater
 from ...optim.adamw import adamw_step_, init_adamw_state
 from ...optim.adamw8bit import adamw8bit_step_, init_adamw8bit_state
 from ...optim.apollo import apollo_step_, init_apollo_state
+from ...optim.base import check_low_rank
 from ...optim.galore import as_matrix, galore_step_, init_galore_state, svd_projector
 
 __all__ = ["LOW_RANK", "NAMES", "drop_in_groups", "make_updater", "projected_params"]
@@ -97,14 +99,46 @@ def _apollo_proj_shape(rows: int, cols: int, k: int) -> tuple[int, int]:
     return tuple(random_projector((rows, cols), k, seed=0, device="meta").shape)
 
 
+def _options(builder: Any, fixed: tuple[str, ...]) -> set[str]:
+    """The optimizer_kwargs a builder takes: its keyword-only arguments but those make_updater sets."""
+    params = inspect.signature(builder).parameters.values()
+    return {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in fixed}
+
+
+def options(name: str) -> set[str]:
+    """The optimizer_kwargs the updater of `name` takes (none for adamw, sgd, adamw8bit)."""
+    if name in ("galore", "galore8bit"):
+        return _options(_galore, ("eight_bit",))
+    if name in ("apollo", "apollo-mini"):
+        return _options(_apollo, ("mini",))
+    if name == "mezo":
+        from .zeroth import MeZOChunks
+
+        return _options(MeZOChunks, ("order",))
+    return set()
+
+
 def make_updater(name: str, plan: ChunkPlan, *, shapes: dict[str, tuple[int, ...]], momentum: float = 0.0,
                  **kwargs: Any):
     """The chunk updater for optimizer `name` (kwargs: rank, update_proj_gap, scale, seed);
     a low-rank optimizer without `rank` takes the table's default_rank (as the planner does)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(NAMES)}")
+    # an option the updater does not take would be silently ignored: refuse it, naming the ones it takes
+    takes = options(name)
+    unknown = sorted(set(kwargs) - takes)
+    if unknown:
+        raise ValueError(f"optimizer {name!r} does not take the option(s) {', '.join(unknown)}; it takes "
+                         f"{', '.join(sorted(takes)) or 'none'}")
+    if momentum and name != "sgd":
+        raise ValueError(f"momentum={momentum} is an SGD option; optimizer {name!r} does not use it")
     if name in LOW_RANK and kwargs.get("rank") is None:
         kwargs["rank"] = OPTIMIZERS[name].default_rank
+    if name in LOW_RANK:
+        builder = _galore if name.startswith("galore") else _apollo
+        defaults = {k: p.default for k, p in inspect.signature(builder).parameters.items()}
+        check_low_rank(kwargs["rank"], kwargs.get("update_proj_gap", defaults["update_proj_gap"]),
+                       kwargs.get("scale", defaults["scale"]))
     proj = projected_params(shapes) if name in LOW_RANK else set()
     order = [n for n in shapes if n in proj] + [n for n in shapes if n not in proj]
     if name == "adamw":
