@@ -133,7 +133,7 @@ def schema_of(row: Row) -> str:
             and isinstance(m.get("content"), str) for m in msgs
         ):
             raise DataError(f"{row.where}: 'messages' must be a non-empty list of "
-                            "{{\"role\": str, \"content\": str}} objects")
+                            "{\"role\": str, \"content\": str} objects")
         unknown = sorted({m["role"] for m in msgs} - CHAT_ROLES)
         if unknown:
             raise DataError(f"{row.where}: unknown chat role {unknown[0]!r} (known: "

@@ -52,7 +52,8 @@ def test_chat_loss_only_on_assistant_turns(tok):
     ('{"text": "ok"}\n\n{"foo": 1}', ":3: unknown schema with keys ['foo']"),
     ('[1, 2]', ":1: expected a JSON object"),
     ('{"prompt": "only a prompt"}', ":1: 'prompt' and 'completion' must both be strings"),
-    ('{"messages": [{"role": "user"}]}', ":1: 'messages' must be"),
+    ('{"messages": [{"role": "user"}]}',
+     """:1: 'messages' must be a non-empty list of {"role": str, "content": str} objects"""),
     ('{"text": 3}', ":1: 'text' must be a string"),
 ], ids=["bad-json", "unknown-schema", "not-object", "prompt-only", "bad-messages", "text-int"])
 def test_errors_name_file_and_line(tmp_path, tok, line, message):
