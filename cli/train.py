@@ -625,6 +625,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
         ev = evaluate(engine, eval_data) if eval_data and not evaluated else None
         if ev is not None:
             metrics.write(kind="eval", step=step, loss=ev)
+            bar.note(f"step {step}: eval loss {ev:.4f}")
         last = ckpt.latest_checkpoint(ckpt_dir(cfg, out))  # every rank reads the same (shared)
         if last is None or last.name != ckpt.ckpt_name(step):
             save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
