@@ -293,7 +293,7 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
         warn(console, note)
     try:
         start = _initial_state(engine, cfg, src, out, batches, console, model=model,
-                               layout=layout, renames=renames)
+                               layout=layout, renames=renames, schedule=schedule)
         if padded:
             _measure_worst(engine, padded_batch(blocks, batch_size=cfg.batch_size))
         losses: list[float | None] = []
@@ -381,7 +381,8 @@ def _load_base(engine, cfg: TrainConfig, src: ModelSource, *, model, layout: Mod
 
 
 def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batches: Batches,
-                   console: Console, *, model, layout: ModelLayout, renames: dict[str, str] | None = None) -> int:
+                   console: Console, *, model, layout: ModelLayout, renames: dict[str, str] | None = None,
+                   schedule: LRSchedule | None = None) -> int:
     """Load a checkpoint (--resume) or the weights; returns the first step to run.
 
     The weights stream from `src`'s checkpoint through transformers' key renaming and tensor
@@ -422,6 +423,8 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
         # A killed run may have logged steps after its last checkpoint; they run again now.
         truncate_metrics(out / "metrics.jsonl", after_step=int(trainer["step"]))
         console.print(f"resumed from {path.name} (step {trainer['step']})", highlight=False)
+        for note in resume_changes(cfg, trainer, schedule, done=int(trainer["step"])):
+            console.print(note, highlight=False, soft_wrap=True)
         return int(trainer["step"])
     _load_base(engine, cfg, src, model=model, layout=layout, renames=renames, frozen_only=cfg.lora)
     return 0
@@ -512,6 +515,34 @@ def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None) ->
         raise ConfigError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)}"
                           f" {'differs' if len(changed) == 1 else 'differ'} from the checkpointed run in {out} "
                           f"(it used {was}){hint}")
+
+
+def resume_changes(cfg: TrainConfig, trainer: dict, schedule: LRSchedule | None, *, done: int) -> list[str]:
+    """Notices for options a resumed run may change (check_resumable refuses the others) that
+    make it differ from the run the checkpoint began: a --steps, --lr, --schedule or
+    --warmup-steps that gives one of the `done` steps another lr than it ran at (extending a
+    run whose steps so far keep their lr says nothing), a changed --weight-decay or --grad-clip."""
+    notes = []
+    saved = trainer.get("schedule")
+    if schedule is not None and isinstance(saved, dict):
+        try:
+            old = LRSchedule(**saved)
+        except (TypeError, TierwiseError):
+            old = None
+        ran = [s for s in range(done) if old is not None and old.lr_at(s) != schedule.lr_at(s)]
+        if ran:
+            what = ", ".join(f"{k.replace('_', ' ')} {saved.get(k)} -> {v}" for k, v in schedule.to_dict().items()
+                             if saved.get(k) != v)
+            notes.append(f"--resume: the lr schedule differs from the checkpointed run's ({what}): steps 1-{done} "
+                         f"ran on the old one (step {ran[0] + 1} at lr {old.lr_at(ran[0]):.4g}, the new one "
+                         f"gives {schedule.lr_at(ran[0]):.4g}), so this is not the run a fresh start with these "
+                         "options makes")
+    config = trainer.get("config", {}) if isinstance(trainer.get("config"), dict) else {}
+    for key in ("weight_decay", "grad_clip"):
+        if key in config and config[key] != getattr(cfg, key):
+            notes.append(f"--resume: --{key.replace('_', '-')} {getattr(cfg, key)} from step {done + 1} on "
+                         f"(steps 1-{done} ran with {config[key]})")
+    return notes
 
 
 def _same_option(key: str, saved, now) -> bool:

@@ -99,6 +99,7 @@ def test_train_resume_export_and_plots(runner, tmp_path):
         return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
     assert losses(full) == losses(part) and len(losses(full)) == 6
+    assert "--resume:" not in r.output  # steps 1-3 ran at the 6-step schedule's lr: nothing to say
     for name in ("loss.png", "memory_timeline.png", "model/config.json", "latest"):
         assert (full / name).exists(), name
     from safetensors.torch import load_file
@@ -139,3 +140,29 @@ def test_ctrl_c_checkpoints_and_exits_130(runner, tmp_path, monkeypatch):
     assert r.exit_code == 0, (r.output, r.exception)
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_resume_that_changes_steps_already_run_says_so(runner, tmp_path):
+    """--resume --steps 6 after a 3-step cosine run: steps 1-3 ran on a 3-step schedule, so the
+    result is not the straight 6-step run's (its losses differ from step 3 on); a notice says
+    so, naming the lr a step ran at. A changed --weight-decay is named too."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"the cat sees {i} moons."} for i in range(40)])
+    common = ["--data", str(data), *FAST, "--lr", "1e-2"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert runner.invoke(app, [*common, "--steps", "6", "--output", str(full)]).exit_code == 0
+    assert runner.invoke(app, [*common, "--steps", "3", "--output", str(part)]).exit_code == 0
+    r = runner.invoke(app, [*common, "--steps", "6", "--output", str(part), "--resume",
+                            "--weight-decay", "0.1"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, (r.output, r.exception)
+
+    def train_rows(out):
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r for r in rows if r["kind"] == "train"}
+
+    straight, resumed = train_rows(full), train_rows(part)
+    assert [straight[s]["loss"] == resumed[s]["loss"] for s in range(1, 7)] == [True] * 2 + [False] * 4
+    notes = [ln for ln in r.output.splitlines() if ln.startswith("--resume:")]
+    assert len(notes) == 2, r.output
+    assert "total steps 3 -> 6" in notes[0] and f"step 2 at lr {resumed[2]['lr']:.4g}" in notes[0]
+    assert f"the new one gives {straight[2]['lr']:.4g}" in notes[0]
+    assert notes[1] == "--resume: --weight-decay 0.1 from step 4 on (steps 1-3 ran with 0.0)"
