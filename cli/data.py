@@ -158,6 +158,10 @@ def encode_row(row: Row, tokenizer) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of one row, eos-terminated; labels are IGNORE where no loss."""
     kind = schema_of(row)
     d, eos = row.data, tokenizer.eos_token_id
+    if eos is None and kind in ("text", "prompt"):
+        raise DataError(f"{row.where}: the model's tokenizer has no eos_token, which ends every "
+                        f"{'text' if kind == 'text' else 'prompt/completion'} row: set eos_token in "
+                        "its tokenizer_config.json")
     if kind == "text":
         ids = tokenizer(d["text"], add_special_tokens=True)["input_ids"] + [eos]
         return ids, list(ids)
@@ -229,6 +233,9 @@ def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = Tr
             return  # would weigh 0 in its step, and a step of only such blocks has no loss
         n = len(ids)
         fill = seq_len - n
+        if fill and pad is None:
+            raise DataError("the model's tokenizer has neither a pad_token nor an eos_token to pad "
+                            "a short block with: set one in its tokenizer_config.json")
         blocks.append((torch.tensor(ids + [pad] * fill, dtype=torch.long),
                        torch.tensor(labels + [IGNORE] * fill, dtype=torch.long),
                        torch.tensor([1] * n + [0] * fill, dtype=torch.long)))

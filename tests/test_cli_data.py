@@ -139,3 +139,55 @@ def test_fewer_blocks_than_batch_size_wraps(tok):
     blocks = make_blocks([Row(data={"text": "the cat"}, where="")], tok, seq_len=8)
     batch = Batches(blocks, batch_size=3, seed=0).next()
     assert batch["input_ids"].shape == (3, 8)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"text": "the cat sees the moon"}, ":1: the model's tokenizer has no eos_token"),
+    ({"prompt": "the cat", "completion": " sees"}, ":1: the model's tokenizer has no eos_token"),
+], ids=["text", "prompt"])
+def test_tokenizer_without_eos_or_pad_is_one_line(tmp_path, data, message):
+    """A model directory whose tokenizer_config.json names no eos_token and no pad_token: every
+    text row ends with eos and short blocks pad with pad (else eos), so the run is refused in
+    one line (exit 2), as transformers loads that tokenizer (eos_token_id None); was a TypeError
+    traceback from torch.tensor([..., None])."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tinyhf import error_line, make_tiny_llama_dir
+    from tierwise.cli.main import app
+    from transformers import AutoTokenizer
+
+    model = make_tiny_llama_dir(tmp_path / "m", hidden=32)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    del config["eos_token"], config["pad_token"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    loaded = AutoTokenizer.from_pretrained(model)
+    assert loaded.eos_token_id is None and loaded.pad_token_id is None
+    train = write_jsonl(tmp_path / "d.jsonl", [data] * 4)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["--model", str(model), "--data", str(train), "--seq-len", "16",
+                                      "--batch-size", "2", "--steps", "1", "--output", str(out)])
+    assert error_line(result) == f"error: {train}{message}, which ends every " \
+        f"{'text' if 'text' in data else 'prompt/completion'} row: set eos_token in its tokenizer_config.json"
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_short_block_without_pad_or_eos_token_is_refused(tmp_path):
+    """Chat rows need no eos (a template may end turns its own way), but a short block still
+    pads: refused in one line rather than a TypeError."""
+    import json
+
+    from tinyhf import make_tiny_llama_dir
+    from transformers import AutoTokenizer
+
+    model = make_tiny_llama_dir(tmp_path / "m", hidden=32)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    del config["eos_token"], config["pad_token"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    rows = [Row(data={"messages": [{"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": "the cat"}]}, where="x:1")]
+    with pytest.raises(DataError, match="neither a pad_token nor an eos_token"):
+        make_blocks(rows, tok, seq_len=64)
