@@ -261,6 +261,9 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
     eval_data = (eval_batches(load_blocks(cfg.eval_data, src.tokenizer, seq_len=cfg.seq_len,
                                           pack=cfg.pack), batch_size=cfg.batch_size)
                  if cfg.eval_data else [])
+    if cfg.eval_data and not eval_data:  # else no eval at all, and nothing would say so
+        raise DataError(f"--eval-data {cfg.eval_data}: no block with a target token (every label masked, "
+                        "e.g. prompts longer than --seq-len): nothing to evaluate")
     if cfg.lora:  # a --lora-targets name no module has: refused before anything is written
         from .loading import build_meta_model
 

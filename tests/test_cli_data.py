@@ -191,3 +191,29 @@ def test_short_block_without_pad_or_eos_token_is_refused(tmp_path):
                                    {"role": "assistant", "content": "the cat"}]}, where="x:1")]
     with pytest.raises(DataError, match="neither a pad_token nor an eos_token"):
         make_blocks(rows, tok, seq_len=64)
+
+
+def test_eval_data_with_no_target_token_is_one_line(tmp_path):
+    """--eval-data whose every block is a masked prompt (prompts longer than --seq-len, not
+    packed): the eval set is empty, as it is for transformers' loss (no label but -100), so the
+    run is refused in one line instead of training without any eval and saying nothing."""
+    from typer.testing import CliRunner
+
+    from tinyhf import error_line, make_tiny_llama_dir
+    from tierwise.cli.data import eval_batches
+    from tierwise.cli.main import app
+    from transformers import AutoTokenizer
+
+    model = make_tiny_llama_dir(tmp_path / "m", hidden=32)
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": "the cat sees the moon"}] * 8)
+    ev = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "the cat sees the moon " * 20,
+                                                "completion": " yes"}] * 3)
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok("the cat sees the moon " * 20)["input_ids"]
+    assert len(ids) > 16  # every block of 16 tokens is all prompt: no label to score
+    assert eval_batches(load_blocks(ev, tok, seq_len=16, pack=False), batch_size=2) == []
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["--model", str(model), "--data", str(train), "--eval-data", str(ev),
+                                      "--no-pack", "--seq-len", "16", "--batch-size", "2", "--steps", "1",
+                                      "--output", str(out)])
+    assert error_line(result).startswith(f"error: --eval-data {ev}: no block with a target token")
