@@ -20,6 +20,7 @@ convention: same positions as input_ids (the model shifts), -100 where no loss i
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -258,6 +259,19 @@ def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = Tr
     return blocks
 
 
+def blocks_digest(blocks: list) -> str:
+    """Count and crc32 of the blocks' tokens, labels and masks: a checkpoint's data position
+    means the same batches only over the same blocks (a --data edited between a kill and
+    --resume tokenizes to others)."""
+    import zlib
+
+    crc = 0
+    for block in blocks:
+        for t in block:
+            crc = zlib.crc32(t.numpy().tobytes(), crc)
+    return f"{len(blocks)} blocks, crc32 {crc:08x}"
+
+
 @dataclass(kw_only=True)
 class DataPosition:
     """Where the next batch comes from: batch `index` of epoch `epoch`."""
@@ -292,6 +306,11 @@ class Batches:
         self.blocks, self.batch_size, self.seed = blocks, batch_size, seed
         self.position = position or DataPosition()
         self.batches_per_epoch = max(1, len(blocks) // batch_size)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """blocks_digest of the blocks (saved in each checkpoint, checked on --resume)."""
+        return blocks_digest(self.blocks)
 
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.blocks))

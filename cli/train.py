@@ -20,7 +20,7 @@ from . import checkpoint as ckpt
 from . import launch, rundir, shards
 from . import lora as lora_mod
 from .config import DISK_FULL, ConfigError, TrainConfig
-from .data import Batches, DataError, DataPosition, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
+from .data import Batches, DataError, DataPosition, blocks_digest, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
 from .export import export_hf
 from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model
@@ -273,7 +273,7 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
     padded = has_padding(blocks)  # then the worst step is a padded batch: planned for
     cfg = resolve_recompute(cfg, src=src, padded=padded)
     if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:
-        check_resumable(cfg, Path(cfg.output))  # a changed option says so before any budget does
+        check_resumable(cfg, Path(cfg.output), blocks=blocks)  # a changed option says so before any budget does
     return src, blocks, eval_data, padded, cfg
 
 
@@ -401,7 +401,7 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
         else:
             engine_state, trainer = ckpt.load_checkpoint(path)
             rng = trainer["rng"]
-        check_resumable(cfg, ckpt_dir(cfg, out), trainer)
+        check_resumable(cfg, ckpt_dir(cfg, out), trainer, blocks=batches.blocks)
         if cfg.lora:
             _load_base(engine, cfg, src, model=model, layout=layout, renames=renames, frozen_only=True)
         elif src.has_weights:
@@ -501,8 +501,10 @@ def check_world(out: Path, world: int) -> None:
                           f"--nproc-per-node {saved})")
 
 
-def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None) -> None:
-    """Refuse --resume with options that change the batches or the engine state's layout."""
+def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None, *,
+                    blocks: list | None = None) -> None:
+    """Refuse --resume with options that change the batches or the engine state's layout, or
+    (`blocks` given) with data that tokenizes to other blocks than the checkpointed run's."""
     if trainer is None:
         trainer = ckpt.load_trainer(ckpt.latest_checkpoint(out))
     saved = trainer.get("config", {}) if isinstance(trainer, dict) else {}
@@ -518,6 +520,11 @@ def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None) ->
         raise ConfigError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)}"
                           f" {'differs' if len(changed) == 1 else 'differ'} from the checkpointed run in {out} "
                           f"(it used {was}){hint}")
+    was = trainer.get("data_blocks") if isinstance(trainer, dict) else None
+    if blocks is not None and was is not None and was != blocks_digest(blocks):
+        raise ConfigError(f"--resume: --data {cfg.data} is not the data the checkpointed run in {out} "
+                          f"trained on ({blocks_digest(blocks)}, it had {was}): its data position would "
+                          "name other batches (restore that data, or start a new run)")
 
 
 def resume_changes(cfg: TrainConfig, trainer: dict, schedule: LRSchedule | None, *, done: int) -> list[str]:
@@ -561,7 +568,8 @@ def save(engine, cfg: TrainConfig, out: Path, *, step: int, batches: Batches,
          schedule: LRSchedule, rng: dict | None = None) -> Path:
     """Checkpoint `step` (`rng`: the RNG state to record; default: now). Several ranks:
     collective, each rank its shard (cli.shards)."""
-    trainer = {"data": batches.position.to_dict(), "schedule": schedule.to_dict(), "config": cfg.to_dict()}
+    trainer = {"data": batches.position.to_dict(), "data_blocks": batches.digest,
+               "schedule": schedule.to_dict(), "config": cfg.to_dict()}
     rng = rng or ckpt.capture_rng()
     state = engine.state_dict()
     where = _first_nonfinite(state)

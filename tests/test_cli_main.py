@@ -166,3 +166,29 @@ def test_resume_that_changes_steps_already_run_says_so(runner, tmp_path):
     assert "total steps 3 -> 6" in notes[0] and f"step 2 at lr {resumed[2]['lr']:.4g}" in notes[0]
     assert f"the new one gives {straight[2]['lr']:.4g}" in notes[0]
     assert notes[1] == "--resume: --weight-decay 0.1 from step 4 on (steps 1-3 ran with 0.0)"
+
+
+def test_resume_with_edited_data_is_refused(runner, tmp_path):
+    """--data edited between a stop and --resume (rows dropped): the checkpoint's data position
+    would name other batches, so the resumed run would not be the straight run. One line
+    naming both block counts; with the data restored the resume equals the straight run."""
+    rows = [{"text": f"the cat sees {i} moons."} for i in range(40)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    common = ["--data", str(data), *FAST, "--schedule", "constant", "--steps", "6"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert runner.invoke(app, [*common, "--output", str(full)]).exit_code == 0
+    assert runner.invoke(app, [*common[:-1], "3", "--output", str(part)]).exit_code == 0
+    write_jsonl(data, rows[:20])
+    line = _error_line(runner.invoke(app, [*common, "--output", str(part), "--resume"]))
+    assert line.startswith(f"error: --resume: --data {data} is not the data the checkpointed run")
+    blocks = [int(w) for w in line.split("(")[1].split() if w.isdigit()]
+    assert blocks[0] < blocks[1], line  # this data's blocks, then the checkpoint's
+    write_jsonl(data, rows)
+    r = runner.invoke(app, [*common, "--output", str(part), "--resume"])
+    assert r.exit_code == 0, (r.output, r.exception)
+
+    def losses(out):
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+    assert losses(part) == losses(full)
