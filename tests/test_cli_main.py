@@ -192,3 +192,20 @@ def test_resume_with_edited_data_is_refused(runner, tmp_path):
         return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
     assert losses(part) == losses(full)
+
+
+def test_chunk_size_below_the_engines_minimum_is_one_line(tmp_path):
+    """The engine's smallest chunk (ALIGN fp32 values, 64 B) trains; one byte less was a
+    ValueError traceback from the chunk packer, after the model and data had loaded."""
+    from tinyhf import make_tiny_family_dir
+    from tierwise.offload.core.chunks import ALIGN
+
+    model = make_tiny_family_dir(tmp_path / "m", "qwen2")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"the cat sees {i} moons."} for i in range(8)])
+    args = ["--model", str(model), "--data", str(data), "--seq-len", "16", "--batch-size", "2", "--steps", "1"]
+    runner = CliRunner()
+    ok = runner.invoke(app, [*args, "--chunk-size", f"{ALIGN * 4}B", "--output", str(tmp_path / "a")])
+    assert ok.exit_code == 0, (ok.output, ok.exception)
+    line = _error_line(runner.invoke(app, [*args, "--chunk-size", f"{ALIGN * 4 - 1}B",
+                                           "--output", str(tmp_path / "b")]))
+    assert line == f"error: --chunk-size {ALIGN * 4 - 1}B is below the smallest chunk, {ALIGN * 4}B"
