@@ -304,6 +304,8 @@ class TrainConfig:
                 raise ConfigError(f"--{name} must be at least 1")
         if self.reset_optimizer and not self.resume:
             raise ConfigError("--reset-optimizer applies to --resume only")
+        if self.eval_every and not self.eval_data:  # else it evaluates nothing, saying nothing
+            raise ConfigError("--eval-every applies with --eval-data only: give the held-out data")
         if self.resume and self.overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
         if not (math.isfinite(self.lr) and self.lr > 0):

@@ -209,3 +209,16 @@ def test_chunk_size_below_the_engines_minimum_is_one_line(tmp_path):
     line = _error_line(runner.invoke(app, [*args, "--chunk-size", f"{ALIGN * 4 - 1}B",
                                            "--output", str(tmp_path / "b")]))
     assert line == f"error: --chunk-size {ALIGN * 4 - 1}B is below the smallest chunk, {ALIGN * 4}B"
+
+
+def test_eval_every_without_eval_data_is_one_line(runner, tmp_path):
+    """--eval-every N without --eval-data evaluated nothing and said nothing; refused as
+    --reset-optimizer without --resume is. With --eval-data it evaluates every N steps."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"the cat sees {i} moons."} for i in range(16)])
+    args = ["--data", str(data), *FAST, "--steps", "4", "--eval-every", "2"]
+    line = _error_line(runner.invoke(app, [*args, "--output", str(tmp_path / "a")]))
+    assert line == "error: --eval-every applies with --eval-data only: give the held-out data"
+    r = runner.invoke(app, [*args, "--eval-data", str(data), "--output", str(tmp_path / "b")])
+    assert r.exit_code == 0, (r.output, r.exception)
+    rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [2, 4]
