@@ -556,6 +556,12 @@ def resume_changes(cfg: TrainConfig, trainer: dict, schedule: LRSchedule | None,
 
 
 def _same_option(key: str, saved, now) -> bool:
+    if key in ("model", "data") and saved != now and isinstance(saved, str) and isinstance(now, str):
+        # one file or directory by two spellings (./x, x/, an absolute path) is the same
+        # (a relative path saved by a run started elsewhere may name nothing from here: refused)
+        import os
+
+        return os.path.exists(saved) and os.path.exists(now) and os.path.samefile(saved, now)
     if key == "chunk_size":  # "64M" and "64MiB" are one size
         try:
             return parse_size(saved, what="chunk_size") == parse_size(now, what="chunk_size")

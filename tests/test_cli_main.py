@@ -222,3 +222,31 @@ def test_eval_every_without_eval_data_is_one_line(runner, tmp_path):
     assert r.exit_code == 0, (r.output, r.exception)
     rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [2, 4]
+
+
+def test_resume_takes_another_spelling_of_the_same_paths(runner, tmp_path, monkeypatch):
+    """--data d.jsonl then --resume --data /abs/d.jsonl (or ./d.jsonl) names one file: resumed,
+    equal to the straight run; a copy of it elsewhere is another --data, refused as before."""
+    from tinyhf import make_tiny_llama_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli_train, "engine_class", lambda: StandInEngine)
+    make_tiny_llama_dir(tmp_path / "m", hidden=32)
+    write_jsonl(tmp_path / "d.jsonl", [{"text": f"the cat sees {i} moons."} for i in range(40)])
+    common = [*FAST, "--schedule", "constant", "--steps", "6"]
+    assert runner.invoke(app, ["--model", "m", "--data", "d.jsonl", *common, "--output", "full"]).exit_code == 0
+    assert runner.invoke(app, ["--model", "m", "--data", "d.jsonl", *common[:-1], "3", "--output", "part"]).exit_code == 0
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "d.jsonl").write_bytes((tmp_path / "d.jsonl").read_bytes())
+    line = _error_line(runner.invoke(app, ["--model", "m", "--data", "copy/d.jsonl", *common, "--output", "part",
+                                           "--resume"]))
+    assert "--data differs" in line
+    r = runner.invoke(app, ["--model", "./m/", "--data", str(tmp_path / "d.jsonl"), *common, "--output", "part",
+                            "--resume"])
+    assert r.exit_code == 0, (r.output, r.exception)
+
+    def losses(out):
+        rows = [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+    assert losses("part") == losses("full") and len(losses("full")) == 6
