@@ -17,6 +17,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from ..offload.core.chunks import ALIGN
 from ..offload.core.errors import TierwiseError
 from ..offload.core.sizes import parse_size
 from ..offload.core.nodes import parse_node_list
@@ -277,6 +278,8 @@ class TrainConfig:
         }
         if not self.budgets["chunk"]:
             raise ConfigError(f"--chunk-size must be positive, got {self.chunk_size!r}")
+        if self.budgets["chunk"] < ALIGN * 4:  # the engine's chunks hold at least ALIGN fp32 values
+            raise ConfigError(f"--chunk-size {self.chunk_size} is below the smallest chunk, {ALIGN * 4}B")
         for name in ("gpu", "cpu", "cxl"):
             if self.budgets[name] == 0:
                 raise ConfigError(f"--{name}-mem must be positive, got 0")
@@ -301,6 +304,8 @@ class TrainConfig:
                 raise ConfigError(f"--{name} must be at least 1")
         if self.reset_optimizer and not self.resume:
             raise ConfigError("--reset-optimizer applies to --resume only")
+        if self.eval_every and not self.eval_data:  # else it evaluates nothing, saying nothing
+            raise ConfigError("--eval-every applies with --eval-data only: give the held-out data")
         if self.resume and self.overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
         if not (math.isfinite(self.lr) and self.lr > 0):

@@ -20,6 +20,7 @@ convention: same positions as input_ids (the model shifts), -100 where no loss i
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -133,7 +134,7 @@ def schema_of(row: Row) -> str:
             and isinstance(m.get("content"), str) for m in msgs
         ):
             raise DataError(f"{row.where}: 'messages' must be a non-empty list of "
-                            "{{\"role\": str, \"content\": str}} objects")
+                            "{\"role\": str, \"content\": str} objects")
         unknown = sorted({m["role"] for m in msgs} - CHAT_ROLES)
         if unknown:
             raise DataError(f"{row.where}: unknown chat role {unknown[0]!r} (known: "
@@ -158,6 +159,10 @@ def encode_row(row: Row, tokenizer) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of one row, eos-terminated; labels are IGNORE where no loss."""
     kind = schema_of(row)
     d, eos = row.data, tokenizer.eos_token_id
+    if eos is None and kind in ("text", "prompt"):
+        raise DataError(f"{row.where}: the model's tokenizer has no eos_token, which ends every "
+                        f"{'text' if kind == 'text' else 'prompt/completion'} row: set eos_token in "
+                        "its tokenizer_config.json")
     if kind == "text":
         ids = tokenizer(d["text"], add_special_tokens=True)["input_ids"] + [eos]
         return ids, list(ids)
@@ -229,6 +234,9 @@ def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = Tr
             return  # would weigh 0 in its step, and a step of only such blocks has no loss
         n = len(ids)
         fill = seq_len - n
+        if fill and pad is None:
+            raise DataError("the model's tokenizer has neither a pad_token nor an eos_token to pad "
+                            "a short block with: set one in its tokenizer_config.json")
         blocks.append((torch.tensor(ids + [pad] * fill, dtype=torch.long),
                        torch.tensor(labels + [IGNORE] * fill, dtype=torch.long),
                        torch.tensor([1] * n + [0] * fill, dtype=torch.long)))
@@ -249,6 +257,19 @@ def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = Tr
     if ids_left:  # the last, partial block (padded)
         emit(ids_left, labels_left)
     return blocks
+
+
+def blocks_digest(blocks: list) -> str:
+    """Count and crc32 of the blocks' tokens, labels and masks: a checkpoint's data position
+    means the same batches only over the same blocks (a --data edited between a kill and
+    --resume tokenizes to others)."""
+    import zlib
+
+    crc = 0
+    for block in blocks:
+        for t in block:
+            crc = zlib.crc32(t.numpy().tobytes(), crc)
+    return f"{len(blocks)} blocks, crc32 {crc:08x}"
 
 
 @dataclass(kw_only=True)
@@ -285,6 +306,11 @@ class Batches:
         self.blocks, self.batch_size, self.seed = blocks, batch_size, seed
         self.position = position or DataPosition()
         self.batches_per_epoch = max(1, len(blocks) // batch_size)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """blocks_digest of the blocks (saved in each checkpoint, checked on --resume)."""
+        return blocks_digest(self.blocks)
 
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.blocks))

@@ -20,7 +20,7 @@ from . import checkpoint as ckpt
 from . import launch, rundir, shards
 from . import lora as lora_mod
 from .config import DISK_FULL, ConfigError, TrainConfig
-from .data import Batches, DataError, DataPosition, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
+from .data import Batches, DataError, DataPosition, blocks_digest, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
 from .export import export_hf
 from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model
@@ -261,6 +261,9 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
     eval_data = (eval_batches(load_blocks(cfg.eval_data, src.tokenizer, seq_len=cfg.seq_len,
                                           pack=cfg.pack), batch_size=cfg.batch_size)
                  if cfg.eval_data else [])
+    if cfg.eval_data and not eval_data:  # else no eval at all, and nothing would say so
+        raise DataError(f"--eval-data {cfg.eval_data}: no block with a target token (every label masked, "
+                        "e.g. prompts longer than --seq-len): nothing to evaluate")
     if cfg.lora:  # a --lora-targets name no module has: refused before anything is written
         from .loading import build_meta_model
 
@@ -270,7 +273,7 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
     padded = has_padding(blocks)  # then the worst step is a padded batch: planned for
     cfg = resolve_recompute(cfg, src=src, padded=padded)
     if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:
-        check_resumable(cfg, Path(cfg.output))  # a changed option says so before any budget does
+        check_resumable(cfg, Path(cfg.output), blocks=blocks)  # a changed option says so before any budget does
     return src, blocks, eval_data, padded, cfg
 
 
@@ -293,7 +296,7 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
         warn(console, note)
     try:
         start = _initial_state(engine, cfg, src, out, batches, console, model=model,
-                               layout=layout, renames=renames)
+                               layout=layout, renames=renames, schedule=schedule)
         if padded:
             _measure_worst(engine, padded_batch(blocks, batch_size=cfg.batch_size))
         losses: list[float | None] = []
@@ -381,7 +384,8 @@ def _load_base(engine, cfg: TrainConfig, src: ModelSource, *, model, layout: Mod
 
 
 def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batches: Batches,
-                   console: Console, *, model, layout: ModelLayout, renames: dict[str, str] | None = None) -> int:
+                   console: Console, *, model, layout: ModelLayout, renames: dict[str, str] | None = None,
+                   schedule: LRSchedule | None = None) -> int:
     """Load a checkpoint (--resume) or the weights; returns the first step to run.
 
     The weights stream from `src`'s checkpoint through transformers' key renaming and tensor
@@ -397,7 +401,7 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
         else:
             engine_state, trainer = ckpt.load_checkpoint(path)
             rng = trainer["rng"]
-        check_resumable(cfg, ckpt_dir(cfg, out), trainer)
+        check_resumable(cfg, ckpt_dir(cfg, out), trainer, blocks=batches.blocks)
         if cfg.lora:
             _load_base(engine, cfg, src, model=model, layout=layout, renames=renames, frozen_only=True)
         elif src.has_weights:
@@ -422,6 +426,8 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
         # A killed run may have logged steps after its last checkpoint; they run again now.
         truncate_metrics(out / "metrics.jsonl", after_step=int(trainer["step"]))
         console.print(f"resumed from {path.name} (step {trainer['step']})", highlight=False)
+        for note in resume_changes(cfg, trainer, schedule, done=int(trainer["step"])):
+            console.print(note, highlight=False, soft_wrap=True)
         return int(trainer["step"])
     _load_base(engine, cfg, src, model=model, layout=layout, renames=renames, frozen_only=cfg.lora)
     return 0
@@ -495,8 +501,10 @@ def check_world(out: Path, world: int) -> None:
                           f"--nproc-per-node {saved})")
 
 
-def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None) -> None:
-    """Refuse --resume with options that change the batches or the engine state's layout."""
+def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None, *,
+                    blocks: list | None = None) -> None:
+    """Refuse --resume with options that change the batches or the engine state's layout, or
+    (`blocks` given) with data that tokenizes to other blocks than the checkpointed run's."""
     if trainer is None:
         trainer = ckpt.load_trainer(ckpt.latest_checkpoint(out))
     saved = trainer.get("config", {}) if isinstance(trainer, dict) else {}
@@ -512,9 +520,48 @@ def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None) ->
         raise ConfigError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)}"
                           f" {'differs' if len(changed) == 1 else 'differ'} from the checkpointed run in {out} "
                           f"(it used {was}){hint}")
+    was = trainer.get("data_blocks") if isinstance(trainer, dict) else None
+    if blocks is not None and was is not None and was != blocks_digest(blocks):
+        raise ConfigError(f"--resume: --data {cfg.data} is not the data the checkpointed run in {out} "
+                          f"trained on ({blocks_digest(blocks)}, it had {was}): its data position would "
+                          "name other batches (restore that data, or start a new run)")
+
+
+def resume_changes(cfg: TrainConfig, trainer: dict, schedule: LRSchedule | None, *, done: int) -> list[str]:
+    """Notices for options a resumed run may change (check_resumable refuses the others) that
+    make it differ from the run the checkpoint began: a --steps, --lr, --schedule or
+    --warmup-steps that gives one of the `done` steps another lr than it ran at (extending a
+    run whose steps so far keep their lr says nothing), a changed --weight-decay or --grad-clip."""
+    notes = []
+    saved = trainer.get("schedule")
+    if schedule is not None and isinstance(saved, dict):
+        try:
+            old = LRSchedule(**saved)
+        except (TypeError, TierwiseError):
+            old = None
+        ran = [s for s in range(done) if old is not None and old.lr_at(s) != schedule.lr_at(s)]
+        if ran:
+            what = ", ".join(f"{k.replace('_', ' ')} {saved.get(k)} -> {v}" for k, v in schedule.to_dict().items()
+                             if saved.get(k) != v)
+            notes.append(f"--resume: the lr schedule differs from the checkpointed run's ({what}): steps 1-{done} "
+                         f"ran on the old one (step {ran[0] + 1} at lr {old.lr_at(ran[0]):.4g}, the new one "
+                         f"gives {schedule.lr_at(ran[0]):.4g}), so this is not the run a fresh start with these "
+                         "options makes")
+    config = trainer.get("config", {}) if isinstance(trainer.get("config"), dict) else {}
+    for key in ("weight_decay", "grad_clip"):
+        if key in config and config[key] != getattr(cfg, key):
+            notes.append(f"--resume: --{key.replace('_', '-')} {getattr(cfg, key)} from step {done + 1} on "
+                         f"(steps 1-{done} ran with {config[key]})")
+    return notes
 
 
 def _same_option(key: str, saved, now) -> bool:
+    if key in ("model", "data") and saved != now and isinstance(saved, str) and isinstance(now, str):
+        # one file or directory by two spellings (./x, x/, an absolute path) is the same
+        # (a relative path saved by a run started elsewhere may name nothing from here: refused)
+        import os
+
+        return os.path.exists(saved) and os.path.exists(now) and os.path.samefile(saved, now)
     if key == "chunk_size":  # "64M" and "64MiB" are one size
         try:
             return parse_size(saved, what="chunk_size") == parse_size(now, what="chunk_size")
@@ -527,7 +574,8 @@ def save(engine, cfg: TrainConfig, out: Path, *, step: int, batches: Batches,
          schedule: LRSchedule, rng: dict | None = None) -> Path:
     """Checkpoint `step` (`rng`: the RNG state to record; default: now). Several ranks:
     collective, each rank its shard (cli.shards)."""
-    trainer = {"data": batches.position.to_dict(), "schedule": schedule.to_dict(), "config": cfg.to_dict()}
+    trainer = {"data": batches.position.to_dict(), "data_blocks": batches.digest,
+               "schedule": schedule.to_dict(), "config": cfg.to_dict()}
     rng = rng or ckpt.capture_rng()
     state = engine.state_dict()
     where = _first_nonfinite(state)
@@ -625,6 +673,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
         ev = evaluate(engine, eval_data) if eval_data and not evaluated else None
         if ev is not None:
             metrics.write(kind="eval", step=step, loss=ev)
+            bar.note(f"step {step}: eval loss {ev:.4f}")
         last = ckpt.latest_checkpoint(ckpt_dir(cfg, out))  # every rank reads the same (shared)
         if last is None or last.name != ckpt.ckpt_name(step):
             save(engine, cfg, out, step=step, batches=batches, schedule=schedule)

@@ -52,7 +52,8 @@ def test_chat_loss_only_on_assistant_turns(tok):
     ('{"text": "ok"}\n\n{"foo": 1}', ":3: unknown schema with keys ['foo']"),
     ('[1, 2]', ":1: expected a JSON object"),
     ('{"prompt": "only a prompt"}', ":1: 'prompt' and 'completion' must both be strings"),
-    ('{"messages": [{"role": "user"}]}', ":1: 'messages' must be"),
+    ('{"messages": [{"role": "user"}]}',
+     """:1: 'messages' must be a non-empty list of {"role": str, "content": str} objects"""),
     ('{"text": 3}', ":1: 'text' must be a string"),
 ], ids=["bad-json", "unknown-schema", "not-object", "prompt-only", "bad-messages", "text-int"])
 def test_errors_name_file_and_line(tmp_path, tok, line, message):
@@ -138,3 +139,81 @@ def test_fewer_blocks_than_batch_size_wraps(tok):
     blocks = make_blocks([Row(data={"text": "the cat"}, where="")], tok, seq_len=8)
     batch = Batches(blocks, batch_size=3, seed=0).next()
     assert batch["input_ids"].shape == (3, 8)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"text": "the cat sees the moon"}, ":1: the model's tokenizer has no eos_token"),
+    ({"prompt": "the cat", "completion": " sees"}, ":1: the model's tokenizer has no eos_token"),
+], ids=["text", "prompt"])
+def test_tokenizer_without_eos_or_pad_is_one_line(tmp_path, data, message):
+    """A model directory whose tokenizer_config.json names no eos_token and no pad_token: every
+    text row ends with eos and short blocks pad with pad (else eos), so the run is refused in
+    one line (exit 2), as transformers loads that tokenizer (eos_token_id None); was a TypeError
+    traceback from torch.tensor([..., None])."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tinyhf import error_line, make_tiny_llama_dir
+    from tierwise.cli.main import app
+    from transformers import AutoTokenizer
+
+    model = make_tiny_llama_dir(tmp_path / "m", hidden=32)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    del config["eos_token"], config["pad_token"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    loaded = AutoTokenizer.from_pretrained(model)
+    assert loaded.eos_token_id is None and loaded.pad_token_id is None
+    train = write_jsonl(tmp_path / "d.jsonl", [data] * 4)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["--model", str(model), "--data", str(train), "--seq-len", "16",
+                                      "--batch-size", "2", "--steps", "1", "--output", str(out)])
+    assert error_line(result) == f"error: {train}{message}, which ends every " \
+        f"{'text' if 'text' in data else 'prompt/completion'} row: set eos_token in its tokenizer_config.json"
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_short_block_without_pad_or_eos_token_is_refused(tmp_path):
+    """Chat rows need no eos (a template may end turns its own way), but a short block still
+    pads: refused in one line rather than a TypeError."""
+    import json
+
+    from tinyhf import make_tiny_llama_dir
+    from transformers import AutoTokenizer
+
+    model = make_tiny_llama_dir(tmp_path / "m", hidden=32)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    del config["eos_token"], config["pad_token"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    rows = [Row(data={"messages": [{"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": "the cat"}]}, where="x:1")]
+    with pytest.raises(DataError, match="neither a pad_token nor an eos_token"):
+        make_blocks(rows, tok, seq_len=64)
+
+
+def test_eval_data_with_no_target_token_is_one_line(tmp_path):
+    """--eval-data whose every block is a masked prompt (prompts longer than --seq-len, not
+    packed): the eval set is empty, as it is for transformers' loss (no label but -100), so the
+    run is refused in one line instead of training without any eval and saying nothing."""
+    from typer.testing import CliRunner
+
+    from tinyhf import error_line, make_tiny_llama_dir
+    from tierwise.cli.data import eval_batches
+    from tierwise.cli.main import app
+    from transformers import AutoTokenizer
+
+    model = make_tiny_llama_dir(tmp_path / "m", hidden=32)
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": "the cat sees the moon"}] * 8)
+    ev = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "the cat sees the moon " * 20,
+                                                "completion": " yes"}] * 3)
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok("the cat sees the moon " * 20)["input_ids"]
+    assert len(ids) > 16  # every block of 16 tokens is all prompt: no label to score
+    assert eval_batches(load_blocks(ev, tok, seq_len=16, pack=False), batch_size=2) == []
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["--model", str(model), "--data", str(train), "--eval-data", str(ev),
+                                      "--no-pack", "--seq-len", "16", "--batch-size", "2", "--steps", "1",
+                                      "--output", str(out)])
+    assert error_line(result).startswith(f"error: --eval-data {ev}: no block with a target token")

@@ -119,6 +119,8 @@ def test_hf_dir_trains_streams_and_exports_the_trained_model(assets, tmp_path):
     assert GPU_BUDGET < 2 * param_bytes
     assert all(0 < r["peak_bytes"]["gpu"] <= GPU_BUDGET for r in records if r["kind"] == "train")
     engine_eval = [r["loss"] for r in records if r["kind"] == "eval"][-1]
+    # the end-of-run eval (--eval-every 0) is shown, not only written to metrics.jsonl
+    assert f"step {STEPS}: eval loss {engine_eval:.4f}" in result.output
 
     # output/model is the trained model: plain transformers reproduces the engine's eval loss.
     exported = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()

@@ -309,3 +309,24 @@ def test_resumed_run_exports_the_layout_it_was_loaded_from(original, data, tmp_p
         result = CliRunner().invoke(app, args + extra)
         assert result.exit_code == 0, (result.output, result.exception)
     assert sorted(_weights(out / "model")) == sorted(_weights(src))
+
+
+def test_bf16_saved_gemma2_trains_in_fp32_like_from_pretrained(data, tmp_path, monkeypatch):
+    """A bf16 checkpoint trained in fp32 equals from_pretrained(dtype=float32) trained in plain
+    PyTorch. Gemma-2 makes a buffer in __init__ (embed_scale = sqrt(hidden)): built from the
+    bf16 config it was bf16 (5.65625 for sqrt(32)), so every gradient into the embedding was off."""
+    from transformers import AutoTokenizer
+
+    fp32 = make_tiny_family_dir(tmp_path / "fp32", "gemma2")
+    src = tmp_path / "bf16"
+    _from_pretrained(fp32).to(torch.bfloat16).save_pretrained(src)
+    AutoTokenizer.from_pretrained(fp32).save_pretrained(src)
+    assert json.loads((src / "config.json").read_text())["dtype"] == "bfloat16"
+    out = tmp_path / "run"
+    _finetune(src, data, out, monkeypatch)
+    losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+    ref_losses, ref, _ = _replay(src, data)
+    assert losses == ref_losses
+    mine, theirs = _weights(out / "model"), ref.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine), \
+        [k for k in mine if not torch.equal(mine[k], theirs[k])]

@@ -270,3 +270,21 @@ def test_lora_with_dropout_runs_at_the_plans_minimum_gpu_budget(tmp_path, monkey
                                       "--output", str(tmp_path / "run")])
     assert result.exit_code == 0, (result.output, result.stderr)
     assert made[0].needs.activations >= plan.reserve["gpu"]["activations"]
+
+
+def test_lora_on_a_bf16_saved_checkpoint_equals_peft_on_the_fp32_loaded_model(assets, tmp_path, monkeypatch):
+    """Most hub checkpoints are saved in bf16. An fp32 LoRA run over one equals PEFT on
+    from_pretrained(dtype=float32): the adapters are initialised in fp32 (the meta model was
+    built in the config's bf16, so lora_A's Kaiming init was rounded to bf16)."""
+    src = make_tiny_llama_dir(tmp_path / "bf16", vocab_size=288, hidden=32, layers=2, dtype=torch.bfloat16)
+    assert json.loads((src / "config.json").read_text())["dtype"] == "bfloat16"
+    out = tmp_path / "run"
+    _finetune(_args(src, assets, out, "--lora-rank", "4"), monkeypatch)
+    ref_losses, ref, _ = _replay(src, assets, dict(r=4, lora_alpha=8, target_modules="all-linear"))
+    assert _losses(out) == ref_losses
+    with safe_open(out / "adapter" / "adapter_model.safetensors", "pt") as f:
+        mine = {k: f.get_tensor(k) for k in f.keys()}
+    theirs = _adapters(ref.named_parameters())
+    assert sorted(k.replace(".weight", "") for k in mine) == sorted(
+        "base_model.model." + k.replace(".weight", "") for k in theirs)
+    assert all(torch.equal(mine["base_model.model." + k], t) for k, t in theirs.items())

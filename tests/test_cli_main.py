@@ -99,6 +99,7 @@ def test_train_resume_export_and_plots(runner, tmp_path):
         return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
     assert losses(full) == losses(part) and len(losses(full)) == 6
+    assert "--resume:" not in r.output  # steps 1-3 ran at the 6-step schedule's lr: nothing to say
     for name in ("loss.png", "memory_timeline.png", "model/config.json", "latest"):
         assert (full / name).exists(), name
     from safetensors.torch import load_file
@@ -139,3 +140,113 @@ def test_ctrl_c_checkpoints_and_exits_130(runner, tmp_path, monkeypatch):
     assert r.exit_code == 0, (r.output, r.exception)
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_resume_that_changes_steps_already_run_says_so(runner, tmp_path):
+    """--resume --steps 6 after a 3-step cosine run: steps 1-3 ran on a 3-step schedule, so the
+    result is not the straight 6-step run's (its losses differ from step 3 on); a notice says
+    so, naming the lr a step ran at. A changed --weight-decay is named too."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"the cat sees {i} moons."} for i in range(40)])
+    common = ["--data", str(data), *FAST, "--lr", "1e-2"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert runner.invoke(app, [*common, "--steps", "6", "--output", str(full)]).exit_code == 0
+    assert runner.invoke(app, [*common, "--steps", "3", "--output", str(part)]).exit_code == 0
+    r = runner.invoke(app, [*common, "--steps", "6", "--output", str(part), "--resume",
+                            "--weight-decay", "0.1"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, (r.output, r.exception)
+
+    def train_rows(out):
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r for r in rows if r["kind"] == "train"}
+
+    straight, resumed = train_rows(full), train_rows(part)
+    assert [straight[s]["loss"] == resumed[s]["loss"] for s in range(1, 7)] == [True] * 2 + [False] * 4
+    notes = [ln for ln in r.output.splitlines() if ln.startswith("--resume:")]
+    assert len(notes) == 2, r.output
+    assert "total steps 3 -> 6" in notes[0] and f"step 2 at lr {resumed[2]['lr']:.4g}" in notes[0]
+    assert f"the new one gives {straight[2]['lr']:.4g}" in notes[0]
+    assert notes[1] == "--resume: --weight-decay 0.1 from step 4 on (steps 1-3 ran with 0.0)"
+
+
+def test_resume_with_edited_data_is_refused(runner, tmp_path):
+    """--data edited between a stop and --resume (rows dropped): the checkpoint's data position
+    would name other batches, so the resumed run would not be the straight run. One line
+    naming both block counts; with the data restored the resume equals the straight run."""
+    rows = [{"text": f"the cat sees {i} moons."} for i in range(40)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    common = ["--data", str(data), *FAST, "--schedule", "constant", "--steps", "6"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert runner.invoke(app, [*common, "--output", str(full)]).exit_code == 0
+    assert runner.invoke(app, [*common[:-1], "3", "--output", str(part)]).exit_code == 0
+    write_jsonl(data, rows[:20])
+    line = _error_line(runner.invoke(app, [*common, "--output", str(part), "--resume"]))
+    assert line.startswith(f"error: --resume: --data {data} is not the data the checkpointed run")
+    blocks = [int(w) for w in line.split("(")[1].split() if w.isdigit()]
+    assert blocks[0] < blocks[1], line  # this data's blocks, then the checkpoint's
+    write_jsonl(data, rows)
+    r = runner.invoke(app, [*common, "--output", str(part), "--resume"])
+    assert r.exit_code == 0, (r.output, r.exception)
+
+    def losses(out):
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+    assert losses(part) == losses(full)
+
+
+def test_chunk_size_below_the_engines_minimum_is_one_line(tmp_path):
+    """The engine's smallest chunk (ALIGN fp32 values, 64 B) trains; one byte less was a
+    ValueError traceback from the chunk packer, after the model and data had loaded."""
+    from tinyhf import make_tiny_family_dir
+    from tierwise.offload.core.chunks import ALIGN
+
+    model = make_tiny_family_dir(tmp_path / "m", "qwen2")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"the cat sees {i} moons."} for i in range(8)])
+    args = ["--model", str(model), "--data", str(data), "--seq-len", "16", "--batch-size", "2", "--steps", "1"]
+    runner = CliRunner()
+    ok = runner.invoke(app, [*args, "--chunk-size", f"{ALIGN * 4}B", "--output", str(tmp_path / "a")])
+    assert ok.exit_code == 0, (ok.output, ok.exception)
+    line = _error_line(runner.invoke(app, [*args, "--chunk-size", f"{ALIGN * 4 - 1}B",
+                                           "--output", str(tmp_path / "b")]))
+    assert line == f"error: --chunk-size {ALIGN * 4 - 1}B is below the smallest chunk, {ALIGN * 4}B"
+
+
+def test_eval_every_without_eval_data_is_one_line(runner, tmp_path):
+    """--eval-every N without --eval-data evaluated nothing and said nothing; refused as
+    --reset-optimizer without --resume is. With --eval-data it evaluates every N steps."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"the cat sees {i} moons."} for i in range(16)])
+    args = ["--data", str(data), *FAST, "--steps", "4", "--eval-every", "2"]
+    line = _error_line(runner.invoke(app, [*args, "--output", str(tmp_path / "a")]))
+    assert line == "error: --eval-every applies with --eval-data only: give the held-out data"
+    r = runner.invoke(app, [*args, "--eval-data", str(data), "--output", str(tmp_path / "b")])
+    assert r.exit_code == 0, (r.output, r.exception)
+    rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [2, 4]
+
+
+def test_resume_takes_another_spelling_of_the_same_paths(runner, tmp_path, monkeypatch):
+    """--data d.jsonl then --resume --data /abs/d.jsonl (or ./d.jsonl) names one file: resumed,
+    equal to the straight run; a copy of it elsewhere is another --data, refused as before."""
+    from tinyhf import make_tiny_llama_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli_train, "engine_class", lambda: StandInEngine)
+    make_tiny_llama_dir(tmp_path / "m", hidden=32)
+    write_jsonl(tmp_path / "d.jsonl", [{"text": f"the cat sees {i} moons."} for i in range(40)])
+    common = [*FAST, "--schedule", "constant", "--steps", "6"]
+    assert runner.invoke(app, ["--model", "m", "--data", "d.jsonl", *common, "--output", "full"]).exit_code == 0
+    assert runner.invoke(app, ["--model", "m", "--data", "d.jsonl", *common[:-1], "3", "--output", "part"]).exit_code == 0
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "d.jsonl").write_bytes((tmp_path / "d.jsonl").read_bytes())
+    line = _error_line(runner.invoke(app, ["--model", "m", "--data", "copy/d.jsonl", *common, "--output", "part",
+                                           "--resume"]))
+    assert "--data differs" in line
+    r = runner.invoke(app, ["--model", "./m/", "--data", str(tmp_path / "d.jsonl"), *common, "--output", "part",
+                            "--resume"])
+    assert r.exit_code == 0, (r.output, r.exception)
+
+    def losses(out):
+        rows = [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+    assert losses("part") == losses("full") and len(losses("full")) == 6

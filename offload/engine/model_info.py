@@ -29,16 +29,20 @@ def hf_meta_model(config: Any, *, trust_remote_code: bool = False) -> torch.nn.M
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(config)
+    # fp32, whatever dtype the checkpoint was saved in (its config's): buffers made in __init__
+    # (Gemma's embed_scale) and PEFT's adapter init would otherwise be in that dtype, where
+    # from_pretrained(dtype=float32) makes them fp32; the engine sets the parameters' dtypes
+    fp32 = {"dtype": torch.float32}
     try:
         from accelerate import init_empty_weights
     except ImportError:
         log.warning("accelerate is not installed: buffers of the meta model are meta too "
                     "and must be recomputed before use")
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **fp32)
     else:
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **fp32)
     model.tie_weights()
     return model
 
