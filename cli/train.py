@@ -750,6 +750,15 @@ def _finish(engine, cfg: TrainConfig, src: ModelSource, out: Path, console: Cons
         console.print(f"PEFT adapter exported to {adapter_dir} ({dtype}; load it with "
                       f"peft.PeftModel.from_pretrained(base, \"{adapter_dir}\")); metrics.jsonl, plots and "
                       f"checkpoints in {out}", highlight=False, soft_wrap=True)
+        if cfg.base_dtype == "nf4":  # the adapters fit the quantised base, not the original
+            console.print("the adapters were trained over an NF4 base: load the base as bitsandbytes' NF4 "
+                          "(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
+                          "bnb_4bit_use_double_quant=True)) to get the trained model; over the unquantised "
+                          "base it differs by the quantisation error", highlight=False, soft_wrap=True)
+        elif cfg.base_dtype == "int8":  # tierwise's own int8 (offload/runtime/codecs.py): no loader matches it
+            console.print("the adapters were trained over tierwise's int8 base (block-wise absmax, not "
+                          "bitsandbytes' LLM.int8): over the unquantised base the model differs by that "
+                          "quantisation error", highlight=False, soft_wrap=True)
         return
     dtype = cfg.export_dtype or cfg.precision
     model_dir = export_hf(engine.named_parameters_fp32(), out / "model", config=src.config,
