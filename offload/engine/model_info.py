@@ -83,10 +83,12 @@ def check_dense_grads(model: torch.nn.Module) -> None:
 def check_no_own_checkpointing(model: torch.nn.Module) -> None:
     """Refuse a Hugging Face model with gradient checkpointing on: its recompute runs modules in
     backward outside the engine's frames (the engine checkpoints repeated blocks itself)."""
-    if getattr(model, "is_gradient_checkpointing", False):
+    # what transformers' is_activation_checkpointing (formerly is_gradient_checkpointing, which
+    # now warns) reads: the flag gradient_checkpointing_enable sets on the modules that support it
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise UnsupportedModel("the model has gradient checkpointing enabled (gradient_checkpointing_enable); "
                                "the engine checkpoints repeated blocks itself (Engine(checkpointing=...)): "
-                               "call model.gradient_checkpointing_disable() first")
+                               "turn it off first (model.activation_checkpointing_disable(), or gradient_checkpointing_disable())")
 
 
 def check_trainable_dtypes(named: list[tuple[str, torch.nn.Parameter]]) -> None:
