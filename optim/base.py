@@ -91,8 +91,12 @@ class LowRankOptimizer(TierwiseOptimizer):
         # with its name, not as a shape error inside the first step
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        check_low_rank(group.get("rank"), group["update_proj_gap"], group["scale"])
+        try:
+            check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            check_low_rank(group.get("rank"), group["update_proj_gap"], group["scale"])
+        except ValueError:
+            self.param_groups.pop()  # a refused group leaves the optimizer as it was
+            raise
 
     def _projected_step(self, p: torch.Tensor, master: torch.Tensor, group: dict[str, Any],
                         state: dict[str, Any], index: int, hyper: dict[str, float]) -> None:
