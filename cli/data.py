@@ -87,8 +87,8 @@ def _read_jsonl(path: Path) -> Iterator[Row]:
             if len(line) > MAX_ROW_BYTES:
                 raise DataError(f"{path}:{lineno}: line longer than {MAX_ROW_BYTES >> 20} MiB: "
                                 "JSONL holds one example per line")
-            try:
-                text = line.decode("utf-8")
+            try:  # a byte-order mark opening the file (Windows editors write one) is not data
+                text = line.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {e.start} of the line "
                                 f"is {line[e.start]:#04x})") from None

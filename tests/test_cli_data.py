@@ -1,5 +1,6 @@
 """cli.data: row schemas, loss masks, error messages with line numbers, resumable batches."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -217,3 +218,16 @@ def test_eval_data_with_no_target_token_is_one_line(tmp_path):
                                       "--no-pack", "--seq-len", "16", "--batch-size", "2", "--steps", "1",
                                       "--output", str(out)])
     assert error_line(result).startswith(f"error: --eval-data {ev}: no block with a target token")
+
+
+def test_a_byte_order_mark_opening_the_file_is_not_data(tmp_path):
+    """A JSONL file saved with a UTF-8 BOM (Windows editors) reads as the same rows as without
+    it, compared with json.loads of the text without the mark; a BOM inside the file, on a later
+    line, stays an error (it is no JSON there)."""
+    rows = [{"text": "one"}, {"prompt": "a", "completion": "b"}]
+    body = "\n".join(json.dumps(r) for r in rows) + "\n"
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + body.encode())
+    assert [r.data for r in read_rows(tmp_path / "bom.jsonl")] == [json.loads(line) for line in body.splitlines()]
+    (tmp_path / "late.jsonl").write_bytes(body.encode() + b"\xef\xbb\xbf" + json.dumps(rows[0]).encode() + b"\n")
+    with pytest.raises(DataError, match="late.jsonl:3: bad JSON"):
+        read_rows(tmp_path / "late.jsonl")
