@@ -750,6 +750,10 @@ def _finish(engine, cfg: TrainConfig, src: ModelSource, out: Path, console: Cons
         console.print(f"PEFT adapter exported to {adapter_dir} ({dtype}; load it with "
                       f"peft.PeftModel.from_pretrained(base, \"{adapter_dir}\")); metrics.jsonl, plots and "
                       f"checkpoints in {out}", highlight=False, soft_wrap=True)
+        if not src.has_weights:  # adapter_config.json names the profile: no directory holds that base
+            warn(console, f"the base was model profile '{src.name}', a random initialisation that is not "
+                          "saved: this adapter fits no model on disk (a profile is for trying the pipeline; "
+                          "pass a Hugging Face model directory to train a usable adapter)")
         if cfg.base_dtype == "nf4":  # the adapters fit the quantised base, not the original
             console.print("the adapters were trained over an NF4 base: load the base as bitsandbytes' NF4 "
                           "(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
