@@ -258,6 +258,22 @@ def export(
     Console().print(f"merged {adapter} into {base}: {out}", highlight=False)
 
 
+def _run_app() -> None:
+    """The app, with click's usage errors (a bad flag value, an unknown flag or choice) as one
+    `error:` line and exit 2, as every other bad input: click would print a usage box."""
+    # click's UsageError: typer's BadParameter derives from it (typer >= 0.2x vendors its own click)
+    usage_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+    try:
+        code = app(standalone_mode=False)  # returns the exit code of typer.Exit / --help instead of exiting
+    except usage_error as e:
+        print(f"error: {e.format_message()} (finetune -h for help)", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except typer.Abort:  # Ctrl-C outside a run (a run handles its own)
+        print("Aborted!", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
 def main() -> None:
     """Console-script entry point. One of several ranks ends with os._exit once its output is
     flushed: the interpreter's teardown can wait seconds on the process groups' threads after a
@@ -269,11 +285,11 @@ def main() -> None:
     # allocation, so set before any; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if not from_env().several:
-        app()
+        _run_app()
         return
     code = 1
     try:
-        app()
+        _run_app()
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

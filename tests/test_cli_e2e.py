@@ -369,3 +369,22 @@ def test_offload_activations_implies_recompute(tmp_path):
     line = _error_line(_invoke("--offload-activations", "--no-recompute", "--steps", "1",
                                "--output", str(tmp_path / "o")))
     assert "--offload-activations" in line and "--no-recompute" in line
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--steps", "abc"], "error: Invalid value for '--steps'"),
+    (["--bogus"], "error: No such option: --bogus"),
+    (["--grad-reduce", "bad"], "error: Invalid value for '--grad-reduce'"),
+], ids=["bad-int", "unknown-flag", "bad-choice"])
+def test_usage_errors_are_one_line_exit_2(args, expected):
+    """A flag value click itself refuses (a type, a choice, an unknown flag) is one `error:` line
+    and exit 2, as every other bad input (click printed its usage and a boxed message before);
+    `-h` still prints the help and exits 0."""
+    proc = _finetune(*args)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, (out, err)
+    assert err.count("\n") == 1 and err.startswith(expected), err
+    assert out == ""
+    proc = _finetune("-h")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "--gpu-mem" in out and err == "", err
