@@ -266,12 +266,13 @@ def _run_app() -> None:
     try:
         code = app(standalone_mode=False)  # returns the exit code of typer.Exit / --help instead of exiting
     except usage_error as e:
-        print(f"error: {e.format_message()} (finetune -h for help)", file=sys.stderr)
+        where = e.ctx.command_path if e.ctx is not None else "finetune"  # e.g. "finetune plan"
+        print(f"error: {e.format_message()} ({where} -h for help)", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     except typer.Abort:  # Ctrl-C outside a run (a run handles its own)
         print("Aborted!", file=sys.stderr)
         sys.exit(1)
-    sys.exit(code if isinstance(code, int) else 0)
+    sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)  # typer.Exit's code; commands return None
 
 
 def main() -> None:

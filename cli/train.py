@@ -20,7 +20,7 @@ from . import checkpoint as ckpt
 from . import launch, rundir, shards
 from . import lora as lora_mod
 from .config import DISK_FULL, ConfigError, TrainConfig
-from .data import Batches, DataError, DataPosition, blocks_digest, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
+from .data import Batches, DataError, DataPosition, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
 from .export import export_hf
 from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model
@@ -190,6 +190,7 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
         src, blocks, eval_data, padded, cfg = _checked_inputs(cfg, console=console)
         # several ranks: every rank draws the same whole step (micro-batch i runs on rank i mod N)
         batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum * ranks.world, seed=cfg.seed)
+        batches.digest  # one pass over the blocks now, not inside an interrupted run's last save
         plan = preflight(cfg, src=src, padded=padded, ranks=ranks)
     except InfeasibleBudget as e:
         layout = (f" --nproc-per-node {ranks.local_world}" + (f" --nnodes {max(1, ranks.world // ranks.local_world)}"
@@ -273,7 +274,7 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
     padded = has_padding(blocks)  # then the worst step is a padded batch: planned for
     cfg = resolve_recompute(cfg, src=src, padded=padded)
     if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:
-        check_resumable(cfg, Path(cfg.output), blocks=blocks)  # a changed option says so before any budget does
+        check_resumable(cfg, Path(cfg.output))  # a changed option says so before any budget does
     return src, blocks, eval_data, padded, cfg
 
 
@@ -401,7 +402,7 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
         else:
             engine_state, trainer = ckpt.load_checkpoint(path)
             rng = trainer["rng"]
-        check_resumable(cfg, ckpt_dir(cfg, out), trainer, blocks=batches.blocks)
+        check_resumable(cfg, ckpt_dir(cfg, out), trainer, digest=batches.digest)
         if cfg.lora:
             _load_base(engine, cfg, src, model=model, layout=layout, renames=renames, frozen_only=True)
         elif src.has_weights:
@@ -502,9 +503,10 @@ def check_world(out: Path, world: int) -> None:
 
 
 def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None, *,
-                    blocks: list | None = None) -> None:
+                    digest: str | None = None) -> None:
     """Refuse --resume with options that change the batches or the engine state's layout, or
-    (`blocks` given) with data that tokenizes to other blocks than the checkpointed run's."""
+    (`digest` given: Batches.digest) with data that tokenizes to other blocks than the
+    checkpointed run's."""
     if trainer is None:
         trainer = ckpt.load_trainer(ckpt.latest_checkpoint(out))
     saved = trainer.get("config", {}) if isinstance(trainer, dict) else {}
@@ -521,10 +523,11 @@ def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None, *,
                           f" {'differs' if len(changed) == 1 else 'differ'} from the checkpointed run in {out} "
                           f"(it used {was}){hint}")
     was = trainer.get("data_blocks") if isinstance(trainer, dict) else None
-    if blocks is not None and was is not None and was != blocks_digest(blocks):
-        raise ConfigError(f"--resume: --data {cfg.data} is not the data the checkpointed run in {out} "
-                          f"trained on ({blocks_digest(blocks)}, it had {was}): its data position would "
-                          "name other batches (restore that data, or start a new run)")
+    if digest is not None and was is not None and was != digest:
+        raise ConfigError(f"--resume: the data ({'--data ' + str(cfg.data) if cfg.data else 'the built-in sample'}) "
+                          f"tokenizes to other blocks than the checkpointed run's in {out} ({digest}, it had "
+                          f"{was}): the data or the tokenizer changed, so its data position would name other "
+                          "batches (restore them, or start a new run)")
 
 
 def resume_changes(cfg: TrainConfig, trainer: dict, schedule: LRSchedule | None, *, done: int) -> list[str]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from typing import Any, Callable, Optional
 
 import torch
@@ -20,9 +21,12 @@ def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay:
 def check_low_rank(rank: Any, update_proj_gap: Any, scale: Any) -> None:
     """GaLore / APOLLO options (drop-in groups and the engine's): refused here, by name, rather
     than as a shape error, a ZeroDivisionError or NaN weights in a step."""
-    if rank is not None and not (isinstance(rank, int) and rank >= 1):
+    # numbers.Integral: numpy's ints too; a gap may be a whole float (it only counts steps)
+    if rank is not None and not (isinstance(rank, numbers.Integral) and rank >= 1):
         raise ValueError(f"rank must be an int >= 1, got {rank!r}")
-    if not (isinstance(update_proj_gap, int) and update_proj_gap >= 1):
+    whole = isinstance(update_proj_gap, numbers.Integral) or (
+        isinstance(update_proj_gap, float) and update_proj_gap.is_integer())
+    if not (whole and update_proj_gap >= 1):
         raise ValueError(f"update_proj_gap must be an int >= 1, got {update_proj_gap!r}")
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale!r}")

@@ -1,6 +1,7 @@
 """The `finetune` app end to end with a stand-in engine: config files, errors, train, resume."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -180,9 +181,14 @@ def test_resume_with_edited_data_is_refused(runner, tmp_path):
     assert runner.invoke(app, [*common[:-1], "3", "--output", str(part)]).exit_code == 0
     write_jsonl(data, rows[:20])
     line = _error_line(runner.invoke(app, [*common, "--output", str(part), "--resume"]))
-    assert line.startswith(f"error: --resume: --data {data} is not the data the checkpointed run")
-    blocks = [int(w) for w in line.split("(")[1].split() if w.isdigit()]
+    assert line.startswith(f"error: --resume: the data (--data {data}) tokenizes to other blocks")
+    blocks = [int(n) for n in re.findall(r"(\d+) blocks", line)]
     assert blocks[0] < blocks[1], line  # this data's blocks, then the checkpoint's
+    # an edit that keeps the block count (the same rows in another order) is caught by the crc32
+    write_jsonl(data, rows[1:] + rows[:1])
+    line = _error_line(runner.invoke(app, [*common, "--output", str(part), "--resume"]))
+    counts = [int(n) for n in re.findall(r"(\d+) blocks", line)]
+    assert "tokenizes to other blocks" in line and counts[0] == counts[1], line
     write_jsonl(data, rows)
     r = runner.invoke(app, [*common, "--output", str(part), "--resume"])
     assert r.exit_code == 0, (r.output, r.exception)

@@ -1,12 +1,15 @@
 """How the engine splits a step's batch and weighs its micro-batches, against plain PyTorch."""
 
+import collections
 import copy
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from tierwise.offload import Engine
+from tierwise.offload.engine.batches import split_batch
 
 
 class Classifier(torch.nn.Module):
@@ -102,3 +105,16 @@ def test_plain_values_in_a_batch_go_to_every_micro_batch():
         assert_weights_equal(eng, ref)
     finally:
         eng.close()
+
+
+def test_a_list_of_plain_values_is_refused_not_copied():
+    """A list of plain values (per-row lengths, say) cannot be told from a setting: copied to
+    every micro-batch it would pair rows with other rows' values, so it is refused by name; a
+    namedtuple batch splits into namedtuples."""
+    batch = {"x": torch.arange(4), "lengths": [5, 7, 3, 9]}
+    with pytest.raises(TypeError, match="list of plain values"):
+        split_batch(batch, 2)
+    pair = collections.namedtuple("Pair", "x y")(torch.arange(4), torch.arange(4) * 2)
+    parts = split_batch(pair, 2)
+    assert [type(p) for p in parts] == [type(pair)] * 2
+    assert torch.equal(parts[1].y, torch.tensor([4, 6]))

@@ -135,3 +135,22 @@ def test_a_bad_rank_or_gap_in_a_later_group_is_refused_when_added(cls, bad):
     opt = cls([{"params": [w], "rank": 2}])
     with pytest.raises(ValueError, match="rank must be|update_proj_gap must be|scale must be"):
         opt.add_param_group({"params": [v], **bad})
+    assert len(opt.param_groups) == 1  # the refused group is not left behind
+
+
+def test_numpy_ints_and_a_whole_float_gap_are_taken():
+    """numpy's ints (numbers.Integral) as rank and gap, and a gap of 200.0, step as the ints do
+    (compared with the same optimizer given plain ints)."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    w0 = torch.randn(16, 8)
+    outs = []
+    for rank, gap in ((np.int64(2), np.int64(3)), (2, 200.0), (2, 3)):
+        w = torch.nn.Parameter(w0.clone())
+        opt = GaLoreAdamW([{"params": [w], "rank": rank, "update_proj_gap": gap}], lr=1e-2)
+        for step in range(4):
+            w.grad = torch.full_like(w, 0.1) * (step + 1)
+            opt.step()
+        outs.append(w.detach().clone())
+    assert torch.equal(outs[0], outs[2])
+    assert not torch.equal(outs[1], w0)

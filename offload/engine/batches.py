@@ -27,7 +27,8 @@ def to_device(batch: Any, device: torch.device) -> Any:
 def split_batch(batch: Any, n: int, *, inner: bool = False) -> list[Any]:
     """Split a tensor / dict / list / tuple batch along dim 0 into `n` equal micro-batches.
     Inside a dict, list or tuple, a plain value (None, a flag, a number, a string) goes to
-    every micro-batch as it is."""
+    every micro-batch as it is; a list or tuple of plain values only is refused (per-row
+    values or settings: a list cannot say which)."""
     if n == 1:
         return [batch]
     if isinstance(batch, torch.Tensor):
@@ -40,8 +41,14 @@ def split_batch(batch: Any, n: int, *, inner: bool = False) -> list[Any]:
         parts = {k: split_batch(v, n, inner=True) for k, v in batch.items()}
         return [{k: parts[k][i] for k in batch} for i in range(n)]
     if isinstance(batch, (list, tuple)):  # e.g. (inputs, targets), as to_device takes it
+        if not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in batch):
+            # per-row values (lengths, ids) or settings: which, a list cannot say; copying it to
+            # every micro-batch would pair rows with other rows' values
+            raise TypeError(f"cannot split a list of plain values ({type(batch).__name__} of {len(batch)}) into "
+                            "micro-batches: make per-row values a tensor")
         items = [split_batch(v, n, inner=True) for v in batch]
-        return [type(batch)(item[i] for item in items) for i in range(n)]
+        parts = [[item[i] for item in items] for i in range(n)]
+        return [type(batch)(*p) if hasattr(batch, "_fields") else type(batch)(p) for p in parts]  # namedtuple too
     if inner and (batch is None or isinstance(batch, (bool, int, float, str))):
         return [batch] * n
     raise TypeError(f"cannot split a batch of type {type(batch).__name__}")

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -164,10 +165,17 @@ class Engine:
             raise ValueError(f"grad_clip must be a positive number (None: no clipping), got {grad_clip}")
         if grad_reduce not in ("micro", "step"):
             raise ValueError(f"grad_reduce must be 'micro' or 'step', got {grad_reduce!r}")
+        # refusals that do not depend on the adapters come before apply_lora changes the model
+        check_no_own_checkpointing(model)
+        if optimizer == "mezo" and loss_fn is not default_loss:
+            # its dual forward computes the Hugging Face causal-LM loss from `labels` itself
+            # (offload.update.zeroth.hf_split_losses): a loss_fn would be ignored
+            raise UnsupportedModel("mezo in the engine computes a Hugging Face causal LM's own loss from the "
+                                   "batch's labels; a custom loss_fn is not supported with it (the drop-in "
+                                   "tierwise.optim.MeZO takes any loss)")
         if lora is not None:
             model = apply_lora(model, lora)
         self.model, self.loss_fn = model, loss_fn
-        check_no_own_checkpointing(model)
         self.device = pick_device(device)
         self.compute_dtype = DTYPES[precision]
         self.precision = precision
@@ -180,12 +188,6 @@ class Engine:
         named = list(model.named_parameters())
         check_trainable_dtypes(named)
         frozen = {n for n, p in named if not p.requires_grad}
-        if optimizer == "mezo" and loss_fn is not default_loss:
-            # its dual forward computes the Hugging Face causal-LM loss from `labels` itself
-            # (offload.update.zeroth.hf_split_losses): a loss_fn would be ignored
-            raise UnsupportedModel("mezo in the engine computes a Hugging Face causal LM's own loss from the "
-                                   "batch's labels; a custom loss_fn is not supported with it (the drop-in "
-                                   "tierwise.optim.MeZO takes any loss)")
         if frozen and optimizer == "mezo":
             raise UnsupportedModel(f"mezo perturbs every parameter of a module; frozen parameters "
                                    f"({sorted(frozen)[:3]}...) are not supported with it")
@@ -610,7 +612,7 @@ class Engine:
         micro-batch i backpropagates loss_i * n_i / N (n_i its target tokens, N the step's), and
         the returned loss is the step's token mean, sum of loss_i * n_i / N."""
         self._check_open()
-        if not (isinstance(grad_accum, int) and grad_accum >= 1):
+        if not (isinstance(grad_accum, numbers.Integral) and grad_accum >= 1):  # numpy's ints too
             raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
         if not self.updater.needs_grad:
             return self._zo_step(batch, grad_accum)
