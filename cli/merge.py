@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 from dataclasses import dataclass, field
@@ -530,9 +531,8 @@ def merge(adapter_dir: "str | Path", base_dir: "str | Path", out_dir: "str | Pat
         raise ModelError(f"--cpu-mem {cpu_mem}: the base stores {big.name} per expert; merging it converts the "
                          f"whole tensor at once ({group_bytes(big) + need} bytes with its adapter): give at least that")
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in list(out_dir.glob("model*.safetensors")) + [out_dir / WEIGHT_FILES[0]]:
-        if old.exists():  # --overwrite: stale shards of an earlier merge would be read too
-            old.unlink()
+    for old in _model_files(out_dir):  # --overwrite: stale shards of an earlier merge would be read too
+        old.unlink()
     _copy_side_files(base_dir, out_dir, torch_dtype)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -549,6 +549,14 @@ def merge(adapter_dir: "str | Path", base_dir: "str | Path", out_dir: "str | Pat
         with open(out_dir / WEIGHT_FILES[0], "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return out_dir
+
+
+def _model_files(out_dir: Path) -> list[Path]:
+    """The weight files save_pretrained names (model.safetensors, model-00001-of-00002.safetensors,
+    the index): only these are replaced, never a user's other files (model_backup.safetensors)."""
+    shard = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+    return [p for p in out_dir.iterdir() if p.is_file() and (p.name in ("model.safetensors", *WEIGHT_FILES)
+                                                             or shard.fullmatch(p.name))]
 
 
 def _copy_side_files(base_dir: Path, out_dir: Path, dtype: torch.dtype | None) -> None:

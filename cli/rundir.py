@@ -29,10 +29,12 @@ class RunDir:
         self._fd = None
 
 
-def claim(output: str, *, resume: bool, overwrite: bool) -> RunDir:
+def claim(output: str, *, resume: bool, overwrite: bool, inputs: dict | None = None) -> RunDir:
     """Create or reuse `output` for a run. Refused: a file; a non-empty directory without
-    --resume / --overwrite; --overwrite of a directory tierwise did not make; --resume without
-    a checkpoint; a directory another live run holds."""
+    --resume / --overwrite; --overwrite of a directory tierwise did not make, or one holding an
+    input of this run (`inputs`: flag -> path, e.g. a previous run's export as --model: it
+    would be deleted under the run); --resume without a checkpoint; a directory another live
+    run holds."""
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output {out} exists and is not a directory")
@@ -50,6 +52,7 @@ def claim(output: str, *, resume: bool, overwrite: bool) -> RunDir:
         if resume and ckpt.latest_checkpoint(out) is None or entries and not (resume or overwrite):
             _refuse(out, resume)
         if overwrite:
+            _refuse_inputs_inside(out, inputs or {})
             for p in entries:
                 if p.is_dir() and not p.is_symlink():
                     shutil.rmtree(p)
@@ -59,6 +62,14 @@ def claim(output: str, *, resume: bool, overwrite: bool) -> RunDir:
         runlock.release(fd)
         raise
     return RunDir(out, fd)
+
+
+def _refuse_inputs_inside(out: Path, inputs: dict) -> None:
+    root = out.resolve()
+    for flag, path in inputs.items():
+        if path and Path(path).exists() and Path(path).resolve().is_relative_to(root):
+            raise ConfigError(f"--overwrite would delete {flag} {path}: it is inside --output {out}; "
+                              "move it out or choose another --output")
 
 
 def _refuse(out: Path, resume: bool):

@@ -235,7 +235,9 @@ def _claim_output(cfg: TrainConfig, ranks: "launch.RankInfo") -> "rundir.RunDir 
     claimed = refusal = None
     if ranks.main:
         try:
-            claimed = rundir.claim(cfg.output, resume=cfg.resume, overwrite=cfg.overwrite)
+            claimed = rundir.claim(cfg.output, resume=cfg.resume, overwrite=cfg.overwrite,
+                                   inputs={"--model": cfg.model, "--data": cfg.data,
+                                           "--eval-data": cfg.eval_data})
         except TierwiseError as e:
             refusal = e
     try:

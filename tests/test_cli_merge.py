@@ -203,7 +203,10 @@ def test_merge_overwrite_replaces_model_files(tmp_path):
     out = tmp_path / "o"
     merge(adapter, base, out, max_shard_size="20K", progress=False)
     assert (out / "model.safetensors.index.json").exists()
+    (out / "model_backup.safetensors").write_text("a user's file")
     merge(adapter, base, out, overwrite=True, progress=False)  # one file now: no stale shards
+    assert (out / "model_backup.safetensors").read_text() == "a user's file"  # it was deleted
+    (out / "model_backup.safetensors").unlink()
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
     assert not (out / "model.safetensors.index.json").exists()
     _check_equal(_peft_merged(base, adapter), out)

@@ -180,6 +180,27 @@ def test_overwrite_only_empties_a_directory_a_run_made(tmp_path, monkeypatch):
     assert not (run / "extra.txt").exists() and (run / MARKER).exists()
 
 
+def test_overwrite_refuses_to_delete_the_runs_own_inputs(tmp_path, monkeypatch):
+    """A previous run's export (or a data file) inside --output, given as this run's input:
+    --overwrite deleted it, then the run died reading the model it had just deleted."""
+    monkeypatch.setattr(tierwise.cli.train, "engine_class", lambda: StandInEngine)
+    model, data = tiny_run_assets(tmp_path)
+    fast = ["--seq-len", "32", "--batch-size", "2", "--steps", "1"]
+    run = tmp_path / "run"
+    r = CliRunner().invoke(app, [*fast, "--model", str(model), "--data", str(data), "--output", str(run)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    inside = run / "notes" / "train.jsonl"
+    inside.parent.mkdir()
+    inside.write_bytes(data.read_bytes())
+    (run / "model").rename(run / "prev")
+    for flag, path in (("--model", run / "prev"), ("--data", inside), ("--eval-data", inside)):
+        args = {"--model": str(model), "--data": str(data), flag: str(path)}
+        line = _error_line(CliRunner().invoke(app, [*fast, *sum(args.items(), ()), "--output", str(run),
+                                                    "--overwrite"]))
+        assert f"--overwrite would delete {flag}" in line, line
+        assert (run / "prev" / "config.json").exists() and inside.exists()
+
+
 @pytest.mark.parametrize("where", ["/", "~"])
 def test_nvme_path_root_or_home_is_refused(where, tmp_path):
     line = _error_line(CliRunner().invoke(app, ["--nvme-path", where, "--output", str(tmp_path / "o")]))
