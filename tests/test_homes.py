@@ -68,3 +68,16 @@ def test_refusal_names_minimum_host_and_minimum_works():
     assign_homes(kinds=k, host=need, nvme=True)
     with pytest.raises(InfeasibleBudget):
         assign_homes(kinds=k, host=need - 1, nvme=True)
+
+
+def test_nvme_minimum_is_never_more_than_everything_in_dram():
+    # one chunk: its bounce buffers with all of it on NVMe (2 update sets + fetch + 2 gradient
+    # staging = 10U) exceed the chunk itself (4U), which DRAM alone holds without any bounce
+    k = chunks(1)
+    assert bounce_bytes(k, {0: dict.fromkeys(k[0], "nvme")}) > 4 * U
+    need = minimum_host(k, cxl=None, nvme=True)
+    assert need == 4 * U
+    assign_homes(kinds=k, host=need, nvme=True)
+    with pytest.raises(InfeasibleBudget) as e:
+        assign_homes(kinds=k, host=need - 1, nvme=True)
+    assert e.value.minimum["host"] == need

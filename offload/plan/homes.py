@@ -133,10 +133,11 @@ def bounce_bytes(kinds: dict[int, dict[str, int]], tiers: dict[int, dict[str, st
 
 def minimum_host(kinds: dict[int, dict[str, int]], *, cxl: "int | None", nvme: bool) -> int:
     """The smallest host budget with which assign_homes succeeds (with NVMe: the bounce buffers
-    of everything on NVMe, a slight over-estimate when CXL takes a share)."""
-    if nvme:
-        return bounce_bytes(kinds, {c: dict.fromkeys(k, "nvme") for c, k in kinds.items()})
+    of everything on NVMe, a slight over-estimate when CXL takes a share -- or, where that is
+    more, everything: a host holding it all needs no NVMe and no bounce buffers)."""
     total = sum(sum(kk.values()) for kk in kinds.values())
+    if nvme:
+        return min(total, bounce_bytes(kinds, {c: dict.fromkeys(k, "nvme") for c, k in kinds.items()}))
     return max(0, total - (cxl or 0))
 
 
