@@ -89,7 +89,7 @@ TIER_SETS = ("host", "host+nvme", "cxl+nvme", "hostmin+nvme")
 """host: gpu + a roomy host; host+nvme: a host budget halfway between the planner's minimum with
 NVMe and everything, so part spills to disk; cxl+nvme: the minimum host, an emulated CXL node
 holding about half of what is left, the rest on NVMe; hostmin+nvme: the planner's minimum host
-(`Plan.host_minimum`, homes.minimum_host), everything but the gradients on NVMe."""
+(`Plan.host_minimum`, homes.minimum_host), what DRAM cannot hold beside the bounce buffers on NVMe."""
 PRECISIONS = ("fp32", "bf16")
 AXES = (tuple(MODELS), BUDGETS, OPTIMIZERS, TIER_SETS, PRECISIONS)
 

@@ -68,3 +68,30 @@ def test_refusal_names_minimum_host_and_minimum_works():
     assign_homes(kinds=k, host=need, nvme=True)
     with pytest.raises(InfeasibleBudget):
         assign_homes(kinds=k, host=need - 1, nvme=True)
+
+
+def test_nvme_minimum_is_never_more_than_everything_in_dram():
+    # one chunk: its bounce buffers with all of it on NVMe (2 update sets + fetch + 2 gradient
+    # staging = 11U) exceed the chunk itself (4U), which DRAM alone holds without any bounce
+    k = chunks(1)
+    assert bounce_bytes(k, {0: dict.fromkeys(k[0], "nvme")}) > 4 * U
+    need = minimum_host(k, cxl=None, nvme=True)
+    assert need == 4 * U
+    assign_homes(kinds=k, host=need, nvme=True)
+    with pytest.raises(InfeasibleBudget) as e:
+        assign_homes(kinds=k, host=need - 1, nvme=True)
+    assert e.value.minimum["host"] == need
+
+
+def test_nvme_minimum_keeps_part_in_dram_where_that_needs_less():
+    # a big chunk and three small ones: all of it on NVMe needs 88U of bounce buffers, all of
+    # it in DRAM 44U; the big one in DRAM and the small ones' states and masters on NVMe fit
+    # in 8U + 16U + 8U + 3U (grads) + 2 x 3U (update sets) + U (fetch) = 42U
+    k = {0: {"grad": 8 * U, "state": 16 * U, "master": 8 * U}, **{c: chunks(1)[0] for c in (1, 2, 3)}}
+    need = minimum_host(k, cxl=None, nvme=True)
+    assert need <= 42 * U
+    assign_homes(kinds=k, host=need, nvme=True)
+    for host in [*range(0, need, 509), need - 1]:
+        with pytest.raises(InfeasibleBudget) as e:
+            assign_homes(kinds=k, host=host, nvme=True)
+        assert e.value.minimum["host"] == need

@@ -61,6 +61,20 @@ def assign_homes(*, kinds: dict[int, dict[str, int]], host: "int | None", cxl: "
     host/cxl: byte budgets (None: host unlimited / no cxl tier); nvme: an NVMe tier exists.
     Raises InfeasibleBudget with the smallest host budget that would work.
     """
+    out, bounce, fits = _place(kinds, host=host, cxl=cxl, nvme=nvme)
+    if not fits:
+        _refuse(kinds, host=host, cxl=cxl, nvme=nvme)
+    totals: dict[str, dict[str, int]] = {}
+    for cid, d in out.items():
+        for kind, tier in d.items():
+            totals.setdefault(tier, {}).setdefault(kind, 0)
+            totals[tier][kind] += kinds[cid][kind]
+    return Homes(tiers=out, bytes=totals, bounce=bounce)
+
+
+def _place(kinds: dict[int, dict[str, int]], *, host: "int | None", cxl: "int | None",
+           nvme: bool) -> tuple[dict[int, dict[str, str]], int, bool]:
+    """assign_homes' placement: (tiers, bounce bytes, whether it fits)."""
     inf = float("inf")
     upper = bounce_bytes(kinds, {c: dict.fromkeys(k, "nvme") for c, k in kinds.items()})
     reserve = 0
@@ -84,14 +98,7 @@ def assign_homes(*, kinds: dict[int, dict[str, int]], host: "int | None", cxl: "
             break
         reserve = upper if attempt >= 4 else max(bounce, reserve)
     host_used = sum(kinds[c][k] for c, d in out.items() for k, t in d.items() if t == "host")
-    if rest or (host is not None and host_used + bounce > host):
-        _refuse(kinds, host=host, cxl=cxl, nvme=nvme)
-    totals: dict[str, dict[str, int]] = {}
-    for cid, d in out.items():
-        for kind, tier in d.items():
-            totals.setdefault(tier, {}).setdefault(kind, 0)
-            totals[tier][kind] += kinds[cid][kind]
-    return Homes(tiers=out, bytes=totals, bounce=bounce)
+    return out, bounce, not rest and (host is None or host_used + bounce <= host)
 
 
 def _up(n: int) -> int:
@@ -132,12 +139,21 @@ def bounce_bytes(kinds: dict[int, dict[str, int]], tiers: dict[int, dict[str, st
 
 
 def minimum_host(kinds: dict[int, dict[str, int]], *, cxl: "int | None", nvme: bool) -> int:
-    """The smallest host budget with which assign_homes succeeds (with NVMe: the bounce buffers
-    of everything on NVMe, a slight over-estimate when CXL takes a share)."""
-    if nvme:
-        return bounce_bytes(kinds, {c: dict.fromkeys(k, "nvme") for c, k in kinds.items()})
+    """The smallest host budget with which assign_homes succeeds. With NVMe: searched by
+    bisection below the bounce buffers of everything on NVMe (or everything in DRAM, where that
+    is less: no NVMe, no bounce buffers), both of which fit; keeping part in DRAM often needs
+    less, as the bounce buffers shrink with what is on NVMe."""
     total = sum(sum(kk.values()) for kk in kinds.values())
-    return max(0, total - (cxl or 0))
+    if not nvme:
+        return max(0, total - (cxl or 0))
+    lo, hi = 0, min(total, bounce_bytes(kinds, {c: dict.fromkeys(k, "nvme") for c, k in kinds.items()}))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _place(kinds, host=mid, cxl=cxl, nvme=True)[2]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
 
 
 def _refuse(kinds: dict[int, dict[str, int]], *, host: "int | None", cxl: "int | None", nvme: bool) -> None:
