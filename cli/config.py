@@ -321,6 +321,9 @@ class TrainConfig:
             if where in (Path("/"), Path.home().resolve()):
                 raise ConfigError(f"--nvme-path {self.nvme_path} is {'/' if where == Path('/') else 'your home directory'}: "
                                   "give a directory for swap files, e.g. /mnt/nvme/tierwise-swap")
+            if where.exists() and not where.is_dir():  # else `plan` priced it and the run failed creating it
+                raise ConfigError(f"--nvme-path {self.nvme_path} is a file, not a directory: give a directory "
+                                  "for swap files (it is created if missing)")
         try:
             self.cxl_node = parse_node_list(self.cxl_node)
         except TierwiseError as exc:

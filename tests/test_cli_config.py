@@ -135,3 +135,18 @@ def test_profile_params_are_the_built_modules(name):
     built = planning.engine_params(resolve_model(name))
     assert [(s.name, s.shape) for s in profile_params(name)] == [(s.name, s.shape) for s in built]
     assert all(s.stride in (None, tuple(math.prod(s.shape[i + 1:]) for i in range(len(s.shape)))) for s in built)
+
+
+@pytest.mark.parametrize("command", [[], ["plan", "--model", "llama-1b", "--gpu-mem", "4G", "--cpu-mem", "12G"]],
+                         ids=["train", "plan"])
+def test_nvme_path_that_is_a_file_is_one_line_and_exit_2(tmp_path, command):
+    """`plan` priced a file given as --nvme-path (and said it fits); the run then failed creating
+    its swap directory there. Both refuse it now, one line, and the file is left as it was."""
+    f = tmp_path / "notadir"
+    f.write_text("mine")
+    out = [] if command else ["--output", str(tmp_path / "o")]
+    r = CliRunner().invoke(app, [*command, "--nvme-path", str(f), *out])
+    assert r.exit_code == 2, (r.output, r.exception)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "is a file, not a directory" in lines[0], r.stderr
+    assert f.read_text() == "mine"
