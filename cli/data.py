@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
@@ -263,8 +264,6 @@ def blocks_digest(blocks: list) -> str:
     """Count and crc32 of the blocks' tokens, labels and masks: a checkpoint's data position
     means the same batches only over the same blocks (a --data edited between a kill and
     --resume tokenizes to others)."""
-    import zlib
-
     crc = 0
     for block in blocks:
         for t in block:

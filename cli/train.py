@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import random
 import signal
 import threading
@@ -544,13 +545,13 @@ def resume_changes(cfg: TrainConfig, trainer: dict, schedule: LRSchedule | None,
             old = LRSchedule(**saved)
         except (TypeError, TierwiseError):
             old = None
-        ran = [s for s in range(done) if old is not None and old.lr_at(s) != schedule.lr_at(s)]
-        if ran:
+        first = None if old is None else next((s for s in range(done) if old.lr_at(s) != schedule.lr_at(s)), None)
+        if first is not None:
             what = ", ".join(f"{k.replace('_', ' ')} {saved.get(k)} -> {v}" for k, v in schedule.to_dict().items()
                              if saved.get(k) != v)
             notes.append(f"--resume: the lr schedule differs from the checkpointed run's ({what}): steps 1-{done} "
-                         f"ran on the old one (step {ran[0] + 1} at lr {old.lr_at(ran[0]):.4g}, the new one "
-                         f"gives {schedule.lr_at(ran[0]):.4g}), so this is not the run a fresh start with these "
+                         f"ran on the old one (step {first + 1} at lr {old.lr_at(first):.4g}, the new one "
+                         f"gives {schedule.lr_at(first):.4g}), so this is not the run a fresh start with these "
                          "options makes")
     config = trainer.get("config", {}) if isinstance(trainer.get("config"), dict) else {}
     for key in ("weight_decay", "grad_clip"):
@@ -564,8 +565,6 @@ def _same_option(key: str, saved, now) -> bool:
     if key in ("model", "data") and saved != now and isinstance(saved, str) and isinstance(now, str):
         # one file or directory by two spellings (./x, x/, an absolute path) is the same
         # (a relative path saved by a run started elsewhere may name nothing from here: refused)
-        import os
-
         return os.path.exists(saved) and os.path.exists(now) and os.path.samefile(saved, now)
     if key == "chunk_size":  # "64M" and "64MiB" are one size
         try:
