@@ -33,15 +33,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
-from . import manifest
+from . import manifest, tensorfile
 from ..offload.core.errors import TierwiseError
+from ..offload.runtime.lazy import Deferred
 
 LATEST = "latest"
 _NAME = re.compile(r"^ckpt-(\d+)$")
-_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 #: Test hook, never set in normal use: "STEP:ACTION" makes the save of checkpoint STEP
 #: misbehave. ACTION is "sleep" (sleep 60 s after writing the files, before the rename, so a
@@ -63,6 +61,10 @@ def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "t") -> Any:
         key = f"{path}#{len(tensors)}"
         tensors[key] = obj
         return {"__tensor__": key}
+    if isinstance(obj, Deferred):  # written when its turn comes, read back lazily
+        key = f"{path}#{len(tensors)}"
+        tensors[key] = obj
+        return {"__tensor__": key, "streamed": True}
     if isinstance(obj, np.ndarray):
         return {"__ndarray__": flatten(torch.from_numpy(obj.copy()), tensors, path)}
     if isinstance(obj, dict):
@@ -82,8 +84,9 @@ def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "t") -> Any:
     raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {path}")
 
 
-def unflatten(skel: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of `flatten`."""
+def unflatten(skel: Any, tensors: "dict[str, Any]") -> Any:
+    """Inverse of `flatten` (a streamed tensor comes back as it is in `tensors`: in memory, or a
+    cli.tensorfile.Stored still to be read)."""
     if isinstance(skel, list):
         return [unflatten(v, tensors) for v in skel]
     if not isinstance(skel, dict):
@@ -103,31 +106,12 @@ def unflatten(skel: Any, tensors: dict[str, torch.Tensor]) -> Any:
     raise CheckpointError(f"unknown entry in checkpoint skeleton: {sorted(skel)}")
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, *,
-                      metadata: dict | None = None) -> None:
-    """safetensors' save_file, with its I/O failures (a SafetensorError naming an OS error,
-    e.g. a full disk) raised as the OSError they are, so callers can handle errno."""
-    try:
-        save_file(tensors, str(path), metadata=metadata)
-    except SafetensorError as e:
-        m = _OS_ERROR.search(str(e))
-        if m is None:
-            raise
-        code = int(m.group(1))
-        raise OSError(code, os.strerror(code), str(path)) from None
 
 
 def _fault(step: int, moment: str) -> None:
@@ -145,32 +129,50 @@ def _fault(step: int, moment: str) -> None:
         os._exit(3)
 
 
+class NonFiniteState(CheckpointError):
+    """A floating tensor of the state to checkpoint holds NaN or inf (its path is `where`)."""
+
+    def __init__(self, where: str):
+        super().__init__(f"{where} holds NaN or inf")
+        self.where = where
+
+
+def _finite(key: str, t: torch.Tensor) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise NonFiniteState(key.partition("#")[0].replace("t.", "state.", 1))
+
+
 def save_tree(directory: Path, name: str, obj: Any) -> None:
-    """Write `name.safetensors` + `name.json` into `directory`, fsynced."""
-    tensors: dict[str, torch.Tensor] = {}
+    """Write `name.safetensors` + `name.json` into `directory`, fsynced. Deferred tensors (an
+    offloaded run's chunks) are brought into memory one at a time, while they are written.
+    Raises NonFiniteState, before the file is complete, if a floating tensor holds NaN or inf."""
+    tensors: dict[str, Any] = {}
     skeleton = flatten(obj, tensors)
-    seen: set[int] = set()
-    flat = {}
-    for key, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr() if t.numel() else None
-        if ptr is not None and ptr in seen:  # safetensors refuses shared storage
-            t = t.clone()
-        elif ptr is not None:
-            seen.add(ptr)
-        flat[key] = t
-    write_safetensors(flat, directory / f"{name}.safetensors")
-    _fsync_file(directory / f"{name}.safetensors")
+    tensorfile.write(directory / f"{name}.safetensors", tensors, check=_finite)
     with open(directory / f"{name}.json", "w") as f:
         json.dump(skeleton, f)
         f.flush()
         os.fsync(f.fileno())
 
 
-def load_tree(directory: Path, name: str) -> Any:
-    tensors = load_file(str(directory / f"{name}.safetensors"))
+def load_tree(directory: Path, name: str, *, lazy: bool = False) -> Any:
+    """The object `save_tree` wrote. `lazy`: its streamed tensors (the chunks) come back as
+    cli.tensorfile.Stored, to be read one at a time into where they belong."""
     with open(directory / f"{name}.json") as f:
-        return unflatten(json.load(f), tensors)
+        skeleton = json.load(f)
+    stored = tensorfile.index(directory / f"{name}.safetensors")
+    streamed = _streamed_keys(skeleton) if lazy else set()
+    return unflatten(skeleton, {k: v if k in streamed else v.load() for k, v in stored.items()})
+
+
+def _streamed_keys(skel: Any) -> set[str]:
+    if isinstance(skel, list):
+        return set().union(*map(_streamed_keys, skel)) if skel else set()
+    if not isinstance(skel, dict):
+        return set()
+    if "__tensor__" in skel:
+        return {skel["__tensor__"]} if skel.get("streamed") else set()
+    return set().union(*map(_streamed_keys, skel.values())) if skel else set()
 
 
 # -- RNG ---------------------------------------------------------------------------------------
@@ -285,12 +287,14 @@ def latest_checkpoint(output_dir: "str | Path") -> Path | None:
 
 
 def load_checkpoint(path: "str | Path") -> tuple[Any, dict]:
-    """(engine_state, trainer_state) of one checkpoint directory, its manifest verified."""
+    """(engine_state, trainer_state) of one checkpoint directory, its manifest verified. The
+    engine state's chunks are not read yet (cli.tensorfile.Stored): Engine.load_state_dict reads
+    each into its home tier."""
     path = Path(path)
     manifest.verify(path)
     try:
-        return load_tree(path, "engine"), load_tree(path, "trainer")
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        return load_tree(path, "engine", lazy=True), load_tree(path, "trainer")
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
@@ -299,7 +303,7 @@ def load_trainer(path: "str | Path") -> dict:
     compare a resumed run's options before the engine is built."""
     try:
         return load_tree(Path(path), "trainer")
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from .checkpoint import write_safetensors
+from . import tensorfile
 from ..offload.core.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -30,28 +30,34 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: Path, *,
                  dtype: torch.dtype, max_shard_bytes: int) -> dict[str, str]:
     """Stream (name, tensor) into safetensors shards; returns the weight map name -> file.
-    Floating-point tensors are cast to `dtype`, others (integer buffers) are kept as they are."""
+    Floating-point tensors are cast to `dtype`, others (integer buffers) are kept as they are.
+    Each tensor is on disk before the next is asked for (cli.tensorfile.Appender): an export
+    holds one tensor, not one shard."""
     parts: list[tuple[Path, list[str]]] = []
-    current: dict[str, torch.Tensor] = {}
-    size = 0
+    current: "tensorfile.Appender | None" = None
+    names: list[str] = []
 
     def flush() -> None:
-        nonlocal current, size
-        if current:
-            path = out_dir / f"model-part-{len(parts) + 1:05d}.safetensors.tmp"
-            write_safetensors(current, path, metadata={"format": "pt"})
-            parts.append((path, list(current)))
-        current, size = {}, 0
+        nonlocal current, names
+        if current is not None:
+            current.finish(metadata={"format": "pt"})
+            parts.append((current.path, names))
+        current, names = None, []
 
-    for name, tensor in named:
-        t = tensor.detach().to(device="cpu", dtype=dtype if tensor.is_floating_point() else None)
-        t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            flush()
-        current[name] = t.clone() if t.data_ptr() == tensor.data_ptr() else t
-        size += nbytes
-    flush()
+    try:
+        for name, tensor in named:
+            t = tensor.detach().to(device="cpu", dtype=dtype if tensor.is_floating_point() else None)
+            nbytes = t.numel() * t.element_size()
+            if current is not None and current.nbytes + nbytes > max_shard_bytes:
+                flush()
+            if current is None:
+                current = tensorfile.Appender(out_dir / f"model-part-{len(parts) + 1:05d}.safetensors.tmp")
+            current.add(name, t)
+            names.append(name)
+        flush()
+    finally:
+        if current is not None:
+            current.discard()
 
     weight_map = {}
     for i, (path, names) in enumerate(parts, start=1):

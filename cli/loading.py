@@ -13,6 +13,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..offload.core.errors import TierwiseError
+from . import tensorfile
 from .profilemodel import is_profile
 
 log = logging.getLogger(__name__)
@@ -65,11 +66,7 @@ def safetensors_files(model_dir: "str | Path") -> list[Path]:
     return found
 
 
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+_ST_DTYPES = tensorfile.DTYPES
 
 
 def _safetensors_header(path: Path) -> tuple[int, dict]:

@@ -21,6 +21,7 @@ from ..offload.core.errors import TierwiseError
 
 NAME = "manifest.json"
 BLOCK = 64 << 20
+PIECE = 1 << 20  # what one thread reads at a time
 
 
 class IntegrityError(TierwiseError):
@@ -32,8 +33,16 @@ def _crcs(path: Path, pool: ThreadPoolExecutor) -> tuple[int, list[int]]:
     try:
         size = os.fstat(fd).st_size
 
-        def one(offset: int) -> int:
-            return zlib.crc32(os.pread(fd, min(BLOCK, size - offset), offset))
+        def one(offset: int) -> int:  # read in pieces: two threads with 64 MiB each showed in RSS
+            crc, view = 0, memoryview(bytearray(PIECE))
+            at, end = offset, min(offset + BLOCK, size)
+            while at < end:
+                n = os.preadv(fd, [view[: min(PIECE, end - at)]], at)
+                if n <= 0:
+                    raise OSError(f"{path} shrank while it was checksummed")
+                crc = zlib.crc32(view[:n], crc)
+                at += n
+            return crc
 
         return size, list(pool.map(one, range(0, size, BLOCK)))
     finally:

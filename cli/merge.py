@@ -37,20 +37,19 @@ import json
 import os
 import re
 import shutil
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from . import tensorfile
 from .loading import ModelError, _ST_DTYPES, _safetensors_header, read_safetensors_index
 from ..offload.core.sizes import parse_size
 
 ADAPTER_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."                 # PeftModel's prefix of the wrapped model's names
 WEIGHT_FILES = ("model.safetensors.index.json",)
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 @dataclass
@@ -451,15 +450,7 @@ def write_merged(outputs: list[_Out], adapter: dict, out_dir: Path, *, block_byt
 
 
 def _header(shard: list[_Out]) -> bytes:
-    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for o in shard:
-        meta[o.key] = {"dtype": _ST_NAMES[o.dtype], "shape": o.shape,
-                       "data_offsets": [offset, offset + o.nbytes]}
-        offset += o.nbytes
-    text = json.dumps(meta, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # safetensors aligns the data section to 8 bytes
-    return struct.pack("<Q", len(text)) + text
+    return tensorfile.header([(o.key, o.dtype, tuple(o.shape)) for o in shard], metadata={"format": "pt"})
 
 
 def _write_tensor(f, base_f, o: _Out, src: _Adapter, block_bytes: int) -> None:

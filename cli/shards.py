@@ -28,7 +28,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError
 
 from . import checkpoint as ckpt
 from . import manifest
@@ -126,7 +125,7 @@ def load(path: "str | Path", *, rank: int) -> tuple[Any, dict, dict]:
     _agree(None, err, f"verifying checkpoint {path.name}")
     try:
         trainer = ckpt.load_tree(path, "trainer")
-        shard = ckpt.load_tree(path / f"rank-{rank}", SHARD)
+        shard = ckpt.load_tree(path / f"rank-{rank}", SHARD, lazy=True)
         return shard["engine"], trainer, shard["rng"]
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise ckpt.CheckpointError(f"cannot read checkpoint {path}: {_say(e)}") from None

@@ -27,12 +27,13 @@ from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model
 from .metrics import MetricsWriter, read_metrics, truncate_metrics
 from .planning import checkpointing, gpu_budget, host_budget, preflight, resolve_recompute
-from .plots import plot_loss, plot_timeline
+from .plots import plot_loss, plot_timeline, preload as preload_plots
 from .progress import TrainProgress
 from .report import phase_delta, summary, warmup_report
 from .schedule import LRSchedule
 from ..offload.core.errors import InfeasibleBudget, StepOverBudget, TierwiseError
 from ..offload.core.sizes import parse_size
+from ..offload.runtime import lazy
 
 log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM 143, SIGHUP 129
@@ -58,7 +59,7 @@ class TrainingEngine(Protocol):
     def measure(self, batch: dict) -> None: ...
     def load_weights(self, named: Iterable) -> None: ...
     def init_weights_(self, *, seed: int = 0, std: float = 0.02, frozen_only: bool = False) -> None: ...
-    def state_dict(self) -> dict: ...
+    def state_dict(self, *, deferred: bool = False) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
     def named_parameters_fp32(self, *, trainable_only: bool = False) -> Iterator: ...
     def close(self) -> None: ...
@@ -294,6 +295,7 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
     if cfg.lora:  # adapters as PEFT makes them after torch.manual_seed(seed); the base stays meta
         renames = lora_mod.inject(model, lora_mod.lora_config(cfg, base=_base_name(src)), seed=cfg.seed)
         console.print(lora_mod.summary(cfg, model), highlight=False, soft_wrap=True)
+    preload_plots()
     engine = make_engine(model, cfg, ranks=ranks, plan=plan)
     engine.skip_nonfinite = bool(cfg.skip_nonfinite)
     for note in engine.nvme.notices if engine.nvme is not None else []:
@@ -453,8 +455,9 @@ def load_weights_only(engine, model, engine_state: dict, path: Path) -> None:
         for slots, saved in zip(_slots_by_chunk(engine), chunks):
             if "master" not in saved:  # a frozen chunk: the base is loaded from the model
                 continue
+            master = lazy.load(saved["master"]).float()  # one chunk in memory at a time
             for name, slot in slots:
-                yield name, slot.view(saved["master"].float())
+                yield name, slot.view(master)
 
     engine.load_weights(named())
     own = dict(model.named_buffers())
@@ -470,19 +473,6 @@ def _slots_by_chunk(engine) -> list[list]:
     for name, slot in engine.plan.slots.items():
         by_chunk[slot.chunk].append((name, slot))
     return by_chunk
-
-
-def _first_nonfinite(obj, path: str = "state") -> str | None:
-    """The path of the first floating tensor in nested `obj` holding NaN or inf, else None."""
-    if isinstance(obj, torch.Tensor):
-        ok = not obj.is_floating_point() or bool(torch.isfinite(obj).all())
-        return None if ok else path
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
-    for k, v in items:
-        found = _first_nonfinite(v, f"{path}.{k}")
-        if found:
-            return found
-    return None
 
 
 def ckpt_dir(cfg: TrainConfig, out: Path) -> Path:
@@ -581,20 +571,20 @@ def save(engine, cfg: TrainConfig, out: Path, *, step: int, batches: Batches,
     trainer = {"data": batches.position.to_dict(), "data_blocks": batches.digest,
                "schedule": schedule.to_dict(), "config": cfg.to_dict()}
     rng = rng or ckpt.capture_rng()
-    state = engine.state_dict()
-    where = _first_nonfinite(state)
-    if where is not None:  # never write damaged weights over the last good checkpoint
-        last = ckpt.latest_checkpoint(out)
-        kept = f"the last good checkpoint {last.name} is kept" if last else "no checkpoint was saved"
-        raise NonFiniteLoss(f"step {step}: the engine's state holds NaN or inf ({where}): the "
-                            f"checkpoint was not written; {kept}")
+    state = engine.state_dict(deferred=True)  # each chunk read while it is written
     ranks = launch.from_env()
-    if ranks.several:
-        return shards.save(ckpt_dir(cfg, out), step=step, rank=ranks.rank, world=ranks.world,
-                           shard={"engine": state, "rng": rng}, trainer_state=trainer,
-                           keep=cfg.keep_checkpoints)
-    return ckpt.save_checkpoint(out, step=step, engine_state=state,
-                                trainer_state=trainer | {"rng": rng}, keep=cfg.keep_checkpoints)
+    try:
+        if ranks.several:
+            return shards.save(ckpt_dir(cfg, out), step=step, rank=ranks.rank, world=ranks.world,
+                               shard={"engine": state, "rng": rng}, trainer_state=trainer,
+                               keep=cfg.keep_checkpoints)
+        return ckpt.save_checkpoint(out, step=step, engine_state=state,
+                                    trainer_state=trainer | {"rng": rng}, keep=cfg.keep_checkpoints)
+    except ckpt.NonFiniteState as e:  # never write damaged weights over the last good checkpoint
+        last = ckpt.latest_checkpoint(ckpt_dir(cfg, out))
+        kept = f"the last good checkpoint {last.name} is kept" if last else "no checkpoint was saved"
+        raise NonFiniteLoss(f"step {step}: the engine's state holds NaN or inf ({e.where}): the "
+                            f"checkpoint was not written; {kept}") from None
 
 
 def evaluate(engine, eval_data: list) -> float | None:

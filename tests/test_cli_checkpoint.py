@@ -87,26 +87,26 @@ def test_exception_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_process_killed_mid_write_keeps_previous_checkpoint(tmp_path):
-    """SIGKILL the writer while the new checkpoint's files are being fsynced."""
+    """SIGKILL the writer while a chunk of the new checkpoint is being streamed into its file."""
     script = textwrap.dedent(f"""
-        import os, signal, torch
+        import contextlib, os, signal, torch
         from tierwise.cli import checkpoint as ckpt
+        from tierwise.offload.runtime.lazy import Deferred
         state = {{"w": torch.ones(4)}}
         ckpt.save_checkpoint({str(tmp_path)!r}, step=1, engine_state=state, trainer_state={{}})
-        calls = []
-        real = ckpt._fsync_file
-        def fsync_then_die(path):
-            real(path)
-            calls.append(path)
-            if len(calls) == 2:
-                os.kill(os.getpid(), signal.SIGKILL)
-        ckpt._fsync_file = fsync_then_die
-        ckpt.save_checkpoint({str(tmp_path)!r}, step=2, engine_state={{"w": torch.zeros(4)}},
-                             trainer_state={{}})
+
+        @contextlib.contextmanager
+        def die():
+            os.kill(os.getpid(), signal.SIGKILL)
+            yield torch.zeros(4)
+
+        ckpt.save_checkpoint({str(tmp_path)!r}, step=2, engine_state={{"w": torch.zeros(4),
+                             "chunk": Deferred(torch.float32, (4,), die)}}, trainer_state={{}})
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=os.getcwd(), capture_output=True)
     assert proc.returncode == -9, proc.stderr.decode()
-    assert (tmp_path / "ckpt-000002.tmp").exists()
+    partial = tmp_path / "ckpt-000002.tmp" / "engine.safetensors"
+    assert partial.exists()  # killed while that file was being written
     engine, trainer = ckpt.load_latest(tmp_path)
     assert trainer["step"] == 1 and torch.equal(engine["w"], torch.ones(4))
 

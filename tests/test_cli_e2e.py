@@ -254,19 +254,16 @@ def test_error_non_empty_output(tmp_path):
 
 def test_error_disk_full_in_process_keeps_the_checkpoint(assets, reference, tmp_path,
                                                          monkeypatch):
-    """ENOSPC as safetensors reports it (an exception naming the OS error) on the 2nd save."""
-    from safetensors import SafetensorError
+    """ENOSPC while the 2nd checkpoint's engine file is being streamed out."""
+    real, calls = ckpt.tensorfile.write, []
 
-    real, calls = ckpt.save_file, []
-
-    def full_disk(tensors, path, metadata=None):
+    def full_disk(path, tensors, **kw):
         calls.append(path)
         if "ckpt-000004" in str(path):
-            raise SafetensorError("Error while serializing: I/O error: No space left on "
-                                  "device (os error 28)")
-        return real(tensors, path, metadata=metadata)
+            raise OSError(28, os.strerror(28), str(path))
+        return real(path, tensors, **kw)
 
-    monkeypatch.setattr(ckpt, "save_file", full_disk)
+    monkeypatch.setattr(ckpt.tensorfile, "write", full_disk)
     out = tmp_path / "run"
     line = _error_line(_invoke(*_run_args(assets, out)))
     assert line.startswith("error: disk full (No space left on device) while writing ")
@@ -275,7 +272,7 @@ def test_error_disk_full_in_process_keeps_the_checkpoint(assets, reference, tmp_
     assert not list(out.glob("*.tmp"))  # the partial save is removed at once
     ckpt.load_checkpoint(out / "ckpt-000002")
 
-    monkeypatch.setattr(ckpt, "save_file", real)
+    monkeypatch.setattr(ckpt.tensorfile, "write", real)
     _ok(_invoke(*_run_args(assets, out, "--resume")))
     assert _train_losses(out) == _train_losses(reference)
 

@@ -217,7 +217,7 @@ class StandInEngine:
         return float(self.model(input_ids=batch["input_ids"], labels=batch["labels"],
                                 attention_mask=batch["attention_mask"]).loss)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, deferred: bool = False) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                 "step": self.steps}
 

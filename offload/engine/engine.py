@@ -931,17 +931,20 @@ class Engine:
                 view = self.plan.slots[name].view(flat)
                 yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, deferred: bool = False) -> dict[str, Any]:
         """Weights, optimizer state, step count and the model's persistent buffers (BatchNorm's
         running statistics change in training too). Several ranks: this rank's shard (the
         master and optimizer state of the chunks it owns; `rank` and `world` say whose), not
-        collective; each rank loads its own shard back with the same world size."""
+        collective; each rank loads its own shard back with the same world size.
+        `deferred`: the chunks' tensors are offload.runtime.lazy.Deferred, read one chunk at a
+        time by whoever writes them (a checkpoint never holds the whole state in RAM).
+        load_state_dict takes tensors or stored ones (`read_into`), chunk by chunk."""
         self._check_open()
         buffers = {n: b.to("cpu", copy=True) for n, b in self.surgery.persistent_buffers().items()}
         shard = {} if self.ranks is None else {"rank": self.ranks.rank, "world": self.ranks.world}
         if self.owned_grads and self.grads.uses is not None:  # a resumed run reduces as this one does
             shard["grad_uses"] = dict(self.grads.uses)
-        return self.store.state_dict() | {"steps": self.steps, "optimizer": self.optimizer_name,
+        return self.store.state_dict(deferred=deferred) | {"steps": self.steps, "optimizer": self.optimizer_name,
                                           "optimizer_meta": self.updater.meta_state(),
                                           "buffers": buffers} | shard
 

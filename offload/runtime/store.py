@@ -23,7 +23,9 @@ for the update (`offload.update_loop`) and streamed through a staging buffer to 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -31,6 +33,8 @@ import torch
 from .aligned import aligned_empty
 from ..core.chunks import ChunkPlan, Slot, same_layout
 from . import frozen as frozen_mod
+from . import lazy
+from .lazy import Deferred
 from .frozen import FrozenLayout
 from .nvme import NvmeStore
 from .tiers import Tiers
@@ -402,13 +406,18 @@ class ChunkStore:
     def named_chunk(self, cid: int) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, fp32 CPU copy) of the parameters of one chunk this rank stores."""
         ch = self.chunks[cid]
-        with self.opened(cid) as work:
+        kind = "compute" if cid in self.frozen else "master"
+        private = isinstance(getattr(ch, kind), SwapKind)  # read from NVMe into a buffer of its own
+        with self.opened(cid, only=(kind,)) as work:  # that kind alone: a chunk's state is 2-3x its master
             for name in ch.names:
                 if cid in self.frozen:
                     yield name, self._frozen_value(cid, name, work["compute"])
                     continue
                 view = self.plan.slots[name].view(work["master"])
-                yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
+                if private and view.is_contiguous():  # already a copy no one else writes
+                    yield name, view
+                else:
+                    yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
     def _frozen_value(self, cid: int, name: str, data: torch.Tensor) -> torch.Tensor:
         """A frozen parameter as a contiguous fp32 CPU tensor (decoded when encoded)."""
@@ -417,18 +426,33 @@ class ChunkStore:
         view = flat.as_strided(s.shape, s.stride)
         return view.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, deferred: bool = False) -> dict[str, Any]:
         """Each chunk's master, optimizer state and step; a frozen or remote chunk (the model's
-        base; another rank's shard) only its step entry."""
+        base; another rank's shard) only its step entry. `deferred`: masters and states are
+        offload.runtime.lazy.Deferred, read one chunk at a time while a checkpoint writes them
+        (host ones are not copied at all), else CPU copies."""
         out: dict[str, Any] = {"chunk_numel": [c.numel for c in self.plan.chunks], "chunks": []}
         for cid, ch in enumerate(self.chunks):
-            if cid in self.frozen or cid in self.remote:
-                out["chunks"].append({"step": ch.step.cpu().clone()})
-                continue
-            with self.opened(cid) as work:
-                out["chunks"].append({"step": ch.step.cpu().clone()} | {
-                    k: work[k].to("cpu", copy=True) for k in ("master", "state") if k in work})
-        return out
+            entry = {"step": ch.step.cpu().clone()}
+            if cid not in self.frozen and cid not in self.remote:
+                for kind in ("master", "state"):
+                    data = getattr(ch, kind)
+                    if data is not None:
+                        entry[kind] = Deferred(data.dtype, (data.numel,) if isinstance(data, SwapKind)
+                                               else tuple(data.shape), partial(self._kind_in_memory, cid, kind))
+            out["chunks"].append(entry)
+        return out if deferred else lazy.materialize(out)
+
+    @contextmanager
+    def _kind_in_memory(self, cid: int, kind: str) -> Iterator[torch.Tensor]:
+        """One kind of chunk `cid` as a CPU tensor while the `with` lasts: its home tensor, or a
+        swapped one read into an update set (booked in the ledger; idle between steps)."""
+        scratch = None
+        if self.bounce is not None and isinstance(getattr(self.chunks[cid], kind), SwapKind):
+            scratch = self.bounce.views(0, cid)
+        with self.opened(cid, only=(kind,), scratch=scratch) as work:
+            t = work[kind]
+            yield t if t.device.type == "cpu" else t.to("cpu")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if list(sd["chunk_numel"]) != [c.numel for c in self.plan.chunks]:
@@ -436,7 +460,8 @@ class ChunkStore:
         for cid, (ch, saved) in enumerate(zip(self.chunks, sd["chunks"])):
             if cid in self.frozen or cid in self.remote:  # the base comes from the model; the owner
                 continue                                 # loads its chunks
-            with self.opened(cid, write_back=True) as work:
+            scratch = self.bounce.views(0, cid) if self.bounce is not None else None
+            with self.opened(cid, write_back=True, only=("master", "state", "compute"), scratch=scratch) as work:
                 for kind in ("master", "state"):  # copy_ would convert a wrong dtype silently
                     if kind in work and (kind not in saved or saved[kind].dtype != work[kind].dtype
                                          or saved[kind].shape != work[kind].shape):
@@ -446,9 +471,9 @@ class ChunkStore:
                 if "state" in saved and "state" not in work:  # it would be dropped (SGD without momentum)
                     raise ValueError(f"checkpoint chunk {cid} has optimizer state this engine keeps none of: "
                                      "another optimizer (or SGD momentum) wrote it")
-                work["master"].copy_(saved["master"])
+                lazy.fill(work["master"], saved["master"])  # a stored chunk read straight into its home
                 if "state" in work:
-                    work["state"].copy_(saved["state"])
+                    lazy.fill(work["state"], saved["state"])
                 if "compute" in work:
                     work["compute"].copy_(work["master"])
             ch.step.copy_(saved["step"])
