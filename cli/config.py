@@ -95,7 +95,7 @@ def check_toml_type(path, key: str, value) -> None:
         ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
     elif key == "cxl_node":  # 1, "1,2" or [1, 2]
         ok, want = isinstance(value, (int, str, list)) and not isinstance(value, bool), "a node id or a list"
-    elif key in ("gpu_mem", "cpu_mem", "cxl_mem", "chunk_size"):
+    elif key in ("gpu_mem", "cpu_mem", "cxl_mem", "nvme_mem", "chunk_size"):
         ok, want = isinstance(value, str), 'a size in quotes, e.g. "24G"'
     else:
         ok, want = isinstance(value, str), "a string in quotes"
@@ -184,6 +184,10 @@ class TrainConfig:
         "CXL node).", panel=MEMORY, plan=True)
     """CXL NUMA node(s): 1, "1,2" or [1, 2]; parsed to a tuple of ids (None: every CXL node)."""
     nvme_path: str | None = _f(None, "Directory on an NVMe drive for swap files.", panel=MEMORY, plan=True)
+    nvme_mem: str | None = _f(None, "NVMe capacity to plan with, e.g. 2T: the drive of the machine --hardware "
+                              "names (a run here always uses --nvme-path's free space).", panel=MEMORY, plan=True)
+    """A what-if plan's drive (`plan --hardware NAME --nvme-path DIR --nvme-mem 2T`); without it such a
+    plan takes the profile's capacity. Never used for a run on this machine."""
     nvme_checksum: bool = _f(True, "Checksum every swap block and verify it on read (a corrupted swap file "
                              "stops the run).", panel=MEMORY, flag="--nvme-checksum/--no-nvme-checksum")
     """crc32 of every swap block, checked on read: a corrupted swap file stops the run instead
@@ -250,7 +254,7 @@ class TrainConfig:
                           panel=HW, plan=True, choices=("micro", "step"))
     """Engine(grad_reduce=...) and the planner's (offload.plan.ranks)."""
     budgets: dict = field(init=False)
-    """Parsed bytes: {"gpu": int|None, "cpu": ..., "cxl": ..., "chunk": int}."""
+    """Parsed bytes: {"gpu": int|None, "cpu": ..., "cxl": ..., "nvme": ..., "chunk": int}."""
 
     #: Learning rate when --lr is not given; the built-in demo (no --model, no --data) uses a
     #: larger one and 3 epochs so that its loss visibly falls within seconds.
@@ -266,7 +270,8 @@ class TrainConfig:
         if self.is_demo and self.steps is None and self.epochs is None:
             self.epochs = self.DEMO_EPOCHS
         for flag, text in (("--gpu-mem", self.gpu_mem), ("--cpu-mem", self.cpu_mem),
-                           ("--cxl-mem", self.cxl_mem), ("--chunk-size", self.chunk_size)):
+                           ("--cxl-mem", self.cxl_mem), ("--nvme-mem", self.nvme_mem),
+                           ("--chunk-size", self.chunk_size)):
             if text is not None and str(text).strip().replace(".", "", 1).isdigit():
                 raise ConfigError(f"{flag} {text} has no unit: write {str(text).strip()}G for GiB "
                                   f"(or M, K, T; {str(text).strip()}B for bytes)")
@@ -274,13 +279,16 @@ class TrainConfig:
             "gpu": parse_size(self.gpu_mem, what="--gpu-mem"),
             "cpu": parse_size(self.cpu_mem, what="--cpu-mem"),
             "cxl": parse_size(self.cxl_mem, what="--cxl-mem"),
+            "nvme": parse_size(self.nvme_mem, what="--nvme-mem"),
             "chunk": parse_size(self.chunk_size, what="--chunk-size"),
         }
         if not self.budgets["chunk"]:
             raise ConfigError(f"--chunk-size must be positive, got {self.chunk_size!r}")
         if self.budgets["chunk"] < ALIGN * 4:  # the engine's chunks hold at least ALIGN fp32 values
             raise ConfigError(f"--chunk-size {self.chunk_size} is below the smallest chunk, {ALIGN * 4}B")
-        for name in ("gpu", "cpu", "cxl"):
+        if self.nvme_mem is not None and self.nvme_path is None:
+            raise ConfigError("--nvme-mem is the capacity of --nvme-path's drive: give --nvme-path too")
+        for name in ("gpu", "cpu", "cxl", "nvme"):
             if self.budgets[name] == 0:
                 raise ConfigError(f"--{name}-mem must be positive, got 0")
         if self.optimizer not in OPTIMIZERS:

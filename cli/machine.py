@@ -15,6 +15,17 @@ def physical_ram() -> int | None:
         return None
 
 
+def available_ram() -> int | None:
+    """Bytes of RAM the OS can give a new process now (MemAvailable: free plus reclaimable
+    cache), or None where it does not say."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except (ImportError, OSError, AttributeError):
+        return None
+
+
 def free_disk(path: "str | os.PathLike[str]") -> int | None:
     """Bytes free for this user on the filesystem that holds `path` (or would: the nearest
     existing parent), or None when none of it exists."""

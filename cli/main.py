@@ -182,9 +182,9 @@ def plan(
     """Show where every chunk would live, the predicted peaks per tier and the step time."""
     raise_config_error(ctx)
     cfg = TrainConfig(**options)
-    from .planning import advise, make_plan, print_plan, resolve_recompute, verify_plan
+    from .planning import advise, local_notes, make_plan, print_plan, resolve_recompute, verify_plan
 
-    cfg = resolve_recompute(cfg)
+    cfg = resolve_recompute(cfg, here=bool(verify))
     if verify:
         if json_out:
             raise TierwiseError("--verify prints a table: drop --json")
@@ -195,12 +195,14 @@ def plan(
             raise typer.Exit(code)
         return
     try:
-        result = make_plan(cfg, ranks=True)
+        result = make_plan(cfg, ranks=True, here=False)
     except InfeasibleBudget as e:
         if not json_out:
-            advise(cfg, e, console=Console(), ranks=True)
+            advise(cfg, e, console=Console(), ranks=True, here=False)
         raise
     print_plan(result, console=Console(), as_json=json_out)
+    for note in local_notes(cfg, result):  # about this machine, not the plan: stderr, also with --json
+        Console(stderr=True).print(note, highlight=False, soft_wrap=True)
 
 
 @app.command()

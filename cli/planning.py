@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: bool | None = None,
-              ranks: "bool | RankInfo" = False) -> Plan:
+              ranks: "bool | RankInfo" = False, here: bool = True) -> Plan:
     """offload.plan.planner.make_plan for this run. `padded`: whether the run's batches can
     hold padding (None: `data_padded`). A model profile (`--model 7b`) plans by name, on a
     machine without torch or transformers too (unless --data must be tokenized); a model
@@ -39,7 +39,10 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
     A LoRA run is priced as one: frozen base at its encoded bytes, adapters and their state.
     `ranks`: True: price --nproc-per-node x --nnodes ranks (`plan`, --dry-run; offload.plan.ranks);
     several ranks torchrun started (a RankInfo): price them (`started_ranks`, training's pre-flight);
-    else one rank with the budgets given (the feasibility checks of a run)."""
+    else one rank with the budgets given (the feasibility checks of a run).
+    `here`: the run happens on this machine (a run, --dry-run): its RAM, drive and device bound the
+    budgets (`check_budgets`) whatever --hardware says; False (`plan`): only without --hardware."""
+    check_budgets(cfg, here=here)
     if is_profile(cfg.model):  # the planner reads the profile's extra fields
         model, params = cfg.model, profile_params(cfg.model)
     else:
@@ -58,7 +61,7 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         model=model, hardware=hardware, params=params,
         gpu_mem=cfg.budgets["gpu"], device_mem=None if cfg.hardware else gpu_budget(cfg),
         cpu_mem=host_budget(cfg, planning=True), cxl_mem=cfg.budgets["cxl"],
-        nvme_path=cfg.nvme_path, nvme_mem=nvme_budget(cfg), optimizer=cfg.optimizer,
+        nvme_path=cfg.nvme_path, nvme_mem=nvme_budget(cfg, here=here), optimizer=cfg.optimizer,
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
         cuda=None if cfg.hardware else machine.has_cuda(),  # this machine's device, whatever the profile
@@ -120,12 +123,66 @@ def gpu_budget(cfg: TrainConfig) -> int | None:
     return machine.device_memory()
 
 
-def nvme_budget(cfg: TrainConfig) -> int | None:
-    """The free space at --nvme-path (the planner refuses a run whose swap needs more); a plan
-    for another machine (--hardware NAME, a path that is not here) uses that profile's capacity."""
-    if cfg.nvme_path is None or (cfg.hardware and not Path(cfg.nvme_path).expanduser().exists()):
+def nvme_budget(cfg: TrainConfig, *, here: bool = True) -> int | None:
+    """The NVMe capacity a plan may fill. On this machine (`here`, or a plan without --hardware /
+    --nvme-mem): the free space at --nvme-path, or at its nearest existing parent (the run
+    creates the directory). A plan for another machine: --nvme-mem, else the profile's capacity
+    (None)."""
+    if cfg.nvme_path is None:
+        return None
+    if not here and cfg.budgets["nvme"] is not None:
+        return cfg.budgets["nvme"]
+    if not here and cfg.hardware:
         return None
     return free_disk(cfg.nvme_path)
+
+
+def check_budgets(cfg: TrainConfig, *, here: bool) -> None:
+    """One rule for every budget: more than the hardware has is refused, never priced as fitting.
+    The hardware is the --hardware profile's (its GPU), and for a run on this machine (`here`, or
+    any plan without --hardware) also this machine's: RAM available now for --cpu-mem, the CUDA
+    device's free memory for --gpu-mem. (The simulated device's budget is host RAM the engine's
+    own preflight checks; NVMe space is nvme_budget's.)"""
+    gpu, cpu = cfg.budgets["gpu"], cfg.budgets["cpu"]
+    if cfg.hardware and gpu is not None:
+        from ..profiles import load_hardware_profile
+
+        hw = load_hardware_profile(cfg.hardware)
+        if not hw.simulated and gpu > hw.gpu.memory:
+            raise ConfigError(f"--gpu-mem {format_size(gpu)} is more than the GPU of hardware profile "
+                              f"'{hw.name}' has ({format_size(hw.gpu.memory)}): give --gpu-mem "
+                              f"{format_size(hw.gpu.memory)} or less")
+    if not (here or not cfg.hardware):
+        return
+    if cpu is not None:
+        have = machine.available_ram()
+        if have is not None and cpu > have:
+            raise ConfigError(f"--cpu-mem {format_size(cpu)} is more than this machine has available "
+                              f"({format_size(have)} of {format_size(physical_ram() or have)} RAM): lower "
+                              "--cpu-mem (to plan another machine, name it with --hardware)")
+    if gpu is not None and machine.has_cuda():
+        have = machine.device_memory()
+        if have is not None and gpu > have:
+            raise ConfigError(f"--gpu-mem {format_size(gpu)} is more than this GPU has free "
+                              f"({format_size(have)}): lower --gpu-mem")
+
+
+def local_notes(cfg: TrainConfig, plan: Plan) -> list[str]:
+    """For a plan of another machine (--hardware, --nvme-mem): where this machine falls short
+    of it, so a run here would be refused."""
+    if not (cfg.hardware or cfg.budgets["nvme"] is not None):
+        return []
+    notes = []
+    cpu, have = cfg.budgets["cpu"], machine.available_ram()
+    if cpu is not None and have is not None and cpu > have:
+        notes.append(f"note: this machine has {format_size(have)} of RAM available, less than --cpu-mem "
+                     f"{format_size(cpu)}: a run here would be refused")
+    used = plan.peak.get("nvme", 0) if cfg.nvme_path else 0
+    free = free_disk(cfg.nvme_path) if cfg.nvme_path else None
+    if used and free is not None and used > free:
+        notes.append(f"note: --nvme-path here has {format_size(free)} free, the plan swaps "
+                     f"{format_size(used)}: a run here would be refused")
+    return notes
 
 
 def max_positions(config) -> int | None:
@@ -188,7 +245,8 @@ def engine_linears(src: "ModelSource") -> dict[str, str]:
 
 
 def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource | None",
-                 padded: bool | None = None, limit: int = 5, ranks: bool = False) -> list[tuple[str, object]]:
+                 padded: bool | None = None, limit: int = 5, ranks: bool = False,
+                 here: bool = True) -> list[tuple[str, object]]:
     """Changes to a refused run that the planner itself finds feasible: [(flags, plan)],
     fastest predicted step first, at most `limit`. Each is one change (chunk size, recompute,
     half the micro-batch with twice the accumulation, bf16, 8-bit AdamW, both, the host RAM
@@ -220,8 +278,8 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
 
     def attempt(flags: str, change: dict) -> bool:
         try:
-            plan = make_plan(dataclasses.replace(cfg, **change), src=src, padded=padded, ranks=ranks)
-        except (InfeasibleBudget, UnsupportedModel, ProfileError):  # still infeasible with this change
+            plan = make_plan(dataclasses.replace(cfg, **change), src=src, padded=padded, ranks=ranks, here=here)
+        except (InfeasibleBudget, UnsupportedModel, ProfileError, ConfigError):  # still infeasible, or more than the machine has
             return False
         fits.append((flags, plan))
         return True
@@ -235,12 +293,13 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
 
 
 def advise(cfg: TrainConfig, error: InfeasibleBudget, *, console: Console,
-           src: "ModelSource | None" = None, padded: bool | None = None, ranks: bool = False) -> None:
+           src: "ModelSource | None" = None, padded: bool | None = None, ranks: bool = False,
+           here: bool = True) -> None:
     """Print the verdict of a refused plan and the cheapest changes that would fit."""
     if src is None and not is_profile(cfg.model):
         src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     console.out(f"verdict: does not fit: {str(error).splitlines()[0]}", highlight=False)
-    fits = alternatives(cfg, error, src=src, padded=padded, ranks=ranks)
+    fits = alternatives(cfg, error, src=src, padded=padded, ranks=ranks, here=here)
     if not fits:
         console.out("no single change of precision, optimizer, recompute, batch, chunk size, "
                     "host RAM or NVMe swap makes it fit on this machine", highlight=False)
@@ -281,21 +340,22 @@ def _has_cuda() -> bool:
 
 
 def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
-                      padded: bool | None = None) -> TrainConfig:
+                      padded: bool | None = None, here: bool = True) -> TrainConfig:
     """`cfg` with `recompute` decided. Unset (auto): off when the planner finds a placement
     that keeps every layer's activations within the budgets (less compute), else on. On
     with --offload-activations (it offloads recomputed layers' inputs), and on CUDA without
     --gpu-mem (the planner would judge the hardware profile's memory, not this card's). A run
     the planner cannot price (a model family it does not know, a planner error) recomputes. A
-    LoRA run: whichever of on and off the planner finds faster (`_faster_recompute`)."""
+    LoRA run: whichever of on and off the planner finds faster (`_faster_recompute`). `here`: as
+    make_plan's."""
     if cfg.recompute is not None:
         return cfg
     if cfg.offload_activations or (cfg.budgets["gpu"] is None and _has_cuda()):
         return dataclasses.replace(cfg, recompute=True)
     if cfg.lora:
-        return _faster_recompute(cfg, src=src, padded=padded)
+        return _faster_recompute(cfg, src=src, padded=padded, here=here)
     try:
-        make_plan(dataclasses.replace(cfg, recompute=False), src=src, padded=padded)
+        make_plan(dataclasses.replace(cfg, recompute=False), src=src, padded=padded, here=here)
         feasible = True
     except (InfeasibleBudget, UnsupportedModel, ProfileError) as e:  # infeasible without recompute,
         log.debug("no plan without recompute: %s", e)  # or a model family the planner cannot price
@@ -303,14 +363,15 @@ def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
     return dataclasses.replace(cfg, recompute=not feasible)
 
 
-def _faster_recompute(cfg: TrainConfig, *, src: "ModelSource | None", padded: bool | None) -> TrainConfig:
+def _faster_recompute(cfg: TrainConfig, *, src: "ModelSource | None", padded: bool | None,
+                      here: bool = True) -> TrainConfig:
     """A LoRA run streams its base every micro-batch: keeping every layer's activations (less
     compute) can leave too little room to cache the base, so recompute is on or off, whichever
     the planner finds faster (on where neither plans)."""
     best = None
     for recompute in (True, False):
         try:
-            plan = make_plan(dataclasses.replace(cfg, recompute=recompute), src=src, padded=padded)
+            plan = make_plan(dataclasses.replace(cfg, recompute=recompute), src=src, padded=padded, here=here)
         except (InfeasibleBudget, UnsupportedModel, ProfileError) as e:
             log.debug("no LoRA plan with recompute %s: %s", recompute, e)
             continue

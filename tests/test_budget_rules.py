@@ -1,0 +1,76 @@
+"""One rule for every budget: more than the hardware has is refused in one line, never priced as
+fitting. The hardware is the --hardware profile's for a plan of another machine, and this
+machine's for a run (or a plan without --hardware); a what-if plan is not refused by this
+machine's RAM or disk, it gets a note saying a run here would be."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+import tierwise.cli.machine as machine
+from tierwise.cli.main import app
+from tests.tinyhf import error_line
+
+GiB = 1 << 30
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+@pytest.fixture
+def small_machine(monkeypatch):
+    """This machine has 16 GiB of RAM available and 50 GiB free under any --nvme-path."""
+    monkeypatch.setattr(machine, "available_ram", lambda: 16 * GiB)
+    monkeypatch.setattr("tierwise.cli.planning.free_disk", lambda path: 50 * GiB)
+
+
+def test_gpu_budget_above_the_profiles_card_is_refused():
+    line = error_line(_invoke("plan", "--model", "llama-8b", "--gpu-mem", "48G", "--cpu-mem", "64G",
+                              "--hardware", "rtx4090"))
+    assert "--gpu-mem 48.00 GiB is more than the GPU of hardware profile 'rtx4090' has (24.00 GiB)" in line
+
+
+@pytest.mark.parametrize("args", [["plan", "--model", "llama-1b", "--gpu-mem", "4G"],
+                                  ["--model", "tiny", "--steps", "1", "--dry-run"],
+                                  ["--model", "tiny", "--steps", "1"]], ids=["plan", "dry-run", "run"])
+def test_cpu_budget_above_available_ram_is_refused_here(small_machine, tmp_path, args):
+    line = error_line(_invoke(*args, "--cpu-mem", "20G", "--output", str(tmp_path / "o"))
+                      if args[0] != "plan" else _invoke(*args, "--cpu-mem", "20G"))
+    assert "--cpu-mem 20.00 GiB is more than this machine has available (16.00 GiB" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_run_is_bound_by_this_machine_even_when_it_names_a_profile(small_machine, tmp_path):
+    line = error_line(_invoke("--model", "tiny", "--steps", "1", "--cpu-mem", "20G", "--hardware", "rtx4090",
+                              "--dry-run"))
+    assert "more than this machine has available" in line
+
+
+def test_what_if_plan_is_priced_on_the_profile_with_notes_about_this_machine(small_machine, tmp_path):
+    args = ["plan", "--model", "llama-70b", "--gpu-mem", "24G", "--cpu-mem", "256G", "--nvme-path",
+            str(tmp_path / "nv"), "--hardware", "rtx4090", "--optimizer", "adamw8bit"]
+    r = _invoke(*args)
+    assert r.exit_code == 0, r.output
+    assert "verdict: fits" in r.output
+    assert "note: this machine has 16.00 GiB of RAM available, less than --cpu-mem 256.00 GiB" in r.output
+    assert "note: --nvme-path here has 50.00 GiB free" in r.output and "a run here would be refused" in r.output
+    # --nvme-mem states the other machine's drive: a smaller one does not fit
+    line = error_line(_invoke(*args, "--nvme-mem", "300G"))
+    assert "--nvme-path has 300.00 GiB of space: needs at least" in line
+    assert _invoke(*args, "--nvme-mem", "1T").exit_code == 0
+
+
+def test_missing_nvme_dir_is_priced_by_the_disk_it_would_be_created_on(small_machine, tmp_path, monkeypatch):
+    """Without --hardware a missing --nvme-path is this machine's disk (its nearest existing
+    parent), never the profile's capacity; the run creates it."""
+    monkeypatch.setattr(machine, "available_ram", lambda: 64 * GiB)
+    line = error_line(_invoke("plan", "--model", "llama-8b", "--gpu-mem", "12G", "--cpu-mem", "24G",
+                              "--nvme-path", str(tmp_path / "missing" / "swap")))
+    assert "--nvme-path has 50.00 GiB of space" in line
+
+
+def test_nvme_mem_needs_nvme_path():
+    line = error_line(_invoke("plan", "--model", "llama-8b", "--nvme-mem", "1T"))
+    assert "--nvme-mem is the capacity of --nvme-path's drive: give --nvme-path too" in line
