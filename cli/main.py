@@ -182,7 +182,7 @@ def plan(
     """Show where every chunk would live, the predicted peaks per tier and the step time."""
     raise_config_error(ctx)
     cfg = TrainConfig(**options)
-    from .planning import advise, local_notes, make_plan, print_plan, resolve_recompute, verify_plan
+    from .planning import advise, check_budgets, local_notes, make_plan, print_plan, resolve_recompute, verify_plan
 
     cfg = resolve_recompute(cfg, here=bool(verify))
     if verify:
@@ -190,6 +190,7 @@ def plan(
             raise TierwiseError("--verify prints a table: drop --json")
         if cfg.nproc_per_node * cfg.nnodes > 1:
             raise TierwiseError("--verify runs one rank on this machine: drop --nproc-per-node / --nnodes")
+        check_budgets(cfg, here=True)  # --verify trains here, whatever resolve_recompute priced
         code = verify_plan(cfg, steps=verify_steps, console=Console())
         if code:
             raise typer.Exit(code)

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: bool | None = None,
-              ranks: "bool | RankInfo" = False, here: bool = True) -> Plan:
+              ranks: "bool | RankInfo" = False, here: bool = True, check: bool = True) -> Plan:
     """offload.plan.planner.make_plan for this run. `padded`: whether the run's batches can
     hold padding (None: `data_padded`). A model profile (`--model 7b`) plans by name, on a
     machine without torch or transformers too (unless --data must be tokenized); a model
@@ -41,8 +41,10 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
     several ranks torchrun started (a RankInfo): price them (`started_ranks`, training's pre-flight);
     else one rank with the budgets given (the feasibility checks of a run).
     `here`: the run happens on this machine (a run, --dry-run): its RAM, drive and device bound the
-    budgets (`check_budgets`) whatever --hardware says; False (`plan`): only without --hardware."""
-    check_budgets(cfg, here=here)
+    budgets (`check_budgets`) whatever --hardware says; False (`plan`): only without --hardware.
+    `check` False: no such check (a plan made after the engine took its memory, to compare)."""
+    if check:
+        check_budgets(cfg, here=here)
     if is_profile(cfg.model):  # the planner reads the profile's extra fields
         model, params = cfg.model, profile_params(cfg.model)
     else:

@@ -421,7 +421,7 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
                               "state is not used)", highlight=False, soft_wrap=True)
             else:
                 engine.load_state_dict(engine_state)
-        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        except (ValueError, KeyError, TypeError, RuntimeError, OSError) as e:  # chunks are read here
             if isinstance(e, TierwiseError):
                 raise
             why = (f"its engine state has no {e.args[0]!r}" if isinstance(e, KeyError)
@@ -720,7 +720,7 @@ def _warmup_lines(engine, cfg: TrainConfig, src: ModelSource, before: dict, *,
 
     plan, error = None, None
     try:
-        plan = make_plan(cfg, src=src, padded=padded)
+        plan = make_plan(cfg, src=src, padded=padded, check=False)  # the engine holds its memory now
     except TierwiseError as e:  # informative only: a model the planner cannot price still trains
         log.debug("no plan", exc_info=True)
         error = (str(e).splitlines() or [type(e).__name__])[0]

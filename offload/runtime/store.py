@@ -407,17 +407,13 @@ class ChunkStore:
         """(name, fp32 CPU copy) of the parameters of one chunk this rank stores."""
         ch = self.chunks[cid]
         kind = "compute" if cid in self.frozen else "master"
-        private = isinstance(getattr(ch, kind), SwapKind)  # read from NVMe into a buffer of its own
         with self.opened(cid, only=(kind,)) as work:  # that kind alone: a chunk's state is 2-3x its master
             for name in ch.names:
                 if cid in self.frozen:
                     yield name, self._frozen_value(cid, name, work["compute"])
                     continue
                 view = self.plan.slots[name].view(work["master"])
-                if private and view.is_contiguous():  # already a copy no one else writes
-                    yield name, view
-                else:
-                    yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
+                yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
     def _frozen_value(self, cid: int, name: str, data: torch.Tensor) -> torch.Tensor:
         """A frozen parameter as a contiguous fp32 CPU tensor (decoded when encoded)."""
