@@ -53,7 +53,7 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         model, params = src.config, engine_params(src)
     if padded is None:
         padded = data_padded(cfg, src)
-    hardware, layout = cfg.hardware, {}
+    hardware, layout = cfg.hardware or this_machine(cfg), {}
     if isinstance(ranks, RankInfo):
         if ranks.several:
             hardware, layout = started_ranks(cfg, ranks)
@@ -71,6 +71,25 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         **lora_options(cfg, linears=engine_linears(src) if cfg.lora and not is_profile(cfg.model) else None),
         **layout,
     )
+
+
+def this_machine(cfg: TrainConfig) -> "HardwareProfile | None":
+    """Without --hardware: the default profile's rates with this machine's CXL memory, when the
+    run asks for a CXL budget (None otherwise: the default profile as it is). The CXL nodes
+    `detect_cxl_nodes` finds give the capacity; with none the engine emulates one in host memory,
+    as big as --cxl-mem. Not measured, its link is priced as `unmeasured_cxl` says: `finetune
+    profile` measures this machine, and `--hardware` takes the result."""
+    if not cfg.budgets["cxl"]:
+        return None
+    from ..offload.runtime.cxl import detect_cxl_nodes
+    from ..profiles import load_hardware_profile
+    from ..profiles.hardware import unmeasured_cxl
+
+    hw = load_hardware_profile(planner.DEFAULT_HARDWARE)
+    nodes = detect_cxl_nodes()
+    if cfg.cxl_node:
+        nodes = [n for n in nodes if n.id in cfg.cxl_node]
+    return dataclasses.replace(hw, cxl=unmeasured_cxl(sum(n.mem_total for n in nodes) or cfg.budgets["cxl"]))
 
 
 def started_ranks(cfg: TrainConfig, info: RankInfo) -> tuple["HardwareProfile", dict]:

@@ -118,6 +118,12 @@ class CxlSpec:
         validate_fields(self)
 
 
+def unmeasured_cxl(memory: int) -> CxlSpec:
+    """CXL memory no profile describes (a node detected here, or one the engine emulates in host
+    memory): priced at the cpu-sim profile's host DRAM rate until `finetune profile` measures it."""
+    return CxlSpec(memory=memory, bandwidth_gbps=20.0, latency_ns=300.0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class NvmeSpec:
     """The swap drive(s), as seen through O_DIRECT with aligned pinned buffers."""

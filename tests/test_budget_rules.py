@@ -74,3 +74,25 @@ def test_missing_nvme_dir_is_priced_by_the_disk_it_would_be_created_on(small_mac
 def test_nvme_mem_needs_nvme_path():
     line = error_line(_invoke("plan", "--model", "llama-8b", "--nvme-mem", "1T"))
     assert "--nvme-mem is the capacity of --nvme-path's drive: give --nvme-path too" in line
+
+
+def test_cxl_budget_trains_on_this_machine_without_a_profile(tmp_path):
+    """No --hardware: the run plans this machine (its CXL nodes, or the node the engine emulates
+    in host memory), where it used to be refused for the default profile's lack of a [cxl] table."""
+    r = _invoke("--model", "tiny", "--cxl-mem", "2M", "--steps", "1", "--output", str(tmp_path / "run"))
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "run" / "model").is_dir()
+
+
+def test_plan_takes_the_detected_cxl_nodes(monkeypatch):
+    from tierwise.cli.config import TrainConfig
+    from tierwise.cli.planning import this_machine
+    from tierwise.offload.runtime import cxl
+    from tierwise.offload.runtime.cxl import NumaNode
+
+    nodes = [NumaNode(id=1, mem_total=3 * GiB, cpus=(), cxl="CXL region0"),
+             NumaNode(id=2, mem_total=5 * GiB, cpus=(), cxl="CXL region1")]
+    monkeypatch.setattr(cxl, "detect_cxl_nodes", lambda: nodes)
+    assert this_machine(TrainConfig(model="tiny", cxl_mem="1G")).cxl.memory == 8 * GiB
+    assert this_machine(TrainConfig(model="tiny", cxl_mem="1G", cxl_node="2")).cxl.memory == 5 * GiB
+    assert this_machine(TrainConfig(model="tiny")) is None  # no CXL budget: the default profile

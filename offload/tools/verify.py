@@ -46,12 +46,12 @@ from ..runtime.store import SwapKind
 from ..plan.planner import TIERS, Plan, make_plan
 from ..core.units import format_size
 from ...profiles import HardwareProfile, ModelProfile, load_hardware_profile
-from ...profiles.hardware import CxlSpec
+from ...profiles.hardware import unmeasured_cxl
 
 log = logging.getLogger(__name__)
 
 #: Used when a CXL budget is given and the hardware profile has no [cxl] table (emulated node).
-EMULATED_CXL = CxlSpec(memory=1 << 40, bandwidth_gbps=20.0, latency_ns=300.0)
+EMULATED_CXL = unmeasured_cxl(1 << 40)
 
 
 @dataclass(frozen=True, kw_only=True)
