@@ -376,7 +376,7 @@ class Engine:
             self.shared.attach_files(self.store, self.nvme)
         if staging:
             self.store.device_staging = torch.empty(staging, dtype=torch.uint8, device=self.device)
-        self.bounce = (Bounce(self.store, bounce_sizes(streamed, self.homes.tiers), pin=self.device.type == "cuda")
+        self.bounce = (Bounce(self.store, bounce_sizes(streamed, self.homes.tiers))
                        if self.homes.bounce else None)
         self.store.bounce = self.bounce
 
@@ -996,6 +996,7 @@ class Engine:
             self.grads.transient.free_all()
         if self.nvme is not None:
             self.nvme.close()
+        self.tiers.close()  # host memory stays registered no longer than the engine
         self.surgery.close()
         if self.shared is not None:
             self.shared.close()

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ..plan.homes import BounceSizes
-from .aligned import aligned_empty, round_up
+from .aligned import round_up
 from .store import ChunkStore, SwapKind
 
 
@@ -38,13 +38,14 @@ class Bounce:
     (ledger kind 'buffer'), of the sizes `offload.plan.homes.bounce_sizes` counts (the planner
     counts the same)."""
 
-    def __init__(self, store: ChunkStore, sizes: BounceSizes, *, pin: bool):
+    def __init__(self, store: ChunkStore, sizes: BounceSizes):
         self.store = store
         self.nbytes = sizes.total
         store.tiers.ledger.reserve("host", "buffer", self.nbytes)
-        self.sets = [aligned_empty(sizes.update_set, pin=pin) for _ in range(2)]
-        self.staging = aligned_empty(sizes.fetch, pin=pin)
-        self.grad_staging = [aligned_empty(sizes.grad, pin=pin) for _ in range(2 if sizes.grad else 0)]
+        buffer = store.tiers.host_buffer  # registered in exact bytes on a GPU
+        self.sets = [buffer(sizes.update_set) for _ in range(2)]
+        self.staging = buffer(sizes.fetch)
+        self.grad_staging = [buffer(sizes.grad) for _ in range(2 if sizes.grad else 0)]
         # per update set, the NVMe requests still using it: an update's write-back may outlive
         # its update_all (`defer`); whoever takes the set next waits for them (views)
         self.pending: dict[int, list[Future]] = {0: [], 1: []}
@@ -86,6 +87,8 @@ class Bounce:
         return self.staging[: swap.nbytes].view(swap.dtype)
 
     def release(self) -> None:
+        for t in (*self.sets, self.staging, *self.grad_staging):
+            self.store.tiers.release_buffer(t)
         self.store.tiers.ledger.release("host", "buffer", self.nbytes)
 
 

@@ -1,8 +1,8 @@
 """Tier storage: allocate chunk tensors in a tier, with every byte reserved in the ledger.
 
 `gpu` is CUDA memory, or on a machine without CUDA the *simulated device*: CPU memory with
-its own hard budget. `host` is pinned CPU memory where pinning is possible, plain CPU memory
-otherwise (pin_memory() raises without an accelerator).
+its own hard budget. `host` is CPU memory registered with CUDA in exact bytes (offload.runtime.
+pinned) when the device is a GPU, plain CPU memory otherwise.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import logging
 
 import torch
 
+from .aligned import aligned_empty
 from .cxl import CxlAllocator
 from .ledger import Ledger
+from .pinned import HostPinner
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +32,29 @@ def pick_device(device: "str | torch.device | None" = None) -> torch.device:
 class Tiers:
     """Allocates tensors in tiers and keeps the ledger in step with them."""
 
-    def __init__(self, *, ledger: Ledger, device: torch.device, cxl: "CxlAllocator | None" = None):
+    def __init__(self, *, ledger: Ledger, device: torch.device, cxl: "CxlAllocator | None" = None,
+                 pinner: "HostPinner | None" = None):
+        """`pinner`: registers host buffers for the GPU's copies (default: CUDA's, on a CUDA device;
+        none on the simulated device)."""
         self.ledger = ledger
         self.cxl = cxl
         self.device = device
         self.simulated = device.type != "cuda"
-        self._can_pin = torch.cuda.is_available()
+        self.pinner = pinner if pinner is not None else (None if self.simulated else HostPinner())
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` (uint8, page-aligned: O_DIRECT reads into it) of host memory, registered when
+        the tier's memory is; the caller has booked it in the ledger."""
+        return self.pinner.empty(nbytes) if self.pinner is not None else aligned_empty(nbytes, pin=False)[:nbytes]
+
+    def release_buffer(self, t: torch.Tensor) -> None:
+        if self.pinner is not None:
+            self.pinner.free(t)
+
+    def close(self) -> None:
+        """Unregister what is still registered (the engine is done with its host memory)."""
+        if self.pinner is not None:
+            self.pinner.close()
 
     def empty(self, tier: str, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A new tensor of `numel` elements in `tier`, its bytes reserved as `kind`."""
@@ -62,13 +81,11 @@ class Tiers:
         self.ledger.release(tier, kind, tensor.numel() * tensor.element_size())
         if tier == "cxl" and self.cxl is not None:
             self.cxl.free(tensor)
+        if tier == "host":
+            self.release_buffer(tensor)
 
     def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(numel, dtype=dtype)
-        if self._can_pin:
-            try:
-                return t.pin_memory()
-            except RuntimeError as exc:  # no accelerator after all: plain memory from now on
-                log.warning("pinning host memory failed (%s); using pageable memory", exc)
-                self._can_pin = False
-        return t
+        if self.pinner is None:
+            return torch.empty(numel, dtype=dtype)
+        nbytes = numel * dtype.itemsize
+        return self.pinner.empty(nbytes).view(dtype)[:numel]

@@ -1,0 +1,74 @@
+"""Pinned host memory in exact bytes: with CUDA faked (the register calls recorded), what an
+engine registers is its ledger's host bytes, page by page, where `pin_memory()`'s caching
+allocator rounds each block up to a power of two. Exactness against plain PyTorch is unchanged."""
+
+from __future__ import annotations
+
+import torch
+
+import tierwise.offload.engine.needs as needs
+from tierwise.offload import Engine
+from tierwise.offload.runtime.pinned import PAGE, HostPinner
+from tierwise.offload.runtime.tiers import Tiers
+from tests.models import batches, tiny_llama, train_reference
+
+
+class FakeCuda:
+    """cudaHostRegister / cudaHostUnregister as calls recorded: {ptr: bytes} registered now."""
+
+    def __init__(self):
+        self.live: dict[int, int] = {}
+        self.peak = 0
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        assert ptr % PAGE == 0 and nbytes % PAGE == 0 and ptr not in self.live
+        self.live[ptr] = nbytes
+        self.peak = max(self.peak, sum(self.live.values()))
+        return 0
+
+    def unregister(self, ptr: int) -> int:
+        assert ptr in self.live, "unregistering what was not registered"
+        del self.live[ptr]
+        return 0
+
+
+def test_pinner_registers_exact_pages_and_unregisters():
+    cuda = FakeCuda()
+    pin = HostPinner(register=cuda.register, unregister=cuda.unregister)
+    a, b = pin.empty(132 << 20), pin.empty(5000)
+    assert a.numel() == 132 << 20 and b.numel() == 5000
+    assert sum(cuda.live.values()) == (132 << 20) + 2 * PAGE == pin.registered  # not 256 MiB + 8 KiB
+    pin.free(a)
+    assert sum(cuda.live.values()) == 2 * PAGE
+    pin.close()
+    assert not cuda.live
+
+
+def test_a_refused_register_leaves_pageable_memory_and_says_so(caplog):
+    pin = HostPinner(register=lambda p, n: 1, unregister=lambda p: 0)
+    t = pin.empty(100)
+    assert t.numel() == 100 and pin.failed and pin.registered == 0
+    assert "cudaHostRegister" in caplog.text
+
+
+def test_engine_registers_its_ledgers_host_bytes(tmp_path, monkeypatch):
+    cuda = FakeCuda()
+
+    class PinnedTiers(Tiers):  # the simulated device, with host memory registered as on a GPU
+        def __init__(self, **kw):
+            super().__init__(**kw, pinner=HostPinner(register=cuda.register, unregister=cuda.unregister))
+
+    monkeypatch.setattr(needs, "Tiers", PinnedTiers)
+    data = batches(3)
+    ref_losses, _ = train_reference(tiny_llama(), data)
+    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", cpu_mem="1M", chunk_bytes=16 << 10,
+                 nvme_path=str(tmp_path / "swap"))
+    assert eng.homes.bytes["nvme"]  # host chunks and NVMe bounce buffers both live in the host tier
+    assert [eng.step(b) for b in data] == ref_losses
+    host = eng.ledger.used("host")
+    registered = sum(cuda.live.values())
+    allocations = len(cuda.live)
+    assert host <= registered <= host + allocations * (PAGE - 1), (host, registered, allocations)
+    assert cuda.peak <= eng.ledger.budgets["host"] + allocations * (PAGE - 1)
+    eng.close()
+    assert not cuda.live  # nothing stays registered past the engine
