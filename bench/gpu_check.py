@@ -175,7 +175,10 @@ def engine(a, model, data, *, gpu_mem: str, cap: bool = False, tokens: int = 0, 
                    per_step_phase_s={k: (v - warm["phase"][k]) / (len(data) - 2) for k, v in eng.phase_times.items()},
                    per_step_wait_s=(eng.executor.wait_seconds - warm["wait"]) / (len(data) - 2),
                    timed_fetched_gib_per_step=(eng.cache.fetched_bytes - warm["fetched"]) / 2**30 / (len(data) - 2),
-                   workspace_gib=eng.workspace.bytes / 2**30)
+                   workspace_gib=eng.workspace.bytes / 2**30,
+                   # host memory registered for the copies against the ledger's host bytes (equal to the page)
+                   pinned_gib=(eng.tiers.pinner.registered if eng.tiers.pinner else 0) / 2**30,
+                   ledger_host_gib=eng.ledger.used("host") / 2**30)
         return out
     finally:
         eng.close()
