@@ -177,10 +177,14 @@ def check_budgets(cfg: TrainConfig, *, here: bool) -> None:
         return
     if cpu is not None:
         have = machine.available_ram()
-        if have is not None and cpu > have:
-            raise ConfigError(f"--cpu-mem {format_size(cpu)} is more than this machine has available "
-                              f"({format_size(have)} of {format_size(physical_ram() or have)} RAM): lower "
-                              "--cpu-mem (to plan another machine, name it with --hardware)")
+        simulated = gpu if gpu is not None and not machine.has_cuda() else 0  # that device is host RAM
+        need = cpu + simulated + planner.PROCESS_BYTES
+        if have is not None and need > have:
+            also = f" + --gpu-mem {format_size(simulated)} (the simulated device)" if simulated else ""
+            raise ConfigError(f"--cpu-mem {format_size(cpu)}{also} + about {format_size(planner.PROCESS_BYTES)} "
+                              f"for the process is more than this machine has available ({format_size(have)} of "
+                              f"{format_size(physical_ram() or have)} RAM): lower --cpu-mem (to plan another "
+                              "machine, name it with --hardware)")
     if gpu is not None and machine.has_cuda():
         have = machine.device_memory()
         if have is not None and gpu > have:

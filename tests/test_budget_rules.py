@@ -38,7 +38,8 @@ def test_gpu_budget_above_the_profiles_card_is_refused():
 def test_cpu_budget_above_available_ram_is_refused_here(small_machine, tmp_path, args):
     line = error_line(_invoke(*args, "--cpu-mem", "20G", "--output", str(tmp_path / "o"))
                       if args[0] != "plan" else _invoke(*args, "--cpu-mem", "20G"))
-    assert "--cpu-mem 20.00 GiB is more than this machine has available (16.00 GiB" in line
+    assert line.startswith("error: --cpu-mem 20.00 GiB")
+    assert "for the process is more than this machine has available (16.00 GiB" in line
     assert not (tmp_path / "o").exists()
 
 
@@ -46,6 +47,16 @@ def test_a_run_is_bound_by_this_machine_even_when_it_names_a_profile(small_machi
     line = error_line(_invoke("--model", "tiny", "--steps", "1", "--cpu-mem", "20G", "--hardware", "rtx4090",
                               "--dry-run"))
     assert "more than this machine has available" in line
+
+
+def test_cpu_budget_counts_the_process_and_the_simulated_device(small_machine):
+    """16 GiB available: 16100M of --cpu-mem leaves too little for the process beside it, and 8G
+    beside an 8G simulated device too; 8G alone fits."""
+    for extra in (["--cpu-mem", "16100M"], ["--cpu-mem", "8G", "--gpu-mem", "8G"]):
+        line = error_line(_invoke("plan", "--model", "llama-1b", *extra))
+        assert "more than this machine has available (16.00 GiB" in line, line
+    assert "more than this machine" not in _invoke("plan", "--model", "llama-1b", "--cpu-mem", "8G",
+                                                   "--gpu-mem", "4G").output
 
 
 def test_what_if_plan_is_priced_on_the_profile_with_notes_about_this_machine(small_machine, tmp_path):

@@ -115,6 +115,9 @@ class Plan:
     tokens_per_s: float
     checkpointing: bool = True
     """Whether backward recomputes the decoder blocks (activation checkpointing)."""
+    host_rss: int = 0
+    """What the OS will count for the process (per node with several ranks): the host peak, the
+    process itself (PROCESS_BYTES each) and, on the simulated device, its gpu peak (host RAM)."""
     padded: bool = False
     """Planned for padded batches (attention_mask zeros): the run's worst step when its data
     has any padding, e.g. a short last block."""
@@ -202,12 +205,25 @@ class Plan:
         if self.workspace_margin:
             lines.append(f"gpu workspace margin {format_size(self.workspace_margin)}: left free beside the peak "
                          f"for the CUDA allocator (1/{MARGIN_SHARE} of the budget, as the engine leaves it)")
+        if self.host_rss:
+            procs = self.ranks.nproc_per_node if self.ranks is not None else 1
+            sim = self.host_rss > self.peak.get("host", 0) + PROCESS_BYTES * procs
+            lines.append(f"host RSS to expect: {format_size(self.host_rss)} (host peak + about "
+                         f"{format_size(PROCESS_BYTES)} a process for Python, torch and the data"
+                         f"{' + the simulated device, which is host RAM' if sim else ''})")
         lines.append(f"times modelled from hardware profile '{self.hardware}', not measured "
                      "(--verify runs real steps here; `finetune profile` measures this machine)")
         tight = max((self.peak[t] / b, t) for t, b in self.budgets.items() if b and self.peak.get(t))
         lines.append(f"verdict: fits: every tier's peak is within its budget (fullest: {tight[1]} "
                      f"at {100 * tight[0]:.0f}%)")
         return "\n".join(lines)
+
+
+#: The process beside its budgets, as the OS counts it: Python, torch, transformers, matplotlib,
+#: the model's skeleton, the tokenizer and the data. Measured on CPU when the engine is built
+#: (bench/host_rss.py, a 0.6B Llama: 321-329 MiB) plus 32 MiB for what the first step brings in.
+#: A CUDA context adds host memory of its own that no CPU run measures (gpu_check records it).
+PROCESS_BYTES = 360 << 20
 
 
 def _rate(x: float) -> str:
@@ -800,7 +816,8 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
                 workspace_margin=margin, cache_limit=device.cache_limit, chunk_homes=tuple(chunk_homes),
                 gpu_update_params=gpu_params, cpu_update_params=ch.trainable_params - gpu_params,
                 phases=pred.phases, step_s=pred.step_s, bottleneck=pred.bottleneck,
-                tokens_per_s=pred.tokens_per_s, **meta)
+                tokens_per_s=pred.tokens_per_s,
+                host_rss=peak.get("host", 0) + PROCESS_BYTES + (0 if ch.cuda else peak.get("gpu", 0)), **meta)
 
 
 def _rank_view(ch: _Chunks, remote: frozenset[int], owned_grads: bool) -> _Chunks:
@@ -951,7 +968,8 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                      gather_bytes=gather, reduce_bytes=reduce, collective_s=coll_s, link=link_words,
                      grad_bytes=grad_bytes, grad_reduce=grad_reduce if ch.needs_grad else "step",
                      single_tokens_per_s=single_tps)
-    return dataclasses.replace(plan, bytes=by_tier, reserve=reserve, peak=peak, ranks=ranks,
+    rss = node_bytes["host"] + L * PROCESS_BYTES + (0 if ch.cuda else sum(gpu_peaks))
+    return dataclasses.replace(plan, bytes=by_tier, reserve=reserve, peak=peak, ranks=ranks, host_rss=rss,
                                gpu_update_params=0, cpu_update_params=owned[0])
 
 
