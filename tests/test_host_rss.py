@@ -31,3 +31,14 @@ def test_peak_rss_stays_within_budgets_in_every_phase(tmp_path):
         assert name in phases, sorted(phases)
     over = {k: round(v["ratio"], 3) for k, v in phases.items() if v["ratio"] > 1.0}
     assert not over, (over, phases)
+
+
+def test_mmap_threshold_is_fixed_unless_the_user_set_it(monkeypatch):
+    import platform
+
+    from tierwise.cli.main import fix_mmap_threshold
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert fix_mmap_threshold() is False  # the user's setting wins
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert fix_mmap_threshold() is (platform.libc_ver()[0] == "glibc")
