@@ -168,17 +168,22 @@ def state_bytes_8bit(shape: tuple[int, ...], rank: Optional[int] = None) -> floa
 
 
 class AdamW8bit(TierwiseOptimizer):
-    """Drop-in AdamW with 8-bit moments. A non-fp32 param is updated through a transient fp32
-    copy and written back each step, as bitsandbytes does (no fp32 master is kept: an update
-    below the param's precision is lost unless stochastic_rounding, bf16 only, keeps it in
-    expectation)."""
+    """Drop-in AdamW with 8-bit moments. A non-fp32 param (bf16, fp16) keeps an fp32 master in
+    its state (4 more bytes per param) that the update runs on, copied into the param rounded
+    to nearest: an update below the param's precision (1e-4 at 1.0 in bf16) accumulates there.
+    `stochastic_rounding=True` (bf16) is the lean option, bitsandbytes' behaviour plus rounding:
+    no master, a transient fp32 copy written back with stochastic rounding, so small updates move
+    the param in expectation. `master_weights=False` without it: bitsandbytes' exactly (updates
+    below the precision are lost)."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *,
-                 stochastic_rounding: bool = False) -> None:
+                 stochastic_rounding: bool = False, master_weights: Optional[bool] = None) -> None:
         check_hyper(lr, betas, eps, weight_decay)
+        if master_weights is None:
+            master_weights = not stochastic_rounding
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        stochastic_rounding=stochastic_rounding)
+                        stochastic_rounding=stochastic_rounding, master_weights=master_weights)
         super().__init__(params, defaults)
 
     @classmethod
@@ -188,16 +193,21 @@ class AdamW8bit(TierwiseOptimizer):
                              state_bytes=state_bytes_8bit, note="fp32 state below 4096 elements")
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
+        exact = p.dtype == torch.float32 and p.is_contiguous()
         if not state:
             state["step"] = 0
             state.update(init_adamw8bit_state(p))
+            if not exact and group.get("master_weights", False):
+                state["master"] = p.data.float().contiguous()
         state["step"] += 1
-        master = p.data if p.dtype == torch.float32 and p.is_contiguous() else p.data.float().contiguous()
+        master = p.data if exact else state.get("master")
+        if master is None:
+            master = p.data.float().contiguous()
         beta1, beta2 = group["betas"]
         adamw8bit_step_(master, p.grad, state, lr=group["lr"], beta1=beta1, beta2=beta2,
                         eps=group["eps"], weight_decay=group["weight_decay"], step=state["step"])
         if master is not p.data:
-            write_back_(p, master, stochastic=group["stochastic_rounding"],
+            write_back_(p, master, stochastic=group["stochastic_rounding"] and "master" not in state,
                         seed=state["step"] * 1_000_003 + index)
 
 
@@ -206,5 +216,6 @@ class Adam8bit(AdamW8bit):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *,
-                 stochastic_rounding: bool = False) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, stochastic_rounding=stochastic_rounding)
+                 stochastic_rounding: bool = False, master_weights: Optional[bool] = None) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, stochastic_rounding=stochastic_rounding,
+                         master_weights=master_weights)

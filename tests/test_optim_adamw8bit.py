@@ -276,3 +276,24 @@ def test_cpu_isa_env_caps_the_kernel_path(monkeypatch):
     monkeypatch.setenv("TIERWISE_CPU_ISA", "sse9")
     with pytest.raises(ValueError, match="TIERWISE_CPU_ISA"):
         _c_step(p, torch.randn(4096), state, step=3, **HYPER)
+
+
+def test_bf16_params_keep_an_fp32_master_and_move_like_fp32():
+    """50 steps at lr 1e-4 from 1.0: each update is below bf16's half-ulp, so without a master a
+    bf16 param never moves; with the default master it follows the fp32 run (to bf16's rounding)."""
+    torch.manual_seed(0)
+    g = torch.rand(50, 8192) + 0.5  # one sign: each step lowers every param by about lr
+    runs = {}
+    for name, dtype, kw in (("fp32", torch.float32, {}), ("bf16", torch.bfloat16, {}),
+                            ("bf16-lean", torch.bfloat16, {"master_weights": False})):
+        p = torch.nn.Parameter(torch.ones(8192, dtype=dtype))
+        opt = AdamW8bit([p], lr=1e-4, weight_decay=0.0, **kw)
+        for i in range(50):
+            p.grad = g[i].to(dtype)
+            opt.step()
+        runs[name] = (p.detach().float(), opt.state[p])
+    ref, (bf16, state), (lean, _) = runs["fp32"], runs["bf16"], runs["bf16-lean"]
+    assert state["master"].dtype == torch.float32
+    assert bool((ref[0] < 0.998).all())  # the reference moved by about 50 x lr (0.995)
+    assert torch.equal(bf16, ref[0].bfloat16().float())  # the master is the fp32 run, rounded once
+    assert torch.equal(lean, torch.ones(8192))  # bitsandbytes' behaviour: nothing moved
