@@ -242,7 +242,7 @@ class TrainConfig:
                        flag="--dry-run")
     nproc_per_node: int = _f(1, "Processes (one per GPU) on this node: training starts torchrun for you (or run "
                              "`torchrun --nproc-per-node N -m tierwise.cli.main ...`). --cpu-mem and --cxl-mem "
-                             "are the node's, divided among them; --gpu-mem is per GPU. `plan` and --dry-run "
+                             "are the node's, divided among them (--cpu-mem by each rank's needs); --gpu-mem is per GPU. `plan` and --dry-run "
                              "price that many ranks.", panel=HW, plan=True)
     """Ranks on this node (cli.launch). Under torchrun its variables say the ranks instead."""
     nnodes: int = _f(1, "Nodes the run spans, for `plan` and --dry-run (to train across nodes, start "

@@ -85,7 +85,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, ranks: "launch.Rank
     ranks = ranks or launch.from_env()  # several ranks on a node share its host and CXL budgets
     kwargs = dict(  # --hardware is the planner's (link speeds), not the engine's
         optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-        gpu_mem=gpu_budget(cfg), cpu_mem=launch.node_share(host_budget(cfg), ranks),
+        gpu_mem=gpu_budget(cfg), cpu_mem=_host_share(cfg, ranks, plan),
         cxl_mem=launch.node_share(cfg.budgets["cxl"], ranks),
         cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
         nvme_checksum=cfg.nvme_checksum if cfg.nvme_path is not None else None,
@@ -105,6 +105,15 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, ranks: "launch.Rank
         if isinstance(e, TierwiseError):
             raise
         raise ConfigError(f"the engine cannot run with these options: {e}") from None
+
+
+def _host_share(cfg: TrainConfig, ranks: "launch.RankInfo", plan: Any) -> "int | None":
+    """This rank's part of the node's --cpu-mem: as the preflight's plan shares it (by each
+    rank's minimum: the owner of an embedding needs more), else an even part."""
+    shares = getattr(getattr(plan, "ranks", None), "host_shares", None)
+    if ranks.several and shares and len(shares) == ranks.local_world:
+        return shares[ranks.local_rank]
+    return launch.node_share(host_budget(cfg), ranks)
 
 
 def seed_everything(seed: int) -> None:

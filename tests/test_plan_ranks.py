@@ -107,11 +107,12 @@ def test_node_budget_is_divided_among_local_ranks_and_the_named_minimum_fits():
     assert info.value.minimum["host"] == two.host_minimum
     assert make_plan(**TINY, cpu_mem=info.value.minimum["host"], nproc_per_node=2).ranks.node["host"] <= \
         info.value.minimum["host"]
-    # with NVMe: each rank's own bytes within half of what the node has left
+    # with NVMe: each rank's own bytes within its share, the shares within the node's budget
     budget = need * 4 // 5
     nv = make_plan(**TINY, cpu_mem=budget, nvme_path="/nvme", nproc_per_node=2)
     assert nv.ranks.node["nvme"] > 0 and nv.ranks.node["host"] <= budget
-    assert max(nv.ranks.private_host) <= budget // 2
+    assert all(p <= s for p, s in zip(nv.ranks.private_host, nv.ranks.host_shares))
+    assert sum(nv.ranks.host_shares) <= budget
 
 
 def test_host_resources_are_shared_by_the_local_ranks():
@@ -224,3 +225,30 @@ def test_a_node_refusal_says_when_uneven_ownership_decides_it():
     assert one.exit_code == 2 and "1 trainable chunk on 2 ranks, 1/0 per rank; a smaller --chunk-size" in one.output
     many = CliRunner().invoke(app, ["plan", "--nproc-per-node", "2", "--cpu-mem", "1K", "--chunk-size", "16K"])
     assert many.exit_code == 2 and "cannot hold" in many.output and "--chunk-size evens" not in many.output
+
+
+def test_node_host_budget_follows_each_ranks_minimum(tmp_path):
+    """A tiny Llama with a 49,152-word vocabulary on 2 ranks with NVMe: the rank that owns the
+    embedding needs far more host RAM than the other. The node's minimum is the sum of the ranks'
+    minimums (within 2x of one streamed rank's), not twice the larger one; the suggested budget's
+    peak reaches that minimum; each rank's share holds what that rank uses, and the shares add up
+    to the node's budget at most."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    run = dict(model=cfg, hardware="cpu-sim", optimizer="adamw", precision="fp32", batch_size=4,
+               seq_len=128, chunk_bytes=32 << 10, nvme_path=str(tmp_path), padded=True)
+    with pytest.raises(InfeasibleBudget) as one:  # one rank, every chunk streamed
+        make_plan(**run, gpu_mem="140M", cpu_mem="600K")
+    with pytest.raises(InfeasibleBudget) as two:
+        make_plan(**run, gpu_mem=None, cpu_mem="600K", nproc_per_node=2)
+    single, node = one.value.minimum["host"], two.value.minimum["host"]
+    assert node <= 2 * single, (node, single)  # was 2.2x: twice the embedding owner's share
+    plan = make_plan(**run, gpu_mem=None, cpu_mem=node, nproc_per_node=2)
+    assert plan.peak["host"] >= node * 0.95 and plan.host_minimum == node
+    shares = plan.ranks.host_shares
+    assert sum(shares) <= node and shares[0] > 4 * shares[1]  # rank 0 owns the embedding
+    assert all(s >= used for s, used in zip(shares, plan.ranks.private_host))
+    with pytest.raises(InfeasibleBudget):
+        make_plan(**run, gpu_mem=None, cpu_mem=node - (1 << 20), nproc_per_node=2)

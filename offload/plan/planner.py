@@ -860,9 +860,15 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     # RAM the ranks' minimums leave, then CXL, then NVMe; each rank then gets 1/L of the rest
     # (cli.launch.node_share) for its own kinds: its owned chunks and its gradients of the others
     own = [{c: views[r].kinds[c] for c in trainable} for r in range(L)]
-    least = max(_host_minimum(views[r], trainable, cxl=0, nvme=use_nvme) for r in range(L)) + window
+    mins = [_host_minimum(views[r], trainable, cxl=0, nvme=use_nvme) for r in range(L)]
+    # One node: its ranks' shares follow their minimums (the owner of an embedding needs more
+    # than the others: cli.train takes `RankPlan.host_shares`); several nodes: even shares of
+    # each node's budget, so the fullest rank decides (ownership differs from node to node).
+    uneven = nnodes == 1
+    if not uneven:
+        mins = [max(mins)] * L
     base_kinds = {c: ch.kinds[c] for c in ch.frozen}
-    room = None if host is None else host - L * least
+    room = None if host is None else host - sum(mins) - L * window
     try:
         if room is not None and room < 0:
             raise InfeasibleBudget("", minimum={"host": 0})
@@ -870,7 +876,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
             else Homes(tiers={}, bytes={}, bounce=0)
     except InfeasibleBudget as exc:  # the base's own minimum (0 when the ranks' alone exceed the budget)
         others = "a window for the others' gradients" if owned_grads else "fp32 gradients of all the others"
-        need = L * least + exc.minimum.get("host", 0)
+        need = sum(mins) + L * window + exc.minimum.get("host", 0)
         raise InfeasibleBudget(f"node host budget {format_size(host or 0)} cannot hold "
                                f"{'the frozen base once and ' if base_kinds else ''}{L} ranks' own chunks (each its "
                                f"owned chunks and {others}): at least {format_size(need)} ({need} B) needed; raise --cpu-mem"
@@ -878,17 +884,19 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                                minimum={"host": need}) from None
     base = {t: sum(base_homes.bytes.get(t, {}).values()) for t in ("host", "cxl", "nvme")}
     base_bounce = L * base_homes.bounce  # each rank stages its own NVMe reads of the base
-    per_host = None if host is None else (host - base["host"] - base_bounce) // L - window
+    base_part = -(-base["host"] // L)  # what each rank's ledger books of the base (SharedBase.part)
+    spare = None if host is None else (host - L * (base_part + base_homes.bounce + window) - sum(mins)) // L
+    per_host = [None if spare is None else max(mins[r] + spare, 0) for r in range(L)]
     per_cxl = (cxl - base["cxl"]) // L if cxl else 0
     rank_homes = []
     for r in range(L):
         try:
-            rank_homes.append(assign_homes(kinds=own[r], host=per_host, cxl=per_cxl or None, nvme=use_nvme))
+            rank_homes.append(assign_homes(kinds=own[r], host=per_host[r], cxl=per_cxl or None, nvme=use_nvme))
         except InfeasibleBudget as exc:
-            need = base["host"] + base_bounce + L * exc.minimum.get("host", 0)
+            need = L * (base_part + base_homes.bounce + window) + sum(mins) - mins[r] + exc.minimum.get("host", 0)
             raise InfeasibleBudget(f"node host budget {format_size(host or 0)}: after the frozen base "
-                                   f"({format_size(base['host'])} in host RAM) each of {L} ranks gets "
-                                   f"{format_size(per_host or 0)}, too little for its own chunks: at least "
+                                   f"({format_size(base['host'])} in host RAM) rank {r} of {L} gets "
+                                   f"{format_size(per_host[r] or 0)}, too little for its own chunks: at least "
                                    f"{format_size(need)} ({need} B) needed; raise --cpu-mem{_uneven(owner, world)}",
                                    minimum={"host": need}) from None
     node_bytes = {t: base[t] + sum(sum(h.bytes.get(t, {}).values()) for h in rank_homes) for t in ("host", "cxl", "nvme")}
@@ -928,8 +936,8 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     plan = _build(views[0], model=model, hw=hw, needs=needs, margin=margin, device=device, homes=homes0,
                   pred=preds[slowest],
                   precision=precision, budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
-                  host_minimum=L * least + (minimum_host(base_kinds, cxl=cxl or None, nvme=use_nvme) if base_kinds
-                                            else 0), lora_act=lora_act,
+                  host_minimum=sum(mins) + L * window + (minimum_host(base_kinds, cxl=cxl or None, nvme=use_nvme)
+                                                         if base_kinds else 0), lora_act=lora_act,
                   **_base_traffic(views[0], load=step_loads[0], homes=homes0, streamed=streamed,
                                   micro_batches=accum, hw=hw), **meta)
     gpu_peaks = []
@@ -967,7 +975,9 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                      node_budgets={"host": host, "cxl": cxl or None, "nvme": nvme_cap if use_nvme else None},
                      gather_bytes=gather, reduce_bytes=reduce, collective_s=coll_s, link=link_words,
                      grad_bytes=grad_bytes, grad_reduce=grad_reduce if ch.needs_grad else "step",
-                     single_tokens_per_s=single_tps)
+                     single_tokens_per_s=single_tps,
+                     host_shares=None if host is None or not uneven else
+                     [per_host[r] + window + base_part + base_homes.bounce for r in range(L)])
     rss = node_bytes["host"] + L * PROCESS_BYTES + (0 if ch.cuda else sum(gpu_peaks))
     return dataclasses.replace(plan, bytes=by_tier, reserve=reserve, peak=peak, ranks=ranks, host_rss=rss,
                                gpu_update_params=0, cpu_update_params=owned[0])

@@ -80,6 +80,9 @@ class RankPlan:
     """The link they are priced on, in words."""
     single_tokens_per_s: float | None = None
     """The same run on one rank of this node (its whole budgets), for the ratio."""
+    host_shares: list[int] | None = None
+    """One node: each local rank's --cpu-mem share (its minimum and an even part of the rest;
+    they add up to the node's budget at most); None: even shares (cli.launch.node_share)."""
 
     @property
     def world(self) -> int:
