@@ -165,6 +165,22 @@ def refusal(nodes: list[int]) -> dict:
     return {"asked": total + (64 << 20), "nodes_total": total, "message": None}
 
 
+def cli_run(nodes: list[int]) -> dict:
+    """`finetune --model tiny --cxl-mem 2M --cxl-node ...` as a user runs it here: planned on
+    this machine (its CXL nodes' capacity, no --hardware), then one step."""
+    from typer.testing import CliRunner
+
+    from tierwise.cli.config import TrainConfig
+    from tierwise.cli.main import app
+    from tierwise.cli.planning import this_machine
+
+    node_list = ",".join(map(str, nodes))
+    planned = this_machine(TrainConfig(model="tiny", cxl_mem="2M", cxl_node=node_list)).cxl.memory
+    r = CliRunner().invoke(app, ["--model", "tiny", "--cxl-mem", "2M", "--cxl-node", node_list, "--steps", "1",
+                                 "--output", "/tmp/cxl-cli-run"])
+    return {"exit_code": r.exit_code, "output_tail": r.output[-600:], "planned_cxl": planned}
+
+
 def main() -> None:
     result: dict = {"kernel": platform.release(), "python_ready_s": round(time.monotonic() - T0, 1)}
     try:
@@ -184,6 +200,7 @@ def main() -> None:
         if nodes:
             result["train"] = train(nodes)
             result["refusal"] = refusal(nodes)
+            result["cli"] = cli_run(nodes)
     except Exception:  # report, do not hide: the host-side test fails on it
         result["error"] = traceback.format_exc()
     result["guest_s"] = round(time.monotonic() - T0, 1)
