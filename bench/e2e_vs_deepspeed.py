@@ -13,7 +13,7 @@ batch 4 x seq 128, fp32, AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay
 Each run is its own process; runs alternate (ours, ds, plain, ours, ds, plain, ...) so
 machine drift hits all alike. Per run: 2 warm-up steps, then --steps timed steps. Printed:
 median step time of each and the ratios ours / DeepSpeed (goal <= 0.40 with --cpu-mem 1300M,
-<= 0.50 at the minimum host budget) and ours / plain (issue 16: <= 1.10 and <= 1.30), median
+<= 0.50 at the minimum host budget) and ours / plain (goals <= 1.10 and <= 1.30), median
 over median with the per-round ratios, peak RSS (ru_maxrss of the child, from wait4), disk
 bytes written / read per timed step (/proc/self/io of the child: write_bytes, read_bytes; for
 ours also NvmeStore's own count), and whether the losses agree (first step exactly; later steps
@@ -37,7 +37,7 @@ in bench/.torch-extensions. async_io needs libaio-dev (apt-get install -y libaio
     python bench/e2e_vs_deepspeed.py --setup-only        # make the venv and build the ops
     python bench/e2e_vs_deepspeed.py --only-adamw8bit    # the AdamW8bit row only
     python bench/e2e_vs_deepspeed.py --lora              # LoRA r16 all-linear over a frozen base
-`--lora` (issue 14): every side trains peft.get_peft_model(<the same Llama>, LoraConfig(r=16,
+`--lora`: every side trains peft.get_peft_model(<the same Llama>, LoraConfig(r=16,
 alpha=32, dropout 0, all-linear)) built by e2e_common.build, adapters drawn from one seed, so
 all start from the same weights (checksummed); the base stays fp32 on every side. Ours gets the
 wrapped model as is, its base homed on NVMe at the engine's minimum host budget (--cpu-mem min);
@@ -333,7 +333,7 @@ def child_ours(spec_file: str) -> None:
             sys.exit(3)
         if eng is not None:
             eng.close()
-        del eng
+        eng = None
         model = common.build(spec)
     else:
         raise SystemExit("the engine kept refusing its budgets: " + " | ".join(raised))
@@ -462,8 +462,8 @@ def report(runs: dict[str, list[dict]], spec: dict, *, cuda: bool) -> None:
         if cuda and "gpu_peak_alloc" in rs[-1]:
             print(f"          peak GPU memory allocated {rs[-1]['gpu_peak_alloc'] / 2**30:.2f} GiB")
     if "ds" in med:
-        goal = "0.40 (issue 16, host budget with room for the gradients)" if spec["cpu_mem_asked"] != "min" \
-            else "0.50 (issue 16, the engine's minimum host budget)"
+        goal = "0.40 (host budget with room for the gradients)" if spec["cpu_mem_asked"] != "min" \
+            else "0.50 (the engine's minimum host budget)"
         print(f"ratio ours/DeepSpeed = {med['ours'] / med['ds']:.3f}  (goal <= {goal})")
     print(f"ours, run to run: {agreement(ours[-1]['losses'], ours[0]['losses'])}")
     if runs["ds"]:
@@ -480,8 +480,8 @@ def report(runs: dict[str, list[dict]], spec: dict, *, cuda: bool) -> None:
         per_run = ", ".join(f"{r['step_s']:.3f}" for r in plain)
         print(f"plain PyTorch{' + PEFT' if lora else ''} + torch AdamW, no offload (reference): median step "
               f"{pmed:.3f} s (per-run medians {per_run}), peak RSS {max(r['rss_gib'] for r in plain):.2f} GiB")
-        goal = "1.10 (issue 16, host budget with room for the gradients)" if spec["cpu_mem_asked"] != "min" \
-            else "1.30 (issue 16, the engine's minimum host budget)"
+        goal = "1.10 (host budget with room for the gradients)" if spec["cpu_mem_asked"] != "min" \
+            else "1.30 (the engine's minimum host budget)"
         per_round = ", ".join(f"{o['step_s'] / q['step_s']:.3f}" for o, q in zip(ours, plain))
         print(f"ratio ours/plain = {med['ours'] / pmed:.3f}  (goal <= {goal}; per round {per_round})")
         print(f"losses ours vs plain PyTorch: {agreement(ours[0]['losses'], p['losses'])}")
@@ -515,7 +515,7 @@ def report_8bit(runs: dict[str, list[dict]], spec: dict) -> None:
               f"peak RSS {max(r['rss_gib'] for r in rs):.2f} GiB; disk per step: written "
               f"{statistics.median(r['write_bytes_per_step'] for r in rs) / 1e9:.3f} GB, read "
               f"{statistics.median(r['read_bytes_per_step'] for r in rs) / 1e9:.3f} GB")
-    print(f"ratio ours/plain (AdamW8bit) = {med['ours'] / med['plain']:.3f}  (issue 16 asks for this row without "
+    print(f"ratio ours/plain (AdamW8bit) = {med['ours'] / med['plain']:.3f}  (wanted for this row without "
           f"a goal; the fp32 row's at --cpu-mem 1300M is <= 1.10)")
     print(f"losses ours vs plain (AdamW8bit): {agreement(ours[0]['losses'], plain[0]['losses'])}")
 
@@ -552,7 +552,7 @@ def main() -> None:
     ap.add_argument("--lora", action="store_true",
                     help="LoRA on every side: peft.get_peft_model over the Llama (same adapters), the fp32 base "
                          "frozen; ours homes the base on NVMe at its minimum host budget, DeepSpeed offloads "
-                         "params to NVMe (issue 14)")
+                         "params to NVMe")
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--lora-alpha", type=int, default=None, help="default 2 x rank")
     ap.add_argument("--lora-targets", default="all-linear",

@@ -1,10 +1,11 @@
-"""Manual check (issue 12): a 2-layer d=1024 (ff 4096) nn.TransformerEncoder, default 64 MiB chunks, no
+"""Manual check: a 2-layer d=1024 (ff 4096) nn.TransformerEncoder, default 64 MiB chunks, no
 budget, two steps: the engine's losses against plain PyTorch's (fused AdamW).
 
     python bench/encoder_1024.py
 """
-import copy, time
-import torch, torch.nn.functional as F
+import copy
+import torch
+import torch.nn.functional as F
 from torch import nn
 from tierwise.offload import Engine
 torch.manual_seed(0)
@@ -20,11 +21,16 @@ class M(nn.Module):
 def loss_fn(m, b): return F.cross_entropy(m(b["x"]).flatten(0, 1), b["y"].flatten())
 g = torch.Generator().manual_seed(1)
 data = [{"x": torch.randint(0, V, (2, 16), generator=g), "y": torch.randint(0, V, (2, 16), generator=g)} for _ in range(2)]
-model = M(); ref = copy.deepcopy(model)
+model = M()
+ref = copy.deepcopy(model)
 opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
 rl = []
 for b in data:
-    l = loss_fn(ref, b); l.backward(); opt.step(); opt.zero_grad(); rl.append(l.item())
+    loss = loss_fn(ref, b)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    rl.append(loss.item())
 eng = Engine(model, lr=1e-4, loss_fn=loss_fn)
 out_proj = [eng.plan.slots[f"enc.layers.{i}.self_attn.out_proj.weight"].chunk for i in range(2)]
 in_proj = [eng.plan.slots[f"enc.layers.{i}.self_attn.in_proj_weight"].chunk for i in range(2)]

@@ -20,7 +20,7 @@ prints one JSON line; a summary follows. Sections:
               (NF4, double quant, bf16 compute), the whole 4-bit base on the GPU
   qlora       the same adapters through the Engine: NF4 base on the host, streamed under
               --lora-gpu-mem, decoded on the GPU
-  qlora_resident  `qlora` with a budget the whole base fits (streamed / resident, issue 14)
+  qlora_resident  `qlora` with a budget the whole base fits (streamed / resident)
   limits      what bounds the streamed step on this host: DRAM copy bandwidth, torch's fused
               CPU AdamW and our AdamW8bit kernel over all the model's parameters (one update)
   profile     one streamed `engine` step (and one `qlora` step) under torch.profiler: the

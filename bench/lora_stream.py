@@ -1,4 +1,4 @@
-"""LoRA over a streamed frozen base vs the same LoRA step fully resident (issue 14, benchmark 1).
+"""LoRA over a streamed frozen base vs the same LoRA step fully resident (benchmark 1).
 
 On the simulated device, one model, per base dtype (bf16, nf4) three engines side by side in
 one process, stepped in turn (who goes first rotates each round), after warm-up steps:

@@ -24,7 +24,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 
 from tierwise.optim import _cpu_kernel
 from tierwise.optim.quant import decade_table, dynamic_map

@@ -191,7 +191,7 @@ class TrainConfig:
     nvme_checksum: bool = _f(True, "Checksum every swap block and verify it on read (a corrupted swap file "
                              "stops the run).", panel=MEMORY, flag="--nvme-checksum/--no-nvme-checksum")
     """crc32 of every swap block, checked on read: a corrupted swap file stops the run instead
-    of training on garbage (cost measured in the README's "Safety" section)."""
+    of training on garbage (cost measured in the README's "Runs that share a machine, and damaged files")."""
     offload_activations: bool = _f(False, "Keep each block's input in host RAM between forward and backward: "
                                    "less GPU memory for long sequences.", panel=MEMORY,
                                    flag="--offload-activations", plan=True)

@@ -12,8 +12,8 @@ for _name in [n for n in sys.modules if n == "tierwise" or n.startswith("tierwis
     del sys.modules[_name]  # imported from elsewhere before this ran (a plugin): rebind
 os.environ["PYTHONPATH"] = os.pathsep.join([_DEVTREE, *filter(None, [os.environ.get("PYTHONPATH")])])
 
-import pytest
-import torch
+import pytest  # noqa: E402 - after binding `tierwise` to this checkout
+import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -27,7 +27,7 @@ Custom nn.Modules with a 0-dim, a non-contiguous or odd-sized parameters (tests/
 run the same axes with checks (a) and (c) (`test_budget_matrix_custom_modules`: 3 default
 cases, 285 more under `matrix_full`).
 
-Two ranks (issue 18): the budgeted cases of the shared 2-rank gloo launch
+Two ranks: the budgeted cases of the shared 2-rank gloo launch
 (tests/dist_cases.run_two_ranks) with checks (a) per rank and per node and (b) against
 `make_plan(nproc_per_node=2)`; (c) is asserted on the same runs in tests/test_dist*.py.
 
@@ -761,7 +761,7 @@ def test_lora_partial_gpu_home_base_traffic_matches_plan(base):
     assert abs(planned.base_read["host"] - read) <= TOL * read, (planned.base_read, read, home)
 
 
-# -- two ranks (issue 18) -----------------------------------------------------------------
+# -- two ranks -----------------------------------------------------------------
 # The cases with budgets of the shared 2-rank gloo launch (tests/dist_cases.run_two_ranks):
 # full fine-tunes with master, state and gradients on NVMe at the smallest device budget, two
 # micro-batches per rank with the owners' gradients on NVMe, AdamW8bit at the smallest device

@@ -183,7 +183,7 @@ def test_mid_step_budget_error_numbers_add_up(overlap):
     need = err.minimum["gpu"]
     assert need > GPU and not err.step_done
     text = str(err)
-    assert f"gpu budget 160.00 KiB ({GPU} B)" in text and f"needed at least" in text and f"({need} B)" in text
+    assert f"gpu budget 160.00 KiB ({GPU} B)" in text and "needed at least" in text and f"({need} B)" in text
     unchanged = all(torch.equal(before[n], after[n]) for n in before)
     assert err.weights_intact == unchanged
     assert err.weights_intact is (not overlap)  # without early updates nothing moved

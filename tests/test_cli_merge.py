@@ -22,7 +22,7 @@ IDS = torch.tensor([[1, 5, 9, 33, 200, 7]])
 
 def _adapter(base_dir, out, seed=1, **lora):
     """A PEFT adapter with random (non-zero) A and B, saved by PEFT itself."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)

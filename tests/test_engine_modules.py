@@ -4,7 +4,6 @@ engine's minimum device budget with everything else on NVMe, and with grad_accum
 
 from __future__ import annotations
 
-import copy
 import functools
 import gc
 import sys

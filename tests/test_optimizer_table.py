@@ -56,7 +56,7 @@ def test_sgd_momentum_state():
 
 
 def test_galore_default_rank_is_the_engines():
-    """The live drift of issue 13: the engine's GaLore ran at rank 128, the performance model
+    """A drift seen live: the engine's GaLore ran at rank 128, the performance model
     planned 256. One number now; a 4096 x 4096 layer shows which."""
     plan = pack_chunks([ParamSpec(name="model.layers.0.q.weight", shape=(4096, 4096))],
                        chunk_bytes=64 << 20, element_size=4)

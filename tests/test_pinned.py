@@ -4,7 +4,6 @@ allocator rounds each block up to a power of two. Exactness against plain PyTorc
 
 from __future__ import annotations
 
-import torch
 
 import tierwise.offload.engine.needs as needs
 from tierwise.offload import Engine

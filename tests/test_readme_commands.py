@@ -1,4 +1,4 @@
-"""README's commands print what README shows (issue 15): the quickstart run, the `plan`
+"""README's commands print what README shows: the quickstart run, the `plan`
 examples and `profile --nvme-path`. Figures that depend on the machine (times, rates, the
 progress bar's width) are masked on both sides; everything else must match line for line.
 The 70B plan sample is checked whole in test_safety_plan.py."""

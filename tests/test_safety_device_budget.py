@@ -1,4 +1,4 @@
-"""The automatic GPU budget never exceeds the device's memory (issue 15): on CUDA the free memory
+"""The automatic GPU budget never exceeds the device's memory: on CUDA the free memory
 torch.cuda.mem_get_info reports, on the simulated device the machine's RAM. On the old code a run
 without --gpu-mem was planned with the hardware profile's 8 GiB and run with no device budget at
 all, whatever the device had."""

@@ -1,5 +1,5 @@
-"""Every bad input is one `error:` line and exit 2, never a traceback, a prompt or silence
-(issue 15). On the old code each case below was a traceback, a MemoryError, an interactive
+"""Every bad input is one `error:` line and exit 2, never a traceback, a prompt or silence.
+On the old code each case below was a traceback, a MemoryError, an interactive
 "run the custom code? [y/N]" prompt, or accepted silently (NaN learning rate, `steps = true`,
 chat rows whose loss then fell on every token, /dev/zero read until the OOM killer)."""
 

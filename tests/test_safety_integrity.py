@@ -1,4 +1,4 @@
-"""Nothing corrupt flows on (issue 15): swap checksums, NaN losses, checkpoint manifests, `latest`.
+"""Nothing corrupt flows on: swap checksums, NaN losses, checkpoint manifests, `latest`.
 
 On the old code a swap file overwritten with 0xFF trained on to "done" with every loss NaN, a
 flipped byte or an F32->I32 dtype edit in engine.safetensors resumed silently, `latest` could

@@ -1,4 +1,4 @@
-"""Runs that share a machine: private swap directories, locks, --overwrite, signals (issue 15).
+"""Runs that share a machine: private swap directories, locks, --overwrite, signals.
 
 Each test reproduces what the issue saw on the old code: swap files written straight into
 --nvme-path under fixed names (a user's file there overwritten then deleted, a planted symlink

@@ -1,4 +1,4 @@
-"""The planner's NVMe bytes are the run's when the largest tensor dominates (issue 15).
+"""The planner's NVMe bytes are the run's when the largest tensor dominates.
 
 SmolLM2-135M's tied 49152 x 576 embedding (113 MB in fp32) is larger than a 64 MiB chunk and a
 fifth of the model; the issue saw 1.72 GiB planned against 2.43 GiB measured at fp32 with tight

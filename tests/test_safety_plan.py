@@ -1,5 +1,5 @@
-"""A plan that tells the user what to do, and a README that shows what the program prints
-(issue 15). The old plan had no verdict, an unexplained `reserve`, "1 tokens/s" for 1.45, no
+"""A plan that tells the user what to do, and a README that shows what the program prints.
+The old plan had no verdict, an unexplained `reserve`, "1 tokens/s" for 1.45, no
 grad-accum in its header, no word that its times are modelled; a refusal did not say what
 would fit; `finetune profile --nvme-path` (documented) did not exist and its progress lines
 had no units; the memory-timeline plot had no "backward" phase; the README sample had drifted.

@@ -1,4 +1,4 @@
-"""One preflight for every path (issue 15): training refuses what `plan` refuses, before it
+"""One preflight for every path: training refuses what `plan` refuses, before it
 allocates; automatic budgets never exceed the machine; sizes need units; --seq-len is bounded.
 
 On the old code `finetune --model 70b --gpu-mem 24G` started allocating host RAM (8 GiB after

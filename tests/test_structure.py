@@ -16,7 +16,7 @@ TOPS = ("offload", "optim", "cli", "profiles")
 STAGES = ["core", "update", "plan", "runtime", "engine", "tools"]
 
 # Cycles allowed, as (importer, imported) edges: none. (The engine's helpers took the whole
-# Engine back until issue 13's phase 3 made it a composition.)
+# Engine back until it became a composition.)
 KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 

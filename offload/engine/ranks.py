@@ -14,7 +14,7 @@ sharded: the local ranks of a node share one copy (offload.engine.sharedbase).
 
 Why whole chunks, not a slice of every chunk (ZeRO-3's layout): every updater runs unchanged on
 whole chunks -- torch's fused AdamW sees each parameter as one rank does (bit-exact), AdamW8bit
-keeps its 2048-element blocks, and a GaLore/APOLLO projection has its whole matrix -- and the
+keeps its 256-element blocks (optim/quant.py BLOCK), and a GaLore/APOLLO projection has its whole matrix -- and the
 collectives are plain broadcast/reduce. The cost: with few chunks the ranks' shares are uneven
 (chunk count / N rounded), and one owner's host link feeds each gather where slices would use
 all N links at once (ZeRO-Infinity's bandwidth-centric argument). What should decide: on a

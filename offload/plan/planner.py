@@ -43,7 +43,7 @@ from .perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buf
                                ops_per_forward, param_update_flops, predict_step)
 from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
 from .lora import LoraModel, base_dtype_of, frozen_chunk_bytes, lora_specs, step_trace
-from .schedule import ACQUIRE, plan_schedule
+from .schedule import plan_schedule
 from .needs import MARGIN_SHARE, device_needs, minimum_with_margin, workspace_margin, zo_workspace
 from .placement import DeviceNeeds, DevicePlan, plan_device
 from . import ranks as multi

@@ -259,7 +259,7 @@ def cuda_step_calibration(quick: bool, *, tflops: float, device: str = "cuda") -
 
     measured = _best(step, 2 if quick else 4, _cuda_sync)
     modelled = 3 * model_flops(model=ModelProfile.from_hf_config(cfg), batch_size=batch, seq_len=seq) / (tflops * 1e12)
-    del model
+    model = None  # its device memory back before the next measurement (the closure holds the name)
     if device == "cuda":
         torch.cuda.empty_cache()
     return measured / modelled
