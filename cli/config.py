@@ -206,15 +206,18 @@ class TrainConfig:
     --offload-activations (cli.planning.resolve_recompute)."""
     chunk_size: str = _f("64M", "Bytes of fp32 weights per chunk.", panel=HW, plan=True)
     optimizer: str = _f("adamw", "Optimizer.", panel=OPTIM, choices=OPTIMIZERS, plan=True)
-    lr: float | None = _f(None, "Peak learning rate (default: 1e-4; 1e-3 for the built-in demo).", panel=OPTIM)
-    """Peak learning rate; None: DEFAULT_LR, or DEMO_LR for the built-in demo."""
+    lr: float | None = _f(None, "Peak learning rate (default: 1e-4; 2e-4 with --lora/--qlora, as the QLoRA "
+                          "recipe; 1e-3 for the built-in demo).", panel=OPTIM)
+    """Peak learning rate; None: DEFAULT_LR, LORA_LR for a LoRA run, or DEMO_LR for the built-in demo."""
     weight_decay: float = _f(0.0, "Decoupled weight decay.", panel=OPTIM)
     grad_clip: float | None = _f(None, "Clip the global grad norm to this value.", panel=OPTIM)
     skip_nonfinite: int = _f(0, "Skip the update of a step whose loss (or, with --grad-clip, gradient norm) is "
                              "NaN/inf, up to N steps in a row; 0: stop the run at the first.", panel=OPTIM)
     """Skip (no update) a step whose loss, or with --grad-clip gradient norm, is NaN/inf, up to
     this many in a row; the next one stops the run. 0: stop at the first."""
-    precision: str = _f("fp32", "Compute precision.", panel=HW, choices=PRECISIONS, plan=True)
+    precision: str | None = _f(None, "Compute precision (default: bf16 for --lora/--qlora on a GPU, as QLoRA "
+                               "trains; fp32 otherwise).", panel=HW, choices=PRECISIONS, plan=True)
+    """None: resolved by `default_precision` (after --qlora); `precision_note` says why when it chose."""
     steps: int | None = _f(None, "Optimizer steps (default: one epoch; three epochs for the built-in demo).",
                            panel=SCHED)
     epochs: int | None = _f(None, "Epochs over --data (instead of --steps).", panel=SCHED)
@@ -254,19 +257,26 @@ class TrainConfig:
                           panel=HW, plan=True, choices=("micro", "step"))
     """Engine(grad_reduce=...) and the planner's (offload.plan.ranks)."""
     budgets: dict = field(init=False)
+    precision_note: "str | None" = field(init=False, default=None)
+    """Why a LoRA run computes in fp32 when no --precision was given (a device without bf16)."""
     """Parsed bytes: {"gpu": int|None, "cpu": ..., "cxl": ..., "nvme": ..., "chunk": int}."""
 
     #: Learning rate when --lr is not given; the built-in demo (no --model, no --data) uses a
     #: larger one and 3 epochs so that its loss visibly falls within seconds.
-    DEFAULT_LR, DEMO_LR, DEMO_EPOCHS = 1e-4, 1e-3, 3
+    DEFAULT_LR, LORA_LR, DEMO_LR, DEMO_EPOCHS = 1e-4, 2e-4, 1e-3, 3
 
     @property
     def is_demo(self) -> bool:
         return self.model is None and self.data is None
 
     def __post_init__(self):
+        lora = self.lora_rank is not None or self.qlora
         if self.lr is None:
-            self.lr = self.DEMO_LR if self.is_demo else self.DEFAULT_LR
+            self.lr = self.DEMO_LR if self.is_demo else self.LORA_LR if lora else self.DEFAULT_LR
+        if self.precision is None:
+            self.precision, self.precision_note = default_precision(lora=lora, hardware=self.hardware)
+            if self.base_dtype == "fp32" and self.precision != "fp32":  # the user's fp32 base: computed in fp32
+                self.precision, self.precision_note = "fp32", None
         if self.is_demo and self.steps is None and self.epochs is None:
             self.epochs = self.DEMO_EPOCHS
         for flag, text in (("--gpu-mem", self.gpu_mem), ("--cpu-mem", self.cpu_mem),
@@ -395,7 +405,36 @@ class TrainConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("budgets")
+        d.pop("precision_note")
         return d
+
+
+def default_precision(*, lora: bool, hardware: "str | None") -> "tuple[str, str | None]":
+    """(precision, note): a LoRA/QLoRA run computes in bf16 where its device has it, as QLoRA
+    does: the --hardware profile's GPU, else this machine's CUDA device; fp32 on the simulated
+    device (CPU), with a note saying so. A full fine-tune: fp32 (bf16 is a choice: --precision)."""
+    if not lora:
+        return "fp32", None
+    if hardware:
+        try:
+            from ..profiles import load_hardware_profile
+
+            simulated = load_hardware_profile(hardware).simulated
+        except Exception:  # noqa: BLE001 - an unknown profile is refused where it is loaded, naming the known ones
+            simulated = True
+        if not simulated:
+            return "bf16", None
+    else:
+        from .machine import has_cuda
+
+        if has_cuda():
+            import torch
+
+            if torch.cuda.is_bf16_supported():
+                return "bf16", None
+            return "fp32", "this GPU has no bf16: the LoRA run computes in fp32"
+    return "fp32", ("LoRA computes in fp32 on the simulated device (CPU); on a GPU it defaults to bf16, "
+                    "as QLoRA trains")
 
 
 #: --config's keys: every option field (a file may hold train keys `plan` does not use).

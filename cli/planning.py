@@ -274,8 +274,8 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
                  here: bool = True) -> list[tuple[str, object]]:
     """Changes to a refused run that the planner itself finds feasible: [(flags, plan)],
     fastest predicted step first, at most `limit`. Each is one change (chunk size, recompute,
-    half the micro-batch with twice the accumulation, bf16, 8-bit AdamW, both, the host RAM
-    the refusal named), and, for those that do not fit in memory, the same with NVMe swap
+    half the micro-batch with twice the accumulation, bf16, 8-bit AdamW, both, QLoRA for a full
+    fine-tune, the host RAM the refusal named), and, for those that do not fit in memory, the same with NVMe swap
     (checked against the free space of the current directory)."""
     both = {"precision": "bf16", "optimizer": "adamw8bit"}
     tries: list[tuple[str, dict]] = []
@@ -293,6 +293,8 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
         tries.append(("--optimizer adamw8bit", {"optimizer": "adamw8bit"}))
     if cfg.precision == "fp32" and cfg.optimizer == "adamw":
         tries.append(("--precision bf16 --optimizer adamw8bit", both))
+    if not cfg.lora:  # a full fine-tune that fits nowhere may fit as QLoRA (its own precision default)
+        tries.append(("--qlora", {"qlora": True, "precision": None}))
     host = error.minimum.get("host")
     ram = physical_ram()
     if host and (ram is None or host <= ram) and host > (host_budget(cfg, planning=True) or 0):

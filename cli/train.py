@@ -304,6 +304,8 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
     if cfg.lora:  # adapters as PEFT makes them after torch.manual_seed(seed); the base stays meta
         renames = lora_mod.inject(model, lora_mod.lora_config(cfg, base=_base_name(src)), seed=cfg.seed)
         console.print(lora_mod.summary(cfg, model), highlight=False, soft_wrap=True)
+        if cfg.precision_note:
+            console.print(cfg.precision_note, highlight=False, soft_wrap=True)
     preload_plots()
     engine = make_engine(model, cfg, ranks=ranks, plan=plan)
     engine.skip_nonfinite = bool(cfg.skip_nonfinite)

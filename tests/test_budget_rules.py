@@ -107,3 +107,26 @@ def test_plan_takes_the_detected_cxl_nodes(monkeypatch):
     assert this_machine(TrainConfig(model="tiny", cxl_mem="1G")).cxl.memory == 8 * GiB
     assert this_machine(TrainConfig(model="tiny", cxl_mem="1G", cxl_node="2")).cxl.memory == 5 * GiB
     assert this_machine(TrainConfig(model="tiny")) is None  # no CXL budget: the default profile
+
+
+def test_lora_defaults_follow_the_qlora_recipe(monkeypatch):
+    """--qlora / --lora-rank without --lr or --precision: lr 2e-4, and bf16 compute on a GPU
+    (a GPU profile, or this machine's CUDA device); fp32 on the simulated device, saying so."""
+    from tierwise.cli.config import TrainConfig
+
+    full = TrainConfig(model="llama-8b")
+    assert (full.lr, full.precision, full.precision_note) == (1e-4, "fp32", None)
+    gpu = TrainConfig(model="llama-70b", qlora=True, hardware="rtx4090")
+    assert (gpu.lr, gpu.precision, gpu.precision_note) == (2e-4, "bf16", None)
+    monkeypatch.setattr(machine, "has_cuda", lambda: False)
+    cpu = TrainConfig(model="tiny", lora_rank=8)
+    assert cpu.precision == "fp32" and "simulated device" in cpu.precision_note
+    assert TrainConfig(model="tiny", qlora=True, precision="bf16", lr=1e-3).lr == 1e-3  # given wins
+    assert TrainConfig(model="llama-8b", lora_rank=8, base_dtype="fp32", hardware="rtx4090").precision == "fp32"
+
+
+def test_qlora_headline_plans_in_bf16_as_typed():
+    r = _invoke("plan", "--model", "llama-70b", "--gpu-mem", "24G", "--cpu-mem", "64G", "--hardware", "rtx4090",
+                "--qlora")
+    assert r.exit_code == 0, r.output
+    assert "on rtx4090: adamw, bf16," in r.stdout
