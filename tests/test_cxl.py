@@ -330,3 +330,14 @@ def test_plan_and_profile_list_each_cxl_node(monkeypatch):
         "CXL node 2: 384.00 MiB, distance 21 (CXL region1): not measured"]
     monkeypatch.setattr(cxl, "detect_cxl_nodes", lambda *a, **k: [])
     assert cxl_lines() == ["CXL nodes here: none (the engine emulates one in host memory)"]
+
+
+def test_cxl_vm_shares_an_interpreter_the_guests_tmpfs_would_hide():
+    """A venv under /tmp: the guest mounts a tmpfs over /tmp, so its prefix is shared at its
+    host path; a prefix elsewhere (seen through the root) or inside the checkout is not."""
+    from tests.cxl_vm.harness import REPO, hidden_prefixes
+
+    assert hidden_prefixes(("/tmp/venv", "/usr")) == ["/tmp/venv"]
+    assert hidden_prefixes(("/run/user/0/env", "/tmp/venv", "/tmp/venv")) == ["/run/user/0/env", "/tmp/venv"]
+    assert hidden_prefixes(("/tmpfoo", "/opt/py")) == []
+    assert hidden_prefixes((str(REPO / ".venv"),)) == [] or not str(REPO).startswith("/tmp")

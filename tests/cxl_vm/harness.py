@@ -83,6 +83,12 @@ mount -t tmpfs tmpfs /newroot/run
 R="$(cat /newroot/cxlvm-out/repo)"
 mkdir -p "/newroot$R"
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose repo "/newroot$R" || echo "init: 9p repo failed"
+# the interpreter's prefixes the tmpfs mounts hide (a venv under /tmp), at their host paths too
+while read tag path; do
+    mkdir -p "/newroot$path"
+    mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose "$tag" "/newroot$path" \
+        || echo "init: 9p $tag failed"
+done < /newroot/cxlvm-out/prefixes
 # the guest's own deadline: a hung program still powers the VM off (no orphaned QEMU)
 timeout -s KILL "$(cat /newroot/cxlvm-out/timeout)" chroot /newroot /bin/sh /cxlvm-out/run.sh \
     > /newroot/cxlvm-out/guest.log 2>&1
@@ -91,6 +97,24 @@ sync
 echo o > /proc/sysrq-trigger
 sleep 30
 """
+
+
+#: What the guest mounts a tmpfs over (INIT): a host path below one is not seen through the root.
+GUEST_TMPFS = ("/tmp", "/run")
+
+
+def hidden_prefixes(prefixes: "tuple[str, ...] | None" = None) -> list[str]:
+    """The interpreter's prefixes (a venv's and its base) that lie under the guest's tmpfs
+    mounts, outside this checkout: each is shared into the guest at its host path, or the guest
+    would find no Python there."""
+    out = []
+    for p in prefixes if prefixes is not None else (sys.prefix, sys.base_prefix):
+        real = os.path.realpath(p)
+        hidden = any(real == t or real.startswith(t + "/") for t in GUEST_TMPFS)
+        inside = real == str(REPO) or real.startswith(str(REPO) + "/")
+        if hidden and not inside and real not in out:
+            out.append(real)
+    return out
 
 
 def build_initramfs(kver: str, dest: Path) -> Path:
@@ -155,6 +179,8 @@ def qemu_command(*, vmlinuz: str, initrd: Path, work: Path, out: Path, devices: 
            "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
            "-virtfs", f"local,path={out},mount_tag=out,security_model=none",
            "-virtfs", f"local,path={REPO},mount_tag=repo,security_model=none,readonly=on,multidevs=remap"]
+    for i, prefix in enumerate(hidden_prefixes()):
+        cmd += ["-virtfs", f"local,path={prefix},mount_tag=prefix{i},security_model=none,readonly=on,multidevs=remap"]
     for i in range(devices):
         mem, lsa = work / f"cxl-mem{i}.raw", work / f"cxl-lsa{i}.raw"
         for path, size in ((mem, DEVICE_MB << 20), (lsa, 256 << 20)):
@@ -190,6 +216,7 @@ def run_guest(argv: list[str], *, devices: int, interleave: bool = False, timeou
     out.mkdir()
     (out / "timeout").write_text(f"{max(int(timeout) - 60, 60)}\n")
     (out / "repo").write_text(f"{REPO}\n")
+    (out / "prefixes").write_text("".join(f"prefix{i} {p}\n" for i, p in enumerate(hidden_prefixes())))
     (out / "run.sh").write_text(
         f"cd {shlex.quote(str(REPO))}\n"
         f"export CXLVM_OUT=/cxlvm-out CXLVM_DEVICES={devices} PYTHONDONTWRITEBYTECODE=1 "
