@@ -108,7 +108,7 @@ def config_options(*, plan: bool = False):
                 args = [Enum(f.name, {c: c for c in meta["choices"]}, type=str)]
             annotation = Optional[args[0]] if args else kind
             decls = [meta["flag"]] if meta["flag"] else []
-            info = Opt(f.default, *decls, help=meta["help"], rich_help_panel=None if plan else meta["panel"])
+            info = Opt(f.default, *decls, help=meta["help"], rich_help_panel=meta["panel"])
             extra.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info,
                                            annotation=annotation))
 
@@ -125,6 +125,8 @@ def config_options(*, plan: bool = False):
 
     return decorate
 
+
+PLAN_PANEL = "Plan output"
 
 CONFIG_OPTION = Opt(None, "--config", help="TOML file holding any of these options "
                     "(e.g. gpu-mem = \"24G\"); command-line flags win; unknown keys are errors.",
@@ -168,15 +170,15 @@ def train(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION, **options)
 @config_options(plan=True)
 def plan(
     ctx: typer.Context,
-    json_out: bool = Opt(False, "--json", help="Print the plan as JSON."),
+    json_out: bool = Opt(False, "--json", help="Print the plan as JSON.", rich_help_panel=PLAN_PANEL),
     verify: bool = Opt(False, "--verify", help="Also run a few real steps with these settings "
                        "on this machine (simulated device without CUDA) and print planned vs "
-                       "measured bytes per tier; exit 0 on PASS, 1 on FAIL."),
+                       "measured bytes per tier; exit 0 on PASS, 1 on FAIL.", rich_help_panel=PLAN_PANEL),
     verify_steps: int = Opt(3, "--verify-steps", help="Steps --verify runs (the first is the "
-                            "warm-up)."),
+                            "warm-up).", rich_help_panel=PLAN_PANEL),
     config: Optional[Path] = Opt(None, "--config", is_eager=True, callback=config_callback,
                                  dir_okay=False, help="TOML file of options (train keys that "
-                                 "plan does not use are ignored)."),
+                                 "plan does not use are ignored).", rich_help_panel=PLAN_PANEL),
     **options,
 ) -> None:
     """Show where every chunk would live, the predicted peaks per tier and the step time."""
