@@ -108,6 +108,23 @@ def option_fields() -> list:
     return [f for f in fields(TrainConfig) if "cli" in f.metadata]
 
 
+def command_flags(options: dict, *, drop: "set[str]" = frozenset()) -> list[str]:
+    """The command-line flags that give `options` (field name -> value, as a command received
+    them): those that differ from their defaults, but the fields in `drop`."""
+    out: list[str] = []
+    for f in option_fields():
+        value = options.get(f.name, f.default)
+        if f.name in drop or value == f.default or value is None:
+            continue
+        flag = f.metadata["cli"]["flag"]
+        if isinstance(value, bool):
+            on, _, off = (flag or "--" + f.name.replace("_", "-")).partition("/")
+            out.append(on if value else off)
+        else:
+            out += ["--" + f.name.replace("_", "-"), str(value)]
+    return out
+
+
 def raise_config_error(ctx) -> None:
     if _META_ERROR in ctx.meta:
         raise ConfigError(ctx.meta[_META_ERROR])

@@ -201,7 +201,7 @@ def plan(
         result = make_plan(cfg, ranks=True, here=False)
     except InfeasibleBudget as e:
         if not json_out:
-            advise(cfg, e, console=Console(), ranks=True, here=False)
+            advise(cfg, e, console=Console(), ranks=True, here=False, given=options)
         raise
     print_plan(result, console=Console(), as_json=json_out)
     for note in local_notes(cfg, result):  # about this machine, not the plan: stderr, also with --json

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, command_flags
 from . import machine
 from .launch import RankInfo
 from .machine import free_disk, physical_ram
@@ -271,8 +272,8 @@ def engine_linears(src: "ModelSource") -> dict[str, str]:
 
 def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource | None",
                  padded: bool | None = None, limit: int = 5, ranks: bool = False,
-                 here: bool = True) -> list[tuple[str, object]]:
-    """Changes to a refused run that the planner itself finds feasible: [(flags, plan)],
+                 here: bool = True) -> list[tuple[str, object, dict]]:
+    """Changes to a refused run that the planner itself finds feasible: [(flags, plan, change)],
     fastest predicted step first, at most `limit`. Each is one change (chunk size, recompute,
     half the micro-batch with twice the accumulation, bf16, 8-bit AdamW, both, QLoRA for a full
     fine-tune, the host RAM the refusal named), and, for those that do not fit in memory, the same with NVMe swap
@@ -308,7 +309,7 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
             plan = make_plan(dataclasses.replace(cfg, **change), src=src, padded=padded, ranks=ranks, here=here)
         except (InfeasibleBudget, UnsupportedModel, ProfileError, ConfigError):  # still infeasible, or more than the machine has
             return False
-        fits.append((flags, plan))
+        fits.append((flags, plan, change))
         return True
 
     failed += [(f, c) for f, c in tries if not attempt(f, c)]
@@ -321,8 +322,9 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
 
 def advise(cfg: TrainConfig, error: InfeasibleBudget, *, console: Console,
            src: "ModelSource | None" = None, padded: bool | None = None, ranks: bool = False,
-           here: bool = True) -> None:
-    """Print the verdict of a refused plan and the cheapest changes that would fit."""
+           here: bool = True, given: "dict | None" = None) -> None:
+    """Print the verdict of a refused plan and the cheapest changes that would fit; with `given`
+    (the options as the user gave them), the command line of the fastest."""
     if src is None and not is_profile(cfg.model):
         src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     console.out(f"verdict: does not fit: {str(error).splitlines()[0]}", highlight=False)
@@ -332,10 +334,14 @@ def advise(cfg: TrainConfig, error: InfeasibleBudget, *, console: Console,
                     "host RAM or NVMe swap makes it fit on this machine", highlight=False)
         return
     console.out("would fit (each checked by the planner; fastest step first):", highlight=False)
-    width = max(len(f) for f, _ in fits)
-    for flags, plan in fits:
+    width = max(len(f) for f, _, _ in fits)
+    for flags, plan, _ in fits:
         peak = ", ".join(f"{t} {format_size(plan.peak[t])}" for t in ("gpu", "host", "nvme") if plan.peak.get(t))
         console.out(f"  {flags.ljust(width)}   step {plan.step_s:.3f} s, peaks {peak}", highlight=False)
+    if given is not None:
+        flags, _, change = fits[0]
+        line = shlex.join(["finetune", "plan", *command_flags(given, drop=set(change))]) + " " + flags
+        console.out(f"fastest: {line}", highlight=False)
 
 
 def data_padded(cfg: TrainConfig, src: "ModelSource | None" = None) -> bool:

@@ -130,3 +130,12 @@ def test_qlora_headline_plans_in_bf16_as_typed():
                 "--qlora")
     assert r.exit_code == 0, r.output
     assert "on rtx4090: adamw, bf16," in r.stdout
+
+
+def test_a_refused_plan_prints_the_command_of_its_fastest_fit():
+    r = _invoke("plan", "--model", "llama-70b", "--gpu-mem", "24G", "--cpu-mem", "64G", "--hardware", "rtx4090")
+    assert r.exit_code == 2
+    line = next(x for x in r.output.splitlines() if x.startswith("fastest: "))
+    assert line == "fastest: finetune plan --model llama-70b --gpu-mem 24G --cpu-mem 64G --hardware rtx4090 --qlora"
+    again = _invoke(*line.removeprefix("fastest: finetune ").split())
+    assert again.exit_code == 0 and "verdict: fits" in again.output
