@@ -33,7 +33,8 @@ def lora_config(cfg: TrainConfig, *, base: str | None = None):
     from peft import LoraConfig
 
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=cfg.target_list(), base_model_name_or_path=base)
+                      target_modules=cfg.target_list(), base_model_name_or_path=base,
+                      task_type="CAUSAL_LM")  # so AutoPeftModelForCausalLM can load the adapter
 
 
 def check_targets(model: torch.nn.Module, targets: "list[str] | str") -> None:
@@ -138,7 +139,8 @@ def export_adapter(named: Iterable[tuple[str, torch.Tensor]], model: torch.nn.Mo
     `base_model.model.` prefix (the model here is the bare one PEFT injected into), as
     PeftModel.save_pretrained writes them and PeftModel.from_pretrained expects."""
     from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
+
+    from . import tensorfile
 
     state = {n: t.to(dtype).contiguous() for n, t in named}
     adapters = {f"base_model.model.{k}": v for k, v in
@@ -147,7 +149,8 @@ def export_adapter(named: Iterable[tuple[str, torch.Tensor]], model: torch.nn.Mo
     if not adapters:
         raise ConfigError("LoRA export: the model has no adapters")  # nothing trained: never an empty dir
     out.mkdir(parents=True, exist_ok=True)
-    save_file(adapters, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    # (safetensors' save_file writes 0600 whatever the umask: others could not read the adapter)
+    tensorfile.write(out / "adapter_model.safetensors", adapters, metadata={"format": "pt"})
     config = model.peft_config[ADAPTER]
     config.inference_mode = True  # as PeftModel.save_pretrained writes it
     config.save_pretrained(str(out))

@@ -748,6 +748,8 @@ def _finish(engine, cfg: TrainConfig, src: ModelSource, out: Path, console: Cons
         dtype = cfg.export_dtype or "fp32"
         adapter_dir = lora_mod.export_adapter(engine.named_parameters_fp32(trainable_only=True), model,
                                               out / lora_mod.ADAPTER_DIR, dtype=_TORCH_DTYPES[dtype])
+        if src.tokenizer is not None:  # the adapter directory loads on its own, chat template included
+            src.tokenizer.save_pretrained(adapter_dir)
         trainable, total = lora_mod.counts(model)
         _plots(engine, out, title=f"{lora_mod.label(cfg)}: {trainable:,} trainable parameters "
                                   f"({100 * trainable / max(total, 1):.2f}%)")

@@ -113,7 +113,10 @@ def test_lora_run_equals_peft_and_exports_a_peft_adapter(assets, tmp_path, monke
     assert "trainable of" in seen["output"] and "PEFT adapter exported to" in seen["output"]
 
     adapter = out / "adapter"
-    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    names = {p.name for p in adapter.iterdir()}  # the adapter, and the tokenizer it loads with
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert not names - {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json",
+                        "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"}, names
     assert not (out / "model").exists()  # the base is unchanged: no copy of it
     with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
         mine = {k: f.get_tensor(k) for k in f.keys()}
@@ -130,6 +133,13 @@ def test_lora_run_equals_peft_and_exports_a_peft_adapter(assets, tmp_path, monke
     with torch.no_grad():
         logits = loaded(**eval_batch).logits
     assert torch.equal(logits, seen["logits"])  # the engine's last eval logits, from the adapter
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (adapter / "adapter_model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # others may read it
+    assert config["task_type"] == "CAUSAL_LM"  # so the auto class loads it, base and all
+    auto = peft.AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
+    with torch.no_grad():
+        assert torch.equal(auto(**eval_batch).logits, seen["logits"])
 
 
 def test_qlora_run_equals_peft_over_bitsandbytes_linear4bit(assets, tmp_path, monkeypatch):
