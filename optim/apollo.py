@@ -104,6 +104,7 @@ class ApolloAdamW(LowRankOptimizer):
     """APOLLO; `mini=True` (or ApolloMini) is rank-1 tensor-wise scaling. `rank` per group."""
 
     _mini_default = False
+    suggested_rank = 256
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, *, rank: Optional[int] = None,
@@ -135,5 +136,7 @@ class ApolloAdamW(LowRankOptimizer):
 
 class ApolloMini(ApolloAdamW):
     """APOLLO-Mini: rank-1 projection, tensor-wise scaling (the paper uses scale=128)."""
+
+    suggested_rank = 1
 
     _mini_default = True

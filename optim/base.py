@@ -88,7 +88,19 @@ class TierwiseOptimizer(torch.optim.Optimizer):
 class LowRankOptimizer(TierwiseOptimizer):
     """GaLore / APOLLO plumbing: groups with a `rank` project their >= 2-D params through
     `_projected_step`; every other param gets plain AdamW (the papers' choice for embeddings,
-    norms and biases). Non-fp32 params are updated through an fp32 copy."""
+    norms and biases). Non-fp32 params are updated through an fp32 copy. Built with no group
+    holding a rank it is refused: it would be plain AdamW with AdamW's state, saying nothing."""
+
+    #: the rank `finetune --optimizer NAME` uses, named in the refusal's hint
+    suggested_rank = 128
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+        if not any(g.get("rank") for g in self.param_groups):
+            name, r = type(self).__name__, self.suggested_rank
+            raise ValueError(f"{name} got no rank: every parameter would get plain AdamW (its full state); give "
+                             f"its groups with tierwise.offload.update.updaters.drop_in_groups(model, rank={r}) "
+                             f"(the 2-D weights projected, embeddings and norms plain), or rank={r} for all")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # every group (the constructor's too) is checked here: a bad rank or gap fails now,

@@ -154,3 +154,17 @@ def test_numpy_ints_and_a_whole_float_gap_are_taken():
         outs.append(w.detach().clone())
     assert torch.equal(outs[0], outs[2])
     assert not torch.equal(outs[1], w0)
+
+
+@pytest.mark.parametrize("cls, name", [(GaLoreAdamW, "galore"), (ApolloAdamW, "apollo"), (ApolloMini, "apollo-mini")])
+def test_drop_in_without_a_rank_is_refused_naming_drop_in_groups(cls, name):
+    """model.parameters() with no rank would be plain AdamW with its full state, silently (1026 MiB
+    of state for a 135M model instead of ~220): refused, the hint giving the CLI's rank."""
+    from tierwise.offload.update.table import OPTIMIZERS as TABLE
+
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8))
+    rank = TABLE[name].default_rank
+    assert cls.suggested_rank == rank  # one fact: the CLI's default rank
+    with pytest.raises(ValueError, match=rf"no rank: .*drop_in_groups\(model, rank={rank}\)"):
+        cls(model.parameters(), lr=1e-3)
+    cls(model.parameters(), lr=1e-3, rank=rank)  # a rank for all: accepted
