@@ -242,6 +242,8 @@ class TrainConfig:
     schedule: str = _f("cosine", "LR decay after warmup.", panel=SCHED, choices=SCHEDULES)
     eval_every: int = _f(0, "Evaluate on --eval-data every N steps (0: at the end only).", panel=SCHED)
     checkpoint_every: int = _f(0, "Checkpoint every N steps (always at the end and on Ctrl-C).", panel=OUTPUT)
+    log_every: int = _f(0, "With output not a terminal (nohup, a scheduler, > log): a progress line every N steps "
+                        "(0: about 100 lines a run).", panel=OUTPUT)
     keep_checkpoints: int = _f(2, "Complete checkpoints to keep (0: all).", panel=OUTPUT)
     seed: int = _f(0, "Seed for init, data order and sampling.", panel=SCHED)
     output: str = _f("output", "Run directory: checkpoints, metrics, plots, model/.", panel=OUTPUT)
@@ -331,7 +333,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         for name in ("eval_every", "checkpoint_every", "warmup_steps", "keep_checkpoints",
-                     "skip_nonfinite"):
+                     "skip_nonfinite", "log_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more")
         for name in ("steps", "epochs"):

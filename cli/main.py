@@ -160,7 +160,10 @@ def train(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION, **options)
         return
     from .train import run
 
-    code = run(cfg, console=Console())
+    console = Console()
+    if not console.is_terminal:  # a log file: lines whole, never folded at 80 columns
+        console.soft_wrap = True
+    code = run(cfg, console=console)
     if code:
         raise typer.Exit(code)
 

@@ -320,7 +320,7 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
         t0 = time.perf_counter()
         code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule,
                      start=start, total=total, eval_data=eval_data, console=console,
-                     losses=losses, padded=padded)
+                     losses=losses, padded=padded, intro=_intro(batches, start=start, total=total, plan=plan))
         console.print(summary(losses, first_step=start + 1, seconds=time.perf_counter() - t0),
                       highlight=False, soft_wrap=True)
         if code == 0:
@@ -610,16 +610,27 @@ def evaluate(engine, eval_data: list) -> float | None:
     return total / max(weight, 1.0)
 
 
+def _intro(batches: Batches, *, start: int, total: int, plan: Any) -> str:
+    """'steps 1-200 (50 a epoch), about 3:20 at the plan's 1.0 s a step'."""
+    from .progress import _clock
+
+    line = f"steps {start + 1}-{total} ({batches.batches_per_epoch} an epoch)"
+    step_s = getattr(plan, "step_s", None)
+    if step_s:
+        line += f", about {_clock(step_s * (total - start))} at the plan's {step_s:.3g} s a step"
+    return line
+
+
 def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
           schedule: LRSchedule, start: int, total: int, eval_data: list,
-          console: Console, losses: list[float | None], padded: bool = True) -> int:
+          console: Console, losses: list[float | None], padded: bool = True, intro: str | None = None) -> int:
     """Steps start+1..total; appends each train loss to `losses` (None: a step skipped with
     --skip-nonfinite); returns the exit code.
     A step the device budget cannot hold (StepOverBudget) checkpoints the last completed
     step and raises a one-line InfeasibleBudget (exit 2)."""
     step, in_a_row = start, 0
     with MetricsWriter(out / "metrics.jsonl") as metrics, _StopFlag() as stop, \
-            TrainProgress(console=console, total=total, start=start,
+            TrainProgress(console=console, total=total, start=start, every=cfg.log_every, intro=intro,
                           label=lora_mod.label(cfg) if cfg.lora else "") as bar:
         while step < total:
             lr = schedule.lr_at(step)
@@ -657,7 +668,8 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                 record["peak_bytes"] = dict(engine.ledger.peaks())
                 record.update(_rank_peaks(engine))
                 metrics.write(**record)
-                bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"], usage=engine.ledger.usage())
+                bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"], usage=engine.ledger.usage(),
+                           lr=lr, peaks=record["peak_bytes"])
             if step == start + 1:  # the engine's warm-up step (it traces and plans in it)
                 for line in _warmup_lines(engine, cfg, src, before, padded=padded):
                     bar.note(line)
@@ -673,7 +685,9 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                          "saved; run again with --resume to continue")
                 return 128 + signum
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
+                path = save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
+                if bar.plain:  # a log says where a run can resume from
+                    bar.note(f"step {step}: checkpoint {path.name} saved")
         evaluated = cfg.eval_every and step % cfg.eval_every == 0
         ev = evaluate(engine, eval_data) if eval_data and not evaluated else None
         if ev is not None:
