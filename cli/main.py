@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import functools
 import inspect
+import logging
 import os
 import sys
 import traceback
@@ -305,6 +306,18 @@ def fix_mmap_threshold() -> bool:
         return False
 
 
+class _OptionalKernelNotice(logging.Filter):
+    """bitsandbytes announces on every LoRA run, as a warning, that an optional CPU kernel from
+    the Hugging Face hub could not be loaded (no network, or an unverified publisher): nothing a
+    user can act on, and it reads like an error. Kept at debug level."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"):
+            logging.getLogger(__name__).debug("bitsandbytes: %s", record.getMessage())
+            return False
+        return True
+
+
 def main() -> None:
     """Console-script entry point. One of several ranks ends with os._exit once its output is
     flushed: the interpreter's teardown can wait seconds on the process groups' threads after a
@@ -316,6 +329,7 @@ def main() -> None:
     # allocation, so set before any; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     fix_mmap_threshold()
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OptionalKernelNotice())
     if not from_env().several:
         _run_app()
         return
