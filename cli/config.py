@@ -157,7 +157,8 @@ class TrainConfig:
     """Everything one `finetune` run needs; built from the merged options. Each field with
     `option` metadata is a command-line flag and a --config TOML key (see `option`)."""
 
-    model: str | None = _f(None, "Hugging Face model directory, or a model profile name (random init). "
+    model: str | None = _f(None, "Hugging Face model directory, Hub id (ORG/NAME: the local cache first), or a "
+                           "model profile name (random init). "
                            "Default: the built-in tiny model.", panel=MODEL, plan=True)
     """HF model dir or model profile name; None = the built-in tiny model."""
     data: str | None = _f(None, "JSONL ({\"text\"} | {\"prompt\",\"completion\"} | {\"messages\"}) or a "

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -159,8 +161,43 @@ def resolve_model(spec: str | None, *, trust_remote_code: bool = False) -> Model
         return _from_dir(path, trust_remote_code=trust_remote_code)
     if is_profile(spec):  # a profile name, or a profile given as a .toml file
         return _from_profile(spec)
+    if HUB_ID.fullmatch(spec):
+        source = _from_dir(hub_snapshot(spec), trust_remote_code=trust_remote_code)
+        return dataclasses.replace(source, name=spec)
     raise ModelError(f"--model {spec}: not a Hugging Face model directory "
-                     "(expected a directory with config.json)")
+                     "(expected a directory with config.json), a Hub id (ORG/NAME) or a model profile")
+
+
+#: A Hugging Face Hub model id: ORG/NAME (a path that exists is taken as a directory first).
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+#: What a run reads of a Hub snapshot: config, tokenizer and safetensors weights (never .bin).
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local directory of Hub model `repo_id`: the Hugging Face cache's snapshot when it is
+    there (no network), else downloaded into that cache with huggingface_hub's progress bars
+    (refused when HF_HUB_OFFLINE is set). HF_HUB_CACHE / HF_HOME are read now, not at import."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub")
+                                               if os.environ.get("HF_HOME") else None)
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=HUB_FILES, local_files_only=True))
+    except LocalEntryNotFoundError:
+        if _offline():
+            raise ModelError(f"--model {repo_id}: not in the local Hugging Face cache, and HF_HUB_OFFLINE is "
+                             "set: download it once online (or give its directory)") from None
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=HUB_FILES))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
+        raise ModelError(f"--model {repo_id}: no such directory here, and not a model the Hugging Face Hub "
+                         f"gave ({_first_line(e)})") from None
 
 
 def _from_dir(path: Path, *, trust_remote_code: bool = False) -> ModelSource:
