@@ -230,6 +230,30 @@ def profile(
 
 @app.command()
 @user_errors
+def generate(
+    run: Path = typer.Argument(..., help="A finished run's --output (its model/ or adapter/)."),
+    prompt: str = Opt(..., "--prompt", help="What to answer."),
+    max_new_tokens: int = Opt(64, "--max-new-tokens", help="Tokens to generate at most."),
+    chat: Optional[bool] = Opt(None, "--chat/--no-chat", help="Through the tokenizer's chat template "
+                               "(default: when it has one).", show_default=False),
+    temperature: float = Opt(0.0, "--temperature", help="0: greedy; above: sampling."),
+    trust_remote_code: bool = Opt(False, "--trust-remote-code", help="Allow a model that ships its "
+                                  "own Python code."),
+) -> None:
+    """Answer a prompt with the model a run trained: a LoRA run's adapter over its base as it
+    trained (an NF4 or int8 base decoded from the same encoding)."""
+    if max_new_tokens < 1:
+        raise TierwiseError("--max-new-tokens must be at least 1")
+    if not temperature >= 0:
+        raise TierwiseError(f"--temperature must be 0 or more, got {temperature}")
+    from .generate import generate as answer, load_trained
+
+    model, tokenizer = load_trained(run, trust_remote_code=trust_remote_code)
+    print(answer(model, tokenizer, prompt, max_new_tokens=max_new_tokens, chat=chat, temperature=temperature))
+
+
+@app.command()
+@user_errors
 def export(
     merge: bool = Opt(False, "--merge", help="Merge a LoRA adapter into its base model (the "
                       "only export mode)."),
