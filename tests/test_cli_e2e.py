@@ -22,7 +22,7 @@ import torch
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyhf import make_tiny_llama_dir, write_jsonl, error_line as _error_line  # noqa: E402
+from tinyhf import make_tiny_llama_dir, mean_eval_loss, write_jsonl, error_line as _error_line  # noqa: E402
 
 from tierwise.cli import checkpoint as ckpt  # noqa: E402
 from tierwise.cli.main import app  # noqa: E402
@@ -86,17 +86,6 @@ def reference(assets, tmp_path_factory):
 
 # -- a. a real HF checkpoint trains, streams, and exports the trained model ------------------
 
-def _mean_loss(model, batches) -> float:
-    """Token-weighted mean loss, exactly as cli.train.evaluate weighs the engine's."""
-    total = weight = 0.0
-    with torch.no_grad():
-        for b in batches:
-            n = float((b["labels"][:, 1:] != -100).sum())
-            total += float(model(**b).loss) * n
-            weight += n
-    return total / weight
-
-
 def test_hf_dir_trains_streams_and_exports_the_trained_model(assets, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -126,9 +115,9 @@ def test_hf_dir_trains_streams_and_exports_the_trained_model(assets, tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(out / "model")
     batches = eval_batches(load_blocks(str(data), tokenizer, seq_len=32), batch_size=2)
-    assert _mean_loss(exported, batches) == pytest.approx(engine_eval, rel=1e-5, abs=1e-6)
+    assert mean_eval_loss(exported, batches) == pytest.approx(engine_eval, rel=1e-5, abs=1e-6)
     initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assert _mean_loss(initial, batches) > engine_eval + 0.1
+    assert mean_eval_loss(initial, batches) > engine_eval + 0.1
 
 
 # -- b. SIGKILL, then --resume: the same losses, bit for bit ---------------------------------

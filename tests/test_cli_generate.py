@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.tinyhf import make_tiny_llama_dir, write_jsonl
+from tests.tinyhf import make_tiny_llama_dir, mean_eval_loss, write_jsonl
 from tierwise.cli.data import eval_batches, load_blocks
 from tierwise.cli.generate import load_trained
 from tierwise.cli.main import app
@@ -35,16 +35,6 @@ def test_generate_after_a_full_run_is_transformers_greedy(tmp_path):
     assert r.stdout.strip() == tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
-def _eval_loss(model, batches) -> float:
-    total = weight = 0.0
-    with torch.no_grad():
-        for b in batches:
-            n = float((b["labels"][:, 1:] != -100).sum())
-            total += float(model(**b).loss) * n
-            weight += n
-    return total / weight
-
-
 @pytest.mark.slow
 def test_a_qlora_run_answers_over_its_nf4_base(tmp_path):
     from peft import PeftModel
@@ -61,9 +51,9 @@ def test_a_qlora_run_answers_over_its_nf4_base(tmp_path):
 
     model, tok = load_trained(run)
     batches = eval_batches(load_blocks(str(held), tok, seq_len=16), batch_size=2)
-    assert _eval_loss(model, batches) == pytest.approx(trained, rel=1e-5)
+    assert mean_eval_loss(model, batches) == pytest.approx(trained, rel=1e-5)
     unquantised = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run / "adapter").eval()
-    assert abs(_eval_loss(unquantised, batches) - trained) > 1e-4  # the base it did not train over
+    assert abs(mean_eval_loss(unquantised, batches) - trained) > 1e-4  # the base it did not train over
     r = _run("generate", str(run), "--prompt", "The tiny model", "--max-new-tokens", "4", "--no-chat")
     assert r.stdout.strip()
 

@@ -290,3 +290,14 @@ def make_tiny_family_dir(path, family: str, *, vocab_size: int = 288, seed: int 
     model.save_pretrained(path, **save)
     tokenizer.save_pretrained(path)
     return path
+
+
+def mean_eval_loss(model, batches) -> float:
+    """Token-weighted mean loss of a plain model, exactly as cli.train.evaluate weighs the engine's."""
+    total = weight = 0.0
+    with torch.no_grad():
+        for b in batches:
+            n = float((b["labels"][:, 1:] != -100).sum())
+            total += float(model(**b).loss) * n
+            weight += n
+    return total / weight
