@@ -163,9 +163,9 @@ def check_budgets(cfg: TrainConfig, *, here: bool) -> None:
     """One rule for every budget: more than the hardware has is refused, never priced as fitting.
     The hardware is the --hardware profile's (its GPU), and for a run on this machine (`here`, or
     any plan without --hardware) also this machine's: RAM available now for --cpu-mem, the CUDA
-    device's free memory for --gpu-mem. (The simulated device's budget is host RAM the engine's
-    own preflight checks; NVMe space is nvme_budget's.)"""
-    gpu, cpu = cfg.budgets["gpu"], cfg.budgets["cpu"]
+    device's free memory for --gpu-mem (`_ram_over`: the simulated device's is host RAM). NVMe
+    space is nvme_budget's."""
+    gpu = cfg.budgets["gpu"]
     if cfg.hardware and gpu is not None:
         from ..profiles import load_hardware_profile
 
@@ -174,18 +174,11 @@ def check_budgets(cfg: TrainConfig, *, here: bool) -> None:
             raise ConfigError(f"--gpu-mem {format_size(gpu)} is more than the GPU of hardware profile "
                               f"'{hw.name}' has ({format_size(hw.gpu.memory)}): give --gpu-mem "
                               f"{format_size(hw.gpu.memory)} or less")
-    if not (here or not cfg.hardware):
+    if cfg.hardware and not here:  # another machine's plan: this one's RAM and GPU get notes
         return
-    if cpu is not None:
-        have = machine.available_ram()
-        simulated = gpu if gpu is not None and not machine.has_cuda() else 0  # that device is host RAM
-        need = cpu + simulated + planner.PROCESS_BYTES
-        if have is not None and need > have:
-            also = f" + --gpu-mem {format_size(simulated)} (the simulated device)" if simulated else ""
-            raise ConfigError(f"--cpu-mem {format_size(cpu)}{also} + about {format_size(planner.PROCESS_BYTES)} "
-                              f"for the process is more than this machine has available ({format_size(have)} of "
-                              f"{format_size(physical_ram() or have)} RAM): lower --cpu-mem (to plan another "
-                              "machine, name it with --hardware)")
+    over = _ram_over(cfg)
+    if over:
+        raise ConfigError(f"{over}: lower --cpu-mem (to plan another machine, name it with --hardware)")
     if gpu is not None and machine.has_cuda():
         have = machine.device_memory()
         if have is not None and gpu > have:
@@ -193,16 +186,27 @@ def check_budgets(cfg: TrainConfig, *, here: bool) -> None:
                               f"({format_size(have)}): lower --gpu-mem")
 
 
+def _ram_over(cfg: TrainConfig) -> "str | None":
+    """What --cpu-mem (and the simulated device's --gpu-mem, which is host RAM) with the process
+    beside them asks of this machine's available RAM, said when it is more; else None."""
+    gpu, cpu, have = cfg.budgets["gpu"], cfg.budgets["cpu"], machine.available_ram()
+    if cpu is None or have is None:
+        return None
+    simulated = gpu if gpu is not None and not machine.has_cuda() else 0
+    if cpu + simulated + planner.PROCESS_BYTES <= have:
+        return None
+    also = f" + --gpu-mem {format_size(simulated)} (the simulated device)" if simulated else ""
+    return (f"--cpu-mem {format_size(cpu)}{also} + about {format_size(planner.PROCESS_BYTES)} for the process "
+            f"is more than this machine has available ({format_size(have)} of {format_size(physical_ram() or have)} RAM)")
+
+
 def local_notes(cfg: TrainConfig, plan: Plan) -> list[str]:
     """For a plan of another machine (--hardware, --nvme-mem): where this machine falls short
     of it, so a run here would be refused."""
     if not (cfg.hardware or cfg.budgets["nvme"] is not None):
         return []
-    notes = []
-    cpu, have = cfg.budgets["cpu"], machine.available_ram()
-    if cpu is not None and have is not None and cpu > have:
-        notes.append(f"note: this machine has {format_size(have)} of RAM available, less than --cpu-mem "
-                     f"{format_size(cpu)}: a run here would be refused")
+    over = _ram_over(cfg)
+    notes = [f"note: {over}: a run here would be refused"] if over else []
     used = plan.peak.get("nvme", 0) if cfg.nvme_path else 0
     free = free_disk(cfg.nvme_path) if cfg.nvme_path else None
     if used and free is not None and used > free:

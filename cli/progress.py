@@ -80,7 +80,7 @@ class TrainProgress:
         parts.append(f"{tokens_per_s:,.0f} tok/s")
         if peaks:
             parts.append("peak " + " · ".join(f"{t} {format_size(b)}" for t, b in peaks.items() if b))
-        parts.append(f"elapsed {_clock(elapsed)}, ETA {_clock(eta)}")
+        parts.append(f"elapsed {clock(elapsed)}, ETA {clock(eta)}")
         self.console.print(", ".join(parts), highlight=False, soft_wrap=True)
 
     def note(self, text: str) -> None:
@@ -88,7 +88,7 @@ class TrainProgress:
             text, highlight=False, soft_wrap=True)
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
     """0:42 / 1:02:03."""
     s = int(round(seconds))
     h, m = divmod(s, 3600)

@@ -12,6 +12,7 @@ readers read them, and this reader reads theirs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from contextlib import nullcontext
@@ -33,13 +34,6 @@ NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _bytes_of(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
@@ -53,7 +47,7 @@ def header(entries: "list[tuple[str, torch.dtype, tuple[int, ...]]]", *,
     head: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for key, dtype, shape in entries:
-        nbytes = _numel(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         head[key] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(head, separators=(",", ":")).encode()
@@ -142,7 +136,7 @@ class Stored:
 
     def read_into(self, dst: torch.Tensor) -> None:
         """Read the tensor into contiguous CPU `dst` of its dtype and number of elements."""
-        if dst.dtype != self.dtype or dst.numel() != _numel(self.shape) or not dst.is_contiguous() \
+        if dst.dtype != self.dtype or dst.numel() != math.prod(self.shape) or not dst.is_contiguous() \
                 or dst.device.type != "cpu":
             raise ValueError(f"cannot read a {self.dtype} {self.shape} tensor into a {dst.dtype} "
                              f"{tuple(dst.shape)} one on {dst.device}")
@@ -182,7 +176,7 @@ def index(path: "str | Path") -> dict[str, Stored]:
             continue
         dtype, shape = DTYPES[e["dtype"]], tuple(int(d) for d in e["shape"])
         begin, stop = (int(x) for x in e["data_offsets"])
-        if stop - begin != _numel(shape) * dtype.itemsize or begin < 0 or start + stop > size:
+        if stop - begin != math.prod(shape) * dtype.itemsize or begin < 0 or start + stop > size:
             raise ValueError(f"{path}: tensor {key}'s offsets do not fit its shape or the file")
         out[key] = Stored(path, dtype, shape, start + begin, stop - begin)
         end = max(end, stop)

@@ -612,12 +612,12 @@ def evaluate(engine, eval_data: list) -> float | None:
 
 def _intro(batches: Batches, *, start: int, total: int, plan: Any) -> str:
     """'steps 1-200 (50 a epoch), about 3:20 at the plan's 1.0 s a step'."""
-    from .progress import _clock
+    from .progress import clock
 
     line = f"steps {start + 1}-{total} ({batches.batches_per_epoch} an epoch)"
     step_s = getattr(plan, "step_s", None)
     if step_s:
-        line += f", about {_clock(step_s * (total - start))} at the plan's {step_s:.3g} s a step"
+        line += f", about {clock(step_s * (total - start))} at the plan's {step_s:.3g} s a step"
     return line
 
 

@@ -21,8 +21,9 @@ def _invoke(*args: str):
 
 @pytest.fixture
 def small_machine(monkeypatch):
-    """This machine has 16 GiB of RAM available and 50 GiB free under any --nvme-path."""
+    """This machine has 16 GiB of RAM available, 50 GiB free under any --nvme-path, and no GPU."""
     monkeypatch.setattr(machine, "available_ram", lambda: 16 * GiB)
+    monkeypatch.setattr(machine, "has_cuda", lambda: False)
     monkeypatch.setattr("tierwise.cli.planning.free_disk", lambda path: 50 * GiB)
 
 
@@ -65,7 +66,8 @@ def test_what_if_plan_is_priced_on_the_profile_with_notes_about_this_machine(sma
     r = _invoke(*args)
     assert r.exit_code == 0, r.output
     assert "verdict: fits" in r.output
-    assert "note: this machine has 16.00 GiB of RAM available, less than --cpu-mem 256.00 GiB" in r.output
+    assert ("note: --cpu-mem 256.00 GiB + --gpu-mem 24.00 GiB (the simulated device) + about 360.00 MiB for the "
+            "process is more than this machine has available (16.00 GiB") in r.output
     assert "note: --nvme-path here has 50.00 GiB free" in r.output and "a run here would be refused" in r.output
     # --nvme-mem states the other machine's drive: a smaller one does not fit
     line = error_line(_invoke(*args, "--nvme-mem", "300G"))

@@ -26,13 +26,6 @@ class Deferred:
     shape: tuple[int, ...]
     open: Callable[[], AbstractContextManager[torch.Tensor]]
 
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
-
     def materialize(self) -> torch.Tensor:
         """A CPU copy of its own."""
         with self.open() as t:
