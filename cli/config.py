@@ -22,9 +22,7 @@ from ..offload.core.errors import TierwiseError
 from ..offload.core.sizes import parse_size
 from ..offload.core.nodes import parse_node_list
 from ..offload.update.table import NAMES as OPTIMIZERS
-from ..offload.core.encoding import BASE_DTYPES
-
-PRECISIONS = ("bf16", "fp32")
+from ..offload.core.vocab import BASE_DTYPES, COMPUTE_DTYPES as PRECISIONS, GRAD_REDUCE
 _META_ERROR = "tierwise.config_error"
 
 
@@ -274,7 +272,7 @@ class TrainConfig:
     grad_reduce: str = _f("micro", "Several ranks: 'micro' reduces each chunk's gradient onto its owner after every "
                           "micro-batch (a rank holds only its own chunks' gradients); 'step' keeps every chunk's "
                           "gradient on every rank and reduces once per step (less traffic with --grad-accum > 1).",
-                          panel=HW, plan=True, choices=("micro", "step"))
+                          panel=HW, plan=True, choices=GRAD_REDUCE)
     """Engine(grad_reduce=...) and the planner's (offload.plan.ranks)."""
     budgets: dict = field(init=False)
     precision_note: "str | None" = field(init=False, default=None)
@@ -324,7 +322,7 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown --optimizer {self.optimizer!r}: use one of {OPTIMIZERS}")
         if self.precision not in PRECISIONS:
-            raise ConfigError(f"unknown --precision {self.precision!r}: use bf16 or fp32")
+            raise ConfigError(f"unknown --precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
         if self.steps is not None and self.epochs is not None:
             raise ConfigError("give --steps or --epochs, not both")
         if self.offload_activations and self.recompute is False:

@@ -4,6 +4,7 @@ and the closing summary. Pure formatting; the numbers come from the engine and t
 from __future__ import annotations
 
 from ..offload.core.units import format_size
+from ..offload.core.vocab import TIERS
 
 PHASES = ("forward", "backward", "update")
 
@@ -34,7 +35,7 @@ def warmup_report(*, measured_times: dict[str, float], measured_peaks: dict[str,
     measured_peaks: engine.ledger.peaks(), {tier: bytes}.
     """
     planned_peaks = dict(plan.peak) if plan is not None else {}
-    tiers = [t for t in ("gpu", "host", "cxl", "nvme")
+    tiers = [t for t in TIERS
              if measured_peaks.get(t) or planned_peaks.get(t)]
     header = ["warm-up step", *PHASES, *(f"peak {t}" for t in tiers)]
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tierwise.offload.core.vocab import TIERS
+
 from tests.models import batches, masked_batches, tiny_llama, token_weights
 
 TINY = dict(layers=2, hidden=32, vocab=64)
@@ -418,7 +420,6 @@ def spawn_then_die(cases: list[dict], tmp: Path) -> tuple[list[dict], dict, list
     return torch.load(tmp / "results.pt"), record, codes
 
 
-TIERS = ("gpu", "host", "cxl", "nvme")
 STEPS = 3
 CPU_TIGHT = "104K"  # per rank: state, master and gradients on NVMe (tests/test_dist.py); 16K of it
 # the window of transient gradients (offload.engine.transient.window_bytes: two 8K chunks)

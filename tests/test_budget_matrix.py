@@ -50,6 +50,7 @@ import transformers
 
 from tierwise.offload import Engine
 from tierwise.offload.core.errors import InfeasibleBudget
+from tierwise.offload.core.vocab import COMPUTE_DTYPES
 from tierwise.offload.runtime.ledger import Ledger
 from tierwise.offload.plan.planner import make_plan
 from tierwise.offload.update.updaters import drop_in_groups
@@ -90,7 +91,7 @@ TIER_SETS = ("host", "host+nvme", "cxl+nvme", "hostmin+nvme")
 NVMe and everything, so part spills to disk; cxl+nvme: the minimum host, an emulated CXL node
 holding about half of what is left, the rest on NVMe; hostmin+nvme: the planner's minimum host
 (`Plan.host_minimum`, homes.minimum_host), what DRAM cannot hold beside the bounce buffers on NVMe."""
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = COMPUTE_DTYPES
 AXES = (tuple(MODELS), BUDGETS, OPTIMIZERS, TIER_SETS, PRECISIONS)
 
 

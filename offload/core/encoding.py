@@ -9,14 +9,11 @@ starts at an ALIGN_BYTES-aligned offset in its chunk's blob (`runtime.frozen`).
 
 from __future__ import annotations
 
+from .vocab import BASE_DTYPES, QUANTIZED  # noqa: F401 - the words; the sizes are here
+
 BLOCK = 64  # elements per absmax block (NF4 and int8); bitsandbytes' default for 4-bit
 NESTED_BLOCK = 256  # bitsandbytes' block for the double-quantized absmax
 ALIGN_BYTES = 16  # each parameter's encoding starts 16-byte aligned in a frozen chunk's blob
-
-BASE_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4")
-QUANTIZED = ("int8", "nf4")
-"""Base dtypes that encode only the linear weights: nn.Linear's (not the output head), as
-bitsandbytes does, and fused MoE experts (`fused_experts`)."""
 
 
 def fused_experts(name: str, shape) -> bool:

@@ -67,12 +67,12 @@ from ..core.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
 from ..core.errors import DIST_TIMEOUT_S, BudgetExceeded, UnsupportedModel
 from ..core.sizes import parse_size
 from ..core.units import format_size
+from ..core.vocab import GRAD_REDUCE, TIERS, check
 from ..plan.homes import assign_homes, bounce_sizes
 from ..plan.needs import workspace_margin
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
 from ..runtime.cores import cpu_threads
 from ..runtime.executor import Executor
-from ..runtime.ledger import TIERS
 from ..runtime.nvme import threads_per_rank
 from ..runtime.store import ChunkStore, SwapKind, frozen_kind_bytes, kind_bytes
 from ..runtime.swapping import Bounce, drop_ahead, read_ahead, update_all
@@ -163,8 +163,7 @@ class Engine:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
         if grad_clip is not None and not grad_clip > 0:  # (inf: the norm is measured, nothing clipped)
             raise ValueError(f"grad_clip must be a positive number (None: no clipping), got {grad_clip}")
-        if grad_reduce not in ("micro", "step"):
-            raise ValueError(f"grad_reduce must be 'micro' or 'step', got {grad_reduce!r}")
+        check(grad_reduce, GRAD_REDUCE, "grad_reduce")
         # refusals that do not depend on the adapters come before apply_lora changes the model
         check_no_own_checkpointing(model)
         if optimizer == "mezo" and loss_fn is not default_loss:

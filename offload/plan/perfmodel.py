@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ..core.chunks import ParamSpec
 from ..core.errors import TierwiseError
+from ..core.vocab import COMPUTE_BYTES
 from ..update.table import OptimizerSpec
 from ...profiles.hardware import HardwareProfile
 from ...profiles.model import ModelProfile
@@ -29,15 +30,13 @@ if TYPE_CHECKING:
     from .ranks import Collectives
 
 GB = 1e9
-PRECISIONS = {"fp32": 4, "bf16": 2}
 KINDS = ("compute", "grad", "master", "state")
-TIERS = ("gpu", "host", "cxl", "nvme")
 
 
 def compute_bytes(precision: str) -> int:
     """Bytes per element of the compute copy."""
     try:
-        return PRECISIONS[precision]
+        return COMPUTE_BYTES[precision]
     except KeyError:
         raise TierwiseError(f"unknown precision '{precision}' (use fp32 or bf16)") from None
 

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, ParamSpec, pack_chunks
 from ..core.errors import InfeasibleBudget, TierwiseError
+from ..core.vocab import GRAD_REDUCE, TIERS
 from .homes import Homes, assign_homes, minimum_host
 from .perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buffer_bytes, checkpoints_blocks,
                                compute_bytes, model_flops,
@@ -53,7 +54,6 @@ from ..core.sizes import parse_size
 from ...profiles import HardwareProfile, ModelProfile, load_hardware_profile, load_model_profile
 
 log = logging.getLogger(__name__)
-TIERS = ("gpu", "host", "cxl", "nvme")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +160,7 @@ class Plan:
         cols = kinds[:-1] + [f"base {self.base_dtype}"] if self.lora_rank is not None else list(kinds)
         cols += ["reserve", "peak", "budget"]
         rows = [["tier"] + cols]
-        for tier in ("gpu", "host", "cxl", "nvme"):
+        for tier in TIERS:
             budget = self.budgets.get(tier)
             if not self.peak.get(tier) and not budget:
                 continue
@@ -844,8 +844,8 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     each with its own NVMe bounce buffers; node 0 (ranks 0..L-1, the largest shares) is the one
     planned. Each rank is priced on its share of the node (`rank_share`) with its collectives;
     the step lasts as long as the slowest rank."""
-    if grad_reduce not in multi.GRAD_REDUCE:
-        raise TierwiseError(f"--grad-reduce must be one of {', '.join(multi.GRAD_REDUCE)}, got {grad_reduce!r}")
+    if grad_reduce not in GRAD_REDUCE:
+        raise TierwiseError(f"--grad-reduce must be one of {', '.join(GRAD_REDUCE)}, got {grad_reduce!r}")
     world, L = nproc * nnodes, nproc
     trainable = [c for c in range(ch.n) if c not in ch.frozen]
     owner = multi.owners(trainable, world)

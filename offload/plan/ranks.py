@@ -134,7 +134,6 @@ def check_layout(hw: HardwareProfile, *, nproc_per_node: int, nnodes: int, cost:
                             f"it: its projections are not sharded); use adamw, adamw8bit, sgd or mezo")
 
 
-GRAD_REDUCE = ("micro", "step")
 
 
 def window_bytes(plan: "ChunkPlan", trainable: list[int]) -> int:

@@ -14,8 +14,8 @@ import threading
 from collections import defaultdict
 
 from ..core.errors import BudgetExceeded
+from ..core.vocab import TIERS
 
-TIERS = ("gpu", "host", "cxl", "nvme")
 
 
 class Ledger:

@@ -43,7 +43,8 @@ from ..engine.frozen_base import linear_modules
 from ..engine.lora import inject_meta
 from ..engine.model_info import hf_meta_model
 from ..runtime.store import SwapKind
-from ..plan.planner import TIERS, Plan, make_plan
+from ..core.vocab import TIERS
+from ..plan.planner import Plan, make_plan
 from ..core.units import format_size
 from ...profiles import HardwareProfile, ModelProfile, load_hardware_profile
 from ...profiles.hardware import unmeasured_cxl
