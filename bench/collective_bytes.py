@@ -85,7 +85,7 @@ def tight_gpu(case: dict) -> int:
 
 
 def _worker(rank: int, world: int, todo: list[dict], steps: int, tmp: str) -> None:
-    from tierwise.offload import Engine
+    from tierwise.offload import Activations, Budget, Engine, Optim, Precision
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'rendezvous'}", rank=rank,
@@ -101,8 +101,9 @@ def _worker(rank: int, world: int, todo: list[dict], steps: int, tmp: str) -> No
         link_gbps = 2 * reps * buf.numel() * 4 / (time.perf_counter() - t0) / 1e9
         for case in todo:
             accum = case["grad_accum"]
-            eng = Engine(build(), lr=1e-3, chunk_bytes=CHUNK, precision=case["precision"],
-                         checkpointing=case["checkpointing"], gpu_mem=case["gpu_mem"])
+            eng = Engine(build(), budget=Budget(chunk=CHUNK, gpu=case["gpu_mem"]), optim=Optim(lr=1e-3),
+                         precision=Precision(case["precision"]),
+                         activations=Activations(recompute=case["checkpointing"]))
             batches = data(steps + 1, ROWS * accum * world)
             eng.step(batches[0], grad_accum=accum)  # warm-up: trace, placement
             before = dict(eng.ranks.bytes)

@@ -3,8 +3,8 @@
 The same Llama (the `100m` profile: hidden 640, 12 layers, 10 heads, intermediate 1792,
 vocab 32000, untied; 101.9M parameters), the same seed, the same synthetic token batches,
 batch 4 x seq 128, fp32, AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay 0), trained
-  ours  tierwise: tierwise.offload.Engine(model, optimizer="adamw", lr=1e-4, gpu_mem=<small>,
-        cpu_mem=<tight>, nvme_path=<dir>, checkpointing=False); like DeepSpeed here, it keeps
+  ours  tierwise: tierwise.offload.Engine(model, budget=Budget(gpu=<small>, cpu=<tight>, nvme=<dir>),
+        optim=Optim("adamw", lr=1e-4), activations=Activations(recompute=False)); like DeepSpeed here, it keeps
         every layer's activations (--recompute: ours with activation checkpointing, which
         needs a smaller device budget but computes each layer's forward twice)
   ds    DeepSpeed ZeRO-3, offload_param and offload_optimizer to NVMe, configured as in
@@ -278,7 +278,7 @@ def child_ours(spec_file: str) -> None:
     """The tierwise side (system python)."""
     import torch
 
-    from tierwise.offload import Engine, InfeasibleBudget, TierwiseError
+    from tierwise.offload import Activations, Budget, Engine, InfeasibleBudget, Optim, TierwiseError
 
     spec = common.load_spec(spec_file)
     if spec.get("side") == "plain":
@@ -309,10 +309,10 @@ def child_ours(spec_file: str) -> None:
     for _ in range(5):  # a budget below the engine's minimum is raised to that minimum (and said so)
         eng = None
         try:
-            eng = Engine(model, optimizer=spec.get("optimizer", "adamw"), lr=spec["lr"], betas=tuple(spec["betas"]),
-                         eps=spec["eps"], weight_decay=spec["weight_decay"], gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme_path=nvme_path,
-                         device=spec["device"], chunk_bytes=spec["chunk_bytes"],
-                         checkpointing=spec.get("checkpointing", False), activations=activations)
+            eng = Engine(model, budget=Budget(gpu=gpu_mem, cpu=cpu_mem, nvme=nvme_path, chunk=spec["chunk_bytes"]),
+                         optim=Optim(spec.get("optimizer", "adamw"), lr=spec["lr"], betas=tuple(spec["betas"]), eps=spec["eps"], weight_decay=spec["weight_decay"]),
+                         activations=Activations(recompute=spec.get("checkpointing", False), expected=activations),
+                         device=spec["device"])
             print(f"engine: gpu_mem={gpu_mem} cpu_mem={cpu_mem} nvme_path={nvme_path} device={eng.device} "
                   f"chunks={len(eng.plan.chunks)}", flush=True)
             if cuda:

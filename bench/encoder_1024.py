@@ -7,7 +7,7 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tierwise.offload import Engine
+from tierwise.offload import Engine, Optim
 torch.manual_seed(0)
 V, D = 256, 1024
 class M(nn.Module):
@@ -31,7 +31,7 @@ for b in data:
     opt.step()
     opt.zero_grad()
     rl.append(loss.item())
-eng = Engine(model, lr=1e-4, loss_fn=loss_fn)
+eng = Engine(model, optim=Optim(lr=1e-4), loss_fn=loss_fn)
 out_proj = [eng.plan.slots[f"enc.layers.{i}.self_attn.out_proj.weight"].chunk for i in range(2)]
 in_proj = [eng.plan.slots[f"enc.layers.{i}.self_attn.in_proj_weight"].chunk for i in range(2)]
 print("chunks", len(eng.plan.chunks), "in_proj in", in_proj, "out_proj in", out_proj, "engine", [eng.step(b) for b in data], "pytorch", rl)

@@ -39,7 +39,7 @@ def build(layers: int, vocab: int):
 
 
 def child(mode: str, steps: int, layers: int, budget_frac: float, vocab: int) -> dict:
-    from tierwise.offload import Engine
+    from tierwise.offload import Activations, Budget, Engine, Optim
 
     torch.set_num_threads(2)
     model = build(layers, vocab)
@@ -69,7 +69,8 @@ def child(mode: str, steps: int, layers: int, budget_frac: float, vocab: int) ->
             gpu = max(int(model_bytes * budget_frac), plan.gpu_minimum)
             out["asked_budget"] = int(model_bytes * budget_frac)
         act = activation_bytes(model=profile, batch_size=4, seq_len=128, precision="fp32")
-        eng = Engine(model, lr=1e-4, gpu_mem=gpu, chunk_bytes=16 << 20, activations=act)
+        eng = Engine(model, budget=Budget(gpu=gpu, chunk=16 << 20), optim=Optim(lr=1e-4),
+                     activations=Activations(expected=act))
 
         def step(x):
             return eng.step({"input_ids": x, "labels": x})

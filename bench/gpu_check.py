@@ -146,7 +146,7 @@ def big_data(a) -> list:
 def engine(a, model, data, *, gpu_mem: str, cap: bool = False, tokens: int = 0, **kw) -> dict:
     """`cap`: the CUDA allocator itself is limited to the gpu budget (on top of what it already
     held), so any byte the ledger does not count but the run needs shows as an OOM."""
-    from tierwise.offload import Engine
+    from tierwise.offload import Engine, flat_options
     from tierwise.offload.core.sizes import parse_size
 
     if cap and CUDA:
@@ -154,8 +154,8 @@ def engine(a, model, data, *, gpu_mem: str, cap: bool = False, tokens: int = 0, 
         torch.cuda.set_per_process_memory_fraction(min(1.0, (BASE[0] + parse_size(gpu_mem)) / total))
     kw = {"checkpointing": True} | kw
     t0 = time.perf_counter()
-    eng = Engine(copy.deepcopy(model), lr=1e-5, precision="bf16", gpu_mem=gpu_mem, device=DEV,
-                 chunk_bytes=a.chunk, **kw)
+    eng = Engine(copy.deepcopy(model), **flat_options(lr=1e-5, precision="bf16", gpu_mem=gpu_mem, device=DEV,
+                 chunk_bytes=a.chunk, **kw))
     setup = time.perf_counter() - t0
     warm = {}
 
@@ -240,10 +240,10 @@ def profiled(a, model, data, *, name: str, gpu_mem: str, **kw) -> dict:
     """One engine step under torch.profiler (after two warm-ups): top ops, device busy time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from tierwise.offload import Engine
+    from tierwise.offload import Engine, flat_options
 
-    eng = Engine(copy.deepcopy(model), lr=1e-5, precision="bf16", gpu_mem=gpu_mem, device=DEV,
-                 chunk_bytes=a.chunk, **({"checkpointing": True} | kw))
+    eng = Engine(copy.deepcopy(model), **flat_options(lr=1e-5, precision="bf16", gpu_mem=gpu_mem, device=DEV,
+                 chunk_bytes=a.chunk, **({"checkpointing": True} | kw)))
     try:
         for x in data[:2]:
             eng.step({"input_ids": x, "labels": x})

@@ -102,18 +102,18 @@ def make_at_minimum(kind: str, base_dtype: str, a, swap: str, first: dict):
 def make(kind: str, base_dtype: str, a, nvme_bw: float | None, swap: str):
     from peft import LoraConfig
 
-    from tierwise.offload import Engine
+    from tierwise.offload import Engine, flat_options
 
     lora = LoraConfig(r=a.rank, lora_alpha=2 * a.rank, target_modules="all-linear")
     kw = dict(lr=1e-4, chunk_bytes=a.chunk_mib << 20, lora=lora, base_dtype=base_dtype,
               checkpointing=False)
     if kind == "resident":
-        eng = Engine(build(a.layers, a.vocab), gpu_mem=None, **kw)
+        eng = Engine(build(a.layers, a.vocab), **flat_options(gpu_mem=None, **kw))
     elif kind == "host":
-        eng = Engine(build(a.layers, a.vocab), gpu_mem=a.gpu_mem, **kw)
+        eng = Engine(build(a.layers, a.vocab), **flat_options(gpu_mem=a.gpu_mem, **kw))
     else:
-        eng = Engine(build(a.layers, a.vocab), gpu_mem=a.gpu_mem, cpu_mem=a.cpu_mem,
-                     nvme_path=swap, **kw)
+        eng = Engine(build(a.layers, a.vocab), **flat_options(gpu_mem=a.gpu_mem, cpu_mem=a.cpu_mem,
+                     nvme_path=swap, **kw))
         eng.throttle = DriveThrottle(nvme_bw)
         eng.throttle.install(eng.nvme)
     return eng

@@ -25,7 +25,7 @@ SIZES = (16 << 10, 256 << 10, 4 << 20)  # fp32 elements: 64 KiB, 1 MiB, 16 MiB c
 
 
 def _worker(rank: int, world: int, reps: int, steps: int, tmp: str) -> None:
-    from tierwise.offload import Engine
+    from tierwise.offload import Budget, Engine, Optim
     from tierwise.offload.engine.ranks import Ranks
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, reps: int, steps: int, tmp: str) -> None:
         engines = {}
         for how in ("plain", "checked"):
             torch.manual_seed(0)
-            engines[how] = Engine(LlamaForCausalLM(cfg), lr=1e-3, chunk_bytes=16 << 10)
+            engines[how] = Engine(LlamaForCausalLM(cfg), budget=Budget(chunk=16 << 10), optim=Optim(lr=1e-3))
             engines[how].step(data[0])  # warm-up: trace, placement
         engines["plain"].ranks._check_order = lambda *a, **k: None  # the unchecked engine
         times = {"plain": [], "checked": []}

@@ -35,10 +35,10 @@ def build(layers: int, seed: int = 0):
 
 
 def run(*, layers: int, steps: int, gpu: int | None, bandwidth: float | None, data: list) -> dict:
-    from tierwise.offload import Engine
+    from tierwise.offload import Budget, Engine, Optim, Streaming
 
-    eng = Engine(build(layers), lr=1e-4, gpu_mem=gpu, chunk_bytes=16 << 20,
-                 h2d_bandwidth=bandwidth, d2h_bandwidth=bandwidth)
+    eng = Engine(build(layers), budget=Budget(gpu=gpu, chunk=16 << 20), optim=Optim(lr=1e-4),
+                 streaming=Streaming(h2d_bandwidth=bandwidth, d2h_bandwidth=bandwidth))
     eng.step(data[0])  # warm-up: trace, placement
     h2d0, d2h0 = (eng.executor.lanes[k].link.bytes_moved for k in ("h2d", "d2h"))
     wait0 = eng.executor.wait_seconds

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from tierwise.offload import Engine
+from tierwise.offload import Engine, flat_options
 from tierwise.offload.plan.planner import make_plan
 from tierwise.offload.tools.profiler import measure
 from tierwise.offload.core.units import format_size
@@ -55,8 +55,8 @@ def run(profile, *, precision, batch, seq, chunk, gpu, steps, lora=None, cpu=Non
 
         kw = dict(lora=LoraConfig(r=lora["lora_rank"], lora_alpha=2 * lora["lora_rank"], target_modules="all-linear"),
                   base_dtype=lora["base_dtype"], double_quant=lora.get("double_quant", False))
-    eng = Engine(transformers.LlamaForCausalLM(profile.to_hf_config()), gpu_mem=gpu, precision=precision,
-                 chunk_bytes=chunk, cpu_mem=cpu, nvme_path=nvme, **kw)
+    eng = Engine(transformers.LlamaForCausalLM(profile.to_hf_config()), **flat_options(gpu_mem=gpu, precision=precision,
+                 chunk_bytes=chunk, cpu_mem=cpu, nvme_path=nvme, **kw))
     x = torch.randint(0, profile.vocab_size, (batch, seq))
     eng.step({"input_ids": x, "labels": x})  # warm-up
     eng.ledger.reset_peaks()

@@ -106,15 +106,14 @@ PATCHES = {"no-spares": no_spares, "no-copy": no_master_copy, "no-ahead": no_rea
 
 
 def build_engine(hf: dict, a: argparse.Namespace, act: int, overlap: bool, nvme_dir: str):
-    from tierwise.offload import Engine, InfeasibleBudget
+    from tierwise.offload import Activations, Budget, Engine, InfeasibleBudget, Optim
 
     gpu_mem, cpu_mem = 1 << 20, a.cpu_mem
     for _ in range(5):  # below the minimum: raised to it, as the e2e bench does
         try:
-            return Engine(common.build_model(hf, seed=a.seed), optimizer="adamw", lr=a.lr, gpu_mem=gpu_mem,
-                          cpu_mem=cpu_mem, nvme_path=tempfile.mkdtemp(dir=nvme_dir), device="cpu",
-                          chunk_bytes=a.chunk_bytes, checkpointing=False, activations=act,
-                          overlap_update=overlap)
+            return Engine(common.build_model(hf, seed=a.seed), budget=Budget(gpu=gpu_mem, cpu=cpu_mem, nvme=tempfile.mkdtemp(dir=nvme_dir), chunk=a.chunk_bytes),
+                          optim=Optim("adamw", lr=a.lr, overlap_update=overlap),
+                          activations=Activations(recompute=False, expected=act), device="cpu")
         except InfeasibleBudget as exc:
             gpu_mem, cpu_mem = exc.minimum.get("gpu", gpu_mem), exc.minimum.get("host", cpu_mem)
     raise SystemExit("the engine kept refusing its budgets")

@@ -273,7 +273,7 @@ class TrainConfig:
                           "micro-batch (a rank holds only its own chunks' gradients); 'step' keeps every chunk's "
                           "gradient on every rank and reduces once per step (less traffic with --grad-accum > 1).",
                           panel=HW, plan=True, choices=GRAD_REDUCE)
-    """Engine(grad_reduce=...) and the planner's (offload.plan.ranks)."""
+    """Distributed(grad_reduce=...) and the planner's (offload.plan.ranks)."""
     budgets: dict = field(init=False)
     precision_note: "str | None" = field(init=False, default=None)
     """Why a LoRA run computes in fp32 when no --precision was given (a device without bf16)."""

@@ -32,6 +32,7 @@ from .progress import TrainProgress
 from .report import phase_delta, summary, warmup_report
 from .schedule import LRSchedule
 from ..offload.core.errors import InfeasibleBudget, StepOverBudget, TierwiseError
+from ..offload.core.options import Activations, Budget, Distributed, Optim, Precision
 from ..offload.core.sizes import parse_size
 from ..offload.runtime import lazy
 
@@ -74,7 +75,8 @@ def engine_class() -> Callable[..., TrainingEngine]:
 
 def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, ranks: "launch.RankInfo | None" = None,
                 plan: "Any" = None) -> TrainingEngine:
-    """Engine(model, ...) from the config (options left at the engine's default are not passed).
+    """Engine(model, ...) from the config: its options objects (offload.core.options), each
+    passed only where it differs from the engine's default.
     `plan`: the pre-flight's plan of this run (cli.planning.preflight, for its worst batch):
     the engine places chunks up front for its activations (LoRA's and its dropout's included);
     None (a family the planner does not price): the engine measures them in its warm-up.
@@ -83,22 +85,22 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, ranks: "launch.Rank
     for, a chunk size below its minimum, ...) become one-line user errors.
     """
     ranks = ranks or launch.from_env()  # several ranks on a node share its host and CXL budgets
-    kwargs = dict(  # --hardware is the planner's (link speeds), not the engine's
-        optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-        gpu_mem=gpu_budget(cfg), cpu_mem=_host_share(cfg, ranks, plan),
-        cxl_mem=launch.node_share(cfg.budgets["cxl"], ranks),
-        cxl_node=cfg.cxl_node, nvme_path=cfg.nvme_path, precision=cfg.precision,
-        nvme_checksum=cfg.nvme_checksum if cfg.nvme_path is not None else None,
-        offload_activations=cfg.offload_activations or None,
-        chunk_bytes=cfg.budgets["chunk"], grad_clip=cfg.grad_clip,
-        checkpointing=checkpointing(cfg),
-    )
-    kwargs["activations"] = None if plan is None else plan.reserve["gpu"]["activations"]
-    if cfg.grad_reduce != "micro":  # (the engine's default)
-        kwargs["grad_reduce"] = cfg.grad_reduce
-    if cfg.lora:  # the model carries its adapters already (cli.lora.inject): the engine takes it as is
-        kwargs.update(base_dtype=cfg.base_dtype, double_quant=cfg.base_dtype == "nf4")  # the QLoRA recipe
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    lora = bool(cfg.lora)  # the model carries its adapters already (cli.lora.inject): the engine takes it as is
+    try:
+        options = dict(  # --hardware is the planner's (link speeds), not the engine's
+            budget=Budget(gpu=gpu_budget(cfg), cpu=_host_share(cfg, ranks, plan),
+                          cxl=launch.node_share(cfg.budgets["cxl"], ranks), nvme=cfg.nvme_path,
+                          chunk=cfg.budgets["chunk"], cxl_node=cfg.cxl_node,
+                          nvme_checksum=cfg.nvme_checksum and cfg.nvme_path is not None),
+            optim=Optim(cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
+            precision=Precision(cfg.precision, base=cfg.base_dtype if lora else None,
+                                double_quant=lora and cfg.base_dtype == "nf4"),  # the QLoRA recipe
+            activations=Activations(recompute=checkpointing(cfg), offload=cfg.offload_activations,
+                                    expected=None if plan is None else plan.reserve["gpu"]["activations"]),
+            distributed=Distributed(grad_reduce=cfg.grad_reduce))
+    except ValueError as e:
+        raise ConfigError(f"the engine cannot run with these options: {e}") from None
+    kwargs = {k: v for k, v in options.items() if v != type(v)()}
     try:
         return engine_class()(model, **kwargs)
     except ValueError as e:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierwise.offload import Engine
+from tierwise.offload import Budget, Engine, Optim
 
 
 class Block(nn.Module):
@@ -46,8 +46,8 @@ def main() -> None:
     model = DeepRegressor()
     target = torch.randn(128)
     # Chunks of 256 KiB and a 2 MiB device budget: most of the model streams every step.
-    engine = Engine(model, optimizer="adamw", lr=1e-3, gpu_mem="2M", cpu_mem="1G",
-                    chunk_bytes=256 << 10, loss_fn=mse_loss)
+    engine = Engine(model, budget=Budget(gpu="2M", cpu="1G", chunk=256 << 10), optim=Optim("adamw", lr=1e-3),
+                    loss_fn=mse_loss)
     xs = torch.randn(8, 64, 128)  # 8 fixed batches of [B=64, D=128]
     try:
         window = []

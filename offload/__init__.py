@@ -15,6 +15,9 @@ from importlib import import_module
 
 _EXPORTS = {
     "Engine": ".engine.engine",
+    "Budget": ".core.options", "Optim": ".core.options", "Precision": ".core.options",
+    "Activations": ".core.options", "Distributed": ".core.options", "Streaming": ".core.options",
+    "flat_options": ".core.options",
     "BudgetExceeded": ".core.errors", "InfeasibleBudget": ".core.errors", "SizeError": ".core.errors",
     "TierwiseError": ".core.errors",
     "format_size": ".core.units", "parse_size": ".core.sizes",

@@ -107,7 +107,7 @@ def from_table(cls: type[T], table: Any, *, where: str, prefix: str = "") -> T:
     if not isinstance(table, dict):
         raise FieldTypeError(f"field '{prefix.rstrip('.')}' must be a table, got {table!r}",
                              where=where, field=prefix.rstrip("."))
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(typing.cast(Any, cls)) if f.init}
     for key in table:
         if key not in fields:
             raise UnknownFieldError(f"unknown field '{prefix}{key}' (known: {', '.join(sorted(fields))})",
@@ -122,7 +122,7 @@ def from_table(cls: type[T], table: Any, *, where: str, prefix: str = "") -> T:
             if not (has_default or optional):
                 raise MissingFieldError(f"missing field '{dotted}'", where=where, field=dotted)
             continue
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[name] = from_table(tp, table[name], where=where, prefix=dotted + ".")
         else:
             kwargs[name] = check_value(table[name], tp=tp, meta=f.metadata, where=where, field=dotted)

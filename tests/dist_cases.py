@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tierwise.offload.core.options import Budget, Distributed, Optim, Streaming, flat_options
 from tierwise.offload.core.vocab import TIERS
 
 from tests.models import batches, masked_batches, tiny_llama, token_weights
@@ -53,7 +54,7 @@ def engine_case(case: dict, rank: int, world: int, tmp: Path) -> dict:
     data = data_for(case["data"], case["steps"], rows=accum * world * 2)
     model = model_for(case)
     before = settled_pss_kib() if case.get("pss") else 0  # with the model built, before the engine
-    eng = Engine(model, **({"lr": 1e-2, "chunk_bytes": CHUNK} | kw))
+    eng = Engine(model, **flat_options(**({"lr": 1e-2, "chunk_bytes": CHUNK} | kw)))
     del model
     losses = [eng.step(b, grad_accum=accum) for b in data]
     memory = node_memory(eng, before) if case.get("pss") else {}
@@ -156,11 +157,11 @@ def resume_case(case: dict, rank: int, world: int) -> dict:
 
     accum = case["grad_accum"]
     data = data_for(case["data"], case["steps"], rows=accum * world * 2)
-    eng = Engine(model_for(case), lr=1e-2, chunk_bytes=CHUNK, **case.get("engine", {}))
+    eng = Engine(model_for(case), **flat_options(lr=1e-2, chunk_bytes=CHUNK, **case.get("engine", {})))
     losses = [eng.step(b, grad_accum=accum) for b in data[:case["split"]]]
     shard = eng.state_dict()
     eng.close()
-    eng = Engine(model_for(case), lr=1e-2, chunk_bytes=CHUNK, **case.get("engine", {}))
+    eng = Engine(model_for(case), **flat_options(lr=1e-2, chunk_bytes=CHUNK, **case.get("engine", {})))
     eng.load_state_dict(shard)
     measured = {}
     if case.get("measure"):
@@ -188,7 +189,7 @@ def refusals() -> dict:
     out = {}
     for opt in ("galore", "apollo"):
         try:
-            Engine(tiny_llama(**TINY), optimizer=opt, chunk_bytes=CHUNK)
+            Engine(tiny_llama(**TINY), budget=Budget(chunk=CHUNK), optim=Optim(opt))
         except Exception as exc:  # noqa: BLE001 - the message is what is checked
             out[opt] = str(exc)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -360,7 +361,8 @@ def _diverge(rank: int, tmp_path: Path) -> None:
 
     out = {}
     torch.manual_seed(0)
-    eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, loss_fn=loss_fn, dist_timeout=3 * DIE_TIMEOUT_S)
+    eng = Engine(tiny_llama(**TINY), budget=Budget(chunk=CHUNK), optim=Optim(lr=1e-2),
+                 distributed=Distributed(timeout=3 * DIE_TIMEOUT_S), loss_fn=loss_fn)
     data = data_for("plain", 2, rows=4)
     eng.step(data[0])
     out["branch"] = record(lambda: eng.step(data[1]))
@@ -386,7 +388,8 @@ def _die(rank: int, tmp_path: Path, timeout_s: float) -> None:
         return model(**batch).loss
 
     torch.manual_seed(0)
-    eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, loss_fn=loss_fn, dist_timeout=timeout_s)
+    eng = Engine(tiny_llama(**TINY), budget=Budget(chunk=CHUNK), optim=Optim(lr=1e-2),
+                 distributed=Distributed(timeout=timeout_s), loss_fn=loss_fn)
     data = data_for("plain", 3, rows=4)
     t0 = time.perf_counter()
     try:
@@ -438,7 +441,8 @@ def minimum_gpu() -> int:
     """The engine's smallest device budget for the tiny model (one rank, all chunks streamed)."""
     from tierwise.offload import Engine
 
-    eng = Engine(tiny_llama(**TINY), lr=1e-2, chunk_bytes=CHUNK, allow_gpu_home=False)
+    eng = Engine(tiny_llama(**TINY), budget=Budget(chunk=CHUNK), optim=Optim(lr=1e-2),
+                 streaming=Streaming(allow_gpu_home=False))
     eng.step(data_for("plain", 1, rows=4)[0], grad_accum=2)
     eng.close()
     return eng.minimum_gpu_bytes

@@ -48,7 +48,7 @@ import pytest
 import torch
 import transformers
 
-from tierwise.offload import Engine
+from tierwise.offload import Engine, flat_options
 from tierwise.offload.core.errors import InfeasibleBudget
 from tierwise.offload.core.vocab import COMPUTE_DTYPES
 from tierwise.offload.runtime.ledger import Ledger
@@ -288,10 +288,10 @@ def run_case(model: str, budget: str, opt: str, tiers: str, prec: str, *, tmp_pa
     planned = plan(model, opt, prec, gpu=b["gpu"], host=b["host"], cxl=b["cxl"], nvme=nvme, up_front=up_front,
                    checkpointing=checkpointing)
     activations = planned.reserve["gpu"]["activations"] if up_front else None
-    eng = Engine(fresh_model(model), optimizer=opt, optimizer_kwargs=OPT_KWARGS.get(opt), precision=prec,
+    eng = Engine(fresh_model(model), **flat_options(optimizer=opt, optimizer_kwargs=OPT_KWARGS.get(opt), precision=prec,
                  chunk_bytes=CHUNK, gpu_mem=b["gpu"], cpu_mem=b["host"], cxl_mem=b["cxl"] or None,
                  nvme_path=str(tmp_path / "swap") if nvme else None, activations=activations,
-                 checkpointing=checkpointing, **HP)
+                 checkpointing=checkpointing, **HP))
     where = f"{case_id((model, budget, opt, tiers, prec))} checkpointing {checkpointing} budgets {b}"
     try:
         batches = data(model)
@@ -389,8 +389,8 @@ PARAM_MATRIX = [pytest.param(*c, id=case_id(c)) if c in PARAM_DEFAULT
 def param_engine(kind: str, opt: str, prec: str, **budgets) -> Engine:
     from tests.param_models import Zoo, zoo_loss
 
-    return Engine(Zoo((kind,)), loss_fn=zoo_loss, optimizer=opt, optimizer_kwargs=OPT_KWARGS.get(opt), precision=prec,
-                  chunk_bytes=PARAM_CHUNK, **budgets, **HP)
+    return Engine(Zoo((kind,)), **flat_options(loss_fn=zoo_loss, optimizer=opt, optimizer_kwargs=OPT_KWARGS.get(opt), precision=prec,
+                  chunk_bytes=PARAM_CHUNK, **budgets, **HP))
 
 
 @functools.lru_cache(maxsize=None)
@@ -480,7 +480,7 @@ MODULE_CHUNK = 4 << 10  # several chunks even for these tiny models
 
 
 def module_engine(kind: str, opt: str, **kw) -> Engine:
-    return Engine(zoo.build(kind), optimizer=opt, chunk_bytes=MODULE_CHUNK, loss_fn=zoo.lm_loss, **HP, **kw)
+    return Engine(zoo.build(kind), **flat_options(optimizer=opt, chunk_bytes=MODULE_CHUNK, loss_fn=zoo.lm_loss, **HP, **kw))
 
 
 @functools.lru_cache(maxsize=None)
@@ -655,10 +655,10 @@ def test_budget_matrix_lora(case, tmp_path):
     planned = lora_plan(model, prec, base, targets, gpu=b["gpu"], host=b["host"], cxl=b["cxl"], nvme=nvme)
     start = fresh_model(model)
     torch.manual_seed(7)  # LoRA's init draws random numbers: as the reference's
-    eng = Engine(start, lora=lora_config(targets), base_dtype=base, double_quant=base == "nf4",
+    eng = Engine(start, **flat_options(lora=lora_config(targets), base_dtype=base, double_quant=base == "nf4",
                  precision=prec, chunk_bytes=CHUNK, gpu_mem=b["gpu"], cpu_mem=b["host"], cxl_mem=b["cxl"] or None,
                  nvme_path=str(tmp_path / "swap") if nvme else None,
-                 activations=planned.reserve["gpu"]["activations"], **HP)
+                 activations=planned.reserve["gpu"]["activations"], **HP))
     where = f"lora-{case_id(tuple(map(str, case)))} budgets {b}"
     try:
         batches = data(model)
@@ -702,9 +702,9 @@ def test_lora_base_traffic_matches_plan(base, tmp_path):
     assert planned.base_written == 0
     start = fresh_model(model)
     torch.manual_seed(7)
-    eng = Engine(start, lora=lora_config(targets), base_dtype=base, double_quant=base == "nf4", precision=prec,
+    eng = Engine(start, **flat_options(lora=lora_config(targets), base_dtype=base, double_quant=base == "nf4", precision=prec,
                  chunk_bytes=CHUNK, gpu_mem=gpu, cpu_mem=host, nvme_path=str(tmp_path / "swap"),
-                 activations=planned.reserve["gpu"]["activations"], **HP)
+                 activations=planned.reserve["gpu"]["activations"], **HP))
     try:
         batches = data(model)
         eng.step(batches[0])  # the warm-up records the trace
@@ -741,9 +741,9 @@ def test_lora_partial_gpu_home_base_traffic_matches_plan(base):
     planned = lora_plan(model, prec, base, targets, gpu=gpu, host=1 << 30)
     assert 0 < planned.bytes["gpu"]["base"] < roomy.bytes["gpu"]["base"] and planned.base_read["host"] > 0
     torch.manual_seed(7)
-    eng = Engine(fresh_model(model), lora=lora_config(targets), base_dtype=base, double_quant=base == "nf4",
+    eng = Engine(fresh_model(model), **flat_options(lora=lora_config(targets), base_dtype=base, double_quant=base == "nf4",
                  precision=prec, chunk_bytes=CHUNK, gpu_mem=gpu, cpu_mem=1 << 30,
-                 activations=planned.reserve["gpu"]["activations"], **HP)
+                 activations=planned.reserve["gpu"]["activations"], **HP))
     try:
         batches = data(model)
         eng.step(batches[0])  # the warm-up records the trace

@@ -26,7 +26,7 @@ from tierwise.cli import train as cli_train  # noqa: E402
 from tierwise.cli.config import TrainConfig  # noqa: E402
 from tierwise.cli.main import app  # noqa: E402
 from tierwise.cli.planning import make_plan  # noqa: E402
-from tierwise.offload import Engine  # noqa: E402
+from tierwise.offload import Activations, Budget, Engine, Optim, Precision  # noqa: E402
 from tierwise.offload.core.errors import StepOverBudget  # noqa: E402
 from tierwise.offload.plan.perfmodel import activation_bytes  # noqa: E402
 from tierwise.profiles import ModelProfile  # noqa: E402
@@ -54,7 +54,8 @@ def test_padded_batch_activations_are_planned_exactly(precision, checkpointing, 
     model.config.num_key_value_heads = kv
     model = type(model)(model.config)
     profile = ModelProfile.from_hf_config(model.config)
-    engine = Engine(model, precision=precision, chunk_bytes=16 << 10, checkpointing=checkpointing)
+    engine = Engine(model, budget=Budget(chunk=16 << 10), precision=Precision(precision),
+                    activations=Activations(recompute=checkpointing))
     try:
         got = {}
         for padded in (False, True):
@@ -157,7 +158,8 @@ def _engine_with_estimate(*, gpu: int, overlap: bool = True) -> tuple[Engine, in
     model = tiny_llama(layers=2, hidden=32, vocab=64)
     est = activation_bytes(model=ModelProfile.from_hf_config(model.config), batch_size=2, seq_len=24,
                            precision="fp32")
-    return Engine(model, chunk_bytes=4 << 10, activations=est, gpu_mem=gpu, overlap_update=overlap), est
+    return Engine(model, budget=Budget(chunk=4 << 10, gpu=gpu), optim=Optim(overlap_update=overlap),
+                  activations=Activations(expected=est)), est
 
 
 FULL = [_batch(rows=2, seq=24, vocab=64, pad=0, seed=s) for s in (1, 2)]
@@ -194,7 +196,7 @@ def test_measure_makes_the_placement_hold_the_worst_batch():
     placement within the budget for the padded step (the stream cache gives way), or says
     so after a completed step; here it gives way and every step runs."""
     engine, est = _engine_with_estimate(gpu=GPU)
-    roomy = Engine(tiny_llama(layers=2, hidden=32, vocab=64), chunk_bytes=4 << 10)
+    roomy = Engine(tiny_llama(layers=2, hidden=32, vocab=64), budget=Budget(chunk=4 << 10))
     try:
         assert engine.measure(PADDED) > est
         assert engine.steps == 0
@@ -273,14 +275,15 @@ def test_a_first_step_below_the_minimum_says_so_and_does_not_point_at_measure():
     from tests import module_zoo as zoo
 
     batch = zoo.data(1)[0]
-    free = Engine(zoo.build("tied"), lr=1e-3, chunk_bytes=4 << 10, loss_fn=zoo.lm_loss)
+    free = Engine(zoo.build("tied"), budget=Budget(chunk=4 << 10), optim=Optim(lr=1e-3), loss_fn=zoo.lm_loss)
     try:
         free.step(batch)
         true_minimum = free.minimum_gpu_bytes
     finally:
         free.close()
     budget = true_minimum // 2
-    eng = Engine(zoo.build("tied"), lr=1e-3, chunk_bytes=4 << 10, loss_fn=zoo.lm_loss, gpu_mem=budget)
+    eng = Engine(zoo.build("tied"), budget=Budget(chunk=4 << 10, gpu=budget), optim=Optim(lr=1e-3),
+                 loss_fn=zoo.lm_loss)
     try:
         with pytest.raises(StepOverBudget, match="below the engine's minimum") as exc:
             eng.step(batch)

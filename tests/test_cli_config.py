@@ -97,10 +97,10 @@ def test_unknown_flag_is_exit_2():
 
 def test_engines_satisfy_the_cli_protocol():
     from tests.models import tiny_llama
-    from tierwise.offload import Engine
+    from tierwise.offload import Budget, Engine
 
     model = tiny_llama(layers=2, hidden=32)
-    engine = Engine(model, chunk_bytes=16 << 10)
+    engine = Engine(model, budget=Budget(chunk=16 << 10))
     try:
         assert isinstance(engine, cli_train.TrainingEngine)
     finally:
@@ -110,17 +110,19 @@ def test_engines_satisfy_the_cli_protocol():
 
 
 def test_make_engine_refuses_an_option_the_engine_does_not_take(monkeypatch):
-    """No option is dropped with a warning any more: an engine without one is a TypeError."""
+    """No option is dropped with a warning: an engine without one is a TypeError. A group left
+    at its default is not passed."""
     from tests.models import tiny_llama
 
-    class NoClip(StandInEngine):
-        def __init__(self, model, *, optimizer="adamw", lr=1e-4, weight_decay=0.0, gpu_mem=None, cpu_mem=None, chunk_bytes=None,
-                     precision="fp32", activations=None):
-            super().__init__(model, optimizer=optimizer, lr=lr, weight_decay=weight_decay)
+    class OneRank(StandInEngine):
+        def __init__(self, model, *, optim=None, budget=None, precision=None, activations=None):
+            super().__init__(model, optim=optim)
 
-    monkeypatch.setattr(cli_train, "engine_class", lambda: NoClip)
-    with pytest.raises(TypeError, match="grad_clip"):
-        cli_train.make_engine(tiny_llama(layers=2, hidden=32), TrainConfig(grad_clip=1.0, model="x"))
+    monkeypatch.setattr(cli_train, "engine_class", lambda: OneRank)
+    model = tiny_llama(layers=2, hidden=32)
+    cli_train.make_engine(model, TrainConfig(grad_clip=1.0, model="x", precision="fp32", lr=1e-4))
+    with pytest.raises(TypeError, match="distributed"):
+        cli_train.make_engine(model, TrainConfig(grad_reduce="step", model="x", precision="fp32", lr=1e-4))
 
 
 @pytest.mark.parametrize("name", ["tiny", "100m", "llama-7b", "qwen2.5-7b", "mistral-7b", "llama-8b"])

@@ -260,7 +260,7 @@ def test_fused_qkv_on_disk_splits_into_the_engine_and_back(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tierwise.cli.layout import iter_export
-    from tierwise.offload import Engine
+    from tierwise.offload import Budget, Engine
 
     cfg = AutoConfig.for_model("sarvam_moe", vocab_size=288, hidden_size=32, intermediate_size=64,
                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -273,7 +273,7 @@ def test_fused_qkv_on_disk_splits_into_the_engine_and_back(tmp_path):
     ref = _from_pretrained(tmp_path / "src")
     model = build_meta_model(ref.config)
     layout = ModelLayout.of(model)
-    engine = Engine(model, chunk_bytes=16 << 10)
+    engine = Engine(model, budget=Budget(chunk=16 << 10))
     try:
         engine.load_weights(iter_checkpoint(model, layout, tmp_path / "src"))
         mine = dict(engine.named_parameters_fp32())

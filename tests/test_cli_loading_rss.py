@@ -17,12 +17,12 @@ SCRIPT = textwrap.dedent("""
     from transformers import AutoConfig, AutoModelForCausalLM
     from tierwise.cli.layout import ModelLayout, iter_checkpoint
     from tierwise.cli.loading import build_meta_model
-    from tierwise.offload import Engine
+    from tierwise.offload import Budget, Engine
 
     model_dir, swap, cpu_mem = sys.argv[1], sys.argv[2], int(sys.argv[3])
     model = build_meta_model(AutoConfig.from_pretrained(model_dir))
     layout = ModelLayout.of(model)
-    eng = Engine(model, gpu_mem="64M", cpu_mem=cpu_mem, nvme_path=swap, chunk_bytes=512 << 10)
+    eng = Engine(model, budget=Budget(gpu="64M", cpu=cpu_mem, nvme=swap, chunk=512 << 10))
     def rss():  # anonymous (what the process holds) and file-backed (mapped shards, library code)
         with open("/proc/self/status") as f:
             kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if line.startswith("Rss"))}

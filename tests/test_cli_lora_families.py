@@ -17,7 +17,7 @@ from tinyhf import error_line, family_config, make_tiny_family_dir, write_jsonl 
 
 from tierwise.cli.builtin import sample_rows  # noqa: E402
 from tierwise.cli.main import app  # noqa: E402
-from tierwise.offload import Engine  # noqa: E402
+from tierwise.offload import Budget, Engine, Precision  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,8 @@ def test_quantized_base_of_conv1d_layers_is_refused(gpt2, tmp_path, flags, dtype
 
     hf = AutoModelForCausalLM.from_config(family_config("gpt2"))
     with pytest.raises(ValueError, match=r"c_attn\.base_layer\.weight.*Conv1D"):
-        Engine(hf, lora=peft.LoraConfig(r=4, target_modules="all-linear"), chunk_bytes=16 << 10,
-               base_dtype=dtype)
+        Engine(hf, budget=Budget(chunk=16 << 10), precision=Precision(base=dtype),
+               lora=peft.LoraConfig(r=4, target_modules="all-linear"))
 
 
 def test_unknown_target_names_the_conv1d_layers(gpt2, tmp_path):

@@ -243,10 +243,10 @@ def test_budget_over_the_nodes_is_refused_with_their_size():
     with pytest.raises(TierwiseError, match=rf"--cxl-mem .* more than the CXL memory there is "
                                             rf"\(.*node 0: {format_size(node0.mem_total)}\)"):
         alloc.check_fits(node0.mem_total + 1)
-    from tierwise.offload import Engine
+    from tierwise.offload import Budget, Engine
 
     with pytest.raises(TierwiseError, match=f"node 0: {format_size(node0.mem_total)}"):
-        Engine(torch.nn.Linear(4, 4), cxl_mem=node0.mem_total + (1 << 30), cxl_node=0,
+        Engine(torch.nn.Linear(4, 4), budget=Budget(cxl=node0.mem_total + (1 << 30), cxl_node=0),
                loss_fn=lambda m, b: m(b).sum())
 
 

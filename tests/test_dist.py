@@ -11,7 +11,7 @@ transformers in each process are most of the time."""
 import pytest
 import torch
 
-from tierwise.offload import Engine
+from tierwise.offload import Engine, flat_options
 from tests.dist_cases import CHUNK, DEEP, RANK_THREADS, STEPS, TINY, case, data_for, rank_threads, spawn
 from tests.models import tiny_llama
 
@@ -22,7 +22,7 @@ def one_rank(data_name: str, *, world: int, grad_accum: int, optimizer: str = "a
     their peak in host, CXL and NVMe])."""
     data = data_for(data_name, STEPS, rows=grad_accum * world * 2)
     with rank_threads():
-        eng = Engine(tiny_llama(**(TINY | (model or {}))), lr=1e-2, chunk_bytes=CHUNK, optimizer=optimizer, **kw)
+        eng = Engine(tiny_llama(**(TINY | (model or {}))), **flat_options(lr=1e-2, chunk_bytes=CHUNK, optimizer=optimizer, **kw))
         losses = [eng.step(b, grad_accum=grad_accum * world) for b in data]
     weights = dict(eng.named_parameters_fp32())
     grad = sum(eng.ledger.kind_peak(t, "grad") for t in ("host", "cxl", "nvme"))

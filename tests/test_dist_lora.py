@@ -11,7 +11,7 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from tierwise.offload import Engine, parse_size  # noqa: E402
+from tierwise.offload import Engine, flat_options, parse_size  # noqa: E402
 from tests.dist_cases import (BIG, BIG_KW, CHUNK, LORA_TIGHT, STEPS, TINY, data_for, lora_config,  # noqa: E402
                               rank_threads)
 from tests.models import tiny_llama  # noqa: E402
@@ -22,8 +22,8 @@ def one_rank(data_name: str, *, grad_accum: int, model=None, **kw) -> tuple:
     data = data_for(data_name, STEPS, rows=grad_accum * 2 * 2)
     torch.manual_seed(0)
     with rank_threads():
-        eng = Engine(tiny_llama(**(TINY | (model or {}))), lora=lora_config({}),
-                     **({"lr": 1e-2, "chunk_bytes": CHUNK} | kw))
+        eng = Engine(tiny_llama(**(TINY | (model or {}))), **flat_options(lora=lora_config({}),
+                     **({"lr": 1e-2, "chunk_bytes": CHUNK} | kw)))
         losses = [eng.step(b, grad_accum=grad_accum * 2) for b in data]
     weights = dict(eng.named_parameters_fp32(trainable_only=True))
     eng.close()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tierwise.offload import Engine
+from tierwise.offload import Engine, Optim
 from tierwise.offload.engine.batches import split_batch
 
 
@@ -56,7 +56,7 @@ def test_one_label_per_row_micro_batches_of_one_row_weigh_alike():
     g = torch.Generator().manual_seed(1)
     data = [(torch.randint(0, 32, (4, 6), generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
     ref_losses, ref = reference_steps(model, data, 4, lambda m, b: m(input_ids=b[0], labels=b[1]).loss)
-    eng = Engine(copy.deepcopy(model), lr=1e-2)
+    eng = Engine(copy.deepcopy(model), optim=Optim(lr=1e-2))
     try:
         losses = [eng.step({"input_ids": x, "labels": y}, grad_accum=4) for x, y in data]
         assert losses == ref_losses
@@ -77,7 +77,7 @@ def test_a_tuple_batch_splits_into_micro_batches():
         return F.mse_loss(m(x), y)
 
     ref_losses, ref = reference_steps(model, data, 2, loss_fn)
-    eng = Engine(copy.deepcopy(model), lr=1e-2, loss_fn=loss_fn)
+    eng = Engine(copy.deepcopy(model), optim=Optim(lr=1e-2), loss_fn=loss_fn)
     try:
         assert [eng.step(b, grad_accum=2) for b in data] == ref_losses
         assert_weights_equal(eng, ref)
@@ -98,7 +98,7 @@ def test_plain_values_in_a_batch_go_to_every_micro_batch():
         return F.mse_loss(m(batch["x"]) * batch["scale"], batch["y"])
 
     ref_losses, ref = reference_steps(model, data, 2, lambda m, b: F.mse_loss(m(b[0]) * 2.0, b[1]))
-    eng = Engine(copy.deepcopy(model), lr=1e-2, loss_fn=loss_fn)
+    eng = Engine(copy.deepcopy(model), optim=Optim(lr=1e-2), loss_fn=loss_fn)
     try:
         losses = [eng.step({"x": x, "y": y, "mask": None, "scale": 2.0}, grad_accum=2) for x, y in data]
         assert losses == ref_losses

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from tierwise.offload import Engine
+from tierwise.offload import Budget, Engine, Optim, flat_options
 from tierwise.offload.runtime.cache import ResidentCache
 from tierwise.offload.runtime.executor import Executor
 from tierwise.offload.runtime.ledger import Ledger
@@ -41,7 +41,7 @@ def test_host_masters_are_computed_from_in_place_bit_exact(tie, grad_accum, clip
     accumulation and clipping (updates after backward)."""
     data = batches(5)
     ref_losses, ref = train_reference(tiny_llama(tie=tie), data, grad_accum=grad_accum, clip=clip)
-    eng = Engine(tiny_llama(tie=tie), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, grad_clip=clip)
+    eng = Engine(tiny_llama(tie=tie), budget=Budget(gpu="500K", chunk=CHUNK), optim=Optim(lr=1e-3, grad_clip=clip))
     assert not eng.device_plan or len(eng.device_plan.gpu_home) < len(eng.plan.chunks)
     seen, hooks = _reads_masters(eng)
     gpu_compute = []
@@ -74,7 +74,7 @@ def test_copies_where_the_bytes_must_move_or_must_not_be_touched(tmp_path):
         "nvme": dict(cpu_mem="1M", nvme_path=str(tmp_path / "swap")),
     }
     for name, kw in runs.items():
-        eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, **kw)
+        eng = Engine(tiny_llama(), **flat_options(lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, **kw))
         for b in batches(2):
             eng.step(b)
         cache = eng.residency.cache

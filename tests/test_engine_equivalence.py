@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tierwise.offload import Engine, InfeasibleBudget
+from tierwise.offload import Activations, Budget, Engine, InfeasibleBudget, Optim, flat_options
 from tierwise.offload.runtime.storage import storage_key
 from tests.models import accumulate, batches, masked_batches, tiny_llama, train_reference
 
@@ -14,7 +14,7 @@ CHUNK = 16 << 10  # small chunks so a 4-layer toy model spans ~30 of them
 
 
 def run_engine(model, data, *, gpu_mem=None, grad_accum=1, **kw):
-    eng = Engine(model, lr=1e-3, gpu_mem=gpu_mem, chunk_bytes=CHUNK, **kw)
+    eng = Engine(model, **flat_options(lr=1e-3, gpu_mem=gpu_mem, chunk_bytes=CHUNK, **kw))
     losses = [eng.step(b, grad_accum=grad_accum) for b in data]
     return eng, losses
 
@@ -93,19 +93,20 @@ def test_a_micro_batch_without_target_tokens_weighs_nothing():
         opt.step()
         opt.zero_grad()
     for skip in (False, True):
-        eng = Engine(copy.deepcopy(model), lr=1e-3, gpu_mem="4M", chunk_bytes=CHUNK)
+        eng = Engine(copy.deepcopy(model), budget=Budget(gpu="4M", chunk=CHUNK), optim=Optim(lr=1e-3))
         eng.skip_nonfinite = skip
         losses = [eng.step(b, grad_accum=2) for b in data]
         assert losses == ref_losses
         assert weights_equal(eng, ref)
-    zo = Engine(copy.deepcopy(model), optimizer="mezo", lr=1e-3, gpu_mem="4M", chunk_bytes=CHUNK)
+    zo = Engine(copy.deepcopy(model), budget=Budget(gpu="4M", chunk=CHUNK), optim=Optim("mezo", lr=1e-3))
     assert all(math.isfinite(zo.step(b, grad_accum=2)) for b in data)
 
 
 def test_tied_embeddings_and_sgd_momentum_bit_exact():
     data = batches(5)
     ref_losses, ref = train_reference(tiny_llama(tie=True), data, optimizer="sgd", lr=0.05, momentum=0.9)
-    eng = Engine(tiny_llama(tie=True), optimizer="sgd", lr=0.05, momentum=0.9, gpu_mem="600K", chunk_bytes=CHUNK)
+    eng = Engine(tiny_llama(tie=True), budget=Budget(gpu="600K", chunk=CHUNK),
+                 optim=Optim("sgd", lr=0.05, momentum=0.9))
     assert [eng.step(b) for b in data] == ref_losses
     assert weights_equal(eng, ref)
 
@@ -127,9 +128,9 @@ def test_default_torch_adamw_within_1e6_relative():
 def test_budget_below_minimum_is_refused_with_the_minimum(reference):
     data, _, _, minimum = reference
     with pytest.raises(InfeasibleBudget, match=r"below the minimum") as up_front:
-        Engine(tiny_llama(), gpu_mem="8K", chunk_bytes=CHUNK)
+        Engine(tiny_llama(), budget=Budget(gpu="8K", chunk=CHUNK))
     assert up_front.value.minimum["gpu"] > 8 << 10
-    eng = Engine(tiny_llama(), gpu_mem=minimum - 1, chunk_bytes=CHUNK)
+    eng = Engine(tiny_llama(), budget=Budget(gpu=minimum - 1, chunk=CHUNK))
     with pytest.raises(InfeasibleBudget) as measured:
         for b in data[:2]:
             eng.step(b)
@@ -138,7 +139,7 @@ def test_budget_below_minimum_is_refused_with_the_minimum(reference):
 
 def test_parameters_are_views_into_chunks_no_byte_twice():
     model = tiny_llama()
-    eng = Engine(model, gpu_mem="2M", chunk_bytes=CHUNK)
+    eng = Engine(model, budget=Budget(gpu="2M", chunk=CHUNK))
     eng.step(batches(1)[0])
     chunk_storages = {storage_key(eng.store.compute_source(c)) for c in range(len(eng.plan.chunks))}
     chunk_storages |= set(eng.streamed_storage)
@@ -151,7 +152,7 @@ def test_parameters_are_views_into_chunks_no_byte_twice():
 
 
 def test_gradients_leave_the_device_and_ledger_returns_to_rest():
-    eng = Engine(tiny_llama(), gpu_mem="600K", chunk_bytes=CHUNK)
+    eng = Engine(tiny_llama(), budget=Budget(gpu="600K", chunk=CHUNK))
     eng.step(batches(1)[0])
     eng.step(batches(1)[0])
     gpu = eng.ledger.usage()["gpu"]
@@ -162,7 +163,7 @@ def test_gradients_leave_the_device_and_ledger_returns_to_rest():
 
 def test_changed_control_flow_retraces_instead_of_deadlocking():
     model = tiny_llama()
-    eng = Engine(model, gpu_mem="500K", chunk_bytes=CHUNK)
+    eng = Engine(model, budget=Budget(gpu="500K", chunk=CHUNK))
     short, long = batches(1, seq=8)[0], batches(1, seq=16)[0]
     eng.step(long)
     eng.step(long)
@@ -185,9 +186,10 @@ def test_placed_up_front_from_the_planner_estimate():
     model = tiny_llama()
     est = activation_bytes(model=ModelProfile.from_hf_config(model.config), batch_size=4, seq_len=16,
                            precision="fp32")
-    late = Engine(tiny_llama(), lr=1e-3, gpu_mem="1500K", chunk_bytes=CHUNK)
+    late = Engine(tiny_llama(), budget=Budget(gpu="1500K", chunk=CHUNK), optim=Optim(lr=1e-3))
     late.step(data[0])
-    eng = Engine(model, lr=1e-3, gpu_mem="1500K", chunk_bytes=CHUNK, activations=est)
+    eng = Engine(model, budget=Budget(gpu="1500K", chunk=CHUNK), optim=Optim(lr=1e-3),
+                 activations=Activations(expected=est))
     assert eng.device_plan.gpu_home  # chunks start on the device: no promotion after warm-up
     host_at_start = eng.ledger.used("host")
     assert [eng.step(b) for b in data] == ref_losses

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from tierwise.offload import Engine
+from tierwise.offload import Budget, Engine, Optim, flat_options
 from tierwise.optim import MeZO
 from tests.models import batches, tiny_llama
 
@@ -20,8 +20,8 @@ def test_engine_mezo_equals_drop_in_and_fetches_each_chunk_once(tmp_path, tie, n
     opt = MeZO(ref.parameters(), lr=1e-3, eps=1e-3, weight_decay=0.01)
     ref_losses = [float(opt.step(lambda b=b: ref(**b).loss)) for b in data]
     extra = dict(cpu_mem="400K", nvme_path=str(tmp_path)) if nvme else {}
-    eng = Engine(model, optimizer="mezo", lr=1e-3, weight_decay=0.01, optimizer_kwargs={"eps": 1e-3},
-                 gpu_mem=gpu, chunk_bytes=16 << 10, **extra)
+    eng = Engine(model, **flat_options(optimizer="mezo", lr=1e-3, weight_decay=0.01, optimizer_kwargs={"eps": 1e-3},
+                 gpu_mem=gpu, chunk_bytes=16 << 10, **extra))
     if nvme:
         assert eng.homes.bytes["nvme"]["master"] > 0
     losses = [eng.step(data[0])]
@@ -46,8 +46,8 @@ def test_engine_mezo_equals_drop_in_and_fetches_each_chunk_once(tmp_path, tie, n
 def test_engine_mezo_lowers_the_loss():
     torch.manual_seed(0)
     data = batches(1)[0]
-    eng = Engine(tiny_llama(), optimizer="mezo", lr=1e-3, optimizer_kwargs={"eps": 1e-3},
-                 gpu_mem="600K", chunk_bytes=16 << 10)
+    eng = Engine(tiny_llama(), budget=Budget(gpu="600K", chunk=16 << 10),
+                 optim=Optim("mezo", lr=1e-3, kwargs={"eps": 1e-3}))
     first = eng.eval_loss(data)
     for _ in range(60):
         eng.step(data)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tierwise.offload import Engine, InfeasibleBudget
+from tierwise.offload import Budget, Engine, InfeasibleBudget, Optim, Streaming, flat_options
 from tierwise.offload.core.errors import StepOverBudget, UnsupportedModel
 from tests import module_zoo as zoo
 
@@ -25,7 +25,7 @@ MODES = ("roomy", "nvme-1.2x-min", "accum2")
 
 
 def engine(kind: str, chunk: int, **kw) -> Engine:
-    return Engine(zoo.build(kind), lr=1e-3, chunk_bytes=chunk, loss_fn=zoo.lm_loss, **kw)
+    return Engine(zoo.build(kind), **flat_options(lr=1e-3, chunk_bytes=chunk, loss_fn=zoo.lm_loss, **kw))
 
 
 def train(eng: Engine, data: list, *, grad_accum: int = 1) -> list[float]:
@@ -132,7 +132,7 @@ def test_fewer_gradient_contributions_than_traced_stay_exact():
     ref = ExtraUse()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
     torch.manual_seed(0)
-    eng = Engine(ExtraUse(), lr=1e-3, chunk_bytes=SMALL, gpu_mem="64M", loss_fn=zoo.lm_loss)
+    eng = Engine(ExtraUse(), budget=Budget(chunk=SMALL, gpu="64M"), optim=Optim(lr=1e-3), loss_fn=zoo.lm_loss)
     model = eng.model
     try:
         for i, b in enumerate(data):
@@ -148,7 +148,7 @@ def test_fewer_gradient_contributions_than_traced_stay_exact():
 
 
 def test_more_gradient_contributions_than_traced_are_refused_not_applied_early():
-    eng = Engine(ExtraUse(), lr=1e-3, chunk_bytes=SMALL, gpu_mem="64M", loss_fn=zoo.lm_loss)
+    eng = Engine(ExtraUse(), budget=Budget(chunk=SMALL, gpu="64M"), optim=Optim(lr=1e-3), loss_fn=zoo.lm_loss)
     data = zoo.data(3)
     try:
         eng.step(data[0])
@@ -162,7 +162,8 @@ def test_more_gradient_contributions_than_traced_are_refused_not_applied_early()
             eng.step(data[2])
     finally:
         eng.close()
-    eng = Engine(ExtraUse(), lr=1e-3, chunk_bytes=SMALL, gpu_mem="64M", loss_fn=zoo.lm_loss, overlap_update=False)
+    eng = Engine(ExtraUse(), budget=Budget(chunk=SMALL, gpu="64M"), optim=Optim(lr=1e-3, overlap_update=False),
+                 loss_fn=zoo.lm_loss)
     try:
         eng.step(data[0])
         eng.model.extra = 1
@@ -198,7 +199,7 @@ def test_a_chunk_backward_reads_after_its_last_gradient_is_updated_at_the_steps_
     data = zoo.data(4)
     ref_losses, ref = zoo.reference(StopGrad(), data)
     where = dict(allow_gpu_home=False) if placed == "streamed" else dict(activations=1 << 20)
-    eng = Engine(StopGrad(), lr=1e-3, chunk_bytes=SMALL, gpu_mem="64M", loss_fn=zoo.lm_loss, **where)
+    eng = Engine(StopGrad(), **flat_options(lr=1e-3, chunk_bytes=SMALL, gpu_mem="64M", loss_fn=zoo.lm_loss, **where))
     early, model = eng.grads.early, eng.model
     submit = early.submit
     early.submit = lambda *a, **kw: (submit(*a, **kw), early.wait())  # the update before backward goes on
@@ -213,7 +214,8 @@ def test_a_chunk_backward_reads_after_its_last_gradient_is_updated_at_the_steps_
 
 
 def test_a_late_read_the_first_backward_did_not_have_is_refused():
-    eng = Engine(StopGrad(), lr=1e-3, chunk_bytes=SMALL, gpu_mem="64M", allow_gpu_home=False, loss_fn=zoo.lm_loss)
+    eng = Engine(StopGrad(), budget=Budget(chunk=SMALL, gpu="64M"), optim=Optim(lr=1e-3),
+                 streaming=Streaming(allow_gpu_home=False), loss_fn=zoo.lm_loss)
     data = zoo.data(3)
     try:
         eng.model.stop = False
@@ -241,7 +243,7 @@ class HfLike(torch.nn.Module):
 
 
 def test_mezo_refuses_a_read_outside_the_owner_naming_parameter_and_module():
-    eng = Engine(HfLike(zoo.build("encoder")), optimizer="mezo", chunk_bytes=SMALL)
+    eng = Engine(HfLike(zoo.build("encoder")), budget=Budget(chunk=SMALL), optim=Optim("mezo"))
     b = zoo.data(1)[0]
     try:
         with pytest.raises(UnsupportedModel, match=r"'inner\.encoder\.layers\.0\.self_attn\.out_proj\.weight' "
@@ -254,7 +256,7 @@ def test_mezo_refuses_a_read_outside_the_owner_naming_parameter_and_module():
 def test_a_module_run_outside_the_engine_is_refused_and_close_undoes_the_patches():
     model = zoo.build("batchnorm")
     x = zoo.data(1)[0]["x"]
-    eng = Engine(model, chunk_bytes=SMALL, loss_fn=zoo.lm_loss)
+    eng = Engine(model, budget=Budget(chunk=SMALL), loss_fn=zoo.lm_loss)
     assert all("forward" in b.__dict__ for b in model.blocks)  # checkpointed
     eng.step(zoo.data(1)[0])
     with pytest.raises(UnsupportedModel, match=r"the model \(BatchNormNet\) ran outside engine.step"):
@@ -365,7 +367,7 @@ def test_a_sparse_gradient_embedding_is_refused_at_construction():
     model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 2))
     with pytest.raises(UnsupportedModel, match=r"sparse gradients.*\b0\b.*sparse=False"):
         Engine(model, loss_fn=lambda m, b: m(b).sum())
-    Engine(model, optimizer="mezo").close()
+    Engine(model, optim=Optim("mezo")).close()
 
 
 def test_mezo_with_a_custom_loss_function_is_refused_not_ignored():
@@ -374,7 +376,7 @@ def test_mezo_with_a_custom_loss_function_is_refused_not_ignored():
     'labels' in the first step before, or the wrong loss silently for an HF model)."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     with pytest.raises(UnsupportedModel, match="custom loss_fn"):
-        Engine(model, optimizer="mezo", loss_fn=lambda m, b: F.mse_loss(m(b["x"]), b["y"]))
+        Engine(model, optim=Optim("mezo"), loss_fn=lambda m, b: F.mse_loss(m(b["x"]), b["y"]))
 
 
 def test_a_model_that_checkpoints_itself_is_refused_saying_so():

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from tierwise.offload import Engine
+from tierwise.offload import Budget, Engine, Optim, flat_options
 from tierwise.offload.update.updaters import drop_in_groups
 from tierwise.optim import AdamW8bit, ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit
 from tests.models import batches, tiny_llama
@@ -40,8 +40,8 @@ def test_engine_equals_drop_in_optimizer(name, tmp_path):
         opt.zero_grad()
         ref_losses.append(loss.item())
     # state on NVMe too: the blob round-trips through swap files every step
-    eng = Engine(eng_model, optimizer=name, optimizer_kwargs=kwargs, gpu_mem="2M", cpu_mem="3M",
-                 chunk_bytes=64 << 10, nvme_path=str(tmp_path), **HP)
+    eng = Engine(eng_model, **flat_options(optimizer=name, optimizer_kwargs=kwargs, gpu_mem="2M", cpu_mem="3M",
+                 chunk_bytes=64 << 10, nvme_path=str(tmp_path), **HP))
     assert eng.homes.bytes.get("nvme", {}).get("state", 0) > 0
     losses = [eng.step(b) for b in data]
     assert losses == ref_losses
@@ -53,7 +53,7 @@ def test_engine_equals_drop_in_optimizer(name, tmp_path):
 
 def test_8bit_state_is_about_2_bytes_per_parameter():
     model = tiny_llama(hidden=256, layers=2)
-    eng = Engine(model, optimizer="adamw8bit", chunk_bytes=1 << 20)
+    eng = Engine(model, budget=Budget(chunk=1 << 20), optim=Optim("adamw8bit"))
     n = sum(p.numel() for p in model.parameters())
     state = sum(eng.ledger.usage()["host"].get("state", 0) for _ in [0])
     small = sum(p.numel() for p in model.parameters() if p.numel() < 4096)  # fp32 fallback: 8 B each
@@ -73,8 +73,8 @@ def test_8bit_state_is_about_2_bytes_per_parameter():
 def test_an_option_the_optimizer_does_not_take_is_refused_not_ignored(name, kw):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     with pytest.raises(ValueError, match="does not (take|use)"):
-        Engine(model, optimizer=name, **kw)
-    eng = Engine(model, optimizer="sgd", momentum=0.9, loss_fn=lambda m, b: m(b).sum())  # SGD's own
+        Engine(model, **flat_options(optimizer=name, **kw))
+    eng = Engine(model, optim=Optim("sgd", momentum=0.9), loss_fn=lambda m, b: m(b).sum())  # SGD's own
     eng.close()
 
 
@@ -88,7 +88,7 @@ def test_the_state_of_another_optimizer_is_refused(saved, loaded):
     def make(kw):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-        return Engine(model, loss_fn=lambda m, b: m(b).square().mean(), **kw)
+        return Engine(model, **flat_options(loss_fn=lambda m, b: m(b).square().mean(), **kw))
 
     eng = make(saved)
     eng.step(torch.randn(4, 8))
@@ -125,12 +125,12 @@ def test_a_hyper_parameter_that_cannot_work_is_refused(kw):
     negative momentum (torch.optim.SGD refuses it) ran."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     with pytest.raises(ValueError, match="lr must be|grad_clip must be|momentum must be"):
-        Engine(model, loss_fn=lambda m, b: m(b).square().mean(), **kw)
+        Engine(model, **flat_options(loss_fn=lambda m, b: m(b).square().mean(), **kw))
 
 
 def test_set_lr_and_grad_accum_are_checked():
     eng = Engine(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),
-                 loss_fn=lambda m, b: m(b).square().mean(), grad_clip=float("inf"))  # inf: measure the norm only
+                 optim=Optim(grad_clip=float("inf")), loss_fn=lambda m, b: m(b).square().mean())  # inf: measure the norm only
     try:
         with pytest.raises(ValueError, match="lr must be"):
             eng.set_lr(float("nan"))
@@ -151,4 +151,4 @@ def test_a_low_rank_option_that_cannot_work_is_refused(name, bad):
     error, a ZeroDivisionError) or made the weights NaN."""
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
     with pytest.raises(ValueError, match="rank must be|update_proj_gap must be|scale must be"):
-        Engine(model, optimizer=name, optimizer_kwargs=bad)
+        Engine(model, optim=Optim(name, kwargs=bad))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tierwise.offload import Engine
+from tierwise.offload import Engine, flat_options
 from tierwise.offload.core.errors import InfeasibleBudget, ParamLayoutError
 from tierwise.offload.plan.homes import minimum_host
 from tierwise.offload.update.updaters import drop_in_groups
@@ -22,7 +22,7 @@ STEPS = 4
 
 
 def engine(model: nn.Module, **kw) -> Engine:
-    return Engine(model, loss_fn=zoo_loss, chunk_bytes=CHUNK, **(HP | kw))
+    return Engine(model, **flat_options(loss_fn=zoo_loss, chunk_bytes=CHUNK, **(HP | kw)))
 
 
 def tight_budgets(kinds: tuple[str, ...], tmp_path) -> dict:

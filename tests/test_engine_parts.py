@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tierwise.offload import Engine
+from tierwise.offload import Activations, Budget, Engine, Optim
 from tierwise.offload.core.chunks import pack_chunks, specs_of
 from tierwise.offload.core.errors import UnsupportedModel
 from tierwise.offload.engine.actoffload import Offloader
@@ -353,7 +353,8 @@ def test_engine_close_gives_the_model_back_unpatched():
     model = tiny_llama(layers=2, hidden=32)
     twin = copy.deepcopy(model)
     before = hook_state(model)
-    eng = Engine(model, lr=1e-2, gpu_mem=None, cpu_mem=None, checkpointing=True)
+    eng = Engine(model, budget=Budget(gpu=None, cpu=None), optim=Optim(lr=1e-2),
+                 activations=Activations(recompute=True))
     data = batches(1)
     eng.step(data[0])
     weights = dict(eng.named_parameters_fp32())
@@ -372,7 +373,7 @@ def test_a_backward_that_raises_drops_the_steps_gradients():
     from tests.models import batches, tiny_llama
 
     torch.manual_seed(0)
-    eng = Engine(tiny_llama(layers=2, hidden=32), lr=1e-2, gpu_mem=None, cpu_mem=None)
+    eng = Engine(tiny_llama(layers=2, hidden=32), budget=Budget(gpu=None, cpu=None), optim=Optim(lr=1e-2))
     data = batches(2)
     eng.step(data[0])
     between = eng.ledger.usage()  # between steps

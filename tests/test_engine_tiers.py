@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from tierwise.offload import Engine
+from tierwise.offload import Activations, Budget, Engine, Optim, Precision, flat_options
 from tierwise.offload.core.errors import NvmeError
 from tests.models import batches, tiny_llama, train_reference
 
@@ -28,8 +28,8 @@ def test_fp32_bit_exact_with_state_on_nvme_and_cxl(tmp_path, tiers):
     # (fp32 masters take DRAM, then CXL, before states: offload.plan.homes)
     budgets = {"host+nvme": dict(cpu_mem="1M"), "cxl+nvme": dict(cpu_mem="1M", cxl_mem="256K"),
                "cxl-state+nvme": dict(cpu_mem="1M", cxl_mem="1M")}[tiers]
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, nvme_path=str(tmp_path / "swap"),
-                 cxl_bandwidth=20e9, **budgets)
+    eng = Engine(tiny_llama(), **flat_options(lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, nvme_path=str(tmp_path / "swap"),
+                 cxl_bandwidth=20e9, **budgets))
     assert eng.homes.bytes["nvme"]["state"] > 0
     if tiers == "cxl-state+nvme":
         assert eng.homes.bytes["cxl"]["state"] > 0 and "master" not in eng.homes.bytes["nvme"]
@@ -59,8 +59,8 @@ def test_weights_loaded_between_steps_replace_the_copies_kept_over_a_steps_end(t
     """The next forward's first chunks stay resident over a step's end (rewritten from their new
     masters): new weights loaded between steps must not meet those copies."""
     data = batches(3)
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="1M",
-                 nvme_path=str(tmp_path / "swap"))
+    eng = Engine(tiny_llama(), budget=Budget(gpu="500K", chunk=CHUNK, cpu="1M", nvme=str(tmp_path / "swap")),
+                 optim=Optim(lr=1e-3))
     for b in data[:2]:
         eng.step(b)
     assert eng.residency.kept > 0 and any(eng.residency.cache.resident(c) for c in eng.residency.keep)
@@ -84,8 +84,8 @@ def test_the_first_update_of_a_backward_starts_from_a_read_ahead(tmp_path):
     begin with a wait on the disk. Bit-exact against plain PyTorch."""
     data = batches(4)
     ref_losses, _ = train_reference(tiny_llama(), data)
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="1M",
-                 nvme_path=str(tmp_path / "swap"))
+    eng = Engine(tiny_llama(), budget=Budget(gpu="500K", chunk=CHUNK, cpu="1M", nvme=str(tmp_path / "swap")),
+                 optim=Optim(lr=1e-3))
     events = []
     read, submit = eng.nvme.read_async, eng.early.submit
     eng.nvme.read_async = lambda key, *a, **k: (events.append(("read", key)), read(key, *a, **k))[1]
@@ -110,8 +110,8 @@ def test_the_state_of_the_chunk_after_next_is_read_before_the_next_gradient_comp
 
     data = batches(4)
     ref_losses, ref = train_reference(tiny_llama(), data)
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="600K",
-                 nvme_path=str(tmp_path / "swap"))
+    eng = Engine(tiny_llama(), budget=Budget(gpu="500K", chunk=CHUNK, cpu="600K", nvme=str(tmp_path / "swap")),
+                 optim=Optim(lr=1e-3))
     losses = [eng.step(b) for b in data[:2]]
     order = eng._order
     assert len(order) > 3 and all(eng.homes.tiers[c].get("state") == "nvme" for c in order[:4])
@@ -146,8 +146,8 @@ def test_kept_first_chunks_not_cached_come_from_the_update_sets(tmp_path):
     (residency.evict_updated), so that forward reads none of them from NVMe. Bit-exact."""
     data = batches(5)
     ref_losses, ref = train_reference(tiny_llama(), data)
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="600K",
-                 nvme_path=str(tmp_path / "swap"))
+    eng = Engine(tiny_llama(), budget=Budget(gpu="500K", chunk=CHUNK, cpu="600K", nvme=str(tmp_path / "swap")),
+                 optim=Optim(lr=1e-3))
     events, cache = [], eng.residency.cache
     read, read_sync, put, backward = eng.nvme.read_async, eng.nvme.read, cache.put, eng.backward
     eng.nvme.read_async = lambda key, *a, **k: (events.append(("read", key)), read(key, *a, **k))[1]
@@ -176,8 +176,8 @@ def test_a_step_that_fails_before_its_backward_gives_its_activations_back(tmp_pa
 
     data = batches(5)
     ref_losses, ref = train_reference(tiny_llama(), [b for i, b in enumerate(data) if i != 2])
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="600K",
-                 nvme_path=str(tmp_path / "swap"))
+    eng = Engine(tiny_llama(), budget=Budget(gpu="500K", chunk=CHUNK, cpu="600K", nvme=str(tmp_path / "swap")),
+                 optim=Optim(lr=1e-3))
     backward, loss_fn = eng.backward, eng.loss_fn
 
     def interrupted(loss):
@@ -213,8 +213,8 @@ def test_an_update_that_fails_midway_leaves_no_read_in_flight(tmp_path, monkeypa
     import time
 
     data = batches(3)
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="1M",
-                 nvme_path=str(tmp_path / "swap"), overlap_update=False)  # one update_all, every chunk
+    eng = Engine(tiny_llama(), budget=Budget(gpu="500K", chunk=CHUNK, cpu="1M", nvme=str(tmp_path / "swap")),
+                 optim=Optim(lr=1e-3, overlap_update=False))  # one update_all, every chunk
     for b in data[:2]:
         eng.step(b)
     reads, real_read, real_preadv = [], eng.nvme.read_async, os.preadv
@@ -243,8 +243,8 @@ def test_a_failed_write_back_stops_the_run_with_no_wrong_loss(tmp_path, monkeypa
 
     data = batches(6)
     ref_losses, _ = train_reference(tiny_llama(), data)
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="1M",
-                 nvme_path=str(tmp_path / "swap"))
+    eng = Engine(tiny_llama(), budget=Budget(gpu="500K", chunk=CHUNK, cpu="1M", nvme=str(tmp_path / "swap")),
+                 optim=Optim(lr=1e-3))
     losses = [eng.step(b) for b in data[:2]]
     real = os.pwritev
 
@@ -266,8 +266,8 @@ def test_fp32_masters_in_dram_with_states_on_nvme_keep_every_cached_first_chunk(
     fetched again. Bit-exact with plain PyTorch."""
     data = batches(5)
     ref_losses, ref = train_reference(tiny_llama(), data)
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, cpu_mem="1500K",
-                 nvme_path=str(tmp_path / "swap"))
+    eng = Engine(tiny_llama(), budget=Budget(gpu="500K", chunk=CHUNK, cpu="1500K", nvme=str(tmp_path / "swap")),
+                 optim=Optim(lr=1e-3))
     assert eng.homes.bytes["nvme"]["state"] > 0 and "master" not in eng.homes.bytes["nvme"]
     res, cached, kept = eng.residency, [], []
 
@@ -311,8 +311,8 @@ def mixed_precision_reference(model, data, *, lr=1e-3):
 def test_bf16_bit_exact_with_mixed_precision_reference(tmp_path):
     data = batches(4)
     ref_losses, ref = mixed_precision_reference(tiny_llama(), data)
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", cpu_mem="1500K", cxl_mem="1M", precision="bf16",
-                 chunk_bytes=CHUNK, nvme_path=str(tmp_path))
+    eng = Engine(tiny_llama(), budget=Budget(gpu="500K", cpu="1500K", cxl="1M", chunk=CHUNK, nvme=str(tmp_path)),
+                 optim=Optim(lr=1e-3), precision=Precision("bf16"))
     assert eng.homes.bytes["cxl"].get("compute", 0) > 0  # latency-tolerant copies go to CXL first
     assert [eng.step(b) for b in data] == ref_losses
     mine = weights(eng)
@@ -321,8 +321,8 @@ def test_bf16_bit_exact_with_mixed_precision_reference(tmp_path):
 
 
 def test_flipped_byte_and_truncated_swap_file_fail_clearly_and_checkpoint_survives(tmp_path):
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", cpu_mem="1M", chunk_bytes=CHUNK,
-                 nvme_path=str(tmp_path / "swap"), nvme_checksum=True)
+    eng = Engine(tiny_llama(), budget=Budget(gpu="500K", cpu="1M", chunk=CHUNK, nvme=str(tmp_path / "swap"), nvme_checksum=True),
+                 optim=Optim(lr=1e-3))
     eng.step(batches(1)[0])
     ckpt = tmp_path / "ckpt.pt"
     torch.save(eng.state_dict(), ckpt)
@@ -340,7 +340,7 @@ def test_flipped_byte_and_truncated_swap_file_fail_clearly_and_checkpoint_surviv
         eng.state_dict()
     eng.close()
     saved = torch.load(ckpt)
-    fresh = Engine(tiny_llama(), lr=1e-3, chunk_bytes=CHUNK)
+    fresh = Engine(tiny_llama(), budget=Budget(chunk=CHUNK), optim=Optim(lr=1e-3))
     fresh.load_state_dict(saved)  # the checkpoint written before the damage is whole
     assert fresh.steps == 1
 
@@ -351,8 +351,8 @@ def test_swap_files_removed_on_ctrl_c(tmp_path):
         import sys, time
         sys.path.insert(0, {os.getcwd()!r})
         from tests.models import tiny_llama, batches
-        from tierwise.offload import Engine
-        eng = Engine(tiny_llama(), gpu_mem="500K", cpu_mem="1M", chunk_bytes={CHUNK}, nvme_path={str(swap)!r})
+        from tierwise.offload import Budget, Engine
+        eng = Engine(tiny_llama(), budget=Budget(gpu="500K", cpu="1M", chunk={CHUNK}, nvme={str(swap)!r}))
         eng.step(batches(1)[0])
         print("ready", flush=True)
         time.sleep(60)
@@ -370,8 +370,8 @@ def test_activation_offload_is_exact_and_lowers_the_device_minimum():
     ref_losses, ref = train_reference(tiny_llama(layers=8, vocab=32), data)
     minimum = {}
     for offload in (False, True):
-        eng = Engine(tiny_llama(layers=8, vocab=32), lr=1e-3, gpu_mem="8M", chunk_bytes=CHUNK,
-                     offload_activations=offload)
+        eng = Engine(tiny_llama(layers=8, vocab=32), budget=Budget(gpu="8M", chunk=CHUNK), optim=Optim(lr=1e-3),
+                     activations=Activations(offload=offload))
         assert [eng.step(b) for b in data] == ref_losses
         assert all(torch.equal(weights(eng)[n], p.detach()) for n, p in ref.named_parameters())
         minimum[offload] = eng.minimum_gpu_bytes
@@ -385,15 +385,15 @@ def test_activation_offload_is_exact_and_lowers_the_device_minimum():
 
 def test_activation_offload_without_checkpointing_is_refused():
     with pytest.raises(ValueError, match="needs checkpointing"):
-        Engine(tiny_llama(layers=2, vocab=32), gpu_mem="8M", chunk_bytes=CHUNK, offload_activations=True,
-               checkpointing=False)
+        Engine(tiny_llama(layers=2, vocab=32), budget=Budget(gpu="8M", chunk=CHUNK),
+               activations=Activations(offload=True, recompute=False))
 
 
 def test_gradients_on_nvme_with_accumulation_and_clipping_bit_exact(tmp_path):
     data = batches(4, batch=8)
     ref_losses, ref = train_reference(tiny_llama(), data, grad_accum=2, clip=0.05)
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="600K", cpu_mem="400K", chunk_bytes=CHUNK,
-                 nvme_path=str(tmp_path), grad_clip=0.05)
+    eng = Engine(tiny_llama(), budget=Budget(gpu="600K", cpu="400K", chunk=CHUNK, nvme=str(tmp_path)),
+                 optim=Optim(lr=1e-3, grad_clip=0.05))
     assert eng.homes.bytes["nvme"]["grad"] > eng.homes.bytes["host"].get("grad", 0)
     assert [eng.step(b, grad_accum=2) for b in data] == ref_losses
     mine = weights(eng)
@@ -409,8 +409,8 @@ def test_nvme_gradients_go_straight_to_the_early_update_bit_exact(tmp_path, grad
     any is written; the numbers are plain PyTorch's."""
     data = batches(4, batch=4 * grad_accum)
     ref_losses, ref = train_reference(tiny_llama(), data, grad_accum=grad_accum)
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="600K", cpu_mem="400K", chunk_bytes=CHUNK,
-                 nvme_path=str(tmp_path))
+    eng = Engine(tiny_llama(), budget=Budget(gpu="600K", cpu="400K", chunk=CHUNK, nvme=str(tmp_path)),
+                 optim=Optim(lr=1e-3))
     assert eng.homes.bytes["nvme"]["grad"] > eng.homes.bytes["host"].get("grad", 0)
     reads, writes = [], []
     read_async, write_async = eng.nvme.read_async, eng.nvme.write_async
@@ -441,8 +441,8 @@ def test_a_read_ahead_of_another_chunk_is_dropped_bit_exact(tmp_path):
     after it, whose read chained into the set just written is dropped too (swapping.chained_read)."""
     data = batches(4)
     ref_losses, ref = train_reference(tiny_llama(), data)
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="600K", cpu_mem="400K", chunk_bytes=CHUNK,
-                 nvme_path=str(tmp_path))
+    eng = Engine(tiny_llama(), budget=Budget(gpu="600K", cpu="400K", chunk=CHUNK, nvme=str(tmp_path)),
+                 optim=Optim(lr=1e-3))
     assert eng.homes.bytes["nvme"]["master"] > 0 and eng.homes.bytes["nvme"]["state"] > 0
     eng._expected = lambda chunks: (None, None) if 0 in chunks else (0, None if 1 in chunks else 1)
     assert [eng.step(b) for b in data] == ref_losses
@@ -458,7 +458,7 @@ def test_masters_copied_from_the_parameters_carry_no_autograd_history(tmp_path, 
     must not join the parameters' graph (CopySlices on every master, requires_grad True): the
     update and every copy made from them would then be recorded by autograd."""
     kw = dict(cpu_mem="600K", nvme_path=str(tmp_path / "swap")) if nvme else {}
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, **kw)
+    eng = Engine(tiny_llama(), **flat_options(lr=1e-3, gpu_mem="500K", chunk_bytes=CHUNK, **kw))
     for b in batches(2):
         eng.step(b)
     masters = [ch.master for ch in eng.store.chunks if isinstance(ch.master, torch.Tensor)]

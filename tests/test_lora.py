@@ -12,7 +12,7 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from tierwise.offload import Engine  # noqa: E402
+from tierwise.offload import Activations, Budget, Engine, Optim, Precision, flat_options  # noqa: E402
 from tierwise.optim import AdamW8bit  # noqa: E402
 from tests.models import batches, tiny_llama, train_reference  # noqa: E402
 
@@ -53,7 +53,7 @@ def test_lora_equals_peft_base_on_nvme(tmp_path):
     model, data, cfg = tiny_llama(layers=4), batches(3), lora_config()
     ref_losses, ref = peft_reference(model, cfg, data)
     torch.manual_seed(7)
-    eng = Engine(copy.deepcopy(model), lora=cfg, lr=1e-2, **base_on_nvme(tmp_path))
+    eng = Engine(copy.deepcopy(model), **flat_options(lora=cfg, lr=1e-2, **base_on_nvme(tmp_path)))
     frozen = [c for c in range(len(eng.plan.chunks)) if eng.plan.is_frozen(c)]
     on_nvme = [c for c in frozen if eng.store.chunks[c].tiers["compute"] == "nvme"]
     assert len(on_nvme) >= len(frozen) // 2, "the base should mostly live on NVMe"
@@ -71,7 +71,7 @@ def test_no_base_bytes_written_to_nvme_over_a_step(tmp_path):
     model, data = tiny_llama(layers=4), batches(3)
     torch.manual_seed(7)
     # adapters on NVMe too (no room on the gpu for them): their master/state may be written, the base never
-    eng = Engine(model, lora=lora_config(), lr=1e-2, allow_gpu_home=False, **base_on_nvme(tmp_path))
+    eng = Engine(model, **flat_options(lora=lora_config(), lr=1e-2, allow_gpu_home=False, **base_on_nvme(tmp_path)))
     eng.step(data[0])  # warm-up
     written: list[str] = []
     for name in ("write_async", "zeros"):
@@ -96,7 +96,7 @@ def test_peft_wrapped_model_taken_as_is(tmp_path):
     wrapped = peft.get_peft_model(copy.deepcopy(model), cfg)
     with pytest.raises(ValueError, match="already has PEFT adapters"):
         Engine(wrapped, lora=cfg)
-    eng = Engine(wrapped, lr=1e-2, **base_on_nvme(tmp_path))
+    eng = Engine(wrapped, **flat_options(lr=1e-2, **base_on_nvme(tmp_path)))
     assert [eng.step(b) for b in data] == ref_losses
     mine, theirs = adapters(eng.named_parameters_fp32()), adapters(ref.named_parameters())
     for n, t in theirs.items():
@@ -111,7 +111,7 @@ def test_frozen_subsets_equal_plain_pytorch(which):
         if (which == "embeddings" and "embed_tokens" in n) or (which == "blocks" and ("layers.1." in n or "layers.2." in n)):
             p.requires_grad_(False)
     ref_losses, ref = train_reference(model, data)
-    eng = Engine(copy.deepcopy(model), lr=1e-3, gpu_mem="600K", chunk_bytes=CHUNK)
+    eng = Engine(copy.deepcopy(model), budget=Budget(gpu="600K", chunk=CHUNK), optim=Optim(lr=1e-3))
     assert [eng.step(b) for b in data] == ref_losses
     mine = dict(eng.named_parameters_fp32())
     for n, p in ref.named_parameters():
@@ -124,7 +124,7 @@ def test_adamw8bit_on_adapters(tmp_path):
     hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     ref_losses, ref = peft_reference(model, cfg, data, make_opt=lambda ps: AdamW8bit(ps, **hp))
     torch.manual_seed(7)
-    eng = Engine(copy.deepcopy(model), lora=cfg, optimizer="adamw8bit", **hp, **base_on_nvme(tmp_path))
+    eng = Engine(copy.deepcopy(model), **flat_options(lora=cfg, optimizer="adamw8bit", **hp, **base_on_nvme(tmp_path)))
     assert [eng.step(b) for b in data] == ref_losses
     mine, theirs = adapters(eng.named_parameters_fp32()), adapters(ref.named_parameters())
     for n, t in theirs.items():
@@ -136,7 +136,7 @@ def test_mezo_with_frozen_parameters_is_refused():
     from tierwise.offload.core.errors import UnsupportedModel
 
     with pytest.raises(UnsupportedModel, match="frozen"):
-        Engine(tiny_llama(layers=2), lora=lora_config(), optimizer="mezo")
+        Engine(tiny_llama(layers=2), optim=Optim("mezo"), lora=lora_config())
 
 
 def linear4bit_model(model, *, double_quant):
@@ -166,8 +166,8 @@ def test_qlora_equals_peft_over_bitsandbytes_linear4bit(tmp_path, double_quant):
     model, data, cfg = tiny_llama(layers=4), batches(3), lora_config()
     ref_losses, ref = peft_reference(linear4bit_model(model, double_quant=double_quant), cfg, data)
     torch.manual_seed(7)
-    eng = Engine(copy.deepcopy(model), lora=cfg, lr=1e-2, base_dtype="nf4", double_quant=double_quant,
-                 **base_on_nvme(tmp_path))
+    eng = Engine(copy.deepcopy(model), **flat_options(lora=cfg, lr=1e-2, base_dtype="nf4", double_quant=double_quant,
+                 **base_on_nvme(tmp_path)))
     encoded = [c for c in eng.plan.frozen if eng.store.is_encoded(c)]
     assert encoded and any(eng.store.chunks[c].tiers["compute"] == "nvme" for c in encoded)
     assert [eng.step(b) for b in data] == ref_losses
@@ -186,8 +186,8 @@ def test_bf16_base_equals_plain_pytorch_on_rounded_weights():
             p.copy_(p.bfloat16().float())
     ref_losses, ref = peft_reference(rounded, lora_config(), data)
     torch.manual_seed(7)
-    eng = Engine(copy.deepcopy(model), lora=lora_config(), lr=1e-2, base_dtype="bf16", gpu_mem="600K",
-                 chunk_bytes=CHUNK)
+    eng = Engine(copy.deepcopy(model), budget=Budget(gpu="600K", chunk=CHUNK), optim=Optim(lr=1e-2),
+                 precision=Precision(base="bf16"), lora=lora_config())
     base = sum(eng.store.chunks[c].compute.nbytes for c in eng.plan.frozen)
     frozen = [s for s in eng.plan.slots.values() if eng.plan.is_frozen(s.chunk)]
     assert 2 * sum(s.numel for s in frozen) <= base <= 2 * sum(s.numel for s in frozen) + 16 * len(frozen)
@@ -203,7 +203,7 @@ def test_lora_dropout_equals_peft():
     model, data, cfg = tiny_llama(layers=4), batches(2), lora_config(lora_dropout=0.1)
     ref_losses, ref = peft_reference(model, cfg, data)
     torch.manual_seed(7)
-    eng = Engine(copy.deepcopy(model), lora=cfg, lr=1e-2, gpu_mem="600K", chunk_bytes=CHUNK)
+    eng = Engine(copy.deepcopy(model), budget=Budget(gpu="600K", chunk=CHUNK), optim=Optim(lr=1e-2), lora=cfg)
     assert [eng.step(b) for b in data] == ref_losses
     mine, theirs = adapters(eng.named_parameters_fp32()), adapters(ref.named_parameters())
     for n, t in theirs.items():
@@ -229,7 +229,7 @@ def test_mixtral_all_linear_adapts_the_fused_experts_as_peft_does():
     data = [{"input_ids": x, "labels": x, "attention_mask": torch.ones_like(x)}] * 2
     ref_losses, ref = peft_reference(model, cfg, data)
     torch.manual_seed(7)
-    eng = Engine(copy.deepcopy(model), lora=cfg, lr=1e-2, gpu_mem="2M", chunk_bytes=CHUNK)
+    eng = Engine(copy.deepcopy(model), budget=Budget(gpu="2M", chunk=CHUNK), optim=Optim(lr=1e-2), lora=cfg)
     assert [eng.step(b) for b in data] == ref_losses
     mine, theirs = adapters(eng.named_parameters_fp32()), adapters(ref.named_parameters())
     assert mine.keys() == theirs.keys() and any(".experts." in n for n in mine)
@@ -245,7 +245,8 @@ def test_activations_above_the_estimate_use_the_free_budget():
     model, data, cfg = tiny_llama(layers=2), batches(3), lora_config(target_modules="all-linear", lora_dropout=0.1)
     ref_losses, ref = peft_reference(model, cfg, data)
     torch.manual_seed(7)
-    eng = Engine(copy.deepcopy(model), lora=cfg, lr=1e-2, gpu_mem="64M", chunk_bytes=CHUNK, activations=1024)
+    eng = Engine(copy.deepcopy(model), budget=Budget(gpu="64M", chunk=CHUNK), optim=Optim(lr=1e-2),
+                 activations=Activations(expected=1024), lora=cfg)
     losses = [eng.step(b) for b in data]
     assert losses == ref_losses
     mine = adapters(eng.named_parameters_fp32())

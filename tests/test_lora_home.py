@@ -13,7 +13,7 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from tierwise.offload import Engine  # noqa: E402
+from tierwise.offload import Engine, flat_options  # noqa: E402
 from tests.models import batches, tiny_llama  # noqa: E402
 from tests.test_lora import CHUNK, adapters, linear4bit_model, lora_config, peft_reference  # noqa: E402
 
@@ -24,7 +24,7 @@ ROOMY = dict(gpu_mem="64M", chunk_bytes=CHUNK)
 def run(model, base_dtype, data, **kw):
     """(losses, adapters, engine, link bytes and cache fetches per step after the warm-up)."""
     torch.manual_seed(7)
-    eng = Engine(copy.deepcopy(model), lora=lora_config(), lr=1e-2, base_dtype=base_dtype, **kw)
+    eng = Engine(copy.deepcopy(model), **flat_options(lora=lora_config(), lr=1e-2, base_dtype=base_dtype, **kw))
     losses = [eng.step(data[0])]
     link, fetched = eng.executor.lanes["h2d"].link.bytes_moved, eng.cache.fetched_bytes
     losses += [eng.step(b) for b in data[1:]]
@@ -77,7 +77,7 @@ def test_gpu_home_nf4_base_equals_peft_over_linear4bit():
     model, data = tiny_llama(layers=4), batches(3)
     ref_losses, ref = peft_reference(linear4bit_model(model, double_quant=True), lora_config(), data)
     torch.manual_seed(7)
-    eng = Engine(copy.deepcopy(model), lora=lora_config(), lr=1e-2, base_dtype="nf4", double_quant=True, **ROOMY)
+    eng = Engine(copy.deepcopy(model), **flat_options(lora=lora_config(), lr=1e-2, base_dtype="nf4", double_quant=True, **ROOMY))
     assert [eng.step(b) for b in data] == ref_losses
     assert all(in_gpu(eng, c) for c in encoded(eng))
     mine, theirs = adapters(eng.named_parameters_fp32()), adapters(ref.named_parameters())

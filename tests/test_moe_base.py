@@ -26,7 +26,7 @@ from tinyhf import make_tiny_family_dir  # noqa: E402
 from tierwise.cli import lora as lora_mod  # noqa: E402
 from tierwise.cli.layout import ModelLayout, iter_checkpoint  # noqa: E402
 from tierwise.cli.loading import build_meta_model, resolve_model  # noqa: E402
-from tierwise.offload import Engine  # noqa: E402
+from tierwise.offload import Engine, flat_options  # noqa: E402
 from tests.test_lora import peft_reference  # noqa: E402
 
 SEED = 3
@@ -43,7 +43,7 @@ def engine_from_dir(path, lora_cfg, **kw) -> Engine:
     model = build_meta_model(src.config)
     layout = ModelLayout.of(model)
     renames = lora_mod.inject(model, lora_cfg, seed=SEED)
-    eng = Engine(model, lr=1e-2, chunk_bytes=16 << 10, **kw)
+    eng = Engine(model, **flat_options(lr=1e-2, chunk_bytes=16 << 10, **kw))
     eng.load_weights(lora_mod.renamed(iter_checkpoint(model, layout, src.model_dir), renames))
     return eng
 

@@ -4,7 +4,7 @@ optimizer and activations, compute the same DeviceNeeds and the same bounce byte
 
 import pytest
 
-from tierwise.offload import Engine
+from tierwise.offload import Activations, Budget, Engine, Optim, Precision
 from tierwise.offload.core.chunks import specs_of
 from tierwise.offload.plan import needs, planner
 from tierwise.offload.plan.homes import bounce_sizes
@@ -18,7 +18,8 @@ from tests.models import tiny_llama
 def test_engine_and_planner_call_one_formula(optimizer, precision, tie):
     model = tiny_llama(layers=2, hidden=32, vocab=128, tie=tie)
     specs = specs_of(model.named_parameters())
-    eng = Engine(model, optimizer=optimizer, precision=precision, chunk_bytes=8 << 10, activations=12345)
+    eng = Engine(model, budget=Budget(chunk=8 << 10), optim=Optim(optimizer), precision=Precision(precision),
+                 activations=Activations(expected=12345))
     try:
         ch = planner._Chunks(model=None, optimizer=optimizer, precision=precision, chunk_bytes=8 << 10,
                              rank=None, params=specs)
@@ -43,8 +44,8 @@ def test_bounce_buffers_are_the_planned_ones(tmp_path):
     """The engine allocates exactly the bounce bytes the planner reserves (everything on NVMe)."""
     model = tiny_llama(layers=2, hidden=32, vocab=128)
     specs = specs_of(model.named_parameters())
-    eng = Engine(model, optimizer="adamw", gpu_mem="96K", cpu_mem="256K", nvme_path=str(tmp_path), chunk_bytes=8 << 10,
-                 activations=0)
+    eng = Engine(model, budget=Budget(gpu="96K", cpu="256K", nvme=str(tmp_path), chunk=8 << 10), optim=Optim("adamw"),
+                 activations=Activations(expected=0))
     try:
         assert eng.bounce is not None
         ch = planner._Chunks(model=None, optimizer="adamw", precision="fp32", chunk_bytes=8 << 10, rank=None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 import tierwise.offload.engine.needs as needs
-from tierwise.offload import Engine
+from tierwise.offload import Budget, Engine, Optim
 from tierwise.offload.runtime.pinned import PAGE, HostPinner
 from tierwise.offload.runtime.tiers import Tiers
 from tests.models import batches, tiny_llama, train_reference
@@ -60,8 +60,8 @@ def test_engine_registers_its_ledgers_host_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(needs, "Tiers", PinnedTiers)
     data = batches(3)
     ref_losses, _ = train_reference(tiny_llama(), data)
-    eng = Engine(tiny_llama(), lr=1e-3, gpu_mem="500K", cpu_mem="1M", chunk_bytes=16 << 10,
-                 nvme_path=str(tmp_path / "swap"))
+    eng = Engine(tiny_llama(), budget=Budget(gpu="500K", cpu="1M", chunk=16 << 10, nvme=str(tmp_path / "swap")),
+                 optim=Optim(lr=1e-3))
     assert eng.homes.bytes["nvme"]  # host chunks and NVMe bounce buffers both live in the host tier
     assert [eng.step(b) for b in data] == ref_losses
     host = eng.ledger.used("host")

@@ -10,7 +10,7 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from tierwise.offload import Engine  # noqa: E402
+from tierwise.offload import Activations, Budget, Engine, Precision  # noqa: E402
 from tierwise.offload.core.chunks import specs_of  # noqa: E402
 from tierwise.offload.core.errors import UnsupportedModel  # noqa: E402
 from tierwise.offload.engine.frozen_base import quantizable  # noqa: E402
@@ -89,8 +89,8 @@ def test_lora_specs_are_what_peft_makes_for_every_family(family, targets):
                                                 (None, False)])
 def test_frozen_chunk_bytes_are_the_engines(base, double_quant):
     model, targets = "dense", "q_proj,v_proj"
-    eng = Engine(fresh_model(model), lora=config(targets), base_dtype=base, double_quant=double_quant,
-                 chunk_bytes=CHUNK)
+    eng = Engine(fresh_model(model), budget=Budget(chunk=CHUNK),
+                 precision=Precision(base=base, double_quant=double_quant), lora=config(targets))
     kinds = dict(eng.kinds)
     eng.close()
     ch = _Chunks(model=MODELS[model], optimizer="adamw", precision="fp32", chunk_bytes=CHUNK, rank=None,
@@ -107,8 +107,8 @@ DROPOUT_CASES = ACTIVATION_CASES + [("fp32", False, "q_proj,k_proj,down_proj", T
 
 
 def measured_activations(prec, checkpointing, targets, padded, dropout=0.0):
-    eng = Engine(fresh_model("dense"), lora=config(targets, dropout=dropout), precision=prec, chunk_bytes=CHUNK,
-                 checkpointing=checkpointing)
+    eng = Engine(fresh_model("dense"), budget=Budget(chunk=CHUNK), precision=Precision(prec),
+                 activations=Activations(recompute=checkpointing), lora=config(targets, dropout=dropout))
     b = data("dense")[0]
     if padded:
         b = dict(b, attention_mask=torch.ones_like(b["input_ids"]))

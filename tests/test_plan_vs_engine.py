@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from tierwise.offload import Engine
+from tierwise.offload import Activations, Budget, Engine, Optim, Precision
 from tierwise.offload.core.chunks import pack_chunks
 from tierwise.offload.plan.planner import make_plan
 from tierwise.profiles import ModelProfile
@@ -43,8 +43,8 @@ def plan_for(profile, precision, batch, seq, chunk, gpu, optimizer="adamw", opti
 
 
 def run_engine(model, *, precision, batch, seq, chunk, gpu, vocab, optimizer="adamw", optimizer_kwargs=None):
-    eng = Engine(model, gpu_mem=gpu, precision=precision, chunk_bytes=chunk, optimizer=optimizer,
-                 optimizer_kwargs=optimizer_kwargs)
+    eng = Engine(model, budget=Budget(gpu=gpu, chunk=chunk), optim=Optim(optimizer, kwargs=optimizer_kwargs),
+                 precision=Precision(precision))
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (batch, seq), generator=g)
     eng.step({"input_ids": x, "labels": x})  # warm-up: measures activations, places chunks
@@ -110,8 +110,8 @@ def test_a_cuda_plan_and_the_engine_placed_up_front_leave_the_same_workspace_mar
     assert plan.workspace_margin > 0 and sim.workspace_margin == 0
     assert 0 < len(home) < len({h.index for h in sim.chunk_homes if h.update == "gpu"})
     torch.manual_seed(0)
-    eng = Engine(transformers.LlamaForCausalLM(TINY.to_hf_config()), gpu_mem=gpu, precision="fp32",
-                 chunk_bytes=16 << 10, activations=plan.reserve["gpu"]["activations"])
+    eng = Engine(transformers.LlamaForCausalLM(TINY.to_hf_config()), budget=Budget(gpu=gpu, chunk=16 << 10),
+                 precision=Precision("fp32"), activations=Activations(expected=plan.reserve["gpu"]["activations"]))
     try:
         assert set(eng.device_plan.gpu_home) == home
         assert eng.device_plan.cache_limit == plan.cache_limit

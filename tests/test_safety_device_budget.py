@@ -59,4 +59,4 @@ def test_training_hands_the_engine_the_devices_memory(monkeypatch, tmp_path):
     cfg = TrainConfig(steps=1, seq_len=32, batch_size=2, output=str(tmp_path / "o"), recompute=True)
     model = tierwise.cli.train.build_meta_model(tierwise.cli.train.resolve_model(None).config)
     tierwise.cli.train.make_engine(model, cfg)
-    assert seen["gpu_mem"] == 7 << 30
+    assert seen["budget"].gpu == 7 << 30

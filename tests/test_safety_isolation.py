@@ -261,7 +261,7 @@ def test_a_refused_engine_leaves_no_threads_swap_files_or_hooks(tmp_path):
     hooks as they were (before: two worker threads and the swap directory stayed)."""
     import threading
 
-    from tierwise.offload import Engine
+    from tierwise.offload import Activations, Budget, Engine
     from tierwise.offload.core.errors import InfeasibleBudget
     from models import tiny_llama
 
@@ -270,8 +270,8 @@ def test_a_refused_engine_leaves_no_threads_swap_files_or_hooks(tmp_path):
     hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
     before = {t.name for t in threading.enumerate()}
     with pytest.raises(InfeasibleBudget):
-        Engine(model, gpu_mem="64K", cpu_mem="64K", nvme_path=str(tmp_path), chunk_bytes="64K",
-               activations=1 << 20)
+        Engine(model, budget=Budget(gpu="64K", cpu="64K", nvme=str(tmp_path), chunk="64K"),
+               activations=Activations(expected=1 << 20))
     deadline = time.monotonic() + 10
     while {t.name for t in threading.enumerate() if t.name.startswith(("tierwise", "nvme-"))} - before:
         assert time.monotonic() < deadline, "copy threads still running"

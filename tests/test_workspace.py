@@ -3,7 +3,7 @@ bytes the allocator held beside the ledger in the warm-up are kept free by the p
 
 import torch
 
-from tierwise.offload import Engine
+from tierwise.offload import Budget, Engine, Optim
 from tierwise.offload.plan.needs import MARGIN_MIN, MARGIN_SHARE
 from tests.models import batches, tiny_llama
 
@@ -14,7 +14,7 @@ def run(monkeypatch, *, fake: bool, measured: "int | None" = None):
     """`measured`: Engine.measure() on a larger batch first, the allocator then holding that
     many bytes beside the ledger (MISSED in the steps)."""
     data = batches(3)
-    eng = Engine(tiny_llama(hidden=128), lr=1e-3, gpu_mem="8M", chunk_bytes=16 << 10, device="cpu")
+    eng = Engine(tiny_llama(hidden=128), budget=Budget(gpu="8M", chunk=16 << 10), optim=Optim(lr=1e-3), device="cpu")
     missed = [MISSED if measured is None else measured]
     if fake:
         cuda = torch.cuda

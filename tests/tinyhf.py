@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from tierwise.cli.builtin import build_tokenizer, tiny_llama_config
+from tierwise.offload.core.options import Optim
 
 
 def make_tiny_llama_dir(path, *, vocab_size: int = 384, hidden: int = 64, layers: int = 2,
@@ -154,12 +155,11 @@ class StandInEngine:
     share of the step's target tokens (as the Engine), clips and updates once.
     """
 
-    def __init__(self, model, *, optimizer="adamw", lr=1e-4, weight_decay=0.0,
-                 betas=(0.9, 0.999), grad_clip=None, **_ignored):
+    def __init__(self, model, *, optim=Optim(lr=1e-4), **_ignored):
         _materialize_meta_params(model)
-        self.model, self.grad_clip = model, grad_clip
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas,
-                                     weight_decay=weight_decay)
+        self.model, self.grad_clip = model, optim.grad_clip
+        self.opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
+                                     weight_decay=optim.weight_decay)
         self.ledger = _Ledger(model)
         self.timeline: list[dict] = []
         self.phase_times: dict = {}

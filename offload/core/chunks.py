@@ -164,9 +164,9 @@ def pack_chunks(params: Sequence[ParamSpec], *, chunk_bytes: int = DEFAULT_CHUNK
                            element_size=element_size)
         k = len(first.chunks)
         moved = tuple(ChunkSpec(index=c.index + k, numel=c.numel, params=c.params) for c in rest.chunks)
-        slots = dict(first.slots) | {n: Slot(name=n, chunk=s.chunk + k, offset=s.offset, shape=s.shape,
-                                             stride=s.stride) for n, s in rest.slots.items()}
-        return ChunkPlan(chunks=first.chunks + moved, slots=slots, chunk_numel=first.chunk_numel,
+        joined = dict(first.slots) | {n: Slot(name=n, chunk=s.chunk + k, offset=s.offset, shape=s.shape,
+                                              stride=s.stride) for n, s in rest.slots.items()}
+        return ChunkPlan(chunks=first.chunks + moved, slots=joined, chunk_numel=first.chunk_numel,
                          frozen=frozenset(c.index for c in moved))
     if chunk_bytes < ALIGN * element_size:
         raise ValueError(f"chunk size {chunk_bytes} B is too small (minimum {ALIGN * element_size} B)")

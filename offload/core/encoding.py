@@ -9,14 +9,16 @@ starts at an ALIGN_BYTES-aligned offset in its chunk's blob (`runtime.frozen`).
 
 from __future__ import annotations
 
-from .vocab import BASE_DTYPES, QUANTIZED  # noqa: F401 - the words; the sizes are here
+from typing import Sequence
+
+from .vocab import BASE_DTYPES as BASE_DTYPES, QUANTIZED as QUANTIZED  # the words; the sizes are here
 
 BLOCK = 64  # elements per absmax block (NF4 and int8); bitsandbytes' default for 4-bit
 NESTED_BLOCK = 256  # bitsandbytes' block for the double-quantized absmax
 ALIGN_BYTES = 16  # each parameter's encoding starts 16-byte aligned in a frozen chunk's blob
 
 
-def fused_experts(name: str, shape) -> bool:
+def fused_experts(name: str, shape: Sequence[int]) -> bool:
     """Whether parameter `name` of `shape` is a fused MoE expert stack: a 3-D parameter of a
     module named `experts` (transformers 5's Mixtral, Qwen-MoE, ...: `mlp.experts.gate_up_proj`
     [experts, 2 x ffn, hidden]; PEFT's target_parameters wrappers insert `base_layer`s). An

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 Tier = Literal["gpu", "host", "cxl", "nvme"]
-TIERS: tuple[Tier, ...] = get_args(Tier)
+TIERS: tuple[str, ...] = get_args(Tier)
 """Memory tiers, fastest first: the device, host RAM, CXL memory (a NUMA node), NVMe swap files."""
 
 ComputeDtype = Literal["fp32", "bf16"]

@@ -1,6 +1,6 @@
 """The Engine: train a PyTorch model inside hard per-tier memory budgets.
 
-    engine = offload.Engine(model, optimizer="adamw", lr=1e-4, gpu_mem="2G", cpu_mem="16G")
+    engine = offload.Engine(model, budget=Budget(gpu="2G", cpu="16G"), optim=Optim("adamw", lr=1e-4))
     loss = engine.step(batch)                      # forward, backward, update
     # or: loss = engine.forward(batch); engine.backward(loss); engine.optimizer_step()
 
@@ -63,11 +63,12 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..core.chunks import DEFAULT_CHUNK_BYTES, pack_chunks, specs_of
-from ..core.errors import DIST_TIMEOUT_S, BudgetExceeded, UnsupportedModel
+from ..core.chunks import pack_chunks, specs_of
+from ..core.errors import BudgetExceeded, UnsupportedModel
+from ..core.options import Activations, Budget, Distributed, Optim, Precision, Streaming
 from ..core.sizes import parse_size
 from ..core.units import format_size
-from ..core.vocab import GRAD_REDUCE, TIERS, check
+from ..core.vocab import TIERS
 from ..plan.homes import assign_homes, bounce_sizes
 from ..plan.needs import workspace_margin
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
@@ -116,54 +117,32 @@ class Engine:
     `moments` (offload.engine.timeline: phase, timeline, phase times) and `surgery`
     (offload.engine.surgery: every change to the model, undone by close())."""
 
-    def __init__(self, model: torch.nn.Module, *, optimizer: str = "adamw", lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, momentum: float = 0.0,
-                 optimizer_kwargs: dict | None = None,
-                 gpu_mem: "str | int | None" = None, cpu_mem: "str | int | None" = None,
-                 cxl_mem: "str | int | None" = None, nvme_path: "str | None" = None,
-                 precision: str = "fp32", chunk_bytes: "str | int" = DEFAULT_CHUNK_BYTES,
-                 grad_clip: float | None = None, checkpointing: bool | None = None,
-                 activations: int | None = None,
-                 cxl_node: "int | str | Iterable[int] | None" = None, cxl_bandwidth: float | None = None,
-                 nvme_checksum: bool = False,
+    def __init__(self, model: torch.nn.Module, *, budget: Budget = Budget(), optim: Optim = Optim(),
+                 precision: Precision = Precision(), lora: Any = None, activations: Activations = Activations(),
+                 distributed: Distributed = Distributed(), streaming: Streaming = Streaming(),
                  device: "str | torch.device | None" = None,
-                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
-                 prefetch_depth: int = 16, h2d_bandwidth: float | None = None,
-                 d2h_bandwidth: float | None = None, allow_gpu_home: bool = True,
-                 offload_activations: bool = False, overlap_update: bool = True,
-                 lora: Any = None, base_dtype: str | None = None, double_quant: bool = False,
-                 process_group: Any = None, dist_timeout: float = DIST_TIMEOUT_S, share_base: bool = True,
-                 grad_reduce: str = "micro"):
-        """`activations`: the expected peak of saved activations (e.g. the planner's estimate).
-        Given, chunks are placed in their final tiers now; otherwise after the warm-up step,
-        which measures it (until then every chunk lives host-side).
-        `checkpointing`: recompute each block in backward (True), keep every block's
-        activations (False: about a quarter less compute, perfmodel.activation_bytes says how
-        much more device memory), or None: recompute when the model has several blocks.
-        `offload_activations`: keep checkpointed blocks' inputs in host memory between forward
-        and backward (offload.engine.actoffload), for sequences whose activations outgrow the device.
-        `overlap_update`: update a chunk as soon as its gradients are final, during backward
-        (offload.engine.early); `engine.step` only, and not with clipping.
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss):
+        """The options are offload.core.options' dataclasses (a flat dict of keyword names:
+        `Engine(model, **flat_options(gpu_mem="2G", lr=1e-4))`).
         `lora`: a peft.LoraConfig whose adapters are injected (offload.engine.lora); a model
         already wrapped by peft.get_peft_model is taken as is. Parameters with
         requires_grad=False (the base) are frozen: a compute copy only, read-only, gpu-home
-        where the budget allows (after the trainable chunks), else streamed.
-        `base_dtype` (bf16 | fp16 | int8 | nf4; None: the compute dtype): how frozen weights are
-        stored and carried (offload.runtime.codecs; a gpu-home encoded chunk keeps its encoded
-        bytes on the device, decoded per use); `double_quant`: NF4's absmax quantized too.
-        `process_group`: shard over these ranks (None: the default group when initialised with
-        more than one rank; see the module docstring); `dist_timeout`: seconds a collective
-        waits for the other ranks before this rank fails naming the collective. `share_base`: the
-        local ranks of a node hold one copy of the frozen base (offload.engine.sharedbase); False:
-        each rank its own. `grad_reduce` ("micro" | "step"): several ranks reduce gradients after
-        every micro-batch, holding only the owned ones across micro-batches, or once per step,
-        holding all (see the module docstring)."""
-        if precision not in DTYPES:
-            raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
-        if grad_clip is not None and not grad_clip > 0:  # (inf: the norm is measured, nothing clipped)
-            raise ValueError(f"grad_clip must be a positive number (None: no clipping), got {grad_clip}")
-        check(grad_reduce, GRAD_REDUCE, "grad_reduce")
+        where the budget allows (after the trainable chunks), else streamed; stored as
+        `precision.base` (offload.runtime.codecs; a gpu-home encoded chunk keeps its encoded
+        bytes on the device, decoded per use).
+        `activations.offload`: keep checkpointed blocks' inputs in host memory between forward
+        and backward (offload.engine.actoffload). `activations.expected` given, chunks are placed
+        in their final tiers now; otherwise after the warm-up step, which measures the peak (until
+        then every chunk lives host-side). `distributed`: see the module docstring."""
+        for name, value, cls in (("budget", budget, Budget), ("optim", optim, Optim),
+                                 ("precision", precision, Precision), ("activations", activations, Activations),
+                                 ("distributed", distributed, Distributed), ("streaming", streaming, Streaming)):
+            if not isinstance(value, cls):
+                raise TypeError(f"{name}= takes a {cls.__name__} (offload.core.options), got {type(value).__name__}; "
+                                f"flat keyword names go through flat_options(...)")
+        self.options = dict(budget=budget, optim=optim, precision=precision, activations=activations,
+                            distributed=distributed, streaming=streaming)
+        optimizer = optim.name
         # refusals that do not depend on the adapters come before apply_lora changes the model
         check_no_own_checkpointing(model)
         if optimizer == "mezo" and loss_fn is not default_loss:
@@ -176,44 +155,48 @@ class Engine:
             model = apply_lora(model, lora)
         self.model, self.loss_fn = model, loss_fn
         self.device = pick_device(device)
-        self.compute_dtype = DTYPES[precision]
-        self.precision = precision
-        self.grad_clip = grad_clip
-        self.prefetch_depth = prefetch_depth
-        self.allow_gpu_home = allow_gpu_home
-        self.offload_activations = offload_activations
-        self.overlap_update = overlap_update
-        self.hyper = Hyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum)
+        self.compute_dtype = DTYPES[precision.compute]
+        self.precision = precision.compute
+        self.grad_clip = optim.grad_clip
+        self.prefetch_depth = streaming.prefetch
+        self.allow_gpu_home = streaming.allow_gpu_home
+        self.offload_activations = activations.offload
+        self.overlap_update = optim.overlap_update
+        self.hyper = Hyper(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay,
+                           momentum=optim.momentum)
         named = list(model.named_parameters())
         check_trainable_dtypes(named)
         frozen = {n for n, p in named if not p.requires_grad}
         if frozen and optimizer == "mezo":
             raise UnsupportedModel(f"mezo perturbs every parameter of a module; frozen parameters "
                                    f"({sorted(frozen)[:3]}...) are not supported with it")
-        self.plan = pack_chunks(specs_of(named), chunk_bytes=parse_size(chunk_bytes, what="chunk size"),
+        self.plan = pack_chunks(specs_of(named), chunk_bytes=parse_size(budget.chunk, what="chunk size"),
                                 frozen=frozen)
-        self.frozen_layouts = frozen_layouts(self.plan, model, base_dtype=base_dtype, double_quant=double_quant,
+        self.frozen_layouts = frozen_layouts(self.plan, model, base_dtype=precision.base,
+                                            double_quant=precision.double_quant,
                                              compute_dtype=self.compute_dtype)
         self.optimizer_name = optimizer
         self.ranks = self.shared = self.nvme = self.executor = self.surgery = self.grads = None
         self._closed = False
         try:
-            group = process_group if process_group is not None else default_group()
+            group = distributed.group if distributed.group is not None else default_group()
             self.ranks: Ranks | None = None
             if group is not None and dist.get_world_size(group) > 1:
                 if optimizer not in SHARDED_OPTIMIZERS:
                     raise UnsupportedModel(f"--optimizer {optimizer} is not supported with several ranks yet "
                                            f"(sharded: {', '.join(SHARDED_OPTIMIZERS)})")
                 self.ranks = Ranks(group, trainable=[c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)],
-                                   timeout_s=dist_timeout)
+                                   timeout_s=distributed.timeout)
                 self.allow_gpu_home = False  # every rank must fetch alike: all chunks stream (see ranks.py)
             local = self.ranks.local_world if self.ranks is not None else 1
             self._divide_cores(local)
             self.ledger, self.tiers, self.cxl, self.nvme = open_tiers(
-                device=self.device, gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem, cxl_node=cxl_node,
-                cxl_bandwidth=cxl_bandwidth, nvme_path=nvme_path, nvme_checksum=nvme_checksum,
+                device=self.device, gpu_mem=budget.gpu, cpu_mem=budget.cpu, cxl_mem=budget.cxl,
+                cxl_node=budget.cxl_node, cxl_bandwidth=budget.cxl_bandwidth, nvme_path=budget.nvme,
+                nvme_checksum=budget.nvme_checksum,
                 nvme_threads=threads_per_rank(local))
-            self.executor = Executor(device=self.device, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=d2h_bandwidth)
+            self.executor = Executor(device=self.device, h2d_bandwidth=streaming.h2d_bandwidth,
+                                     d2h_bandwidth=streaming.d2h_bandwidth)
             self.workspace = Workspace(self.device, self.ledger)
             self._warm_limit: int | None = None
             self._ahead: dict = {}  # a swapped chunk's master and state read ahead of its update (update_all)
@@ -221,16 +204,16 @@ class Engine:
             self._order_now: list[int] = []  # (this step's, so far)
             self.moments = Timeline(self.ledger)
             self.shared: SharedBase | None = None
-            if self.ranks is not None and share_base and frozen and self.ledger.budgets.get("cxl") is None:
+            if self.ranks is not None and distributed.share_base and frozen and self.ledger.budgets.get("cxl") is None:
                 # on every rank of the group, which all run its collectives (a node of one rank shares with itself)
                 self.shared = SharedBase(self.ranks, host_budget=self.ledger.budgets["host"])
             self.updater = make_updater(optimizer, self.plan.trainable(),
                                         shapes={n: tuple(p.shape) for n, p in named if n not in frozen},
-                                        momentum=momentum, **(optimizer_kwargs or {}))
+                                        momentum=optim.momentum, **optim.kwargs)
             if self.updater.needs_grad:
                 check_dense_grads(model)
             #: several ranks with owned-only gradients (offload.engine.transient)
-            self.owned_grads = self.ranks is not None and grad_reduce == "micro" and self.updater.needs_grad
+            self.owned_grads = self.ranks is not None and distributed.grad_reduce == "micro" and self.updater.needs_grad
             trainable = [c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)]
             self.grad_window = window_bytes(self.plan, trainable) if self.owned_grads else 0
             weights = [(n, p) for n, p in named if p.device.type != "meta"]
@@ -243,9 +226,8 @@ class Engine:
             self.module_chunks = module_chunks(model, self.plan, self.param_names)
             self.blocks = find_blocks(model)
             self.zo_batch: int | None = None  # MeZO: rows of the +εz half while a dual forward runs
-            if not self.updater.needs_grad:
-                checkpointing = False  # no backward, nothing to recompute
-            self._place(activations)
+            checkpointing = activations.recompute if self.updater.needs_grad else False  # (no backward)
+            self._place(activations.expected)
             self.store.load(weights, self.params)  # copy the weights in; the originals go when repointed
             del weights
             self.residency = Residency(
@@ -254,7 +236,7 @@ class Engine:
                 params=self.params, param_names=self.param_names, module_chunks=self.module_chunks,
                 timeline=self.moments, name_of=self._module_name, cxl=self.cxl, nvme=self.nvme, bounce=self.bounce,
                 borrow_refusal=None if self.updater.needs_grad else self.optimizer_name, ranks=self.ranks,
-                borrows=h2d_bandwidth is None)  # (an emulated link: the copies are what is measured)
+                borrows=streaming.h2d_bandwidth is None)  # (an emulated link: the copies are what is measured)
             self._install_hooks(model, checkpointing)
             self.minimum_gpu_bytes: int | None = None
             self.steps = 0

@@ -87,7 +87,7 @@ def check_no_own_checkpointing(model: torch.nn.Module) -> None:
     # now warns) reads: the flag gradient_checkpointing_enable sets on the modules that support it
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise UnsupportedModel("the model has gradient checkpointing enabled (gradient_checkpointing_enable); "
-                               "the engine checkpoints repeated blocks itself (Engine(checkpointing=...)): "
+                               "the engine checkpoints repeated blocks itself (Activations(recompute=...)): "
                                "turn it off first (model.activation_checkpointing_disable(), or gradient_checkpointing_disable())")
 
 

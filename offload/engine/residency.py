@@ -248,7 +248,7 @@ class Residency:
             raise UnsupportedModel(
                 f"{self.name_of(mod)} ran again in backward: the model recomputes it itself "
                 f"(torch.utils.checkpoint); the engine checkpoints repeated blocks on its own "
-                f"(Engine(checkpointing=...)): take the model's checkpointing out")
+                f"(Activations(recompute=...)): take the model's checkpointing out")
         if not self._frames:
             raise UnsupportedModel(
                 f"{self.name_of(mod)} ran outside engine.step / forward / eval_loss: the engine "

@@ -17,7 +17,7 @@ the optimizer table, `offload.update.table`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from ..core.chunks import ParamSpec
 from ..core.errors import TierwiseError
@@ -184,7 +184,8 @@ _INPUT = {"q_proj": "h", "k_proj": "h", "v_proj": "h", "o_proj": "q", "gate_proj
           "down_proj": "i"}
 
 
-def _dropout_bytes(targets: frozenset[str], *, e: int, mask: int, t: int, h: int, i: int, q: int, grad_in) -> int:
+def _dropout_bytes(targets: frozenset[str], *, e: int, mask: int, t: int, h: int, i: int, q: int,
+                   grad_in: Callable[[str], bool]) -> int:
     """What LoRA dropout adds to one layer's saved activations (activation_parts): the dropped
     copies beyond the one input a group shares without dropout, and a mask per targeted linear
     whose input needs a gradient (`grad_in(linear)`)."""
@@ -206,9 +207,13 @@ def _needs_grad_in(part: str, targets: frozenset[str]) -> bool:
     return bool(targets & before.get(part, set()))
 
 
+LoraAct = Optional[Union[tuple[frozenset[str], int], tuple[frozenset[str], int, int]]]
+"""LoRA in the activations: (targets, rank) or, with dropout, (targets, rank, bytes of its mask)."""
+
+
 def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
                      backward: bool = True, checkpointing: bool | None = None, padded: bool = False,
-                     lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int] | None" = None) -> int:
+                     lora: LoraAct = None) -> int:
     """Peak bytes of saved activations in one step (see activation_parts; `padded`: the step's
     batch has padding). Without backward (zeroth-order optimizers) autograd saves nothing: 0."""
     if not backward:
@@ -220,7 +225,7 @@ def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, prec
 
 def checkpoints_blocks(model: ModelProfile, checkpointing: bool | None = None) -> bool:
     """Whether the engine checkpoints the decoder layers: as asked, else (None) when there are
-    several (Engine(checkpointing=None) applies the same rule)."""
+    several (Activations(recompute=None) applies the same rule)."""
     return model.num_hidden_layers > 1 if checkpointing is None else bool(checkpointing)
 
 
@@ -305,7 +310,7 @@ def _phase(busy: dict[str, float], startup: float) -> tuple[float, str]:
     return busy.get(top, 0.0) + startup, top
 
 
-def _finish(phases: dict[str, float], resources: dict, tops: dict[str, str], tokens: int) -> StepPrediction:
+def _finish(phases: dict[str, float], resources: dict[str, dict[str, float]], tops: dict[str, str], tokens: int) -> StepPrediction:
     step = sum(phases.values())
     share: dict[str, float] = {}
     for name, seconds in phases.items():
@@ -316,7 +321,7 @@ def _finish(phases: dict[str, float], resources: dict, tops: dict[str, str], tok
 
 
 def _cpu_rate(hw: HardwareProfile, cost: OptimizerSpec) -> float:
-    return getattr(hw.host, f"{cost.cpu_rate}_params_per_s") * cost.cpu_rate_scale
+    return float(getattr(hw.host, f"{cost.cpu_rate}_params_per_s")) * cost.cpu_rate_scale
 
 
 def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSpec, load: StepLoad,
@@ -330,7 +335,10 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
         return _predict_simulated(hardware=hardware, precision=precision, cost=cost, load=load, tokens=tokens,
                                   micro_batches=micro_batches, collectives=collectives)
     hw, pl = hardware, load.placed
-    get = lambda tier, kind: pl.get(tier, {}).get(kind, 0)  # noqa: E731
+
+    def get(tier: str, kind: str) -> int:
+        return pl.get(tier, {}).get(kind, 0)
+
     # a step's kernels against the GEMM rate: attention, norms, elementwise (`finetune profile`)
     gpu_rate = hw.gpu_tflops(precision) * 1e12 / (hw.host.step_calibration or 1.0)
     h2d, d2h = hw.pcie.h2d_pinned_gbps * GB, hw.pcie.d2h_pinned_gbps * GB
@@ -432,7 +440,7 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     back = hw.pcie.d2h_pinned_gbps * GB
     overhead = (hw.host.op_overhead_us or 0.0) * 1e-6
     dispatch_fwd, dispatch_bwd = dispatch_s(load, hw.host.op_overhead_us)
-    link = load.fetched_bytes if load.link_bytes is None else load.link_bytes
+    link: float = load.fetched_bytes if load.link_bytes is None else load.link_bytes
     if load.link_bytes is None and not load.dequant_bytes:  # no copy: NVMe reads land in the cache
         # buffer, and fp32 masters in DRAM are computed from in place (offload.engine.residency)
         inplace = load.stream_bytes.get("nvme", 0)

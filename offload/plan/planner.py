@@ -39,7 +39,7 @@ from ..core.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, ParamSpec, pack_chunks
 from ..core.errors import InfeasibleBudget, TierwiseError
 from ..core.vocab import GRAD_REDUCE, TIERS
 from .homes import Homes, assign_homes, minimum_host
-from .perfmodel import (KINDS, StepLoad, activation_bytes, activation_parts, buffer_bytes, checkpoints_blocks,
+from .perfmodel import (KINDS, LoraAct, StepLoad, activation_bytes, activation_parts, buffer_bytes, checkpoints_blocks,
                                compute_bytes, model_flops,
                                ops_per_forward, param_update_flops, predict_step)
 from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
@@ -64,7 +64,7 @@ class ChunkHome:
     params: int
     update: str
     """"gpu" or "cpu" ("none": a frozen chunk)."""
-    compute: str
+    compute: str | None
     """Tier the compute copy streams from (in fp32 runs: the master's tier; "gpu" when gpu-home)."""
     grad: str | None
     master: str | None
@@ -251,7 +251,7 @@ class _Chunks:
     engine's updater allocates them (tests/test_optimizer_table.py)."""
 
     def __init__(self, *, model: ModelProfile, optimizer: str, precision: str, chunk_bytes: int,
-                 rank: int | None, optimizer_kwargs: dict | None = None,
+                 rank: int | None, optimizer_kwargs: dict[str, Any] | None = None,
                  params: "Sequence[ParamSpec] | None" = None, lora: "LoraModel | None" = None,
                  base_dtype: str | None = None, double_quant: bool = False, cuda: bool = False) -> None:
         #: the engine's device is CUDA (make_plan's `cuda`): a staging buffer, the allocator's
@@ -291,6 +291,7 @@ class _Chunks:
         for c in self.plan.chunks:
             ps = [by_name[n] for n in c.params]
             if c.index in self.frozen:  # one kind: the (maybe encoded) compute copy; never updated
+                assert lora is not None  # (only a LoRA run has frozen chunks)
                 nbytes = frozen_chunk_bytes(self.plan, c.index, base_dtype=base_dtype, plain=plain,
                                             element_size=self.ce, quantizable=lora.quantizable,
                                             double_quant=double_quant)
@@ -339,7 +340,7 @@ class _Chunks:
             return {}
         sizes = {c: self.compute[c] for c in keep}
         counts = dict.fromkeys(streamed, 0)
-        for a in plan_schedule(events, sizes=sizes, capacity=max(device.cache_limit, 1), lookahead=LOOKAHEAD):
+        for a in plan_schedule(events, sizes=sizes, capacity=max(device.cache_limit, 1)):
             for c in a.fetch + a.prefetch:
                 counts[c] += 1
         self.fetches_last = counts
@@ -374,14 +375,11 @@ def _is_encoded(plan: ChunkPlan, cid: int, base_dtype: str | None, plain: str, l
                for n in plan.chunks[cid].params)
 
 
-#: The engine's prefetch look-ahead (Engine(prefetch_depth=16)).
-LOOKAHEAD = 16
-
 #: Engine optimizer options that do not change any byte the planner counts.
 _NO_BYTES = ("update_proj_gap", "scale", "seed", "eps")
 
 
-def _state_options(optimizer: str, *, rank: int | None, optimizer_kwargs: dict | None) -> tuple[int | None, float]:
+def _state_options(optimizer: str, *, rank: int | None, optimizer_kwargs: dict[str, Any] | None) -> tuple[int | None, float]:
     """(rank, momentum) out of the Engine's `optimizer_kwargs`; any other option the planner
     does not know is refused (it might change the state bytes)."""
     kwargs = dict(optimizer_kwargs or {})
@@ -410,7 +408,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               cpu_mem: int | str | None, cxl_mem: int | str | None = None, nvme_path: str | None = None,
               nvme_mem: int | str | None = None, optimizer: str, precision: str, batch_size: int, seq_len: int,
               chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
-              optimizer_kwargs: dict | None = None, grad_accum: int = 1, up_front: bool = True,
+              optimizer_kwargs: dict[str, Any] | None = None, grad_accum: int = 1, up_front: bool = True,
               checkpointing: bool | None = None, padded: bool = False,
               params: "Sequence[ParamSpec] | None" = None, device_mem: int | None = None,
               lora_rank: int | None = None, lora_targets: str = "all-linear", base_dtype: str | None = None,
@@ -425,7 +423,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     (the engine splits a batch into `grad_accum` of them; activations follow the micro-batch).
     `optimizer_kwargs` as the Engine takes them (e.g. {"rank": 8} for GaLore/APOLLO; `rank`
     is a shorthand for it): they decide the optimizer state bytes.
-    `up_front`: the engine is given the planned activations (`Engine(activations=...)`, as
+    `up_front`: the engine is given the planned activations (`Activations(expected=...)`, as
     `finetune` does) and places every chunk before the first step; False: it measures them in
     its warm-up step, with every chunk host-side until then (homes chosen for all chunks, the
     gpu-home ones leaving theirs when promoted) -- the host-side bytes can differ.
@@ -473,7 +471,9 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     nvme_cap = parse_size(nvme_mem, what="--nvme-mem")
     nvme_cap = (hw.nvme.capacity if hw.nvme else None) if nvme_cap is None else nvme_cap
     use_nvme = nvme_path is not None
-    chunk_bytes = parse_size(chunk_bytes, what="chunk size")
+    chunk_size = parse_size(chunk_bytes, what="chunk size")
+    if chunk_size is None:
+        raise TierwiseError("give a chunk size (e.g. 64M)")
 
     if not 0 <= lora_dropout < 1:
         raise TierwiseError(f"--lora-dropout must be in [0, 1), got {lora_dropout}")
@@ -483,14 +483,14 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     if lora_rank is not None:
         lora = lora_specs(list(params) if params is not None else model.param_specs(), rank=lora_rank,
                           targets=lora_targets, linears=linears)
-    ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_bytes, rank=rank,
+    ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_size, rank=rank,
                  optimizer_kwargs=optimizer_kwargs, params=params, lora=lora, base_dtype=base_dtype,
                  double_quant=double_quant, cuda=not hw.simulated if cuda is None else cuda)
     checkpointing = ch.needs_grad and checkpoints_blocks(model, checkpointing)  # resolved, as the engine does
-    lora_act = None
+    lora_act: LoraAct = None
     if lora is not None:  # dropout's saved mask: CPU dropout keeps its noise in the compute dtype, CUDA a bool
-        lora_act = (lora.targets, lora.rank) + ((1 if ch.cuda else compute_bytes(precision),) if lora_dropout
-                                                else ())
+        lora_act = ((lora.targets, lora.rank, 1 if ch.cuda else compute_bytes(precision)) if lora_dropout
+                    else (lora.targets, lora.rank))
     act = activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                            backward=ch.needs_grad, checkpointing=checkpointing, padded=padded, lora=lora_act)
     needs = ch.device_needs(buffers=buffer_bytes(model) + ch.staging(), activations=act)
@@ -512,7 +512,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
         return _plan_ranks(ch, model=model, hw=hw, needs=needs, placed=placed, gpu=gpu, host=host, cxl=cxl, use_nvme=use_nvme,
                            nvme_cap=nvme_cap, nproc=nproc_per_node, nnodes=nnodes, checkpointing=checkpointing,
                            precision=precision, lora_act=lora_act, single=args, grad_reduce=grad_reduce,
-                           meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes,
+                           meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size,
                                      optimizer=optimizer, checkpointing=checkpointing, padded=padded,
                                      grad_accum=grad_accum, lora_rank=lora_rank,
                                      lora_targets=lora_targets if lora_rank is not None else None,
@@ -541,7 +541,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     plan = _build(ch, model=model, hw=hw, needs=needs, margin=margin, device=device, homes=homes, pred=pred,
                   precision=precision,
                   budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
-                  batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_bytes, optimizer=optimizer,
+                  batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size, optimizer=optimizer,
                   host_minimum=host_min, checkpointing=checkpointing, padded=padded, grad_accum=grad_accum,
                   lora_rank=lora_rank, lora_targets=lora_targets if lora_rank is not None else None,
                   base_dtype=(base_dtype or precision) if lora_rank is not None else None,
@@ -709,7 +709,7 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
 
 
 def _base_traffic(ch: _Chunks, *, load: StepLoad, homes: Homes, streamed: list[int], micro_batches: int,
-                  hw: HardwareProfile) -> dict:
+                  hw: HardwareProfile) -> dict[str, Any]:
     """The frozen base's traffic per step: bytes read from each tier (every streamed frozen chunk
     is fetched in forward and again for backward -- once for a recomputed block's recompute and
     backward together -- less what the cache keeps across the turn; each micro-batch again),
@@ -762,7 +762,7 @@ def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
 
 def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds,
                    device: DevicePlan, batch_size: int, seq_len: int, precision: str,
-                   checkpointing: bool | None, padded: bool = False, lora=None) -> int:
+                   checkpointing: bool | None, padded: bool = False, lora: LoraAct = None) -> int:
     """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
     forward (all activations); a block's recompute in backward; lm_head's gradient on its way to
     the host while the final norm's activations are still saved; the embedding's gradient at
@@ -782,7 +782,8 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
 
 
 def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, device: DevicePlan,
-           homes: Homes, pred, precision: str, budgets: dict, lora_act=None, margin: int = 0, **meta) -> Plan:
+           homes: Homes, pred: Any, precision: str, budgets: dict[str, Any], lora_act: LoraAct = None, margin: int = 0,
+           **meta: Any) -> Plan:
     act_args = dict(batch_size=meta["batch_size"], seq_len=meta["seq_len"], precision=precision,
                     checkpointing=meta["checkpointing"], padded=meta["padded"], lora=lora_act)
     by_tier = {t: dict.fromkeys(KINDS + (("base",) if ch.frozen else ()), 0) for t in TIERS}
@@ -835,7 +836,8 @@ def _rank_view(ch: _Chunks, remote: frozenset[int], owned_grads: bool) -> _Chunk
 def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, placed: DeviceNeeds,
                 gpu: int, host: int | None,
                 cxl: int, use_nvme: bool, nvme_cap: int | None, nproc: int, nnodes: int, checkpointing: bool,
-                precision: str, lora_act, single: dict, meta: dict, grad_reduce: str = "micro") -> Plan:
+                precision: str, lora_act: LoraAct, single: dict[str, Any], meta: dict[str, Any],
+                grad_reduce: str = "micro") -> Plan:
     """make_plan for `nproc` ranks per node on `nnodes` nodes (offload.plan.ranks). Every rank
     streams every chunk (the engine allows no gpu-home chunk with several ranks). The homes of
     a node: the frozen base once (`assign_homes` within what the ranks' minimums leave of the
@@ -907,6 +909,8 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                                f"{format_size(node_bytes['nvme'])}; raise --cpu-mem / --cxl-mem or free disk space",
                                minimum={"nvme": node_bytes["nvme"]})
     gbps, link_words = multi.link(hw, nnodes)
+    node = hw.node
+    assert node is not None  # (multi.link refuses a profile without one)
     share = multi.rank_share(hw, L)
     flops_fwd = model_flops(model=model, batch_size=meta["batch_size"], seq_len=meta["seq_len"])
     accum, tokens = meta["grad_accum"], meta["batch_size"] * meta["seq_len"] * meta["grad_accum"] * world
@@ -924,7 +928,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                                         cache_limit=device.cache_limit, widest=ch.widest, micro_batches=accum)
         reduce = sum(4 * ch.plan.chunks[c].numel for c in trainable) if ch.needs_grad else 0
         reduce *= accum if owned_grads else 1  # owned-only gradients: a reduce per micro-batch
-        coll = Collectives(gather_bytes=gather / accum, reduce_bytes=reduce, gbps=gbps, via=hw.node.gpu_link)
+        coll = Collectives(gather_bytes=gather / accum, reduce_bytes=reduce, gbps=gbps, via=node.gpu_link)
         preds.append(predict_step(hardware=share, precision=precision, cost=ch.cost, tokens=tokens, load=load,
                                   micro_batches=accum, collectives=coll))
         loads.append((gather, reduce))
@@ -977,7 +981,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                      grad_bytes=grad_bytes, grad_reduce=grad_reduce if ch.needs_grad else "step",
                      single_tokens_per_s=single_tps,
                      host_shares=None if host is None or not uneven else
-                     [per_host[r] + window + base_part + base_homes.bounce for r in range(L)])
+                     [(per_host[r] or 0) + window + base_part + base_homes.bounce for r in range(L)])
     rss = node_bytes["host"] + L * PROCESS_BYTES + (0 if ch.cuda else sum(gpu_peaks))
     return dataclasses.replace(plan, bytes=by_tier, reserve=reserve, peak=peak, ranks=ranks, host_rss=rss,
                                gpu_update_params=0, cpu_update_params=owned[0])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 from ..core.chunks import ChunkPlan
 from ..core.errors import TierwiseError
@@ -88,7 +89,7 @@ class RankPlan:
     def world(self) -> int:
         return self.nproc_per_node * self.nnodes
 
-    def lines(self, fmt) -> list[str]:
+    def lines(self, fmt: Callable[[int], str]) -> list[str]:
         """The plan's multi-rank block; `fmt`: a byte formatter."""
         L = self.nproc_per_node
         out = [f"ranks: {self.world} ({L} per node x {self.nnodes} node{'s' if self.nnodes > 1 else ''}); "
@@ -98,8 +99,7 @@ class RankPlan:
                + "; own host " + ", ".join(fmt(b) for b in self.private_host)
                + "; params updated " + ", ".join(f"{p / 1e9:.2f}B" if p >= 1e9 else f"{p / 1e6:.1f}M"
                                                  for p in self.owned_params),
-               "  per node: " + ", ".join(f"{t} {fmt(b)}" + (f" of {fmt(self.node_budgets[t])}"
-                                                              if self.node_budgets.get(t) else "")
+               "  per node: " + ", ".join(f"{t} {fmt(b)}" + (f" of {fmt(nb)}" if (nb := self.node_budgets.get(t)) else "")
                                           for t, b in self.node.items() if b)
                + (("; the frozen base once per node: " + ", ".join(f"{t} {fmt(b)}" for t, b in self.base.items() if b))
                   if any(self.base.values()) else ""),
@@ -177,6 +177,8 @@ def link(hw: HardwareProfile, nnodes: int) -> tuple[float, str]:
     if node is None:
         raise TierwiseError(f"hardware profile '{hw.name}' has no [node] table (one GPU)")
     if nnodes > 1:
+        if node.network_gbps is None:
+            raise TierwiseError(f"hardware profile '{hw.name}' states no network between nodes ([node] network_gbps)")
         gbps = min(node.gpu_link_gbps, node.network_gbps)
         return gbps, f"the network between nodes ({node.network_gbps:g} GB/s; GPU link {node.gpu_link_gbps:g} GB/s)"
     return node.gpu_link_gbps, f"the GPU link ({node.gpu_link}, {node.gpu_link_gbps:g} GB/s)"
@@ -192,7 +194,7 @@ def rank_share(hw: HardwareProfile, local: int) -> HardwareProfile:
     host = dataclasses.replace(h, dram_bandwidth_gbps=h.dram_bandwidth_gbps / local,
                                cpu_cores=max(1, h.cpu_cores // local), cpu_fp32_tflops=h.cpu_fp32_tflops / local,
                                adamw_params_per_s=h.adamw_params_per_s / local,
-                               adamw8bit_params_per_s=h.adamw8bit_params_per_s / local)
+                               adamw8bit_params_per_s=(h.adamw8bit_params_per_s or h.adamw_params_per_s) / local)
     nvme = hw.nvme and dataclasses.replace(hw.nvme, read_gbps=hw.nvme.read_gbps / local,
                                            write_gbps=hw.nvme.write_gbps / local)
     cxl = hw.cxl and dataclasses.replace(hw.cxl, bandwidth_gbps=hw.cxl.bandwidth_gbps / local)

@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from ..core.options import LOOKAHEAD
+
 ACQUIRE, RELEASE = "acquire", "release"
 
 
@@ -75,7 +77,7 @@ class _Sim:
 
 
 def plan_schedule(events: Sequence[tuple[str, int]], *, sizes: Mapping[int, int], capacity: int,
-                  lookahead: int = 16) -> list[Actions]:
+                  lookahead: int = LOOKAHEAD) -> list[Actions]:
     """One Actions per event. Raises ValueError if a single acquisition cannot fit."""
     uses: dict[int, list[int]] = {}
     for t, (kind, cid) in enumerate(events):

@@ -82,7 +82,7 @@ class SharedRegion:
                 raise SharedMemoryError(f"cannot size the shared base {path} to {format_size(nbytes)}: "
                                         f"{exc.strerror} ({directory} has {format_size(free)} free; in a "
                                         "container raise it, e.g. docker --shm-size, or pass "
-                                        "Engine(share_base=False) to give every rank its own copy)") from None
+                                        "Distributed(share_base=False) to give every rank its own copy)") from None
             raise
 
     @classmethod

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from ..core.options import Activations, Budget, Optim, Precision, Streaming
 from ..core.units import format_size
 
 log = logging.getLogger(__name__)
@@ -217,8 +218,8 @@ def engine_op_overhead_us(quick: bool, device: str = "cuda") -> float:
     from ...profiles import ModelProfile
 
     cfg, model = _proxy_llama(64, 4 if quick else 8, vocab=512)
-    eng = Engine(model, lr=1e-4, precision="bf16", device=device, allow_gpu_home=False,
-                 chunk_bytes=256 << 10, checkpointing=True)  # about one chunk per layer
+    eng = Engine(model, budget=Budget(chunk=256 << 10), optim=Optim(lr=1e-4), precision=Precision("bf16"),
+                 activations=Activations(recompute=True), streaming=Streaming(allow_gpu_home=False), device=device)  # about one chunk per layer
     x = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
     try:
         times = []
@@ -386,7 +387,8 @@ def _proxy_step(profile_text: str, *, hidden: int, layers: int, vocab: int, step
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                       max_position_embeddings=256, tie_word_embeddings=False)
     torch.manual_seed(0)
-    eng = Engine(LlamaForCausalLM(cfg), lr=1e-4, chunk_bytes=16 << 20, precision=precision)
+    eng = Engine(LlamaForCausalLM(cfg), budget=Budget(chunk=16 << 20), optim=Optim(lr=1e-4),
+                 precision=Precision(precision))
     g = torch.Generator().manual_seed(0)
     batch, seq = 2, 64
     x = torch.randint(0, vocab, (batch, seq), generator=g)

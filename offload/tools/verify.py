@@ -148,7 +148,7 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
     `padded`: plan for padded batches, the worst step of a run whose data has padding (as
     `finetune` plans a run); the random batches are then padded too (the tail of one row).
     `lora`: a peft.LoraConfig: a LoRA run over a frozen base stored as `base_dtype`
-    (`double_quant`: NF4's absmax quantized too), as Engine(lora=..., base_dtype=...) trains it.
+    (`double_quant`: NF4's absmax quantized too), as Engine(lora=..., precision=Precision(base=...)) trains it.
     Raises TierwiseError (InfeasibleBudget included) for settings that cannot run."""
     if steps < 2:
         raise TierwiseError(f"--verify needs at least 2 steps (a warm-up and a measured one), got {steps}")
@@ -338,14 +338,14 @@ def _engine(model: torch.nn.Module, config: Any, *, plan: Plan, budgets: dict, n
             cxl_bandwidth: float, optimizer_kwargs: dict | None, base_dtype: str | None = None,
             double_quant: bool = False) -> Any:
     from ..engine.engine import Engine
+    from ..core.options import Activations, Budget, Optim, Precision
 
     try:
         # placed up front from the planned activations, as `finetune` runs (cli.train.make_engine)
-        engine = Engine(model, optimizer=plan.optimizer, optimizer_kwargs=optimizer_kwargs, lr=lr,
-                        precision=plan.precision, chunk_bytes=plan.chunk_bytes, gpu_mem=budgets["gpu"],
-                        cpu_mem=budgets["host"], cxl_mem=budgets.get("cxl"), nvme_path=nvme_path,
-                        cxl_bandwidth=cxl_bandwidth, activations=plan.reserve["gpu"]["activations"],
-                        checkpointing=plan.checkpointing, base_dtype=base_dtype, double_quant=double_quant)
+        engine = Engine(model, budget=Budget(chunk=plan.chunk_bytes, gpu=budgets["gpu"], cpu=budgets["host"], cxl=budgets.get("cxl"), nvme=nvme_path, cxl_bandwidth=cxl_bandwidth),
+                        optim=Optim(plan.optimizer, kwargs=optimizer_kwargs, lr=lr),
+                        precision=Precision(plan.precision, base=base_dtype, double_quant=double_quant),
+                        activations=Activations(expected=plan.reserve["gpu"]["activations"], recompute=plan.checkpointing))
     except ValueError as exc:
         if isinstance(exc, TierwiseError):
             raise

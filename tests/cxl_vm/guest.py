@@ -27,7 +27,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from tierwise.offload import Engine
+from tierwise.offload import Engine, flat_options
 from tierwise.offload.runtime.cxl import (describe_cxl_nodes, detect_cxl_nodes, detect_numa_nodes, page_nodes,
                          parse_node_list)
 from tierwise.offload.core.errors import TierwiseError
@@ -77,8 +77,8 @@ def mem_used(node: int) -> int:
 
 def engine(**cxl) -> Engine:
     torch.manual_seed(0)
-    return Engine(Net(), optimizer="adamw", lr=1e-3, precision="bf16", gpu_mem="1M",
-                  cpu_mem="256M", chunk_bytes=CHUNK, loss_fn=mse, **cxl)
+    return Engine(Net(), **flat_options(optimizer="adamw", lr=1e-3, precision="bf16", gpu_mem="1M",
+                  cpu_mem="256M", chunk_bytes=CHUNK, loss_fn=mse, **cxl))
 
 
 def home_buffers(eng: Engine) -> list[dict]:

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from tierwise.offload import Engine
+from tierwise.offload import Budget, Engine, Optim, flat_options
 from tests.models import batches, masked_batches, tiny_llama, train_reference
 
 pytestmark = pytest.mark.gpu
@@ -40,7 +40,7 @@ def test_streamed_engine_matches_plain_pytorch_on_cuda():
         opt.step()
         opt.zero_grad()
         ref_losses.append(loss.item())
-    eng = Engine(model, lr=1e-3, chunk_bytes=16 << 10, device="cuda", **TIGHT)
+    eng = Engine(model, **flat_options(lr=1e-3, chunk_bytes=16 << 10, device="cuda", **TIGHT))
     losses = [eng.step(b) for b in data]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     mine = dict(eng.named_parameters_fp32())
@@ -75,7 +75,7 @@ def test_engine_on_cuda_matches_plain_pytorch_on_cuda(tmp_path, name):
         dict(model.named_parameters())[frozen].requires_grad_(False)
     data = (masked_batches if masked else batches)(4, batch=4)
     ref_losses, ref = train_reference(copy.deepcopy(model).cuda(), on_cuda(data), grad_accum=accum, clip=clip)
-    eng = Engine(model, lr=1e-3, chunk_bytes=16 << 10, device="cuda", **kw)
+    eng = Engine(model, **flat_options(lr=1e-3, chunk_bytes=16 << 10, device="cuda", **kw))
     losses = [eng.step(b, grad_accum=accum) for b in on_cuda(data)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     mine = dict(eng.named_parameters_fp32())
@@ -100,8 +100,8 @@ def test_cuda_allocator_capped_at_the_gpu_budget_runs():
     data = [{k: v.cuda() for k, v in b.items()} for b in batches(4, batch=4, seq=64, vocab=8000)]
     torch.cuda.set_per_process_memory_fraction((base + budget) / total)
     try:
-        eng = Engine(tiny_llama(hidden=256, layers=4, vocab=8000), lr=1e-3, gpu_mem=budget,
-                     chunk_bytes=1 << 20, device="cuda")
+        eng = Engine(tiny_llama(hidden=256, layers=4, vocab=8000), budget=Budget(gpu=budget, chunk=1 << 20),
+                     optim=Optim(lr=1e-3), device="cuda")
         torch.cuda.reset_peak_memory_stats()
         for b in data:
             eng.step(b)
@@ -140,8 +140,8 @@ def test_qlora_on_cuda_matches_peft_over_linear4bit():
     data = cuda_batches(3)
     ref_losses, ref = peft_reference(linear4bit_model(model, double_quant=True).cuda(), cfg, data)
     torch.manual_seed(7)
-    eng = Engine(copy.deepcopy(model), lora=cfg, lr=1e-2, base_dtype="nf4", double_quant=True,
-                 chunk_bytes=16 << 10, device="cuda", **TIGHT)
+    eng = Engine(copy.deepcopy(model), **flat_options(lora=cfg, lr=1e-2, base_dtype="nf4", double_quant=True,
+                 chunk_bytes=16 << 10, device="cuda", **TIGHT))
     losses = [eng.step(b) for b in data]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
     mine, theirs = adapters(eng.named_parameters_fp32()), adapters(ref.named_parameters())
@@ -163,8 +163,8 @@ def test_gpu_home_nf4_base_on_cuda_equals_the_streamed_run():
     runs = []
     for kw in (TIGHT, dict(gpu_mem="64M")):
         torch.manual_seed(7)
-        eng = Engine(copy.deepcopy(model), lora=lora_config(), lr=1e-2, base_dtype="nf4", double_quant=True,
-                     chunk_bytes=16 << 10, device="cuda", **kw)
+        eng = Engine(copy.deepcopy(model), **flat_options(lora=lora_config(), lr=1e-2, base_dtype="nf4", double_quant=True,
+                     chunk_bytes=16 << 10, device="cuda", **kw))
         losses = [eng.step(data[0])]
         link = eng.executor.lanes["h2d"].link.bytes_moved
         losses += [eng.step(b) for b in data[1:]]
