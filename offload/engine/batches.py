@@ -7,10 +7,14 @@ from typing import Any
 
 import torch
 
+from .headloss import tiled_loss
+
 
 def default_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Hugging Face convention: the model computes the loss from `labels`."""
-    return model(**batch).loss
+    """Hugging Face convention: the model's loss from `labels`; a causal LM's with its head in
+    tiles (offload.engine.headloss), never holding every token's logits."""
+    loss = tiled_loss(model, batch)
+    return model(**batch).loss if loss is None else loss
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

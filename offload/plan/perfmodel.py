@@ -67,6 +67,21 @@ def model_flops(*, model: ModelProfile, batch_size: int, seq_len: int) -> float:
     return 2.0 * model.matmul_params * tokens + attention
 
 
+HEAD_TILE_BYTES = 256 << 20
+"""fp32 logits of one tile of the engine's head loss (offload.engine.headloss)."""
+
+
+def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad: bool) -> int:
+    """What a causal LM's loss saves for backward over `t` tokens (offload.engine.headloss).
+    Logits that fit one tile: the model's own loss, log_softmax's fp32 output (4*T*V) + int64
+    targets + a scalar. Beyond: the head in tiles saves the gradient of its input (e*T*h) and,
+    when the head trains (`head_grad`), of its weight (e*V*h); nothing of the logits."""
+    if 4 * t * vocab <= HEAD_TILE_BYTES:
+        # targets: the labels shifted in a padded S+1 copy; with one sequence a view of all of it
+        return 4 * t * vocab + 8 * (t + (batch_size == 1)) + 4
+    return e * t * h + (e * vocab * h if head_grad else 0)
+
+
 def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
                      checkpointing: bool | None = None, padded: bool = False,
                      lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int] | None" = None) -> dict[str, int]:
@@ -88,7 +103,7 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             takes grouped heads only without a mask); 0 without checkpointing
     layers  without checkpointing, every layer's internals (layers * that), held from forward
             to backward; 0 with it
-    head    the final norm + log_softmax's fp32 output (4*T*V) + int64 targets + a scalar
+    head    the final norm + what the loss saves (loss_bytes)
     final_norm  the part of head still saved once log_softmax's backward has run
     The peak is fixed + inputs + layers + the larger of block (in backward) and head (end of
     forward).
@@ -130,22 +145,22 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
         attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
     internals = first_norm + attention + norm + 4 * e * t * i
     mask = batch_size * s * s if padded and checkpointed else 0  # bool, saved as a block input
+    positions = s * (2 * model.dim_per_head * e + (8 if checkpointed else 0))  # rotary cos/sin, position ids
     if lora is not None:
-        return _lora_parts(lora, e=e, t=t, s=s, h=h, i=i, layers=layers, attention=attention, mask=mask,
+        return _lora_parts(lora, e=e, t=t, s=s, h=h, i=i, layers=layers, attention=attention, fixed=mask + positions,
                            checkpointed=checkpointed, model=model, batch_size=batch_size)
     return {
-        "fixed": 8 * t + 2 * s * model.dim_per_head * e + (8 * s if checkpointed else 0) + mask,
+        "fixed": 8 * t + positions + mask,
         "inputs": layers * e * t * h if checkpointed else layers * (e * t * h if e == 4 else 0),
         "block": internals if checkpointed else 0,
         "layers": 0 if checkpointed else layers * internals,
         "final_norm": norm,
-        # targets: the labels shifted in a padded S+1 copy; with one sequence a view of all of it
-        "head": norm + 4 * t * model.vocab_size + 8 * (t + (batch_size == 1)) + 4,
+        "head": norm + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=True),
     }
 
 
 def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int]", *, e: int, t: int, s: int, h: int, i: int, layers: int,
-                attention: int, mask: int, checkpointed: bool, model: ModelProfile, batch_size: int) -> dict[str, int]:
+                attention: int, fixed: int, checkpointed: bool, model: ModelProfile, batch_size: int) -> dict[str, int]:
     """activation_parts of a LoRA run (see there)."""
     targets, rank, drop = (*lora, None) if len(lora) == 2 else lora
     fp32_copy = 4 * t * h
@@ -171,12 +186,12 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
                              grad_in=lambda part: _needs_grad_in(part, targets))
     final = 4 * t + fp32_copy  # the final norm's input and rsqrt
     return {
-        "fixed": 2 * s * model.dim_per_head * e + (8 * s if checkpointed else 0) + mask,
+        "fixed": fixed,  # the mask and positions (no token ids: the embedding is frozen)
         "inputs": layers * e * t * h if checkpointed else (layers - 1) * (e * t * h if e == 4 else 0),
         "block": internals if checkpointed else 0,
         "layers": 0 if checkpointed else layers * internals - layer0,
         "final_norm": final,
-        "head": final + 4 * t * model.vocab_size + 8 * (t + (batch_size == 1)) + 4,
+        "head": final + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=False),
     }
 
 

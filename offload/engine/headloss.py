@@ -1,0 +1,201 @@
+"""A causal LM's loss without its full logits: the head and the cross-entropy in token tiles.
+
+A Hugging Face causal LM computes `lm_head(hidden)` for every token at once, casts the logits
+to fp32 and takes the cross-entropy: tokens x vocab x (4 + 4 + e) bytes held at the end of
+forward (16.8 GB of fp32 logits alone at 32K tokens and Llama-3's 128,256 words). Here the
+model runs as it is with its head's forward swapped for `HeadLoss`, which takes the head's
+input and walks the target tokens in tiles of at most TILE_BYTES of fp32 logits: each tile's
+logits, loss and gradients (of the head's input, weight and bias) are made and dropped in
+forward, the same way a fused linear + cross-entropy kernel does. Backward then only scales
+the saved gradients by the incoming one. What stays saved: the input's gradient (tokens x
+hidden, e bytes) and, when the head trains, its weight's (vocab x hidden, e bytes).
+
+Tokens whose label is -100 (prompts, padding, each row's last position) are skipped; their
+gradients are zero, as plain PyTorch's are. The loss is the token mean over the batch, or the
+sum over `num_items_in_batch` when the batch gives it (transformers' ForCausalLMLoss).
+
+A batch whose logits fit one tile runs the model's own forward and loss (so a small step is
+plain PyTorch's, bit for bit). The tiled path is exact to rounding: the sums run in another
+order (tests hold it to plain PyTorch in fp32 at 1e-5).
+
+Only families whose forward is known to end in `lm_head` + ForCausalLMLoss take it
+(FAMILIES), with their transforms of the logits (gemma2's final soft-capping, cohere's
+logit_scale, granite's logits_scaling); anything else runs the model's own loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..plan.perfmodel import HEAD_TILE_BYTES
+
+log = logging.getLogger(__name__)
+
+TILE_BYTES = HEAD_TILE_BYTES
+"""fp32 logits of one tile (a 128,256-word vocabulary: 523 tokens a tile); the planner prices it."""
+
+IGNORE = -100
+
+FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
+                      "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "opt", "falcon", "granite", "cohere",
+                      "olmo", "olmo2", "smollm3", "starcoder2", "stablelm"})
+"""transformers model types whose CausalLM forward is `lm_head(hidden)` [+ transform] + ForCausalLMLoss."""
+
+
+class Transform:
+    """A family's elementwise transform of the head's output before the loss, and its derivative."""
+
+    def __init__(self, name: str, apply: Callable[[torch.Tensor], torch.Tensor],
+                 backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        # backward(raw, g): the gradient of raw from out's, in autograd's order of operations
+        self.name, self.apply, self.backward = name, apply, backward
+
+
+def transform_of(config: Any) -> Transform | None | str:
+    """The family's transform of the head's output (None: none), or a string saying why this
+    model cannot take the tiled loss."""
+    kind = getattr(config, "model_type", None)
+    if kind not in FAMILIES:
+        return f"model type {kind!r} is not one whose head and loss are known"
+    if getattr(config, "output_router_logits", False):
+        return "the router's auxiliary loss is added to the model's own loss"
+    if getattr(config, "loss_type", None) not in (None, "ForCausalLM"):
+        return f"loss_type {config.loss_type!r}"
+    cap = getattr(config, "final_logit_softcapping", None)
+    if kind in ("gemma2", "gemma3_text") and cap is not None:
+        return Transform("soft-capping", lambda z: torch.tanh(z / cap) * cap,
+                         lambda raw, g: (g * cap) * (1 - torch.tanh(raw / cap) ** 2) / cap)
+    if kind == "cohere":
+        scale = config.logit_scale
+        return Transform("logit_scale", lambda z: z * scale, lambda raw, g: g * scale)
+    if kind == "granite":
+        div = config.logits_scaling
+        return Transform("logits_scaling", lambda z: z / div, lambda raw, g: g / div)
+    return None
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The transformers causal LM inside `model` (itself, or a PEFT wrapper's base), or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(base, "get_output_embeddings") or not hasattr(base, "config"):
+        return None
+    return base
+
+
+def tiled_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor | None:
+    """`model(**batch).loss` computed with the head in tiles (see the module docstring), or None
+    when this batch or model does not take it (the caller runs the model's own loss)."""
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+        return None
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings() if lm is not None else None
+    if not isinstance(head, torch.nn.Linear):
+        return None
+    if labels.numel() * head.out_features * 4 <= TILE_BYTES:
+        return None  # one tile: the model's own loss is as small, and plain PyTorch's bit for bit
+    transform = transform_of(lm.config)
+    if isinstance(transform, str):
+        _note_once(lm, transform)
+        return None
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1)
+    items = batch.get("num_items_in_batch")
+    rest = {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
+    box: list[torch.Tensor] = []
+    with _head_forward(head, lambda hidden: _run(head, hidden, shifted, items, transform, box)):
+        model(**rest)
+    return box[0]
+
+
+def _run(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, items: Any,
+         transform: Transform | None, box: list[torch.Tensor]) -> torch.Tensor:
+    """The swapped head's forward: keeps the loss in `box`, returns empty logits for the model's
+    own code to pass on (nothing of them is used)."""
+    if hidden.shape[:-1].numel() != targets.numel():
+        raise ValueError(f"the head saw {hidden.shape[:-1].numel()} positions for {targets.numel()} labels")
+    box.append(HeadLoss.apply(hidden, head.weight, head.bias, targets, items, transform))
+    return hidden.new_zeros(*hidden.shape[:-1], 0)
+
+
+@contextlib.contextmanager
+def _head_forward(head: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """`head`'s forward is `forward` inside (its module hooks still run around it)."""
+    had = "forward" in head.__dict__
+    saved = head.__dict__.get("forward")
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if had:
+            head.forward = saved
+        else:
+            del head.forward
+
+
+_noted: set[int] = set()
+
+
+def _note_once(model: torch.nn.Module, why: str) -> None:
+    if id(model) not in _noted:
+        _noted.add(id(model))
+        log.info("the loss holds every token's logits (the tiled head loss does not apply: %s)", why)
+
+
+class HeadLoss(torch.autograd.Function):
+    """loss = CE(transform(hidden @ W^T + b).float(), targets) over the tokens whose target is
+    not IGNORE, in tiles; the gradients are made in forward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, items: Any, transform: Any) -> torch.Tensor:
+        h = hidden.reshape(-1, hidden.shape[-1])
+        keep = (targets != IGNORE).nonzero().squeeze(1)
+        count = keep.numel() if items is None else items
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_b = bias is not None and ctx.needs_input_grad[2]
+        grad_h = torch.zeros_like(h) if want_h else None
+        acc = torch.float32 if weight.dtype != torch.float32 else weight.dtype
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        scale = 1.0 / float(count) if float(count) > 0 else math.nan
+        step = max(1, TILE_BYTES // (4 * weight.shape[0]))
+        for start in range(0, keep.numel(), step):
+            rows = keep[start:start + step]
+            x, y = h.index_select(0, rows), targets.index_select(0, rows)
+            raw = F.linear(x, weight, bias)
+            z = transform.apply(raw) if transform is not None else raw
+            zf = z.float()
+            lse = torch.logsumexp(zf, dim=-1)
+            total += (lse - zf.gather(1, y.unsqueeze(1)).squeeze(1)).sum()
+            if not (want_h or want_w or want_b):
+                continue
+            # d loss / d zf = (softmax - onehot) / count, made in zf's storage
+            g = zf.sub_(lse.unsqueeze(1)).exp_()
+            g.scatter_add_(1, y.unsqueeze(1), g.new_full((y.numel(), 1), -1.0))
+            g.mul_(scale)
+            g = g.to(z.dtype)
+            if transform is not None:
+                g = transform.backward(raw, g)
+            if want_h:
+                grad_h.index_copy_(0, rows, g @ weight)
+            if want_w:  # (a bf16 product per tile, summed in fp32)
+                grad_w += g.t() @ x
+            if want_b:
+                grad_b += g.sum(0, dtype=torch.float32)
+        ctx.save_for_backward(grad_h.reshape(hidden.shape) if want_h else None,
+                              grad_w.to(weight.dtype) if want_w else None,
+                              grad_b.to(bias.dtype) if want_b else None)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        return (None if grad_h is None else grad_h * grad, None if grad_w is None else grad_w * grad,
+                None if grad_b is None else grad_b * grad, None, None, None)
