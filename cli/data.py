@@ -16,6 +16,14 @@ Blocks: the tokenized rows are concatenated (each row ends with eos) and cut int
 exactly `seq_len` tokens (`pack=True`, the default; the last partial block is padded), or each
 row is truncated/padded to `seq_len` on its own (`pack=False`). Labels follow the Hugging Face
 convention: same positions as input_ids (the model shifts), -100 where no loss is taken.
+
+Packed documents do not see each other (`isolate=True`, for the families in ISOLATING): each
+row's tokens get position ids from 0 (a block's padding is one more such segment), the batch
+carries `position_ids` and no attention mask, and transformers then builds a block-causal mask
+from them (masking_utils.find_packed_sequence_indices; flash-attention's varlen path on CUDA).
+A row's first token is not a target: the last token of the row before it would predict it.
+Each row then trains as it would alone. Other families pack with one causal mask over the block
+(rows attend to the rows before them), and say so once.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import logging
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -40,6 +48,10 @@ log = logging.getLogger(__name__)
 IGNORE = -100
 #: Roles a chat row may use (the common chat templates' roles).
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function", "ipython"})
+#: Model types whose attention isolates packed rows given per-row position_ids (and no attention
+#: mask or KV cache); each is tested against its rows run alone (tests/test_cli_packing.py).
+ISOLATING = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "phi3", "gemma2", "gpt2", "gpt_neox",
+                       "falcon"})
 
 
 class DataError(TierwiseError):
@@ -216,11 +228,12 @@ def _assistant_spans(msgs: list[dict], full: str, render) -> list[tuple[int, int
     return [(0, len(full))]
 
 
-def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = True
-                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """[(input_ids [T], labels [T], attention_mask [T])] with T = seq_len. A block without a
-    target token (all of it a masked prompt: packed chat rows, a truncated long prompt) is left
-    out: it trains nothing.
+def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = True, isolate: bool = False
+                ) -> list[tuple[torch.Tensor, ...]]:
+    """[(input_ids [T], labels [T], attention_mask [T])] with T = seq_len; packed with `isolate`,
+    (input_ids, labels, attention_mask, position_ids) (see the module docstring). A block
+    without a target token (all of it a masked prompt: packed chat rows, a truncated long
+    prompt) is left out: it trains nothing.
 
     Streams: each row is tokenized and cut into blocks as it arrives, so besides the blocks
     only one row and less than one block of tokens are in memory (not the file's rows, nor
@@ -230,7 +243,7 @@ def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = Tr
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     blocks: list = []
 
-    def emit(ids: list[int], labels: list[int]) -> None:
+    def emit(ids: list[int], labels: list[int], pos: list[int] | None = None) -> None:
         if all(lab == IGNORE for lab in labels[1:]):  # no target token (after the shift): it
             return  # would weigh 0 in its step, and a step of only such blocks has no loss
         n = len(ids)
@@ -238,26 +251,73 @@ def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = Tr
         if fill and pad is None:
             raise DataError("the model's tokenizer has neither a pad_token nor an eos_token to pad "
                             "a short block with: set one in its tokenizer_config.json")
-        blocks.append((torch.tensor(ids + [pad] * fill, dtype=torch.long),
-                       torch.tensor(labels + [IGNORE] * fill, dtype=torch.long),
-                       torch.tensor([1] * n + [0] * fill, dtype=torch.long)))
+        block = (torch.tensor(ids + [pad] * fill, dtype=torch.long),
+                 torch.tensor(labels + [IGNORE] * fill, dtype=torch.long),
+                 torch.tensor([1] * n + [0] * fill, dtype=torch.long))
+        if pos is not None:  # the padding: a segment of its own
+            block += (torch.tensor(pos + list(range(fill)), dtype=torch.long),)
+        blocks.append(block)
 
+    isolate = isolate and pack
     ids_left: list[int] = []  # packing: the tokens not yet in a full block
     labels_left: list[int] = []
+    pos_left: list[int] = []
     for row in rows:
         ids, labels = encode_row(row, tokenizer)
         if not pack:
             emit(ids[:seq_len], labels[:seq_len])
             continue
+        if isolate and labels:
+            labels = [IGNORE] + labels[1:]  # predicted by the row before it, which it cannot see
         ids_left += ids
         labels_left += labels
+        pos_left += range(len(ids))
         full = len(ids_left) - len(ids_left) % seq_len
         for i in range(0, full, seq_len):
-            emit(ids_left[i:i + seq_len], labels_left[i:i + seq_len])
-        ids_left, labels_left = ids_left[full:], labels_left[full:]
+            part = pos_left[i:i + seq_len]
+            emit(ids_left[i:i + seq_len], labels_left[i:i + seq_len],
+                 [p - part[0] if j < _restart(part) else p for j, p in enumerate(part)] if isolate else None)
+        ids_left, labels_left, pos_left = ids_left[full:], labels_left[full:], pos_left[full:]
     if ids_left:  # the last, partial block (padded)
-        emit(ids_left, labels_left)
+        emit(ids_left, labels_left,
+             [p - pos_left[0] if j < _restart(pos_left) else p for j, p in enumerate(pos_left)] if isolate else None)
     return blocks
+
+
+def isolates(config: Any, *, pack: bool = True) -> bool:
+    """Whether packed rows of this model are isolated (ISOLATING); says once when they are not."""
+    kind = getattr(config, "model_type", None)
+    if kind in ISOLATING or not pack:
+        return pack
+    if kind not in _told:
+        _told.add(kind)
+        log.warning("packed rows attend to the rows before them in their block: model type %r is not one "
+                    "whose attention isolates them (--no-pack trains each row alone)", kind)
+    return False
+
+
+_told: set = set()
+
+
+def _restart(pos: list[int]) -> int:
+    """Where the first row that starts inside a block begins (len(pos) if none does): the row
+    cut at the block's start is renumbered from 0 up to there."""
+    return next((j for j in range(1, len(pos)) if pos[j] == 0), len(pos))
+
+
+def batch_of(picked: list[tuple[torch.Tensor, ...]]) -> dict[str, Any]:
+    """The model's batch of these blocks, each [B, T]: input_ids, labels and either the attention
+    mask or, for isolated packed rows, their position_ids (and no KV cache: transformers reads
+    packed rows from position_ids only without a mask or a cache)."""
+    batch: dict[str, Any] = {"input_ids": torch.stack([p[0] for p in picked]),
+                             "labels": torch.stack([p[1] for p in picked])}
+    if len(picked[0]) > 3:
+        batch["position_ids"] = torch.stack([p[3] for p in picked])
+        batch["use_cache"] = False
+    else:
+        batch["attention_mask"] = torch.stack([p[2] for p in picked])
+    return batch
+
 
 
 def blocks_digest(blocks: list) -> str:
@@ -304,6 +364,7 @@ class Batches:
             raise DataError(f"--batch-size must be at least 1, got {batch_size}")
         self.blocks, self.batch_size, self.seed = blocks, batch_size, seed
         self.position = position or DataPosition()
+        self.last_tokens = 0  # real tokens of the last batch made
         self.batches_per_epoch = max(1, len(blocks) // batch_size)
 
     @functools.cached_property
@@ -314,14 +375,11 @@ class Batches:
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.blocks))
 
-    def batch_at(self, pos: DataPosition) -> dict[str, torch.Tensor]:
+    def batch_at(self, pos: DataPosition) -> dict[str, Any]:
         order, n, b = self._order(pos.epoch), len(self.blocks), self.batch_size
         picked = [self.blocks[order[(pos.index * b + j) % n]] for j in range(b)]
-        return {  # each [B, T]
-            "input_ids": torch.stack([p[0] for p in picked]),
-            "labels": torch.stack([p[1] for p in picked]),
-            "attention_mask": torch.stack([p[2] for p in picked]),
-        }
+        self.last_tokens = sum(int(p[2].sum()) for p in picked)  # not the padding
+        return batch_of(picked)
 
     def next(self) -> dict[str, torch.Tensor]:
         batch = self.batch_at(self.position)
@@ -337,11 +395,16 @@ class Batches:
             yield self.next()
 
 
+def _masked(block: tuple[torch.Tensor, ...]) -> bool:
+    return not bool(block[2].all()) or (len(block) > 3 and bool((block[3][1:] == 0).any()))
+
+
 def has_padding(blocks: list) -> bool:
-    """Whether some block is padded (attention_mask zeros: a short last block, rows padded to
-    the sequence length). A batch holding one costs more device memory than a full batch of
-    the same shape (perfmodel.activation_parts), so the run is planned for it."""
-    return any(not bool(b[2].all()) for b in blocks)
+    """Whether some block needs an attention mask: padded (a short last block, rows padded to
+    the sequence length) or holding several isolated rows. A batch holding one costs more
+    device memory than a full batch of the same shape (the B x S x S mask:
+    perfmodel.activation_parts), so the run is planned for it."""
+    return any(_masked(b) for b in blocks)
 
 
 def check_vocab(blocks: list, src: ModelSource) -> None:
@@ -356,30 +419,27 @@ def check_vocab(blocks: list, src: ModelSource) -> None:
 def padded_batch(blocks: list, *, batch_size: int) -> dict[str, torch.Tensor] | None:
     """A batch of `batch_size` blocks that holds a padded one (the run's worst step), or None
     when no block is padded."""
-    pad = next((b for b in blocks if not bool(b[2].all())), None)
+    pad = next((b for b in blocks if _masked(b)), None)
     if pad is None:
         return None
-    picked = [pad] + [blocks[j % len(blocks)] for j in range(batch_size - 1)]
-    return {k: torch.stack([p[j] for p in picked])  # each [B, T]
-            for j, k in enumerate(("input_ids", "labels", "attention_mask"))}
+    return batch_of([pad] + [blocks[j % len(blocks)] for j in range(batch_size - 1)])
 
 
 def eval_batches(blocks: list, *, batch_size: int) -> list[dict[str, torch.Tensor]]:
     """All blocks in order, in batches (the last may be smaller)."""
     out = []
     for i in range(0, len(blocks), batch_size):
-        part = blocks[i:i + batch_size]
-        out.append({k: torch.stack([p[j] for p in part])
-                    for j, k in enumerate(("input_ids", "labels", "attention_mask"))})
+        out.append(batch_of(blocks[i:i + batch_size]))
     return out
 
 
-def load_blocks(path: "str | Path | None", tokenizer, *, seq_len: int, pack: bool = True) -> list:
-    """Blocks from `path`, or from the built-in sample when `path` is None."""
+def load_blocks(path: "str | Path | None", tokenizer, *, seq_len: int, pack: bool = True,
+                isolate: bool = False) -> list:
+    """Blocks from `path`, or from the built-in sample when `path` is None (`isolate`: make_blocks')."""
     if path is None:
         from .builtin import sample_rows
 
         rows = [Row(data=r, where=f"<sample>:{i + 1}") for i, r in enumerate(sample_rows())]
     else:
         rows = iter_rows(path)  # streamed: never the whole file in memory
-    return make_blocks(rows, tokenizer, seq_len=seq_len, pack=pack)
+    return make_blocks(rows, tokenizer, seq_len=seq_len, pack=pack, isolate=isolate)

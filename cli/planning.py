@@ -68,10 +68,25 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
         cuda=None if cfg.hardware else machine.has_cuda(),  # this machine's device, whatever the profile
-        checkpointing=checkpointing(cfg), padded=padded,
+        checkpointing=checkpointing(cfg), padded=padded, row_positions=rows_apart(cfg, src),
         **lora_options(cfg, linears=engine_linears(src) if cfg.lora and not is_profile(cfg.model) else None),
         **layout,
     )
+
+
+def rows_apart(cfg: TrainConfig, src: "ModelSource | None") -> bool:
+    """Whether the run's batches carry position ids per row: packed rows kept apart
+    (cli.data.isolates; a profile trains a model of its family)."""
+    if not cfg.pack:
+        return False
+    if src is None:
+        from ..profiles import load_model_profile
+        from .data import ISOLATING
+
+        return load_model_profile(cfg.model).family in ISOLATING
+    from .data import isolates
+
+    return isolates(src.config)
 
 
 def this_machine(cfg: TrainConfig) -> "HardwareProfile | None":
@@ -355,10 +370,11 @@ def data_padded(cfg: TrainConfig, src: "ModelSource | None" = None) -> bool:
     and so does most data)."""
     if cfg.data is None:
         return True
-    from .data import has_padding, load_blocks
+    from .data import has_padding, isolates, load_blocks
 
     src = src or resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    return has_padding(load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack))
+    return has_padding(load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack,
+                                   isolate=isolates(src.config, pack=cfg.pack)))
 
 
 def checkpointing(cfg: TrainConfig) -> bool | None:
@@ -455,9 +471,10 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
                     double_quant=options["double_quant"])
     batches, padded = None, True  # random tokens: every batch padded, the worst case
     if cfg.data is not None:
-        from .data import Batches, check_vocab, has_padding, load_blocks, padded_batch
+        from .data import Batches, check_vocab, has_padding, isolates, load_blocks, padded_batch
 
-        blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
+        blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack,
+                             isolate=isolates(src.config, pack=cfg.pack))
         check_vocab(blocks, src)
         rows = cfg.batch_size * cfg.grad_accum
         batches = iter(Batches(blocks, batch_size=rows, seed=cfg.seed))
@@ -470,7 +487,8 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
                         optimizer=cfg.optimizer, precision=cfg.precision, batch_size=cfg.batch_size,
                         seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
                         lr=cfg.lr, steps=steps, batches=batches, seed=cfg.seed,
-                        checkpointing=checkpointing(cfg), padded=padded, build=build_meta_model, **lora)
+                        checkpointing=checkpointing(cfg), padded=padded, build=build_meta_model,
+                        row_positions=cfg.data is not None and rows_apart(cfg, src), **lora)
     if src.has_weights:
         console.print("(random weights: the bytes do not depend on their values)", highlight=False)
     console.out(report.render(), highlight=False)

@@ -21,7 +21,8 @@ from . import checkpoint as ckpt
 from . import launch, rundir, shards
 from . import lora as lora_mod
 from .config import DISK_FULL, ConfigError, TrainConfig
-from .data import Batches, DataError, DataPosition, check_vocab, eval_batches, has_padding, load_blocks, padded_batch
+from .data import (Batches, DataError, DataPosition, check_vocab, eval_batches, has_padding, isolates, load_blocks,
+                   padded_batch)
 from .export import export_hf
 from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model
@@ -217,6 +218,9 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     if auto and not cfg.recompute and cfg.optimizer != "mezo":
         console.print("activations: kept for backward, no recompute (the GPU budget holds them; "
                       "--recompute saves GPU memory)", highlight=False)
+    if refusal is None and blocks and len(blocks[0]) > 3:
+        console.print("packing: each row attends only to itself (per-row position ids; --no-pack: a row a block)",
+                      highlight=False)
     if cfg.model is None:
         console.print("no --model: training the built-in tiny model"
                       + (" on the built-in sample (a demo)" if cfg.data is None else ""),
@@ -272,10 +276,12 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
     src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if src.note:
         warn(console, src.note)
-    blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
+    blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack,
+                         isolate=isolates(src.config, pack=cfg.pack))
     check_vocab(blocks, src)
     eval_data = (eval_batches(load_blocks(cfg.eval_data, src.tokenizer, seq_len=cfg.seq_len,
-                                          pack=cfg.pack), batch_size=cfg.batch_size)
+                                          pack=cfg.pack, isolate=isolates(src.config, pack=cfg.pack)),
+                              batch_size=cfg.batch_size)
                  if cfg.eval_data else [])
     if cfg.eval_data and not eval_data:  # else no eval at all, and nothing would say so
         raise DataError(f"--eval-data {cfg.eval_data}: no block with a target token (every label masked, "
@@ -663,7 +669,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                 in_a_row = 0
                 step += 1
                 losses.append(loss)
-                tokens = int(batch["attention_mask"].sum())
+                tokens = batches.last_tokens
                 record = {"kind": "train", "step": step, "loss": loss, "lr": lr,
                           "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9),
                           "step_s": dt, "epoch": batches.position.epoch}

@@ -89,7 +89,7 @@ def reference(assets, tmp_path_factory):
 def test_hf_dir_trains_streams_and_exports_the_trained_model(assets, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tierwise.cli.data import eval_batches, load_blocks
+    from tierwise.cli.data import eval_batches, isolates, load_blocks
 
     model_dir, _ = assets
     data = write_jsonl(tmp_path / "eval.jsonl", [{"text": "The tiny model streams chunk 3 "
@@ -114,7 +114,8 @@ def test_hf_dir_trains_streams_and_exports_the_trained_model(assets, tmp_path):
     # output/model is the trained model: plain transformers reproduces the engine's eval loss.
     exported = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(out / "model")
-    batches = eval_batches(load_blocks(str(data), tokenizer, seq_len=32), batch_size=2)
+    batches = eval_batches(load_blocks(str(data), tokenizer, seq_len=32, isolate=isolates(exported.config)),
+                           batch_size=2)
     assert mean_eval_loss(exported, batches) == pytest.approx(engine_eval, rel=1e-5, abs=1e-6)
     initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assert mean_eval_loss(initial, batches) > engine_eval + 0.1

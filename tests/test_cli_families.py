@@ -28,7 +28,7 @@ from tinyhf import FAMILIES, logits_engine, make_tiny_family_dir, train_as_the_c
 from tierwise.cli import train  # noqa: E402
 from tierwise.cli.builtin import sample_rows  # noqa: E402
 from tierwise.cli.config import TrainConfig  # noqa: E402
-from tierwise.cli.data import eval_batches, load_blocks  # noqa: E402
+from tierwise.cli.data import eval_batches, isolates, load_blocks  # noqa: E402
 from tierwise.cli.layout import ModelLayout, iter_checkpoint  # noqa: E402
 from tierwise.cli.loading import ModelError, build_meta_model  # noqa: E402
 from tierwise.cli.main import app  # noqa: E402
@@ -80,7 +80,8 @@ def _replay(model_dir: Path, data) -> tuple[list[float], torch.nn.Module, dict]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = _from_pretrained(model_dir).train()
     losses = train_as_the_cli(model, cfg, tok)
-    evals = eval_batches(load_blocks(str(data[1]), tok, seq_len=cfg.seq_len, pack=cfg.pack),
+    evals = eval_batches(load_blocks(str(data[1]), tok, seq_len=cfg.seq_len, pack=cfg.pack,
+                                     isolate=isolates(model.config, pack=cfg.pack)),
                          batch_size=cfg.batch_size)
     return losses, model.eval(), evals[-1]
 

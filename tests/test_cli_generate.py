@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from tests.tinyhf import make_tiny_llama_dir, mean_eval_loss, write_jsonl
-from tierwise.cli.data import eval_batches, load_blocks
+from tierwise.cli.data import eval_batches, isolates, load_blocks
 from tierwise.cli.generate import load_trained
 from tierwise.cli.main import app
 
@@ -50,7 +50,7 @@ def test_a_qlora_run_answers_over_its_nf4_base(tmp_path):
     trained = [x["loss"] for x in logged if x.get("kind") == "eval"][-1]
 
     model, tok = load_trained(run)
-    batches = eval_batches(load_blocks(str(held), tok, seq_len=16), batch_size=2)
+    batches = eval_batches(load_blocks(str(held), tok, seq_len=16, isolate=isolates(model.config)), batch_size=2)
     assert mean_eval_loss(model, batches) == pytest.approx(trained, rel=1e-5)
     unquantised = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run / "adapter").eval()
     assert abs(mean_eval_loss(unquantised, batches) - trained) > 1e-4  # the base it did not train over

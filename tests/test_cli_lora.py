@@ -31,7 +31,7 @@ from tierwise.cli import checkpoint as ckpt  # noqa: E402
 from tierwise.cli import train  # noqa: E402
 from tierwise.cli.builtin import sample_rows  # noqa: E402
 from tierwise.cli.config import TrainConfig  # noqa: E402
-from tierwise.cli.data import eval_batches, load_blocks  # noqa: E402
+from tierwise.cli.data import eval_batches, isolates, load_blocks  # noqa: E402
 from tierwise.cli.main import app  # noqa: E402
 from tierwise.cli.metrics import read_metrics  # noqa: E402
 
@@ -86,7 +86,8 @@ def _replay(model_dir, assets, lora: dict, *, make_base=None, seed: int = 0):
     torch.manual_seed(seed)
     model = peft.get_peft_model(base, peft.LoraConfig(**lora)).train()
     losses = train_as_the_cli(model, cfg, tok)
-    evals = eval_batches(load_blocks(str(assets["eval"]), tok, seq_len=cfg.seq_len, pack=cfg.pack),
+    evals = eval_batches(load_blocks(str(assets["eval"]), tok, seq_len=cfg.seq_len, pack=cfg.pack,
+                                     isolate=isolates(model.config, pack=cfg.pack)),
                          batch_size=cfg.batch_size)
     return losses, model.eval(), evals[-1]
 

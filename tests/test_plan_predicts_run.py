@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tinyhf import make_tiny_llama_dir, write_jsonl  # noqa: E402
 
 from tierwise.cli.config import TrainConfig  # noqa: E402
-from tierwise.cli.data import has_padding, load_blocks, padded_batch  # noqa: E402
+from tierwise.cli.data import has_padding, isolates, load_blocks, padded_batch  # noqa: E402
 from tierwise.cli.loading import build_meta_model, iter_safetensors, resolve_model  # noqa: E402
 from tierwise.cli.planning import make_plan  # noqa: E402
 from tierwise.cli.train import make_engine  # noqa: E402
@@ -55,7 +55,8 @@ def test_plan_predicts_the_runs_peaks(tied_dir, tmp_path, optimizer, precision, 
                       precision=precision, seq_len=32, batch_size=2, recompute=True,
                       gpu_mem=extra.get("gpu_mem"), chunk_size=extra.get("chunk_size", "64M"))
     src = resolve_model(cfg.model)
-    blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack)
+    blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack,
+                         isolate=isolates(src.config, pack=cfg.pack))
     assert has_padding(blocks)
     plan = make_plan(cfg, src=src)
     engine = make_engine(build_meta_model(src.config), cfg, plan=plan)  # placed as finetune places it

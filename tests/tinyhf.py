@@ -99,10 +99,11 @@ def tiny_run_assets(root: Path) -> tuple[Path, Path]:
 def train_as_the_cli(model, cfg, tokenizer) -> list[float]:
     """`cfg`'s run in plain PyTorch: the CLI's batches and LR schedule, fused AdamW over the
     trainable parameters of `model` (trained in place); returns the step losses."""
-    from tierwise.cli.data import Batches, load_blocks
+    from tierwise.cli.data import Batches, isolates, load_blocks
     from tierwise.cli.schedule import LRSchedule
 
-    batches = Batches(load_blocks(cfg.data, tokenizer, seq_len=cfg.seq_len, pack=cfg.pack),
+    batches = Batches(load_blocks(cfg.data, tokenizer, seq_len=cfg.seq_len, pack=cfg.pack,
+                                  isolate=isolates(model.config, pack=cfg.pack)),
                       batch_size=cfg.batch_size, seed=cfg.seed)
     schedule = LRSchedule(kind=cfg.schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                           total_steps=cfg.steps)
@@ -194,10 +195,11 @@ class StandInEngine:
     def step(self, batch: dict, grad_accum: int = 1) -> float:
         self.model.train()
         total = 0.0
-        micro = list(zip(*(batch[k].chunk(grad_accum) for k in ("input_ids", "labels", "attention_mask"))))
-        counts = [int((m[1][..., 1:] != -100).sum()) for m in micro]
+        micro = [{k: v.chunk(grad_accum)[i] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                 for i in range(grad_accum)]
+        counts = [int((m["labels"][..., 1:] != -100).sum()) for m in micro]
         for m, n in zip(micro, counts):
-            out = self.model(input_ids=m[0], labels=m[1], attention_mask=m[2])
+            out = self.model(**m)
             (out.loss * (n / sum(counts))).backward()
             total += float(out.loss.detach()) * (n / sum(counts))
         if self.grad_clip:
@@ -214,8 +216,7 @@ class StandInEngine:
     @torch.no_grad()
     def eval_loss(self, batch: dict) -> float:
         self.model.eval()
-        return float(self.model(input_ids=batch["input_ids"], labels=batch["labels"],
-                                attention_mask=batch["attention_mask"]).loss)
+        return float(self.model(**batch).loss)
 
     def state_dict(self, *, deferred: bool = False) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),

@@ -84,7 +84,8 @@ def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad
 
 def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
                      checkpointing: bool | None = None, padded: bool = False,
-                     lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int] | None" = None) -> dict[str, int]:
+                     lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int] | None" = None,
+                     row_positions: bool = False) -> dict[str, int]:
     """Bytes autograd saves for backward, by part, as the engine counts them (per saved tensor
     storage, deduplicated) for a Hugging Face Llama-family model with SDPA attention and every
     decoder layer checkpointed. e = compute bytes, T = batch * seq tokens:
@@ -112,6 +113,9 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     engine checkpoints blocks by default only when there are several) no position ids are
     saved (only the checkpoint keeps them) and `inputs` is each layer's first-norm fp32 input
     in fp32 runs (in bf16 the block input itself is not saved).
+
+    `row_positions`: the batch carries position_ids per row (packed rows kept apart,
+    cli.data): the rotary cos/sin and the position ids are then per row (B x S), not shared.
 
     `padded`: some row of the batch has attention_mask zeros (a short last block, rows padded
     to the sequence length). transformers then builds the B x 1 x S x S mask that an unpadded
@@ -145,7 +149,8 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
         attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
     internals = first_norm + attention + norm + 4 * e * t * i
     mask = batch_size * s * s if padded and checkpointed else 0  # bool, saved as a block input
-    positions = s * (2 * model.dim_per_head * e + (8 if checkpointed else 0))  # rotary cos/sin, position ids
+    # rotary cos/sin (e each) and position ids (int64, saved by a checkpointed block), per row or shared
+    positions = (batch_size if row_positions else 1) * s * (2 * model.dim_per_head * e + (8 if checkpointed else 0))
     if lora is not None:
         return _lora_parts(lora, e=e, t=t, s=s, h=h, i=i, layers=layers, attention=attention, fixed=mask + positions,
                            checkpointed=checkpointed, model=model, batch_size=batch_size)
@@ -228,13 +233,13 @@ LoraAct = Optional[Union[tuple[frozenset[str], int], tuple[frozenset[str], int, 
 
 def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
                      backward: bool = True, checkpointing: bool | None = None, padded: bool = False,
-                     lora: LoraAct = None) -> int:
+                     lora: LoraAct = None, row_positions: bool = False) -> int:
     """Peak bytes of saved activations in one step (see activation_parts; `padded`: the step's
     batch has padding). Without backward (zeroth-order optimizers) autograd saves nothing: 0."""
     if not backward:
         return 0
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                         checkpointing=checkpointing, padded=padded, lora=lora)
+                         checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions)
     return p["fixed"] + p["inputs"] + p["layers"] + max(p["block"], p["head"])
 
 

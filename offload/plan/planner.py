@@ -121,6 +121,8 @@ class Plan:
     padded: bool = False
     """Planned for padded batches (attention_mask zeros): the run's worst step when its data
     has any padding, e.g. a short last block."""
+    row_positions: bool = False
+    """Batches carry position ids per row (packed rows kept apart: cli.data)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (tokens per step = batch x seq_len x grad_accum)."""
     feasible: bool = True
@@ -409,7 +411,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               nvme_mem: int | str | None = None, optimizer: str, precision: str, batch_size: int, seq_len: int,
               chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
               optimizer_kwargs: dict[str, Any] | None = None, grad_accum: int = 1, up_front: bool = True,
-              checkpointing: bool | None = None, padded: bool = False,
+              checkpointing: bool | None = None, padded: bool = False, row_positions: bool = False,
               params: "Sequence[ParamSpec] | None" = None, device_mem: int | None = None,
               lora_rank: int | None = None, lora_targets: str = "all-linear", base_dtype: str | None = None,
               double_quant: bool = False, lora_dropout: float = 0.0, linears: "dict[str, str] | None" = None,
@@ -433,6 +435,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     that module ties it); default: the profile's `param_specs()`.
     `padded`: some batch of the run has padding (attention_mask zeros): the activations are
     then those of a padded batch, the run's worst step (perfmodel.activation_parts).
+    `row_positions`: the batches carry position ids per row (packed rows kept apart: cli.data).
     `lora_rank`: a LoRA run (`Engine(lora=LoraConfig(r=lora_rank, target_modules=lora_targets))`):
     adapters on `lora_targets` ("all-linear" or e.g. "q_proj,v_proj") are the trainable
     parameters, everything else a frozen base (one read-only kind per chunk, streamed, never
@@ -492,7 +495,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
         lora_act = ((lora.targets, lora.rank, 1 if ch.cuda else compute_bytes(precision)) if lora_dropout
                     else (lora.targets, lora.rank))
     act = activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                           backward=ch.needs_grad, checkpointing=checkpointing, padded=padded, lora=lora_act)
+                           backward=ch.needs_grad, checkpointing=checkpointing, padded=padded, lora=lora_act,
+                           row_positions=row_positions)
     needs = ch.device_needs(buffers=buffer_bytes(model) + ch.staging(), activations=act)
     # CUDA: the engine leaves the allocator a margin of the budget beside its ledger (placed as
     # activations: offload.engine.workspace); the simulated device has no allocator
@@ -514,6 +518,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                            precision=precision, lora_act=lora_act, single=args, grad_reduce=grad_reduce,
                            meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size,
                                      optimizer=optimizer, checkpointing=checkpointing, padded=padded,
+                                     row_positions=row_positions,
                                      grad_accum=grad_accum, lora_rank=lora_rank,
                                      lora_targets=lora_targets if lora_rank is not None else None,
                                      base_dtype=(base_dtype or precision) if lora_rank is not None else None,
@@ -542,7 +547,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                   precision=precision,
                   budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
                   batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size, optimizer=optimizer,
-                  host_minimum=host_min, checkpointing=checkpointing, padded=padded, grad_accum=grad_accum,
+                  host_minimum=host_min, checkpointing=checkpointing, padded=padded, row_positions=row_positions,
+                  grad_accum=grad_accum,
                   lora_rank=lora_rank, lora_targets=lora_targets if lora_rank is not None else None,
                   base_dtype=(base_dtype or precision) if lora_rank is not None else None,
                   trainable_params=ch.trainable_params, lora_act=lora_act, **base)
@@ -762,7 +768,8 @@ def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
 
 def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds,
                    device: DevicePlan, batch_size: int, seq_len: int, precision: str,
-                   checkpointing: bool | None, padded: bool = False, lora: LoraAct = None) -> int:
+                   checkpointing: bool | None, padded: bool = False, lora: LoraAct = None,
+                   row_positions: bool = False) -> int:
     """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
     forward (all activations); a block's recompute in backward; lm_head's gradient on its way to
     the host while the final norm's activations are still saved; the embedding's gradient at
@@ -771,7 +778,7 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     if not ch.needs_grad:  # MeZO: the perturbed copies of the module computing (dual_forward)
         return needs.activations + ch.zo_workspace
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                         checkpointing=checkpointing, padded=padded, lora=lora)
+                         checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions)
     held = p["fixed"] + p["inputs"] + p["layers"]  # without checkpointing, every layer's internals
     streamed_grad = {name: ch.ce * s.numel for name, s in ch.plan.slots.items()
                      if s.chunk not in device.gpu_home and s.chunk not in ch.frozen}  # frozen: no gradient
@@ -785,7 +792,8 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
            homes: Homes, pred: Any, precision: str, budgets: dict[str, Any], lora_act: LoraAct = None, margin: int = 0,
            **meta: Any) -> Plan:
     act_args = dict(batch_size=meta["batch_size"], seq_len=meta["seq_len"], precision=precision,
-                    checkpointing=meta["checkpointing"], padded=meta["padded"], lora=lora_act)
+                    checkpointing=meta["checkpointing"], padded=meta["padded"], lora=lora_act,
+                    row_positions=meta["row_positions"])
     by_tier = {t: dict.fromkeys(KINDS + (("base",) if ch.frozen else ()), 0) for t in TIERS}
     for c in range(ch.n):  # a frozen chunk's one kind (the ledger's "compute") is shown as "base"
         tiers = dict.fromkeys(ch.kinds[c], "gpu") if c in device.gpu_home else homes.tiers[c]

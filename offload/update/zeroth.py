@@ -107,7 +107,8 @@ def dual_forward(forward: Callable, module: torch.nn.Module, *, half: Callable[[
 def hf_split_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor], half: int) -> tuple[float, float]:
     """Both MeZO losses of a Hugging Face causal LM from one forward over the doubled batch."""
     labels = batch["labels"]
-    inputs = {k: torch.cat([v, v], dim=0) for k, v in batch.items() if k != "labels"}
+    inputs = {k: torch.cat([v, v], dim=0) if isinstance(v, torch.Tensor) else v
+              for k, v in batch.items() if k != "labels"}
     logits = model(**inputs).logits
     vocab = model.config.vocab_size
     return tuple(float(model.loss_function(logits=part, labels=labels, vocab_size=vocab))

@@ -1,0 +1,90 @@
+"""Packed rows do not attend across each other: in a packed block, every row's loss (and its
+gradient contribution) is the row's loss run alone, on every family cli.data.ISOLATING names;
+a family outside it packs as before and says so."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tinyhf import FAMILIES, family_config  # noqa: E402
+
+from tierwise.cli.builtin import build_tokenizer  # noqa: E402
+from tierwise.cli.data import IGNORE, ISOLATING, Row, batch_of, has_padding, isolates, make_blocks  # noqa: E402
+
+VOCAB = 288
+ROWS = ["the cat sat on the mat", "a dog", "streams of chunks move between the tiers of memory",
+        "one more row that is cut across two blocks of sixteen tokens each"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(vocab_size=VOCAB)
+
+
+def model_of(family, tok):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(family_config(family, vocab_size=VOCAB, tokenizer=tok)).eval()
+
+
+def token_losses(model, batch) -> torch.Tensor:
+    """Per-position loss (the model's logits at t against labels at t+1), 0 where masked."""
+    keep = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**keep).logits.float()
+    labels = batch["labels"][:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             labels.clamp(min=0).reshape(-1), reduction="none")
+    return (loss * (labels != IGNORE).reshape(-1)).reshape(labels.shape)
+
+
+@pytest.mark.parametrize("family", sorted(f for f in FAMILIES if family_config(f).model_type in ISOLATING))
+def test_each_packed_row_trains_as_it_would_alone(family, tok):
+    model = model_of(family, tok)
+    rows = [Row(data={"text": t}, where=f"<{i}>") for i, t in enumerate(ROWS)]
+    packed = make_blocks(rows, tok, seq_len=16, isolate=True)
+    assert len(packed) >= 2 and all(len(b) == 4 for b in packed)
+    with torch.no_grad():
+        got = token_losses(model, batch_of(packed))
+        # each row alone: its tokens from the same blocks, one segment at a time
+        want = torch.zeros_like(got)
+        for i, block in enumerate(packed):
+            pos = block[3]
+            starts = [0] + [j for j in range(1, len(pos)) if pos[j] != pos[j - 1] + 1] + [len(pos)]
+            for a, b in zip(starts, starts[1:]):
+                if not bool(block[2][a:b].any()):
+                    continue  # the padding segment
+                alone = {"input_ids": block[0][None, a:b], "labels": block[1][None, a:b], "use_cache": False}
+                if b - a > 1:
+                    want[i, a:b - 1] = token_losses(model, alone)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # without isolation the same blocks' losses differ: the test can fail
+    joined = make_blocks(rows, tok, seq_len=16)
+    with torch.no_grad():
+        crossed = token_losses(model, batch_of(joined))
+    assert not torch.allclose(crossed[crossed != 0], got[crossed != 0], atol=1e-4)
+
+
+def test_a_rows_first_token_is_not_a_target_and_positions_restart(tok):
+    rows = [Row(data={"text": t}, where="") for t in ROWS[:2]]
+    ids, labels, mask, pos = make_blocks(rows, tok, seq_len=32, isolate=True)[0]
+    first = len(tok(ROWS[0])["input_ids"]) + 1  # (+ eos)
+    assert pos[0] == 0 and pos[first] == 0 and pos[first - 1] == first - 1
+    assert labels[first] == IGNORE and labels[first + 1] == ids[first + 1]
+    assert has_padding([(ids, labels, mask, pos)])  # several rows: the block needs a mask
+
+
+def test_a_family_that_does_not_isolate_packs_as_before_and_says_so(caplog):
+    class Config:
+        model_type = "opt"
+
+    with caplog.at_level("WARNING"):
+        assert not isolates(Config())
+    assert "attend to the rows before them" in caplog.text
+    assert not isolates(Config(), pack=False)
+    assert isolates(family_config("llama"))
