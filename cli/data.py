@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ..offload.core.errors import TierwiseError
+from .packing import ISOLATING, isolates  # noqa: F401 - (where the CLI and tests find them)
 
 if TYPE_CHECKING:
     from .loading import ModelSource
@@ -48,10 +49,7 @@ log = logging.getLogger(__name__)
 IGNORE = -100
 #: Roles a chat row may use (the common chat templates' roles).
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function", "ipython"})
-#: Model types whose attention isolates packed rows given per-row position_ids (and no attention
-#: mask or KV cache); each is tested against its rows run alone (tests/test_cli_packing.py).
-ISOLATING = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "phi3", "gemma2", "gpt2", "gpt_neox",
-                       "falcon"})
+
 
 
 class DataError(TierwiseError):
@@ -282,21 +280,6 @@ def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = Tr
         emit(ids_left, labels_left,
              [p - pos_left[0] if j < _restart(pos_left) else p for j, p in enumerate(pos_left)] if isolate else None)
     return blocks
-
-
-def isolates(config: Any, *, pack: bool = True) -> bool:
-    """Whether packed rows of this model are isolated (ISOLATING); says once when they are not."""
-    kind = getattr(config, "model_type", None)
-    if kind in ISOLATING or not pack:
-        return pack
-    if kind not in _told:
-        _told.add(kind)
-        log.warning("packed rows attend to the rows before them in their block: model type %r is not one "
-                    "whose attention isolates them (--no-pack trains each row alone)", kind)
-    return False
-
-
-_told: set = set()
 
 
 def _restart(pos: list[int]) -> int:

@@ -81,10 +81,10 @@ def rows_apart(cfg: TrainConfig, src: "ModelSource | None") -> bool:
         return False
     if src is None:
         from ..profiles import load_model_profile
-        from .data import ISOLATING
+        from .packing import ISOLATING
 
         return load_model_profile(cfg.model).family in ISOLATING
-    from .data import isolates
+    from .packing import isolates
 
     return isolates(src.config)
 

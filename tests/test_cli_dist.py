@@ -236,7 +236,7 @@ def test_a_node_budget_too_small_for_its_ranks_is_refused_by_all_in_one_line(tmp
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": broken\n')
     given = {"node-budget": ["--cpu-mem", "1M"], "bad-data": ["--data", str(bad)],
-             "nonfinite": ["--steps", "3", "--optimizer", "sgd", "--lr", "1e8"]}.get(case, [])
+             "nonfinite": ["--steps", "3", "--optimizer", "sgd", "--lr", "1e10"]}.get(case, [])
     if case == "output-not-empty":
         (tmp_path / "o").mkdir()
         (tmp_path / "o" / "notes.txt").write_text("mine")

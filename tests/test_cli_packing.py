@@ -79,7 +79,11 @@ def test_a_rows_first_token_is_not_a_target_and_positions_restart(tok):
     assert has_padding([(ids, labels, mask, pos)])  # several rows: the block needs a mask
 
 
-def test_a_family_that_does_not_isolate_packs_as_before_and_says_so(caplog):
+def test_a_family_that_does_not_isolate_packs_as_before_and_says_so(caplog, monkeypatch):
+    import tierwise.cli.packing
+
+    monkeypatch.setattr(tierwise.cli.packing, "_told", set())  # (said once a process)
+
     class Config:
         model_type = "opt"
 

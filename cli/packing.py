@@ -1,0 +1,29 @@
+"""Which model families keep packed rows apart (pure, no torch): cli.data packs for them with
+per-row position ids (see its docstring); the planner prices those batches (row_positions)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: Model types whose attention isolates packed rows given per-row position_ids (and no attention
+#: mask or KV cache); each is tested against its rows run alone (tests/test_cli_packing.py).
+ISOLATING = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "phi3", "gemma2", "gpt2", "gpt_neox",
+                       "falcon"})
+
+
+def isolates(config: Any, *, pack: bool = True) -> bool:
+    """Whether packed rows of this model are isolated (ISOLATING); says once when they are not."""
+    kind = getattr(config, "model_type", None)
+    if kind in ISOLATING or not pack:
+        return pack
+    if kind not in _told:
+        _told.add(kind)
+        log.warning("packed rows attend to the rows before them in their block: model type %r is not one "
+                    "whose attention isolates them (--no-pack trains each row alone)", kind)
+    return False
+
+
+_told: set = set()
