@@ -1,0 +1,214 @@
+"""The engine inside a Hugging Face Trainer script: `OffloadTrainer` and `with_offload`.
+
+    from tierwise.offload.hf import OffloadTrainer, with_offload
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=ds,
+                             offload={"gpu_mem": "24G", "cpu_mem": "64G", "nvme_path": "/mnt/nvme"})
+    SFTOffload = with_offload(trl.SFTTrainer)        # the same for any Trainer subclass
+
+The Trainer keeps its loop, data, logging, evaluation, lr schedule and callbacks; the engine
+does forward, backward and the update. What maps where:
+
+- `offload=`: the Engine's options, as a dict of its flat keyword names (offload.core.options.
+  FLAT: gpu_mem, cpu_mem, nvme_path, chunk_bytes, precision, base_dtype, optimizer, ...) or of
+  its option groups (budget=Budget(...), ...). The optimizer's hyperparameters come from the
+  TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon; `optimizer` in `offload`
+  names another engine optimizer, e.g. adamw8bit); `bf16=True` computes in bf16.
+- The lr scheduler: its rate goes to `engine.set_lr` before every update.
+- `gradient_accumulation_steps`: the Trainer's micro-batches, each `engine.forward` +
+  `engine.backward` of the loss as the Trainer scales it; the update at its sync step.
+- `max_grad_norm`: the engine clips (Optim.grad_clip); the logged grad_norm is the engine's.
+- Evaluation: the loss through `engine.eval_loss` (no logits: `compute_metrics` is refused).
+- `save_model` / checkpoints: what Trainer writes, from the engine's fp32 masters in the
+  model's dtypes (a PEFT model: its adapter); a checkpoint also holds the engine's state
+  (`ENGINE_STATE`), and `resume_from_checkpoint` restores it.
+- A PEFT model (`peft_config=` to SFTTrainer, or `get_peft_model`) is taken as it is: its
+  frozen base streamed, its adapters trained.
+- `gradient_checkpointing=True` (TRL's default): the model's own checkpointing is turned off
+  and the engine recomputes the blocks instead (Activations(recompute=True)).
+
+`trainer.engine` is the Engine that trained (None before training starts). Refused, one line
+each: weight decay (the Trainer decays all but biases and norms; the engine decays all alike),
+several processes, `compute_metrics`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .core.errors import TierwiseError
+from .core.options import GROUPS, Activations, Optim, Precision, flat_options
+
+ENGINE_STATE = "tierwise_engine.pt"
+"""The engine's state (masters, optimizer state, step) inside a Trainer checkpoint directory."""
+
+_CACHE: dict[type, type] = {}
+
+
+def with_offload(trainer_class: type) -> type:
+    """`trainer_class` (transformers.Trainer or a subclass, e.g. trl.SFTTrainer) with the engine
+    doing forward, backward and the update; it takes `offload=` (see the module docstring)."""
+    from transformers import Trainer
+
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise TypeError(f"with_offload takes a transformers.Trainer class, got {trainer_class!r}")
+    if trainer_class not in _CACHE:
+        _CACHE[trainer_class] = type(f"Offload{trainer_class.__name__}", (_Offload, trainer_class),
+                                     {"__doc__": f"{trainer_class.__name__} with tierwise's engine (tierwise.offload.hf)."})
+    return _CACHE[trainer_class]
+
+
+class _Offload:
+    """The overrides with_offload mixes into a Trainer class."""
+
+    engine: Any = None
+
+    def __init__(self, *args: Any, offload: Any = None, **kwargs: Any):
+        self._offload = offload
+        self.engine = None
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        trainer: Any = self
+        if trainer.args.world_size > 1:
+            raise TierwiseError("OffloadTrainer runs one process; several GPUs go through `finetune --nproc-per-node`")
+        if trainer.args.weight_decay:
+            raise TierwiseError(f"weight_decay={trainer.args.weight_decay}: the Trainer decays all but biases and norms, "
+                                "the engine would decay every weight alike; train with weight_decay=0")
+        if trainer.optimizer is not None:
+            raise TierwiseError("optimizers=: the engine updates the weights; name its optimizer in offload= "
+                                "(e.g. {'optimizer': 'adamw8bit'})")
+        if trainer.compute_metrics is not None:
+            raise TierwiseError("compute_metrics needs the model's logits; OffloadTrainer evaluates the loss only")
+
+    # -- the engine takes the model ------------------------------------------------------
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        """The engine places the model's weights in its tiers, never the whole model on the device."""
+
+    def _engine_options(self) -> dict[str, Any]:
+        args: Any = self.args  # type: ignore[attr-defined]
+        given = self._offload or {}
+        if not isinstance(given, dict):
+            raise TypeError(f"offload= takes a dict of engine options, got {type(given).__name__}")
+        opts = flat_options(**given)
+        optim = opts.get("optim") or Optim()
+        opts["optim"] = Optim(optim.name, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                              eps=args.adam_epsilon, weight_decay=0.0, momentum=optim.momentum, kwargs=optim.kwargs,
+                              grad_clip=args.max_grad_norm or None, overlap_update=False)
+        if "precision" not in opts and args.bf16:
+            opts["precision"] = Precision("bf16")
+        unknown = set(opts) - set(GROUPS) - {"lora", "device"}
+        if unknown:
+            raise TierwiseError(f"offload= options the Trainer sets itself: {sorted(unknown)}")
+        return opts
+
+    def create_optimizer(self, model: Any = None) -> Any:
+        trainer: Any = self
+        if trainer.optimizer is None:
+            from .engine.engine import Engine
+
+            model = trainer.model
+            self._dtypes = {n: p.dtype for n, p in model.named_parameters()}
+            options = self._engine_options()
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            if getattr(base, "is_gradient_checkpointing", False):  # (gradient_checkpointing=True, TRL's default)
+                base.gradient_checkpointing_disable()  # the engine recomputes the blocks itself
+                if "activations" not in options:
+                    options["activations"] = Activations(recompute=True)
+            self.engine = Engine(model, **options)
+            trainer.optimizer = _EngineOptimizer(self.engine, trainer.args.learning_rate)
+        return trainer.optimizer
+
+    # -- a step ---------------------------------------------------------------------------
+    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        trainer: Any = self
+        inputs = trainer._prepare_inputs(inputs)
+        scaled_by_model = trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
+        if scaled_by_model:
+            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
+        loss = self.engine.forward(inputs)
+        if not scaled_by_model:
+            loss = loss / trainer.current_gradient_accumulation_steps
+        self.engine.backward(loss)
+        return loss.detach()
+
+    def _clip_grad_norm(self, model: Any) -> None:
+        return None  # the engine clips in its update (Optim.grad_clip)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> None:
+        return None  # known after the update: _maybe_log_save_evaluate reads the engine's
+
+    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> Any:
+        norm = self.engine.last_grad_norm if self.engine is not None else None
+        grad_norm = float(norm) if norm is not None else grad_norm
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)  # type: ignore[misc]
+
+    def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: Any = None) -> tuple[Any, None, None]:
+        trainer: Any = self
+        if self.engine is None:  # evaluated before training: the engine takes the model now
+            self.create_optimizer()
+        inputs = trainer._prepare_inputs(inputs)
+        if "labels" not in inputs:
+            return None, None, None
+        return torch.tensor(self.engine.eval_loss(inputs)), None, None
+
+    # -- what is saved ----------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+        if self.engine is not None and state_dict is None:
+            state_dict = self._weights()
+        super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The model's weights from the engine's masters, each in the dtype the model had (a
+        PEFT model: its trainable adapters, what save_pretrained keeps of them)."""
+        peft = hasattr(self.engine.model, "peft_config")
+        out = {}
+        for name, t in self.engine.named_parameters_fp32(trainable_only=peft):
+            out[name] = t.to(self._dtypes.get(name, t.dtype))
+        return out
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+        if self.engine is not None:
+            torch.save(self.engine.state_dict(), os.path.join(output_dir, ENGINE_STATE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, ENGINE_STATE)):
+            raise TierwiseError(f"{resume_from_checkpoint} holds no {ENGINE_STATE}: not a checkpoint OffloadTrainer wrote")
+        # the weights come back with the engine's state (_load_optimizer_and_scheduler)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        if checkpoint is not None and self.engine is not None:
+            state = torch.load(os.path.join(checkpoint, ENGINE_STATE), weights_only=False)
+            self.engine.load_state_dict(state)
+
+
+class _EngineOptimizer(torch.optim.Optimizer):
+    """What the Trainer steps and schedules: its rate goes to the engine, its step is the
+    engine's update. Its one parameter is a placeholder; the engine holds the real ones."""
+
+    def __init__(self, engine: Any, lr: float):
+        super().__init__([torch.zeros(1, requires_grad=True)], {"lr": lr})
+        self.engine = engine
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise TierwiseError("the engine's update takes no closure")
+        self.engine.set_lr(self.param_groups[0]["lr"])
+        self.engine.optimizer_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The engine starts each step's gradients afresh."""
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OffloadTrainer":  # built on first use: transformers is imported only then
+        from transformers import Trainer
+
+        cls = with_offload(Trainer)
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,147 @@
+"""OffloadTrainer against plain transformers.Trainer: the same tiny Llama, seed, data and
+arguments (fp32, gradient accumulation, clipping, a warmup + linear schedule), the engine
+streaming at a small device budget. Losses, grad norms and the saved weights agree to fp32
+rounding (the engine clips and sums in its own order); a PEFT model trains its adapter alike;
+a checkpoint resumes to the same losses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierwise.offload.core.errors import TierwiseError
+
+transformers = pytest.importorskip("transformers")
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+from tierwise.offload.hf import ENGINE_STATE, OffloadTrainer, with_offload  # noqa: E402
+
+VOCAB = 96
+OFFLOAD = {"gpu_mem": "160K", "chunk_bytes": 16 << 10}  # several chunks, streamed
+
+
+def tiny(seed=0, vocab=VOCAB):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, n=24, seq=16):
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, VOCAB, (n, seq), generator=g)
+        self.labels = self.ids.clone()
+        self.labels[::3, :6] = -100  # masked prompts: rows weigh differently
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def args(out: Path, **kw):
+    base = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                learning_rate=5e-3, max_steps=6, warmup_steps=2, lr_scheduler_type="linear",
+                max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+                use_cpu=True, optim="adamw_torch", weight_decay=0.0, dataloader_num_workers=0,
+                disable_tqdm=True)
+    return TrainingArguments(**(base | kw))
+
+
+def logs(trainer, key="loss"):
+    return [r[key] for r in trainer.state.log_history if key in r]
+
+
+def test_offload_trainer_trains_as_plain_trainer(tmp_path):
+    plain = Trainer(model=tiny(), args=args(tmp_path / "plain"), train_dataset=Rows())
+    plain.train()
+    ours = OffloadTrainer(model=tiny(), args=args(tmp_path / "ours"), train_dataset=Rows(), offload=OFFLOAD)
+    ours.train()
+    assert len(logs(ours)) == 6
+    assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
+    assert logs(ours, "grad_norm") == pytest.approx(logs(plain, "grad_norm"), rel=1e-4)
+    assert logs(ours, "learning_rate") == logs(plain, "learning_rate")
+    assert ours.engine.ledger.peaks()["gpu"] <= 160 << 10  # it streamed within the budget
+    assert ours.engine.streamed_storage, "nothing streamed: the test would not exercise offload"
+    ours.save_model(str(tmp_path / "ours-model"))
+    plain.save_model(str(tmp_path / "plain-model"))
+    a = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours-model").state_dict()
+    b = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "plain-model").state_dict()
+    for name in b:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+    evaluated = ours.evaluate(eval_dataset=Rows(n=6))["eval_loss"]
+    assert evaluated == pytest.approx(plain.evaluate(eval_dataset=Rows(n=6))["eval_loss"], rel=1e-5)
+
+
+def test_a_peft_model_trains_its_adapter_as_peft_does(tmp_path):
+    peft = pytest.importorskip("peft")
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    plain = Trainer(model=peft.get_peft_model(tiny(), peft.LoraConfig(**lora)), args=args(tmp_path / "plain"),
+                    train_dataset=Rows())
+    plain.train()
+    torch.manual_seed(0)  # the adapters' init draws the same numbers
+    ours = OffloadTrainer(model=peft.get_peft_model(tiny(), peft.LoraConfig(**lora)), args=args(tmp_path / "ours"),
+                          train_dataset=Rows(), offload=OFFLOAD)
+    torch.manual_seed(0)
+    ours.train()
+    assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
+    ours.save_model(str(tmp_path / "adapter"))
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["r"] == 4 and (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_checkpoint_resumes_to_the_same_losses(tmp_path):
+    whole = OffloadTrainer(model=tiny(), args=args(tmp_path / "whole"), train_dataset=Rows(), offload=OFFLOAD)
+    whole.train()
+    first = OffloadTrainer(model=tiny(), args=args(tmp_path / "cut", save_strategy="steps", save_steps=3),
+                           train_dataset=Rows(), offload=OFFLOAD)
+    first.train()
+    ckpt = tmp_path / "cut" / "checkpoint-3"
+    assert (ckpt / ENGINE_STATE).is_file()
+    again = OffloadTrainer(model=tiny(seed=5), args=args(tmp_path / "cut"), train_dataset=Rows(), offload=OFFLOAD)
+    again.train(resume_from_checkpoint=str(ckpt))
+    assert logs(again)[-3:] == pytest.approx(logs(whole)[-3:], rel=1e-6)
+
+
+def test_with_offload_builds_a_subclass_and_refuses_what_it_cannot_do(tmp_path):
+    class MyTrainer(Trainer):
+        pass
+
+    cls = with_offload(MyTrainer)
+    assert issubclass(cls, MyTrainer) and with_offload(MyTrainer) is cls
+    with pytest.raises(TierwiseError, match="weight_decay"):
+        cls(model=tiny(), args=args(tmp_path / "x", weight_decay=0.1), train_dataset=Rows(), offload=OFFLOAD)
+    with pytest.raises(TypeError, match="Trainer class"):
+        with_offload(int)
+
+
+def test_with_offload_sft_trainer_and_peft_config_trains_as_sft_trainer(tmp_path):
+    """TRL's SFTTrainer with peft_config, with and without offload: the same losses."""
+    trl = pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    datasets = pytest.importorskip("datasets")
+    from tierwise.cli.builtin import build_tokenizer, sample_lines
+
+    tok = build_tokenizer()
+    data = datasets.Dataset.from_dict({"text": sample_lines()[:24]})
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+    def run(cls, out, **kw):
+        config = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                               learning_rate=5e-3, max_steps=6, warmup_steps=2, max_grad_norm=0.5, logging_steps=1,
+                               save_strategy="no", report_to=[], seed=0, use_cpu=True, max_length=32,
+                               weight_decay=0.0, disable_tqdm=True, bf16=False)
+        torch.manual_seed(0)
+        trainer = cls(model=tiny(vocab=len(tok)), args=config, train_dataset=data, processing_class=tok, peft_config=lora, **kw)
+        trainer.train()
+        return trainer
+
+    plain = run(trl.SFTTrainer, tmp_path / "plain")
+    ours = run(with_offload(trl.SFTTrainer), tmp_path / "ours", offload={**OFFLOAD, "gpu_mem": "400K"})
+    assert len(logs(ours)) == 6
+    assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
