@@ -23,8 +23,16 @@ does forward, backward and the update. What maps where:
   (`ENGINE_STATE`), and `resume_from_checkpoint` restores it.
 - A PEFT model (`peft_config=` to SFTTrainer, or `get_peft_model`) is taken as it is: its
   frozen base streamed, its adapters trained.
+- Batches of several lengths: with `max_length` (TRL's SFTConfig) the engine is placed for the
+  longest one before the first step.
 - `gradient_checkpointing=True` (TRL's default): the model's own checkpointing is turned off
   and the engine recomputes the blocks instead (Activations(recompute=True)).
+
+A model bigger than the device (or the host): `from_pretrained(name_or_path)` builds it on the
+meta device, as `finetune` does; the engine loads its checkpoint shard by shard into its tiers
+when training starts (with `offload={"base_dtype": "nf4", "double_quant": True}`: a QLoRA base,
+encoded as it streams in). It takes `peft_config=` (SFTTrainer) or this module's
+`get_peft_model` (PEFT's, its adapters initialised with values over the meta base).
 
 `trainer.engine` is the Engine that trained (None before training starts). Refused, one line
 each: weight decay (the Trainer decays all but biases and norms; the engine decays all alike),
@@ -45,6 +53,33 @@ ENGINE_STATE = "tierwise_engine.pt"
 """The engine's state (masters, optimizer state, step) inside a Trainer checkpoint directory."""
 
 _CACHE: dict[type, type] = {}
+_SOURCE = "_tierwise_source"  # on a from_pretrained model: (its ModelSource, its ModelLayout)
+
+
+def from_pretrained(name_or_path: str, *, trust_remote_code: bool = False) -> torch.nn.Module:
+    """A Hugging Face causal LM (a directory or a Hub id, the local cache first) built on the
+    meta device: no weight is read now. OffloadTrainer's engine loads them into its tiers."""
+    from ..cli.layout import ModelLayout
+    from ..cli.loading import build_meta_model, resolve_model
+
+    src = resolve_model(name_or_path, trust_remote_code=trust_remote_code)
+    if not src.has_weights:
+        raise TierwiseError(f"{name_or_path} has no weights to load (a profile builds a random model: "
+                            "use transformers' from_config)")
+    model = build_meta_model(src.config)
+    setattr(model, _SOURCE, (src, ModelLayout.of(model)))
+    return model
+
+
+def get_peft_model(model: torch.nn.Module, config: Any, **kwargs: Any) -> torch.nn.Module:
+    """peft.get_peft_model; over a from_pretrained (meta) model its adapters get values, drawn
+    as PEFT draws them (the global RNG), instead of staying meta."""
+    import peft
+
+    from .engine.lora import meta_stand_ins
+
+    with meta_stand_ins(model):
+        return peft.get_peft_model(model, config, **kwargs)
 
 
 def with_offload(trainer_class: type) -> type:
@@ -68,8 +103,12 @@ class _Offload:
     def __init__(self, *args: Any, offload: Any = None, **kwargs: Any):
         self._offload = offload
         self.engine = None
+        model = kwargs.get("model")
+        if kwargs.get("peft_config") is not None and _source(model) is not None:
+            kwargs["model"] = get_peft_model(model, kwargs.pop("peft_config"))  # with values, not meta
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         trainer: Any = self
+        trainer.accelerator.device_placement = False  # the engine places the weights, not .to(device)
         if trainer.args.world_size > 1:
             raise TierwiseError("OffloadTrainer runs one process; several GPUs go through `finetune --nproc-per-node`")
         if trainer.args.weight_decay:
@@ -116,8 +155,36 @@ class _Offload:
                 if "activations" not in options:
                     options["activations"] = Activations(recompute=True)
             self.engine = Engine(model, **options)
+            if _source(base) is not None:
+                self._load_checkpoint(model, base)
+            self._measure_longest()
             trainer.optimizer = _EngineOptimizer(self.engine, trainer.args.learning_rate)
         return trainer.optimizer
+
+    def _load_checkpoint(self, model: Any, base: Any) -> None:
+        """The from_pretrained model's weights, read shard by shard into the engine's chunks
+        under the names they have now (a PEFT model: `base_model.model.` and `.base_layer.`)."""
+        from ..cli.layout import iter_checkpoint
+
+        src, layout = _source(base)
+        prefix = "base_model.model." if model is not base else ""
+        names = {n.removeprefix(prefix).replace(".base_layer.", "."): n for n, _ in model.named_parameters()}
+        self.engine.load_weights((names.get(n, n), t) for n, t in iter_checkpoint(base, layout, src.model_dir))
+
+    def _measure_longest(self) -> None:
+        """Batches vary in length (a collator pads each to its longest row): with `max_length`
+        (TRL's SFTConfig) the engine is placed for the longest batch there can be, padded (the
+        mask materialised), before the first step. Without it, for the first batch; a longer
+        one later raises StepOverBudget naming Engine.measure."""
+        args: Any = self.args  # type: ignore[attr-defined]
+        length = getattr(args, "max_length", None)
+        if not isinstance(length, int) or length < 2:
+            return
+        rows = args.per_device_train_batch_size
+        ids = torch.zeros(rows, length, dtype=torch.long)
+        mask = torch.ones_like(ids)
+        mask[0, -1] = 0
+        self.engine.measure({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
 
     # -- a step ---------------------------------------------------------------------------
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
@@ -183,6 +250,11 @@ class _Offload:
         if checkpoint is not None and self.engine is not None:
             state = torch.load(os.path.join(checkpoint, ENGINE_STATE), weights_only=False)
             self.engine.load_state_dict(state)
+
+
+def _source(model: Any) -> Any:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, _SOURCE, None)
 
 
 class _EngineOptimizer(torch.optim.Optimizer):

@@ -23,9 +23,10 @@ VOCAB = 96
 OFFLOAD = {"gpu_mem": "160K", "chunk_bytes": 16 << 10}  # several chunks, streamed
 
 
-def tiny(seed=0, vocab=VOCAB):
+def tiny(seed=0, vocab=VOCAB, hidden=32, layers=2):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, use_cache=False)
     return transformers.LlamaForCausalLM(cfg)
 
@@ -144,4 +145,42 @@ def test_with_offload_sft_trainer_and_peft_config_trains_as_sft_trainer(tmp_path
     plain = run(trl.SFTTrainer, tmp_path / "plain")
     ours = run(with_offload(trl.SFTTrainer), tmp_path / "ours", offload={**OFFLOAD, "gpu_mem": "400K"})
     assert len(logs(ours)) == 6
+    assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
+
+
+def test_from_pretrained_loads_a_model_bigger_than_the_device_and_trains_as_one_that_fits(tmp_path):
+    """A checkpoint 2.8x the device budget: tierwise's from_pretrained builds it on the meta
+    device, the engine reads it into its tiers, and with_offload(SFTTrainer) with peft_config
+    gives the losses of the same script on the model loaded by transformers."""
+    trl = pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    datasets = pytest.importorskip("datasets")
+    from tierwise.cli.builtin import build_tokenizer, sample_lines
+    from tierwise.offload.hf import from_pretrained
+
+    tok = build_tokenizer()
+    saved = tmp_path / "model"
+    tiny(vocab=len(tok), hidden=96, layers=6).save_pretrained(saved)
+    tok.save_pretrained(saved)
+    weights = sum(f.stat().st_size for f in saved.glob("*.safetensors"))
+    budget = 800 << 10
+    assert weights > 2.5 * budget
+    data = datasets.Dataset.from_dict({"text": sample_lines()[:24]})
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+    def run(cls, model, out, **kw):
+        config = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                               learning_rate=5e-3, max_steps=6, warmup_steps=2, max_grad_norm=0.5, logging_steps=1,
+                               save_strategy="no", report_to=[], seed=0, use_cpu=True, max_length=32,
+                               weight_decay=0.0, disable_tqdm=True, bf16=False)
+        torch.manual_seed(0)
+        trainer = cls(model=model(), args=config, train_dataset=data, processing_class=tok, peft_config=lora, **kw)
+        trainer.train()
+        return trainer
+
+    plain = run(trl.SFTTrainer, lambda: transformers.AutoModelForCausalLM.from_pretrained(saved), tmp_path / "plain")
+    ours = run(with_offload(trl.SFTTrainer), lambda: from_pretrained(str(saved)), tmp_path / "ours",
+               offload={"gpu_mem": budget, "chunk_bytes": 16 << 10})
+    assert next(ours.model.get_base_model().parameters()).device.type != "meta"
+    assert ours.engine.ledger.peaks()["gpu"] <= budget
     assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)

@@ -10,7 +10,9 @@ ordinary frozen ones (the engine streams frozen chunks read-only, offload.runtim
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+
+from typing import Any, Iterator
 
 import torch
 
@@ -58,10 +60,6 @@ def inject_meta(model: torch.nn.Module, config: Any, *, seed: int, values: bool 
     after `torch.manual_seed(seed)`; returns {parameter name before: its name now}
     (`...q_proj.weight` -> `...q_proj.base_layer.weight`). Base parameters stay meta, frozen.
     `values=False`: the adapters stay meta too (to count them: --dry-run of a 70B model).
-
-    PEFT initialises a LoRA layer's adapters on the device of its base layer: over a meta base
-    they would stay meta, without values. Every meta parameter therefore gets a zero-byte CPU
-    stand-in (a 0-d zero expanded to its shape) while PEFT injects, and is put back afterwards.
     Raises ValueError when PEFT refuses the config or left an adapter without values."""
     from peft import inject_adapter_in_model
 
@@ -69,6 +67,17 @@ def inject_meta(model: torch.nn.Module, config: Any, *, seed: int, values: bool 
         inject_adapter_in_model(config, model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
         return {}
     before = {id(p): n for n, p in model.named_parameters()}
+    with meta_stand_ins(model):
+        torch.manual_seed(seed)
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    return adapter_renames(model, before)
+
+
+@contextlib.contextmanager
+def meta_stand_ins(model: torch.nn.Module) -> Iterator[None]:
+    """PEFT initialises a LoRA layer's adapters on the device of its base layer: over a meta
+    base they would stay meta, without values. Inside, every meta parameter of `model` is a
+    zero-byte CPU stand-in (a 0-d zero expanded to its shape); after, the meta ones are back."""
     originals: dict[tuple[torch.nn.Module, str], torch.nn.Parameter] = {}
     stand_ins: dict[int, torch.nn.Parameter] = {}  # tied parameters share one stand-in
     for mod in model.modules():
@@ -79,13 +88,17 @@ def inject_meta(model: torch.nn.Module, config: Any, *, seed: int, values: bool 
                     stand_ins[id(p)] = torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape),
                                                           requires_grad=p.requires_grad)
                 mod._parameters[name] = stand_ins[id(p)]
-    torch.manual_seed(seed)
     try:
-        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        yield
     finally:
         for (mod, name), p in originals.items():
             p.requires_grad_(stand_ins[id(p)].requires_grad)  # PEFT froze the stand-in
             mod._parameters[name] = p
+
+
+def adapter_renames(model: torch.nn.Module, before: dict[int, str]) -> dict[str, str]:
+    """{name before: name now} of `model`'s parameters that existed before (`before`: id -> name);
+    ValueError for a new one without values."""
     renames = {}
     for now, p in model.named_parameters():
         if id(p) in before:
