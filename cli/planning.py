@@ -69,6 +69,7 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
         cuda=None if cfg.hardware else machine.has_cuda(),  # this machine's device, whatever the profile
         checkpointing=checkpointing(cfg), padded=padded, row_positions=rows_apart(cfg, src),
+        offload_activations=cfg.offload_activations,
         **lora_options(cfg, linears=engine_linears(src) if cfg.lora and not is_profile(cfg.model) else None),
         **layout,
     )
@@ -295,7 +296,7 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
     """Changes to a refused run that the planner itself finds feasible: [(flags, plan, change)],
     fastest predicted step first, at most `limit`. Each is one change (chunk size, recompute,
     half the micro-batch with twice the accumulation, bf16, 8-bit AdamW, both, QLoRA for a full
-    fine-tune, the host RAM the refusal named), and, for those that do not fit in memory, the same with NVMe swap
+    fine-tune, activations offloaded to host RAM, the host RAM the refusal named), and, for those that do not fit in memory, the same with NVMe swap
     (checked against the free space of the current directory)."""
     both = {"precision": "bf16", "optimizer": "adamw8bit"}
     tries: list[tuple[str, dict]] = []
@@ -303,6 +304,9 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
         tries.append(("--chunk-size 16M", {"chunk_size": "16M"}))
     if cfg.recompute is False:
         tries.append(("--recompute", {"recompute": True}))
+    if not cfg.offload_activations and "activations" in str(error):  # blocks' inputs to host RAM
+        tries.append(("--offload-activations" + (" --recompute" if cfg.recompute is False else ""),
+                      {"offload_activations": True, "recompute": True}))
     if cfg.batch_size > 1:
         half = max(1, cfg.batch_size // 2)
         tries.append((f"--batch-size {half} --grad-accum {cfg.grad_accum * cfg.batch_size // half}",

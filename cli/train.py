@@ -97,7 +97,8 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, ranks: "launch.Rank
             precision=Precision(cfg.precision, base=cfg.base_dtype if lora else None,
                                 double_quant=lora and cfg.base_dtype == "nf4"),  # the QLoRA recipe
             activations=Activations(recompute=checkpointing(cfg), offload=cfg.offload_activations,
-                                    expected=None if plan is None else plan.reserve["gpu"]["activations"]),
+                                    expected=None if plan is None else plan.reserve["gpu"]["activations"],
+                                    host=0 if plan is None else plan.reserve["host"].get("activations", 0)),
             distributed=Distributed(grad_reduce=cfg.grad_reduce))
     except ValueError as e:
         raise ConfigError(f"the engine cannot run with these options: {e}") from None

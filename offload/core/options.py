@@ -85,11 +85,13 @@ class Activations:
     (False), or None: recompute when the model has several blocks. `offload`: keep recomputed
     blocks' inputs in host memory between forward and backward. `expected`: the peak bytes of
     saved activations (the planner's estimate): given, chunks are placed now; None: after the
-    warm-up step, which measures it."""
+    warm-up step, which measures it. `host`: bytes of host memory the offloaded inputs need
+    (the planner's "activations" host reserve), kept free of chunk homes."""
 
     recompute: bool | None = None
     offload: bool = False
     expected: int | None = None
+    host: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -161,6 +161,7 @@ class Engine:
         self.prefetch_depth = streaming.prefetch
         self.allow_gpu_home = streaming.allow_gpu_home
         self.offload_activations = activations.offload
+        self.host_activations = activations.host if activations.offload else 0
         self.overlap_update = optim.overlap_update
         self.hyper = Hyper(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay,
                            momentum=optim.momentum)
@@ -317,7 +318,8 @@ class Engine:
         remote = self.ranks.remote() if self.ranks is not None else frozenset()
         self.kinds = self._kinds(remote)
         budgets = self.ledger.budgets
-        host = None if budgets["host"] is None else budgets["host"] - self.grad_window  # transient grads
+        # transient grads, and offloaded activations (the planner's estimate)
+        host = None if budgets["host"] is None else budgets["host"] - self.grad_window - self.host_activations
         # CUDA: encoded frozen chunks cross the link into one device staging buffer, decoded
         # from there (fetches run in order on the copy stream); the simulated device decodes in place
         staging = max((self.kinds[c]["compute"] for c in self.plan.frozen if self.frozen_layouts[c] is not None),

@@ -85,7 +85,7 @@ def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad
 def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
                      checkpointing: bool | None = None, padded: bool = False,
                      lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int] | None" = None,
-                     row_positions: bool = False) -> dict[str, int]:
+                     row_positions: bool = False, offload: bool = False) -> dict[str, int]:
     """Bytes autograd saves for backward, by part, as the engine counts them (per saved tensor
     storage, deduplicated) for a Hugging Face Llama-family model with SDPA attention and every
     decoder layer checkpointed. e = compute bytes, T = batch * seq tokens:
@@ -113,6 +113,11 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     engine checkpoints blocks by default only when there are several) no position ids are
     saved (only the checkpoint keeps them) and `inputs` is each layer's first-norm fp32 input
     in fp32 runs (in bf16 the block input itself is not saved).
+
+    `offload`: checkpointed blocks' inputs that need a gradient live in host memory between
+    forward and backward (offload.engine.actoffload): on the device at most two at once (one on
+    its way out in forward; in backward the block's own and the one fetched ahead), the rest in
+    `host_inputs` (a LoRA run's first block input, the frozen embedding's output, stays).
 
     `row_positions`: the batch carries position_ids per row (packed rows kept apart,
     cli.data): the rotary cos/sin and the position ids are then per row (B x S), not shared.
@@ -152,16 +157,24 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     # rotary cos/sin (e each) and position ids (int64, saved by a checkpointed block), per row or shared
     positions = (batch_size if row_positions else 1) * s * (2 * model.dim_per_head * e + (8 if checkpointed else 0))
     if lora is not None:
-        return _lora_parts(lora, e=e, t=t, s=s, h=h, i=i, layers=layers, attention=attention, fixed=mask + positions,
-                           checkpointed=checkpointed, model=model, batch_size=batch_size)
-    return {
-        "fixed": 8 * t + positions + mask,
-        "inputs": layers * e * t * h if checkpointed else layers * (e * t * h if e == 4 else 0),
-        "block": internals if checkpointed else 0,
-        "layers": 0 if checkpointed else layers * internals,
-        "final_norm": norm,
-        "head": norm + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=True),
-    }
+        parts = _lora_parts(lora, e=e, t=t, s=s, h=h, i=i, layers=layers, attention=attention, fixed=mask + positions,
+                            checkpointed=checkpointed, model=model, batch_size=batch_size)
+    else:
+        parts = {
+            "fixed": 8 * t + positions + mask,
+            "inputs": layers * e * t * h if checkpointed else layers * (e * t * h if e == 4 else 0),
+            "block": internals if checkpointed else 0,
+            "layers": 0 if checkpointed else layers * internals,
+            "final_norm": norm,
+            "head": norm + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=True),
+        }
+    parts["host_inputs"] = 0
+    if offload and checkpointed:
+        kept = e * t * h if lora is not None else 0  # (a LoRA run's first block input needs no gradient)
+        moved = parts["inputs"] - kept
+        parts["host_inputs"] = moved
+        parts["inputs"] = kept + min(moved, 2 * e * t * h)
+    return parts
 
 
 def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int]", *, e: int, t: int, s: int, h: int, i: int, layers: int,
@@ -233,13 +246,14 @@ LoraAct = Optional[Union[tuple[frozenset[str], int], tuple[frozenset[str], int, 
 
 def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
                      backward: bool = True, checkpointing: bool | None = None, padded: bool = False,
-                     lora: LoraAct = None, row_positions: bool = False) -> int:
+                     lora: LoraAct = None, row_positions: bool = False, offload: bool = False) -> int:
     """Peak bytes of saved activations in one step (see activation_parts; `padded`: the step's
     batch has padding). Without backward (zeroth-order optimizers) autograd saves nothing: 0."""
     if not backward:
         return 0
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                         checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions)
+                         checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions,
+                         offload=offload)
     return p["fixed"] + p["inputs"] + p["layers"] + max(p["block"], p["head"])
 
 

@@ -123,6 +123,8 @@ class Plan:
     has any padding, e.g. a short last block."""
     row_positions: bool = False
     """Batches carry position ids per row (packed rows kept apart: cli.data)."""
+    offload: bool = False
+    """Recomputed blocks' inputs wait in host memory (reserve host "activations")."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (tokens per step = batch x seq_len x grad_accum)."""
     feasible: bool = True
@@ -412,6 +414,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
               optimizer_kwargs: dict[str, Any] | None = None, grad_accum: int = 1, up_front: bool = True,
               checkpointing: bool | None = None, padded: bool = False, row_positions: bool = False,
+              offload_activations: bool = False,
               params: "Sequence[ParamSpec] | None" = None, device_mem: int | None = None,
               lora_rank: int | None = None, lora_targets: str = "all-linear", base_dtype: str | None = None,
               double_quant: bool = False, lora_dropout: float = 0.0, linears: "dict[str, str] | None" = None,
@@ -436,6 +439,9 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     `padded`: some batch of the run has padding (attention_mask zeros): the activations are
     then those of a padded batch, the run's worst step (perfmodel.activation_parts).
     `row_positions`: the batches carry position ids per row (packed rows kept apart: cli.data).
+    `offload_activations`: recomputed blocks' inputs wait in host memory between forward and
+    backward (`Activations(offload=True)`): the device holds two, the host the rest, beside the
+    chunks' homes (reserve "activations"; perfmodel.activation_parts).
     `lora_rank`: a LoRA run (`Engine(lora=LoraConfig(r=lora_rank, target_modules=lora_targets))`):
     adapters on `lora_targets` ("all-linear" or e.g. "q_proj,v_proj") are the trainable
     parameters, everything else a frozen base (one read-only kind per chunk, streamed, never
@@ -496,7 +502,16 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                     else (lora.targets, lora.rank))
     act = activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                            backward=ch.needs_grad, checkpointing=checkpointing, padded=padded, lora=lora_act,
-                           row_positions=row_positions)
+                           row_positions=row_positions, offload=offload_activations)
+    host_act = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                                checkpointing=checkpointing, padded=padded, lora=lora_act, row_positions=row_positions,
+                                offload=offload_activations)["host_inputs"] if ch.needs_grad else 0
+    homes_host = host  # what the chunks' homes may use
+    if host is not None and host_act:
+        if host_act > host:
+            raise InfeasibleBudget(f"host budget {format_size(host)} cannot hold the offloaded activations "
+                                   f"({format_size(host_act)}); raise --cpu-mem", minimum={"host": host_act})
+        homes_host = host - host_act
     needs = ch.device_needs(buffers=buffer_bytes(model) + ch.staging(), activations=act)
     # CUDA: the engine leaves the allocator a margin of the budget beside its ledger (placed as
     # activations: offload.engine.workspace); the simulated device has no allocator
@@ -518,7 +533,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                            precision=precision, lora_act=lora_act, single=args, grad_reduce=grad_reduce,
                            meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size,
                                      optimizer=optimizer, checkpointing=checkpointing, padded=padded,
-                                     row_positions=row_positions,
+                                     row_positions=row_positions, offload=offload_activations,
                                      grad_accum=grad_accum, lora_rank=lora_rank,
                                      lora_targets=lora_targets if lora_rank is not None else None,
                                      base_dtype=(base_dtype or precision) if lora_rank is not None else None,
@@ -529,7 +544,14 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     # The chunks the engine places host-side when it is built: the streamed ones when placed up
     # front, else every chunk (gpu-home chunks leave their homes when promoted after the warm-up).
     hosted = streamed if up_front else list(range(ch.n))
-    homes_built = _engine_homes(ch, hosted, host=host, cxl=cxl, nvme=use_nvme)
+    try:
+        homes_built = _engine_homes(ch, hosted, host=homes_host, cxl=cxl, nvme=use_nvme)
+    except InfeasibleBudget as e:
+        if not host_act:
+            raise
+        raise InfeasibleBudget(f"{str(e).removesuffix('; raise --cpu-mem')}, beside {format_size(host_act)} of "
+                               "offloaded activations; raise --cpu-mem",
+                               minimum={"host": e.minimum["host"] + host_act}) from None
     homes = _streamed_homes(ch, homes_built, streamed)
     host_min = _host_minimum(ch, hosted, cxl=cxl, nvme=use_nvme)
     on_nvme = sum(homes_built.bytes.get("nvme", {}).values())  # the engine's preflight, when built
@@ -547,7 +569,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                   precision=precision,
                   budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
                   batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size, optimizer=optimizer,
-                  host_minimum=host_min, checkpointing=checkpointing, padded=padded, row_positions=row_positions,
+                  host_minimum=host_min + host_act, checkpointing=checkpointing, padded=padded,
+                  row_positions=row_positions, offload=offload_activations,
                   grad_accum=grad_accum,
                   lora_rank=lora_rank, lora_targets=lora_targets if lora_rank is not None else None,
                   base_dtype=(base_dtype or precision) if lora_rank is not None else None,
@@ -769,7 +792,7 @@ def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
 def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds,
                    device: DevicePlan, batch_size: int, seq_len: int, precision: str,
                    checkpointing: bool | None, padded: bool = False, lora: LoraAct = None,
-                   row_positions: bool = False) -> int:
+                   row_positions: bool = False, offload: bool = False) -> int:
     """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
     forward (all activations); a block's recompute in backward; lm_head's gradient on its way to
     the host while the final norm's activations are still saved; the embedding's gradient at
@@ -778,7 +801,8 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     if not ch.needs_grad:  # MeZO: the perturbed copies of the module computing (dual_forward)
         return needs.activations + ch.zo_workspace
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                         checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions)
+                         checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions,
+                         offload=offload)
     held = p["fixed"] + p["inputs"] + p["layers"]  # without checkpointing, every layer's internals
     streamed_grad = {name: ch.ce * s.numel for name, s in ch.plan.slots.items()
                      if s.chunk not in device.gpu_home and s.chunk not in ch.frozen}  # frozen: no gradient
@@ -793,7 +817,7 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
            **meta: Any) -> Plan:
     act_args = dict(batch_size=meta["batch_size"], seq_len=meta["seq_len"], precision=precision,
                     checkpointing=meta["checkpointing"], padded=meta["padded"], lora=lora_act,
-                    row_positions=meta["row_positions"])
+                    row_positions=meta["row_positions"], offload=meta["offload"])
     by_tier = {t: dict.fromkeys(KINDS + (("base",) if ch.frozen else ()), 0) for t in TIERS}
     for c in range(ch.n):  # a frozen chunk's one kind (the ledger's "compute") is shown as "base"
         tiers = dict.fromkeys(ch.kinds[c], "gpu") if c in device.gpu_home else homes.tiers[c]
@@ -805,6 +829,9 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
     reserve = {"gpu": {"buffers": needs.buffers, "stream cache": cache, "activations": needs.activations,
                        in_flight: transient - needs.activations},
                "host": {"nvme bounce": homes.bounce}}
+    offloaded = activation_parts(model=model, **act_args)["host_inputs"] if ch.needs_grad else 0
+    if offloaded:
+        reserve["host"]["activations"] = offloaded
     peak = {t: sum(by_tier[t].values()) + sum(reserve.get(t, {}).values()) for t in TIERS}
     chunk_homes = []
     for j in range(ch.n):

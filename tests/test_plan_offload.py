@@ -1,0 +1,67 @@
+"""Offloaded activations, planned and measured: recomputed blocks' inputs in host memory
+(Activations(offload=True)); the planner's device activations and host reserve are the engine's
+measured peaks within 10%, and the host budget keeps room for them beside the chunks' homes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tierwise.offload import Activations, Budget, Engine, Optim, Precision
+from tierwise.offload.plan.perfmodel import activation_bytes, activation_parts
+from tierwise.offload.plan.planner import make_plan
+from tierwise.profiles import ModelProfile
+
+PROFILE = ModelProfile(name="deep", family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=512,
+                       rope_theta=10000.0, rms_norm_eps=1e-5)
+CHUNK = 64 << 10
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_offloaded_inputs_are_planned_as_measured(precision):
+    batch, seq = 2, 256
+    plan = make_plan(model=PROFILE, hardware="cpu-sim", gpu_mem="64G", cpu_mem="64G", optimizer="adamw",
+                     precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=CHUNK, checkpointing=True,
+                     offload_activations=True)
+    parts = activation_parts(model=PROFILE, batch_size=batch, seq_len=seq, precision=precision, checkpointing=True,
+                             offload=True)
+    kept = activation_bytes(model=PROFILE, batch_size=batch, seq_len=seq, precision=precision, checkpointing=True)
+    assert parts["host_inputs"] > 0 and plan.reserve["host"]["activations"] == parts["host_inputs"]
+    assert plan.reserve["gpu"]["activations"] < kept  # the device holds less than without offload
+    torch.manual_seed(0)
+    eng = Engine(transformers.LlamaForCausalLM(PROFILE.to_hf_config()), budget=Budget(chunk=CHUNK),
+                 optim=Optim(lr=1e-4), precision=Precision(precision),
+                 activations=Activations(recompute=True, offload=True))
+    x = torch.randint(0, PROFILE.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    eng.step({"input_ids": x, "labels": x})
+    gpu, host = eng.ledger.kind_peak("gpu", "activation"), eng.ledger.kind_peak("host", "activation")
+    eng.close()
+    assert host == pytest.approx(parts["host_inputs"], rel=0.10)
+    assert gpu == pytest.approx(plan.reserve["gpu"]["activations"], rel=0.10)
+
+
+def test_the_host_budget_keeps_room_for_them():
+    """A host budget that holds the chunks but not them too is refused by the plan, naming both;
+    the engine given the plan's reserve trains inside a budget that holds both."""
+    common = dict(model=PROFILE, hardware="cpu-sim", gpu_mem="64G", optimizer="adamw", precision="fp32",
+                  batch_size=2, seq_len=256, chunk_bytes=CHUNK, checkpointing=True)
+    roomy = make_plan(cpu_mem="64G", offload_activations=True, **common)
+    need = roomy.reserve["host"]["activations"]
+    chunks = make_plan(cpu_mem="64G", **common).host_minimum
+    from tierwise.offload.core.errors import InfeasibleBudget
+
+    with pytest.raises(InfeasibleBudget, match="offloaded activations"):
+        make_plan(cpu_mem=chunks + need // 2, offload_activations=True, **common)
+    fits = make_plan(cpu_mem=chunks + need + (64 << 10), offload_activations=True, **common)
+    torch.manual_seed(0)
+    eng = Engine(transformers.LlamaForCausalLM(PROFILE.to_hf_config()),
+                 budget=Budget(chunk=CHUNK, cpu=fits.budgets["host"]), optim=Optim(lr=1e-4),
+                 activations=Activations(recompute=True, offload=True, host=need,
+                                         expected=fits.reserve["gpu"]["activations"]))
+    x = torch.randint(0, PROFILE.vocab_size, (2, 256), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        eng.step({"input_ids": x, "labels": x})
+    assert eng.ledger.peaks()["host"] <= fits.budgets["host"]
+    eng.close()
