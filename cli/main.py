@@ -110,6 +110,10 @@ def config_options(*, plan: bool = False):
             annotation = Optional[args[0]] if args else kind
             decls = [meta["flag"]] if meta["flag"] else []
             info = Opt(f.default, *decls, help=meta["help"], rich_help_panel=meta["panel"])
+            if plan and f.name == "seq_len":  # `plan --seq-len max`: the longest that fits
+                annotation = str
+                info = Opt(str(f.default), *decls, help=meta["help"] + " `max`: the longest that fits the budgets.",
+                           rich_help_panel=meta["panel"])
             extra.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info,
                                            annotation=annotation))
 
@@ -187,8 +191,20 @@ def plan(
 ) -> None:
     """Show where every chunk would live, the predicted peaks per tier and the step time."""
     raise_config_error(ctx)
+    from .planning import (SEQ_STEP, advise, check_budgets, local_notes, longest, longest_line, make_plan, print_plan,
+                           resolve_recompute, verify_plan)
+
+    search = str(options.get("seq_len")) == "max"
+    if search and verify:
+        raise TierwiseError("--verify runs one length: give --seq-len N (`--seq-len max` first finds it)")
+    options["seq_len"] = SEQ_STEP if search else _whole(options.get("seq_len"), "--seq-len")
     cfg = TrainConfig(**options)
-    from .planning import advise, check_budgets, local_notes, make_plan, print_plan, resolve_recompute, verify_plan
+    if search:
+        cfg, result = longest(cfg, here=False)
+        print_plan(result, console=Console(), as_json=json_out)
+        if not json_out:
+            Console().print(longest_line(cfg, result), highlight=False, soft_wrap=True)
+        return
 
     cfg = resolve_recompute(cfg, here=bool(verify))
     if verify:
@@ -210,6 +226,14 @@ def plan(
     print_plan(result, console=Console(), as_json=json_out)
     for note in local_notes(cfg, result):  # about this machine, not the plan: stderr, also with --json
         Console(stderr=True).print(note, highlight=False, soft_wrap=True)
+
+
+def _whole(value: object, flag: str) -> int:
+    """A whole number given as text, else a one-line error."""
+    try:
+        return int(str(value))
+    except ValueError:
+        raise TierwiseError(f"{flag} takes a whole number (or, for `plan`, max), got {value!r}") from None
 
 
 @app.command()

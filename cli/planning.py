@@ -437,6 +437,70 @@ def _faster_recompute(cfg: TrainConfig, *, src: "ModelSource | None", padded: bo
     return dataclasses.replace(cfg, recompute=True if best is None else best[0])
 
 
+SEQ_STEP = 1024
+"""The longest context is searched in multiples of this many tokens."""
+SEQ_CAP = 1 << 22
+
+
+def longest(cfg: TrainConfig, *, here: bool = False) -> tuple[TrainConfig, Plan]:
+    """`plan --seq-len max`: the longest --seq-len (a multiple of SEQ_STEP, up to SEQ_CAP, within
+    the positions of a model directory) whose plan fits at this batch, blocks recomputed: with
+    the activations on the device, and, unless --offload-activations was given, also with them
+    offloaded to host RAM; the longer wins. (cfg at that length, its plan.) InfeasibleBudget
+    when not even SEQ_STEP tokens fit."""
+    def plan_at(n: int, offload: bool) -> "Plan | None":
+        c = dataclasses.replace(cfg, seq_len=n, offload_activations=offload, recompute=cfg.recompute is not False)
+        try:
+            return make_plan(c, ranks=True, here=here)
+        except (InfeasibleBudget, ConfigError):
+            return None
+
+    best: tuple[int, bool, Plan] | None = None
+    for offload in [True] if cfg.offload_activations else [False, True]:
+        if cfg.recompute is False and offload:
+            break  # offloading moves recomputed blocks' inputs
+        lo, n, found = 0, SEQ_STEP, None
+        while n <= SEQ_CAP and (p := plan_at(n, offload)) is not None:
+            lo, found, n = n, p, n * 2
+        hi = n
+        while hi - lo > SEQ_STEP:
+            mid = (lo + hi) // 2 // SEQ_STEP * SEQ_STEP
+            if (p := plan_at(mid, offload)) is not None:
+                lo, found = mid, p
+            else:
+                hi = mid
+        if found is not None and (best is None or lo > best[0]):
+            best = (lo, offload, found)
+    if best is None:
+        make_plan(dataclasses.replace(cfg, seq_len=SEQ_STEP), ranks=True, here=here)  # raises the refusal
+        raise InfeasibleBudget(f"not even --seq-len {SEQ_STEP} fits these budgets")
+    n, offload, plan = best
+    return dataclasses.replace(cfg, seq_len=n, offload_activations=offload, recompute=cfg.recompute is not False), plan
+
+
+def longest_line(cfg: TrainConfig, plan: Plan, *, src: "ModelSource | None" = None) -> str:
+    """What `plan --seq-len max` found, in one line: the length, where the activations live,
+    the speed, the command; and a length beyond the model's positions flagged."""
+    gpu, host = plan.reserve["gpu"]["activations"], plan.reserve["host"].get("activations", 0)
+    where = f"activations {format_size(gpu)} on the gpu" + (f", {format_size(host)} in host RAM" if host else "")
+    line = (f"longest context: {cfg.seq_len:,} tokens a row at batch {cfg.batch_size} ({where}), "
+            f"{plan.tokens_per_s:,.0f} tokens/s; --seq-len {cfg.seq_len}" + (" --offload-activations" if host else ""))
+    limit = _positions(cfg, src)
+    if limit is not None and cfg.seq_len > limit:
+        line += (f"\nnote: {cfg.seq_len:,} tokens is beyond the {limit:,} positions the model was trained for: "
+                 "extending its context (RoPE scaling) is your choice")
+    return line
+
+
+def _positions(cfg: TrainConfig, src: "ModelSource | None") -> int | None:
+    if is_profile(cfg.model):
+        from ..profiles import load_model_profile
+
+        return load_model_profile(cfg.model).max_position_embeddings
+    src = src or resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    return max_positions(src.config)
+
+
 def print_plan(plan: Plan, *, console: Console, as_json: bool) -> None:
     if as_json:
         console.out(plan.to_json(), highlight=False)

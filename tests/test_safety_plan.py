@@ -108,3 +108,19 @@ def test_readme_plan_sample_is_what_plan_prints():
     r = _invoke(*shlex.split(command)[1:])
     assert r.exit_code == 0, r.output
     assert r.stdout == expected
+
+
+def test_plan_seq_len_max_names_the_longest_that_fits():
+    """`plan --seq-len max`: the length it names fits, and one step (1024 tokens) longer does not,
+    with the activations offloaded where that goes further; beyond the model's positions, said."""
+    common = ["plan", "--model", "tiny", "--gpu-mem", "64M", "--batch-size", "1"]
+    r = _invoke(*common, "--seq-len", "max")
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("longest context: "))
+    n = int(re.search(r"--seq-len (\d+)", line).group(1))
+    flags = ["--offload-activations"] if "--offload-activations" in line else []
+    assert n >= 2048 and n % 1024 == 0
+    assert _invoke(*common, "--seq-len", str(n), *flags).exit_code == 0
+    assert _invoke(*common, "--seq-len", str(n + 1024), *flags).exit_code == 2
+    assert "beyond the 512 positions the model was trained for" in r.stdout
+    assert _invoke("plan", "--seq-len", "many").exit_code == 2
