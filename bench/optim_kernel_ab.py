@@ -2,8 +2,8 @@
 
     python bench/optim_kernel_ab.py [--numel 100000000] [--threads 2] [--rounds 11] SPEC SPEC...
 
-SPEC: a git revision (the kernel source optim/_cpu_kernel.py at that commit, e.g. d74db20) or
-the path of a copy of that file (for timing-only variants). Each build steps its own p and
+SPEC: a git revision (the kernel source optim/csrc/adam8bit.c at that commit, e.g. d74db20) or
+the path of a C file (for timing-only variants). Each build steps its own p and
 state (same g), one step per round each, in turn with torch's fused AdamW; medians per
 parameter and fused ÷ build. Kernel-to-kernel ratios from one process stay usable when other
 jobs share the cores (bench/README.md, "AVX-512 quantizer rework"); ratios to torch's fused
@@ -27,11 +27,18 @@ from tierwise.optim.adamw8bit import _kernel_tables
 
 
 def source(spec: str) -> str:
+    """The kernel's C source: a file, or a git revision (optim/csrc/adam8bit.c; before it, the
+    string _SOURCE in optim/_cpu_kernel.py)."""
     path = Path(spec)
-    text = path.read_text() if path.exists() else subprocess.run(
-        ["git", "show", f"{spec}:optim/_cpu_kernel.py"], capture_output=True, text=True, check=True).stdout
+    if path.exists():
+        return path.read_text()
+    show = subprocess.run(["git", "show", f"{spec}:optim/csrc/adam8bit.c"], capture_output=True, text=True)
+    if show.returncode == 0:
+        return show.stdout
+    text = subprocess.run(["git", "show", f"{spec}:optim/_cpu_kernel.py"], capture_output=True, text=True,
+                          check=True).stdout
     ns: dict = {"__name__": "kernel_variant"}
-    exec(compile(text, spec, "exec"), ns)  # the module defines _SOURCE and helpers only
+    exec(compile(text, spec, "exec"), ns)  # that module defined _SOURCE and helpers only
     return ns["_SOURCE"]
 
 

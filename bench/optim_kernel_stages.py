@@ -146,7 +146,7 @@ def main() -> None:
     cc = "gcc"
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        (d / "stages.c").write_text(_cpu_kernel._SOURCE + HARNESS)
+        (d / "stages.c").write_text(_cpu_kernel.SOURCE_FILE.read_text() + HARNESS)
         tables = [dynamic_map(signed=True), dynamic_map(signed=False),
                   decade_table(signed=True).packed, decade_table(signed=False).packed]
         paths = []
