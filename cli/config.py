@@ -133,6 +133,7 @@ PANELS = MODEL, LORA, MEMORY, OPTIM, SCHED, OUTPUT, HW = (
     "Model & data", "LoRA / QLoRA", "Memory budget", "Optimizer", "Schedule", "Output & resume", "Hardware & plan")
 PRECISIONS_EXPORT = ("bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
+REPORTERS = ("none", "tensorboard", "wandb")
 QLORA_RANK = 16  # --qlora's rank unless --lora-rank is given
 
 
@@ -244,6 +245,9 @@ class TrainConfig:
     log_every: int = _f(0, "With output not a terminal (nohup, a scheduler, > log): a progress line every N steps "
                         "(0: about 100 lines a run).", panel=OUTPUT)
     keep_checkpoints: int = _f(2, "Complete checkpoints to keep (0: all).", panel=OUTPUT)
+    report_to: str = _f("none", "Also log loss, lr, tokens/s and each tier's peak to TensorBoard (OUTPUT/tensorboard) "
+                        "or to W&B in offline mode (OUTPUT/wandb; `wandb sync` uploads it). Needs that package.",
+                        panel=OUTPUT, choices=REPORTERS)
     seed: int = _f(0, "Seed for init, data order and sampling.", panel=SCHED)
     output: str = _f("output", "Run directory: checkpoints, metrics, plots, model/.", panel=OUTPUT)
     resume: bool = _f(False, "Continue the run in --output from its latest checkpoint, on exactly the next "

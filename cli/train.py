@@ -287,6 +287,14 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
     if cfg.eval_data and not eval_data:  # else no eval at all, and nothing would say so
         raise DataError(f"--eval-data {cfg.eval_data}: no block with a target token (every label masked, "
                         "e.g. prompts longer than --seq-len): nothing to evaluate")
+    if cfg.report_to != "none":
+        import importlib.util
+
+        from .metrics import REPORT_MODULES
+
+        if importlib.util.find_spec(REPORT_MODULES[cfg.report_to]) is None:
+            raise ConfigError(f"--report-to {cfg.report_to} needs the {REPORT_MODULES[cfg.report_to]} package: "
+                              f"pip install {REPORT_MODULES[cfg.report_to]}")
     if cfg.lora:  # a --lora-targets name no module has: refused before anything is written
         from .loading import build_meta_model
 
@@ -638,7 +646,8 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
     A step the device budget cannot hold (StepOverBudget) checkpoints the last completed
     step and raises a one-line InfeasibleBudget (exit 2)."""
     step, in_a_row = start, 0
-    with MetricsWriter(out / "metrics.jsonl") as metrics, _StopFlag() as stop, \
+    with MetricsWriter(out / "metrics.jsonl", report_to=cfg.report_to if launch.from_env().main else "none",
+                       config=dataclasses.asdict(cfg)) as metrics, _StopFlag() as stop, \
             TrainProgress(console=console, total=total, start=start, every=cfg.log_every, intro=intro,
                           label=lora_mod.label(cfg) if cfg.lora else "") as bar:
         while step < total:

@@ -61,7 +61,7 @@ def test_every_toml_key_sets_its_field(tmp_path, monkeypatch):
               "nvme_path": "/tmp/x", "nvme_mem": "2T", "nvme_checksum": False, "offload_activations": True, "recompute": True, "chunk_size": "16M",
               "optimizer": "galore", "lr": 0.5, "weight_decay": 0.1, "grad_clip": 1.0, "precision": "bf16",
               "steps": 7, "epochs": None, "warmup_steps": 2, "schedule": "linear", "eval_every": 3,
-              "checkpoint_every": 4, "log_every": 3, "keep_checkpoints": 5, "seed": 9, "output": "o", "resume": True,
+              "checkpoint_every": 4, "log_every": 3, "keep_checkpoints": 5, "report_to": "tensorboard", "seed": 9, "output": "o", "resume": True,
               "overwrite": False, "export_dtype": "fp16", "hardware": "h100", "dry_run": True,
               "trust_remote_code": True, "skip_nonfinite": 2, "reset_optimizer": True,
               "nproc_per_node": 2, "nnodes": 2, "grad_reduce": "step",  # with --dry-run: no torchrun started
