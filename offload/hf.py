@@ -17,6 +17,7 @@ does forward, backward and the update. What maps where:
 - `gradient_accumulation_steps`: the Trainer's micro-batches, each `engine.forward` +
   `engine.backward` of the loss as the Trainer scales it; the update at its sync step.
 - `max_grad_norm`: the engine clips (Optim.grad_clip); the logged grad_norm is the engine's.
+- Logs (and `report_to`): each tier's peak beside the loss (`gpu_peak_gib`, `host_peak_gib`, ...).
 - Evaluation: the loss through `engine.eval_loss` (no logits: `compute_metrics` is refused).
 - `save_model` / checkpoints: what Trainer writes, from the engine's fp32 masters in the
   model's dtypes (a PEFT model: its adapter); a checkpoint also holds the engine's state
@@ -209,6 +210,13 @@ class _Offload:
         norm = self.engine.last_grad_norm if self.engine is not None else None
         grad_norm = float(norm) if norm is not None else grad_norm
         return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)  # type: ignore[misc]
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's logs (and so its report_to: TensorBoard, W&B) with each tier's peak."""
+        if self.engine is not None and "loss" in logs:
+            for tier, b in self.engine.ledger.peaks().items():
+                logs[f"{tier}_peak_gib"] = round(b / 2**30, 4)
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
     def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: Any = None) -> tuple[Any, None, None]:

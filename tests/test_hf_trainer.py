@@ -67,6 +67,7 @@ def test_offload_trainer_trains_as_plain_trainer(tmp_path):
     assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
     assert logs(ours, "grad_norm") == pytest.approx(logs(plain, "grad_norm"), rel=1e-4)
     assert logs(ours, "learning_rate") == logs(plain, "learning_rate")
+    assert logs(ours, "gpu_peak_gib")[-1] == round(ours.engine.ledger.peaks()["gpu"] / 2**30, 4)
     assert ours.engine.ledger.peaks()["gpu"] <= 160 << 10  # it streamed within the budget
     assert ours.engine.streamed_storage, "nothing streamed: the test would not exercise offload"
     ours.save_model(str(tmp_path / "ours-model"))
