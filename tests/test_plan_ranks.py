@@ -169,7 +169,7 @@ def test_readme_multi_gpu_plan_sample_is_what_plan_prints():
 
     from tierwise.cli.main import app
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "multi-gpu.md").read_text()
     m = re.search(r"```\n\$ (finetune plan [^\n]*--nproc-per-node 2[^\n]*\\\n[^\n]*)\n(.*?)```", text, re.S)
     assert m, "README's multi-GPU plan sample"
     r = CliRunner().invoke(app, shlex.split(m.group(1).replace("\\\n", " "))[1:], env={"COLUMNS": "200"})

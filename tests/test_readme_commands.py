@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 from tests.tinyhf import fast_profiler
 from tierwise.cli.main import app
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 #: A time, a rate or a clock: machine-dependent.
 _VARIES = re.compile(r"\d[\d.,]*(?: ?(?:ms|µs|s/step|s|tok/s))(?![\w/])|\d+:\d\d:\d\d")
 
@@ -29,7 +31,8 @@ def _masked(line: str) -> str:
 
 
 def _blocks() -> list[str]:
-    return re.findall(r"```[a-z]*\n(.*?)```", README.read_text(), re.S)
+    """The code blocks of README.md and docs/*.md."""
+    return [b for page in (README, *DOCS) for b in re.findall(r"```[a-z ]*\n(.*?)```", page.read_text(), re.S)]
 
 
 def _invoke(args: list[str]):

@@ -18,7 +18,7 @@ from tests.tinyhf import fast_profiler
 from tierwise.cli.main import app
 from tierwise.offload.plan.planner import _rate
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "planning.md"  # (its plan samples)
 
 
 def _invoke(*args: str):
@@ -100,7 +100,7 @@ def test_the_memory_timeline_marks_backward(tmp_path):
     assert {"forward", "backward", "update"} <= set(seen["phases"])
 
 
-def test_readme_plan_sample_is_what_plan_prints():
+def test_the_docs_plan_sample_is_what_plan_prints():
     text = README.read_text()
     m = re.search(r"```\n\$ (finetune plan --model 70b[^\n]*\\\n[^\n]*)\n(.*?)```", text, re.S)
     assert m, "the README's plan sample"
