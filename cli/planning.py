@@ -1,4 +1,7 @@
-"""`finetune plan`, `finetune --dry-run` and `finetune profile`: glue to the planner/profiler."""
+"""`finetune plan`, `finetune --dry-run` and `finetune profile`: glue to the planner/profiler.
+
+Over 600 lines: the CLI's side of every plan (budgets of this machine, the advice of changes that
+fit, recompute resolved, --seq-len max, --verify); the planning itself is offload.plan's."""
 
 from __future__ import annotations
 

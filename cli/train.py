@@ -1,4 +1,8 @@
-"""The training run behind `finetune`: data, engine, loop, checkpoints, export, plots."""
+"""The training run behind `finetune`: data, engine, loop, checkpoints, export, plots.
+
+Over 600 lines: one run's whole life (inputs checked, the pre-flight, the engine, resume, the
+loop with its refusals, checkpoints and eval, the export) in the order it happens; what each
+step needs lives in its own module (data, checkpoint, layout, lora, merge, progress, report)."""
 
 from __future__ import annotations
 

@@ -51,6 +51,8 @@ gets the few objects it uses, never the Engine:
 - timeline (offload.engine.timeline): the phase, the time per phase, one step's memory moments.
 - surgery (offload.engine.surgery): meta parameters, buffers, hooks, checkpointed blocks
   (hooks.py), MeZO's dual forward; close() undoes every change.
+Over 600 lines: what is left here is what needs all of them at once (construction, the step
+protocol, placement after the warm-up, state_dict and close), each part a short method.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ Verified against the engine by tests/test_plan_vs_engine.py and tests/test_budge
 What is left to a model is time: `perfmodel.predict_step`.
 Several ranks (`nproc_per_node`, `nnodes`): `_plan_ranks` and offload/plan/ranks.py (bytes per
 rank and per node, the frozen base once per node, collective bytes: tests/test_plan_ranks.py).
+Over 600 lines: `make_plan`'s one pass mirrors the engine's construction step by step (chunks,
+device needs, homes, transients, the rank split), and cutting it apart would split the one
+sequence the tests hold byte for byte against the engine; its pieces live in needs, homes,
+placement, perfmodel, lora and ranks.
 """
 
 from __future__ import annotations
