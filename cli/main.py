@@ -224,6 +224,11 @@ def plan(
             advise(cfg, e, console=Console(), ranks=True, here=False, given=options)
         raise
     print_plan(result, console=Console(), as_json=json_out)
+    if cfg.pack and not json_out:
+        Console(stderr=True).print("packing: " + ("each row attends only to itself (per-row position ids; the mask "
+                                                  "this takes is in the plan)" if result.row_positions else
+                                                  "rows attend to the rows before them in their block"),
+                                   highlight=False, soft_wrap=True)
     for note in local_notes(cfg, result):  # about this machine, not the plan: stderr, also with --json
         Console(stderr=True).print(note, highlight=False, soft_wrap=True)
 

@@ -92,3 +92,13 @@ def test_a_family_that_does_not_isolate_packs_as_before_and_says_so(caplog, monk
     assert "attend to the rows before them" in caplog.text
     assert not isolates(Config(), pack=False)
     assert isolates(family_config("llama"))
+
+
+def test_the_plan_says_how_rows_are_packed():
+    from typer.testing import CliRunner
+
+    from tierwise.cli.main import app
+
+    r = CliRunner().invoke(app, ["plan", "--gpu-mem", "16M"])
+    assert r.exit_code == 0, r.output
+    assert "packing: each row attends only to itself" in r.stderr
