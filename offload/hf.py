@@ -23,7 +23,9 @@ does forward, backward and the update. What maps where:
   model's dtypes (a PEFT model: its adapter); a checkpoint also holds the engine's state
   (`ENGINE_STATE`), and `resume_from_checkpoint` restores it.
 - A PEFT model (`peft_config=` to SFTTrainer, or `get_peft_model`) is taken as it is: its
-  frozen base streamed, its adapters trained.
+  frozen base streamed, its adapters trained. A QLoRA model loaded with BitsAndBytesConfig
+  (NF4) is taken too: its 4-bit layers become the engine's NF4 base, the same codes, wherever
+  bitsandbytes had loaded them.
 - Batches of several lengths: with `max_length` (TRL's SFTConfig) the engine is placed for the
   longest one before the first step.
 - `gradient_checkpointing=True` (TRL's default): the model's own checkpointing is turned off
@@ -150,6 +152,11 @@ class _Offload:
             model = trainer.model
             self._dtypes = {n: p.dtype for n, p in model.named_parameters()}
             options = self._engine_options()
+            quantized = _take_linear4bit(model)
+            if quantized:  # the QLoRA base bitsandbytes loaded: the engine's own NF4 base, the same codes
+                nested = {t[2] for t in quantized}
+                compute = options.get("precision", Precision("bf16" if quantized[0][3] == torch.bfloat16 else "fp32"))
+                options["precision"] = Precision(compute.compute, base="nf4", double_quant=nested == {True})
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             if getattr(base, "is_gradient_checkpointing", False):  # (gradient_checkpointing=True, TRL's default)
                 base.gradient_checkpointing_disable()  # the engine recomputes the blocks itself
@@ -158,6 +165,8 @@ class _Offload:
             self.engine = Engine(model, **options)
             if _source(base) is not None:
                 self._load_checkpoint(model, base)
+            if quantized:
+                self.engine.load_weights((name, _dequantized(w)) for name, w, *_ in quantized)
             self._measure_longest()
             trainer.optimizer = _EngineOptimizer(self.engine, trainer.args.learning_rate)
         return trainer.optimizer
@@ -258,6 +267,42 @@ class _Offload:
         if checkpoint is not None and self.engine is not None:
             state = torch.load(os.path.join(checkpoint, ENGINE_STATE), weights_only=False)
             self.engine.load_state_dict(state)
+
+
+def _take_linear4bit(model: torch.nn.Module) -> list[tuple[str, Any, bool, torch.dtype]]:
+    """Every bitsandbytes Linear4bit of `model` (a QLoRA model loaded with BitsAndBytesConfig)
+    replaced by a frozen nn.Linear on the meta device, its bias kept; returns (weight name, the
+    Params4bit, double-quantized?, compute dtype) for the engine to load. The engine stores NF4
+    as bitsandbytes does (blocks of 64, absmax, double quantization): decoded and encoded again,
+    the codes are the same. Only NF4 with blocks of 64 is taken (one line otherwise)."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return []
+    taken = []
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, Linear4bit):
+            continue
+        state = mod.weight.quant_state
+        if state is None or state.quant_type != "nf4" or state.blocksize != 64:
+            raise TierwiseError(f"{name}: a 4-bit layer the engine cannot take as it is (quant_type "
+                                f"{getattr(state, 'quant_type', None)}, blocks of {getattr(state, 'blocksize', None)}); "
+                                "load it in NF4 with bitsandbytes' default blocks of 64")
+        linear = torch.nn.Linear(mod.in_features, mod.out_features, bias=False, device="meta", dtype=state.dtype)
+        linear.weight.requires_grad_(False)
+        if mod.bias is not None:
+            linear.bias = mod.bias
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, linear)
+        compute = getattr(mod, "compute_dtype", None) or state.dtype
+        taken.append((f"{name}.weight", mod.weight, bool(state.nested), compute))
+    return taken
+
+
+def _dequantized(weight: Any) -> torch.Tensor:
+    import bitsandbytes.functional as bnbf
+
+    return bnbf.dequantize_4bit(weight.data, weight.quant_state).float().cpu()
 
 
 def _source(model: Any) -> Any:

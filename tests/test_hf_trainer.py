@@ -185,3 +185,38 @@ def test_from_pretrained_loads_a_model_bigger_than_the_device_and_trains_as_one_
     assert next(ours.model.get_base_model().parameters()).device.type != "meta"
     assert ours.engine.ledger.peaks()["gpu"] <= budget
     assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
+
+
+def test_a_bitsandbytes_qlora_model_trains_as_without_offload(tmp_path):
+    """The QLoRA script as people write it (BitsAndBytesConfig NF4, double quant; SFTTrainer with
+    peft_config) with one changed line: its 4-bit layers become the engine's NF4 base, streamed,
+    and the losses are those of the same script without offload."""
+    trl = pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("bitsandbytes")
+    from tierwise.cli.builtin import build_tokenizer, sample_lines
+
+    tok = build_tokenizer()
+    saved = tmp_path / "model"
+    tiny(vocab=len(tok), hidden=64).save_pretrained(saved)
+    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                            bnb_4bit_compute_dtype=torch.float32)
+    data = datasets.Dataset.from_dict({"text": sample_lines()[:24]})
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+    def run(cls, out, **kw):
+        config = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                               learning_rate=5e-3, max_steps=6, warmup_steps=2, max_grad_norm=0.5, logging_steps=1,
+                               save_strategy="no", report_to=[], seed=0, use_cpu=True, max_length=32,
+                               weight_decay=0.0, disable_tqdm=True, bf16=False)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_pretrained(saved, quantization_config=quant, device_map="cpu")
+        trainer = cls(model=model, args=config, train_dataset=data, processing_class=tok, peft_config=lora, **kw)
+        trainer.train()
+        return trainer
+
+    plain = run(trl.SFTTrainer, tmp_path / "plain")
+    ours = run(with_offload(trl.SFTTrainer), tmp_path / "ours", offload={"gpu_mem": "600K", "chunk_bytes": 16 << 10})
+    assert ours.engine.options["precision"].base == "nf4" and ours.engine.options["precision"].double_quant
+    assert logs(ours) == pytest.approx(logs(plain), rel=1e-4)
