@@ -200,23 +200,32 @@ def test_a_bitsandbytes_qlora_model_trains_as_without_offload(tmp_path):
     tok = build_tokenizer()
     saved = tmp_path / "model"
     tiny(vocab=len(tok), hidden=64).save_pretrained(saved)
+    tok.save_pretrained(saved)
     quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                             bnb_4bit_compute_dtype=torch.float32)
     data = datasets.Dataset.from_dict({"text": sample_lines()[:24]})
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
-    def run(cls, out, **kw):
+    def run(cls, out, load=None, **kw):
         config = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                learning_rate=5e-3, max_steps=6, warmup_steps=2, max_grad_norm=0.5, logging_steps=1,
                                save_strategy="no", report_to=[], seed=0, use_cpu=True, max_length=32,
                                weight_decay=0.0, disable_tqdm=True, bf16=False)
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_pretrained(saved, quantization_config=quant, device_map="cpu")
+        model = load() if load else transformers.AutoModelForCausalLM.from_pretrained(
+            saved, quantization_config=quant, device_map="cpu")
         trainer = cls(model=model, args=config, train_dataset=data, processing_class=tok, peft_config=lora, **kw)
         trainer.train()
         return trainer
 
     plain = run(trl.SFTTrainer, tmp_path / "plain")
-    ours = run(with_offload(trl.SFTTrainer), tmp_path / "ours", offload={"gpu_mem": "600K", "chunk_bytes": 16 << 10})
+    offload = {"gpu_mem": "600K", "chunk_bytes": 16 << 10}
+    ours = run(with_offload(trl.SFTTrainer), tmp_path / "ours", offload=offload)
     assert ours.engine.options["precision"].base == "nf4" and ours.engine.options["precision"].double_quant
     assert logs(ours) == pytest.approx(logs(plain), rel=1e-4)
+    # the same script loading through tierwise (never whole in memory), the engine encoding NF4 itself
+    from tierwise.offload.hf import from_pretrained
+
+    loaded = run(with_offload(trl.SFTTrainer), tmp_path / "loaded", load=lambda: from_pretrained(str(saved)),
+                 offload={**offload, "base_dtype": "nf4", "double_quant": True})
+    assert logs(loaded) == pytest.approx(logs(plain), rel=1e-4)
