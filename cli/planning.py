@@ -299,7 +299,8 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
     """Changes to a refused run that the planner itself finds feasible: [(flags, plan, change)],
     fastest predicted step first, at most `limit`. Each is one change (chunk size, recompute,
     half the micro-batch with twice the accumulation, bf16, 8-bit AdamW, both, QLoRA for a full
-    fine-tune, activations offloaded to host RAM, the host RAM the refusal named), and, for those that do not fit in memory, the same with NVMe swap
+    fine-tune, activations offloaded to host RAM, the host RAM the refusal named; for activations that
+    do not fit, also the longest --seq-len that does), and, for those that do not fit in memory, the same with NVMe swap
     (checked against the free space of the current directory)."""
     both = {"precision": "bf16", "optimizer": "adamw8bit"}
     tries: list[tuple[str, dict]] = []
@@ -343,7 +344,17 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
         for flags, change in failed:
             attempt((flags + " " if flags else "") + "--nvme-path DIR", {**change, "nvme_path": str(Path.cwd())})
     fits.sort(key=lambda fp: (fp[1].step_s, len(fp[0])))
-    return fits[:limit]
+    fits = fits[:limit]
+    if "activations" in str(error) and cfg.seq_len > SEQ_STEP and cfg.nproc_per_node * cfg.nnodes == 1:  # the longest that fits
+        try:
+            short, plan = longest(cfg, here=here)
+        except (InfeasibleBudget, ConfigError):
+            return fits
+        if short.seq_len < cfg.seq_len:
+            flags = f"--seq-len {short.seq_len}" + (" --offload-activations" if short.offload_activations
+                                                     and not cfg.offload_activations else "")
+            fits.append((flags, plan, {"seq_len": short.seq_len, "offload_activations": short.offload_activations}))
+    return fits
 
 
 def advise(cfg: TrainConfig, error: InfeasibleBudget, *, console: Console,

@@ -124,3 +124,12 @@ def test_plan_seq_len_max_names_the_longest_that_fits():
     assert _invoke(*common, "--seq-len", str(n + 1024), *flags).exit_code == 2
     assert "beyond the 512 positions the model was trained for" in r.stdout
     assert _invoke("plan", "--seq-len", "many").exit_code == 2
+
+
+def test_a_length_that_does_not_fit_is_offered_the_longest_that_does():
+    common = ["plan", "--model", "tiny", "--gpu-mem", "64M", "--batch-size", "1"]
+    r = _invoke(*common, "--seq-len", "16384")
+    assert r.exit_code == 2
+    offered = [ln.split("   ")[0].strip() for ln in r.stdout.splitlines() if ln.startswith("  --seq-len ")]
+    assert offered, r.stdout
+    assert _invoke(*common, *shlex.split(offered[0])).exit_code == 0
