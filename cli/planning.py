@@ -476,7 +476,7 @@ def longest(cfg: TrainConfig, *, here: bool = False) -> tuple[TrainConfig, Plan]
         lo, n, found = 0, SEQ_STEP, None
         while n <= SEQ_CAP and (p := plan_at(n, offload)) is not None:
             lo, found, n = n, p, n * 2
-        hi = n
+        hi = min(n, SEQ_CAP + SEQ_STEP)  # (SEQ_CAP itself fitting: no search past it)
         while hi - lo > SEQ_STEP:
             mid = (lo + hi) // 2 // SEQ_STEP * SEQ_STEP
             if (p := plan_at(mid, offload)) is not None:

@@ -102,7 +102,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, ranks: "launch.Rank
                                 double_quant=lora and cfg.base_dtype == "nf4"),  # the QLoRA recipe
             activations=Activations(recompute=checkpointing(cfg), offload=cfg.offload_activations,
                                     expected=None if plan is None else plan.reserve["gpu"]["activations"],
-                                    host=0 if plan is None else plan.reserve["host"].get("activations", 0)),
+                                    host=_host_activations(plan, ranks)),
             distributed=Distributed(grad_reduce=cfg.grad_reduce))
     except ValueError as e:
         raise ConfigError(f"the engine cannot run with these options: {e}") from None
@@ -120,8 +120,14 @@ def _host_share(cfg: TrainConfig, ranks: "launch.RankInfo", plan: Any) -> "int |
     rank's minimum: the owner of an embedding needs more), else an even part."""
     shares = getattr(getattr(plan, "ranks", None), "host_shares", None)
     if ranks.several and shares and len(shares) == ranks.local_world:
-        return shares[ranks.local_rank]
+        return shares[ranks.local_rank] + _host_activations(plan, ranks)  # (the shares are of the chunks')
     return launch.node_share(host_budget(cfg), ranks)
+
+
+def _host_activations(plan: Any, ranks: "launch.RankInfo") -> int:
+    """This rank's offloaded activations in host memory, as the plan books them for the node."""
+    node = 0 if plan is None else plan.reserve["host"].get("activations", 0)
+    return node // ranks.local_world if ranks.several else node
 
 
 def seed_everything(seed: int) -> None:

@@ -56,6 +56,9 @@ ENGINE_STATE = "tierwise_engine.pt"
 """The engine's state (masters, optimizer state, step) inside a Trainer checkpoint directory."""
 
 _CACHE: dict[type, type] = {}
+_OPTIMS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw_8bit": "adamw8bit",
+           "adamw_bnb_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit", "sgd": "sgd"}
+"""TrainingArguments.optim -> the engine's optimizer (offload={"optimizer": ...} wins); another is refused."""
 _SOURCE = "_tierwise_source"  # on a from_pretrained model: (its ModelSource, its ModelLayout)
 
 
@@ -122,6 +125,23 @@ class _Offload:
                                 "(e.g. {'optimizer': 'adamw8bit'})")
         if trainer.compute_metrics is not None:
             raise TierwiseError("compute_metrics needs the model's logits; OffloadTrainer evaluates the loss only")
+        args = trainer.args
+        if args.fp16:
+            raise TierwiseError("fp16=True: the engine computes in bf16 or fp32 (bf16=True, or neither)")
+        # the engine computes the model's own loss: a Trainer that changes it would train something else
+        if args.label_smoothing_factor:
+            raise TierwiseError(f"label_smoothing_factor={args.label_smoothing_factor}: the engine computes the "
+                                "model's own loss; train without it")
+        if getattr(trainer, "compute_loss_func", None) is not None:
+            raise TierwiseError("compute_loss_func: the engine computes the model's own loss")
+        if getattr(args, "loss_type", None) not in (None, "nll"):  # TRL's SFTConfig
+            raise TierwiseError(f"loss_type={args.loss_type!r}: the engine computes the model's own loss (nll)")
+        if getattr(trainer, "aux_loss_enabled", False):  # TRL: a MoE router's loss added in compute_loss
+            raise TierwiseError("the router's auxiliary loss (output_router_logits) is added by the Trainer's "
+                                "compute_loss, which the engine does not call")
+        given = self._offload if isinstance(self._offload, dict) else {}
+        if given.get("precision") == "fp32" and args.bf16:
+            raise TierwiseError("bf16=True with offload precision fp32: choose one")
 
     # -- the engine takes the model ------------------------------------------------------
     def _move_model_to_device(self, model: Any, device: Any) -> None:
@@ -133,7 +153,14 @@ class _Offload:
         if not isinstance(given, dict):
             raise TypeError(f"offload= takes a dict of engine options, got {type(given).__name__}")
         opts = flat_options(**given)
-        optim = opts.get("optim") or Optim()
+        optim = opts.get("optim")
+        if optim is None:
+            name = str(getattr(args.optim, "value", args.optim))
+            if name not in _OPTIMS:
+                raise TierwiseError(f"optim={name!r}: the engine's optimizers are named in offload= "
+                                    "(e.g. {'optimizer': 'adamw8bit'}); TrainingArguments' optim may be one of "
+                                    + ", ".join(sorted(_OPTIMS)))
+            optim = Optim(_OPTIMS[name])
         opts["optim"] = Optim(optim.name, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                               eps=args.adam_epsilon, weight_decay=0.0, momentum=optim.momentum, kwargs=optim.kwargs,
                               grad_clip=args.max_grad_norm or None, overlap_update=False)
@@ -152,6 +179,9 @@ class _Offload:
             model = trainer.model
             self._dtypes = {n: p.dtype for n, p in model.named_parameters()}
             options = self._engine_options()
+            if _source(model) is not None and any(".modules_to_save." in n for n, _ in model.named_parameters()):
+                raise TierwiseError("modules_to_save over a from_pretrained model is not supported yet: load the "
+                                    "model with transformers, or train without modules_to_save")
             quantized = _take_linear4bit(model)
             if quantized:  # the QLoRA base bitsandbytes loaded: the engine's own NF4 base, the same codes
                 nested = {t[2] for t in quantized}
@@ -199,6 +229,7 @@ class _Offload:
     # -- a step ---------------------------------------------------------------------------
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         trainer: Any = self
+        model.train()  # (evaluation left it in eval mode: dropout would be off)
         inputs = trainer._prepare_inputs(inputs)
         scaled_by_model = trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
         if scaled_by_model:

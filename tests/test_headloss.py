@@ -209,3 +209,24 @@ def test_planned_activations_at_long_sequences_are_what_the_engine_measures(seq,
                                lora=(targets, 4) if lora else None)
     assert measured == pytest.approx(planned, rel=0.10)
     assert measured < 4 * seq * profile.vocab_size / 2
+
+
+def test_without_grad_no_gradient_is_made_and_shift_labels_are_taken(monkeypatch):
+    """Evaluation (no_grad) computes the loss only; a batch that brings its own shift_labels
+    (transformers' loss takes them over labels) gets them."""
+    model = family_model("llama")
+    batch = masked_batch()
+    monkeypatch.setattr(headloss, "TILE_BYTES", 4 * VOCAB * 7)
+    seen = []
+    real = headloss.HeadLoss.apply
+    monkeypatch.setattr(headloss.HeadLoss, "apply", lambda *a: seen.append(a[-1]) or real(*a))
+    with torch.no_grad():
+        loss = default_loss(model, batch)
+    assert seen == [False]
+    torch.testing.assert_close(loss, model(**batch).loss, rtol=1e-6, atol=0)
+    shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    shifted[0, :8] = -100  # different from what labels would give: the test can fail
+    odd = dict(batch, shift_labels=shifted)
+    with torch.no_grad():
+        torch.testing.assert_close(default_loss(model, odd), model(**odd).loss, rtol=1e-6, atol=0)
+        assert not torch.allclose(model(**odd).loss, model(**batch).loss)

@@ -229,3 +229,20 @@ def test_a_bitsandbytes_qlora_model_trains_as_without_offload(tmp_path):
     loaded = run(with_offload(trl.SFTTrainer), tmp_path / "loaded", load=lambda: from_pretrained(str(saved)),
                  offload={**offload, "base_dtype": "nf4", "double_quant": True})
     assert logs(loaded) == pytest.approx(logs(plain), rel=1e-4)
+
+
+def test_steps_train_in_train_mode_and_a_changed_loss_is_refused(tmp_path):
+    """A model evaluated (or loaded) in eval mode trains with dropout on, as Trainer does; what
+    would change the loss the engine computes is refused in one line."""
+    model = tiny()
+    model.eval()
+    modes = []
+    model.model.layers[0].register_forward_pre_hook(lambda mod, args: modes.append(mod.training))
+    trainer = OffloadTrainer(model=model, args=args(tmp_path / "o", max_steps=2, eval_strategy="steps", eval_steps=1),
+                             train_dataset=Rows(), eval_dataset=Rows(n=4), offload=OFFLOAD)
+    trainer.train()
+    assert True in modes and modes[-1] is False  # trained in train mode, evaluated in eval mode
+    for bad in ({"label_smoothing_factor": 0.1}, {"fp16": False, "optim": "adafactor"}):
+        with pytest.raises(TierwiseError):
+            OffloadTrainer(model=tiny(), args=args(tmp_path / "x", **bad), train_dataset=Rows(),
+                           offload=OFFLOAD).train()

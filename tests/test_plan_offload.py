@@ -65,3 +65,13 @@ def test_the_host_budget_keeps_room_for_them():
         eng.step({"input_ids": x, "labels": x})
     assert eng.ledger.peaks()["host"] <= fits.budgets["host"]
     eng.close()
+
+
+def test_several_ranks_book_each_ranks_offloaded_inputs_on_the_node():
+    common = dict(model=PROFILE, hardware="2x-rtx4090-128g", gpu_mem="64G", cpu_mem="64G", optimizer="adamw",
+                  precision="bf16", batch_size=2, seq_len=256, chunk_bytes=CHUNK, checkpointing=True)
+    one = make_plan(offload_activations=True, **common)
+    two = make_plan(offload_activations=True, nproc_per_node=2, **common)
+    assert two.reserve["host"]["activations"] == 2 * one.reserve["host"]["activations"] > 0
+    assert two.budgets["host"] == one.budgets["host"]
+    assert two.peak["host"] >= two.reserve["host"]["activations"]

@@ -104,9 +104,10 @@ def tiled_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor | 
     if isinstance(transform, str):
         _note_once(lm, transform)
         return None
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1)
+    shift = batch.get("shift_labels")  # (given already shifted, as transformers' loss takes them)
+    shifted = (shift if isinstance(shift, torch.Tensor) else F.pad(labels[:, 1:], (0, 1), value=IGNORE)).reshape(-1)
     items = batch.get("num_items_in_batch")
-    rest = {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
+    rest = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", "num_items_in_batch")}
     box: list[torch.Tensor] = []
     with _head_forward(head, lambda hidden: _run(head, hidden, shifted, items, transform, box)):
         model(**rest)
@@ -119,7 +120,8 @@ def _run(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, ite
     own code to pass on (nothing of them is used)."""
     if hidden.shape[:-1].numel() != targets.numel():
         raise ValueError(f"the head saw {hidden.shape[:-1].numel()} positions for {targets.numel()} labels")
-    box.append(HeadLoss.apply(hidden, head.weight, head.bias, targets, items, transform))
+    # (inside the Function grad mode is off: whether gradients are wanted is decided here)
+    box.append(HeadLoss.apply(hidden, head.weight, head.bias, targets, items, transform, torch.is_grad_enabled()))
     return hidden.new_zeros(*hidden.shape[:-1], 0)
 
 
@@ -153,12 +155,12 @@ class HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, items: Any, transform: Any) -> torch.Tensor:
+                targets: torch.Tensor, items: Any, transform: Any, grads: bool = True) -> torch.Tensor:
         h = hidden.reshape(-1, hidden.shape[-1])
         keep = (targets != IGNORE).nonzero().squeeze(1)
         count = keep.numel() if items is None else items
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        want_b = bias is not None and ctx.needs_input_grad[2]
+        want_h, want_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        want_b = grads and bias is not None and ctx.needs_input_grad[2]
         grad_h = torch.zeros_like(h) if want_h else None
         acc = torch.float32 if weight.dtype != torch.float32 else weight.dtype
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
@@ -198,4 +200,4 @@ class HeadLoss(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         grad_h, grad_w, grad_b = ctx.saved_tensors
         return (None if grad_h is None else grad_h * grad, None if grad_w is None else grad_w * grad,
-                None if grad_b is None else grad_b * grad, None, None, None)
+                None if grad_b is None else grad_b * grad, None, None, None, None)

@@ -532,16 +532,28 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     placed = dataclasses.replace(needs, activations=needs.activations + margin)  # what plan_device leaves
     if nproc_per_node * nnodes > 1:
         multi.check_layout(hw, nproc_per_node=nproc_per_node, nnodes=nnodes, cost=ch.cost)
-        return _plan_ranks(ch, model=model, hw=hw, needs=needs, placed=placed, gpu=gpu, host=host, cxl=cxl, use_nvme=use_nvme,
-                           nvme_cap=nvme_cap, nproc=nproc_per_node, nnodes=nnodes, checkpointing=checkpointing,
-                           precision=precision, lora_act=lora_act, single=args, grad_reduce=grad_reduce,
-                           meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size,
-                                     optimizer=optimizer, checkpointing=checkpointing, padded=padded,
-                                     row_positions=row_positions, offload=offload_activations,
-                                     grad_accum=grad_accum, lora_rank=lora_rank,
-                                     lora_targets=lora_targets if lora_rank is not None else None,
-                                     base_dtype=(base_dtype or precision) if lora_rank is not None else None,
-                                     trainable_params=ch.trainable_params))
+        node_act = nproc_per_node * host_act  # each rank offloads its own micro-batch's block inputs
+        if host is not None and node_act > host:
+            raise InfeasibleBudget(f"host budget {format_size(host)} cannot hold the offloaded activations of "
+                                   f"{nproc_per_node} ranks ({format_size(node_act)}); raise --cpu-mem",
+                                   minimum={"host": node_act})
+        ranked = _plan_ranks(ch, model=model, hw=hw, needs=needs, placed=placed, gpu=gpu,
+                             host=None if host is None else host - node_act, cxl=cxl, use_nvme=use_nvme,
+                             nvme_cap=nvme_cap, nproc=nproc_per_node, nnodes=nnodes, checkpointing=checkpointing,
+                             precision=precision, lora_act=lora_act, single=args, grad_reduce=grad_reduce,
+                             meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size,
+                                       optimizer=optimizer, checkpointing=checkpointing, padded=padded,
+                                       row_positions=row_positions, offload=offload_activations,
+                                       grad_accum=grad_accum, lora_rank=lora_rank,
+                                       lora_targets=lora_targets if lora_rank is not None else None,
+                                       base_dtype=(base_dtype or precision) if lora_rank is not None else None,
+                                       trainable_params=ch.trainable_params))
+        if not node_act:
+            return ranked
+        reserve = {**ranked.reserve, "host": {**ranked.reserve.get("host", {}), "activations": node_act}}
+        peak = {**ranked.peak, "host": ranked.peak.get("host", 0) + node_act}
+        return dataclasses.replace(ranked, reserve=reserve, peak=peak, host_rss=ranked.host_rss + node_act,
+                                   budgets={**ranked.budgets, "host": host})
     # MeZO too may keep chunks on the device: its perturbed weights are temporaries.
     device = plan_device(placed, gpu, allow_gpu_home=True, prefer=ch.home_order(), decoded=frozenset(ch.encoded))
     streamed = [c for c in range(ch.n) if c not in device.gpu_home]
