@@ -192,7 +192,7 @@ def plan(
     """Show where every chunk would live, the predicted peaks per tier and the step time."""
     raise_config_error(ctx)
     from .planning import (SEQ_STEP, advise, check_budgets, local_notes, longest, longest_line, make_plan, print_plan,
-                           resolve_recompute, verify_plan)
+                           resolve_recompute, seq_len_note, verify_plan)
 
     search = str(options.get("seq_len")) == "max"
     if search and verify:
@@ -229,7 +229,8 @@ def plan(
                                                   "this takes is in the plan)" if result.row_positions else
                                                   "rows attend to the rows before them in their block"),
                                    highlight=False, soft_wrap=True)
-    for note in local_notes(cfg, result):  # about this machine, not the plan: stderr, also with --json
+    beyond = seq_len_note(cfg)
+    for note in local_notes(cfg, result) + ([beyond] if beyond else []):  # stderr, also with --json
         Console(stderr=True).print(note, highlight=False, soft_wrap=True)
 
 

@@ -10,7 +10,7 @@ import itertools
 import logging
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -243,11 +243,38 @@ def max_positions(config) -> int | None:
     return None
 
 
-def check_seq_len(cfg: TrainConfig, src: "ModelSource") -> None:
+def check_seq_len(cfg: TrainConfig, src: "ModelSource") -> str | None:
+    """A --seq-len beyond the model's positions: refused for learned position embeddings (a
+    table of that many rows: GPT-2, OPT); for rotary ones (RoPE) planned and trained, returning
+    the note that says so (extending the context, e.g. rope scaling in config.json, is the
+    user's choice)."""
     limit = max_positions(src.config)
-    if limit is not None and cfg.seq_len > limit:
+    if limit is None or cfg.seq_len <= limit:
+        return None
+    if not _rotary(src.config):
         raise ConfigError(f"--seq-len {cfg.seq_len} is longer than {src.name} was built for "
                           f"({limit} positions): use --seq-len {limit} or less")
+    return (f"note: --seq-len {cfg.seq_len:,} is beyond the {limit:,} positions {src.name} was trained for: "
+            "planned and trained as asked; extending its context (rope scaling in config.json) is your choice")
+
+
+def seq_len_note(cfg: TrainConfig) -> str | None:
+    """check_seq_len's note for `plan` (a profile: against its max_position_embeddings)."""
+    if is_profile(cfg.model):
+        limit = _positions(cfg, None)
+        if limit is None or cfg.seq_len <= limit:
+            return None
+        return (f"note: --seq-len {cfg.seq_len:,} is beyond the {limit:,} positions {cfg.model} was trained for: "
+                "extending its context (rope scaling) is your choice")
+    return check_seq_len(cfg, resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code))
+
+
+def _rotary(config: Any) -> bool:
+    """Whether the model's positions are rotary (no table to run past), not learned or ALiBi."""
+    if getattr(config, "alibi", False):
+        return False
+    return any(getattr(config, k, None) is not None for k in ("rope_parameters", "rope_theta", "rope_scaling",
+                                                               "rotary_pct", "rotary_emb_base"))
 
 
 def preflight(cfg: TrainConfig, *, src: "ModelSource", padded: bool,

@@ -31,7 +31,7 @@ from .export import export_hf
 from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model
 from .metrics import MetricsWriter, read_metrics, truncate_metrics
-from .planning import checkpointing, gpu_budget, host_budget, preflight, resolve_recompute
+from .planning import check_seq_len, checkpointing, gpu_budget, host_budget, preflight, resolve_recompute
 from .plots import plot_loss, plot_timeline, preload as preload_plots
 from .progress import TrainProgress
 from .report import phase_delta, summary, warmup_report
@@ -287,6 +287,9 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
     src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if src.note:
         warn(console, src.note)
+    beyond = check_seq_len(cfg, src)  # (refused here for learned positions)
+    if beyond:
+        warn(console, beyond.removeprefix("note: "))
     blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack,
                          isolate=isolates(src.config, pack=cfg.pack))
     check_vocab(blocks, src)

@@ -67,10 +67,25 @@ def test_automatic_host_budget_is_at_most_the_machines_ram():
 
 
 @pytest.mark.parametrize("command", [[], ["--dry-run"], ["plan"]], ids=["train", "dry-run", "plan"])
-def test_seq_len_beyond_the_models_positions_is_refused(command, tmp_path):
-    args = [*command, "--seq-len", "100000"] + ([] if command == ["plan"] else ["--output", str(tmp_path / "o")])
+def test_seq_len_beyond_learned_positions_is_refused(command, tmp_path):
+    """GPT-2's positions are a table of n_positions rows: a longer --seq-len cannot run."""
+    from tests.tinyhf import make_tiny_family_dir
+
+    model = make_tiny_family_dir(tmp_path / "gpt2", "gpt2")  # n_positions 64
+    args = [*command, "--model", str(model), "--seq-len", "128"] + (
+        [] if command == ["plan"] else ["--output", str(tmp_path / "o")])
     line = _error_line(_invoke(*args))
-    assert "--seq-len 100000 is longer than builtin-tiny was built for (1024 positions)" in line
+    assert "--seq-len 128 is longer than" in line and "(64 positions)" in line
+
+
+def test_seq_len_beyond_rotary_positions_is_planned_trained_and_flagged(tmp_path):
+    """The built-in model's positions are rotary (1024 trained): 2048 plans and trains, said."""
+    planned = _invoke("plan", "--seq-len", "2048", "--gpu-mem", "256M")
+    assert planned.exit_code == 0, planned.output
+    assert "beyond the 1,024 positions builtin-tiny was trained for" in planned.stderr
+    trained = _invoke("--seq-len", "2048", "--steps", "1", "--output", str(tmp_path / "o"))
+    assert trained.exit_code == 0, trained.output
+    assert "beyond the 1,024 positions" in trained.output + trained.stderr
 
 
 @pytest.mark.parametrize("command", [[], ["plan"]], ids=["train", "plan"])
