@@ -273,19 +273,18 @@ def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = Tr
         full = len(ids_left) - len(ids_left) % seq_len
         for i in range(0, full, seq_len):
             part = pos_left[i:i + seq_len]
-            emit(ids_left[i:i + seq_len], labels_left[i:i + seq_len],
-                 [p - part[0] if j < _restart(part) else p for j, p in enumerate(part)] if isolate else None)
+            emit(ids_left[i:i + seq_len], labels_left[i:i + seq_len], _renumbered(part) if isolate else None)
         ids_left, labels_left, pos_left = ids_left[full:], labels_left[full:], pos_left[full:]
     if ids_left:  # the last, partial block (padded)
-        emit(ids_left, labels_left,
-             [p - pos_left[0] if j < _restart(pos_left) else p for j, p in enumerate(pos_left)] if isolate else None)
+        emit(ids_left, labels_left, _renumbered(pos_left) if isolate else None)
     return blocks
 
 
-def _restart(pos: list[int]) -> int:
-    """Where the first row that starts inside a block begins (len(pos) if none does): the row
-    cut at the block's start is renumbered from 0 up to there."""
-    return next((j for j in range(1, len(pos)) if pos[j] == 0), len(pos))
+def _renumbered(pos: list[int]) -> list[int]:
+    """A block's positions with the row cut at its start renumbered from 0, up to where the first
+    row that starts inside the block begins."""
+    cut = next((j for j in range(1, len(pos)) if pos[j] == 0), len(pos))
+    return [p - pos[0] for p in pos[:cut]] + pos[cut:]
 
 
 def batch_of(picked: list[tuple[torch.Tensor, ...]]) -> dict[str, Any]:
