@@ -261,7 +261,9 @@ def check_seq_len(cfg: TrainConfig, src: "ModelSource") -> str | None:
 def seq_len_note(cfg: TrainConfig) -> str | None:
     """check_seq_len's note for `plan` (a profile: against its max_position_embeddings)."""
     if is_profile(cfg.model):
-        limit = _positions(cfg, None)
+        from ..profiles import load_model_profile
+
+        limit = load_model_profile(cfg.model).max_position_embeddings
         if limit is None or cfg.seq_len <= limit:
             return None
         return (f"note: --seq-len {cfg.seq_len:,} is beyond the {limit:,} positions {cfg.model} was trained for: "
@@ -519,27 +521,15 @@ def longest(cfg: TrainConfig, *, here: bool = False) -> tuple[TrainConfig, Plan]
     return dataclasses.replace(cfg, seq_len=n, offload_activations=offload, recompute=cfg.recompute is not False), plan
 
 
-def longest_line(cfg: TrainConfig, plan: Plan, *, src: "ModelSource | None" = None) -> str:
+def longest_line(cfg: TrainConfig, plan: Plan) -> str:
     """What `plan --seq-len max` found, in one line: the length, where the activations live,
     the speed, the command; and a length beyond the model's positions flagged."""
     gpu, host = plan.reserve["gpu"]["activations"], plan.reserve["host"].get("activations", 0)
     where = f"activations {format_size(gpu)} on the gpu" + (f", {format_size(host)} in host RAM" if host else "")
     line = (f"longest context: {cfg.seq_len:,} tokens a row at batch {cfg.batch_size} ({where}), "
             f"{plan.tokens_per_s:,.0f} tokens/s; --seq-len {cfg.seq_len}" + (" --offload-activations" if host else ""))
-    limit = _positions(cfg, src)
-    if limit is not None and cfg.seq_len > limit:
-        line += (f"\nnote: {cfg.seq_len:,} tokens is beyond the {limit:,} positions the model was trained for: "
-                 "extending its context (RoPE scaling) is your choice")
-    return line
-
-
-def _positions(cfg: TrainConfig, src: "ModelSource | None") -> int | None:
-    if is_profile(cfg.model):
-        from ..profiles import load_model_profile
-
-        return load_model_profile(cfg.model).max_position_embeddings
-    src = src or resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    return max_positions(src.config)
+    beyond = seq_len_note(cfg)
+    return line + (f"\n{beyond}" if beyond else "")
 
 
 def print_plan(plan: Plan, *, console: Console, as_json: bool) -> None:

@@ -122,7 +122,7 @@ def test_plan_seq_len_max_names_the_longest_that_fits():
     assert n >= 2048 and n % 1024 == 0
     assert _invoke(*common, "--seq-len", str(n), *flags).exit_code == 0
     assert _invoke(*common, "--seq-len", str(n + 1024), *flags).exit_code == 2
-    assert "beyond the 512 positions the model was trained for" in r.stdout
+    assert "beyond the 512 positions tiny was trained for" in r.stdout
     assert _invoke("plan", "--seq-len", "many").exit_code == 2
 
 
