@@ -697,6 +697,9 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                           "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9),
                           "step_s": dt, "epoch": batches.position.epoch}
                 record["peak_bytes"] = dict(engine.ledger.peaks())
+                counters = getattr(engine, "counters", None)  # (the launching thread's work: offload.engine.timeline)
+                if counters:
+                    record["counters"] = dict(counters)
                 record.update(_rank_peaks(engine))
                 metrics.write(**record)
                 bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"], usage=engine.ledger.usage(),

@@ -334,7 +334,7 @@ def test_surgery_undoes_every_change():
     s = ModelSurgery(model)
     s.patch_forward(model.a, lambda f: lambda x: f(x) * 0)
     s.patch_forward(model.a, lambda f: lambda x: f(x) + 1)
-    s.keep(install_module_hooks(model, lambda m: None, lambda m: None))
+    s.keep(install_module_hooks(list(model.modules()), lambda m: None, lambda m: None))
     s.disable_kv_cache()
     assert model.config.use_cache is False and hook_state(model) != before
     assert torch.equal(model.a(torch.ones(1, 8)), torch.ones(1, 8))
@@ -487,6 +487,9 @@ def test_activation_tracker_books_activations_and_refers_to_chunks():
         def touch_chunk(self, cid):
             self.touched.append(cid)
             return chunk
+
+        def holds(self, cid):
+            return False
 
     res = Res()
     tr = ActivationTracker(res, ledger, CPU)

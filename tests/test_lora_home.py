@@ -93,7 +93,7 @@ def test_partial_home_between_fits_and_not():
     enc = encoded(roomy)
     # everything but about half the encoded blobs; the measured minimum is the same for any budget
     plain = sum(roomy.needs.home_bytes[c] for c in range(len(roomy.plan.chunks)) if c not in enc)
-    budget = roomy.needs.minimum + plain + blob_bytes(roomy, enc) // 2
+    budget = roomy.minimum_gpu_bytes + plain + blob_bytes(roomy, enc) // 2
     roomy.close()
     tight_losses, tight_adapters, tight, (_, tight_fetched) = run(model, "nf4", data, **STREAMED)
     tight.close()

@@ -24,6 +24,9 @@ def test_engine_and_planner_call_one_formula(optimizer, precision, tie):
         ch = planner._Chunks(model=None, optimizer=optimizer, precision=precision, chunk_bytes=8 << 10,
                              rank=None, params=specs)
         assert ch.kinds == [{k: v for k, v in eng.kinds[c].items() if v} for c in range(ch.n)]
+        # both choose their units of residency by one rule (the blocks here: no gpu limit; MeZO: modules)
+        blocks = ch.choose_blocks(buffers=eng.buffer_bytes, activations=12345, gpu_budget=None, margin=0)
+        assert blocks == eng.units_are_blocks == (optimizer != "mezo")
         planned = ch.device_needs(buffers=eng.buffer_bytes, activations=12345)
         assert isinstance(planned, DeviceNeeds) and planned == eng.needs
     finally:

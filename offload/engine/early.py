@@ -111,7 +111,7 @@ class EarlyUpdater:
                 if self.error is None:  # (after a failure: skipped, until wait() reports it)
                     for _, tickets, _, _ in batch:
                         for t in tickets:
-                            t.wait()  # the gradient has landed in host memory
+                            t.landed()  # the gradient has landed in host memory (no stream waits)
                     chunks = [c for c, *_ in batch]
                     self.update(chunks, handed, final=final)
                     if final:

@@ -72,7 +72,7 @@ from ..core.sizes import parse_size
 from ..core.units import format_size
 from ..core.vocab import TIERS
 from ..plan.homes import assign_homes, bounce_sizes
-from ..plan.needs import workspace_margin
+from ..plan.needs import units_are_blocks, workspace_margin
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
 from ..runtime.cores import cpu_threads
 from ..runtime.executor import Executor
@@ -226,8 +226,12 @@ class Engine:
             self.param_names = {p: n for n, p in named}
             self.buffer_bytes = self.surgery.move_buffers(self.device)
             self.ledger.reserve("gpu", "buffer", self.buffer_bytes)
-            self.module_chunks = module_chunks(model, self.plan, self.param_names)
             self.blocks = find_blocks(model)
+            self.module_chunks = module_chunks(model, self.plan, self.param_names)  # (the units: _choose_units)
+            self._plain_units = dict(self.module_chunks)
+            self._block_units = (module_chunks(model, self.plan, self.param_names, self.blocks)
+                                 if self.updater.needs_grad and self.blocks else None)
+            self.units_are_blocks = False
             self.zo_batch: int | None = None  # MeZO: rows of the +εz half while a dual forward runs
             checkpointing = activations.recompute if self.updater.needs_grad else False  # (no backward)
             self._place(activations.expected)
@@ -277,6 +281,12 @@ class Engine:
     def timeline(self) -> list[dict]:
         """One step's bytes per tier at each moment (offload.engine.timeline)."""
         return self.moments.rows
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The last complete step's counters (offload.engine.timeline.COUNTS): module hook calls,
+        gradient copies, host waits on device progress inside forward and inside backward."""
+        return self.moments.last_counts
 
     @property
     def phase_times(self) -> dict[str, float]:
@@ -333,7 +343,9 @@ class Engine:
         # planner leaves it (the warm-up then adds what it measures beside the ledger)
         margin = workspace_margin(budgets["gpu"]) if self.workspace.cuda and activations is not None else 0
         self.needs = self._device_needs(activations=(activations or 0) + margin)
-        check_minimum(self.needs, budgets["gpu"], measured=False)
+        check_minimum(self.needs, budgets["gpu"], measured=False)  # (the modules': the smallest window)
+        if activations is not None and self._choose_units(activations + margin):
+            self.needs = self._device_needs(activations=activations + margin)
         self.device_plan: DevicePlan | None = None
         gpu_home: frozenset[int] = frozenset()
         if activations is not None:
@@ -375,6 +387,37 @@ class Engine:
                            compute_dtype=self.compute_dtype, needs_grad=self.updater.needs_grad)
                 for c in self.plan.chunks}
 
+    def _choose_units(self, activations: int) -> bool:
+        """Once the activations are known (the estimate placed up front, or the warm-up's): the
+        blocks become the units of residency where the budget has room for them
+        (offload.plan.needs.units_are_blocks); the modules stay the units otherwise, and always
+        for MeZO (it perturbs each module in its own forward). True when the blocks were chosen
+        now (the caller reinstalls the hooks if it had installed them)."""
+        if self._block_units is None or self.units_are_blocks:
+            return False
+        plain = dict(self.module_chunks)
+        self.module_chunks.clear()
+        self.module_chunks.update(self._block_units)  # (in place: the residency holds this dict)
+        if units_are_blocks(self._device_needs(activations=activations), self.ledger.budgets.get("gpu")):
+            self.units_are_blocks = True
+            return True
+        self.module_chunks.clear()
+        self.module_chunks.update(plain)
+        return False
+
+    def _reinstall_unit_hooks(self) -> None:
+        """The units changed (_choose_units): their hooks follow."""
+        for h in self._unit_hooks:
+            h.remove()
+        res = self.residency
+        self._unit_hooks = install_module_hooks(self._hooked(), res.enter_module, res.exit_module)
+        self.surgery.keep(self._unit_hooks)
+
+    def _hooked(self) -> list[torch.nn.Module]:
+        """The modules whose forward is a frame: the model itself (a call outside the engine is
+        refused by its name) and the units."""
+        return [self.model, *(m for m in self.module_chunks if m is not self.model)]
+
     def _install_hooks(self, model: torch.nn.Module, checkpointing: bool | None) -> None:
         """Module hooks, gradient hooks, block checkpointing (or MeZO's dual forward), each
         change recorded in `surgery` for close() to undo; the gradient router."""
@@ -394,11 +437,12 @@ class Engine:
             surgery.disable_kv_cache()  # a KV cache would see each block twice (recompute)
             for block in self.blocks:
                 surgery.patch_forward(block, lambda f, b=block: checkpointed(
-                    f, context=lambda: res.recompute(b, self.tracker.hooks()),
+                    f, context=lambda: res.recompute(self.tracker.hooks()), hold=lambda b=b: res.holding(b),
                     saving=self.tracker.saving_block_inputs,
                     buffers=BufferGuard(b, **booked(self.ledger, "gpu", "activation"))))
         self.checkpointing = checkpointing
-        surgery.keep(install_module_hooks(model, res.enter_module, res.exit_module))
+        self._unit_hooks = install_module_hooks(self._hooked(), res.enter_module, res.exit_module)
+        surgery.keep(self._unit_hooks)
         transient = TransientGrads(self.plan, self.tiers, self.grad_window) if self.owned_grads else None
         early = (EarlyUpdater(self._update_chunks, on_error=None if transient is None else transient.fail)
                  if self.updater.needs_grad and (self.overlap_update or self.owned_grads)
@@ -407,7 +451,7 @@ class Engine:
             store=self.store, executor=self.executor, ledger=self.ledger, param_names=self.param_names,
             grad_reserve=lambda: self.needs.grad_reserve, early=early,
             new_spill=lambda: GradSpill(self.store, self.bounce, self.nvme, self.executor),
-            compute_itemsize=self.compute_dtype.itemsize, ranks=self.ranks,
+            compute_itemsize=self.compute_dtype.itemsize, ranks=self.ranks, counts=self.moments.counts,
             transient=transient,
             reduce_rest=self._reduce_rest)
         res.on_backward_read = self.grads.read_in_backward
@@ -505,8 +549,10 @@ class Engine:
         """Encoded frozen chunks: they pass through the cache even when gpu-home (plan_device)."""
         return frozenset(c for c, layout in self.frozen_layouts.items() if layout is not None)
 
-    def _device_needs(self, *, activations: int, pinned: int = 0) -> DeviceNeeds:
-        return device_needs(self.plan, self.module_chunks, self.param_names, kinds=self.kinds,
+    def _device_needs(self, *, activations: int, pinned: int = 0, modules: bool = False) -> DeviceNeeds:
+        """`modules`: with the modules as the units (the smallest window: the minimum budget's)."""
+        units = self._plain_units if modules else self.module_chunks
+        return device_needs(self.plan, units, self.param_names, kinds=self.kinds,
                             buffers=self.buffer_bytes, itemsize=self.compute_dtype.itemsize,
                             needs_grad=self.updater.needs_grad, activations=activations, pinned=pinned)
 
@@ -538,8 +584,10 @@ class Engine:
         self._begin_cycle()
         try:
             with self.moments.timed(Phase.FORWARD):
+                waits = self.executor.host_waits
                 with self.tracker.hooks(), self.residency.reading():
                     loss = self.loss_fn(self.model, to_device(batch, self.device))
+                self.moments.counts["host_waits_forward"] += self.executor.host_waits - waits
                 if self.tracker.offloader is not None:
                     self.tracker.offloader.end_forward()
         except BudgetExceeded as exc:
@@ -559,7 +607,9 @@ class Engine:
             with self.moments.timed(Phase.BACKWARD):
                 self.moments.moment()  # without recompute no module hook fires in backward: mark it
                 self.grads.begin_backward()
+                waits = self.executor.host_waits
                 loss.backward()
+                self.moments.counts["host_waits_backward"] += self.executor.host_waits - waits
                 self.moments.moment()  # every gradient accumulated, before the drain
                 self.grads.end_backward()
         except BudgetExceeded as exc:
@@ -586,7 +636,8 @@ class Engine:
             return exc
         act = self.ledger.usage()["gpu"].get("activation", 0) + (exc.asked if exc.kind == "activation" else 0)
         if self.minimum_gpu_bytes is None:  # the warm-up (or measure): nothing placed yet, every chunk streams
-            minimum = self._device_needs(activations=act, pinned=self.residency.cache.pinned_peak).minimum
+            pinned = 0 if self.units_are_blocks else self.residency.cache.pinned_peak  # (a block's, with blocks)
+            minimum = self._device_needs(activations=act, pinned=pinned, modules=True).minimum
             return warmup_over_budget(exc, act, minimum, intact=intact)
         return step_over_budget(exc, act, self.needs.activations, intact=intact)
 
@@ -740,8 +791,10 @@ class Engine:
         self.residency.evict_updated()
         self.moments.moment()
         self.residency.follower.end_step()
+        self.tracker.end_step()
         self._in_cycle = False
         self.steps += 1
+        self.moments.end_step()
         self.moments.phase = Phase.IDLE
 
     def measure(self, batch: Any) -> int:
@@ -798,10 +851,15 @@ class Engine:
             act = self.ranks.max_int(act, "agreeing on the activation peak")
             pinned = self.ranks.max_int(pinned, "agreeing on the streaming window")
         measured = self._device_needs(activations=act, pinned=pinned)
-        self.minimum_gpu_bytes = measured.minimum
+        self.minimum_gpu_bytes = self._device_needs(activations=act, pinned=0 if self.units_are_blocks else pinned,
+                                                    modules=True).minimum
         if self.device_plan is not None:  # placed up front from an estimate: keep it if it holds
             self._hold_estimate(act)
             return
+        if self._choose_units(act):  # the next step traces again, with the blocks as the units
+            self._reinstall_unit_hooks()
+            self.residency.follower.reset()
+            measured = self._device_needs(activations=act, pinned=pinned)
         self.needs = measured
         self.device_plan = plan_device(self.needs, self.ledger.budgets["gpu"], allow_gpu_home=self.allow_gpu_home,
                                        prefer=self._home_order(), decoded=self._decoded())

@@ -46,12 +46,14 @@ class GradientRouter:
     def __init__(self, *, store: ChunkStore, executor: Executor, ledger: Ledger,
                  param_names: dict[torch.nn.Parameter, str], grad_reserve: Callable[[], int],
                  new_spill: Callable[[], GradSpill], early: EarlyUpdater | None, compute_itemsize: int,
-                 ranks: Any = None, transient: Any = None, reduce_rest: Callable[[list[int]], None] | None = None):
+                 ranks: Any = None, transient: Any = None, reduce_rest: Callable[[list[int]], None] | None = None,
+                 counts: dict[str, int] | None = None):
         self.store, self.plan = store, store.plan
         self.executor, self.ledger, self.param_names = executor, ledger, param_names
         self.grad_reserve, self.new_spill, self.early = grad_reserve, new_spill, early
         self.compute_itemsize = compute_itemsize
         self.ranks, self.transient, self.reduce_rest = ranks, transient, reduce_rest
+        self.counts = {"grad_copies": 0} if counts is None else counts  # the step's counters (timeline)
         self.reduce_on = False  # owned-only gradients: complete chunks are reduced during backward
         self.spill = new_spill()
         self.seen: set[torch.nn.Parameter] = set()  # parameters with a gradient in this step
@@ -179,6 +181,7 @@ class GradientRouter:
         if self.executor.cuda and not first:
             staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
         ticket = self.executor.copy("d2h", dst, src, accumulate=not first, staging=staging)
+        self.counts["grad_copies"] += 1
         self._inflight.append((ticket, nbytes, src))
         if spilled:
             self.spill.landed(slot.chunk, ticket)

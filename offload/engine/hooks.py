@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..runtime.ledger import Ledger
-from ..runtime.storage import storage_key
 
 if TYPE_CHECKING:
     from .residency import Residency
@@ -51,21 +50,30 @@ class _HomeRef:
 
 
 class _Held:
-    """An activation kept for backward; gives its bytes back to the ledger when dropped."""
+    """An activation kept for backward; gives its bytes back to the ledger when dropped.
+    (Made without __init__, and its release inlined in __del__: one is made for every tensor
+    autograd saves, so each Python call here is one per saved tensor.)"""
 
-    __slots__ = ("tensor", "release", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor, release: Callable[[], None]):
-        self.tensor, self.release = tensor, release
+    __slots__ = ("tensor", "key", "tracker", "__weakref__")
 
     def drop(self) -> None:
         """Give the bytes back once, and let go of the tensor."""
-        release, self.release, self.tensor = self.release, None, None
-        if release is not None:
-            release()
+        tracker, self.tracker, self.tensor = self.tracker, None, None
+        if tracker is not None:
+            live = tracker._live[self.key]
+            live[0] -= 1
+            if live[0] == 0:
+                del tracker._live[self.key]
+                tracker.ledger.release("gpu", "activation", live[1])
 
-    def __del__(self) -> None:
-        self.drop()
+    __del__ = drop
+
+
+class _Pinned:
+    """A saved view of a chunk the running block holds through its recompute and backward
+    (Residency.holding): kept as is; its unpack is a read of that chunk (note_read)."""
+
+    __slots__ = ("tensor", "cid")
 
 
 class ActivationTracker:
@@ -77,7 +85,7 @@ class ActivationTracker:
     def __init__(self, residency: "Residency", ledger: Ledger, device: torch.device):
         self.residency, self.ledger, self.device = residency, ledger, device
         self._live: dict[int, list[int]] = {}  # storage key -> [refcount, nbytes]
-        self._held: "weakref.WeakSet[_Held]" = weakref.WeakSet()
+        self._held: list[weakref.ref] = []  # this step's activations (abandon drops those alive)
         self.offloader = None  # an offload.engine.actoffload.Offloader when activation offload is on
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
@@ -85,9 +93,14 @@ class ActivationTracker:
 
     def pack(self, t: torch.Tensor) -> Any:
         res = self.residency
-        key = storage_key(t)
+        storage = t.untyped_storage()
+        key = storage._cdata  # (offload.runtime.storage.storage_key, inlined: once per saved tensor)
         cid = res.streamed_storage.get(key)
         if cid is not None:
+            if res.holds(cid):
+                pinned = _Pinned.__new__(_Pinned)
+                pinned.tensor, pinned.cid = t, cid
+                return pinned
             return _ChunkRef(cid, tuple(t.size()), tuple(t.stride()), t.storage_offset())
         home = res.home_storage.get(key)
         if home is not None:
@@ -96,14 +109,15 @@ class ActivationTracker:
             return t  # not in the gpu tier
         if self.offloader is not None and self.offloader.wants(t):
             return self.offloader.pack(t)
-        nbytes = t.untyped_storage().nbytes()
         live = self._live.get(key)
         if live is None:
+            nbytes = storage.nbytes()
             self.ledger.reserve("gpu", "activation", nbytes)
             self._live[key] = live = [0, nbytes]
         live[0] += 1
-        held = _Held(t, lambda: self._drop(key))
-        self._held.add(held)
+        held = _Held.__new__(_Held)
+        held.tensor, held.key, held.tracker = t, key, self
+        self._held.append(weakref.ref(held))
         return held
 
     def abandon(self) -> None:
@@ -113,24 +127,28 @@ class ActivationTracker:
         does not see into: without a backward, its bytes would stay booked in the ledger (and
         allocated) for the rest of the run. An abandoned graph's backward then fails (a saved
         value is gone) instead of computing on anything."""
-        for held in list(self._held):
-            held.drop()
+        held, self._held = self._held, []
+        for ref in held:
+            h = ref()
+            if h is not None:
+                h.drop()
 
-    def _drop(self, key: int) -> None:
-        live = self._live[key]
-        live[0] -= 1
-        if live[0] == 0:
-            del self._live[key]
-            self.ledger.release("gpu", "activation", live[1])
+    def end_step(self) -> None:
+        """The step's graphs are gone: forget their (dead) references."""
+        self._held = [r for r in self._held if r() is not None]
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _ChunkRef):
-            buf = self.residency.touch_chunk(packed.cid)
-            return buf.as_strided(packed.size, packed.stride, packed.offset)
-        if isinstance(packed, _HomeRef):
+        kind = type(packed)
+        if kind is _Held:
+            return packed.tensor
+        if kind is _Pinned:
             self.residency.note_read(packed.cid)
             return packed.tensor
-        if isinstance(packed, _Held):
+        if kind is _ChunkRef:
+            buf = self.residency.touch_chunk(packed.cid)
+            return buf.as_strided(packed.size, packed.stride, packed.offset)
+        if kind is _HomeRef:
+            self.residency.note_read(packed.cid)
             return packed.tensor
         if self.offloader is not None and not isinstance(packed, torch.Tensor):
             return self.offloader.unpack(packed)
@@ -154,13 +172,15 @@ class _Flag:
             self.offloader.active = False
 
 
-def install_module_hooks(model: torch.nn.Module, enter: Callable[[torch.nn.Module], None],
+def install_module_hooks(units: Iterable[torch.nn.Module], enter: Callable[[torch.nn.Module], None],
                          exit: Callable[[torch.nn.Module], None]) -> list[Any]:
-    """Every module's forward is a frame of the module stack (offload.engine.residency): `enter`
-    before it (acquires the module's own chunks), `exit` after it, also when it raises. Returns
-    the hooks' handles (remove() undoes each)."""
+    """Each unit's forward (a block, or a module outside the blocks that owns parameters:
+    offload.engine.needs.module_chunks) is a frame of the module stack (offload.engine.residency):
+    `enter` before it (acquires the unit's chunks), `exit` after it, also when it raises. The
+    modules inside a block get no hooks: the block's frame holds all their chunks. Returns the
+    hooks' handles (remove() undoes each)."""
     handles = []
-    for m in model.modules():
+    for m in units:
         handles.append(m.register_forward_pre_hook(lambda mod, args: enter(mod)))
         handles.append(m.register_forward_hook(lambda mod, args, out: exit(mod), always_call=True))
     return handles
@@ -238,7 +258,7 @@ class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: Any, spec: Any, n_tensors: int, anchor: torch.Tensor,  # type: ignore[override]
                 *flat: Any) -> Any:
-        ctx.run, ctx.spec, ctx.n_tensors = run, spec, n_tensors  # run: (context, callable, [snapshot])
+        ctx.run, ctx.spec, ctx.n_tensors = run, spec, n_tensors  # run: (context, callable, [snapshot], hold)
         tensors = flat[:n_tensors]
         ctx.others = flat[n_tensors:]
         ctx.grad_mask = [isinstance(t, torch.Tensor) and t.requires_grad for t in tensors]
@@ -253,19 +273,20 @@ class _Checkpoint(torch.autograd.Function):
         saved = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(g) for t, g in zip(saved, ctx.grad_mask)]
         flat = list(inputs) + list(ctx.others)
-        with torch.random.fork_rng(devices=[] if ctx.cuda_rng is None else [torch.cuda.current_device()]):
-            torch.set_rng_state(ctx.rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng)
-            snapshot = ctx.run[2][0]
-            with torch.enable_grad(), ctx.run[0](), snapshot.restored():
-                out = ctx.run[1](*_rebuild(ctx.spec, ctx.n_tensors, flat))
-        outs = out if isinstance(out, tuple) else (out,)
-        pairs = [(o, g) for o, g in zip(outs, grads)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        del out, outs, pairs
+        with ctx.run[3]():  # the block's chunks stay resident through its recompute and backward
+            with torch.random.fork_rng(devices=[] if ctx.cuda_rng is None else [torch.cuda.current_device()]):
+                torch.set_rng_state(ctx.rng)
+                if ctx.cuda_rng is not None:
+                    torch.cuda.set_rng_state(ctx.cuda_rng)
+                snapshot = ctx.run[2][0]
+                with torch.enable_grad(), ctx.run[0](), snapshot.restored():
+                    out = ctx.run[1](*_rebuild(ctx.spec, ctx.n_tensors, flat))
+            outs = out if isinstance(out, tuple) else (out,)
+            pairs = [(o, g) for o, g in zip(outs, grads)
+                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            del out, outs, pairs
         return (None, None, None, None) + tuple(
             t.grad if g else None for t, g in zip(inputs, ctx.grad_mask)
         ) + (None,) * len(ctx.others)
@@ -278,12 +299,13 @@ def _rebuild(spec: Any, n_tensors: int, flat: Any) -> tuple[tuple, dict]:
     return tree_unflatten([next(tensors) if t else next(others) for t in is_tensor], treespec)
 
 
-def checkpointed(forward: Callable, *, context: Callable[[], Any], saving: Callable[[], Any],
-                 buffers: BufferGuard) -> Callable:
+def checkpointed(forward: Callable, *, context: Callable[[], Any], hold: Callable[[], Any],
+                 saving: Callable[[], Any], buffers: BufferGuard) -> Callable:
     """Wrap a block's forward so that backward recomputes it instead of keeping its internals.
 
-    `context()` is what the recomputation runs under (the engine's saved-tensor hooks, read
-    guard and the block's frame: its own forward hooks do not run then);
+    `context()` is what the recomputation runs under (the engine's saved-tensor hooks and read
+    guard); `hold()` what the recomputation and the block's backward both run under (the
+    block's frame, holding its chunks: its own forward hooks do not run then);
     `saving()` wraps the saving of the block's inputs (activation offload picks them there);
     `buffers` restores the buffers the forward changed for the recompute.
     """
@@ -303,7 +325,7 @@ def checkpointed(forward: Callable, *, context: Callable[[], Any], saving: Calla
         taken = buffers.before()
         try:
             with saving():  # autograd packs the saved inputs when apply returns: inside this block
-                out = _Checkpoint.apply((context, run, snapshot), (treespec, is_tensor), len(tensors), anchor,
+                out = _Checkpoint.apply((context, run, snapshot, hold), (treespec, is_tensor), len(tensors), anchor,
                                         *tensors, *others)
         except BaseException:  # e.g. BudgetExceeded mid-block: the copies' bytes go back
             buffers.drop(taken)

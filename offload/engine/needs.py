@@ -40,13 +40,17 @@ def open_tiers(*, device: torch.device, gpu_mem: Any, cpu_mem: Any, cxl_mem: Any
     return ledger, Tiers(ledger=ledger, device=device, cxl=cxl), cxl, nvme
 
 
-def module_chunks(model: torch.nn.Module, plan: ChunkPlan,
-                  param_names: dict[torch.nn.Parameter, str]) -> dict[torch.nn.Module, list[int]]:
-    """Each module that owns parameters -> the chunks holding them."""
+def module_chunks(model: torch.nn.Module, plan: ChunkPlan, param_names: dict[torch.nn.Parameter, str],
+                  blocks: "list[torch.nn.Module] | tuple" = ()) -> dict[torch.nn.Module, list[int]]:
+    """The units whose forward makes chunks resident -> their chunks: each of `blocks` (the
+    repeated layers) with every parameter inside it, and each module outside them that owns
+    parameters, with its own. Without blocks, every module that owns parameters."""
     out = {}
-    for mod in modules_with_params(model):
-        cids = sorted({plan.slots[param_names[p]].chunk for p in mod._parameters.values()
-                       if p is not None and p in param_names})
+    inside = {id(m) for b in blocks for m in b.modules()}
+    units = [(b, b.parameters()) for b in blocks] + [
+        (m, m._parameters.values()) for m in modules_with_params(model) if id(m) not in inside]
+    for mod, params in units:
+        cids = sorted({plan.slots[param_names[p]].chunk for p in params if p is not None and p in param_names})
         if cids:
             out[mod] = cids
     return out

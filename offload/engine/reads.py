@@ -16,7 +16,7 @@ Metadata queries (shape, dtype, ...) read no values and pass.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -29,31 +29,34 @@ NO_READ = frozenset([getattr(torch.Tensor, n).__get__ for n in _PROPERTIES]
                     + [getattr(torch.Tensor, n) for n in _METHODS])
 
 
-def _params(args: tuple, kwargs: dict) -> Iterator[torch.nn.Parameter]:
-    """Parameters among the arguments, and inside list/tuple arguments (e.g. an RNN's weights)."""
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.nn.Parameter):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.nn.Parameter):
-                    yield b
-
-
 class ReadGuard(TorchFunctionMode):
-    """`on_read(p)` for every parameter a torch call receives, unless `paused` (the engine's
-    own bookkeeping) or the call reads no values. `on_read` does nothing when p is resident."""
+    """`on_read(p)` for every watched parameter a torch call receives (directly, or in a list or
+    tuple argument such as an RNN's weights), unless `paused` (the engine's own bookkeeping) or
+    the call reads no values. `on_read` does nothing when p is resident. `watch(params)` names
+    the parameters (by identity: a Parameter's own hash and isinstance check are Python calls,
+    and this runs for every torch call of a forward)."""
 
     def __init__(self, on_read: Callable[[torch.nn.Parameter], None]):
         super().__init__()
         self.on_read = on_read
         self.paused = 0
+        self.ids: set[int] = set()
+
+    def watch(self, params: Iterable[torch.nn.Parameter]) -> None:
+        self.ids = {id(p) for p in params}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if not self.paused and func not in NO_READ:
-            for p in _params(args, kwargs):
-                self.on_read(p)
+            ids = self.ids
+            for a in (*args, *kwargs.values()) if kwargs else args:
+                if id(a) in ids:
+                    self.on_read(a)
+                elif type(a) is list or type(a) is tuple:
+                    for b in a:
+                        if id(b) in ids:
+                            self.on_read(b)
         return func(*args, **kwargs)
 
 

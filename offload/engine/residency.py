@@ -52,7 +52,7 @@ from ..runtime.store import ChunkStore, SwapKind
 from ..runtime.swapping import Bounce
 from ..runtime.tiers import Tiers
 from ..runtime.trace import Phase, TraceFollower
-from .reads import Paused, ReadGuard
+from .reads import ReadGuard
 from .timeline import Timeline
 
 
@@ -90,8 +90,11 @@ class Residency:
         # router is told, so a chunk still read there is not updated early (offload.engine.gradients)
         self.on_backward_read: Callable[[int], None] | None = None
         self.guard = ReadGuard(self._on_read)
+        self.guard.watch(params.values())
+        self._chunk_of = {id(p): (n, self.plan.slots[n].chunk) for n, p in params.items() if n in self.plan.slots}
         # per running module (None: the loss function), the chunks read there that it does not own
         self._frames: list[tuple[torch.nn.Module | None, list[int]]] = []
+        self._holding: set[int] = set()  # chunks of the blocks being recomputed (holding)
         self.cache = ResidentCache(tiers=tiers, executor=executor, limit=limit, dtype=store.compute_dtype,
                                    numel=lambda c: self.plan.chunks[c].numel, fetch=self._fetch,
                                    on_resident=self._on_resident, on_evict=self._on_evict,
@@ -197,7 +200,7 @@ class Residency:
             def fn(stream: Any) -> None:
                 self.store.to_compute(cid, src, buf)
 
-            return self.executor.job("h2d", fn, nbytes=0)
+            return self.executor.job("h2d", fn, nbytes=0, reuses_host=False)
         links = (self.cxl.link_out,) if self.cxl is not None and self.store.compute_tier(cid) == "cxl" else ()
         ranks = self.ranks if self.ranks is not None and cid in self.ranks.owner else None
         if src is None:  # a remote chunk: its owner sends it
@@ -224,7 +227,11 @@ class Residency:
             def fn(stream: Any) -> None:
                 fill(stream)
                 ranks.broadcast_chunk(cid, buf)
-        return self.executor.job("h2d", fn, nbytes=nbytes, links=links)
+        # from the chunk's own home (pinned host or CXL memory, never rewritten while a fetch of it
+        # is in flight: its update waits for gradients computed from the fetched copy), nothing
+        # is reused: the launching thread waits for the enqueue alone
+        reuses = isinstance(src, SwapKind) or ranks is not None
+        return self.executor.job("h2d", fn, nbytes=nbytes, links=links, reuses_host=reuses)
 
     def _in_place(self, cid: int, src: SwapKind, buf: torch.Tensor) -> bool:
         """The simulated device's buffer is host memory: a swapped compute source that needs no
@@ -244,6 +251,7 @@ class Residency:
     # -- the module stack -------------------------------------------------------------------
     def enter_module(self, mod: torch.nn.Module) -> None:
         """A module's forward starts: a new frame; its own chunks become resident."""
+        self.timeline.counts["hook_calls"] += 1
         if not self._frames and self.timeline.phase == Phase.BACKWARD:  # a recompute not the engine's
             raise UnsupportedModel(
                 f"{self.name_of(mod)} ran again in backward: the model recomputes it itself "
@@ -256,19 +264,29 @@ class Residency:
         self._push(mod)
 
     def _push(self, mod: torch.nn.Module) -> None:
-        with Paused(self.guard):
+        self.guard.paused += 1  # (inline: this runs twice per module forward)
+        try:
             self._frames.append((mod, []))
             if mod in self.module_chunks:
                 self.acquire_module(mod)
+        finally:
+            self.guard.paused -= 1
 
     def exit_module(self, mod: torch.nn.Module) -> None:
         """A module's forward ended: release its own chunks and those read in its frame."""
-        with Paused(self.guard):
+        self.timeline.counts["hook_calls"] += 1
+        self._pop(mod)
+
+    def _pop(self, mod: torch.nn.Module) -> None:
+        self.guard.paused += 1
+        try:
             if mod in self.module_chunks:
                 self.release_module(mod)
             if self._frames:
                 for cid in self._frames.pop()[1]:
                     self._release(cid)
+        finally:
+            self.guard.paused -= 1
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
@@ -284,23 +302,38 @@ class Residency:
                     self._release(cid)
 
     @contextlib.contextmanager
-    def recompute(self, block: torch.nn.Module, saved_tensor_hooks: Any) -> Iterator[None]:
-        """What a checkpointed block's recompute runs under: the saved-tensor hooks, the read
-        guard, and the block's own frame (its forward hooks do not run for a recompute)."""
-        with saved_tensor_hooks, self.guard:
-            self._push(block)
-            try:
-                yield
-            finally:
-                self.exit_module(block)
+    def holding(self, block: torch.nn.Module) -> Iterator[None]:
+        """A checkpointed block's recompute and its backward: the block's own frame (its forward
+        hooks do not run for a recompute) holds its chunks through both, so the weights autograd
+        saved in the recompute are resident when its backward reads them."""
+        self._push(block)
+        held = [c for c in self.module_chunks.get(block, ()) if c not in self._holding]
+        self._holding.update(held)
+        try:
+            yield
+        finally:
+            self._holding.difference_update(held)
+            self._pop(block)
+
+    def holds(self, cid: int) -> bool:
+        """Chunk `cid` belongs to a block whose recompute and backward are running (`holding`):
+        resident until that backward ends."""
+        return cid in self._holding
+
+    def recompute(self, saved_tensor_hooks: Any) -> Any:
+        """What a checkpointed block's recompute (its forward) runs under: the saved-tensor hooks
+        and the read guard."""
+        return _Both(saved_tensor_hooks, self.guard)
 
     def _on_read(self, p: torch.nn.Parameter) -> None:
         """A torch call reads `p` (offload.engine.reads): make its chunk resident for the innermost
         running module if no running module holds it already."""
-        name = self.param_names.get(p)
-        if name is None:
-            return  # not a parameter of this model
-        cid = self.plan.slots[name].chunk
+        found = self._chunk_of.get(id(p))
+        if found is None:
+            return  # not a chunked parameter of this model
+        name, cid = found
+        if self.cache.pinned(cid):
+            return
         if self.store.is_gpu_home(cid):
             self.note_read(cid)
             return
@@ -373,3 +406,25 @@ class Residency:
         sizes = {c.index: c.numel * csize for c in self.plan.chunks}
         self.follower.reschedule(keep=lambda c: not self.store.is_gpu_home(c), sizes=sizes,
                                  capacity=self.cache.limit, lookahead=lookahead)
+
+
+class _Both:
+    """Two context managers entered in order, left in reverse (a class: contextlib's generator
+    machinery costs several Python calls, and this runs once per recomputed block)."""
+
+    def __init__(self, a: Any, b: Any):
+        self.a, self.b = a, b
+
+    def __enter__(self) -> None:
+        self.a.__enter__()
+        try:
+            self.b.__enter__()
+        except BaseException:
+            self.a.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.b.__exit__(*exc)
+        finally:
+            self.a.__exit__(*exc)

@@ -3,7 +3,13 @@ bytes of every tier at each moment a module's chunks become resident (cli/plots 
 
 A moment is recorded where the engine says so (a module acquired its chunks, a parameter was
 read outside its owner, the update ended), not at every ledger change: one row per event keeps
-the plot readable and its size independent of the number of tensors."""
+the plot readable and its size independent of the number of tensors.
+
+Also the step's counters of the launching thread's work (`counts`, reset when a step begins):
+module hook calls, gradient copies to a home tier, and host waits on device progress inside
+forward and inside backward (offload.runtime.executor counts those: a copy not yet landed that
+the launching thread must wait for). CI checks them on the simulated
+device; the step's metrics carry them (`last_counts`, the last complete step's)."""
 
 from __future__ import annotations
 
@@ -15,6 +21,9 @@ from ..runtime.ledger import Ledger
 from ..runtime.trace import Phase
 
 
+COUNTS = ("hook_calls", "grad_copies", "host_waits_forward", "host_waits_backward")
+
+
 class Timeline:
     """Gets the ledger (its totals are a moment's bytes)."""
 
@@ -24,10 +33,14 @@ class Timeline:
         self.rows: list[dict] = []
         self.recording = False
         self.phase_times = {Phase.FORWARD.value: 0.0, Phase.BACKWARD.value: 0.0, Phase.UPDATE.value: 0.0}
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self.last_counts: dict[str, int] = {}
 
     def begin_step(self, steps: int) -> None:
         """Record the second step (the first that follows a schedule), or the warm-up while no
         step has been recorded yet."""
+        for k in self.counts:  # (in place: the gradient router holds the dict)
+            self.counts[k] = 0
         self.recording = steps == 1 or (steps == 0 and not self.rows)
         if self.recording:
             self.rows = []
@@ -43,6 +56,9 @@ class Timeline:
         t0 = time.perf_counter()
         yield
         self.phase_times[phase.value] += time.perf_counter() - t0
+
+    def end_step(self) -> None:
+        self.last_counts = dict(self.counts)
 
     def reset(self) -> None:
         self.phase, self.rows = Phase.IDLE, []

@@ -32,6 +32,22 @@ def device_needs(*, compute: Sequence[int], home: Sequence[int], module_chunks: 
                        home_bytes=tuple(home), compute_bytes=tuple(compute))
 
 
+#: Blocks are the unit of residency (one pair of hooks per block, its chunks acquired together
+#: and kept through its recompute and backward) when their needs fit the gpu budget and the
+#: window they take, the widest block's chunks plus one being fetched, is at most 1/BLOCK_SHARE
+#: of it; under a tighter budget, the module is the unit (a smaller window fits more) at the cost
+#: of a pair of hooks per module. The minimum budget is always the modules'. Engine and planner
+#: both decide with `units_are_blocks`, once the activations are known.
+BLOCK_SHARE = 4
+
+
+def units_are_blocks(block_needs: DeviceNeeds, gpu_budget: "int | None") -> bool:
+    """Whether the blocks are the units of residency: `block_needs`, the step's needs with blocks
+    as the units (the allocator's margin counted among its activations); None: unlimited."""
+    return gpu_budget is None or (block_needs.stream_window * BLOCK_SHARE <= gpu_budget
+                                  and block_needs.minimum <= gpu_budget)
+
+
 #: The CUDA allocator's room beside the ledger (offload.engine.workspace): the placement leaves
 #: what the warm-up measured the allocator holding outside the ledger plus this margin for its
 #: fragmentation: at least one small segment, or 1/16 of the gpu budget (125-295 MiB of 6 GiB

@@ -49,7 +49,8 @@ from .perfmodel import (KINDS, LoraAct, StepLoad, activation_bytes, activation_p
 from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
 from .lora import LoraModel, base_dtype_of, frozen_chunk_bytes, lora_specs, step_trace
 from .schedule import plan_schedule
-from .needs import MARGIN_SHARE, device_needs, minimum_with_margin, workspace_margin, zo_workspace
+from .needs import (MARGIN_SHARE, device_needs, minimum_with_margin, units_are_blocks, workspace_margin,
+                    zo_workspace)
 from .placement import DeviceNeeds, DevicePlan, plan_device
 from . import ranks as multi
 from .ranks import Collectives, RankPlan
@@ -251,6 +252,28 @@ def _module_of(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
+def block_of(names: Sequence[str]) -> dict[str, str]:
+    """Each parameter name's unit of residency, as the engine's module hooks see it
+    (offload.engine.needs.module_chunks): its repeated block (`model.layers.7`: of the indexed
+    collection with the most entries, the first on a tie, as offload.engine.model_info.find_blocks
+    picks the largest ModuleList), else the module that owns it."""
+    seen: dict[str, set[str]] = {}
+    for n in names:
+        parts = n.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part.isdigit():
+                seen.setdefault(".".join(parts[:i]), set()).add(part)
+    best = max(seen, key=lambda k: len(seen[k]), default=None)  # (max: the first of the largest)
+    if best is None or len(seen[best]) < 2:
+        return {n: _module_of(n) for n in names}
+    head = best + "." if best else ""
+    out = {}
+    for n in names:
+        index, _, inner = n[len(head):].partition(".") if n.startswith(head) else ("", "", "")
+        out[n] = head + index if index.isdigit() and inner else _module_of(n)
+    return out
+
+
 class _Chunks:
     """The engine's chunking of `model` and the bytes of every kind of every chunk.
 
@@ -320,9 +343,22 @@ class _Chunks:
         self.compute = [self.ce * c.numel for c in self.plan.chunks]
         modules: dict[str, set[int]] = defaultdict(set)
         owned: dict[str, int] = defaultdict(int)
+        unit = {n: _module_of(n) for n in self.plan.slots}
+        self.block_units = False  # the blocks are the units of residency (choose_blocks)
+        self.modules_minimum: int | None = None
+        self.block_sets: dict[str, set[int]] | None = None
+        if self.needs_grad:  # (MeZO perturbs each module in its own forward: its units are the modules)
+            blocks = block_of(list(self.plan.slots))
+            if any(blocks[n] != unit[n] for n in unit):
+                self.block_sets = defaultdict(set)
+                for name, slot in self.plan.slots.items():
+                    self.block_sets[blocks[name]].add(slot.chunk)
+        self.plain_modules: dict[str, set[int]] = defaultdict(set)  # each module -> its chunks
         for name, slot in self.plan.slots.items():
-            modules[_module_of(name)].add(slot.chunk)
-            owned[_module_of(name)] += slot.numel
+            self.plain_modules[_module_of(name)].add(slot.chunk)
+        for name, slot in self.plan.slots.items():
+            modules[unit[name]].add(slot.chunk)
+            owned[unit[name]] += slot.numel
         self.widest = max((sum(self.compute[c] for c in cids) for cids in modules.values()), default=0)
         self.largest_param = max((s.numel for s in self.plan.slots.values() if s.chunk not in self.frozen),
                                  default=0)  # frozen parameters send no gradient
@@ -341,9 +377,9 @@ class _Chunks:
         block's chunks are fetched once for its recompute and backward when the cache holds
         them until then; the smallest cache fetches some twice."""
         keep = set(streamed)
-        events = [(k, c) for k, c in step_trace({m: set(c) for m, c in self.modules.items()},
+        events = [(k, c) for k, c in step_trace({m: set(c) for m, c in self.plain_modules.items()},
                                                  layers=self.layers, targets=self.targets, tied=self.tied,
-                                                 recompute=recompute) if c in keep]
+                                                 recompute=recompute, blocks=self.block_units) if c in keep]
         if not events:
             return {}
         sizes = {c: self.compute[c] for c in keep}
@@ -369,12 +405,34 @@ class _Chunks:
         the simulated device, which decodes in place."""
         return max((self.kinds[c]["compute"] for c in self.encoded), default=0) if self.cuda else 0
 
+    def choose_blocks(self, *, buffers: int, activations: int, gpu_budget: int | None, margin: int) -> bool:
+        """The engine's choice of units (offload.plan.needs.units_are_blocks) for these activations
+        and budget: when the blocks are, they become `modules` (the needs and the trace follow)."""
+        if self.block_sets is None or self.block_units:
+            return self.block_units
+        plain = self.device_needs(buffers=buffers, activations=activations)
+        units, self.modules = self.modules, self.block_sets
+        needs = self.device_needs(buffers=buffers, activations=activations + margin)
+        if not units_are_blocks(needs, gpu_budget):
+            self.modules = units
+            return False
+        self.block_units = True
+        self.modules_minimum = plain.minimum  # the smallest budget's: the modules are its units
+        self.widest = max((sum(self.compute[c] for c in cids) for cids in self.modules.values()), default=0)
+        return True
+
     def device_needs(self, *, buffers: int, activations: int) -> DeviceNeeds:
         """`needs.device_needs` for this model, as the engine's `_device_needs` calls it."""
         return device_needs(compute=self.compute, home=[sum(k.values()) for k in self.kinds],
                             module_chunks=self.modules.values(), module_numels=self.owned.values(),
                             largest_param=self.largest_param, element_size=self.ce,
                             needs_grad=self.needs_grad, buffers=buffers, activations=activations)
+
+
+def _minimum(ch: _Chunks, needs: DeviceNeeds, margin: int) -> int:
+    """The smallest gpu budget of this run (with the modules as the units: the smallest window)."""
+    m = ch.modules_minimum if ch.modules_minimum is not None else needs.minimum
+    return minimum_with_margin(m) if margin else m
 
 
 def _is_encoded(plan: ChunkPlan, cid: int, base_dtype: str | None, plain: str, lora: LoraModel) -> bool:
@@ -529,6 +587,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
             f"{format_size(needs.stream_window)}, gradient reserve {format_size(needs.grad_reserve)}, "
             f"activations {format_size(act)} at batch {batch_size} x {seq_len}{' padded' if padded else ''}{beside})",
             minimum={"gpu": minimum})
+    if ch.choose_blocks(buffers=needs.buffers, activations=act, gpu_budget=gpu, margin=margin):
+        needs = ch.device_needs(buffers=needs.buffers, activations=act)
     placed = dataclasses.replace(needs, activations=needs.activations + margin)  # what plan_device leaves
     if nproc_per_node * nnodes > 1:
         multi.check_layout(hw, nproc_per_node=nproc_per_node, nnodes=nnodes, cost=ch.cost)
@@ -864,7 +924,7 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
     gpu_params = sum(ch.params[c] for c in device.gpu_home)
     return Plan(model=model.name, hardware=hw.name, precision=precision, budgets=budgets,
                 num_params=ch.num_params, num_chunks=ch.n, bytes=by_tier, reserve=reserve, peak=peak,
-                gpu_minimum=minimum_with_margin(needs.minimum) if margin else needs.minimum,
+                gpu_minimum=_minimum(ch, needs, margin),
                 workspace_margin=margin, cache_limit=device.cache_limit, chunk_homes=tuple(chunk_homes),
                 gpu_update_params=gpu_params, cpu_update_params=ch.trainable_params - gpu_params,
                 phases=pred.phases, step_s=pred.step_s, bottleneck=pred.bottleneck,

@@ -6,7 +6,12 @@ carries no policy: what to move and when is decided by the engine's schedule.
 
 Simulated device: one thread per direction (PCIe is full duplex), each copy optionally
 throttled by a Link so that overlap can be measured on a CPU-only machine.
-CUDA: one stream per direction; a Ticket is an event the compute stream waits on.
+CUDA: one stream per direction; a Ticket is an event the compute stream waits on. A job that
+leaves no host buffer for a later one to overwrite (`reuses_host=False`: a fill from a chunk's
+pinned home) is done for the launching thread once its copy is enqueued: the compute stream
+waits on its event, the host on nothing. One that reads a reused host buffer (an NVMe bounce
+buffer, an update set) is waited for by its worker before the lane's next job, and its ticket
+by the host: what the counters call a host wait (`host_sync`).
 Every copy goes through its lane's worker, also on CUDA: enqueueing device-only copies from
 the calling thread instead ("direct copies") was measured on an H200 (bench/README.md,
 gpu_check.sh, 2026-12-04 third session) 1.18-1.24x slower per step and changed a QLoRA run's
@@ -30,23 +35,38 @@ class Ticket:
     """Completion of one transfer. `wait()` is called on the compute thread before use (or on a
     CPU thread that reads the host memory it filled)."""
 
-    def __init__(self, future: Future, event: "torch.cuda.Event | None" = None):
+    def __init__(self, future: Future, event: "torch.cuda.Event | None" = None, *, host_sync: bool = True):
         self._future = future
         self._event = event
+        # on CUDA, waiting for this ticket waits for the device's copy to finish (a host wait on
+        # device progress); the simulated device sets it as CUDA would, for the counters
+        self.host_sync = host_sync
 
     def done(self) -> bool:
-        return self._future.done()
+        """The transfer is over (on CUDA, without waiting: its event is queried)."""
+        if not self._future.done():
+            return False
+        return self.host_sync or self._event is None or self._event.query()
 
     @property
     def future(self) -> Future:
-        """Done once the transfer is over (on CUDA: its bytes have landed, for copies and jobs
-        whose destination or source is host memory)."""
+        """Done once the transfer is over, for copies and jobs with `host_sync` (on CUDA: their
+        bytes have landed); for the others, once their copies are enqueued."""
         return self._future
 
     def wait(self) -> None:
+        """The compute stream may use the bytes (on CUDA the host waits for the enqueue only,
+        unless `host_sync`)."""
         self._future.result()  # re-raises a copy error on the compute thread
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
+
+    def landed(self) -> None:
+        """(A host consumer, any thread.) Wait until the bytes have landed; no stream waits on
+        anything (the update worker's thread would otherwise make the compute stream wait)."""
+        self._future.result()
+        if self._event is not None and not self.host_sync:
+            self._event.synchronize()
 
     def settle(self) -> None:
         """Wait until the transfer is over, failed or not: its buffer is being dropped (a failed
@@ -85,6 +105,7 @@ class Executor:
                                            name=f"tierwise-{lane.name}")
             lane.thread.start()
         self.wait_seconds = 0.0  # compute-thread time spent waiting on tickets
+        self.host_waits = 0  # of those waits, the ones that wait for device progress (Ticket.host_sync)
 
     def _work(self, lane: _Lane) -> None:
         while True:
@@ -140,14 +161,17 @@ class Executor:
             if then is not None:
                 then()
 
-        return Ticket(self._submit(lane_name, run), done_event)
+        return Ticket(self._submit(lane_name, run), done_event, host_sync=accumulate or lane_name == "d2h")
 
     def job(self, lane_name: str, fn: Callable[["torch.cuda.Stream | None"], None], *,
-            nbytes: int, links: tuple[Link, ...] = ()) -> Ticket:
+            nbytes: int, links: tuple[Link, ...] = (), reuses_host: bool = True) -> Ticket:
         """Run `fn(stream)` on a lane's worker (e.g. read a swap file, then copy to the device).
 
         On CUDA, `fn` issues its device copies on `stream`; the Ticket's event follows them.
-        The lane's link (and `links`, e.g. a CXL link) are charged `nbytes`.
+        The lane's link (and `links`, e.g. a CXL link) are charged `nbytes`. `reuses_host`: fn
+        reads a host buffer a later job may overwrite, so its worker waits for its copies to
+        land before the next job (and so does a host waiting on its ticket); False: its ticket
+        is done for the compute stream once enqueued.
         """
         lane = self.lanes[lane_name]
         ready = None
@@ -164,16 +188,18 @@ class Executor:
                     lane.stream.wait_event(ready)
                     fn(lane.stream)
                     done_event.record(lane.stream)
-                done_event.synchronize()  # fn's host buffers may be reused by the next job
+                if reuses_host:
+                    done_event.synchronize()  # fn's host buffers may be reused by the next job
             else:
                 fn(None)
             for link in (lane.link, *links):
                 link.wait_for(nbytes, start)
 
-        return Ticket(self._submit(lane_name, run), done_event)
+        return Ticket(self._submit(lane_name, run), done_event, host_sync=reuses_host)
 
     def wait(self, ticket: Ticket) -> None:
         """Wait on the compute thread, counting the time spent (not overlapped)."""
+        self.host_waits += ticket.host_sync and not ticket.done()  # (a landed copy: no wait)
         if ticket.done() and not self.cuda:
             ticket.wait()
             return

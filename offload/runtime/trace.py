@@ -72,6 +72,11 @@ class TraceFollower:
         self._recording = None
         self.retraces += 1
 
+    def reset(self) -> None:
+        """Forget the trace (the units of residency changed): the next step records a new one."""
+        self.events = self.actions = None
+        self._recording = None
+
     def end_step(self) -> None:
         if self.actions is not None and self.pos + 1 != len(self.events):
             self.drop()
