@@ -4,7 +4,6 @@ progress inside forward and backward. Each count comes from a run whose losses e
 PyTorch's, with the blocks as the units of residency and with the modules."""
 
 import pytest
-import torch
 
 from tierwise.offload import Budget, Engine
 from tierwise.offload.engine.model_info import find_blocks, modules_with_params

@@ -17,6 +17,7 @@ passes such parameters to the fused AdamW kernel as tensors of their own).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -52,6 +53,8 @@ def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
 
 def same_layout(shape: Sequence[int], a: Sequence[int], b: Sequence[int]) -> bool:
     """Strides `a` and `b` place every element of `shape` at the same position."""
+    if a == b:
+        return True
     return all(x == y for size, x, y in zip(shape, a, b) if size != 1)
 
 
@@ -84,8 +87,8 @@ class Slot:
         if self.stride is None:
             object.__setattr__(self, "stride", contiguous_strides(self.shape))
 
-    @property
-    def numel(self) -> int:
+    @functools.cached_property
+    def numel(self) -> int:  # (cached: read for every gradient a step hands over)
         return math.prod(self.shape)
 
     def flat(self, kind: Any) -> Any:

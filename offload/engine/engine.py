@@ -911,23 +911,27 @@ class Engine:
         self.residency.cache.evict_all()  # a compute copy kept over a step's end would be stale
         self.store.load(named_tensors, self.params)
 
-    def init_weights_(self, *, seed: int = 0, std: float = 0.02, frozen_only: bool = False) -> None:
+    def init_weights_(self, *, seed: int = 0, std: float = 0.02, frozen_only: bool = False,
+                      device: "str | torch.device" = "cpu") -> None:
         """Random initialisation in place, chunk by chunk: N(0, std) for matrices, ones for
         norm weights, zeros for biases (the Llama convention). For benchmarking and demos.
-        `frozen_only`: the frozen parameters only (a LoRA base; the adapters keep PEFT's init)."""
+        `frozen_only`: the frozen parameters only (a LoRA base; the adapters keep PEFT's init).
+        `device`: where each tensor is drawn (and an encoded base encoded) before it is stored:
+        "cuda" for a base of tens of billions of parameters (the CPU takes minutes); the
+        numbers then come from the device's generator, not the CPU's."""
         self._check_open()
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator(device=device).manual_seed(seed)
 
         def tensors():
             for name, slot in self.plan.slots.items():
                 if frozen_only and not self.plan.is_frozen(slot.chunk):
                     continue
                 if len(slot.shape) >= 2:
-                    yield name, torch.empty(slot.shape).normal_(0.0, std, generator=g)
+                    yield name, torch.empty(slot.shape, device=device).normal_(0.0, std, generator=g)
                 elif "norm" in name:
-                    yield name, torch.ones(slot.shape)
+                    yield name, torch.ones(slot.shape, device=device)
                 else:
-                    yield name, torch.zeros(slot.shape)
+                    yield name, torch.zeros(slot.shape, device=device)
 
         self.residency.cache.evict_all()  # a compute copy kept over a step's end would be stale
         self.store.load(tensors(), self.params)

@@ -137,7 +137,7 @@ class GradientRouter:
         early, as its update (and the rewrite of its cached copy, offload.engine.residency) would
         change what backward still reads. Later, such a read of a chunk already updated early is
         refused (the backward changed since the first one)."""
-        if self.plan.is_frozen(cid):
+        if cid in self.plan.frozen:
             return
         if self.uses is None:
             self._read_at[cid] = {n: self._counts.get(n, 0) for n in self.plan.chunks[cid].params}

@@ -124,6 +124,7 @@ class ChunkStore:
         self.grad_scale: torch.Tensor | None = None  # clipping factor still owed to NVMe gradients
         self.bounce: Any = None  # offload.runtime.swapping.Bounce, set by the engine when NVMe is in use
         self.chunks = [self._allocate(c.index, homes[c.index]) for c in plan.chunks]
+        self._gpu_home: dict[int, bool] = {}  # is_gpu_home, remembered (asked for every acquisition)
 
     # -- allocation -----------------------------------------------------------------------
     def _new(self, cid: int, kind: str, name: str, tier: str, dtype: torch.dtype, numel: int | None = None) -> Any:
@@ -207,6 +208,7 @@ class ChunkStore:
         new.step.copy_(old.step)
         self._free(old)
         self.chunks[cid] = new
+        self._gpu_home.pop(cid, None)
         if not self.is_encoded(cid):  # an encoded chunk's params point at a decoded cache buffer per use
             self.point_params(cid, self.compute_source(cid), params)
 
@@ -226,7 +228,10 @@ class ChunkStore:
 
     def is_gpu_home(self, cid: int) -> bool:
         """The parameters point at the home compute copy for good (never an encoded chunk)."""
-        return self.in_gpu_tier(cid) and self.frozen.get(cid) is None
+        home = self._gpu_home.get(cid)
+        if home is None:
+            home = self._gpu_home[cid] = self.in_gpu_tier(cid) and self.frozen.get(cid) is None
+        return home
 
     def decodes_on_device(self, cid: int) -> bool:
         """An encoded chunk whose blob lives in the gpu tier: each use decodes it into a cache
