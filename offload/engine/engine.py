@@ -90,6 +90,7 @@ from .early import EarlyUpdater
 from .gradients import GradientRouter
 from .gradspill import GradSpill
 from .frozen_base import frozen_layouts
+from .tiled import tiled, tiled_mlps
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from .lora import apply_lora
 from .model_info import check_dense_grads, check_no_own_checkpointing, check_trainable_dtypes, find_blocks
@@ -435,6 +436,10 @@ class Engine:
         self.tracker = ActivationTracker(res, self.ledger, self.device)
         if checkpointing:
             surgery.disable_kv_cache()  # a KV cache would see each block twice (recompute)
+            config = getattr(model, "config", None)
+            for mlp, width in tiled_mlps(self.blocks, getattr(config, "model_type", None)):
+                surgery.patch_forward(mlp, lambda f, m=mlp, w=width: tiled(
+                    f, m, width=w, context=lambda: res.recompute(self.tracker.hooks())))
             for block in self.blocks:
                 surgery.patch_forward(block, lambda f, b=block: checkpointed(
                     f, context=lambda: res.recompute(self.tracker.hooks()), hold=lambda b=b: res.holding(b),

@@ -82,6 +82,19 @@ def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad
     return e * t * h + (e * vocab * h if head_grad else 0)
 
 
+#: A recomputed block's MLP runs in sequence tiles of this many bytes of intermediates
+#: (offload.engine.tiled), in these families (a token-wise `mlp` of gate, up and down).
+MLP_TILE_BYTES = 256 << 20
+TILED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite",
+                            "cohere", "olmo", "olmo2", "phi3", "smollm3"})
+
+
+def mlp_tile_tokens(width: int, itemsize: int, rows: int, tile_bytes: "int | None" = None) -> int:
+    """Tokens of an MLP tile: its 3 x rows x tokens x width intermediates within `tile_bytes`
+    (None: MLP_TILE_BYTES as it is at the call)."""
+    return max(1, (tile_bytes or MLP_TILE_BYTES) // (3 * width * itemsize * max(1, rows)))
+
+
 def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
                      checkpointing: bool | None = None, padded: bool = False,
                      lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int] | None" = None,
@@ -99,7 +112,9 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             the normalised and the weighted output (e*T*h each)
     block   one layer's internals while it is recomputed: 2 norms, q/k/v after rotary and the
             attention output (e*T*(2 q_dim + 2 kv_dim)), the logsumexp (fp32, B*heads*S), the
-            MLP's gate, up, silu and product (4 e*T*i); with padding also SDPA's additive mask
+            MLP's gate, up, silu and product (4 e*T*i; of one tile, B x mlp_tile_tokens, where
+            the MLP runs in tiles: a TILED_FAMILIES model longer than a tile; its input is the
+            norm's output, already counted); with padding also SDPA's additive mask
             (e*B*S*S) and k/v repeated to every query head (2 e*T*(q_dim - kv_dim) more: SDPA
             takes grouped heads only without a mask); 0 without checkpointing
     layers  without checkpointing, every layer's internals (layers * that), held from forward
@@ -152,13 +167,16 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     layers = model.num_hidden_layers
     if padded:  # the additive mask and k/v repeated per query head, as SDPA saves them
         attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
-    internals = first_norm + attention + norm + 4 * e * t * i
+    # the MLP's tokens at once: a tile's when it runs in tiles (offload.engine.tiled)
+    mlp_t = batch_size * min(s, mlp_tile_tokens(i, e, batch_size)) if (
+        checkpoints_blocks(model, checkpointing) and model.family in TILED_FAMILIES) else t
+    internals = first_norm + attention + norm + 4 * e * mlp_t * i
     mask = batch_size * s * s if padded and checkpointed else 0  # bool, saved as a block input
     # rotary cos/sin (e each) and position ids (int64, saved by a checkpointed block), per row or shared
     positions = (batch_size if row_positions else 1) * s * (2 * model.dim_per_head * e + (8 if checkpointed else 0))
     if lora is not None:
         parts = _lora_parts(lora, e=e, t=t, s=s, h=h, i=i, layers=layers, attention=attention, fixed=mask + positions,
-                            checkpointed=checkpointed, model=model, batch_size=batch_size)
+                            checkpointed=checkpointed, model=model, batch_size=batch_size, mlp_t=mlp_t)
     else:
         parts = {
             "fixed": 8 * t + positions + mask,
@@ -178,14 +196,20 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
 
 
 def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int]", *, e: int, t: int, s: int, h: int, i: int, layers: int,
-                attention: int, fixed: int, checkpointed: bool, model: ModelProfile, batch_size: int) -> dict[str, int]:
-    """activation_parts of a LoRA run (see there)."""
+                attention: int, fixed: int, checkpointed: bool, model: ModelProfile, batch_size: int,
+                mlp_t: int) -> dict[str, int]:
+    """activation_parts of a LoRA run (see there). `mlp_t`: the MLP's tokens at once (a tile's
+    when it runs in tiles, which it does not with dropout; its input is then saved whatever the
+    targets)."""
     targets, rank, drop = (*lora, None) if len(lora) == 2 else lora
+    if drop is not None:
+        mlp_t = t  # (dropout's noise would be drawn per tile: untiled)
     fp32_copy = 4 * t * h
     first = 4 * t + (fp32_copy if e != 4 else 0) + (e * t * h if targets & {"q_proj", "k_proj", "v_proj"} else 0)
-    post = 4 * t + fp32_copy + (e * t * h if targets & {"gate_proj", "up_proj"} else 0)
-    mlp = 3 * e * t * i + (e * t * i if "down_proj" in targets else 0)
-    internals = first + attention + post + mlp + e * t * rank * len(targets)
+    post = 4 * t + fp32_copy + (e * t * h if targets & {"gate_proj", "up_proj"} or mlp_t != t else 0)
+    mlp = 3 * e * mlp_t * i + (e * mlp_t * i if "down_proj" in targets else 0)
+    mlp_targets = len(targets & {"gate_proj", "up_proj", "down_proj"})
+    internals = first + attention + post + mlp + e * rank * (t * (len(targets) - mlp_targets) + mlp_t * mlp_targets)
     if drop is not None:
         internals += _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim, grad_in=lambda part: True)
     # without recompute, layer 0 saves nothing for the part before its first targeted linear:

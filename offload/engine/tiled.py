@@ -1,0 +1,127 @@
+"""Token-wise parts of a block run in sequence tiles: no intermediate of the whole sequence.
+
+A Llama-family MLP (gate, up, their product, down) makes 3 to 4 tensors of tokens x
+intermediate size: at 32K tokens and an 8B model's 14,336 that is 0.94 GB each in bf16. It
+is token-wise (each token's output depends on that token alone), so it can run a tile of
+tokens at a time:
+- forward (the block's first, gradient-free forward, and its recompute): tile by tile into
+  one output tensor;
+- backward: each tile is computed again with gradients and backpropagated at once; the input's
+  gradient is written tile by tile, the parameters' gradients are summed over the tiles and
+  handed to autograd once (so the engine's gradient hooks see one contribution per backward,
+  whatever the number of tiles).
+Only the MLP's input is kept for backward; at most one tile's intermediates exist at a time.
+
+Exactness: every output row is computed as without tiles; the parameters' gradients are the
+same sums in another order (the tiles'), so they agree with the untiled ones to rounding
+(tests/test_tiled_mlp.py, fp32: within 1e-6 of their norm). An MLP with an active dropout is not tiled (its
+noise would be drawn per tile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from ..plan.perfmodel import MLP_TILE_BYTES, TILED_FAMILIES, mlp_tile_tokens
+
+#: Bytes of the intermediates one tile may hold (its gate, up, product: 3 x tokens x width):
+#: the tile is as many tokens as fit, and a sequence of one tile runs untiled. The planner's
+#: (offload.plan.perfmodel): one place for the figure both use.
+TILE_BYTES = MLP_TILE_BYTES
+#: Families whose decoder layer's `mlp` is token-wise and returns one tensor (no router).
+FAMILIES = TILED_FAMILIES
+tile_tokens = mlp_tile_tokens
+
+
+def _tiles(n: int, size: int) -> list[tuple[int, int]]:
+    return [(a, min(n, a + size)) for a in range(0, n, size)]
+
+
+class _TiledMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], spec: tuple, x: torch.Tensor,  # type: ignore[override]
+                *params: torch.Tensor) -> torch.Tensor:
+        tiles, ctx.context = spec
+        ctx.run, ctx.tiles, ctx.params = run, tiles, params  # (the parameters themselves: leaves)
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return _forward(run, tiles, x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        want_x = ctx.needs_input_grad[2]
+        wanted = [p for p, need in zip(ctx.params, ctx.needs_input_grad[3:]) if need]
+        gx = torch.empty_like(x) if want_x else None
+        sums: list[torch.Tensor | None] = [None] * len(wanted)
+        for a, b in ctx.tiles:
+            with torch.enable_grad(), ctx.context():  # what the tile saves is the engine's to keep
+                xt = x[:, a:b].detach().requires_grad_(want_x)
+                yt = ctx.run(xt)
+            got = torch.autograd.grad(yt, ([xt] if want_x else []) + wanted, grad[:, a:b], allow_unused=True)
+            if want_x:
+                gx[:, a:b] = got[0]
+                got = got[1:]
+            for k, g in enumerate(got):
+                if g is not None:
+                    sums[k] = g if sums[k] is None else sums[k].add_(g)
+            del xt, yt, got
+        it = iter(sums)
+        grads = [next(it) if need else None for need in ctx.needs_input_grad[3:]]
+        return (None, None, gx, *grads)
+
+
+def _forward(run: Callable[[torch.Tensor], torch.Tensor], tiles: list, x: torch.Tensor) -> torch.Tensor:
+    out = None
+    for a, b in tiles:
+        y = run(x[:, a:b])
+        if out is None:
+            out = y.new_empty((y.shape[0], x.shape[1], *y.shape[2:]))
+        out[:, a:b] = y
+    assert out is not None
+    return out
+
+
+def _active_dropout(mod: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training for m in mod.modules())
+
+
+def tiled(forward: Callable[..., torch.Tensor], mlp: torch.nn.Module, *, width: int,
+          tile_bytes: "int | None" = None, context: Callable[[], Any] = contextlib.nullcontext
+          ) -> Callable[..., torch.Tensor]:
+    """`forward` of `mlp` (token-wise, [batch, tokens, hidden] -> the same) run in sequence
+    tiles when the sequence is longer than one tile (`width`: the MLP's intermediate size;
+    `tile_bytes`: None, TILE_BYTES as it is at the call). `context()`: what a tile's computation
+    in backward runs under (the engine's saved-tensor hooks: a weight it saves is a chunk's,
+    which may leave the device before the tile's backward reads it)."""
+    def wrapper(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs or x.dim() != 3 or _active_dropout(mlp):
+            return forward(x, *args, **kwargs)
+        size = tile_tokens(width, x.element_size(), x.shape[0], tile_bytes or TILE_BYTES)  # (this module's: tests set it)
+        if x.shape[1] <= size:
+            return forward(x)
+        tiles = _tiles(x.shape[1], size)
+        if not torch.is_grad_enabled():
+            return _forward(forward, tiles, x)
+        params = [p for p in mlp.parameters() if p.requires_grad]
+        return _TiledMLP.apply(forward, (tiles, context), x, *params)
+
+    return wrapper
+
+
+def tiled_mlps(blocks: list[torch.nn.Module], model_type: "str | None") -> list[tuple[torch.nn.Module, int]]:
+    """(mlp, its intermediate size) of each block whose MLP runs in tiles: a family in FAMILIES,
+    the block's `mlp` child with a gate/up/down projection (refused otherwise: left untiled)."""
+    if model_type not in FAMILIES:
+        return []
+    out = []
+    for b in blocks:
+        mlp = getattr(b, "mlp", None)
+        up = getattr(mlp, "up_proj", None)
+        width = getattr(getattr(up, "base_layer", up), "out_features", None)
+        if mlp is not None and width and hasattr(mlp, "down_proj"):
+            out.append((mlp, int(width)))
+    return out
