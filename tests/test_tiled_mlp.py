@@ -124,17 +124,19 @@ def test_planned_activations_with_tiled_mlps_are_what_the_engine_measures(monkey
     def measure(tile_bytes):
         monkeypatch.setattr(tiled_mod, "TILE_BYTES", tile_bytes)
         monkeypatch.setattr(perfmodel, "MLP_TILE_BYTES", tile_bytes)
-        torch.manual_seed(0)
+        planned = perfmodel.activation_bytes(model=profile, batch_size=1, seq_len=seq, precision=precision,
+                                             checkpointing=True, lora=(targets, 4) if lora else None)
+        torch.manual_seed(0)  # (placed up front for the plan's activations, as finetune does: the blocks
+        # are the units, and so the MLPs tile, from the first step)
         eng = Engine(transformers.LlamaForCausalLM(profile.to_hf_config()), budget=Budget(chunk=4 << 20),
-                     precision=Precision(precision), activations=Activations(recompute=True),
+                     precision=Precision(precision), activations=Activations(recompute=True, expected=planned),
                      lora=LoraConfig(r=4, lora_alpha=8, target_modules=sorted(targets)) if lora else None)
         try:
+            assert eng.units_are_blocks
             eng.step({"input_ids": x, "labels": x})
             measured = eng.ledger.kind_peak("gpu", "activation")
         finally:
             eng.close()
-        planned = perfmodel.activation_bytes(model=profile, batch_size=1, seq_len=seq, precision=precision,
-                                             checkpointing=True, lora=(targets, 4) if lora else None)
         return measured, planned
 
     measured, planned = measure(4 << 20)

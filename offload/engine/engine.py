@@ -415,8 +415,11 @@ class Engine:
         self.surgery.keep(self._unit_hooks)
 
     def _hooked(self) -> list[torch.nn.Module]:
-        """The modules whose forward is a frame: the model itself (a call outside the engine is
-        refused by its name) and the units."""
+        """The modules whose forward is a frame: with the blocks as the units, the model itself
+        (a call outside the engine is refused by its name) and the units; with the modules,
+        every module (a parameter read outside its owner is held for the innermost one)."""
+        if not self.units_are_blocks:
+            return list(self.model.modules())
         return [self.model, *(m for m in self.module_chunks if m is not self.model)]
 
     def _install_hooks(self, model: torch.nn.Module, checkpointing: bool | None) -> None:
@@ -439,7 +442,8 @@ class Engine:
             config = getattr(model, "config", None)
             for mlp, width in tiled_mlps(self.blocks, getattr(config, "model_type", None)):
                 surgery.patch_forward(mlp, lambda f, m=mlp, w=width: tiled(
-                    f, m, width=w, context=lambda: res.recompute(self.tracker.hooks())))
+                    f, m, width=w, context=lambda: res.recompute(self.tracker.hooks()),
+                    enabled=lambda: self.units_are_blocks))
             for block in self.blocks:
                 surgery.patch_forward(block, lambda f, b=block: checkpointed(
                     f, context=lambda: res.recompute(self.tracker.hooks()), hold=lambda b=b: res.holding(b),

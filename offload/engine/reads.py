@@ -53,7 +53,7 @@ class ReadGuard(TorchFunctionMode):
             for a in (*args, *kwargs.values()) if kwargs else args:
                 if id(a) in ids:
                     self.on_read(a)
-                elif type(a) is list or type(a) is tuple:
+                elif isinstance(a, (list, tuple)):  # (a C check for builtin types; namedtuples too)
                     for b in a:
                         if id(b) in ids:
                             self.on_read(b)

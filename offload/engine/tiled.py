@@ -65,12 +65,13 @@ class _TiledMLP(torch.autograd.Function):
             if want_x:
                 gx[:, a:b] = got[0]
                 got = got[1:]
-            for k, g in enumerate(got):
+            for k, g in enumerate(got):  # (summed in fp32: one rounding to a bf16 weight's dtype, at the end)
                 if g is not None:
-                    sums[k] = g if sums[k] is None else sums[k].add_(g)
+                    sums[k] = g.float() if sums[k] is None else sums[k].add_(g)
             del xt, yt, got
         it = iter(sums)
         grads = [next(it) if need else None for need in ctx.needs_input_grad[3:]]
+        grads = [g if g is None or p is None else g.to(p.dtype) for g, p in zip(grads, ctx.params)]
         return (None, None, gx, *grads)
 
 
@@ -90,15 +91,17 @@ def _active_dropout(mod: torch.nn.Module) -> bool:
 
 
 def tiled(forward: Callable[..., torch.Tensor], mlp: torch.nn.Module, *, width: int,
-          tile_bytes: "int | None" = None, context: Callable[[], Any] = contextlib.nullcontext
-          ) -> Callable[..., torch.Tensor]:
+          tile_bytes: "int | None" = None, context: Callable[[], Any] = contextlib.nullcontext,
+          enabled: Callable[[], bool] = lambda: True) -> Callable[..., torch.Tensor]:
     """`forward` of `mlp` (token-wise, [batch, tokens, hidden] -> the same) run in sequence
     tiles when the sequence is longer than one tile (`width`: the MLP's intermediate size;
     `tile_bytes`: None, TILE_BYTES as it is at the call). `context()`: what a tile's computation
     in backward runs under (the engine's saved-tensor hooks: a weight it saves is a chunk's,
-    which may leave the device before the tile's backward reads it)."""
+    which may leave the device before the tile's backward reads it). `enabled()`: whether to
+    tile now (the engine's: where the blocks are its units of residency, whose chunks stay on
+    the device through all the tiles; with the modules as units each tile would fetch them)."""
     def wrapper(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or kwargs or x.dim() != 3 or _active_dropout(mlp):
+        if args or kwargs or x.dim() != 3 or not enabled() or _active_dropout(mlp):
             return forward(x, *args, **kwargs)
         size = tile_tokens(width, x.element_size(), x.shape[0], tile_bytes or TILE_BYTES)  # (this module's: tests set it)
         if x.shape[1] <= size:

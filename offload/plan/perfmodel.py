@@ -86,7 +86,7 @@ def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad
 #: (offload.engine.tiled), in these families (a token-wise `mlp` of gate, up and down).
 MLP_TILE_BYTES = 256 << 20
 TILED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite",
-                            "cohere", "olmo", "olmo2", "phi3", "smollm3"})
+                            "cohere", "olmo", "olmo2", "smollm3"})  # (not phi3: one fused gate_up_proj)
 
 
 def mlp_tile_tokens(width: int, itemsize: int, rows: int, tile_bytes: "int | None" = None) -> int:
@@ -98,7 +98,7 @@ def mlp_tile_tokens(width: int, itemsize: int, rows: int, tile_bytes: "int | Non
 def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
                      checkpointing: bool | None = None, padded: bool = False,
                      lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int] | None" = None,
-                     row_positions: bool = False, offload: bool = False) -> dict[str, int]:
+                     row_positions: bool = False, offload: bool = False, tiles: bool = True) -> dict[str, int]:
     """Bytes autograd saves for backward, by part, as the engine counts them (per saved tensor
     storage, deduplicated) for a Hugging Face Llama-family model with SDPA attention and every
     decoder layer checkpointed. e = compute bytes, T = batch * seq tokens:
@@ -133,6 +133,9 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     forward and backward (offload.engine.actoffload): on the device at most two at once (one on
     its way out in forward; in backward the block's own and the one fetched ahead), the rest in
     `host_inputs` (a LoRA run's first block input, the frozen embedding's output, stays).
+
+    `tiles`: the MLP runs in tiles where it can (the engine tiles it where the blocks are its
+    units of residency: offload.plan.needs.units_are_blocks); False: never.
 
     `row_positions`: the batch carries position_ids per row (packed rows kept apart,
     cli.data): the rotary cos/sin and the position ids are then per row (B x S), not shared.
@@ -169,7 +172,7 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
         attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
     # the MLP's tokens at once: a tile's when it runs in tiles (offload.engine.tiled)
     mlp_t = batch_size * min(s, mlp_tile_tokens(i, e, batch_size)) if (
-        checkpoints_blocks(model, checkpointing) and model.family in TILED_FAMILIES) else t
+        tiles and checkpoints_blocks(model, checkpointing) and model.family in TILED_FAMILIES) else t
     internals = first_norm + attention + norm + 4 * e * mlp_t * i
     mask = batch_size * s * s if padded and checkpointed else 0  # bool, saved as a block input
     # rotary cos/sin (e each) and position ids (int64, saved by a checkpointed block), per row or shared
@@ -202,8 +205,8 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
     when it runs in tiles, which it does not with dropout; its input is then saved whatever the
     targets)."""
     targets, rank, drop = (*lora, None) if len(lora) == 2 else lora
-    if drop is not None:
-        mlp_t = t  # (dropout's noise would be drawn per tile: untiled)
+    if drop is not None and targets & {"gate_proj", "up_proj", "down_proj"}:
+        mlp_t = t  # (an adapter's dropout in the MLP would draw its noise per tile: untiled)
     fp32_copy = 4 * t * h
     first = 4 * t + (fp32_copy if e != 4 else 0) + (e * t * h if targets & {"q_proj", "k_proj", "v_proj"} else 0)
     post = 4 * t + fp32_copy + (e * t * h if targets & {"gate_proj", "up_proj"} or mlp_t != t else 0)
@@ -270,14 +273,15 @@ LoraAct = Optional[Union[tuple[frozenset[str], int], tuple[frozenset[str], int, 
 
 def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
                      backward: bool = True, checkpointing: bool | None = None, padded: bool = False,
-                     lora: LoraAct = None, row_positions: bool = False, offload: bool = False) -> int:
+                     lora: LoraAct = None, row_positions: bool = False, offload: bool = False,
+                     tiles: bool = True) -> int:
     """Peak bytes of saved activations in one step (see activation_parts; `padded`: the step's
     batch has padding). Without backward (zeroth-order optimizers) autograd saves nothing: 0."""
     if not backward:
         return 0
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                          checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions,
-                         offload=offload)
+                         offload=offload, tiles=tiles)
     return p["fixed"] + p["inputs"] + p["layers"] + max(p["block"], p["head"])
 
 

@@ -49,7 +49,7 @@ from .perfmodel import (KINDS, LoraAct, StepLoad, activation_bytes, activation_p
 from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
 from .lora import LoraModel, base_dtype_of, frozen_chunk_bytes, lora_specs, step_trace
 from .schedule import plan_schedule
-from .needs import (MARGIN_SHARE, device_needs, minimum_with_margin, units_are_blocks, workspace_margin,
+from .needs import (BLOCK_SHARE, MARGIN_SHARE, device_needs, minimum_with_margin, units_are_blocks, workspace_margin,
                     zo_workspace)
 from .placement import DeviceNeeds, DevicePlan, plan_device
 from . import ranks as multi
@@ -345,7 +345,7 @@ class _Chunks:
         owned: dict[str, int] = defaultdict(int)
         unit = {n: _module_of(n) for n in self.plan.slots}
         self.block_units = False  # the blocks are the units of residency (choose_blocks)
-        self.modules_minimum: int | None = None
+        self.gpu_minimum: int | None = None  # the smallest gpu budget, with either units (make_plan)
         self.block_sets: dict[str, set[int]] | None = None
         if self.needs_grad:  # (MeZO perturbs each module in its own forward: its units are the modules)
             blocks = block_of(list(self.plan.slots))
@@ -410,16 +410,24 @@ class _Chunks:
         and budget: when the blocks are, they become `modules` (the needs and the trace follow)."""
         if self.block_sets is None or self.block_units:
             return self.block_units
-        plain = self.device_needs(buffers=buffers, activations=activations)
         units, self.modules = self.modules, self.block_sets
         needs = self.device_needs(buffers=buffers, activations=activations + margin)
         if not units_are_blocks(needs, gpu_budget):
             self.modules = units
             return False
         self.block_units = True
-        self.modules_minimum = plain.minimum  # the smallest budget's: the modules are its units
         self.widest = max((sum(self.compute[c] for c in cids) for cids in self.modules.values()), default=0)
         return True
+
+    def block_needs(self, *, buffers: int, activations: int) -> "DeviceNeeds | None":
+        """The needs with the blocks as the units (None: no blocks, or MeZO)."""
+        if self.block_sets is None:
+            return None
+        units, self.modules = self.modules, self.block_sets
+        try:
+            return self.device_needs(buffers=buffers, activations=activations)
+        finally:
+            self.modules = units
 
     def device_needs(self, *, buffers: int, activations: int) -> DeviceNeeds:
         """`needs.device_needs` for this model, as the engine's `_device_needs` calls it."""
@@ -430,9 +438,11 @@ class _Chunks:
 
 
 def _minimum(ch: _Chunks, needs: DeviceNeeds, margin: int) -> int:
-    """The smallest gpu budget of this run (with the modules as the units: the smallest window)."""
-    m = ch.modules_minimum if ch.modules_minimum is not None else needs.minimum
-    return minimum_with_margin(m) if margin else m
+    """The smallest gpu budget of this run (with the modules as the units, or the blocks where
+    their tiled MLPs make it smaller: make_plan)."""
+    if ch.gpu_minimum is not None:
+        return ch.gpu_minimum
+    return minimum_with_margin(needs.minimum) if margin else needs.minimum
 
 
 def _is_encoded(plan: ChunkPlan, cid: int, base_dtype: str | None, plain: str, lora: LoraModel) -> bool:
@@ -562,9 +572,12 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     if lora is not None:  # dropout's saved mask: CPU dropout keeps its noise in the compute dtype, CUDA a bool
         lora_act = ((lora.targets, lora.rank, 1 if ch.cuda else compute_bytes(precision)) if lora_dropout
                     else (lora.targets, lora.rank))
-    act = activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                           backward=ch.needs_grad, checkpointing=checkpointing, padded=padded, lora=lora_act,
-                           row_positions=row_positions, offload=offload_activations)
+    def act_at(tiles: bool) -> int:  # (the blocks as the units: the MLPs in tiles; the modules: untiled)
+        return activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                                backward=ch.needs_grad, checkpointing=checkpointing, padded=padded, lora=lora_act,
+                                row_positions=row_positions, offload=offload_activations, tiles=tiles)
+
+    act, tiled_act = act_at(False), act_at(True)
     host_act = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                 checkpointing=checkpointing, padded=padded, lora=lora_act, row_positions=row_positions,
                                 offload=offload_activations)["host_inputs"] if ch.needs_grad else 0
@@ -574,11 +587,19 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
             raise InfeasibleBudget(f"host budget {format_size(host)} cannot hold the offloaded activations "
                                    f"({format_size(host_act)}); raise --cpu-mem", minimum={"host": host_act})
         homes_host = host - host_act
-    needs = ch.device_needs(buffers=buffer_bytes(model) + ch.staging(), activations=act)
+    buffers = buffer_bytes(model) + ch.staging()
     # CUDA: the engine leaves the allocator a margin of the budget beside its ledger (placed as
     # activations: offload.engine.workspace); the simulated device has no allocator
     margin = workspace_margin(gpu) if ch.cuda else 0
+    needs = ch.device_needs(buffers=buffers, activations=act)
     minimum = minimum_with_margin(needs.minimum) if margin else needs.minimum
+    blocks = ch.block_needs(buffers=buffers, activations=tiled_act)
+    if blocks is not None:  # the smallest budget that takes the blocks, if smaller
+        least = max(minimum_with_margin(blocks.minimum) if margin else blocks.minimum,
+                    BLOCK_SHARE * blocks.stream_window)
+        if least < minimum:
+            needs, act, minimum = blocks, tiled_act, least
+    ch.gpu_minimum = minimum
     if gpu < minimum:
         beside = f", workspace margin {format_size(minimum - needs.minimum)}" if margin else ""
         raise InfeasibleBudget(
@@ -587,8 +608,11 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
             f"{format_size(needs.stream_window)}, gradient reserve {format_size(needs.grad_reserve)}, "
             f"activations {format_size(act)} at batch {batch_size} x {seq_len}{' padded' if padded else ''}{beside})",
             minimum={"gpu": minimum})
-    if ch.choose_blocks(buffers=needs.buffers, activations=act, gpu_budget=gpu, margin=margin):
-        needs = ch.device_needs(buffers=needs.buffers, activations=act)
+    if ch.choose_blocks(buffers=buffers, activations=tiled_act, gpu_budget=gpu, margin=margin):
+        act = tiled_act
+        needs = ch.device_needs(buffers=buffers, activations=act)
+    else:
+        needs = ch.device_needs(buffers=buffers, activations=act)
     placed = dataclasses.replace(needs, activations=needs.activations + margin)  # what plan_device leaves
     if nproc_per_node * nnodes > 1:
         multi.check_layout(hw, nproc_per_node=nproc_per_node, nnodes=nnodes, cost=ch.cost)
@@ -878,7 +902,7 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
         return needs.activations + ch.zo_workspace
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                          checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions,
-                         offload=offload)
+                         offload=offload, tiles=ch.block_units)
     held = p["fixed"] + p["inputs"] + p["layers"]  # without checkpointing, every layer's internals
     streamed_grad = {name: ch.ce * s.numel for name, s in ch.plan.slots.items()
                      if s.chunk not in device.gpu_home and s.chunk not in ch.frozen}  # frozen: no gradient
