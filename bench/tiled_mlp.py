@@ -25,7 +25,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "devtree"))
 
 from tierwise.offload import Activations, Budget, Engine  # noqa: E402
-from tierwise.offload.engine import tiled  # noqa: E402
 from tierwise.offload.plan import perfmodel  # noqa: E402
 from tierwise.profiles import ModelProfile  # noqa: E402
 
@@ -51,7 +50,7 @@ def main() -> None:
     import copy
 
     for name, tile_bytes in cases.items():
-        tiled.TILE_BYTES = perfmodel.MLP_TILE_BYTES = tile_bytes
+        perfmodel.MLP_TILE_BYTES = tile_bytes
         planned = perfmodel.activation_bytes(model=profile, batch_size=1, seq_len=a.seq, precision="fp32",
                                              checkpointing=True)
         # placed up front for the planned activations, as finetune does (the blocks are the units
@@ -63,7 +62,7 @@ def main() -> None:
                      "times": [], "losses": []}
     for _ in range(a.repeat):
         for name, tile_bytes in cases.items():
-            tiled.TILE_BYTES = perfmodel.MLP_TILE_BYTES = tile_bytes
+            perfmodel.MLP_TILE_BYTES = tile_bytes
             t0 = time.perf_counter()
             out[name]["losses"].append(engines[name].step(batch))
             out[name]["times"].append(time.perf_counter() - t0)

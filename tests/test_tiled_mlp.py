@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from tierwise.offload import Budget, Engine, Optim
 from tierwise.offload.engine import tiled as tiled_mod
+from tierwise.offload.plan import perfmodel
 
 from tests.models import batches, tiny_llama, train_reference
 
@@ -25,7 +26,7 @@ def test_tiles_give_the_untiled_outputs_and_gradients(rows, tokens):
     mlp = _mlp()
     ref = copy.deepcopy(mlp)
     x = torch.randn(rows, tokens, 32)
-    size = tiled_mod.tile_tokens(96, 4, rows, tile_bytes=3 * 96 * 4 * rows * 10)  # 10 tokens a tile
+    size = perfmodel.mlp_tile_tokens(96, 4, rows, tile_bytes=3 * 96 * 4 * rows * 10)  # 10 tokens a tile
     assert size == 10
     run = tiled_mod.tiled(mlp.forward, mlp, width=96, tile_bytes=3 * 96 * 4 * rows * 10)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -54,7 +55,7 @@ def test_one_tile_and_dropout_run_untiled():
 
 
 def _engine_run(model, data, monkeypatch, *, tile_bytes, lora=None):
-    monkeypatch.setattr(tiled_mod, "TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(perfmodel, "MLP_TILE_BYTES", tile_bytes)
     eng = Engine(model, budget=Budget(gpu="2M", chunk=16 << 10), optim=Optim("sgd", lr=1e-2), lora=lora)
     try:
         return [eng.step(b) for b in data], dict(eng.named_parameters_fp32(trainable_only=True))
@@ -111,7 +112,6 @@ def test_planned_activations_with_tiled_mlps_are_what_the_engine_measures(monkey
     from peft import LoraConfig
 
     from tierwise.offload import Activations, Precision
-    from tierwise.offload.plan import perfmodel
     from tierwise.profiles import ModelProfile
 
     seq = 4096
@@ -122,7 +122,6 @@ def test_planned_activations_with_tiled_mlps_are_what_the_engine_measures(monkey
     x = torch.randint(0, profile.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
 
     def measure(tile_bytes):
-        monkeypatch.setattr(tiled_mod, "TILE_BYTES", tile_bytes)
         monkeypatch.setattr(perfmodel, "MLP_TILE_BYTES", tile_bytes)
         planned = perfmodel.activation_bytes(model=profile, batch_size=1, seq_len=seq, precision=precision,
                                              checkpointing=True, lora=(targets, 4) if lora else None)

@@ -396,15 +396,13 @@ class Engine:
         now (the caller reinstalls the hooks if it had installed them)."""
         if self._block_units is None or self.units_are_blocks:
             return False
-        plain = dict(self.module_chunks)
+        needs = self._device_needs(activations=activations, units=self._block_units)
+        if not units_are_blocks(needs, self.ledger.budgets.get("gpu")):
+            return False
         self.module_chunks.clear()
         self.module_chunks.update(self._block_units)  # (in place: the residency holds this dict)
-        if units_are_blocks(self._device_needs(activations=activations), self.ledger.budgets.get("gpu")):
-            self.units_are_blocks = True
-            return True
-        self.module_chunks.clear()
-        self.module_chunks.update(plain)
-        return False
+        self.units_are_blocks = True
+        return True
 
     def _reinstall_unit_hooks(self) -> None:
         """The units changed (_choose_units): their hooks follow."""
@@ -558,9 +556,11 @@ class Engine:
         """Encoded frozen chunks: they pass through the cache even when gpu-home (plan_device)."""
         return frozenset(c for c, layout in self.frozen_layouts.items() if layout is not None)
 
-    def _device_needs(self, *, activations: int, pinned: int = 0, modules: bool = False) -> DeviceNeeds:
-        """`modules`: with the modules as the units (the smallest window: the minimum budget's)."""
-        units = self._plain_units if modules else self.module_chunks
+    def _device_needs(self, *, activations: int, pinned: int = 0,
+                      units: "dict[torch.nn.Module, list[int]] | None" = None) -> DeviceNeeds:
+        """`units`: these units of residency instead of the current ones (`_plain_units`, the
+        modules: the smallest window, the minimum budget's)."""
+        units = self.module_chunks if units is None else units
         return device_needs(self.plan, units, self.param_names, kinds=self.kinds,
                             buffers=self.buffer_bytes, itemsize=self.compute_dtype.itemsize,
                             needs_grad=self.updater.needs_grad, activations=activations, pinned=pinned)
@@ -646,7 +646,7 @@ class Engine:
         act = self.ledger.usage()["gpu"].get("activation", 0) + (exc.asked if exc.kind == "activation" else 0)
         if self.minimum_gpu_bytes is None:  # the warm-up (or measure): nothing placed yet, every chunk streams
             pinned = 0 if self.units_are_blocks else self.residency.cache.pinned_peak  # (a block's, with blocks)
-            minimum = self._device_needs(activations=act, pinned=pinned, modules=True).minimum
+            minimum = self._device_needs(activations=act, pinned=pinned, units=self._plain_units).minimum
             return warmup_over_budget(exc, act, minimum, intact=intact)
         return step_over_budget(exc, act, self.needs.activations, intact=intact)
 
@@ -861,7 +861,7 @@ class Engine:
             pinned = self.ranks.max_int(pinned, "agreeing on the streaming window")
         measured = self._device_needs(activations=act, pinned=pinned)
         self.minimum_gpu_bytes = self._device_needs(activations=act, pinned=0 if self.units_are_blocks else pinned,
-                                                    modules=True).minimum
+                                                    units=self._plain_units).minimum
         if self.device_plan is not None:  # placed up front from an estimate: keep it if it holds
             self._hold_estimate(act)
             return

@@ -25,6 +25,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..runtime.ledger import Ledger
+from ..runtime.storage import storage_key
 
 if TYPE_CHECKING:
     from .residency import Residency
@@ -94,7 +95,7 @@ class ActivationTracker:
     def pack(self, t: torch.Tensor) -> Any:
         res = self.residency
         storage = t.untyped_storage()
-        key = storage._cdata  # (offload.runtime.storage.storage_key, inlined: once per saved tensor)
+        key = storage_key(storage)
         cid = res.streamed_storage.get(key)
         if cid is not None:
             if res.holds(cid):

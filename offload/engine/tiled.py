@@ -25,15 +25,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..plan.perfmodel import MLP_TILE_BYTES, TILED_FAMILIES, mlp_tile_tokens
+from ..plan.perfmodel import TILED_FAMILIES, mlp_tile_tokens
 
-#: Bytes of the intermediates one tile may hold (its gate, up, product: 3 x tokens x width):
-#: the tile is as many tokens as fit, and a sequence of one tile runs untiled. The planner's
-#: (offload.plan.perfmodel): one place for the figure both use.
-TILE_BYTES = MLP_TILE_BYTES
-#: Families whose decoder layer's `mlp` is token-wise and returns one tensor (no router).
-FAMILIES = TILED_FAMILIES
-tile_tokens = mlp_tile_tokens
+# The tile's bytes (perfmodel.MLP_TILE_BYTES) and the families (TILED_FAMILIES) are the
+# planner's: one place for the figures both use. A sequence of one tile runs untiled.
 
 
 def _tiles(n: int, size: int) -> list[tuple[int, int]]:
@@ -95,7 +90,7 @@ def tiled(forward: Callable[..., torch.Tensor], mlp: torch.nn.Module, *, width: 
           enabled: Callable[[], bool] = lambda: True) -> Callable[..., torch.Tensor]:
     """`forward` of `mlp` (token-wise, [batch, tokens, hidden] -> the same) run in sequence
     tiles when the sequence is longer than one tile (`width`: the MLP's intermediate size;
-    `tile_bytes`: None, TILE_BYTES as it is at the call). `context()`: what a tile's computation
+    `tile_bytes`: None, perfmodel.MLP_TILE_BYTES as it is at the call). `context()`: what a tile's computation
     in backward runs under (the engine's saved-tensor hooks: a weight it saves is a chunk's,
     which may leave the device before the tile's backward reads it). `enabled()`: whether to
     tile now (the engine's: where the blocks are its units of residency, whose chunks stay on
@@ -103,7 +98,7 @@ def tiled(forward: Callable[..., torch.Tensor], mlp: torch.nn.Module, *, width: 
     def wrapper(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs or x.dim() != 3 or not enabled() or _active_dropout(mlp):
             return forward(x, *args, **kwargs)
-        size = tile_tokens(width, x.element_size(), x.shape[0], tile_bytes or TILE_BYTES)  # (this module's: tests set it)
+        size = mlp_tile_tokens(width, x.element_size(), x.shape[0], tile_bytes)
         if x.shape[1] <= size:
             return forward(x)
         tiles = _tiles(x.shape[1], size)
@@ -116,9 +111,9 @@ def tiled(forward: Callable[..., torch.Tensor], mlp: torch.nn.Module, *, width: 
 
 
 def tiled_mlps(blocks: list[torch.nn.Module], model_type: "str | None") -> list[tuple[torch.nn.Module, int]]:
-    """(mlp, its intermediate size) of each block whose MLP runs in tiles: a family in FAMILIES,
+    """(mlp, its intermediate size) of each block whose MLP runs in tiles: a family in TILED_FAMILIES,
     the block's `mlp` child with a gate/up/down projection (refused otherwise: left untiled)."""
-    if model_type not in FAMILIES:
+    if model_type not in TILED_FAMILIES:
         return []
     out = []
     for b in blocks:

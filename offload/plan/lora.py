@@ -213,16 +213,16 @@ def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozen
     layer's chunks are acquired together for its forward, and for its recompute and backward."""
     events: list[tuple[str, int]] = []
 
+    def acquire_release(cids: "set[int]") -> None:
+        events.extend(("acquire", c) for c in sorted(cids))
+        events.extend(("release", c) for c in sorted(cids))
+
     def use(module: str) -> None:
-        cids = sorted(chunks_of.get(module, ()))
-        events.extend(("acquire", c) for c in cids)
-        events.extend(("release", c) for c in cids)
+        acquire_release(chunks_of.get(module, set()))
 
     def use_layer(layer: int) -> None:
         prefix = f"model.layers.{layer}."
-        cids = sorted({c for m, cs in chunks_of.items() if m.startswith(prefix) for c in cs})
-        events.extend(("acquire", c) for c in cids)
-        events.extend(("release", c) for c in cids)
+        acquire_release({c for m, cs in chunks_of.items() if m.startswith(prefix) for c in cs})
 
     head = "model.embed_tokens" if tied else "lm_head"
     use("model.embed_tokens")

@@ -36,8 +36,9 @@ def device_needs(*, compute: Sequence[int], home: Sequence[int], module_chunks: 
 #: and kept through its recompute and backward) when their needs fit the gpu budget and the
 #: window they take, the widest block's chunks plus one being fetched, is at most 1/BLOCK_SHARE
 #: of it; under a tighter budget, the module is the unit (a smaller window fits more) at the cost
-#: of a pair of hooks per module. The minimum budget is always the modules'. Engine and planner
-#: both decide with `units_are_blocks`, once the activations are known.
+#: of a pair of hooks per module. Engine and planner both decide with `units_are_blocks`, once
+#: the activations are known. The engine's minimum is the modules'; the planner's is the smaller
+#: of the modules' and the blocks' (whose MLPs run in tiles: offload.engine.tiled).
 BLOCK_SHARE = 4
 
 

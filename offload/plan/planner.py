@@ -341,28 +341,25 @@ class _Chunks:
             self.flops.append(sum(param_update_flops(p, cost=self.cost, rank=rank, projected=p.name in proj)
                                   for p in ps))
         self.compute = [self.ce * c.numel for c in self.plan.chunks]
-        modules: dict[str, set[int]] = defaultdict(set)
+        modules: dict[str, set[int]] = defaultdict(set)  # each module -> its chunks
         owned: dict[str, int] = defaultdict(int)
-        unit = {n: _module_of(n) for n in self.plan.slots}
+        for name, slot in self.plan.slots.items():
+            modules[_module_of(name)].add(slot.chunk)
+            owned[_module_of(name)] += slot.numel
+        self.plain_modules = modules  # (`modules` becomes the blocks' where they are the units)
         self.block_units = False  # the blocks are the units of residency (choose_blocks)
         self.gpu_minimum: int | None = None  # the smallest gpu budget, with either units (make_plan)
         self.block_sets: dict[str, set[int]] | None = None
         if self.needs_grad:  # (MeZO perturbs each module in its own forward: its units are the modules)
             blocks = block_of(list(self.plan.slots))
-            if any(blocks[n] != unit[n] for n in unit):
+            if any(b != _module_of(n) for n, b in blocks.items()):
                 self.block_sets = defaultdict(set)
                 for name, slot in self.plan.slots.items():
                     self.block_sets[blocks[name]].add(slot.chunk)
-        self.plain_modules: dict[str, set[int]] = defaultdict(set)  # each module -> its chunks
-        for name, slot in self.plan.slots.items():
-            self.plain_modules[_module_of(name)].add(slot.chunk)
-        for name, slot in self.plan.slots.items():
-            modules[unit[name]].add(slot.chunk)
-            owned[unit[name]] += slot.numel
-        self.widest = max((sum(self.compute[c] for c in cids) for cids in modules.values()), default=0)
         self.largest_param = max((s.numel for s in self.plan.slots.values() if s.chunk not in self.frozen),
                                  default=0)  # frozen parameters send no gradient
         self.modules, self.owned = modules, owned
+        self.widest = self._widest()
         self.zo_workspace = zo_workspace(owned.values(), self.ce)
         widest = max(owned, key=owned.__getitem__, default="")
         tied_head = widest == "model.embed_tokens" and "lm_head.weight" not in self.plan.slots
@@ -410,29 +407,30 @@ class _Chunks:
         and budget: when the blocks are, they become `modules` (the needs and the trace follow)."""
         if self.block_sets is None or self.block_units:
             return self.block_units
-        units, self.modules = self.modules, self.block_sets
-        needs = self.device_needs(buffers=buffers, activations=activations + margin)
-        if not units_are_blocks(needs, gpu_budget):
-            self.modules = units
+        needs = self.block_needs(buffers=buffers, activations=activations + margin)
+        if needs is None or not units_are_blocks(needs, gpu_budget):
             return False
-        self.block_units = True
-        self.widest = max((sum(self.compute[c] for c in cids) for cids in self.modules.values()), default=0)
+        self.modules, self.block_units = self.block_sets, True
+        self.widest = self._widest()
         return True
 
     def block_needs(self, *, buffers: int, activations: int) -> "DeviceNeeds | None":
         """The needs with the blocks as the units (None: no blocks, or MeZO)."""
         if self.block_sets is None:
             return None
-        units, self.modules = self.modules, self.block_sets
-        try:
-            return self.device_needs(buffers=buffers, activations=activations)
-        finally:
-            self.modules = units
+        return self.device_needs(buffers=buffers, activations=activations, units=self.block_sets)
 
-    def device_needs(self, *, buffers: int, activations: int) -> DeviceNeeds:
-        """`needs.device_needs` for this model, as the engine's `_device_needs` calls it."""
+    def _widest(self) -> int:
+        """The compute bytes of the widest unit's chunks."""
+        return max((sum(self.compute[c] for c in cids) for cids in self.modules.values()), default=0)
+
+    def device_needs(self, *, buffers: int, activations: int, units: "dict[str, set[int]] | None" = None
+                     ) -> DeviceNeeds:
+        """`needs.device_needs` for this model, as the engine's `_device_needs` calls it (`units`:
+        these units of residency instead of `modules`)."""
+        units = self.modules if units is None else units
         return device_needs(compute=self.compute, home=[sum(k.values()) for k in self.kinds],
-                            module_chunks=self.modules.values(), module_numels=self.owned.values(),
+                            module_chunks=units.values(), module_numels=self.owned.values(),
                             largest_param=self.largest_param, element_size=self.ce,
                             needs_grad=self.needs_grad, buffers=buffers, activations=activations)
 
