@@ -18,9 +18,11 @@ row is truncated/padded to `seq_len` on its own (`pack=False`). Labels follow th
 convention: same positions as input_ids (the model shifts), -100 where no loss is taken.
 
 Packed documents do not see each other (`isolate=True`, for the families in ISOLATING): each
-row's tokens get position ids from 0 (a block's padding is one more such segment), the batch
-carries `position_ids` and no attention mask, and transformers then builds a block-causal mask
-from them (masking_utils.find_packed_sequence_indices; flash-attention's varlen path on CUDA).
+row's tokens get position ids from 0, the batch carries `position_ids` and no attention mask,
+and the model's attention keeps the rows apart: per segment where it is SDPA
+(offload.engine.segments, which cli.loading installs), else transformers' block-causal mask
+built from them (masking_utils.find_packed_sequence_indices; flash-attention's varlen path on
+CUDA). Batches carry no padding mask either (batch_of).
 A row's first token is not a target: the last token of the row before it would predict it.
 Each row then trains as it would alone. Other families pack with one causal mask over the block
 (rows attend to the rows before them), and say so once.
@@ -287,19 +289,31 @@ def _renumbered(pos: list[int]) -> list[int]:
     return [p - pos[0] for p in pos[:cut]] + pos[cut:]
 
 
-def batch_of(picked: list[tuple[torch.Tensor, ...]]) -> dict[str, Any]:
-    """The model's batch of these blocks, each [B, T]: input_ids, labels and either the attention
-    mask or, for isolated packed rows, their position_ids (and no KV cache: transformers reads
-    packed rows from position_ids only without a mask or a cache)."""
+def batch_of(picked: list[tuple[torch.Tensor, ...]], *, mask: bool = False) -> dict[str, Any]:
+    """The model's batch of these blocks, each [B, T]: input_ids, labels and, for isolated packed
+    rows, their position_ids (and no KV cache: transformers reads packed rows from position_ids
+    only without a mask or a cache).
+
+    No attention mask: every block is padded on the right, so causal attention already keeps
+    each real token from the padding after it, and the padding's own outputs carry no label.
+    Without a mask transformers builds no B x S x S one (is_causal). `mask`: the model reads the
+    mask beyond attention (packing.keeps_mask), so it goes in. The padding's position ids go on
+    from the last row's: padding is not a row of its own, and a block of one row needs no mask."""
     batch: dict[str, Any] = {"input_ids": torch.stack([p[0] for p in picked]),
                              "labels": torch.stack([p[1] for p in picked])}
     if len(picked[0]) > 3:
-        batch["position_ids"] = torch.stack([p[3] for p in picked])
+        batch["position_ids"] = torch.stack([_padding_goes_on(p[3], p[2]) for p in picked])
         batch["use_cache"] = False
-    else:
+    elif mask:
         batch["attention_mask"] = torch.stack([p[2] for p in picked])
     return batch
 
+
+def _padding_goes_on(pos: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    n = int(real.sum())
+    if n == len(pos):
+        return pos
+    return torch.cat([pos[:n], pos[n - 1] + 1 + torch.arange(len(pos) - n, dtype=pos.dtype)])
 
 
 def blocks_digest(blocks: list) -> str:
@@ -338,13 +352,13 @@ class Batches:
     """
 
     def __init__(self, blocks: list, *, batch_size: int, seed: int,
-                 position: DataPosition | None = None):
+                 position: DataPosition | None = None, mask: bool = False):
         if not blocks:
             raise DataError("no training blocks: the data tokenized to nothing, or to no "
                             "target token (every label masked)")
         if batch_size < 1:
             raise DataError(f"--batch-size must be at least 1, got {batch_size}")
-        self.blocks, self.batch_size, self.seed = blocks, batch_size, seed
+        self.blocks, self.batch_size, self.seed, self.mask = blocks, batch_size, seed, mask
         self.position = position or DataPosition()
         self.last_tokens = 0  # real tokens of the last batch made
         self.batches_per_epoch = max(1, len(blocks) // batch_size)
@@ -361,7 +375,7 @@ class Batches:
         order, n, b = self._order(pos.epoch), len(self.blocks), self.batch_size
         picked = [self.blocks[order[(pos.index * b + j) % n]] for j in range(b)]
         self.last_tokens = sum(int(p[2].sum()) for p in picked)  # not the padding
-        return batch_of(picked)
+        return batch_of(picked, mask=self.mask)
 
     def next(self) -> dict[str, torch.Tensor]:
         batch = self.batch_at(self.position)
@@ -377,18 +391,22 @@ class Batches:
             yield self.next()
 
 
-def _masked(block: tuple[torch.Tensor, ...]) -> bool:
-    return not bool(block[2].all()) or (len(block) > 3 and bool((block[3][1:] == 0).any()))
+def _padded(block: tuple[torch.Tensor, ...]) -> bool:
+    return not bool(block[2].all())
 
 
-def has_padding(blocks: list) -> bool:
-    """Whether some block needs an attention mask: padded (a short last block, rows padded to
-    the sequence length) or holding several isolated rows. A batch holding one costs more
-    device memory than a full batch of the same shape (the B x S x S mask:
-    perfmodel.activation_parts), so the run is planned for it."""
-    return any(_masked(b) for b in blocks)
+def _rows(block: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the block holds several isolated rows (a position restarts inside its tokens)."""
+    return len(block) > 3 and bool((block[3][1:int(block[2].sum())] == 0).any())
 
 
+def has_padding(blocks: list, *, segments: bool = False, mask: bool = False) -> bool:
+    """Whether some batch makes transformers build a dense B x S x S attention mask, which costs
+    more device memory than a batch of the same shape without (perfmodel.activation_parts'
+    `padded`), so the run is planned for it: a block of several isolated rows, unless the
+    attention runs per segment (`segments`: offload.engine.segments), or a padded block whose
+    mask goes in (`mask`: batch_of; isolated rows carry position ids, never a mask)."""
+    return any((mask and len(b) == 3 and _padded(b)) or (not segments and _rows(b)) for b in blocks)
 def check_vocab(blocks: list, src: ModelSource) -> None:
     """Every token id must be an embedding row: a tokenizer bigger than the model is an error."""
     vocab = getattr(src.config, "vocab_size", None)
@@ -398,20 +416,21 @@ def check_vocab(blocks: list, src: ModelSource) -> None:
                         f"{vocab}: --model and its tokenizer do not match")
 
 
-def padded_batch(blocks: list, *, batch_size: int) -> dict[str, torch.Tensor] | None:
-    """A batch of `batch_size` blocks that holds a padded one (the run's worst step), or None
-    when no block is padded."""
-    pad = next((b for b in blocks if _masked(b)), None)
+def padded_batch(blocks: list, *, batch_size: int, segments: bool = False, mask: bool = False
+                 ) -> dict[str, torch.Tensor] | None:
+    """A batch of `batch_size` blocks that holds one needing a dense mask (has_padding: the
+    run's worst step), or None when no block does."""
+    pad = next((b for b in blocks if has_padding([b], segments=segments, mask=mask)), None)
     if pad is None:
         return None
-    return batch_of([pad] + [blocks[j % len(blocks)] for j in range(batch_size - 1)])
+    return batch_of([pad] + [blocks[j % len(blocks)] for j in range(batch_size - 1)], mask=mask)
 
 
-def eval_batches(blocks: list, *, batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """All blocks in order, in batches (the last may be smaller)."""
+def eval_batches(blocks: list, *, batch_size: int, mask: bool = False) -> list[dict[str, torch.Tensor]]:
+    """All blocks in order, in batches (the last may be smaller; `mask`: batch_of's)."""
     out = []
     for i in range(0, len(blocks), batch_size):
-        out.append(batch_of(blocks[i:i + batch_size]))
+        out.append(batch_of(blocks[i:i + batch_size], mask=mask))
     return out
 
 

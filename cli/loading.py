@@ -42,13 +42,17 @@ class ModelSource:
 
 
 def build_meta_model(config) -> torch.nn.Module:
-    """The model `finetune` trains, on the meta device, ties tied (offload.engine.model_info.hf_meta_model).
+    """The model `finetune` trains, on the meta device, ties tied (offload.engine.model_info.hf_meta_model),
+    its packed rows attended per segment where it keeps them apart (packing.use_segments).
 
     A config with `auto_map` exists only when the user gave --trust-remote-code (resolve_model
     refuses it otherwise), so its model class is the model's own code."""
     from ..offload.engine.model_info import hf_meta_model
+    from .packing import use_segments
 
-    return hf_meta_model(config, trust_remote_code=bool(getattr(config, "auto_map", None)))
+    model = hf_meta_model(config, trust_remote_code=bool(getattr(config, "auto_map", None)))
+    use_segments(model)
+    return model
 
 
 def safetensors_files(model_dir: "str | Path") -> list[Path]:

@@ -27,3 +27,20 @@ def isolates(config: Any, *, pack: bool = True) -> bool:
 
 
 _told: set = set()
+
+
+def use_segments(model: Any) -> bool:
+    """Attend packed rows per segment (offload.engine.segments: no B x S x S mask) where the
+    family keeps them apart and its attention is SDPA; the ISOLATING families pass position
+    ids to their attention, which that needs."""
+    if getattr(getattr(model, "config", None), "model_type", None) not in ISOLATING:
+        return False
+    from ..offload.engine.segments import use_segments as install
+
+    return install(model)
+
+
+def keeps_mask(config: Any) -> bool:
+    """Whether batches keep their padding mask (cli.data.batch_of): the model reads it beyond
+    attention. A MoE router's auxiliary loss averages over the tokens the mask marks real."""
+    return bool(getattr(config, "output_router_logits", False))

@@ -411,17 +411,35 @@ def advise(cfg: TrainConfig, error: InfeasibleBudget, *, console: Console,
 
 
 def data_padded(cfg: TrainConfig, src: "ModelSource | None" = None) -> bool:
-    """Whether some batch of the run holds padding, so the plan is for a padded batch (the
-    run's worst step: transformers then materialises the attention mask). Read from --data
-    when given; without it True, the worst case (the built-in sample ends in a short block,
-    and so does most data)."""
+    """Whether some batch of the run makes transformers build a dense attention mask
+    (cli.data.has_padding), so the plan is for that batch (the run's worst step). Read from
+    --data when given; without it the worst case: packed rows kept apart share a block (no
+    mask where the attention takes them per segment: attends_segments) and a short block is
+    padded (no mask unless the model keeps it: packing.keeps_mask)."""
+    from .packing import keeps_mask
+
+    split = attends_segments(cfg, src)
+    keep = src is not None and keeps_mask(src.config)
     if cfg.data is None:
-        return True
+        return (rows_apart(cfg, src) and not split) or keep
     from .data import has_padding, isolates, load_blocks
 
     src = src or resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     return has_padding(load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack,
-                                   isolate=isolates(src.config, pack=cfg.pack)))
+                                   isolate=isolates(src.config, pack=cfg.pack)), segments=split, mask=keep)
+
+
+def attends_segments(cfg: TrainConfig, src: "ModelSource | None") -> bool:
+    """Whether the run's attention takes its packed rows per segment (packing.use_segments, as
+    build_meta_model installs it); a profile names a family that does, on transformers' SDPA."""
+    if not rows_apart(cfg, src):
+        return False
+    if src is None:
+        return True
+    from ..offload.engine.segments import NAME
+    from .loading import build_meta_model
+
+    return build_meta_model(src.config).config._attn_implementation == NAME
 
 
 def checkpointing(cfg: TrainConfig) -> bool | None:
@@ -568,18 +586,19 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
         options = lora_options(cfg)
         lora = dict(lora=lora_mod.lora_config(cfg), base_dtype=options["base_dtype"],
                     double_quant=options["double_quant"])
-    batches, padded = None, True  # random tokens: every batch padded, the worst case
+    batches, padded = None, data_padded(cfg, src)  # random tokens: the worst case
     if cfg.data is not None:
-        from .data import Batches, check_vocab, has_padding, isolates, load_blocks, padded_batch
+        from .data import Batches, check_vocab, isolates, load_blocks, padded_batch
+        from .packing import keeps_mask
 
         blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack,
                              isolate=isolates(src.config, pack=cfg.pack))
         check_vocab(blocks, src)
-        rows = cfg.batch_size * cfg.grad_accum
-        batches = iter(Batches(blocks, batch_size=rows, seed=cfg.seed))
-        padded = has_padding(blocks)
+        rows, keep = cfg.batch_size * cfg.grad_accum, keeps_mask(src.config)
+        batches = iter(Batches(blocks, batch_size=rows, seed=cfg.seed, mask=keep))
         if padded:  # the first measured step (after the warm-up) is the run's worst one
-            batches = itertools.chain([next(batches), padded_batch(blocks, batch_size=rows)], batches)
+            worst = padded_batch(blocks, batch_size=rows, segments=attends_segments(cfg, src), mask=keep)
+            batches = itertools.chain([next(batches), worst], batches)
     with console.status(f"[bold]verifying[/]: {steps} steps of {src.name}"):
         report = verify(model=src.config, name=src.name, hardware=cfg.hardware, gpu_mem=cfg.budgets["gpu"],
                         cpu_mem=host_budget(cfg, planning=True), cxl_mem=cfg.budgets["cxl"], nvme_path=cfg.nvme_path,

@@ -31,7 +31,9 @@ from .export import export_hf
 from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model
 from .metrics import MetricsWriter, read_metrics, truncate_metrics
-from .planning import check_seq_len, checkpointing, gpu_budget, host_budget, preflight, resolve_recompute
+from .packing import keeps_mask
+from .planning import (attends_segments, check_seq_len, checkpointing, gpu_budget, host_budget, preflight,
+                       resolve_recompute)
 from .plots import plot_loss, plot_timeline, preload as preload_plots
 from .progress import TrainProgress
 from .report import phase_delta, summary, warmup_report
@@ -214,7 +216,8 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     try:  # inputs, then what `plan` refuses, before allocating; several ranks: all together
         src, blocks, eval_data, padded, cfg = _checked_inputs(cfg, console=console)
         # several ranks: every rank draws the same whole step (micro-batch i runs on rank i mod N)
-        batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum * ranks.world, seed=cfg.seed)
+        batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum * ranks.world, seed=cfg.seed,
+                          mask=keeps_mask(src.config))
         batches.digest  # one pass over the blocks now, not inside an interrupted run's last save
         plan = preflight(cfg, src=src, padded=padded, ranks=ranks)
     except InfeasibleBudget as e:
@@ -295,7 +298,7 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
     check_vocab(blocks, src)
     eval_data = (eval_batches(load_blocks(cfg.eval_data, src.tokenizer, seq_len=cfg.seq_len,
                                           pack=cfg.pack, isolate=isolates(src.config, pack=cfg.pack)),
-                              batch_size=cfg.batch_size)
+                              batch_size=cfg.batch_size, mask=keeps_mask(src.config))
                  if cfg.eval_data else [])
     if cfg.eval_data and not eval_data:  # else no eval at all, and nothing would say so
         raise DataError(f"--eval-data {cfg.eval_data}: no block with a target token (every label masked, "
@@ -314,7 +317,8 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
         meta = build_meta_model(src.config)
         lora_mod.check_targets(meta, cfg.target_list())
         lora_mod.check_base_dtype(meta, cfg)
-    padded = has_padding(blocks)  # then the worst step is a padded batch: planned for
+    # then the worst step is one with a dense attention mask: planned for
+    padded = has_padding(blocks, segments=attends_segments(cfg, src), mask=keeps_mask(src.config))
     cfg = resolve_recompute(cfg, src=src, padded=padded)
     if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:
         check_resumable(cfg, Path(cfg.output))  # a changed option says so before any budget does
@@ -345,7 +349,8 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
         start = _initial_state(engine, cfg, src, out, batches, console, model=model,
                                layout=layout, renames=renames, schedule=schedule)
         if padded:
-            _measure_worst(engine, padded_batch(blocks, batch_size=cfg.batch_size))
+            _measure_worst(engine, padded_batch(blocks, batch_size=cfg.batch_size, segments=attends_segments(cfg, src),
+                                                mask=keeps_mask(src.config)))
         losses: list[float | None] = []
         t0 = time.perf_counter()
         code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule,

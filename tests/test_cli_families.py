@@ -29,6 +29,7 @@ from tierwise.cli import train  # noqa: E402
 from tierwise.cli.builtin import sample_rows  # noqa: E402
 from tierwise.cli.config import TrainConfig  # noqa: E402
 from tierwise.cli.data import eval_batches, isolates, load_blocks  # noqa: E402
+from tierwise.cli.packing import use_segments  # noqa: E402
 from tierwise.cli.layout import ModelLayout, iter_checkpoint  # noqa: E402
 from tierwise.cli.loading import ModelError, build_meta_model  # noqa: E402
 from tierwise.cli.main import app  # noqa: E402
@@ -104,6 +105,7 @@ def _check_run(src: Path, data, tmp_path: Path, monkeypatch) -> None:
         json.loads((src / "config.json").read_text())
 
     model = _from_pretrained(exported).eval()
+    use_segments(model)  # attending to packed rows as the run did
     with torch.no_grad():
         logits = model(**eval_batch).logits
     assert torch.equal(logits, engine["logits"])  # the engine's final logits, from the export

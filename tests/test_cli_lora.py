@@ -34,6 +34,7 @@ from tierwise.cli.config import TrainConfig  # noqa: E402
 from tierwise.cli.data import eval_batches, isolates, load_blocks  # noqa: E402
 from tierwise.cli.main import app  # noqa: E402
 from tierwise.cli.metrics import read_metrics  # noqa: E402
+from tierwise.cli.packing import use_segments  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 OPTIONS = dict(seq_len=16, batch_size=2, steps=3, lr=1e-2, warmup_steps=1, chunk_size="16K")
@@ -131,6 +132,7 @@ def test_lora_run_equals_peft_and_exports_a_peft_adapter(assets, tmp_path, monke
                                                                           lora.get("lora_dropout", 0.0))
 
     loaded = peft.PeftModel.from_pretrained(_from_pretrained(assets[which]), adapter).eval()
+    use_segments(loaded.get_base_model())  # attending to packed rows as the run did
     with torch.no_grad():
         logits = loaded(**eval_batch).logits
     assert torch.equal(logits, seen["logits"])  # the engine's last eval logits, from the adapter
@@ -139,6 +141,7 @@ def test_lora_run_equals_peft_and_exports_a_peft_adapter(assets, tmp_path, monke
     assert (adapter / "adapter_model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # others may read it
     assert config["task_type"] == "CAUSAL_LM"  # so the auto class loads it, base and all
     auto = peft.AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
+    use_segments(auto.get_base_model())
     with torch.no_grad():
         assert torch.equal(auto(**eval_batch).logits, seen["logits"])
 
@@ -276,7 +279,7 @@ def test_lora_with_dropout_runs_at_the_plans_minimum_gpu_budget(tmp_path, monkey
     real = train.make_engine
     monkeypatch.setattr(train, "make_engine", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
     flags = ["--lora-rank", "16", "--lora-dropout", "0.1"]
-    plan = make_plan(TrainConfig(lora_rank=16, lora_dropout=0.1), src=resolve_model(None), padded=True)
+    plan = make_plan(TrainConfig(lora_rank=16, lora_dropout=0.1), src=resolve_model(None))
     result = CliRunner().invoke(app, [*flags, "--gpu-mem", f"{plan.gpu_minimum}B", "--steps", "3",
                                       "--output", str(tmp_path / "run")])
     assert result.exit_code == 0, (result.output, result.stderr)

@@ -15,6 +15,7 @@ from tinyhf import FAMILIES, family_config  # noqa: E402
 
 from tierwise.cli.builtin import build_tokenizer  # noqa: E402
 from tierwise.cli.data import IGNORE, ISOLATING, Row, batch_of, has_padding, isolates, make_blocks  # noqa: E402
+from tierwise.cli.packing import use_segments  # noqa: E402
 
 VOCAB = 288
 ROWS = ["the cat sat on the mat", "a dog", "streams of chunks move between the tiers of memory",
@@ -43,14 +44,37 @@ def token_losses(model, batch) -> torch.Tensor:
     return (loss * (labels != IGNORE).reshape(-1)).reshape(labels.shape)
 
 
+class SdpaMasks:
+    """Records the attn_mask of every SDPA call."""
+
+    def __init__(self, monkeypatch):
+        self.masks: list = []
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def spy(*args, **kwargs):
+            self.masks.append(kwargs.get("attn_mask"))
+            return sdpa(*args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+
+
+@pytest.mark.parametrize("segments", [False, True], ids=["mask", "segments"])
 @pytest.mark.parametrize("family", sorted(f for f in FAMILIES if family_config(f).model_type in ISOLATING))
-def test_each_packed_row_trains_as_it_would_alone(family, tok):
+def test_each_packed_row_trains_as_it_would_alone(family, segments, tok, monkeypatch):
     model = model_of(family, tok)
+    sdpa = model.config._attn_implementation == "sdpa"
+    if segments:
+        assert use_segments(model) == sdpa  # (gemma2 attends eagerly: unchanged)
     rows = [Row(data={"text": t}, where=f"<{i}>") for i, t in enumerate(ROWS)]
     packed = make_blocks(rows, tok, seq_len=16, isolate=True)
     assert len(packed) >= 2 and all(len(b) == 4 for b in packed)
+    spy = SdpaMasks(monkeypatch)
     with torch.no_grad():
         got = token_losses(model, batch_of(packed))
+    if sdpa:  # per segment: no dense mask at all; else transformers' block-causal one
+        assert spy.masks and all(m is None for m in spy.masks) == segments
+    monkeypatch.undo()
+    with torch.no_grad():
         # each row alone: its tokens from the same blocks, one segment at a time
         want = torch.zeros_like(got)
         for i, block in enumerate(packed):
@@ -102,3 +126,41 @@ def test_the_plan_says_how_rows_are_packed():
     r = CliRunner().invoke(app, ["plan", "--gpu-mem", "16M"])
     assert r.exit_code == 0, r.output
     assert "packing: each row attends only to itself" in r.stderr
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("isolate", [False, True], ids=["joined", "isolated"])
+def test_padding_needs_no_mask(family, isolate, tok, monkeypatch):
+    """A short block is padded on the right: without the mask (batch_of's batch) every real
+    token's loss is the masked batch's, and no dense mask is built."""
+    model = model_of(family, tok)
+    use_segments(model)
+    rows = [Row(data={"text": t}, where=f"<{i}>") for i, t in enumerate(ROWS[:2])]
+    blocks = make_blocks(rows, tok, seq_len=32, isolate=isolate)
+    assert len(blocks) == 1 and not bool(blocks[0][2].all())
+    batch = batch_of(blocks)
+    assert "attention_mask" not in batch
+    masked = {"input_ids": batch["input_ids"], "labels": batch["labels"], "attention_mask": blocks[0][2][None]}
+    if isolate:  # the padding goes on from the last row: not a segment of its own
+        n = int(blocks[0][2].sum())
+        assert batch["position_ids"][0, n:].tolist() == list(range(blocks[0][3][n - 1] + 1, blocks[0][3][n - 1] + 33 - n))
+        masked = {**batch, "attention_mask": None, "position_ids": torch.stack([blocks[0][3]])}  # padding a segment
+    spy = SdpaMasks(monkeypatch)
+    with torch.no_grad():
+        got = token_losses(model, batch)
+    assert spy.masks and all(m is None for m in spy.masks)
+    monkeypatch.undo()
+    with torch.no_grad():
+        want = token_losses(model, masked)
+    real = batch["labels"][:, 1:] != IGNORE
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    # planned as a dense mask only where the CLI would keep it (isolated rows never carry one)
+    assert not has_padding(blocks, segments=True) and has_padding(blocks, mask=True, segments=True) == (not isolate)
+
+
+def test_a_model_that_hides_position_ids_from_its_attention_is_refused():
+    from tierwise.offload.engine.segments import CAUSAL, _attention
+
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="position_ids"):
+        _attention(torch.nn.Module(), q, q, q, CAUSAL)

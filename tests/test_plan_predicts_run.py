@@ -4,7 +4,9 @@ small real models: SmolLM2, Llama 3.2 1B, Qwen2.5 <= 3B).
 
 The plan chunks the module training builds (cli.loading.build_meta_model), so it counts the
 tied head exactly as the run does; each case runs the CLI's own engine construction on the
-run's worst batch (a padded one) and compares the ledger's peaks with the plan's.
+run's worst batch and compares the ledger's peaks with the plan's: a padded one, without a
+mask as the CLI makes it and, for the chat data, with its padding mask (the model then builds
+a dense B x S x S one: the plan's `padded`).
 """
 
 from __future__ import annotations
@@ -57,13 +59,17 @@ def test_plan_predicts_the_runs_peaks(tied_dir, tmp_path, optimizer, precision, 
     src = resolve_model(cfg.model)
     blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack,
                          isolate=isolates(src.config, pack=cfg.pack))
-    assert has_padding(blocks)
-    plan = make_plan(cfg, src=src)
+    mask = bool(extra.get("chat"))
+    assert not has_padding(blocks, segments=True) and has_padding(blocks, mask=True)
+    plan = make_plan(cfg, src=src, padded=True if mask else None)
     engine = make_engine(build_meta_model(src.config), cfg, plan=plan)  # placed as finetune places it
     try:
         engine.load_weights(iter_safetensors(src.model_dir))
         torch.manual_seed(0)
-        engine.step(padded_batch(blocks, batch_size=cfg.batch_size))
+        worst = padded_batch(blocks, batch_size=cfg.batch_size, mask=True)  # holds the padded block
+        if not mask:
+            worst.pop("attention_mask", None)  # as the CLI batches it
+        engine.step(worst)
         measured = engine.ledger.peaks()
     finally:
         engine.close()

@@ -97,10 +97,14 @@ def tiny_run_assets(root: Path) -> tuple[Path, Path]:
 
 
 def train_as_the_cli(model, cfg, tokenizer) -> list[float]:
-    """`cfg`'s run in plain PyTorch: the CLI's batches and LR schedule, fused AdamW over the
+    """`cfg`'s run in plain PyTorch: the CLI's batches, attention (packed rows per segment:
+    cli.packing.use_segments, installed on `model`) and LR schedule, fused AdamW over the
     trainable parameters of `model` (trained in place); returns the step losses."""
     from tierwise.cli.data import Batches, isolates, load_blocks
+    from tierwise.cli.packing import use_segments
     from tierwise.cli.schedule import LRSchedule
+
+    use_segments(model.get_base_model() if hasattr(model, "get_base_model") else model)  # (PEFT's: its base)
 
     batches = Batches(load_blocks(cfg.data, tokenizer, seq_len=cfg.seq_len, pack=cfg.pack,
                                   isolate=isolates(model.config, pack=cfg.pack)),

@@ -138,7 +138,9 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     units of residency: offload.plan.needs.units_are_blocks); False: never.
 
     `row_positions`: the batch carries position_ids per row (packed rows kept apart,
-    cli.data): the rotary cos/sin and the position ids are then per row (B x S), not shared.
+    cli.data): the rotary cos/sin and the position ids are then per row (B x S), not shared,
+    and without `padded` the attention runs per segment (offload.engine.segments), whose
+    joined output is one more e*T*q_dim in a block's internals.
 
     `padded`: some row of the batch has attention_mask zeros (a short last block, rows padded
     to the sequence length). transformers then builds the B x 1 x S x S mask that an unpadded
@@ -170,6 +172,8 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     layers = model.num_hidden_layers
     if padded:  # the additive mask and k/v repeated per query head, as SDPA saves them
         attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
+    elif row_positions:  # packed rows attended per segment: o_proj's input is their outputs joined,
+        attention += e * t * model.q_dim  # a copy (one SDPA call's output is already laid out as it)
     # the MLP's tokens at once: a tile's when it runs in tiles (offload.engine.tiled)
     mlp_t = batch_size * min(s, mlp_tile_tokens(i, e, batch_size)) if (
         tiles and checkpoints_blocks(model, checkpointing) and model.family in TILED_FAMILIES) else t
@@ -356,6 +360,8 @@ class StepPrediction:
     bottleneck: str
     """Resource that bounds the most step time."""
     tokens_per_s: float
+    bounds: dict[str, str] = field(default_factory=dict, hash=False)
+    """The resource that bounds each phase (its busiest)."""
 
 
 def dispatch_s(load: StepLoad, overhead_us: float | None) -> tuple[float, float]:
@@ -379,7 +385,7 @@ def _finish(phases: dict[str, float], resources: dict[str, dict[str, float]], to
         share[tops[name]] = share.get(tops[name], 0.0) + seconds
     bottleneck = max(share, key=share.__getitem__) if share else "gpu compute"
     return StepPrediction(phases=phases, resources=resources, step_s=step, bottleneck=bottleneck,
-                          tokens_per_s=tokens / step if step > 0 else float("inf"))
+                          tokens_per_s=tokens / step if step > 0 else float("inf"), bounds=dict(tops))
 
 
 def _cpu_rate(hw: HardwareProfile, cost: OptimizerSpec) -> float:

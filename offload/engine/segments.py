@@ -1,0 +1,121 @@
+"""Packed rows without a dense mask: attention run per segment.
+
+A packed batch keeps its rows apart by per-row position ids that restart at 0 (cli.data).
+transformers' SDPA path turns that into a B x 1 x S x S mask, which at long lengths outweighs
+the model (64K tokens: 4 GiB of bool, and SDPA's additive copy on top). The attention here
+reads the segments from the position ids instead and runs causal SDPA on each, as each row
+would run alone; nothing S x S exists. Every other case (a padding mask, a sliding window, a
+cache) is transformers' own SDPA, unchanged.
+
+`use_segments(model)` switches a model whose attention is transformers' "sdpa" to it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+NAME = "tierwise_sdpa"
+_registered = False
+
+
+class _Causal:
+    """The mask of a causal batch without padding: each packed row sees itself only. The
+    attention reads the rows from the position ids; a model that does not pass them to its
+    attention is refused there (its rows would see each other)."""
+
+    def __repr__(self) -> str:
+        return "<causal per packed row>"
+
+
+CAUSAL = _Causal()
+
+
+def _mask(*, attention_mask=None, use_vmap: bool = False, local_size=None, kv_length: int = 0, **kwargs):
+    """transformers' SDPA mask, except where the only reason for one can be packing (no padding
+    mask, no window shorter than the keys, no extra mask function, causal): CAUSAL."""
+    from transformers.masking_utils import sdpa_mask
+
+    if (attention_mask is None and not use_vmap and (local_size is None or local_size >= kv_length)
+            and "allow_is_bidirectional_skip" not in kwargs):
+        return CAUSAL
+    return sdpa_mask(attention_mask=attention_mask, use_vmap=use_vmap, local_size=local_size, kv_length=kv_length,
+                     **kwargs)
+
+
+class _Spans:
+    """The last batch's segments, keyed by its position-ids tensor: every layer (and the
+    recompute) reads the same one, and finding them reads the ids on the host once."""
+
+    def __init__(self) -> None:
+        self.ids: Any = None
+        self.spans: list[list[tuple[int, int]]] = []
+
+    def of(self, position_ids: torch.Tensor, rows: int) -> list[list[tuple[int, int]]] | None:
+        if self.ids is not None and self.ids() is position_ids:
+            return self.spans
+        pos = position_ids.expand(rows, -1)
+        step = torch.diff(pos, dim=-1) != 1
+        if not bool(step.any()):
+            spans = None
+        else:
+            spans = []
+            for row in step.cpu().tolist():
+                cuts = [0] + [j + 1 for j, cut in enumerate(row) if cut] + [len(row) + 1]
+                spans.append(list(zip(cuts, cuts[1:])))
+        self.ids, self.spans = weakref.ref(position_ids), spans
+        return spans
+
+
+_last = _Spans()
+
+
+def _attention(module, query, key, value, attention_mask, *, position_ids=None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    spans = None
+    if attention_mask is CAUSAL:
+        attention_mask = None
+        if position_ids is None:
+            raise NotImplementedError(f"{type(module).__name__} does not pass position_ids to its attention: "
+                                      "packed rows cannot be kept apart without a dense mask")
+        if query.shape[2] > 1 and key.shape[2] == query.shape[2]:
+            spans = _last.of(position_ids, query.shape[0])
+    if spans is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    rows = []
+    for b, row in enumerate(spans):
+        parts = [sdpa_attention_forward(module, query[b:b + 1, :, a:z], key[b:b + 1, :, a:z],
+                                        value[b:b + 1, :, a:z], None, **kwargs)[0] for a, z in row]
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows, dim=0), None
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(NAME, _attention)
+        AttentionMaskInterface.register(NAME, _mask)
+        _registered = True
+
+
+def uses_sdpa(config: Any) -> bool:
+    """Whether transformers runs this config's attention with SDPA (what use_segments replaces)."""
+    return getattr(config, "_attn_implementation", None) in ("sdpa", NAME)
+
+
+def use_segments(model: torch.nn.Module) -> bool:
+    """Run `model`'s attention per packed segment (see the module docstring) where it is
+    transformers' SDPA; False (unchanged) otherwise."""
+    config = getattr(model, "config", None)
+    if config is None or not uses_sdpa(config):
+        return False
+    if config._attn_implementation != NAME:
+        _register()
+        model.set_attn_implementation(NAME)
+    return True
