@@ -118,6 +118,8 @@ class Plan:
     step_s: float
     bottleneck: str
     tokens_per_s: float
+    bounds: dict[str, str] = field(default_factory=dict)
+    """The resource that bounds each phase (perfmodel.StepPrediction.bounds)."""
     checkpointing: bool = True
     """Whether backward recomputes the decoder blocks (activation checkpointing)."""
     host_rss: int = 0
@@ -196,7 +198,8 @@ class Plan:
         total = max(self.trainable_params or self.num_params, 1)
         lines.append(f"update: GPU {_count(self.gpu_update_params)} params "
                      f"({100 * self.gpu_update_params / total:.1f}%), CPU {_count(self.cpu_update_params)}")
-        lines.append("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in self.phases.items()))
+        lines.append("phases: " + ", ".join(f"{k} {v:.3f} s" + (f" ({self.bounds[k]}-bound)" if k in self.bounds else "")
+                                            for k, v in self.phases.items()))
         lines.append(f"step {self.step_s:.3f} s, {_rate(self.tokens_per_s)} tokens/s, bottleneck: {self.bottleneck}")
         if self.lora_rank is not None:
             read = ", ".join(f"{t} {format_size(b)}" for t, b in self.base_read.items() if b) or "none (on the gpu)"
@@ -695,9 +698,21 @@ def better_micro_batch(plan: Plan, **kwargs: Any) -> "Plan | None":
             break  # larger micro-batches need more activations still
         if best is None or p.tokens_per_s > best.tokens_per_s:
             best = p
-        if p.bottleneck == "gpu compute":
+        if _compute_bound(p):
             break
     return best
+
+
+def _compute_bound(plan: Plan) -> bool:
+    """Whether gpu compute bounds every phase of the step (not only the longest)."""
+    return all(b == "gpu compute" for b in (plan.bounds or {"step": plan.bottleneck}).values())
+
+
+def _bound(plan: Plan) -> str:
+    """'compute-bound', or each phase's bound ('forward pcie h2d-bound, backward ...')."""
+    if _compute_bound(plan):
+        return "compute-bound"
+    return ", ".join(f"{phase} {b}-bound" for phase, b in (plan.bounds or {"step": plan.bottleneck}).items())
 
 
 #: Micro-batches `suggest_micro_batch` tries.
@@ -708,17 +723,17 @@ def suggest_micro_batch(plan: Plan, **kwargs: Any) -> str:
     """A LoRA step streams the whole base for every micro-batch (forward and backward) whatever
     the gradient accumulation, so only a longer micro-batch amortises it: the smallest
     micro-batch (of MICRO_BATCHES, at the same rows per step where it divides them) whose step
-    is bound by gpu compute, as a line for the plan. `kwargs`: make_plan's for `plan`."""
-    if plan.bottleneck == "gpu compute":
+    is bound by gpu compute in every phase, as a line for the plan. `kwargs`: make_plan's for `plan`."""
+    if _compute_bound(plan):
         return (f"LoRA: compute-bound at micro-batch {plan.batch_size} x grad-accum {plan.grad_accum} "
                 f"({_rate(plan.tokens_per_s)} tokens/s)")
     best = better_micro_batch(plan, **kwargs)
     if best is None:
-        return (f"LoRA: {plan.bottleneck}-bound; no larger micro-batch fits (the base streams once per "
+        return (f"LoRA: {_bound(plan)}; no larger micro-batch fits (the base streams once per "
                 f"micro-batch: longer ones amortise it)")
-    bound = "compute-bound" if best.bottleneck == "gpu compute" else f"still {best.bottleneck}-bound"
+    bound = "compute-bound" if _compute_bound(best) else f"still {_bound(best)}"
     return (f"LoRA suggestion: --batch-size {best.batch_size} --grad-accum {best.grad_accum} is {bound}: "
-            f"{_rate(best.tokens_per_s)} tokens/s (this plan: {_rate(plan.tokens_per_s)}, {plan.bottleneck}-bound; "
+            f"{_rate(best.tokens_per_s)} tokens/s (this plan: {_rate(plan.tokens_per_s)}, {_bound(plan)}; "
             f"the base streams once per micro-batch, so only a longer one amortises it)")
 
 
@@ -950,7 +965,7 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
                 workspace_margin=margin, cache_limit=device.cache_limit, chunk_homes=tuple(chunk_homes),
                 gpu_update_params=gpu_params, cpu_update_params=ch.trainable_params - gpu_params,
                 phases=pred.phases, step_s=pred.step_s, bottleneck=pred.bottleneck,
-                tokens_per_s=pred.tokens_per_s,
+                tokens_per_s=pred.tokens_per_s, bounds=pred.bounds,
                 host_rss=peak.get("host", 0) + PROCESS_BYTES + (0 if ch.cuda else peak.get("gpu", 0)), **meta)
 
 
