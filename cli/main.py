@@ -191,8 +191,8 @@ def plan(
 ) -> None:
     """Show where every chunk would live, the predicted peaks per tier and the step time."""
     raise_config_error(ctx)
-    from .planning import (SEQ_STEP, advise, check_budgets, local_notes, longest, longest_line, make_plan, print_plan,
-                           resolve_recompute, seq_len_note, verify_plan)
+    from .planning import (OFFLOADED, SEQ_STEP, advise, check_budgets, local_notes, longest, longest_line, make_plan,
+                           print_plan, resolve_offload, resolve_recompute, seq_len_note, verify_plan)
 
     search = str(options.get("seq_len")) == "max"
     if search and verify:
@@ -206,7 +206,10 @@ def plan(
             Console().print(longest_line(cfg, result), highlight=False, soft_wrap=True)
         return
 
-    cfg = resolve_recompute(cfg, here=bool(verify))
+    auto = cfg.offload_activations is None
+    cfg = resolve_offload(resolve_recompute(cfg, here=bool(verify)), here=bool(verify))
+    if auto and cfg.offload_activations and not json_out:
+        Console(stderr=True).print(OFFLOADED, highlight=False, soft_wrap=True)
     if verify:
         if json_out:
             raise TierwiseError("--verify prints a table: drop --json")
@@ -225,9 +228,9 @@ def plan(
         raise
     print_plan(result, console=Console(), as_json=json_out)
     if cfg.pack and not json_out:
-        Console(stderr=True).print("packing: " + ("each row attends only to itself (per-row position ids; the mask "
-                                                  "this takes is in the plan)" if result.row_positions else
-                                                  "rows attend to the rows before them in their block"),
+        Console(stderr=True).print("packing: " + (("each row attends only to itself (per-row position ids; " + (
+            "the S x S mask this takes is in the plan)" if result.padded else "attended one row at a time: no S x S "
+            "mask)")) if result.row_positions else "rows attend to the rows before them in their block"),
                                    highlight=False, soft_wrap=True)
     beyond = seq_len_note(cfg)
     for note in local_notes(cfg, result) + ([beyond] if beyond else []):  # stderr, also with --json

@@ -72,7 +72,7 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
         cuda=None if cfg.hardware else machine.has_cuda(),  # this machine's device, whatever the profile
         checkpointing=checkpointing(cfg), padded=padded, row_positions=rows_apart(cfg, src),
-        offload_activations=cfg.offload_activations,
+        offload_activations=bool(cfg.offload_activations),
         **lora_options(cfg, linears=engine_linears(src) if cfg.lora and not is_profile(cfg.model) else None),
         **layout,
     )
@@ -481,6 +481,32 @@ def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
     return dataclasses.replace(cfg, recompute=not feasible)
 
 
+def resolve_offload(cfg: TrainConfig, *, src: "ModelSource | None" = None,
+                    padded: bool | None = None, here: bool = True) -> TrainConfig:
+    """`cfg` with `offload_activations` decided. Unset (auto): on where no plan fits without it
+    and one fits with it (blocks recomputed: offloading moves their inputs), else off (a run that
+    fits neither way is refused as before, the advice listing what fits). Never with
+    --no-recompute. Call after resolve_recompute. `here`: as make_plan's."""
+    if cfg.offload_activations is not None:
+        return cfg
+    off = dataclasses.replace(cfg, offload_activations=False)
+    if cfg.recompute is False:
+        return off
+    for choice in (off, dataclasses.replace(cfg, offload_activations=True, recompute=True)):
+        try:
+            make_plan(choice, src=src, padded=padded, here=here)
+        except (InfeasibleBudget, UnsupportedModel, ProfileError) as e:
+            log.debug("no plan with offload_activations %s: %s", choice.offload_activations, e)
+            continue
+        return choice
+    return off
+
+
+OFFLOADED = ("activations: each block's input offloaded to host RAM between forward and backward (the GPU "
+             "budget holds them no other way; --no-offload-activations refuses instead)")
+"""What `finetune` and `plan` say when resolve_offload turned offloading on."""
+
+
 def _faster_recompute(cfg: TrainConfig, *, src: "ModelSource | None", padded: bool | None,
                       here: bool = True) -> TrainConfig:
     """A LoRA run streams its base every micro-batch: keeping every layer's activations (less
@@ -644,7 +670,7 @@ def dry_run(cfg: TrainConfig, *, console: Console) -> int:
     if src.note:
         console.print(f"[bold yellow]warning:[/] {src.note}", soft_wrap=True, highlight=False)
     model = build_meta_model(src.config)
-    cfg = resolve_recompute(cfg, src=src)
+    cfg = resolve_offload(resolve_recompute(cfg, src=src), src=src)
     total, lora = count_parameters(model), None
     if cfg.lora:  # the adapters as the run makes them (meta device: no values needed to count)
         from . import lora as lora_mod

@@ -32,8 +32,8 @@ from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model
 from .metrics import MetricsWriter, read_metrics, truncate_metrics
 from .packing import keeps_mask
-from .planning import (attends_segments, check_seq_len, checkpointing, gpu_budget, host_budget, preflight,
-                       resolve_recompute)
+from .planning import (OFFLOADED, attends_segments, check_seq_len, checkpointing, gpu_budget, host_budget, preflight,
+                       resolve_offload, resolve_recompute)
 from .plots import plot_loss, plot_timeline, preload as preload_plots
 from .progress import TrainProgress
 from .report import phase_delta, summary, warmup_report
@@ -102,7 +102,7 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, ranks: "launch.Rank
             optim=Optim(cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
             precision=Precision(cfg.precision, base=cfg.base_dtype if lora else None,
                                 double_quant=lora and cfg.base_dtype == "nf4"),  # the QLoRA recipe
-            activations=Activations(recompute=checkpointing(cfg), offload=cfg.offload_activations,
+            activations=Activations(recompute=checkpointing(cfg), offload=bool(cfg.offload_activations),
                                     expected=None if plan is None else plan.reserve["gpu"]["activations"],
                                     host=_host_activations(plan, ranks)),
             distributed=Distributed(grad_reduce=cfg.grad_reduce))
@@ -211,7 +211,7 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
 
 def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int:
     ranks = launch.on_node(ranks)  # the node's ranks as the engine counts them
-    auto = cfg.recompute is None
+    auto, auto_offload = cfg.recompute is None, cfg.offload_activations is None
     refusal = plan = None
     try:  # inputs, then what `plan` refuses, before allocating; several ranks: all together
         src, blocks, eval_data, padded, cfg = _checked_inputs(cfg, console=console)
@@ -232,6 +232,8 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     if auto and not cfg.recompute and cfg.optimizer != "mezo":
         console.print("activations: kept for backward, no recompute (the GPU budget holds them; "
                       "--recompute saves GPU memory)", highlight=False)
+    if auto_offload and cfg.offload_activations:
+        console.print(OFFLOADED, highlight=False)
     if refusal is None and blocks and len(blocks[0]) > 3:
         console.print("packing: each row attends only to itself (per-row position ids; --no-pack: a row a block)",
                       highlight=False)
@@ -319,7 +321,7 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
         lora_mod.check_base_dtype(meta, cfg)
     # then the worst step is one with a dense attention mask: planned for
     padded = has_padding(blocks, segments=attends_segments(cfg, src), mask=keeps_mask(src.config))
-    cfg = resolve_recompute(cfg, src=src, padded=padded)
+    cfg = resolve_offload(resolve_recompute(cfg, src=src, padded=padded), src=src, padded=padded)
     if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:
         check_resumable(cfg, Path(cfg.output))  # a changed option says so before any budget does
     return src, blocks, eval_data, padded, cfg

@@ -39,7 +39,11 @@ def test_offloaded_inputs_are_planned_as_measured(precision):
     gpu, host = eng.ledger.kind_peak("gpu", "activation"), eng.ledger.kind_peak("host", "activation")
     eng.close()
     assert host == pytest.approx(parts["host_inputs"], rel=0.10)
-    assert gpu == pytest.approx(plan.reserve["gpu"]["activations"], rel=0.10)
+    # never more than the plan books (the placement spends the rest: more would fail the step);
+    # fp32 to the byte (the recompute's first norm saves the fetched input itself: booked once)
+    assert gpu <= plan.reserve["gpu"]["activations"] and gpu == pytest.approx(plan.reserve["gpu"]["activations"], rel=0.10)
+    if precision == "fp32":
+        assert gpu == plan.reserve["gpu"]["activations"]
 
 
 def test_the_host_budget_keeps_room_for_them():

@@ -51,6 +51,7 @@ class Offloaded:
         self.settle(wait=True)
         self.io.ledger.reserve("gpu", "activation", self.nbytes)
         self.back = torch.empty(self.host.numel(), dtype=self.host.dtype, device=self.io.device)
+        self.io.fetched[storage_key(self.back)] = weakref.ref(self)
         self.back_ticket = self.io.executor.copy("h2d", self.back, self.host)
 
     def get(self) -> torch.Tensor:
@@ -81,6 +82,7 @@ class Offloader:
         self.phase, self.min_bytes = phase, min_bytes
         self.stack: list[weakref.ref] = []  # in pack order
         self.by_storage: dict[int, weakref.ref] = {}
+        self.fetched: dict[int, weakref.ref] = {}  # device copies made in backward, by storage
         self.active = False  # True while a checkpointed block saves its inputs in forward
 
     def wants(self, t: torch.Tensor) -> bool:
@@ -103,6 +105,12 @@ class Offloader:
                 x.settle(wait=True)  # measured peak must hold for every later step)
         return item
 
+    def fetched_as(self, key: int) -> Offloaded | None:
+        """The offloaded input whose device copy (booked already) has this storage, if alive."""
+        ref = self.fetched.get(key)
+        item = ref() if ref is not None else None
+        return item if item is not None and item.back is not None else None
+
     def unpack(self, item: Offloaded) -> torch.Tensor:
         out = item.get()
         alive = [r() for r in self.stack]
@@ -119,4 +127,5 @@ class Offloader:
             if (x := ref()) is not None:
                 x.settle(wait=True)
         self.by_storage.clear()
+        self.fetched = {k: r for k, r in self.fetched.items() if r() is not None}
         self.stack = [r for r in self.stack if r() is not None]

@@ -77,6 +77,14 @@ class _Pinned:
     __slots__ = ("tensor", "cid")
 
 
+class _Back:
+    """A saved view of an offloaded block input's device copy in backward (its recompute saves
+    it again: an fp32 block's first norm saves its input): booked by the offloader already, and
+    kept booked while this reference lives (it holds the offloaded item)."""
+
+    __slots__ = ("tensor", "item")
+
+
 class ActivationTracker:
     """saved_tensors_hooks for the engine: chunk views become references, activations are counted."""
 
@@ -108,8 +116,14 @@ class ActivationTracker:
             return _HomeRef(t, home)
         if t.device != self.device:
             return t  # not in the gpu tier
-        if self.offloader is not None and self.offloader.wants(t):
-            return self.offloader.pack(t)
+        if self.offloader is not None:
+            if self.offloader.wants(t):
+                return self.offloader.pack(t)
+            item = self.offloader.fetched_as(key)
+            if item is not None:
+                back = _Back.__new__(_Back)
+                back.tensor, back.item = t, item
+                return back
         live = self._live.get(key)
         if live is None:
             nbytes = storage.nbytes()
@@ -150,6 +164,8 @@ class ActivationTracker:
             return buf.as_strided(packed.size, packed.stride, packed.offset)
         if kind is _HomeRef:
             self.residency.note_read(packed.cid)
+            return packed.tensor
+        if kind is _Back:
             return packed.tensor
         if self.offloader is not None and not isinstance(packed, torch.Tensor):
             return self.offloader.unpack(packed)
