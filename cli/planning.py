@@ -411,13 +411,16 @@ def advise(cfg: TrainConfig, error: InfeasibleBudget, *, console: Console,
 
 
 def data_padded(cfg: TrainConfig, src: "ModelSource | None" = None) -> bool:
-    """Whether some batch of the run makes transformers build a dense attention mask
-    (cli.data.has_padding), so the plan is for that batch (the run's worst step). Read from
-    --data when given; without it the worst case: packed rows kept apart share a block (no
-    mask where the attention takes them per segment: attends_segments) and a short block is
-    padded (no mask unless the model keeps it: packing.keeps_mask)."""
+    """Whether some batch of the run makes transformers build a dense attention mask, so the
+    plan is for that batch (the run's worst step): every batch where the attention always
+    takes one (always_masked), else as cli.data.has_padding reads --data; without --data the
+    worst case: packed rows kept apart share a block (no mask where the attention takes them
+    per segment: attends_segments) and a short block is padded (no mask unless the model keeps
+    it: packing.keeps_mask)."""
     from .packing import keeps_mask
 
+    if always_masked(cfg, src):
+        return True
     split = attends_segments(cfg, src)
     keep = src is not None and keeps_mask(src.config)
     if cfg.data is None:
@@ -429,6 +432,37 @@ def data_padded(cfg: TrainConfig, src: "ModelSource | None" = None) -> bool:
                                    isolate=isolates(src.config, pack=cfg.pack)), segments=split, mask=keep)
 
 
+def _attention(src: "ModelSource") -> str:
+    """The attention implementation the run's model gets (cli.loading.build_meta_model; kept on `src`)."""
+    cached = getattr(src, "_attention", None)
+    if cached is None:
+        from .loading import build_meta_model
+
+        cached = src._attention = build_meta_model(src.config).config._attn_implementation
+    return cached
+
+
+def always_masked(cfg: TrainConfig, src: "ModelSource | None") -> bool:
+    """Whether every batch of the run takes a dense S x S mask: an attention that is not SDPA
+    (eager builds one always), ALiBi, or a sliding window shorter than --seq-len. A profile:
+    its family's configuration (transformers' SDPA)."""
+    if src is None:
+        try:
+            from ..profiles import load_model_profile
+
+            config = load_model_profile(cfg.model).to_hf_config()
+        except ImportError:  # planning by name without transformers: no window known
+            return False
+    else:
+        from ..offload.engine.segments import NAME
+
+        config = src.config
+        if _attention(src) not in ("sdpa", NAME):
+            return True
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    return bool(getattr(config, "alibi", False)) or (window is not None and window < cfg.seq_len)
+
+
 def attends_segments(cfg: TrainConfig, src: "ModelSource | None") -> bool:
     """Whether the run's attention takes its packed rows per segment (packing.use_segments, as
     build_meta_model installs it); a profile names a family that does, on transformers' SDPA."""
@@ -437,9 +471,8 @@ def attends_segments(cfg: TrainConfig, src: "ModelSource | None") -> bool:
     if src is None:
         return True
     from ..offload.engine.segments import NAME
-    from .loading import build_meta_model
 
-    return build_meta_model(src.config).config._attn_implementation == NAME
+    return _attention(src) == NAME
 
 
 def checkpointing(cfg: TrainConfig) -> bool | None:
@@ -543,7 +576,7 @@ def longest(cfg: TrainConfig, *, here: bool = False) -> tuple[TrainConfig, Plan]
             return None
 
     best: tuple[int, bool, Plan] | None = None
-    for offload in [True] if cfg.offload_activations else [False, True]:
+    for offload in {True: [True], False: [False]}.get(cfg.offload_activations, [False, True]):
         if cfg.recompute is False and offload:
             break  # offloading moves recomputed blocks' inputs
         lo, n, found = 0, SEQ_STEP, None

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyhf import FAMILIES, family_config  # noqa: E402
+from tinyhf import FAMILIES, family_config, make_tiny_family_dir  # noqa: E402
 
 from tierwise.cli.builtin import build_tokenizer  # noqa: E402
 from tierwise.cli.data import IGNORE, ISOLATING, Row, batch_of, has_padding, isolates, make_blocks  # noqa: E402
@@ -164,3 +164,39 @@ def test_a_model_that_hides_position_ids_from_its_attention_is_refused():
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match="position_ids"):
         _attention(torch.nn.Module(), q, q, q, CAUSAL)
+
+
+def test_with_a_cache_the_attention_is_transformers_own(tok):
+    """Tokens fed over a KV cache (a chunked prefill) attend as with transformers' SDPA: the
+    per-segment path is for the queries that are the keys only."""
+    model = model_of("llama", tok)
+    ref = model_of("llama", tok)
+    assert use_segments(model)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        outs = []
+        for m in (model, ref):
+            first = m(input_ids=ids[:, :8], use_cache=True)
+            outs.append(m(input_ids=ids[:, 8:], past_key_values=first.past_key_values, use_cache=True).logits)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
+
+
+def test_alibi_and_short_windows_keep_their_mask(tmp_path):
+    """ALiBi adds its bias to the mask it gets: such a model keeps transformers' SDPA; a sliding
+    window shorter than the row makes every batch take a dense mask, which the plan prices."""
+    import dataclasses
+
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from tierwise.cli.config import TrainConfig
+    from tierwise.cli.loading import resolve_model
+    from tierwise.cli.planning import data_padded
+
+    alibi = FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                           alibi=True, new_decoder_architecture=False, multi_query=True))
+    assert not use_segments(alibi) and alibi.config._attn_implementation == "sdpa"
+    src = resolve_model(str(make_tiny_family_dir(tmp_path / "mistral", "mistral")))
+    window = src.config.sliding_window
+    cfg = TrainConfig(model=str(tmp_path / "mistral"), batch_size=1, seq_len=window)
+    assert not data_padded(cfg, src)  # packed rows per segment, the window as long as the row
+    assert data_padded(dataclasses.replace(cfg, seq_len=window + 1), src)

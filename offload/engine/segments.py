@@ -33,16 +33,18 @@ class _Causal:
 CAUSAL = _Causal()
 
 
-def _mask(*, attention_mask=None, use_vmap: bool = False, local_size=None, kv_length: int = 0, **kwargs):
+def _mask(*, attention_mask=None, use_vmap: bool = False, local_size=None, q_length: int = 0, kv_length: int = 0,
+          q_offset: int = 0, kv_offset: int = 0, **kwargs):
     """transformers' SDPA mask, except where the only reason for one can be packing (no padding
-    mask, no window shorter than the keys, no extra mask function, causal): CAUSAL."""
+    mask, no cache: the queries are the keys, no window shorter than them, no extra mask
+    function, causal): CAUSAL."""
     from transformers.masking_utils import sdpa_mask
 
-    if (attention_mask is None and not use_vmap and (local_size is None or local_size >= kv_length)
-            and "allow_is_bidirectional_skip" not in kwargs):
+    if (attention_mask is None and not use_vmap and q_length == kv_length and not q_offset and not kv_offset
+            and (local_size is None or local_size >= kv_length) and "allow_is_bidirectional_skip" not in kwargs):
         return CAUSAL
-    return sdpa_mask(attention_mask=attention_mask, use_vmap=use_vmap, local_size=local_size, kv_length=kv_length,
-                     **kwargs)
+    return sdpa_mask(attention_mask=attention_mask, use_vmap=use_vmap, local_size=local_size, q_length=q_length,
+                     kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
 
 
 class _Spans:
@@ -111,9 +113,10 @@ def uses_sdpa(config: Any) -> bool:
 
 def use_segments(model: torch.nn.Module) -> bool:
     """Run `model`'s attention per packed segment (see the module docstring) where it is
-    transformers' SDPA; False (unchanged) otherwise."""
+    transformers' SDPA without a positional bias in its mask (ALiBi: the model adds it to the
+    mask it gets); False (unchanged) otherwise."""
     config = getattr(model, "config", None)
-    if config is None or not uses_sdpa(config):
+    if config is None or not uses_sdpa(config) or getattr(config, "alibi", False):
         return False
     if config._attn_implementation != NAME:
         _register()

@@ -142,10 +142,10 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     and without `padded` the attention runs per segment (offload.engine.segments), whose
     joined output is one more e*T*q_dim in a block's internals.
 
-    `padded`: some row of the batch has attention_mask zeros (a short last block, rows padded
-    to the sequence length). transformers then builds the B x 1 x S x S mask that an unpadded
-    batch does without (it uses is_causal), so a padded batch of the same shape saves more:
-    the run's worst step is a padded one whenever its data has any padding.
+    `padded`: the batch's attention takes a dense B x 1 x S x S mask (transformers builds one
+    for an attention_mask with zeros, for packed rows its SDPA path keeps apart, for a sliding
+    window shorter than S, for eager attention); a batch without one uses is_causal. So such a
+    batch of the same shape saves more: the run's worst step whenever some batch has one.
 
     `lora`: (targeted linears, rank) of a LoRA run over a frozen base (plan.lora). Autograd
     then saves only what some gradient needs: no token ids (frozen embedding), no norm's

@@ -9,8 +9,8 @@ The planner mirrors the engine byte for byte on the simulated device, by constru
 - the gpu side: the same `DeviceNeeds` (module buffers; the streaming window = the widest
   module's chunks + the largest chunk; the gradient reserve = the largest parameter, for MeZO
   the perturbed copies of the widest module; the activations, here computed in closed form by
-  `perfmodel.activation_bytes`, which matches what the engine measures for a full or, with
-  `padded`, a padded batch: the run's worst step)
+  `perfmodel.activation_bytes`, which matches what the engine measures for a batch without
+  or, with `padded`, with a dense S x S attention mask: the run's worst step)
   handed to the engine's own `placement.plan_device`, which picks the gpu-home chunks (a
   suffix of first-use order) and the cache size for streamed compute copies; on a CUDA
   device (a profile's or `cuda`) around the workspace margin the engine leaves the allocator (`needs.workspace_margin`,
@@ -57,6 +57,9 @@ from .ranks import Collectives, RankPlan
 from ..core.units import format_size
 from ..core.sizes import parse_size
 from ...profiles import HardwareProfile, ModelProfile, load_hardware_profile, load_model_profile
+
+MASKED = " (S x S mask)"
+"""How a plan's batch line says it was planned for a batch with a dense attention mask (`padded`)."""
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +129,8 @@ class Plan:
     """What the OS will count for the process (per node with several ranks): the host peak, the
     process itself (PROCESS_BYTES each) and, on the simulated device, its gpu peak (host RAM)."""
     padded: bool = False
-    """Planned for padded batches (attention_mask zeros): the run's worst step when its data
-    has any padding, e.g. a short last block."""
+    """Planned for a batch whose attention takes a dense S x S mask (perfmodel.activation_parts):
+    the run's worst step when some batch does (cli.planning.data_padded)."""
     row_positions: bool = False
     """Batches carry position ids per row (packed rows kept apart: cli.data)."""
     offload: bool = False
@@ -182,7 +185,7 @@ class Plan:
             rows.append([tier] + cells)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"{self.model} on {self.hardware}: {self.optimizer}, {self.precision}, "
-                 f"batch {self.batch_size} x {self.seq_len}{' padded' if self.padded else ''}, "
+                 f"batch {self.batch_size} x {self.seq_len}{MASKED if self.padded else ''}, "
                  f"grad-accum {self.grad_accum}, {_count(self.num_params)} params, "
                  f"{self.num_chunks} chunks of {format_size(self.chunk_bytes)}, "
                  f"recompute {'on' if self.checkpointing else 'off'}"]
@@ -509,8 +512,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     `params`: the parameters the engine will chunk, in its order (`chunks.specs_of(
     model.named_parameters())` of the module the run trains: a tied head counted once, as
     that module ties it); default: the profile's `param_specs()`.
-    `padded`: some batch of the run has padding (attention_mask zeros): the activations are
-    then those of a padded batch, the run's worst step (perfmodel.activation_parts).
+    `padded`: some batch of the run takes a dense S x S attention mask: the activations are
+    then those of such a batch, the run's worst step (perfmodel.activation_parts).
     `row_positions`: the batches carry position ids per row (packed rows kept apart: cli.data).
     `offload_activations`: recomputed blocks' inputs wait in host memory between forward and
     backward (`Activations(offload=True)`): the device holds two, the host the rest, beside the
@@ -607,7 +610,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
             f"--gpu-mem {format_size(gpu)} is too small: needs at least {format_size(minimum)} "
             f"({minimum} B: buffers {format_size(needs.buffers)}, streaming window "
             f"{format_size(needs.stream_window)}, gradient reserve {format_size(needs.grad_reserve)}, "
-            f"activations {format_size(act)} at batch {batch_size} x {seq_len}{' padded' if padded else ''}{beside})",
+            f"activations {format_size(act)} at batch {batch_size} x {seq_len}{MASKED if padded else ''}{beside})",
             minimum={"gpu": minimum})
     if ch.choose_blocks(buffers=buffers, activations=tiled_act, gpu_budget=gpu, margin=margin):
         act = tiled_act
@@ -703,16 +706,21 @@ def better_micro_batch(plan: Plan, **kwargs: Any) -> "Plan | None":
     return best
 
 
+def _passes(plan: Plan) -> dict[str, str]:
+    """The bound of each pass over the model (forward, backward; not the update after them)."""
+    return {k: b for k, b in (plan.bounds or {"step": plan.bottleneck}).items() if k != "update"}
+
+
 def _compute_bound(plan: Plan) -> bool:
-    """Whether gpu compute bounds every phase of the step (not only the longest)."""
-    return all(b == "gpu compute" for b in (plan.bounds or {"step": plan.bottleneck}).values())
+    """Whether gpu compute bounds every pass of the step (not only the longest)."""
+    return all(b == "gpu compute" for b in _passes(plan).values())
 
 
 def _bound(plan: Plan) -> str:
-    """'compute-bound', or each phase's bound ('forward pcie h2d-bound, backward ...')."""
+    """'compute-bound', or each pass's bound ('forward pcie h2d-bound, backward ...')."""
     if _compute_bound(plan):
         return "compute-bound"
-    return ", ".join(f"{phase} {b}-bound" for phase, b in (plan.bounds or {"step": plan.bottleneck}).items())
+    return ", ".join(f"{phase} {b}-bound" for phase, b in _passes(plan).items())
 
 
 #: Micro-batches `suggest_micro_batch` tries.
