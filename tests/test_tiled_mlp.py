@@ -63,11 +63,22 @@ def _engine_run(model, data, monkeypatch, *, tile_bytes, lora=None):
         eng.close()
 
 
-def test_an_engine_with_tiled_mlps_trains_as_plain_pytorch(monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_an_engine_with_tiled_mlps_trains_as_plain_pytorch(monkeypatch, family):
     """Sequences of 64 tokens in tiles of 16 (4 per MLP, every block recomputed): the losses
     and weights of plain PyTorch (fp32, SGD: the weights' gradients are summed per tile, so they
-    agree to rounding, which Adam's normalisation would magnify in the near-zero ones)."""
-    model = tiny_llama(layers=3, hidden=64, vocab=128)
+    agree to rounding, which Adam's normalisation would magnify in the near-zero ones). Llama's
+    recompute skips the MLP's output (only the residual add reads it); gemma2's, whose
+    post-feedforward norm saves it, computes it."""
+    if family == "llama":
+        model = tiny_llama(layers=3, hidden=64, vocab=128)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from tests.tinyhf import family_config
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(family_config(family, vocab_size=128))
     data = batches(3, batch=2, seq=64)
     ref_losses, ref = train_reference(model, data, lr=1e-2, optimizer="sgd")
     calls = []
@@ -75,10 +86,12 @@ def test_an_engine_with_tiled_mlps_trains_as_plain_pytorch(monkeypatch):
 
     def counting(*a):
         calls.append(len(a[1][0]))
+        assert a[1][2] == (family != "llama")  # whether the recompute computes the MLP's output
         return real(*a)
 
     monkeypatch.setattr(tiled_mod._TiledMLP, "apply", counting)
-    losses, weights = _engine_run(model, data, monkeypatch, tile_bytes=3 * 128 * 4 * 2 * 16)
+    width = model.model.layers[0].mlp.up_proj.out_features
+    losses, weights = _engine_run(model, data, monkeypatch, tile_bytes=3 * width * 4 * 2 * 16)
     assert calls and set(calls) == {4}  # every recompute ran its MLP in 4 tiles
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for n, p in ref.named_parameters():

@@ -438,10 +438,10 @@ class Engine:
         if checkpointing:
             surgery.disable_kv_cache()  # a KV cache would see each block twice (recompute)
             config = getattr(model, "config", None)
-            for mlp, width in tiled_mlps(self.blocks, getattr(config, "model_type", None)):
-                surgery.patch_forward(mlp, lambda f, m=mlp, w=width: tiled(
+            for mlp, width, values in tiled_mlps(self.blocks, getattr(config, "model_type", None)):
+                surgery.patch_forward(mlp, lambda f, m=mlp, w=width, v=values: tiled(
                     f, m, width=w, context=lambda: res.recompute(self.tracker.hooks()),
-                    enabled=lambda: self.units_are_blocks))
+                    enabled=lambda: self.units_are_blocks, values=v))
             for block in self.blocks:
                 surgery.patch_forward(block, lambda f, b=block: checkpointed(
                     f, context=lambda: res.recompute(self.tracker.hooks()), hold=lambda b=b: res.holding(b),

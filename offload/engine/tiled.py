@@ -5,7 +5,9 @@ intermediate size: at 32K tokens and an 8B model's 14,336 that is 0.94 GB each i
 is token-wise (each token's output depends on that token alone), so it can run a tile of
 tokens at a time:
 - forward (the block's first, gradient-free forward, and its recompute): tile by tile into
-  one output tensor;
+  one output tensor; in the recompute of a block that only adds the output to its residual
+  (perfmodel.RESIDUAL_MLP_FAMILIES) not at all: nothing reads it, and backward computes each
+  tile again anyway (so a tiled MLP costs no more than an untiled one);
 - backward: each tile is computed again with gradients and backpropagated at once; the input's
   gradient is written tile by tile, the parameters' gradients are summed over the tiles and
   handed to autograd once (so the engine's gradient hooks see one contribution per backward,
@@ -25,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..plan.perfmodel import TILED_FAMILIES, mlp_tile_tokens
+from ..plan.perfmodel import RESIDUAL_MLP_FAMILIES, TILED_FAMILIES, mlp_tile_tokens
 
 # The tile's bytes (perfmodel.MLP_TILE_BYTES) and the families (TILED_FAMILIES) are the
 # planner's: one place for the figures both use. A sequence of one tile runs untiled.
@@ -39,9 +41,11 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], spec: tuple, x: torch.Tensor,  # type: ignore[override]
                 *params: torch.Tensor) -> torch.Tensor:
-        tiles, ctx.context = spec
+        tiles, ctx.context, values = spec
         ctx.run, ctx.tiles, ctx.params = run, tiles, params  # (the parameters themselves: leaves)
         ctx.save_for_backward(x)
+        if not values:  # (the block's recompute, whose output nothing reads: only its graph)
+            return torch.zeros_like(x)
         with torch.no_grad():
             return _forward(run, tiles, x)
 
@@ -87,14 +91,19 @@ def _active_dropout(mod: torch.nn.Module) -> bool:
 
 def tiled(forward: Callable[..., torch.Tensor], mlp: torch.nn.Module, *, width: int,
           tile_bytes: "int | None" = None, context: Callable[[], Any] = contextlib.nullcontext,
-          enabled: Callable[[], bool] = lambda: True) -> Callable[..., torch.Tensor]:
+          enabled: Callable[[], bool] = lambda: True, values: bool = True) -> Callable[..., torch.Tensor]:
     """`forward` of `mlp` (token-wise, [batch, tokens, hidden] -> the same) run in sequence
     tiles when the sequence is longer than one tile (`width`: the MLP's intermediate size;
     `tile_bytes`: None, perfmodel.MLP_TILE_BYTES as it is at the call). `context()`: what a tile's computation
     in backward runs under (the engine's saved-tensor hooks: a weight it saves is a chunk's,
     which may leave the device before the tile's backward reads it). `enabled()`: whether to
     tile now (the engine's: where the blocks are its units of residency, whose chunks stay on
-    the device through all the tiles; with the modules as units each tile would fetch them)."""
+    the device through all the tiles; with the modules as units each tile would fetch them).
+    `values` False: a forward with gradients returns zeros of the output's shape, not the
+    output: right only where nothing reads it but the residual add of a block whose recompute
+    (the engine's checkpointed blocks: their first forward runs without gradients) is run for
+    its graph alone, so backward's tiles are the MLP's only recomputation (tiled_mlps says
+    where)."""
     def wrapper(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs or x.dim() != 3 or not enabled() or _active_dropout(mlp):
             return forward(x, *args, **kwargs)
@@ -105,13 +114,14 @@ def tiled(forward: Callable[..., torch.Tensor], mlp: torch.nn.Module, *, width: 
         if not torch.is_grad_enabled():
             return _forward(forward, tiles, x)
         params = [p for p in mlp.parameters() if p.requires_grad]
-        return _TiledMLP.apply(forward, (tiles, context), x, *params)
+        return _TiledMLP.apply(forward, (tiles, context, values), x, *params)
 
     return wrapper
 
 
-def tiled_mlps(blocks: list[torch.nn.Module], model_type: "str | None") -> list[tuple[torch.nn.Module, int]]:
-    """(mlp, its intermediate size) of each block whose MLP runs in tiles: a family in TILED_FAMILIES,
+def tiled_mlps(blocks: list[torch.nn.Module], model_type: "str | None") -> list[tuple[torch.nn.Module, int, bool]]:
+    """(mlp, its intermediate size, whether the block reads more of its output than the residual
+    add: `tiled`'s `values`) of each block whose MLP runs in tiles: a family in TILED_FAMILIES,
     the block's `mlp` child with a gate/up/down projection (refused otherwise: left untiled)."""
     if model_type not in TILED_FAMILIES:
         return []
@@ -121,5 +131,5 @@ def tiled_mlps(blocks: list[torch.nn.Module], model_type: "str | None") -> list[
         up = getattr(mlp, "up_proj", None)
         width = getattr(getattr(up, "base_layer", up), "out_features", None)
         if mlp is not None and width and hasattr(mlp, "down_proj"):
-            out.append((mlp, int(width)))
+            out.append((mlp, int(width), model_type not in RESIDUAL_MLP_FAMILIES))
     return out

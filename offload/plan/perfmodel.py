@@ -87,6 +87,9 @@ def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad
 MLP_TILE_BYTES = 256 << 20
 TILED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite",
                             "cohere", "olmo", "olmo2", "smollm3"})  # (not phi3: one fused gate_up_proj)
+#: Of those, the families whose block only adds its MLP's output to the residual (no norm after
+#: it saves it): their recompute need not compute that output (offload.engine.tiled).
+RESIDUAL_MLP_FAMILIES = TILED_FAMILIES - {"gemma2", "gemma3_text", "olmo2"}
 
 
 def mlp_tile_tokens(width: int, itemsize: int, rows: int, tile_bytes: "int | None" = None) -> int:
