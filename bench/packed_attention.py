@@ -30,6 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "devtree"))
 
 from tierwise.offload.engine.segments import use_segments  # noqa: E402
+from tierwise.offload.plan import perfmodel  # noqa: E402
+
+perfmodel.SEGMENTS_FROM = 1  # per segment at every length here (finetune: from 4,096 tokens a row)
 
 VOCAB, HIDDEN, LAYERS = 1024, 64, 2
 

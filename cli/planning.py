@@ -465,8 +465,11 @@ def always_masked(cfg: TrainConfig, src: "ModelSource | None") -> bool:
 
 def attends_segments(cfg: TrainConfig, src: "ModelSource | None") -> bool:
     """Whether the run's attention takes its packed rows per segment (packing.use_segments, as
-    build_meta_model installs it); a profile names a family that does, on transformers' SDPA."""
-    if not rows_apart(cfg, src):
+    build_meta_model installs it, for rows of perfmodel.SEGMENTS_FROM tokens or more); a profile
+    names a family that does, on transformers' SDPA."""
+    from ..offload.plan.perfmodel import SEGMENTS_FROM
+
+    if not rows_apart(cfg, src) or cfg.seq_len < SEGMENTS_FROM:
         return False
     if src is None:
         return True

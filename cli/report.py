@@ -53,7 +53,7 @@ def warmup_report(*, measured_times: dict[str, float], measured_peaks: dict[str,
     if gpu_budget:
         lines[1] += f"   (--gpu-mem {format_size(gpu_budget)})"
     if plan is not None:
-        worst = ", for a padded batch" if plan.padded else ""  # the run's worst step
+        worst = ", for a batch with an S x S mask" if plan.padded else ""  # the run's worst step
         lines[2] += f"   ({plan.hardware} profile{worst})"
     else:
         lines.append(f"{'  planned'.ljust(widths[0])}   no prediction"

@@ -126,7 +126,8 @@ def test_an_accepted_plan_holds_for_every_step_of_the_epoch(tmp_path, engines, d
         plan = make_plan(TrainConfig(**RUN, data=str(path), pack=not extra, gpu_mem=f"{minimum * 3 // 2}B"))
         budget = -(-plan.peak["gpu"] // 1024) * 1024
     plan = make_plan(TrainConfig(**RUN, data=str(path), pack=not extra, gpu_mem=f"{budget}B"))
-    assert not plan.padded  # no batch builds a dense mask: right padding, packed rows per segment
+    # blocks of several packed rows this short take transformers' mask; padding needs none
+    assert plan.padded == (not extra)
     out = tmp_path / "run"
     args = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--chunk-size", "16K",
             "--data", str(path), *extra, "--gpu-mem", f"{budget}B", "--epochs", "1", "--output", str(out)]
@@ -259,15 +260,15 @@ def test_cli_checkpoints_the_last_completed_step_and_exits_2(tmp_path, monkeypat
 
 def test_plan_verify_runs_the_worst_batch(tmp_path):
     """`finetune plan --verify --data`: the plan is for the data's worst batch and the measured
-    steps include it: PASS within ±10%. The sample's short last block and its blocks of several
-    packed rows take no dense mask here (right padding; rows attended per segment), so the plan
-    is not for a `padded` batch (tests/test_plan_predicts_run.py prices one with a mask)."""
+    steps include it (the first one after the warm-up): PASS within ±10%. At 32 tokens its
+    blocks of several packed rows take transformers' S x S mask; the short last block's padding
+    takes none."""
     path = _text_data(tmp_path / "d.jsonl")
     args = ["plan", "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--chunk-size", "16K",
             "--gpu-mem", "800K", "--data", str(path), "--verify"]
     result = CliRunner().invoke(app, args, env={"COLUMNS": "120"})
     assert result.exit_code == 0, (result.output, result.stderr, result.exception)
-    assert "batch 2 x 32," in result.output and "padded" not in result.output and "PASS" in result.output
+    assert "batch 2 x 32 (S x S mask)," in result.output and "PASS" in result.output
 
 
 def test_a_first_step_below_the_minimum_says_so_and_does_not_point_at_measure():

@@ -214,10 +214,10 @@ def test_error_budget_too_small_for_activations(tmp_path):
     line = _error_line(_invoke(*STREAM[:-2], "--gpu-mem", "300K", "--steps", "1",
                                "--output", str(tmp_path / "o")))
     assert "--gpu-mem 300.00 KiB is too small: needs at least" in line
-    # 294.25 KiB for a batch + 4.25 KiB of per-row rotary tables and position ids (packed rows
-    # kept apart) + 16 KiB for the per-segment attention's joined output; no S x S mask (the
-    # padding needs none, the rows are attended per segment)
-    assert "activations 314.50 KiB at batch 2 x 32)" in line
+    # 294.25 KiB for a batch + 26 KiB for the S x S mask its blocks of several packed rows take
+    # at this length (perfmodel.SEGMENTS_FROM) + 4.25 KiB of per-row rotary tables and position
+    # ids (packed rows kept apart)
+    assert "activations 324.50 KiB at batch 2 x 32 (S x S mask))" in line
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "galore", "apollo-mini", "mezo"])

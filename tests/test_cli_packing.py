@@ -16,6 +16,7 @@ from tinyhf import FAMILIES, family_config, make_tiny_family_dir  # noqa: E402
 from tierwise.cli.builtin import build_tokenizer  # noqa: E402
 from tierwise.cli.data import IGNORE, ISOLATING, Row, batch_of, has_padding, isolates, make_blocks  # noqa: E402
 from tierwise.cli.packing import use_segments  # noqa: E402
+from tierwise.offload.plan import perfmodel  # noqa: E402
 
 VOCAB = 288
 ROWS = ["the cat sat on the mat", "a dog", "streams of chunks move between the tiers of memory",
@@ -65,6 +66,7 @@ def test_each_packed_row_trains_as_it_would_alone(family, segments, tok, monkeyp
     sdpa = model.config._attn_implementation == "sdpa"
     if segments:
         assert use_segments(model) == sdpa  # (gemma2 attends eagerly: unchanged)
+        monkeypatch.setattr(perfmodel, "SEGMENTS_FROM", 2)  # (rows this short take the mask otherwise)
     rows = [Row(data={"text": t}, where=f"<{i}>") for i, t in enumerate(ROWS)]
     packed = make_blocks(rows, tok, seq_len=16, isolate=True)
     assert len(packed) >= 2 and all(len(b) == 4 for b in packed)
@@ -135,6 +137,7 @@ def test_padding_needs_no_mask(family, isolate, tok, monkeypatch):
     token's loss is the masked batch's, and no dense mask is built."""
     model = model_of(family, tok)
     use_segments(model)
+    monkeypatch.setattr(perfmodel, "SEGMENTS_FROM", 2)  # (its two rows: per segment, at this length too)
     rows = [Row(data={"text": t}, where=f"<{i}>") for i, t in enumerate(ROWS[:2])]
     blocks = make_blocks(rows, tok, seq_len=32, isolate=isolate)
     assert len(blocks) == 1 and not bool(blocks[0][2].all())
@@ -181,7 +184,7 @@ def test_with_a_cache_the_attention_is_transformers_own(tok):
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
 
 
-def test_alibi_and_short_windows_keep_their_mask(tmp_path):
+def test_alibi_and_short_windows_keep_their_mask(tmp_path, monkeypatch):
     """ALiBi adds its bias to the mask it gets: such a model keeps transformers' SDPA; a sliding
     window shorter than the row makes every batch take a dense mask, which the plan prices."""
     import dataclasses
@@ -195,8 +198,28 @@ def test_alibi_and_short_windows_keep_their_mask(tmp_path):
     alibi = FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                            alibi=True, new_decoder_architecture=False, multi_query=True))
     assert not use_segments(alibi) and alibi.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(perfmodel, "SEGMENTS_FROM", 2)
     src = resolve_model(str(make_tiny_family_dir(tmp_path / "mistral", "mistral")))
     window = src.config.sliding_window
     cfg = TrainConfig(model=str(tmp_path / "mistral"), batch_size=1, seq_len=window)
     assert not data_padded(cfg, src)  # packed rows per segment, the window as long as the row
     assert data_padded(dataclasses.replace(cfg, seq_len=window + 1), src)
+
+
+def test_short_packed_rows_take_the_mask_long_ones_segments(tok, monkeypatch):
+    """Below perfmodel.SEGMENTS_FROM tokens a packed row takes transformers' mask (one SDPA call a
+    layer); from it on, one call per segment and no mask. The plan follows the same rule."""
+    from tierwise.cli.config import TrainConfig
+    from tierwise.cli.planning import attends_segments
+
+    model = model_of("llama", tok)
+    use_segments(model)
+    rows = [Row(data={"text": t}, where=f"<{i}>") for i, t in enumerate(ROWS)]
+    batch = batch_of(make_blocks(rows, tok, seq_len=16, isolate=True))
+    for threshold, masked in ((17, True), (16, False)):
+        monkeypatch.setattr(perfmodel, "SEGMENTS_FROM", threshold)
+        spy = SdpaMasks(monkeypatch)
+        with torch.no_grad():
+            model(**{k: v for k, v in batch.items() if k != "labels"})
+        assert spy.masks and all(m is not None for m in spy.masks) == masked
+        assert attends_segments(TrainConfig(model="llama-8b", seq_len=16), None) == (not masked)

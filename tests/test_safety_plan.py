@@ -29,7 +29,7 @@ def test_plan_has_a_verdict_explains_reserve_and_says_it_is_modelled():
     r = _invoke("plan", "--grad-accum", "2")
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    assert "batch 4 x 128, grad-accum 2," in lines[0]  # (no batch of the sample builds a dense mask)
+    assert "batch 4 x 128 (S x S mask), grad-accum 2," in lines[0]  # (packed rows this short: the mask)
     assert any(ln.startswith("reserve (bytes besides the chunks): gpu ") and "activations" in ln for ln in lines)
     assert any("modelled from hardware profile 'cpu-sim', not measured" in ln for ln in lines)
     assert lines[-1].startswith("verdict: fits: every tier's peak is within its budget")

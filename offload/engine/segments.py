@@ -2,9 +2,10 @@
 
 A packed batch keeps its rows apart by per-row position ids that restart at 0 (cli.data).
 transformers' SDPA path turns that into a B x 1 x S x S mask, which at long lengths outweighs
-the model (64K tokens: 4 GiB of bool, and SDPA's additive copy on top). The attention here
-reads the segments from the position ids instead and runs causal SDPA on each, as each row
-would run alone; nothing S x S exists. Every other case (a padding mask, a sliding window, a
+the model (64K tokens: 4 GiB of bool, and SDPA's additive copy on top). For rows of
+perfmodel.SEGMENTS_FROM tokens or more, the attention here reads the segments from the
+position ids instead and runs causal SDPA on each, as each row would run alone; nothing
+S x S exists. Every other case (a padding mask, a sliding window, a
 cache) is transformers' own SDPA, unchanged.
 
 `use_segments(model)` switches a model whose attention is transformers' "sdpa" to it.
@@ -16,6 +17,8 @@ import weakref
 from typing import Any
 
 import torch
+
+from ..plan import perfmodel  # SEGMENTS_FROM, the planner's too (read at each call)
 
 NAME = "tierwise_sdpa"
 _registered = False
@@ -37,10 +40,12 @@ def _mask(*, attention_mask=None, use_vmap: bool = False, local_size=None, q_len
           q_offset: int = 0, kv_offset: int = 0, **kwargs):
     """transformers' SDPA mask, except where the only reason for one can be packing (no padding
     mask, no cache: the queries are the keys, no window shorter than them, no extra mask
-    function, causal): CAUSAL."""
+    function, causal) and the row is long (perfmodel.SEGMENTS_FROM tokens: a shorter one's
+    mask is small, and one SDPA call a layer costs the launching thread less than one per
+    segment): CAUSAL."""
     from transformers.masking_utils import sdpa_mask
 
-    if (attention_mask is None and not use_vmap and q_length == kv_length and not q_offset and not kv_offset
+    if (attention_mask is None and not use_vmap and q_length == kv_length >= perfmodel.SEGMENTS_FROM and not q_offset and not kv_offset
             and (local_size is None or local_size >= kv_length) and "allow_is_bidirectional_skip" not in kwargs):
         return CAUSAL
     return sdpa_mask(attention_mask=attention_mask, use_vmap=use_vmap, local_size=local_size, q_length=q_length,

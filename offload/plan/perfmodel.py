@@ -82,6 +82,11 @@ def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad
     return e * t * h + (e * vocab * h if head_grad else 0)
 
 
+#: Packed rows of at least this many tokens are attended one segment at a time (no S x S mask:
+#: offload.engine.segments); shorter ones take transformers' mask (at most 48 MiB a row with its
+#: additive copy), one SDPA call a layer instead of one per segment.
+SEGMENTS_FROM = 4096
+
 #: A recomputed block's MLP runs in sequence tiles of this many bytes of intermediates
 #: (offload.engine.tiled), in these families (a token-wise `mlp` of gate, up and down).
 MLP_TILE_BYTES = 256 << 20
@@ -142,8 +147,8 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
 
     `row_positions`: the batch carries position_ids per row (packed rows kept apart,
     cli.data): the rotary cos/sin and the position ids are then per row (B x S), not shared,
-    and without `padded` the attention runs per segment (offload.engine.segments), whose
-    joined output is one more e*T*q_dim in a block's internals.
+    and without `padded` at SEGMENTS_FROM tokens or more the attention runs per segment
+    (offload.engine.segments), whose joined output is one more e*T*q_dim in a block's internals.
 
     `padded`: the batch's attention takes a dense B x 1 x S x S mask (transformers builds one
     for an attention_mask with zeros, for packed rows its SDPA path keeps apart, for a sliding
@@ -175,8 +180,8 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     layers = model.num_hidden_layers
     if padded:  # the additive mask and k/v repeated per query head, as SDPA saves them
         attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
-    elif row_positions:  # packed rows attended per segment: o_proj's input is their outputs joined,
-        attention += e * t * model.q_dim  # a copy (one SDPA call's output is already laid out as it)
+    elif row_positions and s >= SEGMENTS_FROM:  # packed rows attended per segment: o_proj's input is
+        attention += e * t * model.q_dim  # their outputs joined, a copy (one SDPA call's is laid out as it)
     # the MLP's tokens at once: a tile's when it runs in tiles (offload.engine.tiled)
     mlp_t = batch_size * min(s, mlp_tile_tokens(i, e, batch_size)) if (
         tiles and checkpoints_blocks(model, checkpointing) and model.family in TILED_FAMILIES) else t
