@@ -48,6 +48,8 @@ class Offloaded:
         """Start bringing it back to the device (idempotent)."""
         if self.back is not None:
             return
+        if self.host is None:
+            raise RuntimeError("an offloaded activation of an abandoned step was read")
         self.settle(wait=True)
         self.io.ledger.reserve("gpu", "activation", self.nbytes)
         self.back = torch.empty(self.host.numel(), dtype=self.host.dtype, device=self.io.device)
@@ -59,13 +61,21 @@ class Offloaded:
         self.io.executor.wait(self.back_ticket)
         return self.back.view(self.shape)
 
+    def drop(self) -> None:
+        """Give back its bytes, device and host, once (a later get() fails: see Offloader.abandon)."""
+        if self.host is None:
+            return
+        self.settle(wait=True)
+        if self.back is not None:
+            self.back_ticket.wait()
+            self.io.ledger.release("gpu", "activation", self.nbytes)
+            self.back = None
+        self.io.tiers.free("host", "activation", self.host)
+        self.host = None
+
     def __del__(self) -> None:
         try:
-            self.settle(wait=True)
-            if self.back is not None:
-                self.back_ticket.wait()
-                self.io.ledger.release("gpu", "activation", self.nbytes)
-            self.io.tiers.free("host", "activation", self.host)
+            self.drop()
         except Exception:  # interpreter shutdown: nothing left to account
             pass
 
@@ -121,6 +131,14 @@ class Offloader:
                     x.fetch()
                     break
         return out
+
+    def abandon(self) -> None:
+        """A step failed: drop every offloaded input still alive (its graph may be a reference
+        cycle that would keep the bytes booked for the rest of the run)."""
+        for ref in self.stack:
+            if (x := ref()) is not None:
+                x.drop()
+        self.stack, self.by_storage, self.fetched = [], {}, {}
 
     def end_forward(self) -> None:
         for ref in self.stack:

@@ -82,7 +82,10 @@ class _Back:
     it again: an fp32 block's first norm saves its input): booked by the offloader already, and
     kept booked while this reference lives (it holds the offloaded item)."""
 
-    __slots__ = ("tensor", "item")
+    __slots__ = ("tensor", "item", "__weakref__")
+
+    def drop(self) -> None:
+        self.tensor = self.item = None
 
 
 class ActivationTracker:
@@ -123,6 +126,7 @@ class ActivationTracker:
             if item is not None:
                 back = _Back.__new__(_Back)
                 back.tensor, back.item = t, item
+                self._held.append(weakref.ref(back))
                 return back
         live = self._live.get(key)
         if live is None:
@@ -147,6 +151,8 @@ class ActivationTracker:
             h = ref()
             if h is not None:
                 h.drop()
+        if self.offloader is not None:
+            self.offloader.abandon()
 
     def end_step(self) -> None:
         """The step's graphs are gone: forget their (dead) references."""
