@@ -223,3 +223,33 @@ def test_short_packed_rows_take_the_mask_long_ones_segments(tok, monkeypatch):
             model(**{k: v for k, v in batch.items() if k != "labels"})
         assert spy.masks and all(m is not None for m in spy.masks) == masked
         assert attends_segments(TrainConfig(model="llama-8b", seq_len=16), None) == (not masked)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_long_packed_rows_per_segment_are_planned_as_measured(precision):
+    """4,096 tokens of eight 512-token rows, attended per segment through the engine (every
+    block recomputed): the planner's activation bytes (row_positions, the segments' joined
+    output included) are the engine's measured peak, to the byte."""
+    import transformers
+
+    from tierwise.offload import Activations, Budget, Engine, Optim, Precision
+    from tierwise.offload.plan.perfmodel import activation_bytes
+    from tierwise.profiles import ModelProfile
+
+    seq = perfmodel.SEGMENTS_FROM
+    profile = ModelProfile(name="packed", family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=seq,
+                           rope_theta=10000.0, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(profile.to_hf_config())
+    assert use_segments(model)
+    eng = Engine(model, budget=Budget(chunk=4 << 20), optim=Optim(lr=1e-4), precision=Precision(precision),
+                 activations=Activations(recompute=True))
+    x = torch.randint(0, 1024, (1, seq), generator=torch.Generator().manual_seed(0))
+    try:
+        eng.step({"input_ids": x, "labels": x, "position_ids": (torch.arange(seq) % 512)[None], "use_cache": False})
+        measured = eng.ledger.kind_peak("gpu", "activation")
+    finally:
+        eng.close()
+    assert measured == activation_bytes(model=profile, batch_size=1, seq_len=seq, precision=precision,
+                                        checkpointing=True, row_positions=True)
