@@ -605,9 +605,12 @@ def longest_line(cfg: TrainConfig, plan: Plan) -> str:
     """What `plan --seq-len max` found, in one line: the length, where the activations live,
     the speed, the command; and a length beyond the model's positions flagged."""
     gpu, host = plan.reserve["gpu"]["activations"], plan.reserve["host"].get("activations", 0)
-    where = f"activations {format_size(gpu)} on the gpu" + (f", {format_size(host)} in host RAM" if host else "")
+    cxl = plan.reserve.get("cxl", {}).get("activations", 0)
+    where = (f"activations {format_size(gpu)} on the gpu" + (f", {format_size(host)} in host RAM" if host else "")
+             + (f", {format_size(cxl)} in CXL memory" if cxl else ""))
     line = (f"longest context: {cfg.seq_len:,} tokens a row at batch {cfg.batch_size} ({where}), "
-            f"{plan.tokens_per_s:,.0f} tokens/s; --seq-len {cfg.seq_len}" + (" --offload-activations" if host else ""))
+            f"{plan.tokens_per_s:,.0f} tokens/s; --seq-len {cfg.seq_len}"
+            + (" --offload-activations" if host or cxl else ""))
     beyond = seq_len_note(cfg)
     return line + (f"\n{beyond}" if beyond else "")
 

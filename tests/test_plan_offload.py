@@ -71,6 +71,38 @@ def test_the_host_budget_keeps_room_for_them():
     eng.close()
 
 
+def test_a_host_too_small_for_them_puts_them_in_cxl_memory():
+    """The same host budget (chunks + half the inputs), now with a CXL tier: the plan puts the
+    offloaded inputs in CXL memory (the cxl reserve, beside the chunks' homes there); the engine
+    given that reserve trains inside every budget, its CXL activations the planned bytes, its
+    losses and weights those of the run that offloads to host RAM."""
+    common = dict(model=PROFILE, hardware="h200-cxl", cuda=False, gpu_mem="64G", optimizer="adamw",
+                  precision="fp32", batch_size=2, seq_len=256, chunk_bytes=CHUNK, checkpointing=True)
+    need = make_plan(cpu_mem="64G", offload_activations=True, **common).reserve["host"]["activations"]
+    chunks = make_plan(cpu_mem="64G", **common).host_minimum
+    plan = make_plan(cpu_mem=chunks + need // 2, cxl_mem=need + (256 << 10), offload_activations=True, **common)
+    assert plan.reserve["cxl"]["activations"] == need and "activations" not in plan.reserve["host"]
+    x = torch.randint(0, PROFILE.vocab_size, (2, 256), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for where in ("cxl", "host"):
+        torch.manual_seed(0)
+        budget = (Budget(chunk=CHUNK, cpu=plan.budgets["host"], cxl=plan.budgets["cxl"]) if where == "cxl" else
+                  Budget(chunk=CHUNK))
+        eng = Engine(transformers.LlamaForCausalLM(PROFILE.to_hf_config()), budget=budget, optim=Optim(lr=1e-4),
+                     activations=Activations(recompute=True, offload=True, expected=plan.reserve["gpu"]["activations"],
+                                             **({"cxl": need} if where == "cxl" else {"host": need})))
+        losses = [eng.step({"input_ids": x, "labels": x}) for _ in range(2)]
+        if where == "cxl":
+            peaks = eng.ledger.peaks()
+            assert peaks["host"] <= plan.budgets["host"] and peaks["cxl"] <= plan.budgets["cxl"]
+            assert eng.ledger.kind_peak("cxl", "activation") == need
+            assert eng.ledger.kind_peak("host", "activation") == 0
+        runs.append((losses, {n: p.detach().clone() for n, p in eng.named_parameters_fp32()}))
+        eng.close()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][n], w) for n, w in runs[1][1].items())
+
+
 def test_several_ranks_book_each_ranks_offloaded_inputs_on_the_node():
     common = dict(model=PROFILE, hardware="2x-rtx4090-128g", gpu_mem="64G", cpu_mem="64G", optimizer="adamw",
                   precision="bf16", batch_size=2, seq_len=256, chunk_bytes=CHUNK, checkpointing=True)

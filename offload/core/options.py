@@ -86,12 +86,15 @@ class Activations:
     blocks' inputs in host memory between forward and backward. `expected`: the peak bytes of
     saved activations (the planner's estimate): given, chunks are placed now; None: after the
     warm-up step, which measures it. `host`: bytes of host memory the offloaded inputs need
-    (the planner's "activations" host reserve), kept free of chunk homes."""
+    (the planner's "activations" host reserve), kept free of chunk homes. `cxl`: instead, bytes
+    of CXL memory they take there (the planner's cxl reserve, where host RAM cannot hold them;
+    needs a cxl budget), kept free of chunk homes too."""
 
     recompute: bool | None = None
     offload: bool = False
     expected: int | None = None
     host: int = 0
+    cxl: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

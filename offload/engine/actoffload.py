@@ -1,5 +1,6 @@
-"""Activation offload: block inputs kept for backward move to host memory during forward and
-come back, one block ahead, during backward — so long sequences fit in the device budget.
+"""Activation offload: block inputs kept for backward move to host memory (or CXL memory, where
+the plan puts them there) during forward and come back, one block ahead, during backward — so
+long sequences fit in the device budget.
 
 Only the tensors a checkpointed block keeps that need a gradient (its hidden-state input) are
 offloaded: everything else saved in forward is small and shared (rotary tables, masks) or
@@ -31,9 +32,9 @@ class Offloaded:
     def __init__(self, io: "Offloader", t: torch.Tensor):  # t: contiguous, on the device
         self.io, self.shape, self.nbytes = io, tuple(t.shape), t.numel() * t.element_size()
         io.ledger.reserve("gpu", "activation", self.nbytes)
-        self.host = io.tiers.empty("host", "activation", t.numel(), t.dtype)
+        self.host = io.tiers.empty(io.tier, "activation", t.numel(), t.dtype)
         self.device_ref: torch.Tensor | None = t  # until the copy out has landed
-        self.ticket = io.executor.copy("d2h", self.host, t.reshape(-1))
+        self.ticket = io.executor.copy("d2h", self.host, t.detach().reshape(-1))  # (no graph: a copy for later)
         self.back: torch.Tensor | None = None
         self.back_ticket = None
 
@@ -70,7 +71,7 @@ class Offloaded:
             self.back_ticket.wait()
             self.io.ledger.release("gpu", "activation", self.nbytes)
             self.back = None
-        self.io.tiers.free("host", "activation", self.host)
+        self.io.tiers.free(self.io.tier, "activation", self.host)
         self.host = None
 
     def __del__(self) -> None:
@@ -87,8 +88,9 @@ class Offloader:
     phase (block inputs are offloaded in forward only)."""
 
     def __init__(self, *, ledger: Ledger, tiers: Tiers, executor: Executor, device: torch.device,
-                 phase: Callable[[], Phase], min_bytes: int = 0):
+                 phase: Callable[[], Phase], min_bytes: int = 0, tier: str = "host"):
         self.ledger, self.tiers, self.executor, self.device = ledger, tiers, executor, device
+        self.tier = tier  # where the inputs wait: host RAM, or CXL memory
         self.phase, self.min_bytes = phase, min_bytes
         self.stack: list[weakref.ref] = []  # in pack order
         self.by_storage: dict[int, weakref.ref] = {}

@@ -165,6 +165,9 @@ class Engine:
         self.allow_gpu_home = streaming.allow_gpu_home
         self.offload_activations = activations.offload
         self.host_activations = activations.host if activations.offload else 0
+        self.cxl_activations = activations.cxl if activations.offload else 0
+        if self.cxl_activations and budget.cxl is None:
+            raise ValueError("activations.cxl places offloaded inputs in CXL memory: it needs budget.cxl")
         self.overlap_update = optim.overlap_update
         self.hyper = Hyper(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay,
                            momentum=optim.momentum)
@@ -361,7 +364,8 @@ class Engine:
                 host=host, nvme=self.nvme is not None)
             self.shared.map(self.ledger, device=self.device)
         else:
-            self.homes = assign_homes(kinds=streamed, host=host, cxl=budgets.get("cxl"),
+            cxl = budgets.get("cxl")  # (less what offloaded inputs take there)
+            self.homes = assign_homes(kinds=streamed, host=host, cxl=None if cxl is None else cxl - self.cxl_activations,
                                       nvme=self.nvme is not None)
         if self.nvme is not None:
             self.nvme.preflight(sum(self.homes.bytes.get("nvme", {}).values()))
@@ -466,7 +470,8 @@ class Engine:
                      for p in self.params.values() if p.requires_grad)  # frozen ones get no gradient
         if self.offload_activations:
             self.tracker.offloader = Offloader(ledger=self.ledger, tiers=self.tiers, executor=self.executor,
-                                               device=self.device, phase=lambda: self.moments.phase)
+                                               device=self.device, phase=lambda: self.moments.phase,
+                                               tier="cxl" if self.cxl_activations else "host")
 
     def _update_chunks(self, chunks: list[int], handed: dict, final: bool = True) -> None:
         """Update `chunks` (their gradients complete); `handed`: {chunk: (its gradient still in

@@ -585,12 +585,20 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     host_act = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                 checkpointing=checkpointing, padded=padded, lora=lora_act, row_positions=row_positions,
                                 offload=offload_activations)["host_inputs"] if ch.needs_grad else 0
-    homes_host = host  # what the chunks' homes may use
+    # where the offloaded inputs live: host RAM, else (one rank) CXL memory when host RAM cannot
+    # hold them beside the chunks' homes; what the homes may use of each
+    single = nproc_per_node * nnodes == 1
+    act_tier = "host"
+    homes_host, homes_cxl = host, cxl
     if host is not None and host_act:
-        if host_act > host:
+        if host_act <= host:
+            homes_host = host - host_act
+        elif single and cxl is not None and host_act <= cxl:
+            act_tier, homes_cxl = "cxl", cxl - host_act
+        else:
             raise InfeasibleBudget(f"host budget {format_size(host)} cannot hold the offloaded activations "
-                                   f"({format_size(host_act)}); raise --cpu-mem", minimum={"host": host_act})
-        homes_host = host - host_act
+                                   f"({format_size(host_act)}); raise --cpu-mem" + (" or --cxl-mem" if single else ""),
+                                   minimum={"host": host_act})
     buffers = buffer_bytes(model) + ch.staging()
     # CUDA: the engine leaves the allocator a margin of the budget beside its ledger (placed as
     # activations: offload.engine.workspace); the simulated device has no allocator
@@ -649,15 +657,24 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     # front, else every chunk (gpu-home chunks leave their homes when promoted after the warm-up).
     hosted = streamed if up_front else list(range(ch.n))
     try:
-        homes_built = _engine_homes(ch, hosted, host=homes_host, cxl=cxl, nvme=use_nvme)
+        homes_built = _engine_homes(ch, hosted, host=homes_host, cxl=homes_cxl, nvme=use_nvme)
     except InfeasibleBudget as e:
-        if not host_act:
+        if not host_act or act_tier != "host":
             raise
-        raise InfeasibleBudget(f"{str(e).removesuffix('; raise --cpu-mem')}, beside {format_size(host_act)} of "
-                               "offloaded activations; raise --cpu-mem",
-                               minimum={"host": e.minimum["host"] + host_act}) from None
+        if cxl is not None and host_act <= cxl:  # the chunks' homes need the host: the inputs go to CXL
+            try:
+                act_tier, homes_host, homes_cxl = "cxl", host, cxl - host_act
+                homes_built = _engine_homes(ch, hosted, host=homes_host, cxl=homes_cxl, nvme=use_nvme)
+            except InfeasibleBudget:
+                act_tier = ""
+        else:
+            act_tier = ""
+        if not act_tier:
+            raise InfeasibleBudget(f"{str(e).removesuffix('; raise --cpu-mem')}, beside {format_size(host_act)} of "
+                                   "offloaded activations; raise --cpu-mem",
+                                   minimum={"host": e.minimum["host"] + host_act}) from None
     homes = _streamed_homes(ch, homes_built, streamed)
-    host_min = _host_minimum(ch, hosted, cxl=cxl, nvme=use_nvme)
+    host_min = _host_minimum(ch, hosted, cxl=homes_cxl, nvme=use_nvme)
     on_nvme = sum(homes_built.bytes.get("nvme", {}).values())  # the engine's preflight, when built
     if nvme_cap is not None and on_nvme > nvme_cap:
         raise InfeasibleBudget(f"--nvme-path has {format_size(nvme_cap)} of space: needs at least "
@@ -673,7 +690,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                   precision=precision,
                   budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
                   batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size, optimizer=optimizer,
-                  host_minimum=host_min + host_act, checkpointing=checkpointing, padded=padded,
+                  host_minimum=host_min + (host_act if act_tier == "host" else 0), act_tier=act_tier,
+                  checkpointing=checkpointing, padded=padded,
                   row_positions=row_positions, offload=offload_activations,
                   grad_accum=grad_accum,
                   lora_rank=lora_rank, lora_targets=lora_targets if lora_rank is not None else None,
@@ -935,7 +953,7 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
 
 def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, device: DevicePlan,
            homes: Homes, pred: Any, precision: str, budgets: dict[str, Any], lora_act: LoraAct = None, margin: int = 0,
-           **meta: Any) -> Plan:
+           act_tier: str = "host", **meta: Any) -> Plan:
     act_args = dict(batch_size=meta["batch_size"], seq_len=meta["seq_len"], precision=precision,
                     checkpointing=meta["checkpointing"], padded=meta["padded"], lora=lora_act,
                     row_positions=meta["row_positions"], offload=meta["offload"])
@@ -951,8 +969,8 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
                        in_flight: transient - needs.activations},
                "host": {"nvme bounce": homes.bounce}}
     offloaded = activation_parts(model=model, **act_args)["host_inputs"] if ch.needs_grad else 0
-    if offloaded:
-        reserve["host"]["activations"] = offloaded
+    if offloaded:  # (host RAM, or CXL memory where the host could not hold them: make_plan)
+        reserve.setdefault(act_tier, {})["activations"] = offloaded
     peak = {t: sum(by_tier[t].values()) + sum(reserve.get(t, {}).values()) for t in TIERS}
     chunk_homes = []
     for j in range(ch.n):
