@@ -207,7 +207,7 @@ def plan(
         return
 
     auto = cfg.offload_activations is None
-    cfg = resolve_offload(resolve_recompute(cfg, here=bool(verify)), here=bool(verify))
+    cfg = resolve_offload(resolve_recompute(cfg, here=bool(verify)), here=bool(verify), ranks=not verify)
     if auto and cfg.offload_activations and not json_out:
         Console(stderr=True).print(OFFLOADED, highlight=False, soft_wrap=True)
     if verify:

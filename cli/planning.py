@@ -517,12 +517,13 @@ def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
     return dataclasses.replace(cfg, recompute=not feasible)
 
 
-def resolve_offload(cfg: TrainConfig, *, src: "ModelSource | None" = None,
-                    padded: bool | None = None, here: bool = True) -> TrainConfig:
+def resolve_offload(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: bool | None = None,
+                    here: bool = True, ranks: "bool | RankInfo" = False) -> TrainConfig:
     """`cfg` with `offload_activations` decided. Unset (auto): on where no plan fits without it
     and one fits with it (blocks recomputed: offloading moves their inputs), else off (a run that
     fits neither way is refused as before, the advice listing what fits). Never with
-    --no-recompute. Call after resolve_recompute. `here`: as make_plan's."""
+    --no-recompute. Call after resolve_recompute. `here`, `ranks`: as make_plan's (the ranks
+    the run's own plan prices: every rank offloads its own inputs)."""
     if cfg.offload_activations is not None:
         return cfg
     off = dataclasses.replace(cfg, offload_activations=False)
@@ -530,7 +531,7 @@ def resolve_offload(cfg: TrainConfig, *, src: "ModelSource | None" = None,
         return off
     for choice in (off, dataclasses.replace(cfg, offload_activations=True, recompute=True)):
         try:
-            make_plan(choice, src=src, padded=padded, here=here)
+            make_plan(choice, src=src, padded=padded, here=here, ranks=ranks)
         except (InfeasibleBudget, UnsupportedModel, ProfileError) as e:
             log.debug("no plan with offload_activations %s: %s", choice.offload_activations, e)
             continue

@@ -215,7 +215,7 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     auto, auto_offload = cfg.recompute is None, cfg.offload_activations is None
     refusal = plan = None
     try:  # inputs, then what `plan` refuses, before allocating; several ranks: all together
-        src, blocks, eval_data, padded, cfg = _checked_inputs(cfg, console=console)
+        src, blocks, eval_data, padded, cfg = _checked_inputs(cfg, console=console, ranks=ranks)
         # several ranks: every rank draws the same whole step (micro-batch i runs on rank i mod N)
         batches = Batches(blocks, batch_size=cfg.batch_size * cfg.grad_accum * ranks.world, seed=cfg.seed,
                           mask=keeps_mask(src.config))
@@ -283,7 +283,7 @@ def _claim_output(cfg: TrainConfig, ranks: "launch.RankInfo") -> "rundir.RunDir 
     return claimed
 
 
-def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
+def _checked_inputs(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo | None" = None) -> tuple:
     """The model, its data and the options checked against them (each a one-line error):
     (src, blocks, eval batches, padded, cfg with recompute resolved)."""
     if cfg.hardware:
@@ -322,7 +322,8 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console) -> tuple:
         lora_mod.check_base_dtype(meta, cfg)
     # then the worst step is one with a dense attention mask: planned for
     padded = has_padding(blocks, segments=attends_segments(cfg, src), mask=keeps_mask(src.config))
-    cfg = resolve_offload(resolve_recompute(cfg, src=src, padded=padded), src=src, padded=padded)
+    cfg = resolve_offload(resolve_recompute(cfg, src=src, padded=padded), src=src, padded=padded,
+                          ranks=ranks if ranks is not None and ranks.several else False)
     if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:
         check_resumable(cfg, Path(cfg.output))  # a changed option says so before any budget does
     return src, blocks, eval_data, padded, cfg
