@@ -228,9 +228,11 @@ def plan(
         raise
     print_plan(result, console=Console(), as_json=json_out)
     if cfg.pack and not json_out:
-        Console(stderr=True).print("packing: " + (("each row attends only to itself (per-row position ids; " + (
-            "the S x S mask this takes is in the plan)" if result.padded else "attended one row at a time: no S x S "
-            "mask)")) if result.row_positions else "rows attend to the rows before them in their block"),
+        how = ("the S x S mask this takes is in the plan" if result.padded else
+               "attended one row at a time: no S x S mask")
+        Console(stderr=True).print("packing: " + (f"each row attends only to itself (per-row position ids; {how})"
+                                                  if result.row_positions else
+                                                  "rows attend to the rows before them in their block"),
                                    highlight=False, soft_wrap=True)
     beyond = seq_len_note(cfg)
     for note in local_notes(cfg, result) + ([beyond] if beyond else []):  # stderr, also with --json

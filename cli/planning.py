@@ -454,10 +454,10 @@ def always_masked(cfg: TrainConfig, src: "ModelSource | None") -> bool:
         except ImportError:  # planning by name without transformers: no window known
             return False
     else:
-        from ..offload.engine.segments import NAME
+        from ..offload.engine.segments import SDPA
 
         config = src.config
-        if _attention(src) not in ("sdpa", NAME):
+        if _attention(src) not in SDPA:
             return True
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     return bool(getattr(config, "alibi", False)) or (window is not None and window < cfg.seq_len)

@@ -5,8 +5,8 @@ transformers' SDPA path turns that into a B x 1 x S x S mask, which at long leng
 the model (64K tokens: 4 GiB of bool, and SDPA's additive copy on top). For rows of
 perfmodel.SEGMENTS_FROM tokens or more, the attention here reads the segments from the
 position ids instead and runs causal SDPA on each, as each row would run alone; nothing
-S x S exists. Every other case (a padding mask, a sliding window, a
-cache) is transformers' own SDPA, unchanged.
+S x S exists. Every other case (a padding mask, a sliding window, a cache) is transformers'
+own SDPA, unchanged.
 
 `use_segments(model)` switches a model whose attention is transformers' "sdpa" to it.
 """
@@ -21,6 +21,7 @@ import torch
 from ..plan import perfmodel  # SEGMENTS_FROM, the planner's too (read at each call)
 
 NAME = "tierwise_sdpa"
+SDPA = ("sdpa", NAME)  # the attention implementations that are SDPA: transformers' and this one
 _registered = False
 
 
@@ -113,7 +114,7 @@ def _register() -> None:
 
 def uses_sdpa(config: Any) -> bool:
     """Whether transformers runs this config's attention with SDPA (what use_segments replaces)."""
-    return getattr(config, "_attn_implementation", None) in ("sdpa", NAME)
+    return getattr(config, "_attn_implementation", None) in SDPA
 
 
 def use_segments(model: torch.nn.Module) -> bool:

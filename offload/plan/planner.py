@@ -585,17 +585,17 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     host_act = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                 checkpointing=checkpointing, padded=padded, lora=lora_act, row_positions=row_positions,
                                 offload=offload_activations)["host_inputs"] if ch.needs_grad else 0
-    # where the offloaded inputs live: host RAM, else (one rank) CXL memory when host RAM cannot
-    # hold them beside the chunks' homes; what the homes may use of each
+    # where the offloaded inputs may live, tried in this order once the chunks' homes are known:
+    # (tier, what the homes may use of the host, of CXL): host RAM, else (one rank) CXL memory
     single = nproc_per_node * nnodes == 1
-    act_tier = "host"
-    homes_host, homes_cxl = host, cxl
+    places: list[tuple[str, int | None, int]] = [("host", host, cxl)]
     if host is not None and host_act:
+        places = []
         if host_act <= host:
-            homes_host = host - host_act
-        elif single and cxl is not None and host_act <= cxl:
-            act_tier, homes_cxl = "cxl", cxl - host_act
-        else:
+            places.append(("host", host - host_act, cxl))
+        if single and host_act <= cxl:
+            places.append(("cxl", host, cxl - host_act))
+        if not places:
             raise InfeasibleBudget(f"host budget {format_size(host)} cannot hold the offloaded activations "
                                    f"({format_size(host_act)}); raise --cpu-mem" + (" or --cxl-mem" if single else ""),
                                    minimum={"host": host_act})
@@ -656,23 +656,20 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     # The chunks the engine places host-side when it is built: the streamed ones when placed up
     # front, else every chunk (gpu-home chunks leave their homes when promoted after the warm-up).
     hosted = streamed if up_front else list(range(ch.n))
-    try:
-        homes_built = _engine_homes(ch, hosted, host=homes_host, cxl=homes_cxl, nvme=use_nvme)
-    except InfeasibleBudget as e:
-        if not host_act or act_tier != "host":
-            raise
-        if cxl is not None and host_act <= cxl:  # the chunks' homes need the host: the inputs go to CXL
-            try:
-                act_tier, homes_host, homes_cxl = "cxl", host, cxl - host_act
-                homes_built = _engine_homes(ch, hosted, host=homes_host, cxl=homes_cxl, nvme=use_nvme)
-            except InfeasibleBudget:
-                act_tier = ""
-        else:
-            act_tier = ""
-        if not act_tier:
-            raise InfeasibleBudget(f"{str(e).removesuffix('; raise --cpu-mem')}, beside {format_size(host_act)} of "
-                                   "offloaded activations; raise --cpu-mem",
-                                   minimum={"host": e.minimum["host"] + host_act}) from None
+    first: InfeasibleBudget | None = None
+    for act_tier, homes_host, homes_cxl in places:
+        try:
+            homes_built = _engine_homes(ch, hosted, host=homes_host, cxl=homes_cxl, nvme=use_nvme)
+            break
+        except InfeasibleBudget as e:
+            first = first or e
+    else:
+        assert first is not None
+        if not host_act or places[0][0] != "host":
+            raise first
+        raise InfeasibleBudget(f"{str(first).removesuffix('; raise --cpu-mem')}, beside {format_size(host_act)} of "
+                               "offloaded activations; raise --cpu-mem",
+                               minimum={"host": first.minimum["host"] + host_act}) from None
     homes = _streamed_homes(ch, homes_built, streamed)
     host_min = _host_minimum(ch, hosted, cxl=homes_cxl, nvme=use_nvme)
     on_nvme = sum(homes_built.bytes.get("nvme", {}).values())  # the engine's preflight, when built
