@@ -209,12 +209,14 @@ class TrainConfig:
                              "stops the run).", panel=MEMORY, flag="--nvme-checksum/--no-nvme-checksum")
     """crc32 of every swap block, checked on read: a corrupted swap file stops the run instead
     of training on garbage (cost measured in the README's "Runs that share a machine, and damaged files")."""
-    offload_activations: bool | None = _f(None, "Keep each block's input in host RAM between forward and backward: "
-                                          "less GPU memory for long sequences. Default: only when the plan needs "
+    offload_activations: bool | None = _f(None, "Keep each block's input off the GPU between forward and backward: in "
+                                          "host RAM, else CXL memory (--cxl-mem), else the NVMe swap (--nvme-path), "
+                                          "as the plan places it; less GPU memory for long sequences. Default: only "
+                                          "when the plan needs "
                                           "it (the GPU budget holds the activations no other way), as `finetune "
                                           "plan` shows.", panel=MEMORY,
                                           flag="--offload-activations/--no-offload-activations", plan=True)
-    """Keep checkpointed blocks' inputs in host memory between forward and backward; None (auto):
+    """Keep checkpointed blocks' inputs off the device between forward and backward; None (auto):
     on where no plan fits without it and one fits with it (cli.planning.resolve_offload)."""
     recompute: bool | None = _f(None, "Recompute each decoder layer's activations in backward (activation "
                                 "checkpointing: the smallest GPU budget), or keep them all (about 25% less "

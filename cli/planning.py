@@ -328,7 +328,7 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
     """Changes to a refused run that the planner itself finds feasible: [(flags, plan, change)],
     fastest predicted step first, at most `limit`. Each is one change (chunk size, recompute,
     half the micro-batch with twice the accumulation, bf16, 8-bit AdamW, both, QLoRA for a full
-    fine-tune, activations offloaded to host RAM, the host RAM the refusal named; for activations that
+    fine-tune, activations offloaded, the host RAM the refusal named; for activations that
     do not fit, also the longest --seq-len that does), and, for those that do not fit in memory, the same with NVMe swap
     (checked against the free space of the current directory)."""
     both = {"precision": "bf16", "optimizer": "adamw8bit"}
@@ -337,7 +337,7 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
         tries.append(("--chunk-size 16M", {"chunk_size": "16M"}))
     if cfg.recompute is False:
         tries.append(("--recompute", {"recompute": True}))
-    if not cfg.offload_activations and "activations" in str(error):  # blocks' inputs to host RAM
+    if not cfg.offload_activations and "activations" in str(error):  # blocks' inputs off the GPU
         tries.append(("--offload-activations" + (" --recompute" if cfg.recompute is False else ""),
                       {"offload_activations": True, "recompute": True}))
     if cfg.batch_size > 1:
@@ -539,8 +539,9 @@ def resolve_offload(cfg: TrainConfig, *, src: "ModelSource | None" = None, padde
     return off
 
 
-OFFLOADED = ("activations: each block's input offloaded to host RAM between forward and backward (the GPU "
-             "budget holds them no other way; --no-offload-activations refuses instead)")
+OFFLOADED = ("activations: each block's input offloaded between forward and backward, to host RAM (else CXL "
+             "memory, else the NVMe swap: the plan's reserves say where) - the GPU budget holds them no other "
+             "way; --no-offload-activations refuses instead")
 """What `finetune` and `plan` say when resolve_offload turned offloading on."""
 
 
@@ -607,11 +608,14 @@ def longest_line(cfg: TrainConfig, plan: Plan) -> str:
     the speed, the command; and a length beyond the model's positions flagged."""
     gpu, host = plan.reserve["gpu"]["activations"], plan.reserve["host"].get("activations", 0)
     cxl = plan.reserve.get("cxl", {}).get("activations", 0)
-    where = (f"activations {format_size(gpu)} on the gpu" + (f", {format_size(host)} in host RAM" if host else "")
+    nvme = plan.reserve.get("nvme", {}).get("activations", 0)
+    where = (f"activations {format_size(gpu)} on the gpu"
+             + (f", {format_size(nvme)} on NVMe (through {format_size(host)} of host RAM)" if nvme else
+                f", {format_size(host)} in host RAM" if host else "")
              + (f", {format_size(cxl)} in CXL memory" if cxl else ""))
     line = (f"longest context: {cfg.seq_len:,} tokens a row at batch {cfg.batch_size} ({where}), "
             f"{plan.tokens_per_s:,.0f} tokens/s; --seq-len {cfg.seq_len}"
-            + (" --offload-activations" if host or cxl else ""))
+            + (" --offload-activations" if host or cxl or nvme else ""))
     beyond = seq_len_note(cfg)
     return line + (f"\n{beyond}" if beyond else "")
 

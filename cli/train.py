@@ -105,7 +105,8 @@ def make_engine(model: torch.nn.Module, cfg: TrainConfig, *, ranks: "launch.Rank
             activations=Activations(recompute=checkpointing(cfg), offload=bool(cfg.offload_activations),
                                     expected=None if plan is None else plan.reserve["gpu"]["activations"],
                                     host=_host_activations(plan, ranks),
-                                    cxl=0 if plan is None else plan.reserve.get("cxl", {}).get("activations", 0)),
+                                    cxl=0 if plan is None else plan.reserve.get("cxl", {}).get("activations", 0),
+                                    nvme=0 if plan is None else plan.reserve.get("nvme", {}).get("activations", 0)),
             distributed=Distributed(grad_reduce=cfg.grad_reduce))
     except ValueError as e:
         raise ConfigError(f"the engine cannot run with these options: {e}") from None

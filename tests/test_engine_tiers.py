@@ -165,7 +165,7 @@ def test_kept_first_chunks_not_cached_come_from_the_update_sets(tmp_path):
     eng.close()
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["kept", "offloaded"])
+@pytest.mark.parametrize("offload", [False, True, "nvme"], ids=["kept", "offloaded", "offloaded to nvme"])
 @pytest.mark.parametrize("where", ["between forward and backward", "in the loss function"])
 def test_a_step_that_fails_before_its_backward_gives_its_activations_back(tmp_path, where, offload):
     """Ctrl-C between a step's forward and its backward, or a loss function that raises once the
@@ -173,7 +173,7 @@ def test_a_step_that_fails_before_its_backward_gives_its_activations_back(tmp_pa
     saved are given back to the ledger (ActivationTracker.abandon: a graph whose backward never
     runs holds them in a reference cycle the collector does not free), and training goes on as
     plain PyTorch's does on the other batches, bit for bit. With the blocks' inputs offloaded,
-    their host and device bytes too (Offloader.abandon)."""
+    their host, device and NVMe bytes too (Offloader.abandon)."""
     import gc
 
     from tierwise.offload import Activations
@@ -181,7 +181,9 @@ def test_a_step_that_fails_before_its_backward_gives_its_activations_back(tmp_pa
     data = batches(5)
     ref_losses, ref = train_reference(tiny_llama(), [b for i, b in enumerate(data) if i != 2])
     eng = Engine(tiny_llama(), budget=Budget(gpu="500K", chunk=CHUNK, cpu="600K", nvme=str(tmp_path / "swap")),
-                 optim=Optim(lr=1e-3), activations=Activations(recompute=True, offload=offload, host=(64 << 10) * offload))
+                 optim=Optim(lr=1e-3), activations=Activations(recompute=True, offload=bool(offload),
+                                                               host=(64 << 10) * bool(offload),
+                                                               nvme=(1 << 20) * (offload == "nvme")))
     backward, loss_fn = eng.backward, eng.loss_fn
 
     def interrupted(loss):
@@ -206,7 +208,9 @@ def test_a_step_that_fails_before_its_backward_gives_its_activations_back(tmp_pa
         gc.collect()
         assert eng.ledger.usage()["gpu"].get("activation", 0) == 0
         assert eng.ledger.usage()["host"].get("activation", 0) == 0
+        assert eng.ledger.usage()["nvme"].get("activation", 0) == 0
     assert losses == ref_losses
+    assert (eng.ledger.kind_peak("nvme", "activation") > 0) == (offload == "nvme")
     mine = weights(eng)
     assert all(torch.equal(mine[n], p.detach()) for n, p in ref.named_parameters())
     eng.close()

@@ -59,7 +59,7 @@ def test_finetune_offloads_when_it_must_and_says_so(deep, budgets, tmp_path):
     args = ["--model", str(deep), *SHAPE, "--gpu-mem", f"{on}B", "--steps", "2"]
     r = CliRunner().invoke(app, [*args, "--output", str(tmp_path / "run")])
     assert r.exit_code == 0, (r.output, r.exception)
-    assert "offloaded to host RAM between forward and backward" in r.output
+    assert "input offloaded between forward and backward, to host RAM" in r.output
     r = CliRunner().invoke(app, [*args, "--no-offload-activations", "--output", str(tmp_path / "refused")])
     assert r.exit_code == 2
     assert "is too small: needs at least" in error_line(r)

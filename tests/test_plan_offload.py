@@ -103,6 +103,52 @@ def test_a_host_too_small_for_them_puts_them_in_cxl_memory():
     assert all(torch.equal(runs[0][1][n], w) for n, w in runs[1][1].items())
 
 
+def test_a_host_too_small_for_them_writes_them_to_nvme(tmp_path):
+    """The same host budget (chunks + half the inputs), no CXL, an NVMe swap directory: the plan
+    writes the offloaded inputs there (the nvme reserve), through two host buffers (the host
+    reserve); the engine given those reserves trains inside the host budget, its NVMe and host
+    activations the planned bytes, its losses and weights those of the run that offloads to host
+    RAM; and the swap files are gone once it closes."""
+    common = dict(model=PROFILE, hardware="cpu-sim", gpu_mem="64G", optimizer="adamw",
+                  precision="fp32", batch_size=2, seq_len=256, chunk_bytes=CHUNK, checkpointing=True)
+    need = make_plan(cpu_mem="64G", offload_activations=True, **common).reserve["host"]["activations"]
+    chunks = make_plan(cpu_mem="64G", **common).host_minimum
+    swap = tmp_path / "swap"
+    plan = make_plan(cpu_mem=chunks + need // 2, nvme_path=str(swap), offload_activations=True, **common)
+    staging = 2 * 2 * 256 * PROFILE.hidden_size * 4  # two block inputs, fp32
+    assert plan.reserve["nvme"]["activations"] == need and plan.reserve["host"]["activations"] == staging
+    assert plan.host_minimum <= plan.budgets["host"]
+    x = torch.randint(0, PROFILE.vocab_size, (2, 256), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for where in ("nvme", "host"):
+        torch.manual_seed(0)
+        budget = (Budget(chunk=CHUNK, cpu=plan.budgets["host"], nvme=str(swap)) if where == "nvme" else
+                  Budget(chunk=CHUNK))
+        eng = Engine(transformers.LlamaForCausalLM(PROFILE.to_hf_config()), budget=budget, optim=Optim(lr=1e-4),
+                     activations=Activations(recompute=True, offload=True, expected=plan.reserve["gpu"]["activations"],
+                                             **({"nvme": need, "host": staging} if where == "nvme" else {"host": need})))
+        losses = [eng.step({"input_ids": x, "labels": x}) for _ in range(3)]
+        if where == "nvme":
+            assert eng.ledger.peaks()["host"] <= plan.budgets["host"]
+            assert eng.ledger.kind_peak("nvme", "activation") == need
+            assert eng.ledger.kind_peak("host", "activation") == staging
+            assert not eng.ledger.usage()["nvme"].get("activation")  # every input read back and dropped
+        runs.append((losses, {n: p.detach().clone() for n, p in eng.named_parameters_fp32()}))
+        eng.close()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][n], w) for n, w in runs[1][1].items())
+    assert not swap.exists() or not any(swap.rglob("*.swp"))
+
+
+def test_without_room_anywhere_the_refusal_names_every_tier():
+    common = dict(model=PROFILE, hardware="cpu-sim", gpu_mem="64G", optimizer="adamw",
+                  precision="fp32", batch_size=2, seq_len=256, chunk_bytes=CHUNK, checkpointing=True)
+    from tierwise.offload.core.errors import InfeasibleBudget
+
+    with pytest.raises(InfeasibleBudget, match="raise --cpu-mem, or give --cxl-mem or --nvme-path"):
+        make_plan(cpu_mem="64K", offload_activations=True, **common)
+
+
 def test_several_ranks_book_each_ranks_offloaded_inputs_on_the_node():
     common = dict(model=PROFILE, hardware="2x-rtx4090-128g", gpu_mem="64G", cpu_mem="64G", optimizer="adamw",
                   precision="bf16", batch_size=2, seq_len=256, chunk_bytes=CHUNK, checkpointing=True)

@@ -88,13 +88,20 @@ class Activations:
     warm-up step, which measures it. `host`: bytes of host memory the offloaded inputs need
     (the planner's "activations" host reserve), kept free of chunk homes. `cxl`: instead, bytes
     of CXL memory they take there (the planner's cxl reserve, where host RAM cannot hold them;
-    needs a cxl budget), kept free of chunk homes too."""
+    needs a cxl budget), kept free of chunk homes too. `nvme`: instead, bytes of them written to
+    the NVMe swap directory (the planner's nvme reserve; needs budget.nvme); `host` is then the
+    host buffers they pass through."""
 
     recompute: bool | None = None
     offload: bool = False
     expected: int | None = None
     host: int = 0
     cxl: int = 0
+    nvme: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cxl and self.nvme:
+            raise ValueError("activations: offloaded inputs go to one tier, CXL or NVMe, not both")
 
 
 @dataclass(frozen=True, kw_only=True)

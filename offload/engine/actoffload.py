@@ -1,18 +1,24 @@
-"""Activation offload: block inputs kept for backward move to host memory (or CXL memory, where
-the plan puts them there) during forward and come back, one block ahead, during backward — so
-long sequences fit in the device budget.
+"""Activation offload: block inputs kept for backward move to host memory (or CXL memory, or the
+NVMe swap directory, where the plan puts them there) during forward and come back, one block
+ahead, during backward — so long sequences fit in the device budget.
 
 Only the tensors a checkpointed block keeps that need a gradient (its hidden-state input) are
 offloaded: everything else saved in forward is small and shared (rotary tables, masks) or
 needed at the very start of backward. Bytes: a block input is
 counted as a device activation until its copy to the host lands, then as a host activation;
 its device copy in backward is a device activation again until autograd drops it.
+
+On NVMe, an input passes a host buffer both ways (host kind "activation", at most two at once:
+the plan's host reserve): in forward, once its copy out lands it is written to its swap file
+(`spill`), and the buffer is freed when the next block's input arrives; in backward, the read
+of the block before starts when a block's input is read (`fetch`), its copy to the device
+when it is needed (`get`).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -27,16 +33,21 @@ IN_FLIGHT = 1  # block inputs whose copy to the host may still be under way
 
 
 class Offloaded:
-    """One activation living in host memory between forward and backward."""
+    """One activation living in host memory (or CXL, or a swap file) between forward and backward."""
 
     def __init__(self, io: "Offloader", t: torch.Tensor):  # t: contiguous, on the device
         self.io, self.shape, self.nbytes = io, tuple(t.shape), t.numel() * t.element_size()
+        self.numel, self.dtype = t.numel(), t.dtype
         io.ledger.reserve("gpu", "activation", self.nbytes)
-        self.host = io.tiers.empty(io.tier, "activation", t.numel(), t.dtype)
+        self.mem = "host" if io.tier == "nvme" else io.tier  # the tier of its buffer in memory
+        self.host: torch.Tensor | None = io.tiers.empty(self.mem, "activation", t.numel(), t.dtype)
         self.device_ref: torch.Tensor | None = t  # until the copy out has landed
         self.ticket = io.executor.copy("d2h", self.host, t.detach().reshape(-1))  # (no graph: a copy for later)
         self.back: torch.Tensor | None = None
         self.back_ticket = None
+        self.key: str | None = None  # its swap file (NVMe)
+        self.io_future: Any = None  # the swap file's write (forward) or read (backward) under way
+        self.alive = True
 
     def settle(self, *, wait: bool = False) -> None:
         """Once the copy to the host has landed, the device bytes are free."""
@@ -45,34 +56,74 @@ class Offloaded:
             self.device_ref = None
             self.io.ledger.release("gpu", "activation", self.nbytes)
 
+    def spill(self, *, wait: bool = False) -> None:
+        """NVMe: write it out once its copy out has landed (starts the write); `wait`: then
+        free its host buffer once the write has landed."""
+        if self.io.tier != "nvme" or not self.alive:
+            return
+        if self.key is None:
+            self.settle(wait=True)
+            self.key = self.io.take_key()
+            self.io.ledger.reserve("nvme", "activation", self.nbytes)
+            self.io_future = self.io.nvme.write_async(self.key, self.host)
+        if wait and self.host is not None:
+            self._free_host()
+
+    def _free_host(self) -> None:
+        if self.io_future is not None:
+            self.io_future.result()
+            self.io_future = None
+        self.io.tiers.free(self.mem, "activation", self.host)
+        self.host = None
+
     def fetch(self) -> None:
-        """Start bringing it back to the device (idempotent)."""
+        """Start bringing it back to the device (idempotent); from NVMe, start its read."""
+        if not self.alive:
+            raise RuntimeError("an offloaded activation of an abandoned step was read")
         if self.back is not None:
             return
-        if self.host is None:
-            raise RuntimeError("an offloaded activation of an abandoned step was read")
+        if self.key is not None:
+            if self.host is None:
+                self.host = self.io.tiers.empty("host", "activation", self.numel, self.dtype)
+                self.io_future = self.io.nvme.read_async(self.key, self.host, urgent=True)
+            return
         self.settle(wait=True)
+        self._to_device()
+
+    def _to_device(self) -> None:
         self.io.ledger.reserve("gpu", "activation", self.nbytes)
-        self.back = torch.empty(self.host.numel(), dtype=self.host.dtype, device=self.io.device)
+        self.back = torch.empty(self.numel, dtype=self.dtype, device=self.io.device)
         self.io.fetched[storage_key(self.back)] = weakref.ref(self)
         self.back_ticket = self.io.executor.copy("h2d", self.back, self.host)
 
     def get(self) -> torch.Tensor:
         self.fetch()
+        if self.back is None:  # read from NVMe: on to the device, the host buffer freed once there
+            self.io_future.result()
+            self.io_future = None
+            self._to_device()
+            self.io.executor.wait(self.back_ticket)
+            self._free_host()
         self.io.executor.wait(self.back_ticket)
         return self.back.view(self.shape)
 
     def drop(self) -> None:
-        """Give back its bytes, device and host, once (a later get() fails: see Offloader.abandon)."""
-        if self.host is None:
+        """Give back its bytes, device, host and disk, once (a later get() fails: see
+        Offloader.abandon)."""
+        if not self.alive:
             return
         self.settle(wait=True)
         if self.back is not None:
             self.back_ticket.wait()
             self.io.ledger.release("gpu", "activation", self.nbytes)
             self.back = None
-        self.io.tiers.free(self.io.tier, "activation", self.host)
-        self.host = None
+        if self.host is not None:
+            self._free_host()
+        if self.key is not None:
+            self.io.ledger.release("nvme", "activation", self.nbytes)
+            self.io.give_key(self.key)
+            self.key = None
+        self.alive = False
 
     def __del__(self) -> None:
         try:
@@ -82,20 +133,33 @@ class Offloaded:
 
 
 class Offloader:
-    """Offloads block inputs in forward; prefetches the previous block's input in backward."""
-
-    """Gets the ledger, the tiers (host memory), the executor, the device and the current
-    phase (block inputs are offloaded in forward only)."""
+    """Offloads block inputs in forward; prefetches the previous block's input in backward.
+    Gets the ledger, the tiers (host memory), the executor, the device, the current phase
+    (block inputs are offloaded in forward only), the tier the inputs wait in (host, cxl or
+    nvme) and, for nvme, the NVMe store."""
 
     def __init__(self, *, ledger: Ledger, tiers: Tiers, executor: Executor, device: torch.device,
-                 phase: Callable[[], Phase], min_bytes: int = 0, tier: str = "host"):
+                 phase: Callable[[], Phase], min_bytes: int = 0, tier: str = "host", nvme: Any = None):
+        if tier == "nvme" and nvme is None:
+            raise ValueError("offloading activations to NVMe needs an NVMe store (budget.nvme)")
         self.ledger, self.tiers, self.executor, self.device = ledger, tiers, executor, device
-        self.tier = tier  # where the inputs wait: host RAM, or CXL memory
+        self.tier, self.nvme = tier, nvme
+        self._keys: list[str] = []  # swap files free for reuse (one per input alive at once)
+        self._made = 0
         self.phase, self.min_bytes = phase, min_bytes
         self.stack: list[weakref.ref] = []  # in pack order
         self.by_storage: dict[int, weakref.ref] = {}
         self.fetched: dict[int, weakref.ref] = {}  # device copies made in backward, by storage
         self.active = False  # True while a checkpointed block saves its inputs in forward
+
+    def take_key(self) -> str:
+        if self._keys:
+            return self._keys.pop()
+        self._made += 1
+        return f"activation-{self._made}"
+
+    def give_key(self, key: str) -> None:
+        self._keys.append(key)
 
     def wants(self, t: torch.Tensor) -> bool:
         return (self.active and self.phase() == Phase.FORWARD and t.device == self.device
@@ -109,6 +173,11 @@ class Offloader:
         item = known() if known is not None else None
         if item is None or item.device_ref is None:  # once settled, the storage (and so its key)
             # may have been freed and reused by another tensor: never match on it again
+            for ref in self.stack[:-1]:  # NVMe: one write under way, and one host buffer
+                if (x := ref()) is not None:  # beside the new input's
+                    x.spill(wait=True)
+            if self.stack and (x := self.stack[-1]()) is not None:
+                x.spill()
             item = Offloaded(self, t)
             self.by_storage[key] = weakref.ref(item)
             self.stack.append(weakref.ref(item))
@@ -146,6 +215,7 @@ class Offloader:
         for ref in self.stack:
             if (x := ref()) is not None:
                 x.settle(wait=True)
+                x.spill(wait=True)
         self.by_storage.clear()
         self.fetched = {k: r for k, r in self.fetched.items() if r() is not None}
         self.stack = [r for r in self.stack if r() is not None]

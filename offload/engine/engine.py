@@ -168,6 +168,10 @@ class Engine:
         self.cxl_activations = activations.cxl if activations.offload else 0
         if self.cxl_activations and budget.cxl is None:
             raise ValueError("activations.cxl places offloaded inputs in CXL memory: it needs budget.cxl")
+        self.activations_tier = ("cxl" if self.cxl_activations else
+                                 "nvme" if activations.offload and activations.nvme else "host")
+        if self.activations_tier == "nvme" and budget.nvme is None:
+            raise ValueError("activations.nvme writes offloaded inputs to NVMe: it needs budget.nvme")
         self.overlap_update = optim.overlap_update
         self.hyper = Hyper(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay,
                            momentum=optim.momentum)
@@ -368,7 +372,8 @@ class Engine:
             self.homes = assign_homes(kinds=streamed, host=host, cxl=None if cxl is None else cxl - self.cxl_activations,
                                       nvme=self.nvme is not None)
         if self.nvme is not None:
-            self.nvme.preflight(sum(self.homes.bytes.get("nvme", {}).values()))
+            self.nvme.preflight(sum(self.homes.bytes.get("nvme", {}).values())
+                                + (self.options["activations"].nvme if self.activations_tier == "nvme" else 0))
         tiers = dict(self.homes.tiers) | {c: dict.fromkeys(self.kinds[c], "gpu") for c in gpu_home}
         self.store = ChunkStore(plan=self.plan, tiers=self.tiers, compute_dtype=self.compute_dtype,
                                 state_bytes=self.updater.state_bytes, needs_grad=self.updater.needs_grad,
@@ -471,7 +476,7 @@ class Engine:
         if self.offload_activations:
             self.tracker.offloader = Offloader(ledger=self.ledger, tiers=self.tiers, executor=self.executor,
                                                device=self.device, phase=lambda: self.moments.phase,
-                                               tier="cxl" if self.cxl_activations else "host")
+                                               tier=self.activations_tier, nvme=self.nvme)
 
     def _update_chunks(self, chunks: list[int], handed: dict, final: bool = True) -> None:
         """Update `chunks` (their gradients complete); `handed`: {chunk: (its gradient still in

@@ -140,7 +140,8 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     `offload`: checkpointed blocks' inputs that need a gradient live in host memory between
     forward and backward (offload.engine.actoffload): on the device at most two at once (one on
     its way out in forward; in backward the block's own and the one fetched ahead), the rest in
-    `host_inputs` (a LoRA run's first block input, the frozen embedding's output, stays).
+    `host_inputs` (a LoRA run's first block input, the frozen embedding's output, stays). Written
+    to NVMe instead, they pass through at most two host buffers at once: `host_staging`.
 
     `tiles`: the MLP runs in tiles where it can (the engine tiles it where the blocks are its
     units of residency: offload.plan.needs.units_are_blocks); False: never.
@@ -201,12 +202,13 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             "final_norm": norm,
             "head": norm + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=True),
         }
-    parts["host_inputs"] = 0
+    parts["host_inputs"] = parts["host_staging"] = 0
     if offload and checkpointed:
         kept = e * t * h if lora is not None else 0  # (a LoRA run's first block input needs no gradient)
         moved = parts["inputs"] - kept
         parts["host_inputs"] = moved
         parts["inputs"] = kept + min(moved, 2 * e * t * h)
+        parts["host_staging"] = min(moved, 2 * e * t * h)  # on their way to NVMe: two host buffers
     return parts
 
 
@@ -354,6 +356,9 @@ class StepLoad:
     encoded frozen base (its chunks cross encoded and are decoded on the device)."""
     dequant_bytes: int = 0
     """Bytes the device reads (encoded) and writes (decoded) per micro-batch to decode the base."""
+    offloaded: dict[str, int] = field(default_factory=dict)
+    """Bytes of block inputs offloaded per micro-batch, by the tier they wait in (host, cxl, nvme):
+    out over the link in forward, back in backward."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -447,6 +452,13 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
         fwd_busy["h2d + gather"] = fwd_busy.pop("pcie h2d") + gather_s
         if collectives.via == "host":
             fwd_busy["host dram"] += collectives.gather_bytes / dram  # in and out: half each pass
+    act = sum(load.offloaded.values())  # block inputs: out in forward, back in backward
+    act_nvme, act_cxl = load.offloaded.get("nvme", 0), load.offloaded.get("cxl", 0)
+    if act:
+        fwd_busy["pcie d2h"] = act / d2h
+        fwd_busy["nvme write"] = act_nvme / nv_w
+        fwd_busy["cxl"] += act_cxl / cxl
+        fwd_busy["host dram"] += (act - act_cxl + act_nvme) / dram
     t, top = _phase(fwd_busy, startup if stream else 0.0)
     phases["forward"], resources["forward"], tops["forward"] = t * cost.forwards * micro_batches, fwd_busy, top
 
@@ -471,12 +483,13 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
             # (H200 host, 0.85B, bench/README.md "gpu_check.sh": AdamW 0.361 s vs AdamW8bit 0.294 s
             # per step, as their CPU updates differ)
             "host launch": launch_bwd * micro_batches + (cpu_update if launch_bwd else 0.0),
-            "pcie h2d": stream / h2d * micro_batches,
+            "pcie h2d": (stream + act) / h2d * micro_batches,
             "pcie d2h": load.grad_d2h_bytes / d2h * micro_batches,
-            "nvme": nv_update + on_nvme * (micro_batches - 1) / nv_r,  # the base: read again per micro-batch
-            "cxl": (src.get("cxl", 0) * micro_batches + load.cpu_update_bytes * cxl_share) / cxl,
+            # the base: read again per micro-batch
+            "nvme": nv_update + (on_nvme * (micro_batches - 1) + act_nvme * micro_batches) / nv_r,
+            "cxl": ((src.get("cxl", 0) + act_cxl) * micro_batches + load.cpu_update_bytes * cxl_share) / cxl,
             "cpu update": cpu_update,
-            "host dram": (src.get("host", 0) + load.grad_d2h_bytes) * micro_batches / dram
+            "host dram": (src.get("host", 0) + load.grad_d2h_bytes + act - act_cxl + act_nvme) * micro_batches / dram
             + (load.cpu_update_bytes * host_share + 2 * (nv_read + nv_write)) / dram,
         }
         if collectives is not None:
@@ -524,11 +537,15 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
             inplace += load.stream_bytes.get("host", 0)
         link -= load.fetched_bytes * inplace / max(1, sum(load.stream_bytes.values()))
     decode = load.dequant_bytes / 2 / (hw.host.dram_bandwidth_gbps * GB)  # per pass, on the CPU cores
+    act = sum(load.offloaded.values())  # block inputs: out in forward, back in backward
     fwd = {"gpu compute": load.tokens_flops_fwd / rate, "pcie h2d": link / 3 / copy,
            "dispatch": dispatch_fwd, "dequant": decode}
     flops = (1 if load.recompute else 0) + (2 if load.weight_grads else 1)
     bwd = {"gpu compute": flops * load.tokens_flops_fwd / rate, "pcie h2d": 2 * link / 3 / copy,
            "pcie d2h": load.grad_d2h_bytes / back, "dispatch": dispatch_bwd, "dequant": decode}
+    if act:
+        fwd["pcie d2h"] = act / back
+        bwd["pcie h2d"] += act / copy
     params = load.cpu_params + load.gpu_params
     upd = {"cpu update": params / _cpu_rate(hw, cost) + load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12),
            "dispatch": 4 * load.num_chunks * overhead}
@@ -567,7 +584,8 @@ def _simulated_nvme(hw: HardwareProfile, load: StepLoad, *, needs_grad: bool, fp
     refetches plus the update's reads (less the masters it copies from the cache) and writes,
     which overlap backward; without a backward the update's I/O is its own phase."""
     on = load.placed.get("nvme", {})
-    if hw.nvme is None or not on:
+    act = load.offloaded.get("nvme", 0)  # block inputs: written in forward, read in backward
+    if hw.nvme is None or not (on or act):
         return {}
     nv_r, nv_w = hw.nvme.read_gbps * GB, hw.nvme.write_gbps * GB
     share = load.stream_bytes.get("nvme", 0) / max(1, sum(load.stream_bytes.values()))
@@ -588,4 +606,5 @@ def _simulated_nvme(hw: HardwareProfile, load: StepLoad, *, needs_grad: bool, fp
     # the step's last write-backs (one chunk's, at most) are left in flight when the step returns
     # (offload.runtime.swapping.update_all, defer=True): they overlap the next forward
     deferred = min(writes, load.chunk_params * writes / max(1, load.cpu_params)) / nv_w
-    return {"forward": fwd * share / nv_r, "backward": refetch / nv_r + update, "deferred": deferred}
+    return {"forward": fwd * share / nv_r + act / nv_w, "backward": refetch / nv_r + update + act / nv_r,
+            "deferred": deferred}

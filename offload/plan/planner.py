@@ -582,11 +582,14 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                                 row_positions=row_positions, offload=offload_activations, tiles=tiles)
 
     act, tiled_act = act_at(False), act_at(True)
-    host_act = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                                checkpointing=checkpointing, padded=padded, lora=lora_act, row_positions=row_positions,
-                                offload=offload_activations)["host_inputs"] if ch.needs_grad else 0
+    offload_parts = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                                     checkpointing=checkpointing, padded=padded, lora=lora_act,
+                                     row_positions=row_positions, offload=offload_activations)
+    host_act = offload_parts["host_inputs"] if ch.needs_grad else 0
+    staging = offload_parts["host_staging"] if ch.needs_grad else 0
     # where the offloaded inputs may live, tried in this order once the chunks' homes are known:
-    # (tier, what the homes may use of the host, of CXL): host RAM, else (one rank) CXL memory
+    # (tier, what the homes may use of the host, of CXL): host RAM, else (one rank) CXL memory,
+    # else (one rank) the NVMe swap directory, through two host buffers
     single = nproc_per_node * nnodes == 1
     places: list[tuple[str, int | None, int]] = [("host", host, cxl)]
     if host is not None and host_act:
@@ -595,10 +598,15 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
             places.append(("host", host - host_act, cxl))
         if single and host_act <= cxl:
             places.append(("cxl", host, cxl - host_act))
+        if single and use_nvme and staging <= host:
+            places.append(("nvme", host - staging, cxl))
         if not places:
+            other = [f for f, given in (("--cxl-mem", cxl), ("--nvme-path", use_nvme)) if single and not given]
+            need = staging if single and use_nvme else host_act  # (on NVMe: what they pass through)
             raise InfeasibleBudget(f"host budget {format_size(host)} cannot hold the offloaded activations "
-                                   f"({format_size(host_act)}); raise --cpu-mem" + (" or --cxl-mem" if single else ""),
-                                   minimum={"host": host_act})
+                                   f"({format_size(need)}{' on their way to NVMe' if need < host_act else ''}); "
+                                   "raise --cpu-mem" + (f", or give {' or '.join(other)}" if other else ""),
+                                   minimum={"host": need})
     buffers = buffer_bytes(model) + ch.staging()
     # CUDA: the engine leaves the allocator a margin of the budget beside its ledger (placed as
     # activations: offload.engine.workspace); the simulated device has no allocator
@@ -637,6 +645,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                              host=None if host is None else host - node_act, cxl=cxl, use_nvme=use_nvme,
                              nvme_cap=nvme_cap, nproc=nproc_per_node, nnodes=nnodes, checkpointing=checkpointing,
                              precision=precision, lora_act=lora_act, single=args, grad_reduce=grad_reduce,
+                             offloaded=host_act,
                              meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size,
                                        optimizer=optimizer, checkpointing=checkpointing, padded=padded,
                                        row_positions=row_positions, offload=offload_activations,
@@ -672,14 +681,15 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                                minimum={"host": first.minimum["host"] + host_act}) from None
     homes = _streamed_homes(ch, homes_built, streamed)
     host_min = _host_minimum(ch, hosted, cxl=homes_cxl, nvme=use_nvme)
-    on_nvme = sum(homes_built.bytes.get("nvme", {}).values())  # the engine's preflight, when built
+    # the engine's preflight, when built: the homes and the offloaded inputs written there
+    on_nvme = sum(homes_built.bytes.get("nvme", {}).values()) + (host_act if act_tier == "nvme" else 0)
     if nvme_cap is not None and on_nvme > nvme_cap:
         raise InfeasibleBudget(f"--nvme-path has {format_size(nvme_cap)} of space: needs at least "
                                f"{format_size(on_nvme)}; raise --cpu-mem / --cxl-mem or free disk space",
                                minimum={"nvme": on_nvme})
     flops_fwd = model_flops(model=model, batch_size=batch_size, seq_len=seq_len)
     load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd, ops=ch.ops,
-                 recompute=checkpointing)
+                 recompute=checkpointing, offloaded={act_tier: host_act} if host_act else {})
     pred = predict_step(hardware=hw, precision=precision, cost=ch.cost, tokens=batch_size * seq_len * grad_accum,
                         load=load, micro_batches=grad_accum)
     base = _base_traffic(ch, load=load, homes=homes, streamed=streamed, micro_batches=grad_accum, hw=hw)
@@ -687,7 +697,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                   precision=precision,
                   budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
                   batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size, optimizer=optimizer,
-                  host_minimum=host_min + (host_act if act_tier == "host" else 0), act_tier=act_tier,
+                  host_minimum=host_min + {"host": host_act, "nvme": staging}.get(act_tier, 0), act_tier=act_tier,
                   checkpointing=checkpointing, padded=padded,
                   row_positions=row_positions, offload=offload_activations,
                   grad_accum=grad_accum,
@@ -826,7 +836,8 @@ def _streamed_homes(ch: _Chunks, homes: Homes, streamed: list[int]) -> Homes:
 
 
 def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int], flops_fwd: float,
-          ops: int, recompute: bool, remote: frozenset[int] = frozenset()) -> StepLoad:
+          ops: int, recompute: bool, remote: frozenset[int] = frozenset(),
+          offloaded: "dict[str, int] | None" = None) -> StepLoad:
     """What one step moves and computes with this placement (input of the performance model).
     A frozen chunk's one kind is booked "base" in `placed` (never written back, never updated);
     it crosses the link as stored (encoded) and is decoded on the device; a gpu-home encoded one
@@ -870,6 +881,7 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
         chunk_compute_bytes=max((ch.compute[c] for c in streamed), default=0),
         chunk_params=max((ch.params[c] for c in trainable), default=0),
         num_chunks=ch.n - len(ch.frozen), streamed_chunks=len(streamed), ops_per_forward=ops, recompute=recompute,
+        offloaded=offloaded or {},
         weight_grads=not ch.frozen)
 
 
@@ -965,9 +977,12 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
     reserve = {"gpu": {"buffers": needs.buffers, "stream cache": cache, "activations": needs.activations,
                        in_flight: transient - needs.activations},
                "host": {"nvme bounce": homes.bounce}}
-    offloaded = activation_parts(model=model, **act_args)["host_inputs"] if ch.needs_grad else 0
-    if offloaded:  # (host RAM, or CXL memory where the host could not hold them: make_plan)
+    offload_parts = activation_parts(model=model, **act_args)
+    offloaded = offload_parts["host_inputs"] if ch.needs_grad else 0
+    if offloaded:  # (host RAM, or CXL memory or NVMe where the host could not hold them: make_plan)
         reserve.setdefault(act_tier, {})["activations"] = offloaded
+        if act_tier == "nvme":  # the host buffers they pass through
+            reserve["host"]["activations"] = offload_parts["host_staging"]
     peak = {t: sum(by_tier[t].values()) + sum(reserve.get(t, {}).values()) for t in TIERS}
     chunk_homes = []
     for j in range(ch.n):
@@ -1008,7 +1023,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                 gpu: int, host: int | None,
                 cxl: int, use_nvme: bool, nvme_cap: int | None, nproc: int, nnodes: int, checkpointing: bool,
                 precision: str, lora_act: LoraAct, single: dict[str, Any], meta: dict[str, Any],
-                grad_reduce: str = "micro") -> Plan:
+                grad_reduce: str = "micro", offloaded: int = 0) -> Plan:
     """make_plan for `nproc` ranks per node on `nnodes` nodes (offload.plan.ranks). Every rank
     streams every chunk (the engine allows no gpu-home chunk with several ranks). The homes of
     a node: the frozen base once (`assign_homes` within what the ranks' minimums leave of the
@@ -1016,7 +1031,8 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     chunks, and its gradient chunks of the others) within 1/L of the rest (cli.launch.node_share),
     each with its own NVMe bounce buffers; node 0 (ranks 0..L-1, the largest shares) is the one
     planned. Each rank is priced on its share of the node (`rank_share`) with its collectives;
-    the step lasts as long as the slowest rank."""
+    the step lasts as long as the slowest rank. `offloaded`: each rank's offloaded block inputs
+    (host RAM), over its link both ways."""
     if grad_reduce not in GRAD_REDUCE:
         raise TierwiseError(f"--grad-reduce must be one of {', '.join(GRAD_REDUCE)}, got {grad_reduce!r}")
     world, L = nproc * nnodes, nproc
@@ -1090,7 +1106,8 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
         tiers = base_homes.tiers | rank_homes[r].tiers
         homes_r = Homes(tiers=tiers, bytes={}, bounce=rank_homes[r].bounce + base_homes.bounce)
         load = _load(views[r], device=device, homes=homes_r, streamed=streamed, flops_fwd=flops_fwd,
-                     ops=ch.ops, recompute=checkpointing, remote=remotes[r])
+                     ops=ch.ops, recompute=checkpointing, remote=remotes[r],
+                     offloaded={"host": offloaded} if offloaded else {})
         if ch.frozen:  # the adapters: as the LoRA schedule fetches them, every micro-batch
             gather = accum * sum(views[r].fetches_last.get(c, 0) * ch.compute[c] for c in trainable)
         else:
