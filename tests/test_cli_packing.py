@@ -225,6 +225,24 @@ def test_short_packed_rows_take_the_mask_long_ones_segments(tok, monkeypatch):
         assert attends_segments(TrainConfig(model="llama-8b", seq_len=16), None) == (not masked)
 
 
+def test_segments_of_a_batch_moved_to_the_device_come_from_its_host_copy(monkeypatch):
+    """The engine's to_device leaves the segments found from the host's position ids, keyed by
+    the device copy: the attention never reads them back from the device (on CUDA, a wait for
+    it). Stood in for here by a copy whose contents differ: its own segments are never read.
+    Ids broadcast over the rows give each row the same segments."""
+    from tierwise.offload.engine import batches, segments
+
+    monkeypatch.setattr(perfmodel, "SEGMENTS_FROM", 8)
+    host = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
+    device = torch.arange(8).view(1, 8)  # one segment, were it read
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: device if t is host else t.clone())
+    moved = batches.to_device({"input_ids": host.clone(), "position_ids": host}, torch.device("cpu"))
+    assert moved["position_ids"] is device
+    monkeypatch.undo()
+    monkeypatch.setattr(segments, "_find", lambda ids: pytest.fail("segments read from the device"))
+    assert segments._last.of(device, 2) == [[(0, 3), (3, 7), (7, 8)]] * 2
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_long_packed_rows_per_segment_are_planned_as_measured(precision):
     """4,096 tokens of eight 512-token rows, attended per segment through the engine (every

@@ -53,31 +53,44 @@ def _mask(*, attention_mask=None, use_vmap: bool = False, local_size=None, q_len
                      kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
 
 
+def _find(position_ids: torch.Tensor) -> list[list[tuple[int, int]]] | None:
+    """Each row's segments [(start, end)] where its position ids step by other than 1; None
+    when no row has more than one. Reads the ids on the host (a device's: a wait for it)."""
+    step = torch.diff(position_ids, dim=-1) != 1
+    if not bool(step.any()):
+        return None
+    spans = []
+    for row in step.cpu().tolist():
+        cuts = [0] + [j + 1 for j, cut in enumerate(row) if cut] + [len(row) + 1]
+        spans.append(list(zip(cuts, cuts[1:])))
+    return spans
+
+
 class _Spans:
     """The last batch's segments, keyed by its position-ids tensor: every layer (and the
-    recompute) reads the same one, and finding them reads the ids on the host once."""
+    recompute) reads the same one, and finding them reads the ids on the host once; where the
+    engine moved the batch to the device, from the host's copy (`known`), so the launching
+    thread never waits for the device to read them."""
 
     def __init__(self) -> None:
         self.ids: Any = None
-        self.spans: list[list[tuple[int, int]]] = []
+        self.spans: list[list[tuple[int, int]]] | None = None
+
+    def known(self, host_ids: torch.Tensor, device_ids: torch.Tensor) -> None:
+        """`device_ids` is a copy of `host_ids` (a 2-d CPU tensor): its segments, found here."""
+        if host_ids.dim() == 2 and host_ids.shape[-1] >= perfmodel.SEGMENTS_FROM:
+            self.ids, self.spans = weakref.ref(device_ids), _find(host_ids)
 
     def of(self, position_ids: torch.Tensor, rows: int) -> list[list[tuple[int, int]]] | None:
-        if self.ids is not None and self.ids() is position_ids:
-            return self.spans
-        pos = position_ids.expand(rows, -1)
-        step = torch.diff(pos, dim=-1) != 1
-        if not bool(step.any()):
-            spans = None
-        else:
-            spans = []
-            for row in step.cpu().tolist():
-                cuts = [0] + [j + 1 for j, cut in enumerate(row) if cut] + [len(row) + 1]
-                spans.append(list(zip(cuts, cuts[1:])))
-        self.ids, self.spans = weakref.ref(position_ids), spans
-        return spans
+        if self.ids is None or self.ids() is not position_ids:
+            self.ids, self.spans = weakref.ref(position_ids), _find(position_ids)
+        if self.spans is not None and len(self.spans) == 1 and rows > 1:  # ids broadcast over the rows
+            return self.spans * rows
+        return self.spans
 
 
 _last = _Spans()
+known = _last.known
 
 
 def _attention(module, query, key, value, attention_mask, *, position_ids=None, **kwargs):
