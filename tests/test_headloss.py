@@ -219,7 +219,7 @@ def test_without_grad_no_gradient_is_made_and_shift_labels_are_taken(monkeypatch
     monkeypatch.setattr(headloss, "TILE_BYTES", 4 * VOCAB * 7)
     seen = []
     real = headloss.HeadLoss.apply
-    monkeypatch.setattr(headloss.HeadLoss, "apply", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(headloss.HeadLoss, "apply", lambda *a: seen.append(a[6]) or real(*a))  # (its `grads`)
     with torch.no_grad():
         loss = default_loss(model, batch)
     assert seen == [False]
@@ -230,3 +230,28 @@ def test_without_grad_no_gradient_is_made_and_shift_labels_are_taken(monkeypatch
     with torch.no_grad():
         torch.testing.assert_close(default_loss(model, odd), model(**odd).loss, rtol=1e-6, atol=0)
         assert not torch.allclose(model(**odd).loss, model(**batch).loss)
+
+
+def test_kept_targets_found_on_the_host_are_the_ones_the_device_would_find(monkeypatch):
+    """The engine's to_device leaves the labels' host copy, keyed by their device copy: on CUDA
+    the loss finds the targets it keeps there (no wait for the device to count them). Given
+    those, the loss and gradients are the ones it finds itself, bit for bit."""
+    from tierwise.offload.engine import batches
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    targets = torch.randint(0, 40, (18,))
+    targets[::4] = -100
+    found = headloss.HeadLoss.apply(hidden, weight, None, targets, None, None, True, None)
+    given = headloss.HeadLoss.apply(hidden, weight, None, targets, None, None, True,
+                                    (targets != -100).nonzero().squeeze(1))
+    assert torch.equal(found, given)
+    for a, b in zip(torch.autograd.grad(found, (hidden, weight)), torch.autograd.grad(given, (hidden, weight))):
+        assert torch.equal(a, b)
+    host = torch.tensor([[1, 2, -100, 3]])
+    device = host.clone()  # stands in for the device copy
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: device if t is host else t.clone())
+    moved = batches.to_device({"input_ids": host.clone(), "labels": host}, torch.device("cpu"))
+    monkeypatch.undo()
+    assert moved["labels"] is device and headloss._host.of(device) is host

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import segments
+from . import headloss, segments
 from .headloss import tiled_loss
 
 
@@ -21,17 +21,20 @@ def default_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torc
 def to_device(batch: Any, device: torch.device) -> Any:
     """Every tensor of a tensor / dict / list / tuple batch on `device`. To a CUDA device from
     pinned memory, without a wait on the launching thread (a copy from pageable memory waits
-    for it); a dict's `position_ids` leave their packed segments found on the host
-    (offload.engine.segments), not read back from the device."""
+    for it); a dict's `position_ids` leave their packed segments, and its `labels` the targets
+    the loss keeps, found on the host (offload.engine.segments, .headloss), not read back from
+    the device."""
     if isinstance(batch, torch.Tensor):
         if device.type == "cuda" and batch.device.type == "cpu":
             return batch.pin_memory().to(device, non_blocking=True)
         return batch.to(device)
     if isinstance(batch, dict):
         out = {k: to_device(v, device) for k, v in batch.items()}
-        ids = batch.get("position_ids")
+        ids, labels = batch.get("position_ids"), batch.get("labels")
         if isinstance(ids, torch.Tensor) and out["position_ids"] is not ids:
             segments.known(ids, out["position_ids"])
+        if isinstance(labels, torch.Tensor) and out["labels"] is not labels:
+            headloss.known_labels(labels, out["labels"])
         return out
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -106,22 +107,48 @@ def tiled_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor | 
         return None
     shift = batch.get("shift_labels")  # (given already shifted, as transformers' loss takes them)
     shifted = (shift if isinstance(shift, torch.Tensor) else F.pad(labels[:, 1:], (0, 1), value=IGNORE)).reshape(-1)
+    keep = None
+    host = _host.of(labels) if labels.device.type != "cpu" and not isinstance(shift, torch.Tensor) else None
+    if host is not None:  # the targets kept, found on the host: no wait for the device to count them
+        keep = F.pad(host[:, 1:], (0, 1), value=IGNORE).reshape(-1).ne(IGNORE).nonzero().squeeze(1)
+        keep = keep.pin_memory().to(labels.device, non_blocking=True) if labels.is_cuda else keep.to(labels.device)
     items = batch.get("num_items_in_batch")
     rest = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", "num_items_in_batch")}
     box: list[torch.Tensor] = []
-    with _head_forward(head, lambda hidden: _run(head, hidden, shifted, items, transform, box)):
+    with _head_forward(head, lambda hidden: _run(head, hidden, shifted, items, transform, box, keep)):
         model(**rest)
     return box[0]
 
 
+class _HostLabels:
+    """The last batch's labels as the host had them, keyed by their device copy (the engine's
+    to_device, offload.engine.batches): the tokens the loss keeps are found from them."""
+
+    def __init__(self) -> None:
+        self.ref: Any = None
+        self.host: torch.Tensor | None = None
+
+    def known(self, host: torch.Tensor, device: torch.Tensor) -> None:
+        if host.dim() == 2:
+            self.ref, self.host = weakref.ref(device), host
+
+    def of(self, labels: torch.Tensor) -> torch.Tensor | None:
+        return self.host if self.ref is not None and self.ref() is labels else None
+
+
+_host = _HostLabels()
+known_labels = _host.known
+
+
 def _run(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, items: Any,
-         transform: Transform | None, box: list[torch.Tensor]) -> torch.Tensor:
+         transform: Transform | None, box: list[torch.Tensor], keep: torch.Tensor | None = None) -> torch.Tensor:
     """The swapped head's forward: keeps the loss in `box`, returns empty logits for the model's
     own code to pass on (nothing of them is used)."""
     if hidden.shape[:-1].numel() != targets.numel():
         raise ValueError(f"the head saw {hidden.shape[:-1].numel()} positions for {targets.numel()} labels")
     # (inside the Function grad mode is off: whether gradients are wanted is decided here)
-    box.append(HeadLoss.apply(hidden, head.weight, head.bias, targets, items, transform, torch.is_grad_enabled()))
+    box.append(HeadLoss.apply(hidden, head.weight, head.bias, targets, items, transform, torch.is_grad_enabled(),
+                              keep))
     return hidden.new_zeros(*hidden.shape[:-1], 0)
 
 
@@ -155,9 +182,11 @@ class HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, items: Any, transform: Any, grads: bool = True) -> torch.Tensor:
+                targets: torch.Tensor, items: Any, transform: Any, grads: bool = True,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         h = hidden.reshape(-1, hidden.shape[-1])
-        keep = (targets != IGNORE).nonzero().squeeze(1)
+        if keep is None:  # (`keep`: the positions whose target is not IGNORE, found on the host)
+            keep = (targets != IGNORE).nonzero().squeeze(1)
         count = keep.numel() if items is None else items
         want_h, want_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         want_b = grads and bias is not None and ctx.needs_input_grad[2]
@@ -166,7 +195,10 @@ class HeadLoss(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        scale = 1.0 / float(count) if float(count) > 0 else math.nan
+        if isinstance(count, torch.Tensor):  # (a device count is not read back: 0 gives inf, a nan loss)
+            scale: Any = 1.0 / count.to(torch.float32)
+        else:
+            scale = 1.0 / float(count) if count > 0 else math.nan
         step = max(1, TILE_BYTES // (4 * weight.shape[0]))
         for start in range(0, keep.numel(), step):
             rows = keep[start:start + step]
@@ -200,4 +232,4 @@ class HeadLoss(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         grad_h, grad_w, grad_b = ctx.saved_tensors
         return (None if grad_h is None else grad_h * grad, None if grad_w is None else grad_w * grad,
-                None if grad_b is None else grad_b * grad, None, None, None, None)
+                None if grad_b is None else grad_b * grad, None, None, None, None, None)
