@@ -107,7 +107,9 @@ def test_router_accumulates_like_pytorch_and_gives_the_bytes_back():
     for name, p in ref.named_parameters():
         assert torch.equal(plan.slots[name].view(store.chunks[plan.slots[name].chunk].grad), p.grad), name
         assert dict(named)[name].grad is None  # handed over, not kept on the device
-    assert ledger.usage()["gpu"].get("grad", 0) == 0 and ledger.peaks()["gpu"] <= 8 * 8 * 4
+    # the second backward gathers each chunk's gradients in one buffer, sent at once (the simulated
+    # device): one chunk's at most; the first, per parameter, one parameter's
+    assert ledger.usage()["gpu"].get("grad", 0) == 0 and ledger.peaks()["gpu"] <= 4 * max(c.numel for c in plan.chunks)
     assert r.uses == {n: 1 for n, _ in named}
     for h in hooks:
         h.remove()
@@ -138,7 +140,9 @@ def test_router_submits_a_chunk_early_once_all_its_sums_are_in():
         r.begin_backward()
         model(x).sum().backward()
         r.end_backward()
-    assert len(plan.chunks) == 2 and sorted(submitted) == [(0, 2), (1, 2)]
+    # once each, with nothing to wait for: the chunk's gradients gathered, then sent at once (the
+    # simulated device without an emulated link copies on the launching thread)
+    assert len(plan.chunks) == 2 and sorted(submitted) == [(0, 0), (1, 0)]
     for h in hooks:
         h.remove()
     ex.close()

@@ -453,7 +453,7 @@ class Engine:
                     enabled=lambda: self.units_are_blocks, values=v))
             for block in self.blocks:
                 surgery.patch_forward(block, lambda f, b=block: checkpointed(
-                    f, context=lambda: res.recompute(self.tracker.hooks()), hold=lambda b=b: res.holding(b),
+                    f, context=lambda: res.recompute(self.tracker.hooks()), hold=lambda b=b: self._holding(b),
                     saving=self.tracker.saving_block_inputs,
                     buffers=BufferGuard(b, **booked(self.ledger, "gpu", "activation"))))
         self.checkpointing = checkpointing
@@ -477,6 +477,13 @@ class Engine:
             self.tracker.offloader = Offloader(ledger=self.ledger, tiers=self.tiers, executor=self.executor,
                                                device=self.device, phase=lambda: self.moments.phase,
                                                tier=self.activations_tier, nvme=self.nvme)
+
+    def _holding(self, block: torch.nn.Module) -> Any:
+        """A checkpointed block's recompute and backward (Residency.holding), with no gathered
+        gradient of a later block left on the device through it."""
+        if self.grads is not None:
+            self.grads.send_open()
+        return self.residency.holding(block)
 
     def _update_chunks(self, chunks: list[int], handed: dict, final: bool = True) -> None:
         """Update `chunks` (their gradients complete); `handed`: {chunk: (its gradient still in

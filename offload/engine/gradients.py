@@ -1,9 +1,14 @@
 """The gradient router: a parameter's gradient from autograd's hook to its grad chunk.
 
 - Arrival: each parameter's post-accumulate hook hands its gradient over; a device-home chunk
-  takes it in place, a streamed one gets an asynchronous copy to its home (host/CXL), or to a
-  staging buffer when its grad lives on NVMe (offload.engine.gradspill). Gradients in flight
-  are device bytes, kept under `grad_reserve()` (the oldest copy retires first).
+  takes it in place. A streamed chunk whose gradient home is in memory (host/CXL), once the
+  first backward has counted its parameters' uses, gathers them on the device in one flat
+  buffer (`_Gather`, zeros where a parameter sends nothing) and crosses to its home in one
+  copy when the last of them arrives (or at the end of backward): one copy per chunk, not per
+  parameter. Otherwise (the first backward, a gradient on NVMe: a staging buffer,
+  offload.engine.gradspill; another rank's chunk) each parameter's gradient gets its own copy.
+  Gradients on the device, gathered or in flight, are kept under `grad_reserve()` (the oldest
+  copy retires first).
 - Accumulation: the first backward counts each parameter's contributions (one per graph using
   it: per recomputed block for a shared weight); later backwards sum them in p.grad in
   PyTorch's order and hand each chunk one sum per parameter (copy the first time a parameter is
@@ -23,12 +28,14 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from typing import Any, Callable
 
 import torch
 
 from ..core.errors import UnsupportedModel
+from ..plan.needs import gathering
 from ..runtime.executor import Executor
 from ..runtime.ledger import Ledger
 from ..runtime.store import ChunkStore, SwapKind, in_slot_order
@@ -36,6 +43,31 @@ from .early import EarlyUpdater
 from .gradspill import GradSpill
 
 log = logging.getLogger(__name__)
+
+
+class _Held:
+    """Device bytes of a gradient on its way to the host (`buf`): given back to the ledger, and
+    the buffer dropped, once its copy has landed (the copy worker calls `release`), or when
+    the launching thread retires it, whichever comes first."""
+
+    def __init__(self, ledger: Ledger, nbytes: int, buf: torch.Tensor):
+        self.ledger, self.nbytes, self.buf = ledger, nbytes, buf
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            if self.buf is None:
+                return
+            self.buf = None
+        self.ledger.release("gpu", "grad", self.nbytes)
+
+
+class _Gather:
+    """One streamed chunk's gradients of this backward, gathered on the device: `buf` [numel]
+    (zeros where nothing arrived), `arrived` the parameters in it so far."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf, self.arrived = buf, set()
 
 
 class GradientRouter:
@@ -52,6 +84,9 @@ class GradientRouter:
         self.executor, self.ledger, self.param_names = executor, ledger, param_names
         self.grad_reserve, self.new_spill, self.early = grad_reserve, new_spill, early
         self.compute_itemsize = compute_itemsize
+        # a parameter's own copies: at most the largest one's bytes in flight (the first backward)
+        self.param_reserve = compute_itemsize * max(
+            (s.numel for s in self.plan.slots.values() if not self.plan.is_frozen(s.chunk)), default=0)
         self.ranks, self.transient, self.reduce_rest = ranks, transient, reduce_rest
         self.counts = {"grad_copies": 0} if counts is None else counts  # the step's counters (timeline)
         self.reduce_on = False  # owned-only gradients: complete chunks are reduced during backward
@@ -66,6 +101,9 @@ class GradientRouter:
         self.read_late: set[int] = set()  # chunks read in backward after their last contribution
         self._inflight: deque = deque()
         self._inflight_bytes = 0
+        self._gathers: dict[int, _Gather] = {}  # chunk -> its gradients gathered on the device
+        self.gather_from: dict[int, int] = {}  # chunk -> parameters it gathers per backward (traced)
+        self._flushed: set[int] = set()  # chunks whose gathered sums reached their home this step
         self._gathered: dict[torch.nn.Parameter, int] = {}  # p.grad kept for more contributions: bytes
         self._flushing = False
         self.begin_backward()
@@ -73,9 +111,11 @@ class GradientRouter:
     # -- a step's life --------------------------------------------------------------------
     def begin_step(self) -> None:
         self.seen = set()
+        self._flushed = set()
         self.spill.begin_cycle()
 
     def begin_backward(self) -> None:
+        self._got: dict[int, set] = {}  # chunk -> its parameters gathered so far in this backward
         self._counts: dict[str, int] = {}
         self._arrived: dict[int, int] = {}
         self._chunk_tickets: dict[int, list] = {}
@@ -87,10 +127,18 @@ class GradientRouter:
         """After loss.backward(): flush held sums, learn the uses (first backward), let every
         copy land, write spilled chunks out, wait for early updates."""
         self._flush_gathered()
+        for cid in list(self._gathers):  # chunks some of whose parameters sent nothing this time
+            self._send(cid)
         first = self.uses is None
         if first:
             self._learn_uses()
         self.drain()
+        if first:  # a later micro-batch of this step adds its gathered sums to these homes:
+            for p, name in self.param_names.items():  # what the parameters sent, zeros elsewhere
+                slot = self.plan.slots[name]
+                if slot.chunk in self.gather_from and p not in self.seen:
+                    self.store.grad_view(slot).zero_()
+            self._flushed.update(self.gather_from)
         self.spill.end_backward()
         if self.early_on or self.reduce_on:
             self.early.wait()
@@ -115,6 +163,10 @@ class GradientRouter:
             p.grad = None
             self.ledger.release("gpu", "activation", nbytes)
         self._gathered = {}
+        for g in self._gathers.values():
+            self._inflight_bytes -= g.buf.nbytes
+            self.ledger.release("gpu", "grad", g.buf.nbytes)
+        self._gathers = {}
         self.drain()
         if self.early is not None:
             try:
@@ -175,19 +227,73 @@ class GradientRouter:
             dst.copy_(src) if first else dst.add_(src)
             self._arrived_grad(slot, None)
             return
+        if not remote and not spilled and slot.chunk in self.gather_from:
+            self._gather(slot, src, p)
+            return
         nbytes = src.numel() * src.element_size()
-        self._reserve(nbytes)
+        self._reserve(nbytes, limit=self.param_reserve)
         staging = None
         if self.executor.cuda and not first:
             staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
-        ticket = self.executor.copy("d2h", dst, src, accumulate=not first, staging=staging)
+        held = _Held(self.ledger, nbytes, src)
+        ticket = self.executor.copy("d2h", dst, src, accumulate=not first, staging=staging, then=held.release)
         self.counts["grad_copies"] += 1
-        self._inflight.append((ticket, nbytes, src))
+        self._inflight.append((ticket, nbytes, held))
         if spilled:
             self.spill.landed(slot.chunk, ticket)
         self._arrived_grad(slot, ticket)  # an early update may take the spill's buffer
         if spilled and self.spill.complete(slot.chunk):
             self.spill.flush(slot.chunk)
+
+    def _gather(self, slot: Any, src: torch.Tensor, p: torch.nn.Parameter) -> None:
+        """`p`'s sum joins its chunk's gathered gradients; the chunk crosses to its home once
+        every parameter the first backward saw send one has (`_send`)."""
+        cid = slot.chunk
+        g = self._gathers.get(cid)
+        if g is None:
+            nbytes = self.plan.chunks[cid].numel * src.element_size()
+            self._reserve(nbytes)
+            g = self._gathers[cid] = _Gather(torch.zeros(self.plan.chunks[cid].numel, dtype=src.dtype,
+                                                         device=src.device))
+        part = g.buf[slot.offset: slot.offset + slot.numel]
+        part.add_(src) if p in g.arrived else part.copy_(src)  # (a contribution more than traced: added)
+        g.arrived.add(p)
+        got = self._got.setdefault(cid, set())
+        got.add(p)
+        if len(got) == self.gather_from[cid]:
+            self._send(cid)
+        self._arrived_grad(slot, None)  # (after _send: an early update waits for its copy)
+
+    def send_open(self) -> None:
+        """Send every chunk's gradients gathered so far (a block's recompute starts: none of them
+        stays on the device through it); the rest of a chunk follows, added, when it arrives."""
+        for cid in list(self._gathers):
+            self._send(cid)
+
+    def _send(self, cid: int) -> None:
+        """Chunk `cid`'s gathered gradients to its home: copied there the first time in a step
+        (zeros for what did not arrive: the home holds this step's sums only), added afterwards.
+        On the simulated device without an emulated link, on this thread at once: the device is
+        host memory, and its bytes then never linger in flight (a planned peak holds)."""
+        g = self._gathers.pop(cid)
+        dst = self.store.chunks[cid].grad
+        first = cid not in self._flushed
+        self._flushed.add(cid)
+        if not self.executor.cuda and self.executor.lanes["d2h"].link.bandwidth is None:
+            dst.copy_(g.buf) if first else dst.add_(g.buf)
+            self.counts["grad_copies"] += 1
+            self._inflight_bytes -= g.buf.nbytes
+            self.ledger.release("gpu", "grad", g.buf.nbytes)
+            return
+        staging = None
+        if self.executor.cuda and not first:
+            staging = torch.empty(g.buf.numel(), dtype=g.buf.dtype, pin_memory=True)
+        held = _Held(self.ledger, g.buf.nbytes, g.buf)
+        ticket = self.executor.copy("d2h", dst, g.buf, accumulate=not first, staging=staging, then=held.release)
+        self.counts["grad_copies"] += 1
+        self._inflight.append((ticket, held.nbytes, held))
+        if self.early_on or self.reduce_on:
+            self._chunk_tickets.setdefault(cid, []).append(ticket)
 
     def _reduce_contribution(self, slot: Any, src: torch.Tensor, first: bool) -> None:
         """The first backward with owned-only gradients: this contribution is reduced onto the
@@ -276,23 +382,30 @@ class GradientRouter:
                           if all(k >= self.uses.get(n, 0) for n, k in at.items())}
         self.expected = {c.index: len(c.params) for c in self.plan.chunks
                          if all(self.uses.get(name, 0) for name in c.params) and c.index not in self.read_late}
+        # streamed chunks with a gradient home in memory gather their parameters' sums on the device
+        self.gather_from = {c.index: n for c, g in zip(self.plan.chunks, gathering([c.params for c in self.plan.chunks]))
+                            if g and not self.plan.is_frozen(c.index) and not self.store.is_gpu_home(c.index)
+                            and isinstance(self.store.chunks[c.index].grad, torch.Tensor)
+                            and (n := sum(1 for name in c.params if self.uses.get(name, 0)))}
         # the sums later backwards hold in p.grad (at most all at once): the warm-up held none
         self.gather_bytes = sum(self.plan.slots[n].numel for n, k in self.uses.items() if k > 1) \
             * self.compute_itemsize
 
     # -- device bytes in flight -----------------------------------------------------------
-    def _reserve(self, nbytes: int) -> None:
-        limit = max(self.grad_reserve(), nbytes)
+    def _reserve(self, nbytes: int, limit: int | None = None) -> None:
+        limit = max(self.grad_reserve() if limit is None else limit, nbytes)
         while self._inflight and (self._inflight[0][0].done() or self._inflight_bytes + nbytes > limit):
             self._retire_oldest()
         self.ledger.reserve("gpu", "grad", nbytes)
         self._inflight_bytes += nbytes
 
     def _retire_oldest(self) -> None:
-        ticket, nbytes, _src = self._inflight.popleft()
-        self.executor.wait(ticket)
-        self._inflight_bytes -= nbytes
-        self.ledger.release("gpu", "grad", nbytes)
+        ticket, nbytes, held = self._inflight.popleft()
+        try:
+            self.executor.wait(ticket)
+        finally:
+            self._inflight_bytes -= nbytes
+            held.release()
 
     def drain(self) -> None:
         while self._inflight:

@@ -8,7 +8,7 @@ import torch
 
 from ..core.chunks import ChunkPlan
 from ..core.sizes import parse_size
-from ..plan.needs import device_needs as plan_device_needs
+from ..plan.needs import device_needs as plan_device_needs, gathering
 from ..plan.placement import DeviceNeeds
 from ..runtime.cxl import CxlAllocator, detect_cxl_nodes
 from ..runtime.ledger import Ledger
@@ -69,5 +69,7 @@ def device_needs(plan: ChunkPlan, chunks_of: dict[torch.nn.Module, list[int]],
                              module_chunks=chunks_of.values(), module_numels=owned,
                              largest_param=max((s.numel for s in plan.slots.values() if not plan.is_frozen(s.chunk)),
                                                default=0),  # frozen parameters send no gradient
+                             gathered=[c.numel for c, g in zip(plan.chunks, gathering([c.params for c in plan.chunks]))
+                                       if g and not plan.is_frozen(c.index)],
                              element_size=itemsize, needs_grad=needs_grad, buffers=buffers,
                              activations=activations, pinned=pinned)

@@ -26,7 +26,7 @@ class DeviceNeeds:
 
     buffers: int
     stream_window: int  # widest module's chunks + one prefetch chunk (compute dtype)
-    grad_reserve: int  # largest parameter's gradient (compute dtype), in flight to the host
+    grad_reserve: int  # gradients on the device on their way to the host (two neighbouring chunks: offload.plan.needs)
     activations: int  # peak saved activations (measured in the warm-up step; 0 before)
     home_bytes: tuple[int, ...]  # per chunk: all kinds, if the chunk were gpu-home
     compute_bytes: tuple[int, ...]  # per chunk: its compute copy

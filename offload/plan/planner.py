@@ -49,8 +49,8 @@ from .perfmodel import (KINDS, LoraAct, StepLoad, activation_bytes, activation_p
 from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
 from .lora import LoraModel, base_dtype_of, frozen_chunk_bytes, lora_specs, step_trace
 from .schedule import plan_schedule
-from .needs import (BLOCK_SHARE, MARGIN_SHARE, device_needs, minimum_with_margin, units_are_blocks, workspace_margin,
-                    zo_workspace)
+from .needs import (BLOCK_SHARE, MARGIN_SHARE, block_of, device_needs, gathering, minimum_with_margin, module_of,
+                    units_are_blocks, workspace_margin, zo_workspace)
 from .placement import DeviceNeeds, DevicePlan, plan_device
 from . import ranks as multi
 from .ranks import Collectives, RankPlan
@@ -254,32 +254,6 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _module_of(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
-def block_of(names: Sequence[str]) -> dict[str, str]:
-    """Each parameter name's unit of residency, as the engine's module hooks see it
-    (offload.engine.needs.module_chunks): its repeated block (`model.layers.7`: of the indexed
-    collection with the most entries, the first on a tie, as offload.engine.model_info.find_blocks
-    picks the largest ModuleList), else the module that owns it."""
-    seen: dict[str, set[str]] = {}
-    for n in names:
-        parts = n.split(".")
-        for i, part in enumerate(parts[:-1]):
-            if part.isdigit():
-                seen.setdefault(".".join(parts[:i]), set()).add(part)
-    best = max(seen, key=lambda k: len(seen[k]), default=None)  # (max: the first of the largest)
-    if best is None or len(seen[best]) < 2:
-        return {n: _module_of(n) for n in names}
-    head = best + "." if best else ""
-    out = {}
-    for n in names:
-        index, _, inner = n[len(head):].partition(".") if n.startswith(head) else ("", "", "")
-        out[n] = head + index if index.isdigit() and inner else _module_of(n)
-    return out
-
-
 class _Chunks:
     """The engine's chunking of `model` and the bytes of every kind of every chunk.
 
@@ -350,20 +324,22 @@ class _Chunks:
         modules: dict[str, set[int]] = defaultdict(set)  # each module -> its chunks
         owned: dict[str, int] = defaultdict(int)
         for name, slot in self.plan.slots.items():
-            modules[_module_of(name)].add(slot.chunk)
-            owned[_module_of(name)] += slot.numel
+            modules[module_of(name)].add(slot.chunk)
+            owned[module_of(name)] += slot.numel
         self.plain_modules = modules  # (`modules` becomes the blocks' where they are the units)
         self.block_units = False  # the blocks are the units of residency (choose_blocks)
         self.gpu_minimum: int | None = None  # the smallest gpu budget, with either units (make_plan)
         self.block_sets: dict[str, set[int]] | None = None
         if self.needs_grad:  # (MeZO perturbs each module in its own forward: its units are the modules)
             blocks = block_of(list(self.plan.slots))
-            if any(b != _module_of(n) for n, b in blocks.items()):
+            if any(b != module_of(n) for n, b in blocks.items()):
                 self.block_sets = defaultdict(set)
                 for name, slot in self.plan.slots.items():
                     self.block_sets[blocks[name]].add(slot.chunk)
         self.largest_param = max((s.numel for s in self.plan.slots.values() if s.chunk not in self.frozen),
                                  default=0)  # frozen parameters send no gradient
+        self.gathered = [c.numel for c, g in zip(self.plan.chunks, gathering([c.params for c in self.plan.chunks]))
+                         if g and c.index not in self.frozen]  # (chunks whose gradients gather on the device)
         self.modules, self.owned = modules, owned
         self.widest = self._widest()
         self.zo_workspace = zo_workspace(owned.values(), self.ce)
@@ -437,7 +413,7 @@ class _Chunks:
         units = self.modules if units is None else units
         return device_needs(compute=self.compute, home=[sum(k.values()) for k in self.kinds],
                             module_chunks=units.values(), module_numels=self.owned.values(),
-                            largest_param=self.largest_param, element_size=self.ce,
+                            largest_param=self.largest_param, gathered=self.gathered, element_size=self.ce,
                             needs_grad=self.needs_grad, buffers=buffers, activations=activations)
 
 
@@ -942,22 +918,25 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
                    checkpointing: bool | None, padded: bool = False, lora: LoraAct = None,
                    row_positions: bool = False, offload: bool = False) -> int:
     """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
-    forward (all activations); a block's recompute in backward; lm_head's gradient on its way to
-    the host while the final norm's activations are still saved; the embedding's gradient at
-    the very end. The simulated device's copy thread drains small gradients as they come;
-    on CUDA up to the gradient reserve may be in flight at any time."""
+    forward (all activations); a block's recompute in backward;
+    lm_head's gradient on its way to the host while the final norm's activations are still
+    saved; the embedding's gradient at the very end. A streamed gradient is gathered with its
+    chunk's (offload.engine.gradients: a buffer of the chunk's size), booked until its copy to
+    the host lands: the simulated device's copy thread lands each at once; on CUDA up to the
+    gradient reserve may be in flight at any time."""
     if not ch.needs_grad:  # MeZO: the perturbed copies of the module computing (dual_forward)
         return needs.activations + ch.zo_workspace
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                          checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions,
                          offload=offload, tiles=ch.block_units)
     held = p["fixed"] + p["inputs"] + p["layers"]  # without checkpointing, every layer's internals
-    streamed_grad = {name: ch.ce * s.numel for name, s in ch.plan.slots.items()
-                     if s.chunk not in device.gpu_home and s.chunk not in ch.frozen}  # frozen: no gradient
-    inflight = (needs.grad_reserve if streamed_grad else 0) if ch.cuda else 0
+    gathered = {name: ch.ce * ch.plan.chunks[s.chunk].numel for name, s in ch.plan.slots.items()
+                if s.chunk not in device.gpu_home and s.chunk not in ch.frozen}  # frozen: no gradient
+    inflight = (needs.grad_reserve if ch.cuda else 0) if gathered else 0
+    head = gathered.get("lm_head.weight", 0)
     return max(held + p["head"], held + p["block"] + inflight,
-               held + p["final_norm"] + max(streamed_grad.get("lm_head.weight", 0), inflight),
-               p["fixed"] + max(streamed_grad.get("model.embed_tokens.weight", 0), inflight))
+               held + p["final_norm"] + max(head, inflight),
+               p["fixed"] + max(gathered.get("model.embed_tokens.weight", 0), inflight))
 
 
 def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, device: DevicePlan,
