@@ -116,6 +116,37 @@ def test_router_accumulates_like_pytorch_and_gives_the_bytes_back():
     ex.close()
 
 
+def test_a_gathered_chunk_whose_copy_fails_gives_its_bytes_back():
+    """A chunk's gathered gradients whose copy to the host cannot start (here: the copy raises)
+    leave nothing booked on the device, once the failed step is aborted as Engine.step does."""
+    torch.manual_seed(0)
+    model = Two()
+    named, plan, ledger, _, store, ex = parts(model)
+    ex.lanes["d2h"].link.bandwidth = 1e15  # an emulated link: sends go through the executor
+    r = router(store, ex, ledger, {p: n for n, p in named}, reserve=1 << 20)
+    hooks = [p.register_post_accumulate_grad_hook(r.grad_ready) for _, p in named]
+    x = torch.randn(3, 8)
+    r.begin_step()
+    r.begin_backward()
+    model(x).sum().backward()  # the first backward counts the uses, per parameter
+    r.end_backward()
+    assert r.gather_from  # the next backward gathers
+
+    def fails(*a, **k):
+        raise RuntimeError("copy refused")
+
+    real, ex.copy = ex.copy, fails
+    r.begin_backward()
+    with pytest.raises(RuntimeError, match="copy refused"):
+        model(x).sum().backward()
+    ex.copy = real
+    r.abort()
+    assert ledger.usage()["gpu"].get("grad", 0) == 0
+    for h in hooks:
+        h.remove()
+    ex.close()
+
+
 def test_router_submits_a_chunk_early_once_all_its_sums_are_in():
     torch.manual_seed(0)
     model = Two()

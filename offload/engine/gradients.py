@@ -100,7 +100,8 @@ class GradientRouter:
         self._read_at: dict[int, dict[str, int]] = {}
         self.read_late: set[int] = set()  # chunks read in backward after their last contribution
         self._inflight: deque = deque()
-        self._inflight_bytes = 0
+        self._inflight_bytes = 0  # sent, not yet retired
+        self._open_bytes = 0  # gathers still filling
         self._gathers: dict[int, _Gather] = {}  # chunk -> its gradients gathered on the device
         self.gather_from: dict[int, int] = {}  # chunk -> parameters it gathers per backward (traced)
         self._flushed: set[int] = set()  # chunks whose gathered sums reached their home this step
@@ -164,9 +165,8 @@ class GradientRouter:
             self.ledger.release("gpu", "activation", nbytes)
         self._gathered = {}
         for g in self._gathers.values():
-            self._inflight_bytes -= g.buf.nbytes
             self.ledger.release("gpu", "grad", g.buf.nbytes)
-        self._gathers = {}
+        self._gathers, self._open_bytes = {}, 0
         self.drain()
         if self.early is not None:
             try:
@@ -231,12 +231,18 @@ class GradientRouter:
             self._gather(slot, src, p)
             return
         nbytes = src.numel() * src.element_size()
-        self._reserve(nbytes, limit=self.param_reserve)
-        staging = None
-        if self.executor.cuda and not first:
-            staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
+        # in flight: at most the largest parameter's bytes, and no more than the open gathers leave
+        self._reserve(nbytes, min(self.param_reserve, self.grad_reserve() - self._open_bytes))
         held = _Held(self.ledger, nbytes, src)
-        ticket = self.executor.copy("d2h", dst, src, accumulate=not first, staging=staging, then=held.release)
+        try:
+            staging = None
+            if self.executor.cuda and not first:
+                staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
+            ticket = self.executor.copy("d2h", dst, src, accumulate=not first, staging=staging, then=held.release)
+        except BaseException:
+            held.release()
+            raise
+        self._inflight_bytes += nbytes
         self.counts["grad_copies"] += 1
         self._inflight.append((ticket, nbytes, held))
         if spilled:
@@ -252,9 +258,14 @@ class GradientRouter:
         g = self._gathers.get(cid)
         if g is None:
             nbytes = self.plan.chunks[cid].numel * src.element_size()
-            self._reserve(nbytes)
-            g = self._gathers[cid] = _Gather(torch.zeros(self.plan.chunks[cid].numel, dtype=src.dtype,
-                                                         device=src.device))
+            self._reserve(nbytes, self.grad_reserve() - self._open_bytes)  # (the open gathers beside it)
+            try:
+                buf = torch.zeros(self.plan.chunks[cid].numel, dtype=src.dtype, device=src.device)
+            except BaseException:
+                self.ledger.release("gpu", "grad", nbytes)
+                raise
+            self._open_bytes += nbytes
+            g = self._gathers[cid] = _Gather(buf)
         part = g.buf[slot.offset: slot.offset + slot.numel]
         part.add_(src) if p in g.arrived else part.copy_(src)  # (a contribution more than traced: added)
         g.arrived.add(p)
@@ -276,22 +287,31 @@ class GradientRouter:
         On the simulated device without an emulated link, on this thread at once: the device is
         host memory, and its bytes then never linger in flight (a planned peak holds)."""
         g = self._gathers.pop(cid)
+        nbytes = g.buf.nbytes
+        self._open_bytes -= nbytes
         dst = self.store.chunks[cid].grad
         first = cid not in self._flushed
         self._flushed.add(cid)
+        held = _Held(self.ledger, nbytes, g.buf)
         if not self.executor.cuda and self.executor.lanes["d2h"].link.bandwidth is None:
-            dst.copy_(g.buf) if first else dst.add_(g.buf)
+            try:
+                dst.copy_(g.buf) if first else dst.add_(g.buf)
+            finally:
+                held.release()
             self.counts["grad_copies"] += 1
-            self._inflight_bytes -= g.buf.nbytes
-            self.ledger.release("gpu", "grad", g.buf.nbytes)
             return
-        staging = None
-        if self.executor.cuda and not first:
-            staging = torch.empty(g.buf.numel(), dtype=g.buf.dtype, pin_memory=True)
-        held = _Held(self.ledger, g.buf.nbytes, g.buf)
-        ticket = self.executor.copy("d2h", dst, g.buf, accumulate=not first, staging=staging, then=held.release)
+        try:
+            staging = None
+            if self.executor.cuda and not first:
+                staging = torch.empty(g.buf.numel(), dtype=g.buf.dtype, pin_memory=True)
+            ticket = self.executor.copy("d2h", dst, g.buf, accumulate=not first, staging=staging,
+                                        then=held.release)
+        except BaseException:
+            held.release()
+            raise
+        self._inflight_bytes += nbytes
         self.counts["grad_copies"] += 1
-        self._inflight.append((ticket, held.nbytes, held))
+        self._inflight.append((ticket, nbytes, held))
         if self.early_on or self.reduce_on:
             self._chunk_tickets.setdefault(cid, []).append(ticket)
 
@@ -392,12 +412,13 @@ class GradientRouter:
             * self.compute_itemsize
 
     # -- device bytes in flight -----------------------------------------------------------
-    def _reserve(self, nbytes: int, limit: int | None = None) -> None:
-        limit = max(self.grad_reserve() if limit is None else limit, nbytes)
+    def _reserve(self, nbytes: int, limit: int) -> None:
+        """Book `nbytes` of gradients on the device, first retiring the copies in flight that
+        have landed, and the oldest ones while they and these exceed `limit`."""
+        limit = max(limit, nbytes)
         while self._inflight and (self._inflight[0][0].done() or self._inflight_bytes + nbytes > limit):
             self._retire_oldest()
         self.ledger.reserve("gpu", "grad", nbytes)
-        self._inflight_bytes += nbytes
 
     def _retire_oldest(self) -> None:
         ticket, nbytes, held = self._inflight.popleft()

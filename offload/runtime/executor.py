@@ -119,6 +119,7 @@ class Executor:
                 fut.set_result(fn())
             except BaseException as exc:  # handed to the waiter
                 fut.set_exception(exc)
+            job = fn = None  # (its tensors are not kept alive while the lane waits for the next)
 
     def _submit(self, lane_name: str, fn: Callable[[], object]) -> Future:
         fut: Future = Future()
