@@ -233,18 +233,7 @@ class GradientRouter:
         nbytes = src.numel() * src.element_size()
         # in flight: at most the largest parameter's bytes, and no more than the open gathers leave
         self._reserve(nbytes, min(self.param_reserve, self.grad_reserve() - self._open_bytes))
-        held = _Held(self.ledger, nbytes, src)
-        try:
-            staging = None
-            if self.executor.cuda and not first:
-                staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
-            ticket = self.executor.copy("d2h", dst, src, accumulate=not first, staging=staging, then=held.release)
-        except BaseException:
-            held.release()
-            raise
-        self._inflight_bytes += nbytes
-        self.counts["grad_copies"] += 1
-        self._inflight.append((ticket, nbytes, held))
+        ticket = self._copy_out(dst, _Held(self.ledger, nbytes, src), first)
         if spilled:
             self.spill.landed(slot.chunk, ticket)
         self._arrived_grad(slot, ticket)  # an early update may take the spill's buffer
@@ -300,20 +289,27 @@ class GradientRouter:
                 held.release()
             self.counts["grad_copies"] += 1
             return
+        ticket = self._copy_out(dst, held, first)
+        if self.early_on or self.reduce_on:
+            self._chunk_tickets.setdefault(cid, []).append(ticket)
+
+    def _copy_out(self, dst: torch.Tensor, held: _Held, first: bool) -> Any:
+        """Copy `held`'s gradients (booked already) to `dst` in host memory (added unless
+        `first`), in flight until retired; their booking is given back once they land, or now
+        if the copy cannot start."""
+        src = held.buf
         try:
             staging = None
             if self.executor.cuda and not first:
-                staging = torch.empty(g.buf.numel(), dtype=g.buf.dtype, pin_memory=True)
-            ticket = self.executor.copy("d2h", dst, g.buf, accumulate=not first, staging=staging,
-                                        then=held.release)
+                staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
+            ticket = self.executor.copy("d2h", dst, src, accumulate=not first, staging=staging, then=held.release)
         except BaseException:
             held.release()
             raise
-        self._inflight_bytes += nbytes
+        self._inflight_bytes += held.nbytes
         self.counts["grad_copies"] += 1
-        self._inflight.append((ticket, nbytes, held))
-        if self.early_on or self.reduce_on:
-            self._chunk_tickets.setdefault(cid, []).append(ticket)
+        self._inflight.append((ticket, held.nbytes, held))
+        return ticket
 
     def _reduce_contribution(self, slot: Any, src: torch.Tensor, first: bool) -> None:
         """The first backward with owned-only gradients: this contribution is reduced onto the
