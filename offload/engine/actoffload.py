@@ -98,13 +98,13 @@ class Offloaded:
 
     def get(self) -> torch.Tensor:
         self.fetch()
-        if self.back is None:  # read from NVMe: on to the device, the host buffer freed once there
+        if self.back is None:  # read from NVMe: on to the device
             self.io_future.result()
             self.io_future = None
             self._to_device()
-            self.io.executor.wait(self.back_ticket)
-            self._free_host()
         self.io.executor.wait(self.back_ticket)
+        if self.key is not None and self.host is not None:  # (from NVMe: its host buffer's job is done)
+            self._free_host()
         return self.back.view(self.shape)
 
     def drop(self) -> None:

@@ -128,8 +128,7 @@ class GradientRouter:
         """After loss.backward(): flush held sums, learn the uses (first backward), let every
         copy land, write spilled chunks out, wait for early updates."""
         self._flush_gathered()
-        for cid in list(self._gathers):  # chunks some of whose parameters sent nothing this time
-            self._send(cid)
+        self.send_open()  # chunks some of whose parameters sent nothing this time
         first = self.uses is None
         if first:
             self._learn_uses()
