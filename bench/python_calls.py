@@ -8,8 +8,10 @@ launching thread (sys.setprofile) by where its code lives:
   torch   the rest of torch (autograd, utils, overrides) that the calls above go through
   other   everything else (the standard library, ...)
 The figure is engine / model (asked: <= 1), by the code itself and with each torch or
-library call counted for the innermost engine or model frame that led to it. It also prints the
-engine's own counters of the last step (module hook calls, gradient copies, host waits).
+library call counted for the innermost engine or model frame that led to it. (By where the code
+lives, torch.nn code the engine calls, such as Module.modules(), counts as the model's; the
+second figure counts it as the engine's.) It also prints the engine's own counters of the last
+step (module hook calls, gradient copies, host waits, saved-tensor hook calls).
 
     python bench/python_calls.py [--steps 6] [--gpu-mem 4M] [--chunk-size 64K] [--json out.json] [-- finetune options]
 """

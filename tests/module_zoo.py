@@ -8,6 +8,8 @@ recomputes blocks and counts gradients; with their data, loss and a plain-PyTorc
 - shared:    one Linear shared by every (checkpointed) block, plus a block reused twice
 - datafed:   the first checkpointed block takes the data itself (no input needs grad); the
              blocks own a parameter directly (read in the block's recompute too)
+- routed:    blocks that send each token through an MLP or not by the sign of a feature (a
+             router's choice): what a block saves for backward is sized by the data
 """
 
 from __future__ import annotations
@@ -133,8 +135,32 @@ class DataFed(nn.Module):
         return self.head(h)
 
 
+class RoutedBlock(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        picked = (h[..., 0] > 0).nonzero(as_tuple=True)  # as many rows as the data sends
+        return h.index_put(picked, h[picked] + self.down(torch.tanh(self.up(h[picked]))))
+
+
+class Routed(nn.Module):
+    def __init__(self, d: int = 32, layers: int = 3):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(RoutedBlock(d) for _ in range(layers))
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
 BUILDERS = {"encoder": Encoder, "tied": TiedHead, "batchnorm": BatchNormNet, "shared": SharedNet,
-            "datafed": DataFed}
+            "datafed": DataFed, "routed": Routed}
 
 
 def build(kind: str, *, seed: int = 0, **kw) -> nn.Module:

@@ -20,7 +20,7 @@ from tests import module_zoo as zoo
 ONE_CHUNK, SMALL = 64 << 20, 4 << 10  # the default chunk size holds these models whole
 STEPS = 3
 CASES = [("encoder", ONE_CHUNK), ("encoder", SMALL), ("tied", SMALL), ("batchnorm", SMALL), ("shared", SMALL),
-         ("datafed", SMALL)]
+         ("datafed", SMALL), ("routed", SMALL)]
 MODES = ("roomy", "nvme-1.2x-min", "accum2")
 
 
@@ -346,7 +346,7 @@ def test_a_budget_error_while_holding_a_shared_gradient_sum_keeps_the_ledger_rig
         reserve = eng.ledger.reserve
 
         def refuse_the_sum(tier, kind, nbytes):
-            if kind == "activation" and sys._getframe(1).f_code.co_name == "_gathering":
+            if kind == "activation" and sys._getframe(1).f_code.co_name == "_holding_sum":
                 raise BudgetExceeded(tier=tier, budget=1, used=1, asked=nbytes, kind=kind)
             reserve(tier, kind, nbytes)
 

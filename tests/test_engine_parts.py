@@ -369,7 +369,7 @@ def test_surgery_undoes_every_change():
     s = ModelSurgery(model)
     s.patch_forward(model.a, lambda f: lambda x: f(x) * 0)
     s.patch_forward(model.a, lambda f: lambda x: f(x) + 1)
-    s.keep(install_module_hooks(list(model.modules()), lambda m: None, lambda m: None))
+    s.keep(install_module_hooks(list(model.modules()), lambda m, args: None, lambda m, args, out: None))
     s.disable_kv_cache()
     assert model.config.use_cache is False and hook_state(model) != before
     assert torch.equal(model.a(torch.ones(1, 8)), torch.ones(1, 8))

@@ -58,8 +58,10 @@ protocol, placement after the warm-up, state_dict and close), each part a short 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import numbers
+import operator
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -293,7 +295,8 @@ class Engine:
     @property
     def counters(self) -> dict[str, int]:
         """The last complete step's counters (offload.engine.timeline.COUNTS): module hook calls,
-        gradient copies, host waits on device progress inside forward and inside backward."""
+        gradient copies, host waits on device progress inside forward and inside backward, tensors
+        the saved-tensor hooks packed."""
         return self.moments.last_counts
 
     @property
@@ -410,6 +413,8 @@ class Engine:
             return False
         self.module_chunks.clear()
         self.module_chunks.update(self._block_units)  # (in place: the residency holds this dict)
+        if hasattr(self, "residency"):  # (placed up front, the residency is made after)
+            self.residency.units_changed()
         self.units_are_blocks = True
         return True
 
@@ -443,17 +448,19 @@ class Engine:
         if self.offload_activations and not checkpointing and self.updater.needs_grad:
             raise ValueError("offload_activations moves the inputs of recomputed blocks: it needs "
                              "checkpointing (a model with several blocks, checkpointing not False)")
-        self.tracker = ActivationTracker(res, self.ledger, self.device)
+        self.tracker = ActivationTracker(res, self.ledger, self.device, counts=self.moments.counts)
+        # a mixture of experts saves what its routing sends each expert: sizes the data decides
+        self.tracker.lumps = not any(n.rsplit(".", 1)[-1] == "experts" for b in self.blocks for n, _ in b.named_modules())
         if checkpointing:
             surgery.disable_kv_cache()  # a KV cache would see each block twice (recompute)
             config = getattr(model, "config", None)
             for mlp, width, values in tiled_mlps(self.blocks, getattr(config, "model_type", None)):
                 surgery.patch_forward(mlp, lambda f, m=mlp, w=width, v=values: tiled(
                     f, m, width=w, context=lambda: res.recompute(self.tracker.hooks()),
-                    enabled=lambda: self.units_are_blocks, values=v))
+                    enabled=functools.partial(getattr, self, "units_are_blocks"), values=v))
             for block in self.blocks:
                 surgery.patch_forward(block, lambda f, b=block: checkpointed(
-                    f, context=lambda: res.recompute(self.tracker.hooks()), hold=lambda b=b: self._holding(b),
+                    f, context=self.tracker.recomputing, hold=functools.partial(self._holding, b),
                     saving=self.tracker.saving_block_inputs,
                     buffers=BufferGuard(b, **booked(self.ledger, "gpu", "activation"))))
         self.checkpointing = checkpointing
@@ -465,7 +472,7 @@ class Engine:
                  else None)  # (owned: the reduce worker too)
         self.grads = GradientRouter(
             store=self.store, executor=self.executor, ledger=self.ledger, param_names=self.param_names,
-            grad_reserve=lambda: self.needs.grad_reserve, early=early,
+            grad_reserve=functools.partial(operator.attrgetter("needs.grad_reserve"), self), early=early,
             new_spill=lambda: GradSpill(self.store, self.bounce, self.nvme, self.executor),
             compute_itemsize=self.compute_dtype.itemsize, ranks=self.ranks, counts=self.moments.counts,
             transient=transient,
@@ -549,7 +556,7 @@ class Engine:
             if not self.ranks.owns(cid):
                 continue
             grad = self.store.chunks[cid].grad
-            unseen = [n for n in self.plan.chunks[cid].params if self.params[n] not in self.grads.seen]
+            unseen = [n for n in self.plan.chunks[cid].params if id(self.params[n]) not in self.grads.seen]
             if isinstance(grad, SwapKind):
                 if cid not in spill.written:  # its file holds the last step's sum: start from zeros
                     self.nvme.zeros(grad.key, grad.nbytes)
@@ -557,7 +564,7 @@ class Engine:
             else:
                 for n in unseen:
                     self.store.grad_view(self.plan.slots[n]).zero_()
-            self.grads.seen.update(self.params[n] for n in unseen)
+            self.grads.seen.update(id(self.params[n]) for n in unseen)
         self._reduce_grads(chunks, {})
 
     def _home_order(self) -> list[int]:
@@ -891,6 +898,8 @@ class Engine:
                                        prefer=self._home_order(), decoded=self._decoded())
         for cid in sorted(self.device_plan.gpu_home):
             self.residency.promote(cid)
+        self.tracker.forget()
+        self.grads.placement_changed()
         self.residency.cache.limit = self.device_plan.cache_limit
 
     def _hold_estimate(self, act: int) -> None:
@@ -1075,6 +1084,7 @@ class Engine:
             self.shared.close()
         if self.ranks is not None:
             self.ranks.close()
+        self.residency.restore_classes()
         # no placeholder values left: a use of the closed model fails loudly (meta tensors)
         self.surgery.to_meta(self.params.values())
         self._closed = True

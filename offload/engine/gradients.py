@@ -64,7 +64,7 @@ class _Held:
 
 class _Gather:
     """One streamed chunk's gradients of this backward, gathered on the device: `buf` [numel]
-    (zeros where nothing arrived), `arrived` the parameters in it so far."""
+    (zeros where nothing arrived), `arrived` the parameters in it so far (ids)."""
 
     def __init__(self, buf: torch.Tensor):
         self.buf, self.arrived = buf, set()
@@ -91,7 +91,8 @@ class GradientRouter:
         self.counts = {"grad_copies": 0} if counts is None else counts  # the step's counters (timeline)
         self.reduce_on = False  # owned-only gradients: complete chunks are reduced during backward
         self.spill = new_spill()
-        self.seen: set[torch.nn.Parameter] = set()  # parameters with a gradient in this step
+        self.seen: set[int] = set()  # parameters with a gradient in this step (their ids)
+        self._slot_of = {id(p): (n, self.plan.slots[n]) for p, n in param_names.items()}
         self.early_on = False
         self.uses: dict[str, int] | None = None  # gradients per backward, per parameter (traced)
         self.expected: dict[int, int] = {}  # per chunk, when every parameter in it gets some
@@ -105,7 +106,7 @@ class GradientRouter:
         self._gathers: dict[int, _Gather] = {}  # chunk -> its gradients gathered on the device
         self.gather_from: dict[int, int] = {}  # chunk -> parameters it gathers per backward (traced)
         self._flushed: set[int] = set()  # chunks whose gathered sums reached their home this step
-        self._gathered: dict[torch.nn.Parameter, int] = {}  # p.grad kept for more contributions: bytes
+        self._gathered: dict[int, tuple[torch.nn.Parameter, int]] = {}  # id -> p, bytes its held p.grad has
         self._flushing = False
         self.begin_backward()
 
@@ -116,13 +117,13 @@ class GradientRouter:
         self.spill.begin_cycle()
 
     def begin_backward(self) -> None:
-        self._got: dict[int, set] = {}  # chunk -> its parameters gathered so far in this backward
+        self._got: dict[int, set] = {}  # chunk -> its parameters (ids) gathered so far in this backward
         self._counts: dict[str, int] = {}
         self._arrived: dict[int, int] = {}
         self._chunk_tickets: dict[int, list] = {}
         self._submitted: set[int] = set()
         self._held_back: set[int] = set()
-        self._in_backward: set[torch.nn.Parameter] = set()  # arrived in this backward (transient buffers)
+        self._in_backward: set[int] = set()  # arrived in this backward (transient buffers): ids
 
     def end_backward(self) -> None:
         """After loss.backward(): flush held sums, learn the uses (first backward), let every
@@ -136,7 +137,7 @@ class GradientRouter:
         if first:  # a later micro-batch of this step adds its gathered sums to these homes:
             for p, name in self.param_names.items():  # what the parameters sent, zeros elsewhere
                 slot = self.plan.slots[name]
-                if slot.chunk in self.gather_from and p not in self.seen:
+                if slot.chunk in self.gather_from and id(p) not in self.seen:
                     self.store.grad_view(slot).zero_()
             self._flushed.update(self.gather_from)
         self.spill.end_backward()
@@ -159,7 +160,7 @@ class GradientRouter:
         """Drop a failed step's gradients; True when its early updates had not reached any
         chunk, so the weights are those of the last completed step."""
         intact = True
-        for p, nbytes in self._gathered.items():
+        for p, nbytes in self._gathered.values():
             p.grad = None
             self.ledger.release("gpu", "activation", nbytes)
         self._gathered = {}
@@ -200,23 +201,33 @@ class GradientRouter:
 
     # -- arrival --------------------------------------------------------------------------
     def grad_ready(self, p: torch.nn.Parameter) -> None:
-        """`p`'s post-accumulate-grad hook."""
-        if self._gathering(p):
-            return
+        """`p`'s post-accumulate-grad hook. (Runs once per parameter per backward: the common
+        path, a gathered chunk's parameter, makes two Python calls.)"""
+        pid = id(p)
+        name, slot = self._slot_of[pid]
+        n = self._counts[name] = self._counts.get(name, 0) + 1
+        if self.uses is not None:
+            more = not self._flushing and n < self.uses.get(name, 0)
+            if (more or pid in self._gathered) and self._holding_sum(p, pid, more):
+                return
         g = p.grad
         p.grad = None
-        slot = self.plan.slots[self.param_names[p]]
-        first = p not in self.seen
-        self.seen.add(p)
-        src = in_slot_order(g, slot)  # a transposed parameter's gradient lands in its memory order
+        first = pid not in self.seen
+        self.seen.add(pid)
+        # a transposed parameter's gradient lands in its memory order
+        src = (g.as_strided((slot.numel,), (1,), g.storage_offset()) if g.stride() == slot.stride
+               else in_slot_order(g, slot))
+        if slot.chunk in self.gather_from:  # (never another rank's, spilled or gpu-home: _learn_uses)
+            self._gather(slot, src, pid)
+            return
         if self.transient is not None and self.uses is None:
             self._reduce_contribution(slot, src, first)
             return
         spilled = isinstance(self.store.chunks[slot.chunk].grad, SwapKind)
         remote = self.transient is not None and not self.ranks.owns(slot.chunk)
         if remote:  # this micro-batch's sum only: the buffer opens empty in every backward
-            first = p not in self._in_backward
-            self._in_backward.add(p)
+            first = pid not in self._in_backward
+            self._in_backward.add(pid)
             dst = self.transient.target(slot.chunk)[slot.offset: slot.offset + slot.numel]
         elif spilled:
             dst = self.spill.target(slot.chunk)[slot.offset: slot.offset + slot.numel]
@@ -225,9 +236,6 @@ class GradientRouter:
         if self.store.is_gpu_home(slot.chunk):
             dst.copy_(src) if first else dst.add_(src)
             self._arrived_grad(slot, None)
-            return
-        if not remote and not spilled and slot.chunk in self.gather_from:
-            self._gather(slot, src, p)
             return
         nbytes = src.numel() * src.element_size()
         # in flight: at most the largest parameter's bytes, and no more than the open gathers leave
@@ -239,9 +247,9 @@ class GradientRouter:
         if spilled and self.spill.complete(slot.chunk):
             self.spill.flush(slot.chunk)
 
-    def _gather(self, slot: Any, src: torch.Tensor, p: torch.nn.Parameter) -> None:
-        """`p`'s sum joins its chunk's gathered gradients; the chunk crosses to its home once
-        every parameter the first backward saw send one has (`_send`)."""
+    def _gather(self, slot: Any, src: torch.Tensor, pid: int) -> None:
+        """A parameter's sum (`pid`: its id) joins its chunk's gathered gradients; the chunk
+        crosses to its home once every parameter the first backward saw send one has (`_send`)."""
         cid = slot.chunk
         g = self._gathers.get(cid)
         if g is None:
@@ -255,13 +263,16 @@ class GradientRouter:
             self._open_bytes += nbytes
             g = self._gathers[cid] = _Gather(buf)
         part = g.buf[slot.offset: slot.offset + slot.numel]
-        part.add_(src) if p in g.arrived else part.copy_(src)  # (a contribution more than traced: added)
-        g.arrived.add(p)
-        got = self._got.setdefault(cid, set())
-        got.add(p)
+        part.add_(src) if pid in g.arrived else part.copy_(src)  # (a contribution more than traced: added)
+        g.arrived.add(pid)
+        got = self._got.get(cid)
+        if got is None:
+            got = self._got[cid] = set()
+        got.add(pid)
         if len(got) == self.gather_from[cid]:
             self._send(cid)
-        self._arrived_grad(slot, None)  # (after _send: an early update waits for its copy)
+        if self.early_on or self.reduce_on:
+            self._arrived_grad(slot, None)  # (after _send: an early update waits for its copy)
 
     def send_open(self) -> None:
         """Send every chunk's gradients gathered so far (a block's recompute starts: none of them
@@ -331,30 +342,27 @@ class GradientRouter:
             if self.spill.complete(cid):
                 self.spill.flush(cid)
 
-    def _gathering(self, p: torch.nn.Parameter) -> bool:
-        """Count `p`'s gradient contributions of this backward: its post-accumulate hook runs
-        once per graph that uses it (a weight used twice in one graph: once; in two recomputed
-        blocks: twice). While more are due (as many as the first backward counted), leave the
-        sum in p.grad for autograd to add the next one to, in plain PyTorch's order: the grad
-        chunk then gets one sum per backward, as p.grad does across micro-batches. The held
-        p.grad is device memory of this backward only, booked as an activation."""
-        name = self.param_names[p]
-        n = self._counts[name] = self._counts.get(name, 0) + 1
-        if not self._flushing and self.uses is not None and n < self.uses.get(name, 0):
-            if p not in self._gathered:
+    def _holding_sum(self, p: torch.nn.Parameter, pid: int, more: bool) -> bool:
+        """Count-driven: p's post-accumulate hook runs once per graph that uses it (a weight used
+        twice in one graph: once; in two recomputed blocks: twice). While `more` are due (as many
+        as the first backward counted), leave the sum in p.grad for autograd to add the next one
+        to, in plain PyTorch's order (True): the grad chunk then gets one sum per backward, as
+        p.grad does across micro-batches. The held p.grad is device memory of this backward only,
+        booked as an activation."""
+        if more:
+            if pid not in self._gathered:
                 nbytes = p.grad.numel() * p.grad.element_size()
                 self.ledger.reserve("gpu", "activation", nbytes)  # first: abort() releases what is here
-                self._gathered[p] = nbytes
+                self._gathered[pid] = (p, nbytes)
             return True
-        if p in self._gathered:
-            self.ledger.release("gpu", "activation", self._gathered.pop(p))
+        self.ledger.release("gpu", "activation", self._gathered.pop(pid)[1])
         return False
 
     def _flush_gathered(self) -> None:
         """After backward: sums still waiting for contributions that did not come this time."""
         self._flushing = True
         try:
-            for p in list(self._gathered):
+            for p, _ in list(self._gathered.values()):
                 self.grad_ready(p)
         finally:
             self._flushing = False
@@ -401,10 +409,15 @@ class GradientRouter:
         self.gather_from = {c.index: n for c, g in zip(self.plan.chunks, gathering([c.params for c in self.plan.chunks]))
                             if g and not self.plan.is_frozen(c.index) and not self.store.is_gpu_home(c.index)
                             and isinstance(self.store.chunks[c.index].grad, torch.Tensor)
+                            and (self.transient is None or (self.ranks is not None and self.ranks.owns(c.index)))
                             and (n := sum(1 for name in c.params if self.uses.get(name, 0)))}
         # the sums later backwards hold in p.grad (at most all at once): the warm-up held none
         self.gather_bytes = sum(self.plan.slots[n].numel for n, k in self.uses.items() if k > 1) \
             * self.compute_itemsize
+
+    def placement_changed(self) -> None:
+        """Chunks were placed on the device: their gradients land in place, not gathered."""
+        self.gather_from = {c: n for c, n in self.gather_from.items() if not self.store.is_gpu_home(c)}
 
     # -- device bytes in flight -----------------------------------------------------------
     def _reserve(self, nbytes: int, limit: int) -> None:

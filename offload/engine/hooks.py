@@ -9,7 +9,9 @@
   recomputes it. Its inputs are the only activations kept per block. Buffers its forward
   changes (BatchNorm's running statistics) are recomputed from copies of their values before
   the forward, so they are updated once, as without recompute, and the recompute sees the
-  values the forward saw (BufferGuard).
+  values the forward saw (BufferGuard). Once a block's recompute has saved the same sizes
+  twice, later ones run without the saved-tensor hooks and book those bytes as one sum
+  (ActivationTracker.recomputing).
 - Module stack: every module's forward is a frame on the residency's stack (`enter_module`,
   `exit_module`); a parameter read outside its owner's forward is made resident for the
   innermost frame (offload.engine.reads).
@@ -26,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..runtime.ledger import Ledger
 from ..runtime.storage import storage_key
+from . import segments
 
 if TYPE_CHECKING:
     from .residency import Residency
@@ -94,16 +97,25 @@ class ActivationTracker:
     """Gets the residency (which storages are chunks, and touch_chunk to bring one back), the
     ledger (activations' bytes) and the device."""
 
-    def __init__(self, residency: "Residency", ledger: Ledger, device: torch.device):
+    def __init__(self, residency: "Residency", ledger: Ledger, device: torch.device,
+                 counts: dict[str, int] | None = None):
         self.residency, self.ledger, self.device = residency, ledger, device
+        self.counts = {"saved_tensor_hooks": 0} if counts is None else counts  # the step's counters
         self._live: dict[int, list[int]] = {}  # storage key -> [refcount, nbytes]
         self._held: list[weakref.ref] = []  # this step's activations (abandon drops those alive)
         self.offloader = None  # an offload.engine.actoffload.Offloader when activation offload is on
+        # a block recompute's activation bytes, by what decides them (`recomputing`): the sizes
+        # its first run saved (a tuple), their sum once a second run saved the same (an int), or
+        # None where it needs the hooks (a chunk reference, an offloaded input, sizes that vary)
+        self.learned: dict[Any, Any] = {}
+        self.recording: _Recording | None = None
+        self.lumps = True  # False: every recompute with the hooks (sizes that depend on the data)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> Any:
+        self.counts["saved_tensor_hooks"] += 1
         res = self.residency
         storage = t.untyped_storage()
         key = storage_key(storage)
@@ -113,6 +125,8 @@ class ActivationTracker:
                 pinned = _Pinned.__new__(_Pinned)
                 pinned.tensor, pinned.cid = t, cid
                 return pinned
+            if self.recording is not None:
+                self.recording.ok = False  # kept as a reference: a recompute without hooks would keep it
             return _ChunkRef(cid, tuple(t.size()), tuple(t.stride()), t.storage_offset())
         home = res.home_storage.get(key)
         if home is not None:
@@ -120,6 +134,8 @@ class ActivationTracker:
         if t.device != self.device:
             return t  # not in the gpu tier
         if self.offloader is not None:
+            if self.recording is not None:
+                self.recording.ok = False
             if self.offloader.wants(t):
                 return self.offloader.pack(t)
             item = self.offloader.fetched_as(key)
@@ -133,6 +149,8 @@ class ActivationTracker:
             nbytes = storage.nbytes()
             self.ledger.reserve("gpu", "activation", nbytes)
             self._live[key] = live = [0, nbytes]
+            if self.recording is not None:
+                self.recording.sizes.append(nbytes)
         live[0] += 1
         held = _Held.__new__(_Held)
         held.tensor, held.key, held.tracker = t, key, self
@@ -177,9 +195,89 @@ class ActivationTracker:
             return self.offloader.unpack(packed)
         return packed
 
+    def recomputing(self, key: Any) -> "_Recompute":
+        """What a checkpointed block's recompute runs under, `key` naming what decides its saved
+        tensors (the block, its inputs' shapes and dtypes, the segments of a packed batch). A key's
+        first two recomputes run with the saved-tensor hooks and note the sizes of what they
+        save; where both saved the same sizes, and every tensor saved was an activation or a view
+        of a chunk the block holds through its backward (kept as is either way), later ones run
+        without the hooks and book the sum as one from the recompute's start to the end of the
+        block's backward (`_Recompute.done`): no Python call per saved tensor. Sizes that differ
+        between the two (data-dependent: experts' routing) keep the hooks for good, as does a key
+        None or `lumps` False. The read guard is entered either way."""
+        if key is None or not self.lumps:
+            return _Recompute(self, None, None)
+        key = (key, segments.signature())
+        known = self.learned.get(key)
+        return _Recompute(self, key, known if type(known) is int else None)
+
+    def _learn(self, key: Any, rec: "_Recording") -> None:
+        if key in self.learned and self.learned[key] is None:
+            return
+        sizes = tuple(rec.sizes) if rec.ok else None
+        before = self.learned.get(key)
+        if sizes is None or (before is not None and before != sizes):
+            self.learned[key] = None
+        elif before is None:
+            if len(self.learned) >= _MAX_LEARNED:  # (keys of packed batches' segments: bounded)
+                self.learned = {k: v for k, v in self.learned.items() if type(v) is int}
+            self.learned[key] = sizes
+        else:
+            self.learned[key] = sum(sizes)
+
+    def forget(self) -> None:
+        """The placement changed: learn each recompute again (a chunk's saved views may differ)."""
+        self.learned = {}
+
     def saving_block_inputs(self) -> Any:
         """Context for a checkpointed block's save_for_backward: its inputs may be offloaded."""
         return _Flag(self.offloader)
+
+
+_MAX_LEARNED = 4096
+
+
+class _Recording:
+    __slots__ = ("sizes", "ok")
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.ok = True
+
+
+class _Recompute:
+    """ActivationTracker.recomputing's context; `done()` once the block's backward has ended."""
+
+    def __init__(self, tracker: ActivationTracker, key: Any, lump: int | None):
+        self.tracker, self.key, self.lump = tracker, key, lump
+        self.hooks: Any = None
+        self.booked = 0
+
+    def __enter__(self) -> None:
+        tracker = self.tracker
+        if self.lump is not None:
+            tracker.ledger.reserve("gpu", "activation", self.lump)
+            self.booked = self.lump
+        else:
+            self.hooks = tracker.hooks()
+            self.hooks.__enter__()
+            tracker.recording = _Recording()
+        tracker.residency.guard.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        tracker = self.tracker
+        tracker.residency.guard.__exit__(*exc)
+        if self.hooks is None:
+            return
+        rec, tracker.recording = tracker.recording, None
+        self.hooks.__exit__(*exc)
+        if exc[0] is None and rec is not None and self.key is not None:
+            tracker._learn(self.key, rec)
+
+    def done(self) -> None:
+        n, self.booked = self.booked, 0
+        if n:
+            self.tracker.ledger.release("gpu", "activation", n)
 
 
 class _Flag:
@@ -195,17 +293,17 @@ class _Flag:
             self.offloader.active = False
 
 
-def install_module_hooks(units: Iterable[torch.nn.Module], enter: Callable[[torch.nn.Module], None],
-                         exit: Callable[[torch.nn.Module], None]) -> list[Any]:
+def install_module_hooks(units: Iterable[torch.nn.Module], enter: Callable[..., None],
+                         exit: Callable[..., None]) -> list[Any]:
     """Each unit's forward (a block, or a module outside the blocks that owns parameters:
     offload.engine.needs.module_chunks) is a frame of the module stack (offload.engine.residency):
     `enter` before it (acquires the unit's chunks), `exit` after it, also when it raises. The
     modules inside a block get no hooks: the block's frame holds all their chunks. Returns the
     hooks' handles (remove() undoes each)."""
     handles = []
-    for m in units:
-        handles.append(m.register_forward_pre_hook(lambda mod, args: enter(mod)))
-        handles.append(m.register_forward_hook(lambda mod, args, out: exit(mod), always_call=True))
+    for m in units:  # (called as enter(mod, args) and exit(mod, args, out): no wrapper call)
+        handles.append(m.register_forward_pre_hook(enter))
+        handles.append(m.register_forward_hook(exit, always_call=True))
     return handles
 
 
@@ -222,23 +320,27 @@ class BufferGuard:
 
     def __init__(self, block: torch.nn.Module, *, reserve: Callable[[int], None], release: Callable[[int], None]):
         self.block, self.reserve, self.release = block, reserve, release
+        self.modules = list(block.modules())  # (once: the generator costs a call per module, per forward)
 
     def before(self) -> list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]:
-        taken = [(m, n, b, b.clone()) for m in self.block.modules() for n, b in m._buffers.items()
-                 if b is not None]
-        self.reserve(sum(_nbytes(c) for *_, c in taken))
+        taken = [(m, n, b, b.clone()) for m in self.modules for n, b in m._buffers.items() if b is not None]
+        if taken:
+            self.reserve(sum([_nbytes(c) for *_, c in taken]))
         return taken
 
     def after(self, taken: list) -> "_Snapshot":
+        if not taken:
+            return _NOTHING
         changed = [(m, n, copy) for m, n, b, copy in taken
                    if m._buffers[n] is not b or not torch.equal(b, copy)]
-        kept = sum(_nbytes(c) for *_, c in changed)
-        self.release(sum(_nbytes(c) for *_, c in taken) - kept)
+        kept = sum([_nbytes(c) for *_, c in changed])
+        self.release(sum([_nbytes(c) for *_, c in taken]) - kept)
         return _Snapshot(changed, lambda: self.release(kept))
 
     def drop(self, taken: list) -> None:
         """The forward raised: no recompute will need the copies."""
-        self.release(sum(_nbytes(c) for *_, c in taken))
+        if taken:
+            self.release(sum([_nbytes(c) for *_, c in taken]))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -256,6 +358,9 @@ class _Snapshot:
 
     def __del__(self) -> None:
         self._release()
+
+
+_NOTHING = _Snapshot([], lambda: None)  # a block without buffers: nothing to restore
 
 
 class _Swap:
@@ -279,60 +384,145 @@ class _Checkpoint(torch.autograd.Function):
     block's inputs do not (a first block fed by data), so its parameters get gradients."""
 
     @staticmethod
-    def forward(ctx, run: Any, spec: Any, n_tensors: int, anchor: torch.Tensor,  # type: ignore[override]
-                *flat: Any) -> Any:
-        ctx.run, ctx.spec, ctx.n_tensors = run, spec, n_tensors  # run: (context, callable, [snapshot], hold)
-        tensors = flat[:n_tensors]
-        ctx.others = flat[n_tensors:]
-        ctx.grad_mask = [isinstance(t, torch.Tensor) and t.requires_grad for t in tensors]
+    def forward(ctx, meta: Any, anchor: torch.Tensor, *tensors: Any) -> Any:  # type: ignore[override]
+        # meta: (run, spec, the non-tensor leaves, CUDA's random state kept too); run: (context,
+        # callable, [snapshot], hold). (One argument: autograd makes Python calls per argument.)
+        run, spec, others, cuda = meta
+        ctx.run, ctx.spec, ctx.n_tensors, ctx.others = run, spec, len(tensors), others
+        ctx.grad_mask = [t.requires_grad for t in tensors]
         ctx.save_for_backward(*tensors)
         ctx.rng = torch.get_rng_state()
-        ctx.cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        ctx.cuda_rng = torch.cuda.get_rng_state() if cuda else None
         with torch.no_grad():
-            return run[1](*_rebuild(spec, n_tensors, flat))
+            return run[1](*_rebuild(spec, len(tensors), [*tensors, *others]))
 
     @staticmethod
     def backward(ctx, *grads: Any) -> Any:  # type: ignore[override]
+        # (loops, not comprehensions: each comprehension is a Python call, once per block)
         saved = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(g) for t, g in zip(saved, ctx.grad_mask)]
-        flat = list(inputs) + list(ctx.others)
+        inputs, layout = [], []
+        for t, g in zip(saved, ctx.grad_mask):
+            inputs.append(t.detach().requires_grad_(g))
+            layout.append((t.shape, t.dtype, t.device))
+        others = []
+        for o in ctx.others:
+            others.append(o if o is None or isinstance(o, (bool, int, float, str)) else type(o))
+        own = ctx.spec[0]
+        key = None if type(own) is not _Own else (  # (a pytree call: learned never, hooks always)
+            ctx.run[1], tuple(layout), tuple(ctx.grad_mask), own.n_args, own.keys, own.shape, tuple(others))
+        flat = inputs + list(ctx.others)
         with ctx.run[3]():  # the block's chunks stay resident through its recompute and backward
-            with torch.random.fork_rng(devices=[] if ctx.cuda_rng is None else [torch.cuda.current_device()]):
+            recompute = ctx.run[0](key)
+            try:
+                # the forward's random state for the recompute, this one's back after it (as
+                # torch.random.fork_rng does, without its generator's calls)
+                rng = torch.get_rng_state()
+                cuda_rng = None if ctx.cuda_rng is None else torch.cuda.get_rng_state()
                 torch.set_rng_state(ctx.rng)
                 if ctx.cuda_rng is not None:
                     torch.cuda.set_rng_state(ctx.cuda_rng)
-                snapshot = ctx.run[2][0]
-                with torch.enable_grad(), ctx.run[0](), snapshot.restored():
-                    out = ctx.run[1](*_rebuild(ctx.spec, ctx.n_tensors, flat))
-            outs = out if isinstance(out, tuple) else (out,)
-            pairs = [(o, g) for o, g in zip(outs, grads)
-                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            del out, outs, pairs
-        return (None, None, None, None) + tuple(
-            t.grad if g else None for t, g in zip(inputs, ctx.grad_mask)
-        ) + (None,) * len(ctx.others)
+                try:
+                    snapshot = ctx.run[2][0]
+                    if snapshot.changed:
+                        with torch.enable_grad(), recompute, snapshot.restored():
+                            out = ctx.run[1](*_rebuild(ctx.spec, ctx.n_tensors, flat))
+                    else:
+                        with torch.enable_grad(), recompute:
+                            out = ctx.run[1](*_rebuild(ctx.spec, ctx.n_tensors, flat))
+                finally:
+                    torch.set_rng_state(rng)
+                    if cuda_rng is not None:
+                        torch.cuda.set_rng_state(cuda_rng)
+                outs, gs = [], []
+                for o, g in zip(out if isinstance(out, tuple) else (out,), grads):
+                    if isinstance(o, torch.Tensor) and o.requires_grad and g is not None:
+                        outs.append(o)
+                        gs.append(g)
+                if outs:
+                    torch.autograd.backward(outs, gs)
+                del out, outs, gs
+            finally:
+                recompute.done()  # (the recompute's graph is gone: its saved tensors with it)
+        result: list = [None, None]
+        for t, g in zip(inputs, ctx.grad_mask):
+            result.append(t.grad if g else None)
+        return tuple(result)
+
+
+_PLAIN = (torch.Tensor, bool, int, float, str, type(None))
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
+    """(leaves, spec) of a call's arguments. A decoder layer's usual call (tensors, plain values,
+    flat tuples or lists of them) in a form of its own; anything else (a dict, a cache object, a
+    nested container) through torch's pytree. (pytree makes some ten Python calls per leaf.)"""
+    leaves: list = []
+    shape: list = []
+    for v in (*args, *kwargs.values()):
+        if type(v) is tuple or type(v) is list:
+            for x in v:
+                if not isinstance(x, _PLAIN):
+                    return tree_flatten((args, kwargs))
+            leaves.extend(v)
+            shape.append((type(v), len(v)))
+        elif isinstance(v, _PLAIN):
+            leaves.append(v)
+            shape.append(None)
+        else:
+            return tree_flatten((args, kwargs))
+    return leaves, _Own(len(args), tuple(kwargs), tuple(shape))
+
+
+class _Own:
+    """_flatten's own spec: how many positional arguments, the keywords, each value's container."""
+
+    __slots__ = ("n_args", "keys", "shape")
+
+    def __init__(self, n_args: int, keys: tuple, shape: tuple):
+        self.n_args, self.keys, self.shape = n_args, keys, shape
+
+    def unflatten(self, leaves: list) -> tuple[tuple, dict]:
+        values, i = [], 0
+        for s in self.shape:
+            if s is None:
+                values.append(leaves[i])
+                i += 1
+            else:
+                kind, n = s
+                values.append(kind(leaves[i:i + n]))
+                i += n
+        return tuple(values[:self.n_args]), dict(zip(self.keys, values[self.n_args:]))
 
 
 def _rebuild(spec: Any, n_tensors: int, flat: Any) -> tuple[tuple, dict]:
     """(args, kwargs) from the flat list: tensors first, then the non-tensor leaves."""
     treespec, is_tensor = spec
-    tensors, others = iter(flat[:n_tensors]), iter(flat[n_tensors:])
-    return tree_unflatten([next(tensors) if t else next(others) for t in is_tensor], treespec)
+    leaves, ti, oi = [], 0, n_tensors
+    for t in is_tensor:  # (a loop: a comprehension is one more Python call per block)
+        if t:
+            leaves.append(flat[ti])
+            ti += 1
+        else:
+            leaves.append(flat[oi])
+            oi += 1
+    if type(treespec) is _Own:
+        return treespec.unflatten(leaves)
+    return tree_unflatten(leaves, treespec)
 
 
 def checkpointed(forward: Callable, *, context: Callable[[], Any], hold: Callable[[], Any],
                  saving: Callable[[], Any], buffers: BufferGuard) -> Callable:
     """Wrap a block's forward so that backward recomputes it instead of keeping its internals.
 
-    `context()` is what the recomputation runs under (the engine's saved-tensor hooks and read
-    guard); `hold()` what the recomputation and the block's backward both run under (the
+    `context(key)` is what the recomputation runs under (ActivationTracker.recomputing: the
+    engine's saved-tensor hooks or its learned activation bytes, and the read guard), `key`
+    naming what decides what it saves; its `done()` runs when the block's backward has ended; `hold()` what the recomputation and the block's backward both run under (the
     block's frame, holding its chunks: its own forward hooks do not run then);
     `saving()` wraps the saving of the block's inputs (activation offload picks them there);
     `buffers` restores the buffers the forward changed for the recompute.
     """
     anchor = torch.empty(0, requires_grad=True)
+    cuda = torch.cuda.is_available()  # (once: a Python call in torch at every forward otherwise)
 
     def run(args: tuple, kwargs: dict) -> Any:
         return forward(*args, **kwargs)
@@ -340,16 +530,19 @@ def checkpointed(forward: Callable, *, context: Callable[[], Any], hold: Callabl
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        leaves, treespec = tree_flatten((args, kwargs))
-        is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
-        tensors = [x for x, t in zip(leaves, is_tensor) if t]
-        others = [x for x, t in zip(leaves, is_tensor) if not t]
+        leaves, treespec = _flatten(args, kwargs)
+        tensors, others, kinds = [], [], []
+        for x in leaves:  # (a loop: comprehensions are a Python call each, once per block)
+            t = isinstance(x, torch.Tensor)
+            kinds.append(t)
+            (tensors if t else others).append(x)
+        is_tensor = tuple(kinds)
         snapshot: list = [None]
         taken = buffers.before()
         try:
             with saving():  # autograd packs the saved inputs when apply returns: inside this block
-                out = _Checkpoint.apply((context, run, snapshot, hold), (treespec, is_tensor), len(tensors), anchor,
-                                        *tensors, *others)
+                out = _Checkpoint.apply(((context, run, snapshot, hold), (treespec, is_tensor), others, cuda),
+                                        anchor, *tensors)
         except BaseException:  # e.g. BudgetExceeded mid-block: the copies' bytes go back
             buffers.drop(taken)
             raise

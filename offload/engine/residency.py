@@ -90,11 +90,16 @@ class Residency:
         # router is told, so a chunk still read there is not updated early (offload.engine.gradients)
         self.on_backward_read: Callable[[int], None] | None = None
         self.guard = ReadGuard(self._on_read)
-        self.guard.watch(params.values())
         self._chunk_of = {id(p): (n, self.plan.slots[n].chunk) for n, p in params.items() if n in self.plan.slots}
+        # per chunk, its parameters with their own class and their absent one (offload.engine.reads)
+        self._classes: dict[int, list[tuple[torch.nn.Parameter, type, type]]] = {}
+        for n, p in params.items():
+            if n in self.plan.slots:
+                self._classes.setdefault(self.plan.slots[n].chunk, []).append((p, type(p), self.guard.absent_class(p)))
         # per running module (None: the loss function), the chunks read there that it does not own
         self._frames: list[tuple[torch.nn.Module | None, list[int]]] = []
         self._holding: set[int] = set()  # chunks of the blocks being recomputed (holding)
+        self._splits: dict[torch.nn.Module, tuple[list[int], list[int]]] = {}  # _split's
         self.cache = ResidentCache(tiers=tiers, executor=executor, limit=limit, dtype=store.compute_dtype,
                                    numel=lambda c: self.plan.chunks[c].numel, fetch=self._fetch,
                                    on_resident=self._on_resident, on_evict=self._on_evict,
@@ -108,12 +113,16 @@ class Residency:
     def home(self, cid: int) -> None:
         """Chunk `cid` was placed on the device: its parameters point at it for good."""
         self.home_storage[storage_key(self.store.compute_source(cid))] = cid
+        self._present(cid)
         self.store.point_params(cid, self.store.compute_source(cid), self.params)
 
     def promote(self, cid: int) -> None:
         """Move chunk `cid` to the device for good (placement after the warm-up). An encoded
         chunk's blob moves; its uses still go through the cache (decoded there, no link)."""
+        if not self.store.is_encoded(cid):  # (its parameters point at the device home for good)
+            self._present(cid)
         self.store.promote(cid, self.params)
+        self._splits = {}
         if self.store.is_gpu_home(cid):
             self.home_storage[storage_key(self.store.compute_source(cid))] = cid
 
@@ -242,14 +251,34 @@ class Residency:
 
     def _on_resident(self, cid: int, buf: torch.Tensor) -> None:
         self.streamed_storage[storage_key(buf)] = cid
-        self.store.point_params(cid, buf, self.params)
+        self._repoint(cid, lambda: self.store.point_params(cid, buf, self.params))
 
     def _on_evict(self, cid: int) -> None:
         self.streamed_storage = {k: v for k, v in self.streamed_storage.items() if v != cid}
-        self.store.unpoint_params(cid, self.params, device=self.device)
+        self._repoint(cid, lambda: self.store.unpoint_params(cid, self.params, device=self.device))
+
+    def _repoint(self, cid: int, point: Callable[[], None]) -> None:
+        """Set chunk `cid`'s parameters' data with their own class (an absent one's setter would
+        go through the guard); they stay absent until the chunk is pinned (its bytes may still be
+        on their way)."""
+        classes = self._classes.get(cid, ())
+        for p, plain, _ in classes:
+            p.__class__ = plain
+        point()
+        for p, _, absent in classes:
+            p.__class__ = absent
+
+    def _present(self, cid: int) -> None:
+        for p, plain, _ in self._classes.get(cid, ()):
+            p.__class__ = plain
+
+    def restore_classes(self) -> None:
+        """(Close.) Every parameter back to its own class."""
+        for cid in self._classes:
+            self._present(cid)
 
     # -- the module stack -------------------------------------------------------------------
-    def enter_module(self, mod: torch.nn.Module) -> None:
+    def enter_module(self, mod: torch.nn.Module, args: Any = None) -> None:
         """A module's forward starts: a new frame; its own chunks become resident."""
         self.timeline.counts["hook_calls"] += 1
         if not self._frames and self.timeline.phase == Phase.BACKWARD:  # a recompute not the engine's
@@ -272,7 +301,7 @@ class Residency:
         finally:
             self.guard.paused -= 1
 
-    def exit_module(self, mod: torch.nn.Module) -> None:
+    def exit_module(self, mod: torch.nn.Module, args: Any = None, out: Any = None) -> None:
         """A module's forward ended: release its own chunks and those read in its frame."""
         self.timeline.counts["hook_calls"] += 1
         self._pop(mod)
@@ -301,19 +330,11 @@ class Residency:
                 for cid in borrowed:
                     self._release(cid)
 
-    @contextlib.contextmanager
-    def holding(self, block: torch.nn.Module) -> Iterator[None]:
+    def holding(self, block: torch.nn.Module) -> "_Holding":
         """A checkpointed block's recompute and its backward: the block's own frame (its forward
         hooks do not run for a recompute) holds its chunks through both, so the weights autograd
         saved in the recompute are resident when its backward reads them."""
-        self._push(block)
-        held = [c for c in self.module_chunks.get(block, ()) if c not in self._holding]
-        self._holding.update(held)
-        try:
-            yield
-        finally:
-            self._holding.difference_update(held)
-            self._pop(block)
+        return _Holding(self, block)
 
     def holds(self, cid: int) -> bool:
         """Chunk `cid` belongs to a block whose recompute and backward are running (`holding`):
@@ -334,11 +355,6 @@ class Residency:
         name, cid = found
         if self.cache.pinned(cid):
             return
-        if self.store.is_gpu_home(cid):
-            self.note_read(cid)
-            return
-        if self.cache.pinned(cid):
-            return
         if not self._frames:
             raise UnsupportedModel(f"parameter {name!r} is read outside the forward and the loss function; "
                                    f"the engine cannot make it resident there")
@@ -354,17 +370,29 @@ class Residency:
 
     # -- chunks ---------------------------------------------------------------------------
     def acquire_module(self, mod: torch.nn.Module) -> None:
-        for cid in self.module_chunks[mod]:
-            if not self.store.is_gpu_home(cid):
-                self._acquire(cid)
-            else:
-                self.note_read(cid)
+        streamed, home = self._splits.get(mod) or self._split(mod)
+        for cid in streamed:
+            self._acquire(cid)
+        for cid in home:
+            self.note_read(cid)
         self.timeline.moment()
 
     def release_module(self, mod: torch.nn.Module) -> None:
-        for cid in self.module_chunks[mod]:
-            if not self.store.is_gpu_home(cid):
-                self._release(cid)
+        for cid in (self._splits.get(mod) or self._split(mod))[0]:
+            self._release(cid)
+
+    def units_changed(self) -> None:
+        """`module_chunks` was changed in place (the blocks became the units)."""
+        self._splits = {}
+
+    def _split(self, mod: torch.nn.Module) -> tuple[list[int], list[int]]:
+        """`mod`'s chunks: (streamed, gpu-home), remembered until the placement changes."""
+        split = self._splits.get(mod)
+        if split is None:
+            chunks = self.module_chunks[mod]
+            split = self._splits[mod] = ([c for c in chunks if not self.store.is_gpu_home(c)],
+                                         [c for c in chunks if self.store.is_gpu_home(c)])
+        return split
 
     def note_read(self, cid: int) -> None:
         """Chunk `cid` is read (acquired, or device-home and read): in backward, the gradient
@@ -379,24 +407,32 @@ class Residency:
         return buf
 
     def _acquire(self, cid: int) -> torch.Tensor:
-        """Carry out the schedule's actions for this acquisition, then pin the chunk."""
+        """Carry out the schedule's actions for this acquisition, then pin the chunk (its
+        parameters take their own class while it is pinned: offload.engine.reads)."""
         phase = self.timeline.phase
         if phase == Phase.EVAL:  # off the trace: evaluation is not part of a step
-            return self.cache.acquire(cid)
-        self.note_read(cid)
-        actions = self.follower.event(ACQUIRE, cid, phase)
-        if actions is not None and not self.cache.apply(actions.evict, ()):
-            self.follower.drop()
-            actions = None
-        buf = self.cache.acquire(cid)
-        if actions is not None and not self.cache.apply(actions.prefetch_evict, actions.prefetch):
-            self.follower.drop()
+            buf = self.cache.acquire(cid)
+        else:
+            if phase == Phase.BACKWARD and self.on_backward_read is not None:  # (note_read, inline)
+                self.on_backward_read(cid)
+            actions = self.follower.event(ACQUIRE, cid, phase)
+            if actions is not None and actions.evict and not self.cache.apply(actions.evict, ()):
+                self.follower.drop()
+                actions = None
+            buf = self.cache.acquire(cid)
+            if (actions is not None and (actions.prefetch_evict or actions.prefetch)
+                    and not self.cache.apply(actions.prefetch_evict, actions.prefetch)):
+                self.follower.drop()
+        for p, plain, _ in self._classes.get(cid, ()):  # (inline: no call per parameter)
+            p.__class__ = plain
         return buf
 
     def _release(self, cid: int) -> None:
         if self.timeline.phase != Phase.EVAL:
             self.follower.event(RELEASE, cid, self.timeline.phase)
-        self.cache.release(cid)
+        if not self.cache.release(cid):  # resident maybe, but not filled for sure: reads go through the guard
+            for p, _, absent in self._classes.get(cid, ()):
+                p.__class__ = absent
 
     def schedule(self, lookahead: int) -> None:
         """A trace was just recorded (or the placement changed): plan fetches and evictions."""
@@ -406,6 +442,24 @@ class Residency:
         sizes = {c.index: c.numel * csize for c in self.plan.chunks}
         self.follower.reschedule(keep=lambda c: not self.store.is_gpu_home(c), sizes=sizes,
                                  capacity=self.cache.limit, lookahead=lookahead)
+
+
+class _Holding:
+    """Residency.holding's context (a class: a generator context costs several calls a block)."""
+
+    def __init__(self, res: Residency, block: torch.nn.Module):
+        self.res, self.block = res, block
+        self.held: list[int] = []
+
+    def __enter__(self) -> None:
+        res = self.res
+        res._push(self.block)
+        self.held = [c for c in res.module_chunks.get(self.block, ()) if c not in res._holding]
+        res._holding.update(self.held)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.res._holding.difference_update(self.held)
+        self.res._pop(self.block)
 
 
 class _Both:

@@ -75,15 +75,20 @@ class _Spans:
     def __init__(self) -> None:
         self.ids: Any = None
         self.spans: list[list[tuple[int, int]]] | None = None
+        self.key: Any = None  # the spans as a key (signature)
+
+    def _set(self, ids: torch.Tensor, spans: "list[list[tuple[int, int]]] | None") -> None:
+        self.ids, self.spans = weakref.ref(ids), spans
+        self.key = None if spans is None else tuple(map(tuple, spans))
 
     def known(self, host_ids: torch.Tensor, device_ids: torch.Tensor) -> None:
         """`device_ids` is a copy of `host_ids` (a 2-d CPU tensor): its segments, found here."""
         if host_ids.dim() == 2 and host_ids.shape[-1] >= perfmodel.SEGMENTS_FROM:
-            self.ids, self.spans = weakref.ref(device_ids), _find(host_ids)
+            self._set(device_ids, _find(host_ids))
 
     def of(self, position_ids: torch.Tensor, rows: int) -> list[list[tuple[int, int]]] | None:
         if self.ids is None or self.ids() is not position_ids:
-            self.ids, self.spans = weakref.ref(position_ids), _find(position_ids)
+            self._set(position_ids, _find(position_ids))
         if self.spans is not None and len(self.spans) == 1 and rows > 1:  # ids broadcast over the rows
             return self.spans * rows
         return self.spans
@@ -91,6 +96,12 @@ class _Spans:
 
 _last = _Spans()
 known = _last.known
+
+
+def signature() -> Any:
+    """The last packed batch's segments (what the attention here runs on), as a key; None when
+    it had none. What a recompute saves depends on them (offload.engine.hooks.recomputing)."""
+    return _last.key
 
 
 def _attention(module, query, key, value, attention_mask, *, position_ids=None, **kwargs):

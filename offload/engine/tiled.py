@@ -85,8 +85,8 @@ def _forward(run: Callable[[torch.Tensor], torch.Tensor], tiles: list, x: torch.
     return out
 
 
-def _active_dropout(mod: torch.nn.Module) -> bool:
-    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training for m in mod.modules())
+def _active_dropout(drops: list[torch.nn.Module]) -> bool:
+    return any([m.p > 0 and m.training for m in drops])
 
 
 def tiled(forward: Callable[..., torch.Tensor], mlp: torch.nn.Module, *, width: int,
@@ -104,8 +104,21 @@ def tiled(forward: Callable[..., torch.Tensor], mlp: torch.nn.Module, *, width: 
     (the engine's checkpointed blocks: their first forward runs without gradients) is run for
     its graph alone, so backward's tiles are the MLP's only recomputation (tiled_mlps says
     where)."""
+    # its dropouts, found again when its children change (walking modules() at every forward
+    # costs Python calls per module)
+    found: list = [None, []]
+
+    def dropouts() -> list[torch.nn.Module]:
+        children = tuple(mlp._modules.values())
+        if children != found[0]:
+            found[0], found[1] = children, [m for m in mlp.modules() if isinstance(m, torch.nn.Dropout)]
+        return found[1]
+
     def wrapper(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or kwargs or x.dim() != 3 or not enabled() or _active_dropout(mlp):
+        if args or kwargs or x.dim() != 3 or not enabled():
+            return forward(x, *args, **kwargs)
+        drops = dropouts()
+        if drops and _active_dropout(drops):
             return forward(x, *args, **kwargs)
         size = mlp_tile_tokens(width, x.element_size(), x.shape[0], tile_bytes)
         if x.shape[1] <= size:

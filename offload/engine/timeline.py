@@ -21,7 +21,7 @@ from ..runtime.ledger import Ledger
 from ..runtime.trace import Phase
 
 
-COUNTS = ("hook_calls", "grad_copies", "host_waits_forward", "host_waits_backward")
+COUNTS = ("hook_calls", "grad_copies", "host_waits_forward", "host_waits_backward", "saved_tensor_hooks")
 
 
 class Timeline:

@@ -92,6 +92,7 @@ class ResidentCache:
         self.spares: list[torch.Tensor] = []  # evicted buffers (simulated device), not in the ledger
         self.real_bytes = 0  # bytes of the live buffers' storages (a reused spare: all of it)
         self._lending = threading.Condition()
+        self._sizes: dict[int, int] = {}  # chunk -> its buffer's bytes (asked at every pin and unpin)
 
     # -- queries ---------------------------------------------------------------------
     def resident(self, cid: int) -> bool:
@@ -102,7 +103,10 @@ class ResidentCache:
         return entry is not None and entry.pins > 0
 
     def _nbytes(self, cid: int) -> int:
-        return self.numel(cid) * self.dtype.itemsize
+        n = self._sizes.get(cid)
+        if n is None:
+            n = self._sizes[cid] = self.numel(cid) * self.dtype.itemsize
+        return n
 
     @contextlib.contextmanager
     def lent(self, cid: int) -> Iterator["torch.Tensor | None"]:
@@ -131,7 +135,7 @@ class ResidentCache:
             self._make_room(self._nbytes(cid))
             entry = self._fetch(cid)
         if entry.pins == 0:
-            self.pinned_bytes += self._nbytes(cid)
+            self.pinned_bytes += self._sizes.get(cid) or self._nbytes(cid)
             self.pinned_peak = max(self.pinned_peak, self.pinned_bytes)
         entry.pins += 1
         entry.last_use = self.clock
@@ -140,13 +144,15 @@ class ResidentCache:
             entry.ticket = None
         return entry.buf
 
-    def release(self, cid: int) -> None:
+    def release(self, cid: int) -> int:
+        """Unpin `cid` once; returns the pins it still has."""
         entry = self.entries[cid]
         if entry.pins <= 0:
             raise AssertionError(f"chunk {cid} released more often than acquired")
         entry.pins -= 1
         if entry.pins == 0:
-            self.pinned_bytes -= self._nbytes(cid)
+            self.pinned_bytes -= self._sizes.get(cid) or self._nbytes(cid)
+        return entry.pins
 
     def apply(self, evict: tuple[int, ...], prefetch: tuple[int, ...]) -> bool:
         """Evict, then start fetching ahead, as the schedule says. False if it cannot (the

@@ -359,11 +359,12 @@ class ChunkStore:
             elif ch.grad is not None:
                 ch.grad.zero_()
 
-    def zero_unseen_grads(self, seen: set, params: dict[str, torch.nn.Parameter]) -> None:
-        """Parameters that got no gradient this cycle must not keep the previous cycle's."""
+    def zero_unseen_grads(self, seen: set[int], params: dict[str, torch.nn.Parameter]) -> None:
+        """Parameters that got no gradient this cycle (not in `seen`, by id) must not keep the
+        previous cycle's."""
         for name, p in params.items():  # (gradients on NVMe: offload.engine.gradspill handles them)
             grad = self.chunks[self.plan.slots[name].chunk].grad
-            if p not in seen and grad is not None and not isinstance(grad, SwapKind):
+            if id(p) not in seen and grad is not None and not isinstance(grad, SwapKind):
                 self.grad_view(self.plan.slots[name]).zero_()
 
     def clip_grads_(self, max_norm: float, *, sum_norms: "Callable[[torch.Tensor], torch.Tensor] | None" = None
