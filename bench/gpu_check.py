@@ -152,9 +152,9 @@ def plain(a, model, data, tokens: int = 0, ckpt: bool = False) -> dict:
 
 
 def without_read_guard(run):
-    """`run()` with the engine's read guard (a TorchFunctionMode over every torch call of the
-    forward and the recompute) not entered: what the guard costs. Only for models whose
-    parameters are read by their own modules alone (this Llama: untied head)."""
+    """`run()` with the engine's read guard (a `__torch_function__` on the parameters whose chunks
+    are not pinned) not entered: what the guard costs. Only for models whose parameters are read
+    by their own modules alone (this Llama: untied head)."""
     from tierwise.offload.engine.reads import ReadGuard
 
     enter, exit_ = ReadGuard.__enter__, ReadGuard.__exit__

@@ -736,10 +736,14 @@ def test_lora_partial_gpu_home_base_traffic_matches_plan(base):
     model, prec, targets = "dense", "fp32", "all-linear"
     roomy = lora_plan(model, prec, base, targets, gpu=1 << 30, host=1 << 30)
     assert roomy.base_read["host"] == 0 and roomy.bytes["gpu"]["base"] > 0 and roomy.bytes["host"]["base"] == 0
+    assert roomy.base_decoded  # (room for the base decoded: decoded once, booked at that size)
     adapters = sum(roomy.bytes["gpu"][k] for k in ("compute", "grad", "master", "state"))
-    gpu = roomy.gpu_minimum + adapters + roomy.bytes["gpu"]["base"] // 2
+    streamed = lora_plan(model, prec, base, targets, gpu=roomy.gpu_minimum + adapters, host=1 << 30)
+    encoded = sum(streamed.bytes[t]["base"] for t in ("gpu", "host"))  # the base's encoded bytes
+    gpu = roomy.gpu_minimum + adapters + encoded // 2
     planned = lora_plan(model, prec, base, targets, gpu=gpu, host=1 << 30)
-    assert 0 < planned.bytes["gpu"]["base"] < roomy.bytes["gpu"]["base"] and planned.base_read["host"] > 0
+    assert not planned.base_decoded
+    assert 0 < planned.bytes["gpu"]["base"] < encoded and planned.base_read["host"] > 0
     torch.manual_seed(7)
     eng = Engine(fresh_model(model), **flat_options(lora=lora_config(targets), base_dtype=base, double_quant=base == "nf4",
                  precision=prec, chunk_bytes=CHUNK, gpu_mem=gpu, cpu_mem=1 << 30,
@@ -760,6 +764,32 @@ def test_lora_partial_gpu_home_base_traffic_matches_plan(base):
         eng.close()
     assert home == planned.bytes["gpu"]["base"]
     assert abs(planned.base_read["host"] - read) <= TOL * read, (planned.base_read, read, home)
+
+
+@pytest.mark.parametrize("base", ["nf4", "int8"])
+def test_lora_base_decoded_once_matches_plan(base):
+    """A gpu budget that holds every chunk with the base decoded: planner and engine decode it once
+    (the engine after its warm-up) and keep it so, the same bytes on the device; a steady step
+    decodes nothing and the link carries nothing, as the plan says (no decoding time)."""
+    model, prec, targets = "dense", "fp32", "all-linear"
+    planned = lora_plan(model, prec, base, targets, gpu=1 << 30, host=1 << 30)
+    assert planned.base_decoded and planned.dequant_s == 0 and planned.base_read["host"] == 0
+    torch.manual_seed(7)
+    eng = Engine(fresh_model(model), **flat_options(lora=lora_config(targets), base_dtype=base, double_quant=base == "nf4",
+                 precision=prec, chunk_bytes=CHUNK, gpu_mem=1 << 30, cpu_mem=1 << 30, **HP))
+    try:
+        batches = data(model)
+        eng.step(batches[0])
+        decodes, moved = eng.cache.decodes, eng.executor.lanes["h2d"].link.bytes_moved
+        eng.step(batches[1])
+        eng.executor.drain()
+        assert eng.cache.decodes == decodes and eng.executor.lanes["h2d"].link.bytes_moved == moved
+        home = sum(eng.store.chunks[c].compute.nbytes for c in eng.plan.frozen
+                   if eng.store.chunks[c].tiers["compute"] == "gpu")
+        assert all(not eng.store.is_encoded(c) for c in eng.plan.frozen)
+    finally:
+        eng.close()
+    assert home == planned.bytes["gpu"]["base"]
 
 
 # -- two ranks -----------------------------------------------------------------

@@ -213,6 +213,55 @@ def test_a_chunk_backward_reads_after_its_last_gradient_is_updated_at_the_steps_
         eng.close()
 
 
+class OffsetBlock(torch.nn.Module):
+    def __init__(self, d: int, offset: torch.nn.Linear):
+        super().__init__()
+        self.lin, self.offset = torch.nn.Linear(d, d), [offset]  # (a list: not a submodule)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h)) + self.offset[0].bias.detach()  # (an add saves nothing of it)
+
+
+class BlockReadsLate(torch.nn.Module):
+    """Checkpointed blocks read `offset.bias` (owned outside them) through .detach() in an add:
+    backward's recomputes read it after its own gradient (from the head's side) is complete,
+    and nothing they save refers to it."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.offset = torch.nn.Embedding(zoo.VOCAB, d), torch.nn.Linear(d, d)
+        self.blocks = torch.nn.ModuleList(OffsetBlock(d, self.offset) for _ in range(3))
+        self.head = torch.nn.Linear(d, zoo.VOCAB)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.offset(h))
+
+
+def test_a_chunk_a_recompute_reads_after_its_last_gradient_is_updated_at_the_steps_end():
+    """Device-home from the start: the first backward notes the recomputes' reads of a home chunk
+    outside its owner (the guard watches home parameters until then), so that chunk waits for the
+    step's end instead of changing under the recomputes that read it."""
+    data = zoo.data(4)
+    ref_losses, ref = zoo.reference(BlockReadsLate(), data)
+    eng = Engine(BlockReadsLate(), **flat_options(lr=1e-3, chunk_bytes=SMALL, gpu_mem="64M", loss_fn=zoo.lm_loss,
+                                                  activations=1 << 20))
+    early, model = eng.grads.early, eng.model
+    submit = early.submit
+    early.submit = lambda *a, **kw: (submit(*a, **kw), early.wait())  # the update before backward goes on
+    try:
+        assert train(eng, data) == ref_losses
+        assert_same_as_reference(eng, model, ref)
+        bias = eng.plan.slots["offset.bias"].chunk
+        assert bias in eng.grads.read_late and bias in eng.device_plan.gpu_home and early.updated > 0
+        assert not eng.residency.watching_homes
+    finally:
+        eng.close()
+
+
 def test_a_late_read_the_first_backward_did_not_have_is_refused():
     eng = Engine(StopGrad(), budget=Budget(chunk=SMALL, gpu="64M"), optim=Optim(lr=1e-3),
                  streaming=Streaming(allow_gpu_home=False), loss_fn=zoo.lm_loss)

@@ -1,9 +1,11 @@
 """An encoded (int8 / NF4) frozen base kept on the device when the gpu budget holds it.
 
-With room, the encoded bytes of the base are gpu-home (booked in the gpu tier at their encoded
-size) and every use decodes them there: after the warm-up nothing crosses the link. The numbers
-are those of PEFT over bitsandbytes' Linear4bit (NF4), and of the same run with the base streamed
-from the host (int8, our own codec: no outside reference), bit for bit.
+Where the whole model fits with the base decoded, the base is decoded once after the warm-up
+and that copy is its home: no step decodes it again, nothing crosses the link. Where only the
+encoded bytes fit, they are gpu-home (booked in the gpu tier at their encoded size) and every
+use decodes them there. The numbers are those of PEFT over bitsandbytes' Linear4bit (NF4), and of
+the same run with the base streamed from the host (int8, our own codec: no outside reference),
+bit for bit.
 """
 
 import copy
@@ -35,7 +37,8 @@ def run(model, base_dtype, data, **kw):
 
 
 def encoded(eng):
-    return [c for c in eng.plan.frozen if eng.store.is_encoded(c)]
+    """The frozen chunks loaded encoded (a decoded home is plain afterwards)."""
+    return [c for c, layout in eng.frozen_layouts.items() if layout is not None]
 
 
 def in_gpu(eng, c):
@@ -43,7 +46,19 @@ def in_gpu(eng, c):
 
 
 def blob_bytes(eng, cids):
-    return sum(eng.store.chunks[c].compute.nbytes for c in cids)
+    return sum(eng.kinds[c]["compute"] for c in cids)
+
+
+def encoded_fits(model, base_dtype):
+    """A gpu budget that holds every chunk with the base encoded, not with it decoded."""
+    _, _, roomy, _ = run(model, base_dtype, batches(1), **ROOMY)
+    enc = encoded(roomy)
+    plain = sum(roomy.needs.home_bytes[c] for c in range(len(roomy.plan.chunks)) if c not in enc)
+    budget = roomy.minimum_gpu_bytes + plain + blob_bytes(roomy, enc) + (16 << 10)
+    decoded = sum(roomy.needs.compute_bytes[c] for c in enc)
+    assert budget < roomy.minimum_gpu_bytes + plain + decoded
+    roomy.close()
+    return budget
 
 
 @pytest.mark.parametrize("base_dtype", ["nf4", "int8"])
@@ -52,8 +67,10 @@ def test_encoded_base_is_gpu_home_with_room(base_dtype):
     tight_losses, tight_adapters, tight, (tight_link, _) = run(model, base_dtype, data, **STREAMED)
     assert tight_link > 0 and not any(in_gpu(tight, c) for c in encoded(tight))
     tight.close()
-    losses, mine, eng, (link, fetched) = run(model, base_dtype, data, **ROOMY)
+    losses, mine, eng, (link, fetched) = run(model, base_dtype, data, gpu_mem=encoded_fits(model, base_dtype),
+                                             chunk_bytes=CHUNK)
     enc = encoded(eng)
+    assert all(eng.store.is_encoded(c) for c in enc)
     assert enc and all(in_gpu(eng, c) for c in enc)
     assert link == 0 and fetched == 0  # after the warm-up: no byte of the base crosses the link
     assert eng.cache.decoded_bytes > 0  # each use decodes on the device, into a cache buffer
@@ -71,19 +88,50 @@ def test_encoded_base_is_gpu_home_with_room(base_dtype):
     eng.close()
 
 
+@pytest.mark.parametrize("base_dtype", ["nf4", "int8"])
+def test_a_base_that_fits_decoded_is_decoded_once(base_dtype):
+    """With room for the decoded base, the steps after the warm-up decode nothing: the decoded
+    copies are the homes (booked in the gpu tier at their decoded size), the blobs let go."""
+    model, data = tiny_llama(layers=4), batches(4)
+    tight_losses, tight_adapters, tight, _ = run(model, base_dtype, data, **STREAMED)
+    tight.close()
+    torch.manual_seed(7)
+    eng = Engine(copy.deepcopy(model), **flat_options(lora=lora_config(), lr=1e-2, base_dtype=base_dtype, **ROOMY))
+    losses = [eng.step(data[0])]
+    decodes, link = eng.cache.decodes, eng.executor.lanes["h2d"].link.bytes_moved
+    losses += [eng.step(b) for b in data[1:]]
+    assert eng.cache.decodes == decodes and eng.executor.lanes["h2d"].link.bytes_moved == link
+    enc = encoded(eng)
+    assert enc and all(in_gpu(eng, c) and eng.store.is_gpu_home(c) and not eng.store.is_encoded(c) for c in enc)
+    assert eng.device_plan.decoded_home == frozenset(enc)
+    frozen_home = sum(eng.store.chunks[c].compute.nbytes for c in eng.plan.frozen)
+    assert frozen_home == sum(eng.needs.compute_bytes[c] for c in eng.plan.frozen)  # decoded size
+    assert eng.ledger.usage()["gpu"]["compute"] == frozen_home + eng.cache.bytes
+    assert eng.ledger.peaks()["gpu"] <= eng.ledger.budgets["gpu"]
+    assert losses == tight_losses
+    mine = adapters(eng.named_parameters_fp32())
+    for n, t in tight_adapters.items():
+        assert torch.equal(mine[n], t), n
+    eng.close()
+
+
 def test_gpu_home_nf4_base_equals_peft_over_linear4bit():
-    """Reference: PEFT over bitsandbytes' Linear4bit (CPU, exact: tests/test_lora.py)."""
+    """Reference: PEFT over bitsandbytes' Linear4bit (CPU, exact: tests/test_lora.py), with the
+    base decoded once (room for it) and with it decoded per use (room for the encoded bytes)."""
     pytest.importorskip("bitsandbytes")
     model, data = tiny_llama(layers=4), batches(3)
     ref_losses, ref = peft_reference(linear4bit_model(model, double_quant=True), lora_config(), data)
-    torch.manual_seed(7)
-    eng = Engine(copy.deepcopy(model), **flat_options(lora=lora_config(), lr=1e-2, base_dtype="nf4", double_quant=True, **ROOMY))
-    assert [eng.step(b) for b in data] == ref_losses
-    assert all(in_gpu(eng, c) for c in encoded(eng))
-    mine, theirs = adapters(eng.named_parameters_fp32()), adapters(ref.named_parameters())
-    for n, t in theirs.items():
-        assert torch.equal(mine[n], t), n
-    eng.close()
+    theirs = adapters(ref.named_parameters())
+    for budget in (ROOMY["gpu_mem"], encoded_fits(model, "nf4")):
+        torch.manual_seed(7)
+        eng = Engine(copy.deepcopy(model), **flat_options(lora=lora_config(), lr=1e-2, base_dtype="nf4",
+                                                          double_quant=True, gpu_mem=budget, chunk_bytes=CHUNK))
+        assert [eng.step(b) for b in data] == ref_losses
+        assert all(in_gpu(eng, c) for c in encoded(eng))
+        mine = adapters(eng.named_parameters_fp32())
+        for n, t in theirs.items():
+            assert torch.equal(mine[n], t), n
+        eng.close()
 
 
 def test_partial_home_between_fits_and_not():
@@ -122,3 +170,31 @@ def test_encoded_base_placed_up_front():
     for n, t in tight_adapters.items():
         assert torch.equal(mine[n], t), n
     eng.close()
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["placed-up-front", "after-the-warm-up"])
+def test_weights_loaded_into_a_base_decoded_once_are_what_their_encoding_decodes_to(late):
+    """Weights loaded after an up-front placement (as `finetune` loads them), or after the base
+    was decoded for good: the run is the one whose base was loaded encoded, bit for bit."""
+    model, data = tiny_llama(layers=4), batches(3)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref_losses, ref_adapters, ref, _ = run(model, "nf4", data, **STREAMED)
+    ref.close()
+    torch.manual_seed(7)
+    eng = Engine(copy.deepcopy(model), **flat_options(lora=lora_config(), lr=1e-2, base_dtype="nf4",
+                                                      activations=1 << 20, **ROOMY))
+    try:
+        frozen = {n for n, s in eng.plan.slots.items() if eng.plan.is_frozen(s.chunk) and n in weights}
+        losses = []
+        if late:
+            losses.append(eng.step(data[0]))
+            assert all(not eng.store.is_encoded(c) for c in encoded(eng))  # decoded for good now
+        eng.load_weights((n, weights[n]) for n in frozen)
+        losses += [eng.step(b) for b in data[len(losses):]]
+        assert eng.device_plan.decoded_home == frozenset(encoded(eng))
+        assert losses == ref_losses
+        mine = adapters(eng.named_parameters_fp32())
+        for n, t in ref_adapters.items():
+            assert torch.equal(mine[n], t), n
+    finally:
+        eng.close()

@@ -56,10 +56,31 @@ def test_inputs_of_another_shape_are_learned_apart():
     assert len(sums) >= 2  # (a block's sum at 16 tokens is not its sum at 24)
 
 
+def test_only_known_decoder_families_recompute_without_the_hooks():
+    """A module whose blocks the engine knows nothing of keeps the hooks on every recompute (a
+    `nonzero` in it would size what it saves by the data)."""
+    eng = Engine(zoo.build("routed"), **flat_options(lr=1e-3, chunk_bytes=4 << 10, loss_fn=zoo.lm_loss, gpu_mem="64M"))
+    try:
+        assert not eng.tracker.lumps
+        for b in zoo.data(4):
+            eng.step(b)
+        assert not eng.tracker.learned
+    finally:
+        eng.close()
+    llama = Engine(tiny_llama(layers=2, hidden=64, vocab=128), budget=Budget(gpu="64M"))
+    try:
+        assert llama.tracker.lumps
+    finally:
+        llama.close()
+
+
 def test_a_block_whose_saved_sizes_follow_the_data_keeps_the_hooks():
+    """The second line of defence, where lumps are allowed: two recomputes that saved different
+    sizes keep the hooks for good."""
     data = zoo.data(4)
     ref, _ = zoo.reference(zoo.build("routed"), data)
     eng = Engine(zoo.build("routed"), **flat_options(lr=1e-3, chunk_bytes=4 << 10, loss_fn=zoo.lm_loss, gpu_mem="64M"))
+    eng.tracker.lumps = True
     try:
         torch.manual_seed(2)
         assert [eng.step(b) for b in data] == ref

@@ -95,7 +95,8 @@ from .frozen_base import frozen_layouts
 from .tiled import tiled, tiled_mlps
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from .lora import apply_lora
-from .model_info import check_dense_grads, check_no_own_checkpointing, check_trainable_dtypes, find_blocks
+from .model_info import (check_dense_grads, check_no_own_checkpointing, check_trainable_dtypes, find_blocks,
+                         lumped_recompute)
 from .needs import device_needs, module_chunks, open_tiers
 from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
 from .sharedbase import SharedBase
@@ -255,6 +256,8 @@ class Engine:
                 borrow_refusal=None if self.updater.needs_grad else self.optimizer_name, ranks=self.ranks,
                 borrows=streaming.h2d_bandwidth is None)  # (an emulated link: the copies are what is measured)
             self._install_hooks(model, checkpointing)
+            if not self.updater.needs_grad:  # (no backward to learn reads for)
+                self.residency.stop_watching_homes()
             self.minimum_gpu_bytes: int | None = None
             self.steps = 0
             self._in_cycle = False
@@ -272,6 +275,8 @@ class Engine:
         what it had made - copy threads, swap files, hooks and patched forwards, the shared base,
         the rank groups - so a library caller's process goes on as before; the error follows."""
         grads = self.grads
+        if getattr(self, "residency", None) is not None:
+            self.residency.restore_classes()
         for close in (self.executor and self.executor.close,
                       grads is not None and grads.early is not None and grads.early.close,
                       self.nvme and self.nvme.close, self.surgery and self.surgery.close,
@@ -449,8 +454,7 @@ class Engine:
             raise ValueError("offload_activations moves the inputs of recomputed blocks: it needs "
                              "checkpointing (a model with several blocks, checkpointing not False)")
         self.tracker = ActivationTracker(res, self.ledger, self.device, counts=self.moments.counts)
-        # a mixture of experts saves what its routing sends each expert: sizes the data decides
-        self.tracker.lumps = not any(n.rsplit(".", 1)[-1] == "experts" for b in self.blocks for n, _ in b.named_modules())
+        self.tracker.lumps = lumped_recompute(model, self.blocks)
         if checkpointing:
             surgery.disable_kv_cache()  # a KV cache would see each block twice (recompute)
             config = getattr(model, "config", None)
@@ -645,6 +649,8 @@ class Engine:
                 self.moments.counts["host_waits_backward"] += self.executor.host_waits - waits
                 self.moments.moment()  # every gradient accumulated, before the drain
                 self.grads.end_backward()
+                if self.grads.uses is not None:  # (the first backward has taught the router its reads)
+                    self.residency.stop_watching_homes()
         except BudgetExceeded as exc:
             raise self._budget_error(exc, intact=self._abort_cycle()) from exc
         except BaseException:
@@ -888,6 +894,8 @@ class Engine:
                                                     units=self._plain_units).minimum
         if self.device_plan is not None:  # placed up front from an estimate: keep it if it holds
             self._hold_estimate(act)
+            for cid in sorted(self.device_plan.decoded_home):  # (decoded now: the weights are in)
+                self.residency.promote(cid, decoded=True)
             return
         if self._choose_units(act):  # the next step traces again, with the blocks as the units
             self._reinstall_unit_hooks()
@@ -897,7 +905,7 @@ class Engine:
         self.device_plan = plan_device(self.needs, self.ledger.budgets["gpu"], allow_gpu_home=self.allow_gpu_home,
                                        prefer=self._home_order(), decoded=self._decoded())
         for cid in sorted(self.device_plan.gpu_home):
-            self.residency.promote(cid)
+            self.residency.promote(cid, decoded=cid in self.device_plan.decoded_home)
         self.tracker.forget()
         self.grads.placement_changed()
         self.residency.cache.limit = self.device_plan.cache_limit
@@ -928,7 +936,7 @@ class Engine:
         chunks and the stream cache (which holds the streaming window). Equal to the budget
         unless every chunk fits whole, when the rest is left free."""
         n = self.needs
-        home = sum(n.home_bytes[c] for c in self.device_plan.gpu_home)
+        home = self.device_plan.home_cost(n)
         return n.buffers + n.grad_reserve + n.activations + home + self.residency.cache.limit
 
     def _schedule(self) -> None:

@@ -220,7 +220,7 @@ class ActivationTracker:
             self.learned[key] = None
         elif before is None:
             if len(self.learned) >= _MAX_LEARNED:  # (keys of packed batches' segments: bounded)
-                self.learned = {k: v for k, v in self.learned.items() if type(v) is int}
+                self.learned = {k: v for k, v in self.learned.items() if type(v) is not tuple}
             self.learned[key] = sizes
         else:
             self.learned[key] = sum(sizes)
@@ -385,10 +385,12 @@ class _Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, meta: Any, anchor: torch.Tensor, *tensors: Any) -> Any:  # type: ignore[override]
-        # meta: (run, spec, the non-tensor leaves, CUDA's random state kept too); run: (context,
-        # callable, [snapshot], hold). (One argument: autograd makes Python calls per argument.)
-        run, spec, others, cuda = meta
+        # meta: (run, spec, the non-tensor leaves, CUDA's random state kept too, the block's
+        # training mode); run: (context, callable, [snapshot], hold). (One argument: autograd
+        # makes Python calls per argument.)
+        run, spec, others, cuda, training = meta
         ctx.run, ctx.spec, ctx.n_tensors, ctx.others = run, spec, len(tensors), others
+        ctx.training = training  # (the block's mode: dropout saves masks in training only)
         ctx.grad_mask = [t.requires_grad for t in tensors]
         ctx.save_for_backward(*tensors)
         ctx.rng = torch.get_rng_state()
@@ -409,7 +411,8 @@ class _Checkpoint(torch.autograd.Function):
             others.append(o if o is None or isinstance(o, (bool, int, float, str)) else type(o))
         own = ctx.spec[0]
         key = None if type(own) is not _Own else (  # (a pytree call: learned never, hooks always)
-            ctx.run[1], tuple(layout), tuple(ctx.grad_mask), own.n_args, own.keys, own.shape, tuple(others))
+            ctx.run[1], tuple(layout), tuple(ctx.grad_mask), own.n_args, own.keys, own.shape, tuple(others),
+            ctx.training, torch.is_autocast_enabled())
         flat = inputs + list(ctx.others)
         with ctx.run[3]():  # the block's chunks stay resident through its recompute and backward
             recompute = ctx.run[0](key)
@@ -541,8 +544,8 @@ def checkpointed(forward: Callable, *, context: Callable[[], Any], hold: Callabl
         taken = buffers.before()
         try:
             with saving():  # autograd packs the saved inputs when apply returns: inside this block
-                out = _Checkpoint.apply(((context, run, snapshot, hold), (treespec, is_tensor), others, cuda),
-                                        anchor, *tensors)
+                out = _Checkpoint.apply(((context, run, snapshot, hold), (treespec, is_tensor), others, cuda,
+                                         buffers.block.training), anchor, *tensors)
         except BaseException:  # e.g. BudgetExceeded mid-block: the copies' bytes go back
             buffers.drop(taken)
             raise

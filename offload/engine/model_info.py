@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from ..core.errors import UnsupportedModel
+from ..plan.perfmodel import TILED_FAMILIES
+from . import segments
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +103,20 @@ def check_trainable_dtypes(named: list[tuple[str, torch.nn.Parameter]]) -> None:
         name, dtype = odd[0]
         raise UnsupportedModel(f"parameter {name!r} is {dtype} ({len(odd)} such): the engine trains fp32 "
                                f"masters and computes in fp32 or bf16; convert the model (model.float()) first")
+
+
+#: Attention implementations whose saved tensors are sized by the inputs' shapes alone (a
+#: packed batch's segments are part of the recompute's key: offload.engine.segments).
+_SHAPED_ATTENTION = ("sdpa", "eager", segments.NAME)
+
+
+def lumped_recompute(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> bool:
+    """Whether a block's recompute may run without the saved-tensor hooks once learned
+    (ActivationTracker.recomputing): only for the dense decoder families whose blocks save what
+    their inputs' shapes decide (the tiled MLP's families, offload.plan.perfmodel), with an
+    attention that does too. Not a mixture of experts (its routing sizes what each expert
+    saves), not flash-attention's unpadding, not an arbitrary module (a `nonzero` would)."""
+    config = getattr(model, "config", None)
+    return (getattr(config, "model_type", None) in TILED_FAMILIES
+            and getattr(config, "_attn_implementation", None) in _SHAPED_ATTENTION
+            and not any(n.rsplit(".", 1)[-1] == "experts" for b in blocks for n, _ in b.named_modules()))

@@ -26,9 +26,9 @@ from typing import Any, Callable
 import torch
 
 _PROPERTIES = ("shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "grad", "grad_fn", "layout",
-               "is_cuda", "is_meta", "is_sparse", "is_quantized", "_version", "nbytes", "itemsize", "data")
+               "is_cuda", "is_meta", "is_sparse", "is_quantized", "_version", "nbytes", "itemsize")
 _METHODS = ("size", "dim", "numel", "nelement", "stride", "element_size", "is_floating_point", "is_complex",
-            "is_contiguous", "storage_offset", "__len__", "requires_grad_", "get_device", "__repr__")
+            "is_contiguous", "storage_offset", "__len__", "requires_grad_", "get_device")
 NO_READ = frozenset([getattr(torch.Tensor, n).__get__ for n in _PROPERTIES]
                     + [getattr(torch.Tensor, n).__set__ for n in ("data", "grad", "requires_grad")]
                     + [getattr(torch.Tensor, n) for n in _METHODS])
@@ -71,14 +71,20 @@ def _absent_read(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dic
     if kwargs is None:
         kwargs = {}
     guard: ReadGuard = cls._guard  # type: ignore[attr-defined]
+    absent = guard._plain
     if guard.active and not guard.paused and func not in NO_READ:
+        left = False  # an absent parameter not made resident (not one of this model's chunks)
         for a in (*args, *kwargs.values()) if kwargs else args:
-            if type(a) in guard._plain:
+            if type(a) in absent:
                 guard.on_read(a)
+                left = left or type(a) in absent
             elif isinstance(a, (list, tuple)):
                 for b in a:
-                    if type(b) in guard._plain:
+                    if type(b) in absent:
                         guard.on_read(b)
+                        left = left or type(b) in absent
+        if not left:  # all resident, their own classes again: dispatched as they would be (a
+            return func(*args, **kwargs)  # parameter subclass's own __torch_function__ included)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
 

@@ -100,6 +100,9 @@ class Residency:
         self._frames: list[tuple[torch.nn.Module | None, list[int]]] = []
         self._holding: set[int] = set()  # chunks of the blocks being recomputed (holding)
         self._splits: dict[torch.nn.Module, tuple[list[int], list[int]]] = {}  # _split's
+        # until the first backward ends, reads of device-home parameters go through the guard
+        # too (their class is the absent one): one outside its owner is noted (note_read)
+        self.watching_homes = True
         self.cache = ResidentCache(tiers=tiers, executor=executor, limit=limit, dtype=store.compute_dtype,
                                    numel=lambda c: self.plan.chunks[c].numel, fetch=self._fetch,
                                    on_resident=self._on_resident, on_evict=self._on_evict,
@@ -113,15 +116,30 @@ class Residency:
     def home(self, cid: int) -> None:
         """Chunk `cid` was placed on the device: its parameters point at it for good."""
         self.home_storage[storage_key(self.store.compute_source(cid))] = cid
-        self._present(cid)
-        self.store.point_params(cid, self.store.compute_source(cid), self.params)
-
-    def promote(self, cid: int) -> None:
-        """Move chunk `cid` to the device for good (placement after the warm-up). An encoded
-        chunk's blob moves; its uses still go through the cache (decoded there, no link)."""
-        if not self.store.is_encoded(cid):  # (its parameters point at the device home for good)
+        self._repoint(cid, lambda: self.store.point_params(cid, self.store.compute_source(cid), self.params))
+        if not self.watching_homes:
             self._present(cid)
-        self.store.promote(cid, self.params)
+
+    def stop_watching_homes(self) -> None:
+        """The first backward is over (or there is none): the gradient router knows which chunks
+        backward reads late (read_in_backward), so reads of device-home parameters need not be
+        seen any more; they take their own class, and a torch call on them no Python call."""
+        if self.watching_homes:
+            self.watching_homes = False
+            for cid in self._classes:
+                if self.store.is_gpu_home(cid):
+                    self._present(cid)
+
+    def promote(self, cid: int, *, decoded: bool = False) -> None:
+        """Move chunk `cid` to the device for good (placement after the warm-up). An encoded
+        chunk's blob moves; its uses still go through the cache (decoded there, no link), or
+        with `decoded`, it is decoded once and that copy is its home (ChunkStore.decode_home)."""
+        if decoded:
+            self.store.decode_home(cid, self.params)
+        else:
+            self.store.promote(cid, self.params)
+        if self.store.is_gpu_home(cid) and not self.watching_homes:  # (pointing at the home for good)
+            self._present(cid)
         self._splits = {}
         if self.store.is_gpu_home(cid):
             self.home_storage[storage_key(self.store.compute_source(cid))] = cid
@@ -353,6 +371,9 @@ class Residency:
         if found is None:
             return  # not a chunked parameter of this model
         name, cid = found
+        if self.store.is_gpu_home(cid):  # (watched until the first backward ends)
+            self.note_read(cid)
+            return
         if self.cache.pinned(cid):
             return
         if not self._frames:

@@ -2,7 +2,8 @@
 
 A *gpu-home* chunk keeps every kind (compute copy, grad, master, optimizer state) in device
 memory and is updated there: no transfer at all (an encoded frozen chunk keeps its encoded
-bytes there and is decoded into a cache buffer per use). A *streamed* chunk lives in host-side tiers;
+bytes there and is decoded into a cache buffer per use, or where the whole model fits with it
+decoded, is decoded once and kept so). A *streamed* chunk lives in host-side tiers;
 its compute copy visits the device when a module needs it, its gradient goes straight back.
 The device budget is spent, in this order, on: module buffers, the streaming window (the
 chunks of the widest module plus one chunk being prefetched), the in-flight gradient
@@ -40,6 +41,11 @@ class DeviceNeeds:
 class DevicePlan:
     gpu_home: frozenset[int]
     cache_limit: int  # bytes for streamed compute copies
+    decoded_home: frozenset[int] = frozenset()  # of gpu_home, encoded chunks decoded once (their home)
+
+    def home_cost(self, needs: DeviceNeeds) -> int:
+        """Device bytes the gpu-home chunks take (a decoded home: its compute copy)."""
+        return sum(needs.compute_bytes[c] if c in self.decoded_home else needs.home_bytes[c] for c in self.gpu_home)
 
 
 def check_minimum(needs: DeviceNeeds, budget: "int | None", *, measured: bool) -> None:
@@ -71,12 +77,17 @@ def plan_device(needs: DeviceNeeds, budget: "int | None", *, allow_gpu_home: boo
     order = list(reversed(range(n))) if prefer is None else list(prefer)
     if budget is None:
         return DevicePlan(gpu_home=frozenset(order) if allow_gpu_home else frozenset(),
-                          cache_limit=sum(needs.compute_bytes) + needs.stream_window)
+                          cache_limit=sum(needs.compute_bytes) + needs.stream_window,
+                          decoded_home=decoded if allow_gpu_home and len(set(order)) == n else frozenset())
     spare = budget - needs.minimum
-    if (allow_gpu_home and len(set(order)) == n and not decoded
-            and sum(needs.home_bytes) <= spare + needs.stream_window):
+    whole = allow_gpu_home and len(set(order)) == n
+    if whole and not decoded and sum(needs.home_bytes) <= spare + needs.stream_window:
         # Everything fits whole: no streaming at all, so no streaming window either.
         return DevicePlan(gpu_home=frozenset(range(n)), cache_limit=needs.stream_window)
+    if whole and decoded:  # everything fits whole with the encoded chunks decoded: decoded once, for good
+        every = DevicePlan(gpu_home=frozenset(range(n)), cache_limit=needs.stream_window, decoded_home=decoded)
+        if every.home_cost(needs) <= spare + needs.stream_window:
+            return every
     home: set[int] = set()
     if allow_gpu_home:
         for cid in order:

@@ -153,6 +153,8 @@ class Plan:
     block's recompute and backward share one fetch), less what the cache keeps across the turn."""
     dequant_s: float = 0.0
     """Seconds per step decoding the base on the device (memory-bound: encoded in, decoded out)."""
+    base_decoded: bool = False
+    """The encoded base is decoded once on the gpu and kept so (the budget holds it decoded)."""
     suggestion: str | None = None
     """For LoRA runs: the micro-batch x grad-accum that makes the step compute-bound."""
     workspace_margin: int = 0
@@ -209,7 +211,10 @@ class Plan:
             lines.append(f"base traffic per step: read {read} ({self.base_fetches_per_chunk:.2f} fetches per "
                          f"streamed base chunk and micro-batch: forward, then backward, where a recomputed layer's "
                          f"recompute and backward share one fetch when the cache holds the layer till then), "
-                         f"written {format_size(self.base_written)}; decoding {self.dequant_s:.3f} s")
+                         f"written {format_size(self.base_written)}; "
+                         + ("decoded once on the gpu after the warm-up and kept so (the budget holds it "
+                            "decoded): no decoding per step" if self.base_decoded else
+                            f"decoding {self.dequant_s:.3f} s"))
         if self.ranks is not None:
             lines += self.ranks.lines(format_size)
         if self.suggestion:
@@ -299,6 +304,8 @@ class _Chunks:
         decoded = len(lora.quantizable) if lora is not None and base_dtype not in (None, plain) else 0
         # (None: the engine's own needs, no step to price)
         self.ops = ops_per_forward(model, adapters=adapters, decoded=decoded) if model is not None else 0
+        # with the base decoded for good (placement.DevicePlan.decoded_home), no decode op per use
+        self.ops_decoded = ops_per_forward(model, adapters=adapters) if model is not None else 0
         for c in self.plan.chunks:
             ps = [by_name[n] for n in c.params]
             if c.index in self.frozen:  # one kind: the (maybe encoded) compute copy; never updated
@@ -376,8 +383,10 @@ class _Chunks:
 
     def cached(self, device: DevicePlan) -> list[int]:
         """Chunks whose uses go through the engine's cache: the streamed ones, and the encoded
-        ones that are gpu-home (decoded into a cache buffer per use, nothing on the link)."""
-        return [c for c in range(self.n) if c not in device.gpu_home or c in self.encoded]
+        ones that are gpu-home (decoded into a cache buffer per use, nothing on the link) but not
+        decoded for good (`decoded_home`)."""
+        return [c for c in range(self.n)
+                if c not in device.gpu_home or (c in self.encoded and c not in device.decoded_home)]
 
     def staging(self) -> int:
         """CUDA's device buffer the encoded chunks land in to be decoded (Engine._place); none on
@@ -664,7 +673,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                                f"{format_size(on_nvme)}; raise --cpu-mem / --cxl-mem or free disk space",
                                minimum={"nvme": on_nvme})
     flops_fwd = model_flops(model=model, batch_size=batch_size, seq_len=seq_len)
-    load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd, ops=ch.ops,
+    ops = ch.ops_decoded if ch.encoded and ch.encoded <= device.decoded_home else ch.ops
+    load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd, ops=ops,
                  recompute=checkpointing, offloaded={act_tier: host_act} if host_act else {})
     pred = predict_step(hardware=hw, precision=precision, cost=ch.cost, tokens=batch_size * seq_len * grad_accum,
                         load=load, micro_batches=grad_accum)
@@ -679,7 +689,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                   grad_accum=grad_accum,
                   lora_rank=lora_rank, lora_targets=lora_targets if lora_rank is not None else None,
                   base_dtype=(base_dtype or precision) if lora_rank is not None else None,
-                  trainable_params=ch.trainable_params, lora_act=lora_act, **base)
+                  trainable_params=ch.trainable_params, lora_act=lora_act,
+                  base_decoded=bool(device.decoded_home), **base)
     if suggest and lora_rank is not None:
         plan = dataclasses.replace(plan, suggestion=suggest_micro_batch(plan, **(args | {"model": model,
                                                                                            "hardware": hw})))
@@ -947,6 +958,9 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
                     row_positions=meta["row_positions"], offload=meta["offload"])
     by_tier = {t: dict.fromkeys(KINDS + (("base",) if ch.frozen else ()), 0) for t in TIERS}
     for c in range(ch.n):  # a frozen chunk's one kind (the ledger's "compute") is shown as "base"
+        if c in device.decoded_home:  # decoded once, for good: its compute copy is its home
+            by_tier["gpu"]["base"] += ch.compute[c]
+            continue
         tiers = dict.fromkeys(ch.kinds[c], "gpu") if c in device.gpu_home else homes.tiers[c]
         for kind, b in ch.kinds[c].items():
             by_tier[tiers[kind]]["base" if c in ch.frozen else kind] += b

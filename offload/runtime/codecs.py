@@ -102,11 +102,13 @@ class NF4:
 
 
 @lru_cache(maxsize=None)
-def _bnb_dequantize_4bit():
-    """bitsandbytes' dequantize_4bit op, or None without bitsandbytes (our torch path then)."""
+def _bnb_dequantize_4bit(out: bool = False):
+    """bitsandbytes' dequantize_4bit op (`out`: its variant that writes into a given tensor), or
+    None without bitsandbytes (our torch path then)."""
     try:
         import bitsandbytes  # noqa: F401 - registers torch.ops.bitsandbytes
-        return torch.ops.bitsandbytes.dequantize_4bit.default
+        op = torch.ops.bitsandbytes.dequantize_4bit
+        return op.out if out else op.default
     except (ImportError, AttributeError, RuntimeError):
         return None
 
@@ -143,8 +145,14 @@ def nf4_dequantize(q: NF4, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(n, dtype=torch.float32, device=q.packed.device)
     op = _bnb_dequantize_4bit()
     if op is not None and n % 2 == 0 and out.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        # bitsandbytes' kernel (C++ on CPU, CUDA on the GPU): the library's, and ~10x our torch path
-        out.copy_(op(q.packed.reshape(-1, 1), q.block_absmax(), BLOCK, "nf4", [n], out.dtype).reshape(-1))
+        # bitsandbytes' kernel (C++ on CPU, CUDA on the GPU): the library's, and ~10x our torch path;
+        # on CUDA straight into a contiguous `out` (its out variant: no second pass through a
+        # temporary; bitsandbytes has none on the CPU)
+        into = _bnb_dequantize_4bit(out=True) if out.is_cuda and out.is_contiguous() else None
+        if into is not None:
+            into(q.packed.reshape(-1, 1), q.block_absmax(), BLOCK, "nf4", [n], out.dtype, out=out.view(n))
+        else:
+            out.copy_(op(q.packed.reshape(-1, 1), q.block_absmax(), BLOCK, "nf4", [n], out.dtype).reshape(-1))
         return out
     pairs = _nf4_pairs(str(q.packed.device))
     vals = pairs[q.packed.reshape(-1).long()].reshape(-1)[:n]

@@ -64,6 +64,16 @@ def decode_chunk(layout: FrozenLayout, plan: ChunkPlan, blob: torch.Tensor, out:
                       double_quant=layout.double_quant)
 
 
+def encode_decode_slot(layout: FrozenLayout, plan: ChunkPlan, name: str, value: torch.Tensor,
+                       out: torch.Tensor) -> None:
+    """Parameter `name`'s `value` as its encoding decodes, into its slot of `out` ([numel] compute
+    dtype, any device): what a chunk decoded for good holds (ChunkStore.decode_home)."""
+    slot = plan.slots[name]
+    flat = value.new_empty_strided(slot.shape, slot.stride).copy_(value).as_strided((slot.numel,), (1,))
+    encoded = codecs.encode(layout.base[name], flat, double_quant=layout.double_quant)
+    codecs.decode(layout.base[name], encoded.to(out.device), slot.flat(out), double_quant=layout.double_quant)
+
+
 def decode_slot(layout: FrozenLayout, plan: ChunkPlan, name: str, blob: torch.Tensor) -> torch.Tensor:
     """Parameter `name` decoded to fp32, [numel] in memory order."""
     off, n = _span(layout, plan, name)

@@ -125,6 +125,7 @@ class ChunkStore:
         self.bounce: Any = None  # offload.runtime.swapping.Bounce, set by the engine when NVMe is in use
         self.chunks = [self._allocate(c.index, homes[c.index]) for c in plan.chunks]
         self._gpu_home: dict[int, bool] = {}  # is_gpu_home, remembered (asked for every acquisition)
+        self.decoded: dict[int, FrozenLayout] = {}  # chunks decoded for good (decode_home): their encoding
 
     # -- allocation -----------------------------------------------------------------------
     def _new(self, cid: int, kind: str, name: str, tier: str, dtype: torch.dtype, numel: int | None = None) -> Any:
@@ -211,6 +212,28 @@ class ChunkStore:
         self._gpu_home.pop(cid, None)
         if not self.is_encoded(cid):  # an encoded chunk's params point at a decoded cache buffer per use
             self.point_params(cid, self.compute_source(cid), params)
+
+    def decode_home(self, cid: int, params: dict[str, torch.nn.Parameter]) -> None:
+        """Encoded frozen chunk `cid` decoded once into a device buffer of the compute dtype, its
+        home for good (its params point there; no use decodes it again); the encoded bytes are
+        let go. The chunk is plain from now on (`is_encoded` False, `is_gpu_home` True)."""
+        if self.is_shared(cid) or not self.is_encoded(cid):
+            raise ValueError(f"chunk {cid} is not an encoded chunk of this rank's own")
+        old = self.chunks[cid]
+        buf = self.tiers.empty("gpu", "compute", self.plan.chunks[cid].numel, self.compute_dtype)
+        try:
+            with self.opened(cid) as work:
+                self.to_compute(cid, work["compute"], buf)
+        except BaseException:
+            self.tiers.free("gpu", "compute", buf)
+            raise
+        self._free(old)
+        self.chunks[cid] = _Chunk(tiers={"compute": "gpu"}, master=None, grad=None, state=None, compute=buf,
+                                  step=old.step, names=old.names)
+        self.decoded[cid] = self.frozen[cid]  # (weights loaded later go through it: _load_frozen)
+        self.frozen[cid] = None
+        self._gpu_home.pop(cid, None)
+        self.point_params(cid, buf, params)
 
     # -- in-memory access to possibly swapped kinds ------------------------------------------
     def opened(self, cid: int, *, write_back: bool = False, only: tuple[str, ...] | None = None,
@@ -347,7 +370,9 @@ class ChunkStore:
             work.slot = slot
             work.__enter__()
         layout = self.frozen[s.chunk]
-        if layout is None:
+        if layout is None and s.chunk in self.decoded:  # decoded for good: the value its encoding decodes to
+            frozen_mod.encode_decode_slot(self.decoded[s.chunk], self.plan, s.name, tensor, work.tensors["compute"])
+        elif layout is None:
             s.view(work.tensors["compute"]).copy_(tensor)
         else:
             frozen_mod.encode_slot(layout, self.plan, s.name, work.tensors["compute"], tensor)

@@ -130,6 +130,23 @@ def test_adamw8bit_cuda_kernel_against_bitsandbytes():
     torch.testing.assert_close(p1, p2, rtol=0, atol=2e-3)
 
 
+def test_nf4_decoded_into_a_chunk_slice_equals_bitsandbytes_dequantize_on_cuda():
+    """The CUDA path writes bitsandbytes' kernel's output straight into the slice it is given
+    (its out variant), with nothing outside the slice touched."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from tierwise.offload.runtime import codecs
+
+    torch.manual_seed(0)
+    w = torch.randn(256, 192, device="cuda", dtype=torch.bfloat16)
+    q = codecs.nf4_quantize(w, double_quant=True)
+    q = codecs.NF4(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(q).items()})
+    buf = torch.full((w.numel() + 64,), 7.0, device="cuda", dtype=torch.bfloat16)
+    codecs.nf4_dequantize(q, buf[32: 32 + w.numel()])
+    packed, state = bnb.functional.quantize_4bit(w, blocksize=codecs.BLOCK, quant_type="nf4", compress_statistics=True)
+    assert torch.equal(buf[32: 32 + w.numel()], bnb.functional.dequantize_4bit(packed, state).reshape(-1))
+    assert torch.all(buf[:32] == 7) and torch.all(buf[32 + w.numel():] == 7)
+
+
 def test_qlora_on_cuda_matches_peft_over_linear4bit():
     """NF4 base streamed from host and decoded on the device vs PEFT + bitsandbytes Linear4bit
     on CUDA (bnb's CUDA matmul may order sums differently: a tolerance, not bit-exactness)."""
