@@ -64,10 +64,10 @@ class _Held:
 
 class _Gather:
     """One streamed chunk's gradients of this backward, gathered on the device: `buf` [numel]
-    (zeros where nothing arrived), `arrived` the parameters in it so far (ids)."""
+    (zeros where nothing arrived), `arrived` the parameters in it so far (ids). (Made without
+    __init__: one per chunk and micro-batch, on the launching thread.)"""
 
-    def __init__(self, buf: torch.Tensor):
-        self.buf, self.arrived = buf, set()
+    __slots__ = ("buf", "arrived")
 
 
 class GradientRouter:
@@ -261,7 +261,8 @@ class GradientRouter:
                 self.ledger.release("gpu", "grad", nbytes)
                 raise
             self._open_bytes += nbytes
-            g = self._gathers[cid] = _Gather(buf)
+            g = self._gathers[cid] = _Gather.__new__(_Gather)
+            g.buf, g.arrived = buf, set()
         part = g.buf[slot.offset: slot.offset + slot.numel]
         part.add_(src) if pid in g.arrived else part.copy_(src)  # (a contribution more than traced: added)
         g.arrived.add(pid)

@@ -308,10 +308,16 @@ class Residency:
             raise UnsupportedModel(
                 f"{self.name_of(mod)} ran outside engine.step / forward / eval_loss: the engine "
                 f"makes parameters resident only there (read trained weights with named_parameters_fp32)")
-        self._push(mod)
+        self.guard.paused += 1  # (_push, inline: this runs for every unit's forward)
+        try:
+            self._frames.append((mod, []))
+            if mod in self.module_chunks:
+                self.acquire_module(mod)
+        finally:
+            self.guard.paused -= 1
 
     def _push(self, mod: torch.nn.Module) -> None:
-        self.guard.paused += 1  # (inline: this runs twice per module forward)
+        self.guard.paused += 1
         try:
             self._frames.append((mod, []))
             if mod in self.module_chunks:
@@ -322,7 +328,15 @@ class Residency:
     def exit_module(self, mod: torch.nn.Module, args: Any = None, out: Any = None) -> None:
         """A module's forward ended: release its own chunks and those read in its frame."""
         self.timeline.counts["hook_calls"] += 1
-        self._pop(mod)
+        self.guard.paused += 1  # (_pop, inline: this runs for every unit's forward)
+        try:
+            if mod in self.module_chunks:
+                self.release_module(mod)
+            if self._frames:
+                for cid in self._frames.pop()[1]:
+                    self._release(cid)
+        finally:
+            self.guard.paused -= 1
 
     def _pop(self, mod: torch.nn.Module) -> None:
         self.guard.paused += 1
@@ -394,9 +408,11 @@ class Residency:
         streamed, home = self._splits.get(mod) or self._split(mod)
         for cid in streamed:
             self._acquire(cid)
-        for cid in home:
-            self.note_read(cid)
-        self.timeline.moment()
+        if home and self.timeline.phase == Phase.BACKWARD:  # (note_read, inline)
+            for cid in home:
+                self.note_read(cid)
+        if self.timeline.recording:  # (moment, inline: it records in one step of the run)
+            self.timeline.moment()
 
     def release_module(self, mod: torch.nn.Module) -> None:
         for cid in (self._splits.get(mod) or self._split(mod))[0]:
