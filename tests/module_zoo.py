@@ -152,11 +152,7 @@ class Routed(nn.Module):
         self.blocks = nn.ModuleList(RoutedBlock(d) for _ in range(layers))
         self.head = nn.Linear(d, VOCAB)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)
-        for b in self.blocks:
-            h = b(h)
-        return self.head(h)
+    forward = SharedNet.forward  # (embedding, the blocks in turn, head)
 
 
 BUILDERS = {"encoder": Encoder, "tied": TiedHead, "batchnorm": BatchNormNet, "shared": SharedNet,

@@ -240,7 +240,7 @@ def test_segments_of_a_batch_moved_to_the_device_come_from_its_host_copy(monkeyp
     assert moved["position_ids"] is device
     monkeypatch.undo()
     monkeypatch.setattr(segments, "_find", lambda ids: pytest.fail("segments read from the device"))
-    assert segments._last.of(device, 2) == [[(0, 3), (3, 7), (7, 8)]] * 2
+    assert segments.last.of(device, 2) == [[(0, 3), (3, 7), (7, 8)]] * 2
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

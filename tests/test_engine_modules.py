@@ -172,6 +172,16 @@ def test_more_gradient_contributions_than_traced_are_refused_not_applied_early()
         eng.close()
 
 
+def train_updating_at_once(eng: Engine, data: list, ref_losses: list[float], ref: torch.nn.Module) -> None:
+    """Train with every early update done as soon as it is submitted (the worst interleaving:
+    the update before backward goes on); losses, weights and buffers as the reference's."""
+    early, model = eng.grads.early, eng.model
+    submit = early.submit
+    early.submit = lambda *a, **kw: (submit(*a, **kw), early.wait())
+    assert train(eng, data) == ref_losses
+    assert_same_as_reference(eng, model, ref)
+
+
 class StopGrad(torch.nn.Module):
     """`lin.weight` also read through .detach() before its own use (`stop`): backward reads it,
     for its input's gradient, after lin.weight's own gradient is complete."""
@@ -200,12 +210,9 @@ def test_a_chunk_backward_reads_after_its_last_gradient_is_updated_at_the_steps_
     ref_losses, ref = zoo.reference(StopGrad(), data)
     where = dict(allow_gpu_home=False) if placed == "streamed" else dict(activations=1 << 20)
     eng = Engine(StopGrad(), **flat_options(lr=1e-3, chunk_bytes=SMALL, gpu_mem="64M", loss_fn=zoo.lm_loss, **where))
-    early, model = eng.grads.early, eng.model
-    submit = early.submit
-    early.submit = lambda *a, **kw: (submit(*a, **kw), early.wait())  # the update before backward goes on
+    early = eng.grads.early
     try:
-        assert train(eng, data) == ref_losses
-        assert_same_as_reference(eng, model, ref)
+        train_updating_at_once(eng, data, ref_losses, ref)
         lin = eng.plan.slots["lin.weight"].chunk
         assert eng.grads.read_late == {lin} and early.updated > 0
         assert (eng.residency.kept > 0) if placed == "streamed" else (lin in eng.device_plan.gpu_home)
@@ -249,12 +256,9 @@ def test_a_chunk_a_recompute_reads_after_its_last_gradient_is_updated_at_the_ste
     ref_losses, ref = zoo.reference(BlockReadsLate(), data)
     eng = Engine(BlockReadsLate(), **flat_options(lr=1e-3, chunk_bytes=SMALL, gpu_mem="64M", loss_fn=zoo.lm_loss,
                                                   activations=1 << 20))
-    early, model = eng.grads.early, eng.model
-    submit = early.submit
-    early.submit = lambda *a, **kw: (submit(*a, **kw), early.wait())  # the update before backward goes on
+    early = eng.grads.early
     try:
-        assert train(eng, data) == ref_losses
-        assert_same_as_reference(eng, model, ref)
+        train_updating_at_once(eng, data, ref_losses, ref)
         bias = eng.plan.slots["offset.bias"].chunk
         assert bias in eng.grads.read_late and bias in eng.device_plan.gpu_home and early.updated > 0
         assert not eng.residency.watching_homes

@@ -108,6 +108,8 @@ class GradientRouter:
         self._flushed: set[int] = set()  # chunks whose gathered sums reached their home this step
         self._gathered: dict[int, tuple[torch.nn.Parameter, int]] = {}  # id -> p, bytes its held p.grad has
         self._flushing = False
+        self._home_grads: dict[int, torch.Tensor] = {}  # a device-home parameter's id -> its gradient's slot
+        self.placement_changed()
         self.begin_backward()
 
     # -- a step's life --------------------------------------------------------------------
@@ -220,6 +222,11 @@ class GradientRouter:
         if slot.chunk in self.gather_from:  # (never another rank's, spilled or gpu-home: _learn_uses)
             self._gather(slot, src, pid)
             return
+        home = self._home_grads.get(pid)
+        if home is not None:  # a device-home chunk: the gradient lands in place (never with ranks)
+            home.copy_(src) if first else home.add_(src)
+            self._arrived_grad(slot, None)
+            return
         if self.transient is not None and self.uses is None:
             self._reduce_contribution(slot, src, first)
             return
@@ -233,10 +240,6 @@ class GradientRouter:
             dst = self.spill.target(slot.chunk)[slot.offset: slot.offset + slot.numel]
         else:
             dst = self.store.grad_view(slot)
-        if self.store.is_gpu_home(slot.chunk):
-            dst.copy_(src) if first else dst.add_(src)
-            self._arrived_grad(slot, None)
-            return
         nbytes = src.numel() * src.element_size()
         # in flight: at most the largest parameter's bytes, and no more than the open gathers leave
         self._reserve(nbytes, min(self.param_reserve, self.grad_reserve() - self._open_bytes))
@@ -419,6 +422,10 @@ class GradientRouter:
     def placement_changed(self) -> None:
         """Chunks were placed on the device: their gradients land in place, not gathered."""
         self.gather_from = {c: n for c, n in self.gather_from.items() if not self.store.is_gpu_home(c)}
+        home = {c for c in range(len(self.plan.chunks))
+                if self.store.is_gpu_home(c) and isinstance(self.store.chunks[c].grad, torch.Tensor)}
+        self._home_grads = {id(p): self.store.grad_view(self.plan.slots[n]) for p, n in self.param_names.items()
+                            if self.plan.slots[n].chunk in home}
 
     # -- device bytes in flight -----------------------------------------------------------
     def _reserve(self, nbytes: int, limit: int) -> None:

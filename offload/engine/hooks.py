@@ -207,7 +207,7 @@ class ActivationTracker:
         None or `lumps` False. The read guard is entered either way."""
         if key is None or not self.lumps:
             return _Recompute(self, None, None)
-        key = (key, segments.signature())
+        key = (key, segments.last.key)  # (an attribute: this runs once per block recompute)
         known = self.learned.get(key)
         return _Recompute(self, key, known if type(known) is int else None)
 
@@ -230,8 +230,9 @@ class ActivationTracker:
         self.learned = {}
 
     def saving_block_inputs(self) -> Any:
-        """Context for a checkpointed block's save_for_backward: its inputs may be offloaded."""
-        return _Flag(self.offloader)
+        """Context for a checkpointed block's save_for_backward: its inputs may be offloaded.
+        None without activation offload (nothing to do around it)."""
+        return None if self.offloader is None else _Flag(self.offloader)
 
 
 _MAX_LEARNED = 4096
@@ -521,7 +522,8 @@ def checkpointed(forward: Callable, *, context: Callable[[], Any], hold: Callabl
     engine's saved-tensor hooks or its learned activation bytes, and the read guard), `key`
     naming what decides what it saves; its `done()` runs when the block's backward has ended; `hold()` what the recomputation and the block's backward both run under (the
     block's frame, holding its chunks: its own forward hooks do not run then);
-    `saving()` wraps the saving of the block's inputs (activation offload picks them there);
+    `saving()` wraps the saving of the block's inputs (activation offload picks them there), or
+    is None (nothing to wrap);
     `buffers` restores the buffers the forward changed for the recompute.
     """
     anchor = torch.empty(0, requires_grad=True)
@@ -542,10 +544,14 @@ def checkpointed(forward: Callable, *, context: Callable[[], Any], hold: Callabl
         is_tensor = tuple(kinds)
         snapshot: list = [None]
         taken = buffers.before()
+        meta = ((context, run, snapshot, hold), (treespec, is_tensor), others, cuda, buffers.block.training)
+        around = saving()
         try:
-            with saving():  # autograd packs the saved inputs when apply returns: inside this block
-                out = _Checkpoint.apply(((context, run, snapshot, hold), (treespec, is_tensor), others, cuda,
-                                         buffers.block.training), anchor, *tensors)
+            if around is None:
+                out = _Checkpoint.apply(meta, anchor, *tensors)
+            else:
+                with around:  # autograd packs the saved inputs when apply returns: inside this block
+                    out = _Checkpoint.apply(meta, anchor, *tensors)
         except BaseException:  # e.g. BudgetExceeded mid-block: the copies' bytes go back
             buffers.drop(taken)
             raise

@@ -308,13 +308,7 @@ class Residency:
             raise UnsupportedModel(
                 f"{self.name_of(mod)} ran outside engine.step / forward / eval_loss: the engine "
                 f"makes parameters resident only there (read trained weights with named_parameters_fp32)")
-        self.guard.paused += 1  # (_push, inline: this runs for every unit's forward)
-        try:
-            self._frames.append((mod, []))
-            if mod in self.module_chunks:
-                self.acquire_module(mod)
-        finally:
-            self.guard.paused -= 1
+        self._push(mod)
 
     def _push(self, mod: torch.nn.Module) -> None:
         self.guard.paused += 1
@@ -328,15 +322,7 @@ class Residency:
     def exit_module(self, mod: torch.nn.Module, args: Any = None, out: Any = None) -> None:
         """A module's forward ended: release its own chunks and those read in its frame."""
         self.timeline.counts["hook_calls"] += 1
-        self.guard.paused += 1  # (_pop, inline: this runs for every unit's forward)
-        try:
-            if mod in self.module_chunks:
-                self.release_module(mod)
-            if self._frames:
-                for cid in self._frames.pop()[1]:
-                    self._release(cid)
-        finally:
-            self.guard.paused -= 1
+        self._pop(mod)
 
     def _pop(self, mod: torch.nn.Module) -> None:
         self.guard.paused += 1

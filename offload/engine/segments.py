@@ -94,14 +94,10 @@ class _Spans:
         return self.spans
 
 
-_last = _Spans()
-known = _last.known
-
-
-def signature() -> Any:
-    """The last packed batch's segments (what the attention here runs on), as a key; None when
-    it had none. What a recompute saves depends on them (offload.engine.hooks.recomputing)."""
-    return _last.key
+#: The last packed batch's segments; `last.key` is them as a key (None: it had none): what a
+#: recompute saves depends on them (offload.engine.hooks.recomputing).
+last = _Spans()
+known = last.known
 
 
 def _attention(module, query, key, value, attention_mask, *, position_ids=None, **kwargs):
@@ -114,7 +110,7 @@ def _attention(module, query, key, value, attention_mask, *, position_ids=None, 
             raise NotImplementedError(f"{type(module).__name__} does not pass position_ids to its attention: "
                                       "packed rows cannot be kept apart without a dense mask")
         if query.shape[2] > 1 and key.shape[2] == query.shape[2]:
-            spans = _last.of(position_ids, query.shape[0])
+            spans = last.of(position_ids, query.shape[0])
     if spans is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows = []
