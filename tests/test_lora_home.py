@@ -49,9 +49,9 @@ def blob_bytes(eng, cids):
     return sum(eng.kinds[c]["compute"] for c in cids)
 
 
-def encoded_fits(model, base_dtype):
+def encoded_fits(model, base_dtype, **kw):
     """A gpu budget that holds every chunk with the base encoded, not with it decoded."""
-    _, _, roomy, _ = run(model, base_dtype, batches(1), **ROOMY)
+    _, _, roomy, _ = run(model, base_dtype, batches(1), **ROOMY, **kw)
     enc = encoded(roomy)
     plain = sum(roomy.needs.home_bytes[c] for c in range(len(roomy.plan.chunks)) if c not in enc)
     budget = roomy.minimum_gpu_bytes + plain + blob_bytes(roomy, enc) + (16 << 10)
@@ -198,3 +198,25 @@ def test_weights_loaded_into_a_base_decoded_once_are_what_their_encoding_decodes
             assert torch.equal(mine[n], t), n
     finally:
         eng.close()
+
+
+def test_the_base_exports_as_computed_whichever_the_placement():
+    """bf16 compute over an NF4 base: the frozen weights `named_parameters_fp32` gives are the ones
+    the model computes with (decoded in bf16), whether the base is decoded at each use or once."""
+    model, data = tiny_llama(layers=4), batches(1)
+    values = []
+    for budget in (encoded_fits(model, "nf4", precision="bf16"), ROOMY["gpu_mem"]):
+        eng = Engine(copy.deepcopy(model), **flat_options(lora=lora_config(), lr=1e-2, base_dtype="nf4",
+                                                          precision="bf16", gpu_mem=budget, chunk_bytes=CHUNK))
+        try:
+            eng.step(data[0])
+            frozen = {n for n, s in eng.plan.slots.items() if eng.plan.is_frozen(s.chunk)}
+            values.append({n: t for n, t in eng.named_parameters_fp32() if n in frozen})
+            decoded = bool(eng.device_plan.decoded_home)
+        finally:
+            eng.close()
+        assert decoded == (budget == ROOMY["gpu_mem"])
+    assert values[0].keys() == values[1].keys()
+    for n, t in values[0].items():
+        assert torch.equal(t, values[1][n]), n
+        assert torch.equal(t, t.bfloat16().float()), n  # bf16 values

@@ -999,7 +999,7 @@ class Engine:
 
     def named_parameters_fp32(self, *, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, fp32 CPU tensor) for every parameter, from the master copies (frozen ones
-        decoded); `trainable_only`: the trainable ones (e.g. LoRA adapters), no frozen chunk read.
+        as the model computes with them: decoded in the compute dtype); `trainable_only`: the trainable ones (e.g. LoRA adapters), no frozen chunk read.
         Several ranks: collective (every rank iterates it all); each chunk comes from its owner."""
         self._check_open()
         if self.ranks is None:

@@ -205,23 +205,25 @@ class ActivationTracker:
         block's backward (`_Recompute.done`): no Python call per saved tensor. Sizes that differ
         between the two (data-dependent: experts' routing) keep the hooks for good, as does a key
         None or `lumps` False. The read guard is entered either way."""
-        if key is None or not self.lumps:
+        if key is None or not self.lumps or self.offloader is not None:  # (offloaded inputs: hooks)
             return _Recompute(self, None, None)
         key = (key, segments.last.key)  # (an attribute: this runs once per block recompute)
         known = self.learned.get(key)
         return _Recompute(self, key, known if type(known) is int else None)
 
     def _learn(self, key: Any, rec: "_Recording") -> None:
-        if key in self.learned and self.learned[key] is None:
+        before = self.learned.get(key, _NEW)
+        if before is None:
             return
         sizes = tuple(rec.sizes) if rec.ok else None
-        before = self.learned.get(key)
-        if sizes is None or (before is not None and before != sizes):
-            self.learned[key] = None
-        elif before is None:
-            if len(self.learned) >= _MAX_LEARNED:  # (keys of packed batches' segments: bounded)
+        if before is _NEW:  # a new key: the table is bounded (packed batches' segments make many)
+            if len(self.learned) >= _MAX_LEARNED:
                 self.learned = {k: v for k, v in self.learned.items() if type(v) is not tuple}
+            if len(self.learned) >= _MAX_LEARNED:
+                return  # full of learned sums and refusals: a new key keeps the hooks
             self.learned[key] = sizes
+        elif sizes is None or before != sizes:
+            self.learned[key] = None
         else:
             self.learned[key] = sum(sizes)
 
@@ -236,6 +238,7 @@ class ActivationTracker:
 
 
 _MAX_LEARNED = 4096
+_NEW = object()
 
 
 class _Recording:
@@ -413,7 +416,7 @@ class _Checkpoint(torch.autograd.Function):
         own = ctx.spec[0]
         key = None if type(own) is not _Own else (  # (a pytree call: learned never, hooks always)
             ctx.run[1], tuple(layout), tuple(ctx.grad_mask), own.n_args, own.keys, own.shape, tuple(others),
-            ctx.training, torch.is_autocast_enabled())
+            ctx.training, torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
         flat = inputs + list(ctx.others)
         with ctx.run[3]():  # the block's chunks stay resident through its recompute and backward
             recompute = ctx.run[0](key)

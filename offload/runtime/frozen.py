@@ -74,10 +74,12 @@ def encode_decode_slot(layout: FrozenLayout, plan: ChunkPlan, name: str, value: 
     codecs.decode(layout.base[name], encoded.to(out.device), slot.flat(out), double_quant=layout.double_quant)
 
 
-def decode_slot(layout: FrozenLayout, plan: ChunkPlan, name: str, blob: torch.Tensor) -> torch.Tensor:
-    """Parameter `name` decoded to fp32, [numel] in memory order."""
+def decode_slot(layout: FrozenLayout, plan: ChunkPlan, name: str, blob: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Parameter `name` decoded to `dtype` (the compute dtype: the values the model computes
+    with), [numel] in memory order."""
     off, n = _span(layout, plan, name)
-    out = torch.empty(plan.slots[name].numel, dtype=torch.float32, device=blob.device)
+    out = torch.empty(plan.slots[name].numel, dtype=dtype, device=blob.device)
     codecs.decode(layout.base[name], blob[off: off + n], out, double_quant=layout.double_quant)
     return out
 

@@ -447,9 +447,11 @@ class ChunkStore:
                 yield name, view.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
     def _frozen_value(self, cid: int, name: str, data: torch.Tensor) -> torch.Tensor:
-        """A frozen parameter as a contiguous fp32 CPU tensor (decoded when encoded)."""
+        """A frozen parameter as a contiguous fp32 CPU tensor: the values the model computes with
+        (an encoded one decoded in the compute dtype, as a chunk decoded for good holds it)."""
         s, layout = self.plan.slots[name], self.frozen[cid]
-        flat = s.flat(data).float() if layout is None else frozen_mod.decode_slot(layout, self.plan, name, data)
+        flat = (s.flat(data) if layout is None
+                else frozen_mod.decode_slot(layout, self.plan, name, data, self.compute_dtype)).float()
         view = flat.as_strided(s.shape, s.stride)
         return view.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
