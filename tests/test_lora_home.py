@@ -220,3 +220,26 @@ def test_the_base_exports_as_computed_whichever_the_placement():
     for n, t in values[0].items():
         assert torch.equal(t, values[1][n]), n
         assert torch.equal(t, t.bfloat16().float()), n  # bf16 values
+
+
+def test_an_estimate_short_of_the_activations_keeps_the_base_encoded():
+    """Placed up front for an estimate that left room for the base decoded; the warm-up saved more
+    activations than that: the base stays encoded (decoded per use), where decoding it would leave
+    no room for them, and the run goes on bit for bit instead of stopping over budget."""
+    model, data = tiny_llama(layers=4), batches(3, batch=8, seq=64)
+    _, _, roomy, _ = run(model, "nf4", data[:1], **ROOMY)
+    enc = encoded(roomy)
+    plain = sum(roomy.needs.home_bytes[c] for c in range(len(roomy.plan.chunks)) if c not in enc)
+    decoded = sum(roomy.needs.compute_bytes[c] for c in enc)
+    budget = roomy.minimum_gpu_bytes + plain + (blob_bytes(roomy, enc) + decoded) // 2
+    roomy.close()
+    placed_late, _, late, _ = run(model, "nf4", data, gpu_mem=budget, chunk_bytes=CHUNK)  # placed for what it measured
+    assert not late.device_plan.decoded_home
+    late.close()
+    losses, _, eng, _ = run(model, "nf4", data, gpu_mem=budget, chunk_bytes=CHUNK, activations=64 << 10)
+    try:
+        assert not eng.device_plan.decoded_home and all(eng.store.is_encoded(c) and in_gpu(eng, c) for c in enc)
+        assert losses == placed_late
+        assert eng.ledger.peaks()["gpu"] <= budget
+    finally:
+        eng.close()

@@ -893,6 +893,10 @@ class Engine:
         self.minimum_gpu_bytes = self._device_needs(activations=act, pinned=0 if self.units_are_blocks else pinned,
                                                     units=self._plain_units).minimum
         if self.device_plan is not None:  # placed up front from an estimate: keep it if it holds
+            limit = self._limit_for(act) if self.device_plan.decoded_home else None
+            if limit is not None and limit < self.needs.stream_window:  # no room left to decode the base:
+                log.info("activations above the estimate: the encoded base stays encoded (decoded per use)")
+                self.device_plan = dataclasses.replace(self.device_plan, decoded_home=frozenset())
             self._hold_estimate(act)
             for cid in sorted(self.device_plan.decoded_home):  # (decoded now: the weights are in)
                 self.residency.promote(cid, decoded=True)
@@ -914,22 +918,30 @@ class Engine:
         """Chunks were placed for the estimated activations; more were measured: the cache of
         streamed chunks gives way to them, or (when it cannot) StepOverBudget now, after a
         completed step, rather than in the middle of a later one."""
-        over = act - self.needs.activations
-        if over <= 0:
+        limit = self._limit_for(act)
+        if limit is None:
+            self.needs = dataclasses.replace(self.needs, activations=max(act, self.needs.activations))
             return
         budget = self.ledger.budgets["gpu"]
-        unplaced = 0 if budget is None else budget - self._placed_bytes()
+        assert budget is not None
         self.needs = dataclasses.replace(self.needs, activations=act)
-        over -= max(unplaced, 0)  # e.g. every chunk gpu-home with room to spare: nothing gives way
-        if budget is None or over <= 0:
-            return
-        limit = self.residency.cache.limit - over
+        over = self.residency.cache.limit - limit
         if limit < self.needs.stream_window:
             raise estimate_over_budget(budget, act, over, need=budget + self.needs.stream_window - limit)
         log.info("activations %s above the estimate: the stream cache shrinks to %s", format_size(over),
                  format_size(limit))
         self.residency.cache.limit = limit
         self.device_plan = dataclasses.replace(self.device_plan, cache_limit=limit)
+
+    def _limit_for(self, act: int) -> int | None:
+        """The stream cache's limit that leaves room for `act` bytes of activations beside the
+        placement (below the streaming window: it cannot); None when no change is needed."""
+        over = act - self.needs.activations
+        budget = self.ledger.budgets["gpu"]
+        if over <= 0 or budget is None:
+            return None
+        over -= max(budget - self._placed_bytes(), 0)  # e.g. every chunk gpu-home with room to spare
+        return None if over <= 0 else self.residency.cache.limit - over
 
     def _placed_bytes(self) -> int:
         """Device bytes the placement spends: buffers, gradient reserve, activations, gpu-home
