@@ -517,7 +517,7 @@ def _rebuild(spec: Any, n_tensors: int, flat: Any) -> tuple[tuple, dict]:
     return tree_unflatten(leaves, treespec)
 
 
-def checkpointed(forward: Callable, *, context: Callable[[], Any], hold: Callable[[], Any],
+def checkpointed(forward: Callable, *, context: Callable[[Any], Any], hold: Callable[[], Any],
                  saving: Callable[[], Any], buffers: BufferGuard) -> Callable:
     """Wrap a block's forward so that backward recomputes it instead of keeping its internals.
 

@@ -57,9 +57,6 @@ class ReadGuard:
             self._plain[sub] = cls
         return sub
 
-    def is_absent(self, p: torch.nn.Parameter) -> bool:
-        return type(p) in self._plain
-
     def __enter__(self) -> None:
         self.active += 1
 

@@ -409,12 +409,11 @@ class Residency:
         self._splits = {}
 
     def _split(self, mod: torch.nn.Module) -> tuple[list[int], list[int]]:
-        """`mod`'s chunks: (streamed, gpu-home), remembered until the placement changes."""
-        split = self._splits.get(mod)
-        if split is None:
-            chunks = self.module_chunks[mod]
-            split = self._splits[mod] = ([c for c in chunks if not self.store.is_gpu_home(c)],
-                                         [c for c in chunks if self.store.is_gpu_home(c)])
+        """`mod`'s chunks: (streamed, gpu-home), remembered in `_splits` until the placement
+        changes (the callers look there first)."""
+        chunks = self.module_chunks[mod]
+        split = self._splits[mod] = ([c for c in chunks if not self.store.is_gpu_home(c)],
+                                     [c for c in chunks if self.store.is_gpu_home(c)])
         return split
 
     def note_read(self, cid: int) -> None:
