@@ -220,12 +220,20 @@ class TrainConfig:
     on where no plan fits without it and one fits with it (cli.planning.resolve_offload)."""
     recompute: bool | None = _f(None, "Recompute each decoder layer's activations in backward (activation "
                                 "checkpointing: the smallest GPU budget), or keep them all (about 25% less "
-                                "compute). Default: keep them when the GPU budget holds them, as `finetune "
-                                "plan` shows (on CUDA only with --gpu-mem given).", panel=MEMORY,
+                                "compute). Default: keep them when the GPU budget holds them, else recompute the "
+                                "first layers that make it fit (--recompute-layers) or all, whichever the plan "
+                                "finds faster, as `finetune plan` shows (on CUDA only with --gpu-mem given).", panel=MEMORY,
                                 flag="--recompute/--no-recompute", plan=True)
     """Activation checkpointing of the decoder layers; False keeps every layer's activations;
-    None (auto): off when the planner finds that the GPU budget holds them, on with
-    --offload-activations (cli.planning.resolve_recompute)."""
+    None (auto): off when the planner finds that the GPU budget holds them, else the first
+    layers or all, whichever the planner finds faster; on with --offload-activations
+    (cli.planning.resolve_recompute)."""
+    recompute_layers: int | None = _f(None, "Recompute only the first N decoder layers and keep the others' "
+                                      "activations: between --no-recompute's speed and --recompute's memory. "
+                                      "Default: all of them with --recompute; auto picks N where keeping every "
+                                      "layer does not fit.", panel=MEMORY, plan=True)
+    """Recompute the first N decoder layers (core.options.recomputed_blocks); None: as --recompute
+    says. Set by cli.planning.resolve_recompute where auto picks a share."""
     chunk_size: str = _f("64M", "Bytes of fp32 weights per chunk.", panel=HW, plan=True)
     optimizer: str = _f("adamw", "Optimizer.", panel=OPTIM, choices=OPTIMIZERS, plan=True)
     lr: float | None = _f(None, "Peak learning rate (default: 1e-4; 2e-4 with --lora/--qlora, as the QLoRA "
@@ -334,9 +342,14 @@ class TrainConfig:
             raise ConfigError(f"unknown --precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
         if self.steps is not None and self.epochs is not None:
             raise ConfigError("give --steps or --epochs, not both")
-        if self.offload_activations and self.recompute is False:
+        if self.recompute_layers is not None:
+            if self.recompute_layers < 0:
+                raise ConfigError(f"--recompute-layers must be at least 0, got {self.recompute_layers}")
+            if self.recompute is False:
+                raise ConfigError("--recompute-layers recomputes some layers: drop --no-recompute")
+        if self.offload_activations and (self.recompute is False or self.recompute_layers == 0):
             raise ConfigError("--offload-activations moves the inputs of recomputed layers: it needs "
-                              "recompute (drop --no-recompute)")
+                              "recompute (drop --no-recompute / --recompute-layers 0)")
         for name in ("seq_len", "batch_size", "grad_accum", "nproc_per_node", "nnodes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

@@ -478,10 +478,16 @@ def attends_segments(cfg: TrainConfig, src: "ModelSource | None") -> bool:
     return _attention(src) == NAME
 
 
-def checkpointing(cfg: TrainConfig) -> bool | None:
-    """The Engine's / planner's `checkpointing` for --recompute: False off; else None, their
-    default (recompute when the model has several decoder layers; one layer is never recomputed)."""
-    return False if cfg.recompute is False else None
+def checkpointing(cfg: TrainConfig) -> bool | int | None:
+    """The Engine's / planner's `checkpointing` for --recompute / --recompute-layers: False off;
+    the first N layers; else None, their default (recompute when the model has several decoder
+    layers; one layer is never recomputed)."""
+    return False if cfg.recompute is False else cfg.recompute_layers
+
+
+def _recomputing(cfg: TrainConfig, n: int | None) -> TrainConfig:
+    """`cfg` recomputing the first `n` layers (None: all, 0: none)."""
+    return dataclasses.replace(cfg, recompute=n != 0, recompute_layers=n or None)
 
 
 def _has_cuda() -> bool:
@@ -495,26 +501,51 @@ def _has_cuda() -> bool:
 
 def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
                       padded: bool | None = None, here: bool = True) -> TrainConfig:
-    """`cfg` with `recompute` decided. Unset (auto): off when the planner finds a placement
-    that keeps every layer's activations within the budgets (less compute), else on. On
-    with --offload-activations (it offloads recomputed layers' inputs), and on CUDA without
-    --gpu-mem (the planner would judge the hardware profile's memory, not this card's). A run
-    the planner cannot price (a model family it does not know, a planner error) recomputes. A
-    LoRA run: whichever of on and off the planner finds faster (`_faster_recompute`). `here`: as
-    make_plan's."""
+    """`cfg` with `recompute` (and `recompute_layers`) decided. --recompute-layers N alone: on
+    (off for 0). Unset (auto): off when the planner finds a placement that keeps every layer's
+    activations within the budgets (less compute); else the fewest first layers whose recompute
+    makes it fit, or all of them, whichever the planner finds faster (all where neither plans).
+    On with --offload-activations (it offloads recomputed layers' inputs), and on CUDA without
+    --gpu-mem (the planner would judge the hardware profile's memory, not this card's). A run the
+    planner cannot price (a model family it does not know, a planner error) recomputes. A LoRA
+    run: the fastest of off, those and all, as the planner finds it (keeping activations can
+    leave too little room to cache the streamed base). `here`: as make_plan's."""
     if cfg.recompute is not None:
         return cfg
+    if cfg.recompute_layers is not None:
+        return _recomputing(cfg, cfg.recompute_layers)
     if cfg.offload_activations or (cfg.budgets["gpu"] is None and _has_cuda()):
         return dataclasses.replace(cfg, recompute=True)
-    if cfg.lora:
-        return _faster_recompute(cfg, src=src, padded=padded, here=here)
-    try:
-        make_plan(dataclasses.replace(cfg, recompute=False), src=src, padded=padded, here=here)
-        feasible = True
-    except (InfeasibleBudget, UnsupportedModel, ProfileError) as e:  # infeasible without recompute,
-        log.debug("no plan without recompute: %s", e)  # or a model family the planner cannot price
-        feasible = False
-    return dataclasses.replace(cfg, recompute=not feasible)
+    plans: dict[int | None, Plan | None] = {}
+
+    def plan_with(n: int | None) -> "Plan | None":
+        if n not in plans:
+            try:
+                plans[n] = make_plan(_recomputing(cfg, n), src=src, padded=padded, here=here)
+            except (InfeasibleBudget, UnsupportedModel, ProfileError, ConfigError) as e:  # infeasible, or a
+                log.debug("no plan recomputing %s layers: %s", "all" if n is None else n, e)  # family the
+                plans[n] = None  # planner cannot price
+        return plans[n]
+
+    if plan_with(0) is not None and not cfg.lora:
+        return _recomputing(cfg, 0)
+    every = plan_with(None)
+    if every is None:
+        return _recomputing(cfg, None if plan_with(0) is None else 0)
+    fewest = 0  # the fewest first layers that fit: the more recomputed, the fewer activations kept
+    if plan_with(0) is None:
+        lo, hi = 0, every.layers
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if plan_with(mid) is not None else (mid, hi)
+        fewest = hi
+    best: tuple[int | None, float] = (None, every.tokens_per_s)
+    if fewest < every.layers:
+        plan = plan_with(fewest)
+        assert plan is not None
+        if plan.tokens_per_s > best[1]:
+            best = (fewest, plan.tokens_per_s)
+    return _recomputing(cfg, best[0])
 
 
 def resolve_offload(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: bool | None = None,
@@ -543,23 +574,6 @@ OFFLOADED = ("activations: each block's input offloaded between forward and back
              "memory, else the NVMe swap: the plan's reserves say where) - the GPU budget holds them no other "
              "way; --no-offload-activations refuses instead")
 """What `finetune` and `plan` say when resolve_offload turned offloading on."""
-
-
-def _faster_recompute(cfg: TrainConfig, *, src: "ModelSource | None", padded: bool | None,
-                      here: bool = True) -> TrainConfig:
-    """A LoRA run streams its base every micro-batch: keeping every layer's activations (less
-    compute) can leave too little room to cache the base, so recompute is on or off, whichever
-    the planner finds faster (on where neither plans)."""
-    best = None
-    for recompute in (True, False):
-        try:
-            plan = make_plan(dataclasses.replace(cfg, recompute=recompute), src=src, padded=padded, here=here)
-        except (InfeasibleBudget, UnsupportedModel, ProfileError) as e:
-            log.debug("no LoRA plan with recompute %s: %s", recompute, e)
-            continue
-        if best is None or plan.tokens_per_s > best[1]:
-            best = (recompute, plan.tokens_per_s)
-    return dataclasses.replace(cfg, recompute=True if best is None else best[0])
 
 
 SEQ_STEP = 1024
@@ -697,7 +711,8 @@ def summary_table(cfg: TrainConfig, *, name: str, params: int, lora: str | None 
                       f"warmup {cfg.warmup_steps}"),
         ("precision", cfg.precision),
         ("batch", f"{cfg.batch_size} x {cfg.grad_accum} accum x {cfg.seq_len} tokens"),
-        ("recompute", {True: "on", False: "off", None: "auto"}[cfg.recompute]),
+        ("recompute", {True: "on" if cfg.recompute_layers is None else f"the first {cfg.recompute_layers} layers",
+                       False: "off", None: "auto"}[cfg.recompute]),
     ]
     if lora:
         rows.append(("lora", lora))

@@ -234,6 +234,10 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     if auto and not cfg.recompute and cfg.optimizer != "mezo":
         console.print("activations: kept for backward, no recompute (the GPU budget holds them; "
                       "--recompute saves GPU memory)", highlight=False)
+    elif auto and cfg.recompute_layers is not None:
+        of = f" of {plan.layers}" if plan is not None else ""
+        console.print(f"activations: the first {cfg.recompute_layers}{of} decoder layers recomputed in backward, the "
+                      "others' kept (the fastest plan that fits; --recompute recomputes all)", highlight=False)
     if auto_offload and cfg.offload_activations:
         console.print(OFFLOADED, highlight=False)
     if refusal is None and blocks and len(blocks[0]) > 3:

@@ -58,7 +58,7 @@ def test_every_toml_key_sets_its_field(tmp_path, monkeypatch):
     monkeypatch.setattr(cli_train, "run", lambda cfg, console: seen.setdefault("cfg", cfg) and 0)
     values = {"model": "tiny", "data": "d.jsonl", "eval_data": "e.jsonl", "seq_len": 64, "batch_size": 2,
               "grad_accum": 3, "pack": False, "gpu_mem": "1G", "cpu_mem": "2G", "cxl_mem": "3G", "cxl_node": 1,
-              "nvme_path": "/tmp/x", "nvme_mem": "2T", "nvme_checksum": False, "offload_activations": True, "recompute": True, "chunk_size": "16M",
+              "nvme_path": "/tmp/x", "nvme_mem": "2T", "nvme_checksum": False, "offload_activations": True, "recompute": True, "recompute_layers": 2, "chunk_size": "16M",
               "optimizer": "galore", "lr": 0.5, "weight_decay": 0.1, "grad_clip": 1.0, "precision": "bf16",
               "steps": 7, "epochs": None, "warmup_steps": 2, "schedule": "linear", "eval_every": 3,
               "checkpoint_every": 4, "log_every": 3, "keep_checkpoints": 5, "report_to": "tensorboard", "seed": 9, "output": "o", "resume": True,

@@ -101,7 +101,9 @@ def test_frozen_chunk_bytes_are_the_engines(base, double_quant):
 
 ACTIVATION_CASES = [("fp32", None, "all-linear", False), ("bf16", None, "q_proj,v_proj", True),
                     ("fp32", False, "o_proj,up_proj", True), ("bf16", False, "all-linear", False),
-                    ("fp32", False, "gate_proj", False), ("bf16", False, "down_proj", True)]
+                    ("fp32", False, "gate_proj", False), ("bf16", False, "down_proj", True),
+                    ("fp32", 1, "all-linear", False), ("bf16", 1, "q_proj,v_proj", True),
+                    ("bf16", 1, "o_proj,up_proj", False), ("fp32", 1, "down_proj", True)]
 DROPOUT_CASES = ACTIVATION_CASES + [("fp32", False, "q_proj,k_proj,down_proj", True), ("bf16", None, "o_proj", False),
                                     ("fp32", None, "gate_proj,up_proj,down_proj", True)]
 

@@ -81,8 +81,12 @@ def test_cli_plan_without_recompute_needs_more_gpu_and_verifies():
     runner = CliRunner()
     base = ["plan", "--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--chunk-size", "16K",
             "--cpu-mem", "64M"]
-    on = runner.invoke(app, base + ["--gpu-mem", "1M"])  # minimum about 0.55 MiB with recompute
+    on = runner.invoke(app, base + ["--gpu-mem", "1M", "--recompute"])  # minimum about 0.55 MiB with recompute
     assert on.exit_code == 0 and "recompute on" in on.output, on.output
+    # auto: 1M holds 1 of the 4 layers' activations beside the others' recompute, and a run agrees
+    share = runner.invoke(app, base + ["--gpu-mem", "1M", "--verify"])
+    assert share.exit_code == 0 and "PASS" in share.output, (share.output, share.exception)
+    assert "recompute the first 3 of 4 layers" in share.output
     off = runner.invoke(app, base + ["--gpu-mem", "1M", "--no-recompute"])  # about 1.56 MiB without
     assert off.exit_code == 2 and "too small" in off.stderr, (off.output, off.stderr)
     ok = runner.invoke(app, base + ["--gpu-mem", "2M", "--no-recompute", "--verify"])

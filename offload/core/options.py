@@ -82,7 +82,8 @@ class Precision:
 @dataclass(frozen=True, kw_only=True)
 class Activations:
     """`recompute`: recompute each block in backward (True), keep every block's activations
-    (False), or None: recompute when the model has several blocks. `offload`: keep recomputed
+    (False), recompute the first n blocks and keep the rest's (an int n: recomputed_blocks), or
+    None: recompute when the model has several blocks. `offload`: keep recomputed
     blocks' inputs in host memory between forward and backward. `expected`: the peak bytes of
     saved activations (the planner's estimate): given, chunks are placed now; None: after the
     warm-up step, which measures it. `host`: bytes of host memory the offloaded inputs need
@@ -92,7 +93,7 @@ class Activations:
     the NVMe swap directory (the planner's nvme reserve; needs budget.nvme); `host` is then the
     host buffers they pass through."""
 
-    recompute: bool | None = None
+    recompute: bool | int | None = None
     offload: bool = False
     expected: int | None = None
     host: int = 0
@@ -100,8 +101,25 @@ class Activations:
     nvme: int = 0
 
     def __post_init__(self) -> None:
+        r = self.recompute
+        if not (r is None or isinstance(r, bool) or isinstance(r, int) and r >= 0):
+            raise ValueError(f"activations: recompute takes True, False, None or a number of blocks >= 0, got {r!r}")
         if self.cxl and self.nvme:
             raise ValueError("activations: offloaded inputs go to one tier, CXL or NVMe, not both")
+
+
+def recomputed_blocks(recompute: bool | int | None, blocks: int) -> int:
+    """How many of a model's `blocks` are recomputed in backward: the first ones, all (True), none
+    (False), the first n (an int; more than the model has is a ValueError) or, None, all when there
+    are several. The first ones, because backward reaches them last: by then the kept blocks'
+    activations are freed, so a recompute never adds to them."""
+    if recompute is None:
+        return blocks if blocks > 1 else 0
+    if isinstance(recompute, bool):
+        return blocks if recompute else 0
+    if recompute > blocks:
+        raise ValueError(f"activations: recompute {recompute} blocks, but the model has {blocks}")
+    return int(recompute)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -69,7 +69,7 @@ import torch.distributed as dist
 
 from ..core.chunks import pack_chunks, specs_of
 from ..core.errors import BudgetExceeded, UnsupportedModel
-from ..core.options import Activations, Budget, Distributed, Optim, Precision, Streaming
+from ..core.options import Activations, Budget, Distributed, Optim, Precision, Streaming, recomputed_blocks
 from ..core.sizes import parse_size
 from ..core.units import format_size
 from ..core.vocab import TIERS
@@ -448,26 +448,28 @@ class Engine:
                 surgery.patch_forward(mod, lambda f, m=mod: dual_forward(
                     f, m, half=lambda: self.zo_batch, updater=self.updater, names=self.param_names,
                     ledger=self.ledger))
-        if checkpointing is None:
-            checkpointing = len(self.blocks) > 1
-        if self.offload_activations and not checkpointing and self.updater.needs_grad:
+        count = recomputed_blocks(checkpointing, len(self.blocks))
+        if self.offload_activations and not count and self.updater.needs_grad:
             raise ValueError("offload_activations moves the inputs of recomputed blocks: it needs "
-                             "checkpointing (a model with several blocks, checkpointing not False)")
+                             "checkpointing (a model with several blocks, checkpointing not False or 0)")
+        recomputed = self.blocks[:count]
         self.tracker = ActivationTracker(res, self.ledger, self.device, counts=self.moments.counts)
-        self.tracker.lumps = lumped_recompute(model, self.blocks)
-        if checkpointing:
+        self.tracker.lumps = lumped_recompute(model, recomputed)
+        if recomputed:
             surgery.disable_kv_cache()  # a KV cache would see each block twice (recompute)
             config = getattr(model, "config", None)
-            for mlp, width, values in tiled_mlps(self.blocks, getattr(config, "model_type", None)):
+            for mlp, width, values in tiled_mlps(recomputed, getattr(config, "model_type", None)):
                 surgery.patch_forward(mlp, lambda f, m=mlp, w=width, v=values: tiled(
                     f, m, width=w, context=lambda: res.recompute(self.tracker.hooks()),
                     enabled=functools.partial(getattr, self, "units_are_blocks"), values=v))
-            for block in self.blocks:
+            for block in recomputed:
                 surgery.patch_forward(block, lambda f, b=block: checkpointed(
                     f, context=self.tracker.recomputing, hold=functools.partial(self._holding, b),
                     saving=self.tracker.saving_block_inputs,
                     buffers=BufferGuard(b, **booked(self.ledger, "gpu", "activation"))))
-        self.checkpointing = checkpointing
+        self.checkpointing = bool(count)
+        self.recomputed = count
+        """Blocks recomputed in backward: the first `recomputed` of `blocks`."""
         self._unit_hooks = install_module_hooks(self._hooked(), res.enter_module, res.exit_module)
         surgery.keep(self._unit_hooks)
         transient = TransientGrads(self.plan, self.tiers, self.grad_window) if self.owned_grads else None

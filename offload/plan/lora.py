@@ -203,12 +203,13 @@ def _needs_grad_in(part: str, targets: frozenset[str]) -> bool:
 
 
 def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozenset[str], tied: bool,
-               recompute: bool, blocks: bool = False) -> list[tuple[str, int]]:
+               recompute: int, blocks: bool = False) -> list[tuple[str, int]]:
     """The access trace ((\"acquire\" | \"release\", chunk), ...) the engine records for one LoRA
     step of a Llama-family model (offload.runtime.trace): each module acquires its chunks for its
     forward; backward reads the weights autograd saved (the output head's, the final norm's, and
     per layer, last first, every module whose input needs a gradient, in reverse), each
-    recomputed layer running its forward again first. `chunks_of`: module -> its chunks.
+    recomputed layer (the first `recompute` layers) running its forward again first. `chunks_of`:
+    module -> its chunks.
     `blocks`: the layers are the units of residency (offload.plan.needs.units_are_blocks): a
     layer's chunks are acquired together for its forward, and for its recompute and backward."""
     events: list[tuple[str, int]] = []
@@ -238,10 +239,10 @@ def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozen
     use(head)  # backward: the head's saved weight, then the final norm's
     use("model.norm")
     for layer in reversed(range(layers)):
-        if blocks and recompute:
+        if blocks and layer < recompute:
             use_layer(layer)  # held through the recompute and the layer's backward
             continue
-        if recompute:
+        if layer < recompute:
             for part in _LAYER:
                 for m in _modules(layer, part, targets):
                     use(m)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from ..core.chunks import ParamSpec
 from ..core.errors import TierwiseError
+from ..core.options import recomputed_blocks
 from ..core.vocab import COMPUTE_BYTES
 from ..update.table import OptimizerSpec
 from ...profiles.hardware import HardwareProfile
@@ -104,7 +105,7 @@ def mlp_tile_tokens(width: int, itemsize: int, rows: int, tile_bytes: "int | Non
 
 
 def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
-                     checkpointing: bool | None = None, padded: bool = False,
+                     checkpointing: bool | int | None = None, padded: bool = False,
                      lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int] | None" = None,
                      row_positions: bool = False, offload: bool = False, tiles: bool = True) -> dict[str, int]:
     """Bytes autograd saves for backward, by part, as the engine counts them (per saved tensor
@@ -114,7 +115,8 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     fixed   token ids (int64, the embedding) + rotary cos/sin (S x head_dim, e each, shared by
             all layers) + position ids (int64, S); with padding, the bool attention mask
             (B x S x S, a checkpointed block input shared by all layers)
-    inputs  one saved block input per layer, e*T*h (the last block's output is the final norm's)
+    inputs  one saved block input per recomputed layer, e*T*h (the last block's output is the
+            final norm's)
     norm    an RMSNorm: its fp32 input (a new fp32 copy in bf16 runs; in fp32 the input itself,
             which for a block's first norm is the already-counted block input), rsqrt (fp32, T),
             the normalised and the weighted output (e*T*h each)
@@ -125,17 +127,18 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             norm's output, already counted); with padding also SDPA's additive mask
             (e*B*S*S) and k/v repeated to every query head (2 e*T*(q_dim - kv_dim) more: SDPA
             takes grouped heads only without a mask); 0 without checkpointing
-    layers  without checkpointing, every layer's internals (layers * that), held from forward
-            to backward; 0 with it
+    layers  the layers kept (not recomputed): each one's internals (untiled) and, in fp32 runs,
+            its first norm's fp32 input (the block input itself; in bf16 it is not saved),
+            held from forward to their backward; 0 when every layer is recomputed
     head    the final norm + what the loss saves (loss_bytes)
     final_norm  the part of head still saved once log_softmax's backward has run
-    The peak is fixed + inputs + layers + the larger of block (in backward) and head (end of
-    forward).
+    The peak is fixed + inputs + the larger of layers + head (end of forward) and block (a
+    recompute in backward: the recomputed layers are the first ones, reached after the kept
+    layers' activations and the head's are freed).
 
-    Without checkpointing (`checkpointing=False`, or None with a single decoder layer: the
-    engine checkpoints blocks by default only when there are several) no position ids are
-    saved (only the checkpoint keeps them) and `inputs` is each layer's first-norm fp32 input
-    in fp32 runs (in bf16 the block input itself is not saved).
+    `checkpointing`: the layers recomputed (core.options.recomputed_blocks: True all, False
+    none, an int n the first n, None all when there are several). Without any (`False`, or None
+    with a single decoder layer) no position ids are saved (only the checkpoint keeps them).
 
     `offload`: checkpointed blocks' inputs that need a gradient live in host memory between
     forward and backward (offload.engine.actoffload): on the device at most two at once (one on
@@ -177,28 +180,30 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     norm = 4 * t + 2 * e * t * h + fp32_copy
     first_norm = norm - (fp32_copy if e == 4 else 0)
     attention = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s
-    checkpointed = checkpoints_blocks(model, checkpointing)
     layers = model.num_hidden_layers
+    recomputed = recomputed_blocks(checkpointing, layers)
+    checkpointed = recomputed > 0
     if padded:  # the additive mask and k/v repeated per query head, as SDPA saves them
         attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
     elif row_positions and s >= SEGMENTS_FROM:  # packed rows attended per segment: o_proj's input is
         attention += e * t * model.q_dim  # their outputs joined, a copy (one SDPA call's is laid out as it)
     # the MLP's tokens at once: a tile's when it runs in tiles (offload.engine.tiled)
     mlp_t = batch_size * min(s, mlp_tile_tokens(i, e, batch_size)) if (
-        tiles and checkpoints_blocks(model, checkpointing) and model.family in TILED_FAMILIES) else t
+        tiles and checkpointed and model.family in TILED_FAMILIES) else t
     internals = first_norm + attention + norm + 4 * e * mlp_t * i
+    kept_internals = first_norm + attention + norm + 4 * e * t * i  # (a kept layer's MLP runs untiled)
     mask = batch_size * s * s if padded and checkpointed else 0  # bool, saved as a block input
     # rotary cos/sin (e each) and position ids (int64, saved by a checkpointed block), per row or shared
     positions = (batch_size if row_positions else 1) * s * (2 * model.dim_per_head * e + (8 if checkpointed else 0))
     if lora is not None:
         parts = _lora_parts(lora, e=e, t=t, s=s, h=h, i=i, layers=layers, attention=attention, fixed=mask + positions,
-                            checkpointed=checkpointed, model=model, batch_size=batch_size, mlp_t=mlp_t)
+                            recomputed=recomputed, model=model, batch_size=batch_size, mlp_t=mlp_t)
     else:
         parts = {
             "fixed": 8 * t + positions + mask,
-            "inputs": layers * e * t * h if checkpointed else layers * (e * t * h if e == 4 else 0),
+            "inputs": recomputed * e * t * h,
             "block": internals if checkpointed else 0,
-            "layers": 0 if checkpointed else layers * internals,
+            "layers": (layers - recomputed) * (kept_internals + (e * t * h if e == 4 else 0)),
             "final_norm": norm,
             "head": norm + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=True),
         }
@@ -213,22 +218,27 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
 
 
 def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int]", *, e: int, t: int, s: int, h: int, i: int, layers: int,
-                attention: int, fixed: int, checkpointed: bool, model: ModelProfile, batch_size: int,
+                attention: int, fixed: int, recomputed: int, model: ModelProfile, batch_size: int,
                 mlp_t: int) -> dict[str, int]:
-    """activation_parts of a LoRA run (see there). `mlp_t`: the MLP's tokens at once (a tile's
-    when it runs in tiles, which it does not with dropout; its input is then saved whatever the
-    targets)."""
+    """activation_parts of a LoRA run (see there). `mlp_t`: the MLP's tokens at once in a
+    recomputed layer (a tile's when it runs in tiles, which it does not with dropout; its input
+    is then saved whatever the targets); a kept layer's MLP runs untiled."""
     targets, rank, drop = (*lora, None) if len(lora) == 2 else lora
     if drop is not None and targets & {"gate_proj", "up_proj", "down_proj"}:
         mlp_t = t  # (an adapter's dropout in the MLP would draw its noise per tile: untiled)
     fp32_copy = 4 * t * h
     first = 4 * t + (fp32_copy if e != 4 else 0) + (e * t * h if targets & {"q_proj", "k_proj", "v_proj"} else 0)
-    post = 4 * t + fp32_copy + (e * t * h if targets & {"gate_proj", "up_proj"} or mlp_t != t else 0)
-    mlp = 3 * e * mlp_t * i + (e * mlp_t * i if "down_proj" in targets else 0)
     mlp_targets = len(targets & {"gate_proj", "up_proj", "down_proj"})
-    internals = first + attention + post + mlp + e * rank * (t * (len(targets) - mlp_targets) + mlp_t * mlp_targets)
-    if drop is not None:
-        internals += _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim, grad_in=lambda part: True)
+
+    def internals_at(mt: int) -> int:  # one layer's, its MLP over `mt` tokens at once
+        post = 4 * t + fp32_copy + (e * t * h if targets & {"gate_proj", "up_proj"} or mt != t else 0)
+        mlp = 3 * e * mt * i + (e * mt * i if "down_proj" in targets else 0)
+        out = first + attention + post + mlp + e * rank * (t * (len(targets) - mlp_targets) + mt * mlp_targets)
+        if drop is not None:
+            out += _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim, grad_in=lambda part: True)
+        return out
+
+    internals, kept_internals = internals_at(mlp_t), internals_at(t)
     # without recompute, layer 0 saves nothing for the part before its first targeted linear:
     # its input (the frozen embedding's output) needs no gradient
     layer0 = 4 * t + (fp32_copy if e != 4 else 0)
@@ -244,11 +254,14 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
             - _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim,
                              grad_in=lambda part: _needs_grad_in(part, targets))
     final = 4 * t + fp32_copy  # the final norm's input and rsqrt
+    kept_input = e * t * h if e == 4 else 0  # a kept layer's first norm's fp32 input, the block input
+    if not recomputed:  # (layer 0's input needs no gradient: not saved)
+        layer0 += kept_input
     return {
         "fixed": fixed,  # the mask and positions (no token ids: the embedding is frozen)
-        "inputs": layers * e * t * h if checkpointed else (layers - 1) * (e * t * h if e == 4 else 0),
-        "block": internals if checkpointed else 0,
-        "layers": 0 if checkpointed else layers * internals - layer0,
+        "inputs": recomputed * e * t * h,
+        "block": internals if recomputed else 0,
+        "layers": (layers - recomputed) * (kept_internals + kept_input) - (0 if recomputed else layer0),
         "final_norm": final,
         "head": final + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=False),
     }
@@ -286,7 +299,7 @@ LoraAct = Optional[Union[tuple[frozenset[str], int], tuple[frozenset[str], int, 
 
 
 def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
-                     backward: bool = True, checkpointing: bool | None = None, padded: bool = False,
+                     backward: bool = True, checkpointing: bool | int | None = None, padded: bool = False,
                      lora: LoraAct = None, row_positions: bool = False, offload: bool = False,
                      tiles: bool = True) -> int:
     """Peak bytes of saved activations in one step (see activation_parts; `padded`: the step's
@@ -296,13 +309,13 @@ def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                          checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions,
                          offload=offload, tiles=tiles)
-    return p["fixed"] + p["inputs"] + p["layers"] + max(p["block"], p["head"])
+    return p["fixed"] + p["inputs"] + max(p["layers"] + p["head"], p["block"])
 
 
-def checkpoints_blocks(model: ModelProfile, checkpointing: bool | None = None) -> bool:
-    """Whether the engine checkpoints the decoder layers: as asked, else (None) when there are
-    several (Activations(recompute=None) applies the same rule)."""
-    return model.num_hidden_layers > 1 if checkpointing is None else bool(checkpointing)
+def checkpoints_blocks(model: ModelProfile, checkpointing: bool | int | None = None) -> bool:
+    """Whether the engine checkpoints any decoder layer (core.options.recomputed_blocks, the rule
+    Activations(recompute=...) applies)."""
+    return recomputed_blocks(checkpointing, model.num_hidden_layers) > 0
 
 
 def buffer_bytes(model: ModelProfile) -> int:
@@ -346,8 +359,9 @@ class StepLoad:
     """Chunks that are not gpu-home."""
     ops_per_forward: int = 0
     """Torch ops and module hooks one forward dispatches (each pays host.op_overhead_us)."""
-    recompute: bool = True
-    """Backward recomputes each checkpointed block's forward (3 forwards' flops, else 2)."""
+    recompute: float = 1.0
+    """The share of the decoder blocks backward recomputes (their forward again: 3 forwards'
+    flops when all are, 2 when none)."""
     weight_grads: bool = True
     """Backward computes weight gradients (2 forwards' flops); False for a LoRA run over a frozen
     base: only the activations' gradients (1 forward's flops; the adapters' are negligible)."""
@@ -382,7 +396,7 @@ def dispatch_s(load: StepLoad, overhead_us: float | None) -> tuple[float, float]
     backward runs each op's backward (twice its forward's dispatches) plus, with recompute,
     the forward again."""
     each = (overhead_us or 0.0) * 1e-6 * load.ops_per_forward
-    return each, each * (3 if load.recompute else 2)
+    return each, each * (2 + load.recompute)
 
 
 def _phase(busy: dict[str, float], startup: float) -> tuple[float, str]:
@@ -431,7 +445,7 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
     stream = (load.fetched_bytes if load.link_bytes is None else load.link_bytes) / 2  # per pass
     on_nvme = src.get("nvme", 0)
     dequant = load.dequant_bytes / 2 / (hw.gpu.memory_bandwidth_gbps * GB)  # per pass, memory-bound
-    bwd_passes = (1 if load.recompute else 0) + (2 if load.weight_grads else 1)
+    bwd_passes = load.recompute + (2 if load.weight_grads else 1)
     launch_fwd, launch_bwd = dispatch_s(load, hw.host.op_overhead_us)
 
     # forward: stream every streamed compute source in; nvme sources pass a DRAM bounce buffer.
@@ -540,7 +554,7 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     act = sum(load.offloaded.values())  # block inputs: out in forward, back in backward
     fwd = {"gpu compute": load.tokens_flops_fwd / rate, "pcie h2d": link / 3 / copy,
            "dispatch": dispatch_fwd, "dequant": decode}
-    flops = (1 if load.recompute else 0) + (2 if load.weight_grads else 1)
+    flops = load.recompute + (2 if load.weight_grads else 1)
     bwd = {"gpu compute": flops * load.tokens_flops_fwd / rate, "pcie h2d": 2 * link / 3 / copy,
            "pcie d2h": load.grad_d2h_bytes / back, "dispatch": dispatch_bwd, "dequant": decode}
     if act:
@@ -589,7 +603,7 @@ def _simulated_nvme(hw: HardwareProfile, load: StepLoad, *, needs_grad: bool, fp
         return {}
     nv_r, nv_w = hw.nvme.read_gbps * GB, hw.nvme.write_gbps * GB
     share = load.stream_bytes.get("nvme", 0) / max(1, sum(load.stream_bytes.values()))
-    fwd = load.fetched_bytes / (3 if load.recompute else 2)
+    fwd = load.fetched_bytes / (2 + load.recompute)
     # the update reads master and state and writes them back (and a bf16 compute copy); a gradient
     # on NVMe reaches the early update in its staging buffer, so it is neither written nor read
     writes = on.get("master", 0) + on.get("state", 0) + on.get("compute", 0)

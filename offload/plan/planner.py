@@ -41,9 +41,10 @@ from typing import Any, Sequence
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, ParamSpec, pack_chunks
 from ..core.errors import InfeasibleBudget, TierwiseError
+from ..core.options import recomputed_blocks
 from ..core.vocab import GRAD_REDUCE, TIERS
 from .homes import Homes, assign_homes, minimum_host
-from .perfmodel import (KINDS, LoraAct, StepLoad, activation_bytes, activation_parts, buffer_bytes, checkpoints_blocks,
+from .perfmodel import (KINDS, LoraAct, StepLoad, activation_bytes, activation_parts, buffer_bytes,
                                compute_bytes, model_flops,
                                ops_per_forward, param_update_flops, predict_step)
 from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
@@ -123,8 +124,10 @@ class Plan:
     tokens_per_s: float
     bounds: dict[str, str] = field(default_factory=dict)
     """The resource that bounds each phase (perfmodel.StepPrediction.bounds)."""
-    checkpointing: bool = True
-    """Whether backward recomputes the decoder blocks (activation checkpointing)."""
+    checkpointing: int = 0
+    """Decoder blocks backward recomputes (activation checkpointing): the first ones; 0 none."""
+    layers: int = 0
+    """The model's decoder blocks."""
     host_rss: int = 0
     """What the OS will count for the process (per node with several ranks): the host peak, the
     process itself (PROCESS_BYTES each) and, on the simulated device, its gpu peak (host RAM)."""
@@ -190,7 +193,7 @@ class Plan:
                  f"batch {self.batch_size} x {self.seq_len}{MASKED if self.padded else ''}, "
                  f"grad-accum {self.grad_accum}, {_count(self.num_params)} params, "
                  f"{self.num_chunks} chunks of {format_size(self.chunk_bytes)}, "
-                 f"recompute {'on' if self.checkpointing else 'off'}"]
+                 f"recompute {recompute_text(self.checkpointing, self.layers)}"]
         if self.lora_rank is not None:
             lines.append(f"LoRA rank {self.lora_rank} on {self.lora_targets}: {_count(self.trainable_params)} "
                          f"trainable params; the base ({_count(self.num_params - self.trainable_params)}) frozen, "
@@ -297,6 +300,7 @@ class _Chunks:
         self.flops: list[float] = []
         self.encoded: set[int] = set()  # frozen chunks stored in another dtype (decoded per use, home or not)
         self.layers, self.tied = (model.num_hidden_layers, model.tie_word_embeddings) if lora is not None else (0, False)
+        self.num_layers = model.num_hidden_layers if model is not None else 0  # (the decoder blocks)
         self.targets = lora.targets if lora is not None else frozenset()
         plain = "bf16" if self.bf16 else "fp32"
         self.fetches_last: dict[int, int] = {}
@@ -355,7 +359,7 @@ class _Chunks:
         self.zo_module = "lm_head" if tied_head else widest  # a tied head runs last, on the embedding's chunk
         self.zo_chunks = sorted(modules.get(widest, ()))
 
-    def fetches(self, device: DevicePlan, streamed: list[int], *, recompute: bool) -> dict[int, int]:
+    def fetches(self, device: DevicePlan, streamed: list[int], *, recompute: int) -> dict[int, int]:
         """Times each chunk of `streamed` (those through the cache: `cached`) is fetched, or for a
         gpu-home encoded one decoded, in one micro-batch of a LoRA step: the schedule
         (`plan.schedule.plan_schedule`, Belady + in-order prefetch, as the engine runs it) over
@@ -469,12 +473,19 @@ def _resolve_model(model: Any) -> ModelProfile:
 DEFAULT_HARDWARE = "cpu-sim"
 
 
+def recompute_text(recomputed: int, layers: int) -> str:
+    """How a plan says which decoder blocks backward recomputes."""
+    if not recomputed:
+        return "off"
+    return "on" if recomputed >= layers else f"the first {recomputed} of {layers} layers"
+
+
 def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | str | None, gpu_mem: int | str | None,
               cpu_mem: int | str | None, cxl_mem: int | str | None = None, nvme_path: str | None = None,
               nvme_mem: int | str | None = None, optimizer: str, precision: str, batch_size: int, seq_len: int,
               chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
               optimizer_kwargs: dict[str, Any] | None = None, grad_accum: int = 1, up_front: bool = True,
-              checkpointing: bool | None = None, padded: bool = False, row_positions: bool = False,
+              checkpointing: bool | int | None = None, padded: bool = False, row_positions: bool = False,
               offload_activations: bool = False,
               params: "Sequence[ParamSpec] | None" = None, device_mem: int | None = None,
               lora_rank: int | None = None, lora_targets: str = "all-linear", base_dtype: str | None = None,
@@ -556,7 +567,11 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_size, rank=rank,
                  optimizer_kwargs=optimizer_kwargs, params=params, lora=lora, base_dtype=base_dtype,
                  double_quant=double_quant, cuda=not hw.simulated if cuda is None else cuda)
-    checkpointing = ch.needs_grad and checkpoints_blocks(model, checkpointing)  # resolved, as the engine does
+    # resolved, as the engine does: blocks recomputed (a count past the model's is refused)
+    try:
+        checkpointing = recomputed_blocks(checkpointing, model.num_hidden_layers) if ch.needs_grad else 0
+    except ValueError as e:
+        raise TierwiseError(str(e).replace("activations: ", "")) from None
     lora_act: LoraAct = None
     if lora is not None:  # dropout's saved mask: CPU dropout keeps its noise in the compute dtype, CUDA a bool
         lora_act = ((lora.targets, lora.rank, 1 if ch.cuda else compute_bytes(precision)) if lora_dropout
@@ -633,6 +648,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                              offloaded=host_act,
                              meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size,
                                        optimizer=optimizer, checkpointing=checkpointing, padded=padded,
+                                       layers=model.num_hidden_layers,
                                        row_positions=row_positions, offload=offload_activations,
                                        grad_accum=grad_accum, lora_rank=lora_rank,
                                        lora_targets=lora_targets if lora_rank is not None else None,
@@ -684,7 +700,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                   budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
                   batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size, optimizer=optimizer,
                   host_minimum=host_min + {"host": host_act, "nvme": staging}.get(act_tier, 0), act_tier=act_tier,
-                  checkpointing=checkpointing, padded=padded,
+                  checkpointing=checkpointing, padded=padded, layers=model.num_hidden_layers,
                   row_positions=row_positions, offload=offload_activations,
                   grad_accum=grad_accum,
                   lora_rank=lora_rank, lora_targets=lora_targets if lora_rank is not None else None,
@@ -823,7 +839,7 @@ def _streamed_homes(ch: _Chunks, homes: Homes, streamed: list[int]) -> Homes:
 
 
 def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int], flops_fwd: float,
-          ops: int, recompute: bool, remote: frozenset[int] = frozenset(),
+          ops: int, recompute: int, remote: frozenset[int] = frozenset(),
           offloaded: "dict[str, int] | None" = None) -> StepLoad:
     """What one step moves and computes with this placement (input of the performance model).
     A frozen chunk's one kind is booked "base" in `placed` (never written back, never updated);
@@ -867,7 +883,8 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
         gpu_update_flops=sum(ch.flops[c] for c in home),
         chunk_compute_bytes=max((ch.compute[c] for c in streamed), default=0),
         chunk_params=max((ch.params[c] for c in trainable), default=0),
-        num_chunks=ch.n - len(ch.frozen), streamed_chunks=len(streamed), ops_per_forward=ops, recompute=recompute,
+        num_chunks=ch.n - len(ch.frozen), streamed_chunks=len(streamed), ops_per_forward=ops,
+        recompute=recompute / max(1, ch.num_layers),
         offloaded=offloaded or {},
         weight_grads=not ch.frozen)
 
@@ -926,7 +943,7 @@ def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
 
 def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds,
                    device: DevicePlan, batch_size: int, seq_len: int, precision: str,
-                   checkpointing: bool | None, padded: bool = False, lora: LoraAct = None,
+                   checkpointing: int, padded: bool = False, lora: LoraAct = None,
                    row_positions: bool = False, offload: bool = False) -> int:
     """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
     forward (all activations); a block's recompute in backward;
@@ -940,12 +957,13 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                          checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions,
                          offload=offload, tiles=ch.block_units)
-    held = p["fixed"] + p["inputs"] + p["layers"]  # without checkpointing, every layer's internals
+    held = p["fixed"] + p["inputs"] + p["layers"]  # the kept layers' activations too, till their backward
     gathered = {name: ch.ce * ch.plan.chunks[s.chunk].numel for name, s in ch.plan.slots.items()
                 if s.chunk not in device.gpu_home and s.chunk not in ch.frozen}  # frozen: no gradient
     inflight = (needs.grad_reserve if ch.cuda else 0) if gathered else 0
     head = gathered.get("lm_head.weight", 0)
-    return max(held + p["head"], held + p["block"] + inflight,
+    # (a recompute comes after the kept layers' backward: the recomputed layers are the first)
+    return max(held + p["head"], p["fixed"] + p["inputs"] + p["block"] + inflight,
                held + p["final_norm"] + max(head, inflight),
                p["fixed"] + max(gathered.get("model.embed_tokens.weight", 0), inflight))
 
@@ -1014,7 +1032,7 @@ def _rank_view(ch: _Chunks, remote: frozenset[int], owned_grads: bool) -> _Chunk
 
 def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, placed: DeviceNeeds,
                 gpu: int, host: int | None,
-                cxl: int, use_nvme: bool, nvme_cap: int | None, nproc: int, nnodes: int, checkpointing: bool,
+                cxl: int, use_nvme: bool, nvme_cap: int | None, nproc: int, nnodes: int, checkpointing: int,
                 precision: str, lora_act: LoraAct, single: dict[str, Any], meta: dict[str, Any],
                 grad_reduce: str = "micro", offloaded: int = 0) -> Plan:
     """make_plan for `nproc` ranks per node on `nnodes` nodes (offload.plan.ranks). Every rank

@@ -44,7 +44,7 @@ from ..engine.lora import inject_meta
 from ..engine.model_info import hf_meta_model
 from ..runtime.store import SwapKind
 from ..core.vocab import TIERS
-from ..plan.planner import MASKED, Plan, make_plan
+from ..plan.planner import MASKED, Plan, make_plan, recompute_text
 from ..core.units import format_size
 from ...profiles import HardwareProfile, ModelProfile, load_hardware_profile
 from ...profiles.hardware import unmeasured_cxl
@@ -90,7 +90,7 @@ class VerifyReport:
         p = self.plan
         lines = [f"verify {p.model}: {p.optimizer}, {p.precision}, batch {p.batch_size} x {p.seq_len}"
                  f"{MASKED if p.padded else ''}, "
-                 f"recompute {'on' if p.checkpointing else 'off'}, "
+                 f"recompute {recompute_text(p.checkpointing, p.layers)}, "
                  f"{len(self.losses)} steps (1 warm-up) on the {self.device} device"]
         rows = [("tier", "planned", "measured", "diff", "warm-up", "budget")]
         for tier in TIERS:
