@@ -44,7 +44,9 @@ def test_7b_adamw_24g_gpu_128g_host_by_hand():
     host = plan.bytes["host"]
     cpu = plan.cpu_update_params
     assert host["compute"] == 2 * cpu and host["grad"] == host["master"] == 4 * cpu and host["state"] == 8 * cpu
-    assert plan.peak["host"] == sum(host.values()) < 128 * GiB
+    # and on CUDA the buffer gradients land in first: the largest copy, the embedding's in bf16
+    assert plan.reserve["host"]["grad staging"] == emb * 2
+    assert plan.peak["host"] == sum(host.values()) + emb * 2 < 128 * GiB
     assert not any(plan.bytes["nvme"].values()) and not any(plan.bytes["cxl"].values())
 
 

@@ -89,6 +89,7 @@ from ..update.zeroth import dual_forward, hf_split_losses
 from .actoffload import Offloader
 from .batches import default_loss, split_batch, step_weights, to_device
 from .early import EarlyUpdater
+from . import gradients as gradients_mod
 from .gradients import GradientRouter
 from .gradspill import GradSpill
 from .frozen_base import frozen_layouts
@@ -346,8 +347,14 @@ class Engine:
         remote = self.ranks.remote() if self.ranks is not None else frozenset()
         self.kinds = self._kinds(remote)
         budgets = self.ledger.budgets
-        # transient grads, and offloaded activations (the planner's estimate)
-        host = None if budgets["host"] is None else budgets["host"] - self.grad_window - self.host_activations
+        # CUDA: gradients land in registered host memory first, the largest copy's bytes
+        # (offload.engine.gradients; the planner books the same)
+        self.grad_staging = (self._device_needs(activations=0).grad_copy
+                             if self.updater.needs_grad and len(self.plan.frozen) < len(self.plan.chunks)
+                             and (self.device.type == "cuda" or gradients_mod.STAGE_ON_SIMULATED) else 0)
+        # transient grads, staged grads, and offloaded activations (the planner's estimate)
+        host = None if budgets["host"] is None else (budgets["host"] - self.grad_window - self.grad_staging
+                                                     - self.host_activations)
         # CUDA: encoded frozen chunks cross the link into one device staging buffer, decoded
         # from there (fetches run in order on the copy stream); the simulated device decodes in place
         staging = max((self.kinds[c]["compute"] for c in self.plan.frozen if self.frozen_layouts[c] is not None),
@@ -394,6 +401,10 @@ class Engine:
         self.bounce = (Bounce(self.store, bounce_sizes(streamed, self.homes.tiers))
                        if self.homes.bounce else None)
         self.store.bounce = self.bounce
+        self.staging_buffer = None
+        if self.grad_staging:
+            self.ledger.reserve("host", "buffer", self.grad_staging)
+            self.staging_buffer = self.tiers.host_buffer(self.grad_staging)
 
     def _kinds(self, remote: frozenset[int]) -> dict[int, dict[str, int]]:
         """{chunk: {kind: bytes}} of a rank for which the chunks `remote` are another's."""
@@ -481,7 +492,7 @@ class Engine:
             grad_reserve=functools.partial(operator.attrgetter("needs.grad_reserve"), self), early=early,
             new_spill=lambda: GradSpill(self.store, self.bounce, self.nvme, self.executor),
             compute_itemsize=self.compute_dtype.itemsize, ranks=self.ranks, counts=self.moments.counts,
-            transient=transient,
+            transient=transient, staging=self.staging_buffer,
             reduce_rest=self._reduce_rest)
         res.on_backward_read = self.grads.read_in_backward
         surgery.keep(p.register_post_accumulate_grad_hook(self.grads.grad_ready)

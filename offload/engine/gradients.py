@@ -8,7 +8,10 @@
   parameter. Otherwise (the first backward, a gradient on NVMe: a staging buffer,
   offload.engine.gradspill; another rank's chunk) each parameter's gradient gets its own copy.
   Gradients on the device, gathered or in flight, are kept under `grad_reserve()` (the oldest
-  copy retires first).
+  copy retires first). On CUDA a copy that is added to its home, or whose home holds another
+  dtype (fp32 beside bf16 compute), lands in the staging buffer first (registered host memory,
+  the largest copy's bytes, booked): it crosses the link in the compute dtype, and the copy
+  worker adds or converts it on the host before its next copy (one worker: one buffer does).
 - Accumulation: the first backward counts each parameter's contributions (one per graph using
   it: per recomputed block for a shared weight); later backwards sum them in p.grad in
   PyTorch's order and hand each chunk one sum per parameter (copy the first time a parameter is
@@ -44,6 +47,10 @@ from .gradspill import GradSpill
 
 log = logging.getLogger(__name__)
 
+STAGE_ON_SIMULATED = False
+"""The engine stages gradients on CUDA only (the simulated device's memory is the host's);
+tests set this to run the staging path on the CPU."""
+
 
 class _Held:
     """Device bytes of a gradient on its way to the host (`buf`): given back to the ledger, and
@@ -73,13 +80,14 @@ class _Gather:
 class GradientRouter:
     """Gets the chunk store (and its plan), the executor, the ledger, the parameters' names, the
     in-flight byte limit (`grad_reserve`, it changes with the placement), a factory of NVMe
-    gradient spills (one per step) and the early updater (None: updates wait for the step's end)."""
+    gradient spills (one per step), the early updater (None: updates wait for the step's end) and
+    the host buffer copies land in first (`staging`, uint8; None: into their homes directly)."""
 
     def __init__(self, *, store: ChunkStore, executor: Executor, ledger: Ledger,
                  param_names: dict[torch.nn.Parameter, str], grad_reserve: Callable[[], int],
                  new_spill: Callable[[], GradSpill], early: EarlyUpdater | None, compute_itemsize: int,
                  ranks: Any = None, transient: Any = None, reduce_rest: Callable[[list[int]], None] | None = None,
-                 counts: dict[str, int] | None = None):
+                 counts: dict[str, int] | None = None, staging: torch.Tensor | None = None):
         self.store, self.plan = store, store.plan
         self.executor, self.ledger, self.param_names = executor, ledger, param_names
         self.grad_reserve, self.new_spill, self.early = grad_reserve, new_spill, early
@@ -88,6 +96,8 @@ class GradientRouter:
         self.param_reserve = compute_itemsize * max(
             (s.numel for s in self.plan.slots.values() if not self.plan.is_frozen(s.chunk)), default=0)
         self.ranks, self.transient, self.reduce_rest = ranks, transient, reduce_rest
+        self.staging = staging
+        self.staged = 0  # copies through it
         self.counts = {"grad_copies": 0} if counts is None else counts  # the step's counters (timeline)
         self.reduce_on = False  # owned-only gradients: complete chunks are reduced during backward
         self.spill = new_spill()
@@ -314,8 +324,12 @@ class GradientRouter:
         src = held.buf
         try:
             staging = None
-            if self.executor.cuda and not first:
-                staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
+            if self.staging is not None and (not first or src.dtype != dst.dtype):
+                if held.nbytes > self.staging.numel():  # (sized for the largest copy: never)
+                    raise RuntimeError(f"a gradient copy of {held.nbytes} B outgrows the staging buffer "
+                                       f"({self.staging.numel()} B)")
+                staging = self.staging[:held.nbytes].view(src.dtype)
+                self.staged += 1
             ticket = self.executor.copy("d2h", dst, src, accumulate=not first, staging=staging, then=held.release)
         except BaseException:
             held.release()

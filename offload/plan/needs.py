@@ -32,9 +32,10 @@ def device_needs(*, compute: Sequence[int], home: Sequence[int], module_chunks: 
     pair = max((a + b for a, b in zip(gathered, gathered[1:])), default=max(gathered, default=0))
     reserve = (max(largest_param, pair) * element_size if needs_grad
                else zo_workspace(module_numels, element_size))
+    copy = max(largest_param, max(gathered, default=0)) * element_size if needs_grad else 0
     return DeviceNeeds(buffers=buffers, stream_window=widest + max(compute, default=0),
                        grad_reserve=reserve, activations=activations,
-                       home_bytes=tuple(home), compute_bytes=tuple(compute))
+                       home_bytes=tuple(home), compute_bytes=tuple(compute), grad_copy=copy)
 
 
 #: Blocks are the unit of residency (one pair of hooks per block, its chunks acquired together

@@ -31,6 +31,7 @@ class DeviceNeeds:
     activations: int  # peak saved activations (measured in the warm-up step; 0 before)
     home_bytes: tuple[int, ...]  # per chunk: all kinds, if the chunk were gpu-home
     compute_bytes: tuple[int, ...]  # per chunk: its compute copy
+    grad_copy: int = 0  # the largest gradient copy to the host: a chunk's gathered, or one parameter's
 
     @property
     def minimum(self) -> int:

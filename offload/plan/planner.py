@@ -301,6 +301,7 @@ class _Chunks:
         self.encoded: set[int] = set()  # frozen chunks stored in another dtype (decoded per use, home or not)
         self.layers, self.tied = (model.num_hidden_layers, model.tie_word_embeddings) if lora is not None else (0, False)
         self.num_layers = model.num_hidden_layers if model is not None else 0  # (the decoder blocks)
+        self.grad_staging = 0  # host bytes gradients land in first on CUDA (make_plan)
         self.targets = lora.targets if lora is not None else frozenset()
         plain = "bf16" if self.bf16 else "fp32"
         self.fetches_last: dict[int, int] = {}
@@ -572,6 +573,10 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
         checkpointing = recomputed_blocks(checkpointing, model.num_hidden_layers) if ch.needs_grad else 0
     except ValueError as e:
         raise TierwiseError(str(e).replace("activations: ", "")) from None
+    # CUDA: gradients land in registered host memory first, the largest copy's bytes
+    # (offload.engine.gradients), as the engine books it; the chunks' homes get the rest
+    if ch.cuda and ch.needs_grad and len(ch.frozen) < ch.n:
+        ch.grad_staging = ch.device_needs(buffers=0, activations=0).grad_copy
     lora_act: LoraAct = None
     if lora is not None:  # dropout's saved mask: CPU dropout keeps its noise in the compute dtype, CUDA a bool
         lora_act = ((lora.targets, lora.rank, 1 if ch.cuda else compute_bytes(precision)) if lora_dropout
@@ -591,15 +596,16 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     # (tier, what the homes may use of the host, of CXL): host RAM, else (one rank) CXL memory,
     # else (one rank) the NVMe swap directory, through two host buffers
     single = nproc_per_node * nnodes == 1
-    places: list[tuple[str, int | None, int]] = [("host", host, cxl)]
-    if host is not None and host_act:
+    room = None if host is None else host - ch.grad_staging
+    places: list[tuple[str, int | None, int]] = [("host", room, cxl)]
+    if host is not None and room is not None and host_act:
         places = []
-        if host_act <= host:
-            places.append(("host", host - host_act, cxl))
+        if host_act <= room:
+            places.append(("host", room - host_act, cxl))
         if single and host_act <= cxl:
-            places.append(("cxl", host, cxl - host_act))
-        if single and use_nvme and staging <= host:
-            places.append(("nvme", host - staging, cxl))
+            places.append(("cxl", room, cxl - host_act))
+        if single and use_nvme and staging <= room:
+            places.append(("nvme", room - staging, cxl))
         if not places:
             other = [f for f, given in (("--cxl-mem", cxl), ("--nvme-path", use_nvme)) if single and not given]
             need = staging if single and use_nvme else host_act  # (on NVMe: what they pass through)
@@ -672,7 +678,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
             homes_built = _engine_homes(ch, hosted, host=homes_host, cxl=homes_cxl, nvme=use_nvme)
             break
         except InfeasibleBudget as e:
-            first = first or e
+            first = first or _beside_staging(e, ch.grad_staging, homes_host)
     else:
         assert first is not None
         if not host_act or places[0][0] != "host":
@@ -699,7 +705,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                   precision=precision,
                   budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
                   batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size, optimizer=optimizer,
-                  host_minimum=host_min + {"host": host_act, "nvme": staging}.get(act_tier, 0), act_tier=act_tier,
+                  host_minimum=host_min + ch.grad_staging + {"host": host_act, "nvme": staging}.get(act_tier, 0),
+                  act_tier=act_tier,
                   checkpointing=checkpointing, padded=padded, layers=model.num_hidden_layers,
                   row_positions=row_positions, offload=offload_activations,
                   grad_accum=grad_accum,
@@ -795,6 +802,18 @@ def _engine_homes(ch: _Chunks, hosted: list[int], *, host: int | None, cxl: int,
             f"({format_size(used_host)}); at least {format_size(need)} ({need} B) needed; raise --cpu-mem",
             minimum={"host": need})
     return homes
+
+
+def _beside_staging(e: InfeasibleBudget, staging: int, room: int | None) -> InfeasibleBudget:
+    """A refusal of the chunks' homes within `room`, the host budget less `staging` (the gradient
+    staging buffer): the same, naming the whole budget and its minimum."""
+    if not staging or room is None or "host" not in e.minimum:
+        return e
+    was, need = e.minimum["host"], e.minimum["host"] + staging
+    msg = str(e).replace(f"host budget {format_size(room)}", f"host budget {format_size(room + staging)} "
+                         f"({format_size(staging)} of it staging gradients)", 1)
+    msg = msg.replace(f"{format_size(was)} ({was} B)", f"{format_size(need)} ({need} B)", 1)
+    return InfeasibleBudget(msg, minimum={**e.minimum, "host": need})
 
 
 def _grow(used: Any, start: int, *, cap: int) -> int:
@@ -987,7 +1006,7 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
     in_flight = "grad in flight" if ch.needs_grad else "workspace"
     reserve = {"gpu": {"buffers": needs.buffers, "stream cache": cache, "activations": needs.activations,
                        in_flight: transient - needs.activations},
-               "host": {"nvme bounce": homes.bounce}}
+               "host": {"nvme bounce": homes.bounce} | ({"grad staging": ch.grad_staging} if ch.grad_staging else {})}
     offload_parts = activation_parts(model=model, **act_args)
     offloaded = offload_parts["host_inputs"] if ch.needs_grad else 0
     if offloaded:  # (host RAM, or CXL memory or NVMe where the host could not hold them: make_plan)
@@ -1051,7 +1070,8 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     owner = multi.owners(trainable, world)
     remotes = [frozenset(c for c in trainable if owner[c] != r) for r in range(L)]
     owned_grads = grad_reduce == "micro" and ch.needs_grad
-    window = multi.window_bytes(ch.plan, trainable) if owned_grads else 0  # each rank keeps it free
+    window = multi.window_bytes(ch.plan, trainable) if owned_grads else 0
+    keep = window + ch.grad_staging  # each rank keeps it free (and its gradient staging: make_plan)
     views = [_rank_view(ch, rem, owned_grads) for rem in remotes]
     device = plan_device(placed, gpu, allow_gpu_home=False)
     margin = placed.activations - needs.activations
@@ -1068,7 +1088,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     if not uneven:
         mins = [max(mins)] * L
     base_kinds = {c: ch.kinds[c] for c in ch.frozen}
-    room = None if host is None else host - sum(mins) - L * window
+    room = None if host is None else host - sum(mins) - L * keep
     try:
         if room is not None and room < 0:
             raise InfeasibleBudget("", minimum={"host": 0})
@@ -1076,7 +1096,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
             else Homes(tiers={}, bytes={}, bounce=0)
     except InfeasibleBudget as exc:  # the base's own minimum (0 when the ranks' alone exceed the budget)
         others = "a window for the others' gradients" if owned_grads else "fp32 gradients of all the others"
-        need = sum(mins) + L * window + exc.minimum.get("host", 0)
+        need = sum(mins) + L * keep + exc.minimum.get("host", 0)
         raise InfeasibleBudget(f"node host budget {format_size(host or 0)} cannot hold "
                                f"{'the frozen base once and ' if base_kinds else ''}{L} ranks' own chunks (each its "
                                f"owned chunks and {others}): at least {format_size(need)} ({need} B) needed; raise --cpu-mem"
@@ -1085,7 +1105,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     base = {t: sum(base_homes.bytes.get(t, {}).values()) for t in ("host", "cxl", "nvme")}
     base_bounce = L * base_homes.bounce  # each rank stages its own NVMe reads of the base
     base_part = -(-base["host"] // L)  # what each rank's ledger books of the base (SharedBase.part)
-    spare = None if host is None else (host - L * (base_part + base_homes.bounce + window) - sum(mins)) // L
+    spare = None if host is None else (host - L * (base_part + base_homes.bounce + keep) - sum(mins)) // L
     per_host = [None if spare is None else max(mins[r] + spare, 0) for r in range(L)]
     per_cxl = (cxl - base["cxl"]) // L if cxl else 0
     rank_homes = []
@@ -1093,7 +1113,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
         try:
             rank_homes.append(assign_homes(kinds=own[r], host=per_host[r], cxl=per_cxl or None, nvme=use_nvme))
         except InfeasibleBudget as exc:
-            need = L * (base_part + base_homes.bounce + window) + sum(mins) - mins[r] + exc.minimum.get("host", 0)
+            need = L * (base_part + base_homes.bounce + keep) + sum(mins) - mins[r] + exc.minimum.get("host", 0)
             raise InfeasibleBudget(f"node host budget {format_size(host or 0)}: after the frozen base "
                                    f"({format_size(base['host'])} in host RAM) rank {r} of {L} gets "
                                    f"{format_size(per_host[r] or 0)}, too little for its own chunks: at least "
@@ -1101,7 +1121,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                                    minimum={"host": need}) from None
     node_bytes = {t: base[t] + sum(sum(h.bytes.get(t, {}).values()) for h in rank_homes) for t in ("host", "cxl", "nvme")}
     bounces = base_bounce + sum(h.bounce for h in rank_homes)
-    node_bytes["host"] += bounces + L * window
+    node_bytes["host"] += bounces + L * keep
     if nvme_cap is not None and node_bytes["nvme"] > nvme_cap:
         raise InfeasibleBudget(f"--nvme-path has {format_size(nvme_cap)} of space: the node needs at least "
                                f"{format_size(node_bytes['nvme'])}; raise --cpu-mem / --cxl-mem or free disk space",
@@ -1139,7 +1159,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     plan = _build(views[0], model=model, hw=hw, needs=needs, margin=margin, device=device, homes=homes0,
                   pred=preds[slowest],
                   precision=precision, budgets={"gpu": gpu, "host": host, "cxl": cxl, "nvme": nvme_cap if use_nvme else 0},
-                  host_minimum=sum(mins) + L * window + (minimum_host(base_kinds, cxl=cxl or None, nvme=use_nvme)
+                  host_minimum=sum(mins) + L * keep + (minimum_host(base_kinds, cxl=cxl or None, nvme=use_nvme)
                                                          if base_kinds else 0), lora_act=lora_act,
                   **_base_traffic(views[0], load=step_loads[0], homes=homes0, streamed=streamed,
                                   micro_batches=accum, hw=hw), **meta)
@@ -1159,9 +1179,10 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
         for c, d in h.tiers.items():
             for kind, tier in d.items():
                 by_tier[tier][kind] = by_tier[tier].get(kind, 0) + own[r][c][kind]
-    reserve = dict(plan.reserve) | {"host": {"nvme bounce": bounces} | ({"grad window": L * window} if window else {})}
+    reserve = dict(plan.reserve) | {"host": {"nvme bounce": bounces} | ({"grad window": L * window} if window else {})
+                                    | ({"grad staging": L * ch.grad_staging} if ch.grad_staging else {})}
     peak = dict(plan.peak) | {t: node_bytes[t] for t in ("host", "cxl", "nvme")}
-    private = [sum(h.bytes.get("host", {}).values()) + h.bounce + base_homes.bounce + window for h in rank_homes]
+    private = [sum(h.bytes.get("host", {}).values()) + h.bounce + base_homes.bounce + keep for h in rank_homes]
     all_grads = sum(4 * ch.plan.chunks[c].numel for c in trainable) if ch.needs_grad else 0
     grad_bytes = [(sum(4 * ch.plan.chunks[c].numel for c in trainable if owner[c] == r) + window) if owned_grads
                   else all_grads for r in range(L)]
@@ -1180,7 +1201,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                      grad_bytes=grad_bytes, grad_reduce=grad_reduce if ch.needs_grad else "step",
                      single_tokens_per_s=single_tps,
                      host_shares=None if host is None or not uneven else
-                     [(per_host[r] or 0) + window + base_part + base_homes.bounce for r in range(L)])
+                     [(per_host[r] or 0) + keep + base_part + base_homes.bounce for r in range(L)])
     rss = node_bytes["host"] + L * PROCESS_BYTES + (0 if ch.cuda else sum(gpu_peaks))
     return dataclasses.replace(plan, bytes=by_tier, reserve=reserve, peak=peak, ranks=ranks, host_rss=rss,
                                gpu_update_params=0, cpu_update_params=owned[0])

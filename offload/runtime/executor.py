@@ -132,9 +132,14 @@ class Executor:
         """dst (+)= src on `lane_name`; `then` runs on the worker after the copy lands.
 
         The source was produced on the compute stream, so on CUDA the copy stream first waits
-        for an event recorded there now. `accumulate` into a host tensor needs a `staging`
-        host buffer on CUDA (the add runs on the CPU once the bytes have landed).
+        for an event recorded there now. `staging`: a host buffer of src's dtype and size the
+        bytes land in first; the worker then adds them to dst (`accumulate`) or copies them
+        there, converting to dst's dtype on the CPU, so they cross the link as src holds them
+        (a bf16 gradient for an fp32 home: half the bytes). On CUDA `accumulate` needs one. The
+        lane's copies may share one staging buffer: each is done with it before the next starts.
         """
+        if self.cuda and accumulate and staging is None:
+            raise ValueError("accumulating a device-to-host copy on CUDA needs a staging buffer")
         lane = self.lanes[lane_name]
         ready = None
         if self.cuda:
@@ -147,17 +152,16 @@ class Executor:
             if self.cuda:
                 with torch.cuda.stream(lane.stream):
                     lane.stream.wait_event(ready)
-                    target = staging if accumulate else dst
-                    target.copy_(src, non_blocking=True)
+                    (dst if staging is None else staging).copy_(src, non_blocking=True)
                     done_event.record(lane.stream)
-                if accumulate or dst.device.type == "cpu":
+                if staging is not None or dst.device.type == "cpu":
                     done_event.synchronize()
-                if accumulate:
-                    dst.add_(staging)
-            elif accumulate:
-                dst.add_(src)
-            else:
-                dst.copy_(src)
+            elif staging is not None:
+                staging.copy_(src)
+            if staging is not None:
+                dst.add_(staging) if accumulate else dst.copy_(staging)
+            elif not self.cuda:
+                dst.add_(src) if accumulate else dst.copy_(src)
             lane.link.wait_for(src.numel() * src.element_size(), start)
             if then is not None:
                 then()
