@@ -8,6 +8,7 @@ import torch
 from tierwise.offload import Engine, flat_options
 from tierwise.offload.plan.planner import make_plan
 from tierwise.offload.engine import gradients
+from tierwise.offload.plan import needs
 from tierwise.profiles import ModelProfile
 from tests.models import batches, tiny_llama, train_reference
 
@@ -26,13 +27,18 @@ def _run(monkeypatch, stage: bool, precision: str, data):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_staged_gradients_train_as_before(monkeypatch, precision):
+@pytest.mark.parametrize("cap", [None, 8192], ids=["whole", "in-slices"])
+def test_staged_gradients_train_as_before(monkeypatch, precision, cap):
     """4 micro-batches a step (every later one added on the host): fp32 as plain PyTorch, bit for
     bit; bf16 (each gradient crossing as bf16, converted on the host) as the engine without
-    staging. The buffer is the largest gradient copy's bytes, booked on the host."""
+    staging. The buffer is the largest gradient copy's bytes, booked on the host; capped below
+    it, each larger copy crosses in slices of the buffer."""
+    if cap is not None:
+        monkeypatch.setattr(needs, "GRAD_STAGING_CAP", cap)
     data = batches(3, batch=8)
     eng, losses, weights = _run(monkeypatch, True, precision, data)
-    assert eng.grads.staged > 0 and eng.staging_buffer.numel() == eng.grad_staging == eng.needs.grad_copy > 0
+    assert eng.grads.staged > 0 and eng.staging_buffer.numel() == eng.grad_staging > 0
+    assert eng.grad_staging == min(eng.needs.grad_copy, cap or eng.needs.grad_copy)
     assert eng.ledger.kind_peak("host", "buffer") >= eng.grad_staging
     if precision == "fp32":
         ref_losses, ref = train_reference(tiny_llama(), data, grad_accum=4)

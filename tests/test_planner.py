@@ -44,9 +44,10 @@ def test_7b_adamw_24g_gpu_128g_host_by_hand():
     host = plan.bytes["host"]
     cpu = plan.cpu_update_params
     assert host["compute"] == 2 * cpu and host["grad"] == host["master"] == 4 * cpu and host["state"] == 8 * cpu
-    # and on CUDA the buffer gradients land in first: the largest copy, the embedding's in bf16
-    assert plan.reserve["host"]["grad staging"] == emb * 2
-    assert plan.peak["host"] == sum(host.values()) + emb * 2 < 128 * GiB
+    # and on CUDA the buffer gradients land in first: the largest copy (the embedding's, 250 MiB
+    # in bf16) crosses in slices of 64 MiB
+    assert plan.reserve["host"]["grad staging"] == 64 << 20 < emb * 2
+    assert plan.peak["host"] == sum(host.values()) + (64 << 20) < 128 * GiB
     assert not any(plan.bytes["nvme"].values()) and not any(plan.bytes["cxl"].values())
 
 

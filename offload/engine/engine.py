@@ -74,7 +74,7 @@ from ..core.sizes import parse_size
 from ..core.units import format_size
 from ..core.vocab import TIERS
 from ..plan.homes import assign_homes, bounce_sizes
-from ..plan.needs import units_are_blocks, workspace_margin
+from ..plan.needs import grad_staging_bytes, units_are_blocks, workspace_margin
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
 from ..runtime.cores import cpu_threads
 from ..runtime.executor import Executor
@@ -347,9 +347,9 @@ class Engine:
         remote = self.ranks.remote() if self.ranks is not None else frozenset()
         self.kinds = self._kinds(remote)
         budgets = self.ledger.budgets
-        # CUDA: gradients land in registered host memory first, the largest copy's bytes
-        # (offload.engine.gradients; the planner books the same)
-        self.grad_staging = (self._device_needs(activations=0).grad_copy
+        # CUDA: gradients land in registered host memory first, the largest copy's bytes or a
+        # slice of it (offload.engine.gradients; the planner books the same)
+        self.grad_staging = (grad_staging_bytes(self._device_needs(activations=0))
                              if self.updater.needs_grad and len(self.plan.frozen) < len(self.plan.chunks)
                              and (self.device.type == "cuda" or gradients_mod.STAGE_ON_SIMULATED) else 0)
         # transient grads, staged grads, and offloaded activations (the planner's estimate)

@@ -10,8 +10,9 @@
   Gradients on the device, gathered or in flight, are kept under `grad_reserve()` (the oldest
   copy retires first). On CUDA a copy that is added to its home, or whose home holds another
   dtype (fp32 beside bf16 compute), lands in the staging buffer first (registered host memory,
-  the largest copy's bytes, booked): it crosses the link in the compute dtype, and the copy
-  worker adds or converts it on the host before its next copy (one worker: one buffer does).
+  the largest copy's bytes up to plan.needs.GRAD_STAGING_CAP, booked; a larger copy in slices):
+  it crosses the link in the compute dtype, and the copy worker adds or converts it on the host
+  before its next copy (one worker: one buffer does).
 - Accumulation: the first backward counts each parameter's contributions (one per graph using
   it: per recomputed block for a shared weight); later backwards sum them in p.grad in
   PyTorch's order and hand each chunk one sum per parameter (copy the first time a parameter is
@@ -325,10 +326,7 @@ class GradientRouter:
         try:
             staging = None
             if self.staging is not None and (not first or src.dtype != dst.dtype):
-                if held.nbytes > self.staging.numel():  # (sized for the largest copy: never)
-                    raise RuntimeError(f"a gradient copy of {held.nbytes} B outgrows the staging buffer "
-                                       f"({self.staging.numel()} B)")
-                staging = self.staging[:held.nbytes].view(src.dtype)
+                staging = self.staging[:min(held.nbytes, self.staging.numel())].view(src.dtype)
                 self.staged += 1
             ticket = self.executor.copy("d2h", dst, src, accumulate=not first, staging=staging, then=held.release)
         except BaseException:

@@ -38,6 +38,16 @@ def device_needs(*, compute: Sequence[int], home: Sequence[int], module_chunks: 
                        home_bytes=tuple(home), compute_bytes=tuple(compute), grad_copy=copy)
 
 
+#: Gradients staged on the host on CUDA (offload.engine.gradients) pass through one registered
+#: buffer of the largest copy's bytes, at most this many: a larger copy crosses in slices of it.
+GRAD_STAGING_CAP = 64 << 20
+
+
+def grad_staging_bytes(needs: DeviceNeeds) -> int:
+    """The staging buffer's bytes (engine and planner alike)."""
+    return min(needs.grad_copy, GRAD_STAGING_CAP)
+
+
 #: Blocks are the unit of residency (one pair of hooks per block, its chunks acquired together
 #: and kept through its recompute and backward) when their needs fit the gpu budget and the
 #: window they take, the widest block's chunks plus one being fetched, is at most 1/BLOCK_SHARE

@@ -490,6 +490,7 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
     tail = load.chunk_params / rate if load.cpu_params else 0.0
 
     if cost.needs_grad:  # backward (with recompute by default); CPU updates overlap it, group by group
+        staged = _staged_bytes(load.grad_d2h_bytes, compute_bytes(precision), micro_batches)
         bwd_busy = {
             "gpu compute": (bwd_passes * load.tokens_flops_fwd / gpu_rate + dequant) * micro_batches
             + gpu_update,
@@ -498,13 +499,14 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
             # per step, as their CPU updates differ)
             "host launch": launch_bwd * micro_batches + (cpu_update if launch_bwd else 0.0),
             "pcie h2d": (stream + act) / h2d * micro_batches,
-            "pcie d2h": load.grad_d2h_bytes / d2h * micro_batches,
+            # the copy worker converts / adds each staged gradient on the host before its next copy
+            "pcie d2h": load.grad_d2h_bytes / d2h * micro_batches + staged / dram,
             # the base: read again per micro-batch
             "nvme": nv_update + (on_nvme * (micro_batches - 1) + act_nvme * micro_batches) / nv_r,
             "cxl": ((src.get("cxl", 0) + act_cxl) * micro_batches + load.cpu_update_bytes * cxl_share) / cxl,
             "cpu update": cpu_update,
             "host dram": (src.get("host", 0) + load.grad_d2h_bytes + act - act_cxl + act_nvme) * micro_batches / dram
-            + (load.cpu_update_bytes * host_share + 2 * (nv_read + nv_write)) / dram,
+            + (staged + load.cpu_update_bytes * host_share + 2 * (nv_read + nv_write)) / dram,
         }
         if collectives is not None:
             bwd_busy["h2d + gather"] = bwd_busy.pop("pcie h2d") + gather_s * micro_batches
@@ -520,6 +522,16 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
         t, top = _phase(upd_busy, 0.0)
         phases["update"], resources["update"], tops["update"] = t, upd_busy, top
     return _finish(phases, resources, tops, tokens)
+
+
+def _staged_bytes(grad_bytes: int, e: int, micro_batches: int) -> int:
+    """Host DRAM bytes the copy worker moves for `grad_bytes` of gradients (compute dtype, `e`
+    bytes each) per micro-batch staged on CUDA (offload.engine.gradients): the first
+    micro-batch's converted into their fp32 homes (none in fp32: copied there directly), each
+    later one's added (read staged and home, write home)."""
+    n = grad_bytes // e
+    first = n * (e + 4) if e != 4 else 0
+    return first + (micro_batches - 1) * n * (e + 8)
 
 
 def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: OptimizerSpec, load: StepLoad,

@@ -50,8 +50,8 @@ from .perfmodel import (KINDS, LoraAct, StepLoad, activation_bytes, activation_p
 from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
 from .lora import LoraModel, base_dtype_of, frozen_chunk_bytes, lora_specs, step_trace
 from .schedule import plan_schedule
-from .needs import (BLOCK_SHARE, MARGIN_SHARE, block_of, device_needs, gathering, minimum_with_margin, module_of,
-                    units_are_blocks, workspace_margin, zo_workspace)
+from .needs import (BLOCK_SHARE, MARGIN_SHARE, block_of, device_needs, gathering, grad_staging_bytes,
+                    minimum_with_margin, module_of, units_are_blocks, workspace_margin, zo_workspace)
 from .placement import DeviceNeeds, DevicePlan, plan_device
 from . import ranks as multi
 from .ranks import Collectives, RankPlan
@@ -573,10 +573,10 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
         checkpointing = recomputed_blocks(checkpointing, model.num_hidden_layers) if ch.needs_grad else 0
     except ValueError as e:
         raise TierwiseError(str(e).replace("activations: ", "")) from None
-    # CUDA: gradients land in registered host memory first, the largest copy's bytes
-    # (offload.engine.gradients), as the engine books it; the chunks' homes get the rest
+    # CUDA: gradients land in registered host memory first, the largest copy's bytes or a slice
+    # of it (offload.engine.gradients), as the engine books it; the chunks' homes get the rest
     if ch.cuda and ch.needs_grad and len(ch.frozen) < ch.n:
-        ch.grad_staging = ch.device_needs(buffers=0, activations=0).grad_copy
+        ch.grad_staging = grad_staging_bytes(ch.device_needs(buffers=0, activations=0))
     lora_act: LoraAct = None
     if lora is not None:  # dropout's saved mask: CPU dropout keeps its noise in the compute dtype, CUDA a bool
         lora_act = ((lora.targets, lora.rank, 1 if ch.cuda else compute_bytes(precision)) if lora_dropout

@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import Future, wait as futures_wait
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -135,8 +135,9 @@ class Executor:
         for an event recorded there now. `staging`: a host buffer of src's dtype and size the
         bytes land in first; the worker then adds them to dst (`accumulate`) or copies them
         there, converting to dst's dtype on the CPU, so they cross the link as src holds them
-        (a bf16 gradient for an fp32 home: half the bytes). On CUDA `accumulate` needs one. The
-        lane's copies may share one staging buffer: each is done with it before the next starts.
+        (a bf16 gradient for an fp32 home: half the bytes); a staging buffer smaller than src (both
+        flat) takes it in slices. On CUDA `accumulate` needs one. The lane's copies may share one
+        staging buffer: each is done with it before the next starts.
         """
         if self.cuda and accumulate and staging is None:
             raise ValueError("accumulating a device-to-host copy on CUDA needs a staging buffer")
@@ -149,24 +150,39 @@ class Executor:
 
         def run() -> None:
             start = time.perf_counter()
-            if self.cuda:
+            if staging is not None:
+                self._staged(lane, ready, done_event, dst, src, staging, accumulate)
+            elif self.cuda:
                 with torch.cuda.stream(lane.stream):
                     lane.stream.wait_event(ready)
-                    (dst if staging is None else staging).copy_(src, non_blocking=True)
+                    dst.copy_(src, non_blocking=True)
                     done_event.record(lane.stream)
-                if staging is not None or dst.device.type == "cpu":
+                if dst.device.type == "cpu":
                     done_event.synchronize()
-            elif staging is not None:
-                staging.copy_(src)
-            if staging is not None:
-                dst.add_(staging) if accumulate else dst.copy_(staging)
-            elif not self.cuda:
+            else:
                 dst.add_(src) if accumulate else dst.copy_(src)
             lane.link.wait_for(src.numel() * src.element_size(), start)
             if then is not None:
                 then()
 
         return Ticket(self._submit(lane_name, run), done_event, host_sync=accumulate or lane_name == "d2h")
+
+    def _staged(self, lane: "_Lane", ready: Any, done: Any, dst: torch.Tensor, src: torch.Tensor,
+                staging: torch.Tensor, accumulate: bool) -> None:
+        """copy's body through `staging`, a slice of src at a time (on the lane's worker)."""
+        step = staging.numel()
+        for a in range(0, src.numel(), step):
+            b = min(src.numel(), a + step)
+            part = staging[: b - a]
+            if self.cuda:
+                with torch.cuda.stream(lane.stream):
+                    lane.stream.wait_event(ready)
+                    part.copy_(src[a:b], non_blocking=True)
+                    done.record(lane.stream)
+                done.synchronize()
+            else:
+                part.copy_(src[a:b])
+            dst[a:b].add_(part) if accumulate else dst[a:b].copy_(part)
 
     def job(self, lane_name: str, fn: Callable[["torch.cuda.Stream | None"], None], *,
             nbytes: int, links: tuple[Link, ...] = (), reuses_host: bool = True) -> Ticket:

@@ -1,0 +1,116 @@
+"""Recomputing only the first layers vs all of them, at a budget that holds some layers' activations.
+
+On the simulated device, a Llama of the 100M shape (`--layers` decoder layers, fp32, full
+fine-tune, batch x seq tokens): the gpu budget is the planner's minimum with half the layers
+recomputed and a few chunks more, so keeping every layer's activations does not fit. The planner's choice at that
+budget (cli.planning.resolve_recompute's rule: the fewest first layers that fit, or all,
+whichever it finds faster) against recomputing all; two engines side by side in one process,
+stepped in turn (who goes first rotates each round), after warm-up steps. Both are bit-equal
+to plain PyTorch (tests/test_recompute_share.py). Prints the median step of each, their ratio
+(share / all), the measured activation peaks against the plan's, and the planner's predicted
+ratio.
+
+    PYTHONPATH=tests/devtree python bench/recompute_share.py [--layers 8] [--steps 6] [--warmup 2]
+        [--batch 2 --seq 256] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def build(a: argparse.Namespace):
+    from transformers import LlamaForCausalLM
+
+    from tierwise.profiles import load_model_profile
+
+    cfg = load_model_profile("100m").to_hf_config()
+    cfg.num_hidden_layers, cfg.vocab_size = a.layers, a.vocab
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def plan(a: argparse.Namespace, profile, gpu: int | None, recompute: "int | bool"):
+    from tierwise.offload.plan.planner import make_plan
+
+    return make_plan(model=profile, hardware="cpu-sim", gpu_mem=gpu or "64G", cpu_mem=None, optimizer="adamw",
+                     precision="fp32", batch_size=a.batch, seq_len=a.seq, chunk_bytes=a.chunk, checkpointing=recompute)
+
+
+def choose(a: argparse.Namespace, profile, gpu: int) -> int:
+    """The fewest first layers that fit `gpu`, or all, whichever the planner finds faster."""
+    from tierwise.offload import InfeasibleBudget
+
+    fits = {}
+    for n in range(a.layers + 1):
+        try:
+            fits[n] = plan(a, profile, gpu, n).tokens_per_s
+        except InfeasibleBudget:
+            continue
+    assert 0 not in fits, "no recompute fits: raise the share the budget is taken at"
+    fewest = min(fits)
+    return fewest if fits[fewest] > fits[a.layers] else a.layers
+
+
+def main() -> None:
+    from tierwise.offload import Engine, flat_options
+    from tierwise.profiles import ModelProfile
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=8 << 20)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    profile = ModelProfile.from_hf_config(build(a).config)
+    gpu = plan(a, profile, None, a.layers // 2).gpu_minimum + 4 * a.chunk  # (a few chunks of room)
+    share = choose(a, profile, gpu)
+    plans = {"all": plan(a, profile, gpu, a.layers), "share": plan(a, profile, gpu, share)}
+    g = torch.Generator().manual_seed(2)
+    batches = [{"input_ids": (ids := torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)), "labels": ids}
+               for _ in range(a.warmup + a.steps)]
+    engines = {k: Engine(build(a), **flat_options(lr=1e-4, chunk_bytes=a.chunk, gpu_mem=gpu, checkpointing=r,
+                                                  activations=plans[k].reserve["gpu"]["activations"]))
+               for k, r in (("all", a.layers), ("share", share))}
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    losses: dict[str, list[float]] = {k: [] for k in engines}
+    for i, b in enumerate(batches):
+        for k in (list(engines) if i % 2 == 0 else list(reversed(engines))):
+            t = time.perf_counter()
+            losses[k].append(engines[k].step(b))
+            if i >= a.warmup:
+                times[k].append(time.perf_counter() - t)
+    assert losses["all"] == losses["share"], losses
+    out = {"layers": a.layers, "batch": a.batch, "seq": a.seq, "gpu_budget": gpu, "recomputed": share}
+    for k, eng in engines.items():
+        out[f"{k}_step_s"] = statistics.median(times[k])
+        out[f"{k}_activations_measured"] = eng.ledger.kind_peak("gpu", "activation")
+        out[f"{k}_activations_planned"] = plans[k].reserve["gpu"]["activations"]
+        out[f"{k}_gpu_peak"] = eng.ledger.peaks()["gpu"]
+        out[f"{k}_planned_step_s"] = plans[k].step_s
+        eng.close()
+    out["ratio"] = out["share_step_s"] / out["all_step_s"]
+    out["planned_ratio"] = out["share_planned_step_s"] / out["all_planned_step_s"]
+    print(f"budget {gpu / 2**20:.1f} MiB: every layer's activations do not fit; the planner recomputes the first "
+          f"{share} of {a.layers}")
+    for k in engines:
+        print(f"{k:5s} step {out[f'{k}_step_s']:.3f} s (median of {len(times[k])}), activations "
+              f"{out[f'{k}_activations_measured'] / 2**20:.2f} MiB measured / {out[f'{k}_activations_planned'] / 2**20:.2f}"
+              f" planned, gpu peak {out[f'{k}_gpu_peak'] / 2**20:.1f} MiB")
+    print(f"share / all: {out['ratio']:.3f} measured, {out['planned_ratio']:.3f} planned (losses equal)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
