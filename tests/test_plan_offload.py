@@ -20,20 +20,23 @@ CHUNK = 64 << 10
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_offloaded_inputs_are_planned_as_measured(precision):
+@pytest.mark.parametrize("recompute", [True, 3], ids=["all", "first-3-of-6"])
+def test_offloaded_inputs_are_planned_as_measured(precision, recompute):
+    """Every layer recomputed, or the first 3 of 6 (only their inputs are offloaded)."""
     batch, seq = 2, 256
     plan = make_plan(model=PROFILE, hardware="cpu-sim", gpu_mem="64G", cpu_mem="64G", optimizer="adamw",
-                     precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=CHUNK, checkpointing=True,
+                     precision=precision, batch_size=batch, seq_len=seq, chunk_bytes=CHUNK, checkpointing=recompute,
                      offload_activations=True)
-    parts = activation_parts(model=PROFILE, batch_size=batch, seq_len=seq, precision=precision, checkpointing=True,
-                             offload=True)
-    kept = activation_bytes(model=PROFILE, batch_size=batch, seq_len=seq, precision=precision, checkpointing=True)
+    parts = activation_parts(model=PROFILE, batch_size=batch, seq_len=seq, precision=precision,
+                             checkpointing=recompute, offload=True)
+    kept = activation_bytes(model=PROFILE, batch_size=batch, seq_len=seq, precision=precision,
+                            checkpointing=recompute)
     assert parts["host_inputs"] > 0 and plan.reserve["host"]["activations"] == parts["host_inputs"]
     assert plan.reserve["gpu"]["activations"] < kept  # the device holds less than without offload
     torch.manual_seed(0)
     eng = Engine(transformers.LlamaForCausalLM(PROFILE.to_hf_config()), budget=Budget(chunk=CHUNK),
                  optim=Optim(lr=1e-4), precision=Precision(precision),
-                 activations=Activations(recompute=True, offload=True))
+                 activations=Activations(recompute=recompute, offload=True))
     x = torch.randint(0, PROFILE.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     eng.step({"input_ids": x, "labels": x})
     gpu, host = eng.ledger.kind_peak("gpu", "activation"), eng.ledger.kind_peak("host", "activation")

@@ -132,19 +132,21 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             held from forward to their backward; 0 when every layer is recomputed
     head    the final norm + what the loss saves (loss_bytes)
     final_norm  the part of head still saved once log_softmax's backward has run
-    The peak is fixed + inputs + the larger of layers + head (end of forward) and block (a
-    recompute in backward: the recomputed layers are the first ones, reached after the kept
-    layers' activations and the head's are freed).
+    The peak is fixed + the larger of inputs_end + layers + head (end of forward) and inputs +
+    block (a recompute in backward: the recomputed layers are the first ones, reached after the
+    kept layers' activations and the head's are freed).
 
     `checkpointing`: the layers recomputed (core.options.recomputed_blocks: True all, False
     none, an int n the first n, None all when there are several). Without any (`False`, or None
     with a single decoder layer) no position ids are saved (only the checkpoint keeps them).
 
     `offload`: checkpointed blocks' inputs that need a gradient live in host memory between
-    forward and backward (offload.engine.actoffload): on the device at most two at once (one on
-    its way out in forward; in backward the block's own and the one fetched ahead), the rest in
-    `host_inputs` (a LoRA run's first block input, the frozen embedding's output, stays). Written
-    to NVMe instead, they pass through at most two host buffers at once: `host_staging`.
+    forward and backward (offload.engine.actoffload): on the device at most one at the end of
+    forward (`inputs_end`: the last one's copy out may still be under way) and two in backward
+    (`inputs`: the block's own and the one fetched ahead), the rest in `host_inputs` (a LoRA
+    run's first block input, the frozen embedding's output, stays). Written to NVMe instead, they
+    pass through at most two host buffers at once: `host_staging`. Without offload `inputs_end`
+    is `inputs`.
 
     `tiles`: the MLP runs in tiles where it can (the engine tiles it where the blocks are its
     units of residency: offload.plan.needs.units_are_blocks); False: never.
@@ -208,11 +210,13 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             "head": norm + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=True),
         }
     parts["host_inputs"] = parts["host_staging"] = 0
+    parts["inputs_end"] = parts["inputs"]
     if offload and checkpointed:
         kept = e * t * h if lora is not None else 0  # (a LoRA run's first block input needs no gradient)
         moved = parts["inputs"] - kept
         parts["host_inputs"] = moved
         parts["inputs"] = kept + min(moved, 2 * e * t * h)
+        parts["inputs_end"] = kept + min(moved, e * t * h)  # (actoffload.IN_FLIGHT)
         parts["host_staging"] = min(moved, 2 * e * t * h)  # on their way to NVMe: two host buffers
     return parts
 
@@ -309,7 +313,7 @@ def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                          checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions,
                          offload=offload, tiles=tiles)
-    return p["fixed"] + p["inputs"] + max(p["layers"] + p["head"], p["block"])
+    return p["fixed"] + max(p["inputs_end"] + p["layers"] + p["head"], p["inputs"] + p["block"])
 
 
 def checkpoints_blocks(model: ModelProfile, checkpointing: bool | int | None = None) -> bool:

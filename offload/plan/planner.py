@@ -976,7 +976,7 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                          checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions,
                          offload=offload, tiles=ch.block_units)
-    held = p["fixed"] + p["inputs"] + p["layers"]  # the kept layers' activations too, till their backward
+    held = p["fixed"] + p["inputs_end"] + p["layers"]  # the kept layers' activations too, till their backward
     gathered = {name: ch.ce * ch.plan.chunks[s.chunk].numel for name, s in ch.plan.slots.items()
                 if s.chunk not in device.gpu_home and s.chunk not in ch.frozen}  # frozen: no gradient
     inflight = (needs.grad_reserve if ch.cuda else 0) if gathered else 0
