@@ -347,6 +347,8 @@ class TrainConfig:
                 raise ConfigError(f"--recompute-layers must be at least 0, got {self.recompute_layers}")
             if self.recompute is False:
                 raise ConfigError("--recompute-layers recomputes some layers: drop --no-recompute")
+            if self.recompute is True and self.recompute_layers == 0:
+                raise ConfigError("--recompute-layers 0 recomputes none: drop --recompute (or say --no-recompute)")
         if self.offload_activations and (self.recompute is False or self.recompute_layers == 0):
             raise ConfigError("--offload-activations moves the inputs of recomputed layers: it needs "
                               "recompute (drop --no-recompute / --recompute-layers 0)")

@@ -335,11 +335,12 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
     tries: list[tuple[str, dict]] = []
     if cfg.budgets["chunk"] > 16 << 20:
         tries.append(("--chunk-size 16M", {"chunk_size": "16M"}))
-    if cfg.recompute is False:
-        tries.append(("--recompute", {"recompute": True}))
+    if cfg.recompute is False or cfg.recompute_layers is not None:  # (all of them)
+        tries.append(("--recompute", {"recompute": True, "recompute_layers": None}))
     if not cfg.offload_activations and "activations" in str(error):  # blocks' inputs off the GPU
-        tries.append(("--offload-activations" + (" --recompute" if cfg.recompute is False else ""),
-                      {"offload_activations": True, "recompute": True}))
+        none = checkpointing(cfg) in (False, 0)  # (it moves recomputed layers' inputs: recompute them all)
+        tries.append(("--offload-activations" + (" --recompute" if none else ""),
+                      {"offload_activations": True} | ({"recompute": True, "recompute_layers": None} if none else {})))
     if cfg.batch_size > 1:
         half = max(1, cfg.batch_size // 2)
         tries.append((f"--batch-size {half} --grad-accum {cfg.grad_accum * cfg.batch_size // half}",
@@ -558,9 +559,11 @@ def resolve_offload(cfg: TrainConfig, *, src: "ModelSource | None" = None, padde
     if cfg.offload_activations is not None:
         return cfg
     off = dataclasses.replace(cfg, offload_activations=False)
-    if cfg.recompute is False:
+    if checkpointing(cfg) in (False, 0):
         return off
-    for choice in (off, dataclasses.replace(cfg, offload_activations=True, recompute=True)):
+    for choice in (off, None):
+        if choice is None:  # (built only now: it re-checks the options)
+            choice = dataclasses.replace(cfg, offload_activations=True, recompute=True)
         try:
             make_plan(choice, src=src, padded=padded, here=here, ranks=ranks)
         except (InfeasibleBudget, UnsupportedModel, ProfileError) as e:

@@ -213,7 +213,7 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
 
 def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int:
     ranks = launch.on_node(ranks)  # the node's ranks as the engine counts them
-    auto, auto_offload = cfg.recompute is None, cfg.offload_activations is None
+    auto, auto_offload = cfg.recompute is None and cfg.recompute_layers is None, cfg.offload_activations is None
     refusal = plan = None
     try:  # inputs, then what `plan` refuses, before allocating; several ranks: all together
         src, blocks, eval_data, padded, cfg = _checked_inputs(cfg, console=console, ranks=ranks)

@@ -65,3 +65,24 @@ def test_the_plan_books_the_staging_the_engine_books(monkeypatch):
     assert on_gpu.reserve["host"]["grad staging"] == staged > 0
     assert "grad staging" not in simulated.reserve["host"]
     assert on_gpu.peak["host"] - simulated.peak["host"] == staged
+
+
+def test_the_engine_fits_the_planned_host_minimum_with_its_staging(monkeypatch):
+    """The plan's host minimum counts the staging buffer as the engine books it: the engine
+    trains at exactly that budget, and one byte less is refused naming the same minimum."""
+    from tierwise.offload import InfeasibleBudget
+
+    monkeypatch.setattr(gradients, "STAGE_ON_SIMULATED", True)
+    profile = ModelProfile.from_hf_config(tiny_llama().config)
+    need = make_plan(model=profile, hardware="cpu-sim", gpu_mem="1G", cpu_mem="1G", optimizer="adamw",
+                     precision="bf16", batch_size=2, seq_len=16, chunk_bytes=CHUNK, cuda=True, up_front=False).host_minimum
+    kw = dict(gpu_mem="300K", chunk_bytes=CHUNK, precision="bf16")
+    with pytest.raises(InfeasibleBudget, match="of it for staging gradients") as info:
+        Engine(tiny_llama(), **flat_options(cpu_mem=need - 1, **kw))
+    assert info.value.minimum["host"] == need
+    eng = Engine(tiny_llama(), **flat_options(cpu_mem=need, **kw))
+    try:
+        eng.step(batches(1, batch=2)[0])
+        assert eng.ledger.peaks()["host"] <= need
+    finally:
+        eng.close()

@@ -14,6 +14,7 @@ from tierwise.cli.config import TrainConfig
 from tierwise.cli.main import app
 from tierwise.cli.planning import make_plan as plan_of, resolve_recompute
 from tierwise.offload import Activations, Budget, Engine, InfeasibleBudget, Optim, Precision, flat_options
+from tierwise.offload.core.errors import TierwiseError
 from tierwise.offload.engine import tiled as tiled_mod
 from tierwise.offload.plan import perfmodel
 from tierwise.offload.plan.planner import make_plan
@@ -90,7 +91,7 @@ def test_only_the_recomputed_blocks_mlps_run_in_tiles(monkeypatch):
 
 
 def test_a_share_past_the_model_or_below_zero_is_refused():
-    with pytest.raises(ValueError, match="recompute 5 blocks, but the model has 4"):
+    with pytest.raises(ValueError, match="recompute 5 blocks, but the model has 4 to recompute"):
         Engine(tiny_llama(), **flat_options(checkpointing=5, chunk_bytes=CHUNK))
     with pytest.raises(ValueError, match="number of blocks >= 0"):
         Activations(recompute=-1)
@@ -119,8 +120,37 @@ def test_the_flag_plans_trains_and_refuses(tmp_path):
     run = runner.invoke(app, ["--gpu-mem", "5M", "--steps", "2", "--output", str(tmp_path / "run")])
     assert run.exit_code == 0, run.output
     assert "the first 1 of 2 decoder layers recomputed" in run.output
-    for args, words in ((["--recompute-layers", "3"], "recompute 3 blocks, but the model has 2"),
+    for args, words in ((["--recompute-layers", "3"], "--recompute-layers 3: the model has 2 decoder layers"),
                         (["--recompute-layers", "1", "--no-recompute"], "drop --no-recompute"),
                         (["--recompute-layers", "-1"], "at least 0")):
         bad = runner.invoke(app, ["plan", "--gpu-mem", "8M", *args])
         assert bad.exit_code == 2 and words in error_line(bad), (args, bad.output)
+
+
+def test_a_single_layer_is_never_recomputed_and_the_plan_agrees():
+    """One decoder layer is no repeated block: the engine recomputes nothing even when asked for
+    all, and the planner books the same bytes; asking for that layer by count is refused."""
+    model = tiny_llama(layers=1)
+    profile = ModelProfile.from_hf_config(model.config)
+    eng = Engine(model, budget=Budget(chunk=CHUNK), activations=Activations(recompute=True))
+    try:
+        eng.step(batches(1, batch=2, seq=24)[0])
+        assert eng.recomputed == 0
+        assert eng.ledger.kind_peak("gpu", "activation") == perfmodel.activation_bytes(
+            model=profile, batch_size=2, seq_len=24, precision="fp32", checkpointing=True)
+    finally:
+        eng.close()
+    with pytest.raises(TierwiseError, match="a single layer is never recomputed"):
+        make_plan(model=profile, hardware="cpu-sim", gpu_mem="1G", cpu_mem="1G", optimizer="adamw",
+                  precision="fp32", batch_size=2, seq_len=24, chunk_bytes=CHUNK, checkpointing=1)
+
+
+def test_recompute_none_by_count_and_the_advice_for_a_share():
+    """--recompute with --recompute-layers 0 contradicts itself (one-line error); a share that
+    does not fit is advised, among what fits, to recompute all (which 4M holds)."""
+    runner = CliRunner()
+    bad = runner.invoke(app, ["plan", "--recompute", "--recompute-layers", "0"])
+    assert bad.exit_code == 2 and "drop --recompute" in error_line(bad)
+    tight = runner.invoke(app, ["plan", "--gpu-mem", "4M", "--recompute-layers", "1"], env={"COLUMNS": "200"})
+    assert tight.exit_code == 2, tight.output
+    assert any(line.startswith("  --recompute ") for line in tight.output.splitlines()), tight.output

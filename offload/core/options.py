@@ -118,7 +118,7 @@ def recomputed_blocks(recompute: bool | int | None, blocks: int) -> int:
     if isinstance(recompute, bool):
         return blocks if recompute else 0
     if recompute > blocks:
-        raise ValueError(f"activations: recompute {recompute} blocks, but the model has {blocks}")
+        raise ValueError(f"activations: recompute {recompute} blocks, but the model has {blocks} to recompute")
     return int(recompute)
 
 

@@ -68,12 +68,12 @@ import torch
 import torch.distributed as dist
 
 from ..core.chunks import pack_chunks, specs_of
-from ..core.errors import BudgetExceeded, UnsupportedModel
+from ..core.errors import BudgetExceeded, InfeasibleBudget, UnsupportedModel
 from ..core.options import Activations, Budget, Distributed, Optim, Precision, Streaming, recomputed_blocks
 from ..core.sizes import parse_size
 from ..core.units import format_size
 from ..core.vocab import TIERS
-from ..plan.homes import assign_homes, bounce_sizes
+from ..plan.homes import assign_homes, beside_reserved, bounce_sizes
 from ..plan.needs import grad_staging_bytes, units_are_blocks, workspace_margin
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
 from ..runtime.cores import cpu_threads
@@ -384,8 +384,14 @@ class Engine:
             self.shared.map(self.ledger, device=self.device)
         else:
             cxl = budgets.get("cxl")  # (less what offloaded inputs take there)
-            self.homes = assign_homes(kinds=streamed, host=host, cxl=None if cxl is None else cxl - self.cxl_activations,
-                                      nvme=self.nvme is not None)
+            try:
+                self.homes = assign_homes(kinds=streamed, host=host, nvme=self.nvme is not None,
+                                          cxl=None if cxl is None else cxl - self.cxl_activations)
+            except InfeasibleBudget as e:
+                kept = {"staging gradients": self.grad_staging, "a window of others' gradients": self.grad_window,
+                        "offloaded activations": self.host_activations}
+                raise beside_reserved(e, room=host, reserved=sum(kept.values()),
+                                      what=" and ".join(k for k, v in kept.items() if v)) from None
         if self.nvme is not None:
             self.nvme.preflight(sum(self.homes.bytes.get("nvme", {}).values())
                                 + (self.options["activations"].nvme if self.activations_tier == "nvme" else 0))

@@ -164,3 +164,15 @@ def _refuse(kinds: dict[int, dict[str, int]], *, host: "int | None", cxl: "int |
         f"{format_size(need)} ({need} B) needed; raise --cpu-mem{hint}",
         minimum={"host": need},
     )
+
+
+def beside_reserved(e: InfeasibleBudget, *, room: "int | None", reserved: int, what: str) -> InfeasibleBudget:
+    """A refusal of the chunks' homes within `room`, the host budget less `reserved` bytes kept
+    for `what`: the same, naming the whole budget and the whole budget's minimum."""
+    if not reserved or room is None or "host" not in e.minimum:
+        return e
+    was, need = e.minimum["host"], e.minimum["host"] + reserved
+    msg = str(e).replace(f"host budget {format_size(room)}", f"host budget {format_size(room + reserved)} "
+                         f"({format_size(reserved)} of it for {what})", 1)
+    msg = msg.replace(f"{format_size(was)} ({was} B)", f"{format_size(need)} ({need} B)", 1)
+    return InfeasibleBudget(msg, minimum={**e.minimum, "host": need})

@@ -183,7 +183,7 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     first_norm = norm - (fp32_copy if e == 4 else 0)
     attention = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s
     layers = model.num_hidden_layers
-    recomputed = recomputed_blocks(checkpointing, layers)
+    recomputed = recomputed_blocks(checkpointing, model_blocks(model))
     checkpointed = recomputed > 0
     if padded:  # the additive mask and k/v repeated per query head, as SDPA saves them
         attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
@@ -319,7 +319,13 @@ def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, prec
 def checkpoints_blocks(model: ModelProfile, checkpointing: bool | int | None = None) -> bool:
     """Whether the engine checkpoints any decoder layer (core.options.recomputed_blocks, the rule
     Activations(recompute=...) applies)."""
-    return recomputed_blocks(checkpointing, model.num_hidden_layers) > 0
+    return recomputed_blocks(checkpointing, model_blocks(model)) > 0
+
+
+def model_blocks(model: ModelProfile) -> int:
+    """The repeated blocks the engine finds in such a model (offload.engine.model_info.find_blocks:
+    a list of at least two layers): its decoder layers, none where it has one."""
+    return model.num_hidden_layers if model.num_hidden_layers > 1 else 0
 
 
 def buffer_bytes(model: ModelProfile) -> int:
@@ -377,6 +383,8 @@ class StepLoad:
     offloaded: dict[str, int] = field(default_factory=dict)
     """Bytes of block inputs offloaded per micro-batch, by the tier they wait in (host, cxl, nvme):
     out over the link in forward, back in backward."""
+    grad_staged: bool = False
+    """Gradients land in a host staging buffer, converted or added there by the copy worker (CUDA)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -494,7 +502,7 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
     tail = load.chunk_params / rate if load.cpu_params else 0.0
 
     if cost.needs_grad:  # backward (with recompute by default); CPU updates overlap it, group by group
-        staged = _staged_bytes(load.grad_d2h_bytes, compute_bytes(precision), micro_batches)
+        staged = _staged_bytes(load.grad_d2h_bytes, compute_bytes(precision), micro_batches) if load.grad_staged else 0
         bwd_busy = {
             "gpu compute": (bwd_passes * load.tokens_flops_fwd / gpu_rate + dequant) * micro_batches
             + gpu_update,

@@ -43,8 +43,8 @@ from ..core.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, ParamSpec, pack_chunks
 from ..core.errors import InfeasibleBudget, TierwiseError
 from ..core.options import recomputed_blocks
 from ..core.vocab import GRAD_REDUCE, TIERS
-from .homes import Homes, assign_homes, minimum_host
-from .perfmodel import (KINDS, LoraAct, StepLoad, activation_bytes, activation_parts, buffer_bytes,
+from .homes import Homes, assign_homes, beside_reserved, minimum_host
+from .perfmodel import (KINDS, LoraAct, StepLoad, activation_bytes, activation_parts, buffer_bytes, model_blocks,
                                compute_bytes, model_flops,
                                ops_per_forward, param_update_flops, predict_step)
 from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
@@ -569,10 +569,11 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                  optimizer_kwargs=optimizer_kwargs, params=params, lora=lora, base_dtype=base_dtype,
                  double_quant=double_quant, cuda=not hw.simulated if cuda is None else cuda)
     # resolved, as the engine does: blocks recomputed (a count past the model's is refused)
-    try:
-        checkpointing = recomputed_blocks(checkpointing, model.num_hidden_layers) if ch.needs_grad else 0
-    except ValueError as e:
-        raise TierwiseError(str(e).replace("activations: ", "")) from None
+    repeated = model_blocks(model)
+    if ch.needs_grad and checkpointing is not None and not isinstance(checkpointing, bool) and checkpointing > repeated:
+        raise TierwiseError(f"--recompute-layers {checkpointing}: the model has {repeated} decoder layers "
+                            "to recompute" + (" (a single layer is never recomputed)" if repeated == 0 else ""))
+    checkpointing = recomputed_blocks(checkpointing, repeated) if ch.needs_grad else 0
     # CUDA: gradients land in registered host memory first, the largest copy's bytes or a slice
     # of it (offload.engine.gradients), as the engine books it; the chunks' homes get the rest
     if ch.cuda and ch.needs_grad and len(ch.frozen) < ch.n:
@@ -609,10 +610,11 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
         if not places:
             other = [f for f, given in (("--cxl-mem", cxl), ("--nvme-path", use_nvme)) if single and not given]
             need = staging if single and use_nvme else host_act  # (on NVMe: what they pass through)
+            beside = f" beside {format_size(ch.grad_staging)} staging gradients" if ch.grad_staging else ""
             raise InfeasibleBudget(f"host budget {format_size(host)} cannot hold the offloaded activations "
-                                   f"({format_size(need)}{' on their way to NVMe' if need < host_act else ''}); "
-                                   "raise --cpu-mem" + (f", or give {' or '.join(other)}" if other else ""),
-                                   minimum={"host": need})
+                                   f"({format_size(need)}{' on their way to NVMe' if need < host_act else ''}"
+                                   f"{beside}); raise --cpu-mem" + (f", or give {' or '.join(other)}" if other else ""),
+                                   minimum={"host": need + ch.grad_staging})
     buffers = buffer_bytes(model) + ch.staging()
     # CUDA: the engine leaves the allocator a margin of the budget beside its ledger (placed as
     # activations: offload.engine.workspace); the simulated device has no allocator
@@ -647,19 +649,23 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
             raise InfeasibleBudget(f"host budget {format_size(host)} cannot hold the offloaded activations of "
                                    f"{nproc_per_node} ranks ({format_size(node_act)}); raise --cpu-mem",
                                    minimum={"host": node_act})
-        ranked = _plan_ranks(ch, model=model, hw=hw, needs=needs, placed=placed, gpu=gpu,
-                             host=None if host is None else host - node_act, cxl=cxl, use_nvme=use_nvme,
-                             nvme_cap=nvme_cap, nproc=nproc_per_node, nnodes=nnodes, checkpointing=checkpointing,
-                             precision=precision, lora_act=lora_act, single=args, grad_reduce=grad_reduce,
-                             offloaded=host_act,
-                             meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size,
-                                       optimizer=optimizer, checkpointing=checkpointing, padded=padded,
-                                       layers=model.num_hidden_layers,
-                                       row_positions=row_positions, offload=offload_activations,
-                                       grad_accum=grad_accum, lora_rank=lora_rank,
-                                       lora_targets=lora_targets if lora_rank is not None else None,
-                                       base_dtype=(base_dtype or precision) if lora_rank is not None else None,
-                                       trainable_params=ch.trainable_params))
+        try:
+            ranked = _plan_ranks(ch, model=model, hw=hw, needs=needs, placed=placed, gpu=gpu,
+                                 host=None if host is None else host - node_act, cxl=cxl, use_nvme=use_nvme,
+                                 nvme_cap=nvme_cap, nproc=nproc_per_node, nnodes=nnodes, checkpointing=checkpointing,
+                                 precision=precision, lora_act=lora_act, single=args, grad_reduce=grad_reduce,
+                                 offloaded=host_act,
+                                 meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size,
+                                           optimizer=optimizer, checkpointing=checkpointing, padded=padded,
+                                           layers=model.num_hidden_layers,
+                                           row_positions=row_positions, offload=offload_activations,
+                                           grad_accum=grad_accum, lora_rank=lora_rank,
+                                           lora_targets=lora_targets if lora_rank is not None else None,
+                                           base_dtype=(base_dtype or precision) if lora_rank is not None else None,
+                                           trainable_params=ch.trainable_params))
+        except InfeasibleBudget as e:  # (its budget was the node's less the offloaded inputs)
+            raise beside_reserved(e, room=None if host is None else host - node_act, reserved=node_act,
+                                  what=f"{nproc_per_node} ranks' offloaded activations") from None
         if not node_act:
             return ranked
         reserve = {**ranked.reserve, "host": {**ranked.reserve.get("host", {}), "activations": node_act}}
@@ -678,7 +684,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
             homes_built = _engine_homes(ch, hosted, host=homes_host, cxl=homes_cxl, nvme=use_nvme)
             break
         except InfeasibleBudget as e:
-            first = first or _beside_staging(e, ch.grad_staging, homes_host)
+            first = first or beside_reserved(e, room=homes_host, reserved=ch.grad_staging, what="staging gradients")
     else:
         assert first is not None
         if not host_act or places[0][0] != "host":
@@ -804,18 +810,6 @@ def _engine_homes(ch: _Chunks, hosted: list[int], *, host: int | None, cxl: int,
     return homes
 
 
-def _beside_staging(e: InfeasibleBudget, staging: int, room: int | None) -> InfeasibleBudget:
-    """A refusal of the chunks' homes within `room`, the host budget less `staging` (the gradient
-    staging buffer): the same, naming the whole budget and its minimum."""
-    if not staging or room is None or "host" not in e.minimum:
-        return e
-    was, need = e.minimum["host"], e.minimum["host"] + staging
-    msg = str(e).replace(f"host budget {format_size(room)}", f"host budget {format_size(room + staging)} "
-                         f"({format_size(staging)} of it staging gradients)", 1)
-    msg = msg.replace(f"{format_size(was)} ({was} B)", f"{format_size(need)} ({need} B)", 1)
-    return InfeasibleBudget(msg, minimum={**e.minimum, "host": need})
-
-
 def _grow(used: Any, start: int, *, cap: int) -> int:
     """The smallest budget b >= start, found by fixpoint iteration, with used(b) <= b (else cap)."""
     b = start
@@ -904,7 +898,7 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
         chunk_params=max((ch.params[c] for c in trainable), default=0),
         num_chunks=ch.n - len(ch.frozen), streamed_chunks=len(streamed), ops_per_forward=ops,
         recompute=recompute / max(1, ch.num_layers),
-        offloaded=offloaded or {},
+        offloaded=offloaded or {}, grad_staged=bool(ch.grad_staging),
         weight_grads=not ch.frozen)
 
 

@@ -170,7 +170,7 @@ class Executor:
     def _staged(self, lane: "_Lane", ready: Any, done: Any, dst: torch.Tensor, src: torch.Tensor,
                 staging: torch.Tensor, accumulate: bool) -> None:
         """copy's body through `staging`, a slice of src at a time (on the lane's worker)."""
-        step = staging.numel()
+        step = max(1, staging.numel())  # (a gradient of no elements: nothing to copy)
         for a in range(0, src.numel(), step):
             b = min(src.numel(), a + step)
             part = staging[: b - a]
