@@ -360,6 +360,32 @@ def qlora_engine(model, *, gpu_mem, cpu_mem, activations=None, **kw):
     return eng
 
 
+def recompute_choice(plan_at, layers: int) -> int:
+    """A LoRA run's recompute as cli.planning.resolve_recompute picks it: the fastest plan of none,
+    the fewest first layers that fit, and all (`plan_at(n)`: the plan recomputing n layers)."""
+    from tierwise.offload.core.errors import InfeasibleBudget
+
+    def speed(n):
+        try:
+            return plan_at(n).tokens_per_s
+        except InfeasibleBudget:
+            return None
+
+    every = speed(layers)
+    if every is None:
+        return layers
+    found = {layers: every}
+    if (none := speed(0)) is not None:
+        found[0] = none
+    else:
+        lo, hi = 0, layers
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if speed(mid) is not None else (mid, hi)
+        found[hi] = speed(hi)
+    return max(found, key=lambda n: (found[n], n))  # (a tie: the more recomputed, the less memory)
+
+
 def headline(a, remaining: float) -> dict:
     """The 70B-shaped QLoRA at --headline-gpu-mem + --headline-cpu-mem, or a slice of it."""
     from tierwise.offload.core.errors import InfeasibleBudget
@@ -376,11 +402,11 @@ def headline(a, remaining: float) -> dict:
     out: dict = {"layers": layers, "slice": layers < full, "seq": seq,
                  "budgets": {"gpu": a.headline_gpu_mem, "cpu": a.headline_cpu_mem}}
 
-    def plan_of(n_layers, g, c):
+    def plan_of(n_layers, g, c, recompute=None):
         m = llama_meta(layers=n_layers, **shape)
         return make_plan(model=ModelProfile.from_hf_config(m.config), hardware=a.profile or "h100", gpu_mem=g,
                          cpu_mem=c, optimizer="adamw", precision="bf16", batch_size=1, seq_len=seq,
-                         lora_rank=16, base_dtype="nf4", double_quant=True, cuda=CUDA)
+                         lora_rank=16, base_dtype="nf4", double_quant=True, cuda=CUDA, checkpointing=recompute)
 
     plan_full = plan_of(full, gpu, cpu)
     out["plan_full"] = {"step_s": plan_full.step_s, "tokens_per_s": seq / plan_full.step_s,
@@ -396,9 +422,13 @@ def headline(a, remaining: float) -> dict:
         out["budgets"] |= {"gpu": format_size(gpu), "cpu": format_size(cpu),
                            "raised": f"proportional budgets below the slice's minimum: {exc}"[:300]}
         plan = plan_of(layers, gpu, cpu)
+    # the layers recomputed as `finetune` would choose them (cli.planning.resolve_recompute)
+    recompute = recompute_choice(lambda n: plan_of(layers, gpu, cpu, n), layers)
+    plan = plan_of(layers, gpu, cpu, recompute)
+    out["recomputed"] = recompute
     model = llama_meta(layers=layers, **shape)
     t0 = time.perf_counter()
-    eng = qlora_engine(model, gpu_mem=gpu, cpu_mem=cpu, checkpointing=True)
+    eng = qlora_engine(model, gpu_mem=gpu, cpu_mem=cpu, checkpointing=recompute)
     out["setup_s"] = time.perf_counter() - t0
     g = torch.Generator().manual_seed(3)
     data = [torch.randint(0, shape["vocab"], (1, seq), generator=g) for _ in range(5)]
@@ -710,7 +740,7 @@ def keyed(res: dict) -> dict:
     return {**{k: d.get(k) for k in KEYS}, "bound_parts": d.get("bound_parts"),
             "headline": {k: h.get(k) for k in ("layers", "slice", "tokens_per_s", "allocator_peak_gib", "host_rss_gib",
                                                 "pinned_gib", "ledger_host_gib", "link_gb_per_step", "step_s",
-                                                "plan_step_s", "bound_s")},
+                                                "plan_step_s", "bound_s", "recomputed")},
             "long_context": {k: lc.get(k) for k in ("max_tokens", "tokens_per_s_32k", "tokens_per_s_64k",
                                                     "allocator_peak_gib")}}
 
