@@ -192,7 +192,8 @@ def plan(
     """Show where every chunk would live, the predicted peaks per tier and the step time."""
     raise_config_error(ctx)
     from .planning import (OFFLOADED, SEQ_STEP, advise, check_budgets, local_notes, longest, longest_line, make_plan,
-                           print_plan, resolve_offload, resolve_recompute, seq_len_note, verify_plan)
+                           print_plan, resolve_offload, resolve_recompute, seq_len_note, share_note,
+                           verify_plan)
 
     search = str(options.get("seq_len")) == "max"
     if search and verify:
@@ -207,6 +208,7 @@ def plan(
         return
 
     auto = cfg.offload_activations is None
+    auto_share = cfg.recompute is None and cfg.recompute_layers is None
     cfg = resolve_offload(resolve_recompute(cfg, here=bool(verify)), here=bool(verify), ranks=not verify)
     if auto and cfg.offload_activations and not json_out:
         Console(stderr=True).print(OFFLOADED, highlight=False, soft_wrap=True)
@@ -235,7 +237,8 @@ def plan(
                                                   "rows attend to the rows before them in their block"),
                                    highlight=False, soft_wrap=True)
     beyond = seq_len_note(cfg)
-    for note in local_notes(cfg, result) + ([beyond] if beyond else []):  # stderr, also with --json
+    share = share_note(cfg, result, here=False) if auto_share else None
+    for note in local_notes(cfg, result) + [n for n in (share, beyond) if n]:  # stderr, also with --json
         Console(stderr=True).print(note, highlight=False, soft_wrap=True)
 
 

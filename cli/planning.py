@@ -486,6 +486,17 @@ def checkpointing(cfg: TrainConfig) -> bool | int | None:
     return False if cfg.recompute is False else cfg.recompute_layers
 
 
+def share_note(cfg: TrainConfig, plan: Plan, *, here: bool = True) -> str | None:
+    """What `plan` says where resolve_recompute chose a share of the layers: why, and what
+    recomputing all of them would plan. None for all, none, or a share the user gave."""
+    if not 0 < plan.checkpointing < plan.layers:
+        return None
+    every = make_plan(_recomputing(cfg, None), ranks=True, here=here)
+    return (f"recompute: the first {plan.checkpointing} of {plan.layers} layers, the fastest plan that fits "
+            f"(every layer's activations kept do not; all {plan.layers} recomputed: {every.tokens_per_s:,.0f} "
+            f"tokens/s against {plan.tokens_per_s:,.0f}); --recompute or --recompute-layers N choose")
+
+
 def _recomputing(cfg: TrainConfig, n: int | None) -> TrainConfig:
     """`cfg` recomputing the first `n` layers (None: all, 0: none)."""
     return dataclasses.replace(cfg, recompute=n != 0, recompute_layers=n or None)

@@ -117,6 +117,8 @@ def test_the_flag_plans_trains_and_refuses(tmp_path):
     plan = runner.invoke(app, ["plan", "--gpu-mem", "5M", "--recompute-layers", "1"])
     assert plan.exit_code == 0, plan.output
     assert "recompute the first 1 of 2 layers" in plan.output
+    auto = runner.invoke(app, ["plan", "--gpu-mem", "5M"])
+    assert auto.exit_code == 0 and "recompute: the first 1 of 2 layers, the fastest plan that fits" in auto.output
     run = runner.invoke(app, ["--gpu-mem", "5M", "--steps", "2", "--output", str(tmp_path / "run")])
     assert run.exit_code == 0, run.output
     assert "the first 1 of 2 decoder layers recomputed" in run.output
