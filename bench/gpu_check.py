@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import statistics
@@ -360,38 +361,12 @@ def qlora_engine(model, *, gpu_mem, cpu_mem, activations=None, **kw):
     return eng
 
 
-def recompute_choice(plan_at, layers: int) -> int:
-    """A LoRA run's recompute as cli.planning.resolve_recompute picks it: the fastest plan of none,
-    the fewest first layers that fit, and all (`plan_at(n)`: the plan recomputing n layers)."""
-    from tierwise.offload.core.errors import InfeasibleBudget
-
-    def speed(n):
-        try:
-            return plan_at(n).tokens_per_s
-        except InfeasibleBudget:
-            return None
-
-    every = speed(layers)
-    if every is None:
-        return layers
-    found = {layers: every}
-    if (none := speed(0)) is not None:
-        found[0] = none
-    else:
-        lo, hi = 0, layers
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if speed(mid) is not None else (mid, hi)
-        found[hi] = speed(hi)
-    return max(found, key=lambda n: (found[n], n))  # (a tie: the more recomputed, the less memory)
-
-
 def headline(a, remaining: float) -> dict:
     """The 70B-shaped QLoRA at --headline-gpu-mem + --headline-cpu-mem, or a slice of it."""
     from tierwise.offload.core.errors import InfeasibleBudget
     from tierwise.offload.core.sizes import parse_size
     from tierwise.offload.core.units import format_size
-    from tierwise.offload.plan.planner import make_plan
+    from tierwise.offload.plan.planner import choose_recompute, make_plan
     from tierwise.profiles import ModelProfile
 
     full = 80
@@ -423,7 +398,14 @@ def headline(a, remaining: float) -> dict:
                            "raised": f"proportional budgets below the slice's minimum: {exc}"[:300]}
         plan = plan_of(layers, gpu, cpu)
     # the layers recomputed as `finetune` would choose them (cli.planning.resolve_recompute)
-    recompute = recompute_choice(lambda n: plan_of(layers, gpu, cpu, n), layers)
+    def plan_or_none(n):
+        try:
+            return plan_of(layers, gpu, cpu, n)
+        except InfeasibleBudget:
+            return None
+
+    recompute = choose_recompute(functools.cache(plan_or_none), keep_when_fits=False)
+    recompute = layers if recompute is None else recompute
     plan = plan_of(layers, gpu, cpu, recompute)
     out["recomputed"] = recompute
     model = llama_meta(layers=layers, **shape)

@@ -3,7 +3,7 @@
 On the simulated device, a Llama of the 100M shape (`--layers` decoder layers, fp32, full
 fine-tune, batch x seq tokens): the gpu budget is the planner's minimum with half the layers
 recomputed and a few chunks more, so keeping every layer's activations does not fit. The planner's choice at that
-budget (cli.planning.resolve_recompute's rule: the fewest first layers that fit, or all,
+budget (offload.plan.planner.choose_recompute, as `finetune` picks: the fewest first layers that fit, or all,
 whichever it finds faster) against recomputing all; two engines side by side in one process,
 stepped in turn (who goes first rotates each round), after warm-up steps. Both are bit-equal
 to plain PyTorch (tests/test_recompute_share.py). Prints the median step of each, their ratio
@@ -17,6 +17,7 @@ ratio.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -43,18 +44,19 @@ def plan(a: argparse.Namespace, profile, gpu: int | None, recompute: "int | bool
 
 
 def choose(a: argparse.Namespace, profile, gpu: int) -> int:
-    """The fewest first layers that fit `gpu`, or all, whichever the planner finds faster."""
+    """The layers `finetune` recomputes at `gpu` (planner.choose_recompute): here a share or all."""
     from tierwise.offload import InfeasibleBudget
+    from tierwise.offload.plan.planner import choose_recompute
 
-    fits = {}
-    for n in range(a.layers + 1):
+    def plan_or_none(n):
         try:
-            fits[n] = plan(a, profile, gpu, n).tokens_per_s
+            return plan(a, profile, gpu, a.layers if n is None else n)
         except InfeasibleBudget:
-            continue
-    assert 0 not in fits, "no recompute fits: raise the share the budget is taken at"
-    fewest = min(fits)
-    return fewest if fits[fewest] > fits[a.layers] else a.layers
+            return None
+
+    n = choose_recompute(functools.cache(plan_or_none), keep_when_fits=True)
+    assert n != 0, "no recompute fits: raise the share the budget is taken at"
+    return a.layers if n is None else n
 
 
 def main() -> None:

@@ -539,25 +539,7 @@ def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
                 plans[n] = None  # planner cannot price
         return plans[n]
 
-    if plan_with(0) is not None and not cfg.lora:
-        return _recomputing(cfg, 0)
-    every = plan_with(None)
-    if every is None:
-        return _recomputing(cfg, None if plan_with(0) is None else 0)
-    fewest = 0  # the fewest first layers that fit: the more recomputed, the fewer activations kept
-    if plan_with(0) is None:
-        lo, hi = 0, every.layers
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if plan_with(mid) is not None else (mid, hi)
-        fewest = hi
-    best: tuple[int | None, float] = (None, every.tokens_per_s)
-    if fewest < every.layers:
-        plan = plan_with(fewest)
-        assert plan is not None
-        if plan.tokens_per_s > best[1]:
-            best = (fewest, plan.tokens_per_s)
-    return _recomputing(cfg, best[0])
+    return _recomputing(cfg, planner.choose_recompute(plan_with, keep_when_fits=not cfg.lora))
 
 
 def resolve_offload(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: bool | None = None,

@@ -484,7 +484,6 @@ class Engine:
                     f, context=self.tracker.recomputing, hold=functools.partial(self._holding, b),
                     saving=self.tracker.saving_block_inputs,
                     buffers=BufferGuard(b, **booked(self.ledger, "gpu", "activation"))))
-        self.checkpointing = bool(count)
         self.recomputed = count
         """Blocks recomputed in backward: the first `recomputed` of `blocks`."""
         self._unit_hooks = install_module_hooks(self._hooked(), res.enter_module, res.exit_module)

@@ -37,7 +37,7 @@ import logging
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, ParamSpec, pack_chunks
 from ..core.errors import InfeasibleBudget, TierwiseError
@@ -479,6 +479,32 @@ def recompute_text(recomputed: int, layers: int) -> str:
     if not recomputed:
         return "off"
     return "on" if recomputed >= layers else f"the first {recomputed} of {layers} layers"
+
+
+def choose_recompute(plan_at: Callable[[int | None], "Plan | None"], *, keep_when_fits: bool) -> int | None:
+    """The decoder layers to recompute, as `finetune` chooses them: none where that plans and
+    `keep_when_fits` (a full fine-tune: less compute); else the fastest of none (where it plans),
+    the fewest first layers that plan (the more recomputed, the fewer activations kept) and all
+    (a tie: the more recomputed); all where nothing plans. `plan_at(n)`: the plan recomputing the
+    first n layers (None: all; the caller caches), None where none fits. Returns n, or None: all."""
+    none = plan_at(0)
+    if none is not None and keep_when_fits:
+        return 0
+    every = plan_at(None)
+    if every is None:
+        return None if none is None else 0
+    fewest = 0
+    if none is None:
+        lo, hi = 0, every.layers
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if plan_at(mid) is not None else (mid, hi)
+        fewest = hi
+    best: tuple[int | None, float] = (None, every.tokens_per_s)
+    share = plan_at(fewest) if fewest < every.layers else None
+    if share is not None and share.tokens_per_s > best[1]:
+        best = (fewest, share.tokens_per_s)
+    return best[0]
 
 
 def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | str | None, gpu_mem: int | str | None,
