@@ -191,7 +191,7 @@ def test_router_refusal_names_the_setting_that_helps():
         r._learn_uses({n: 1 for n, _ in named})
         r._counts, r._submitted = {"a.weight": 2}, {slot.chunk}
         with pytest.raises(UnsupportedModel, match=f"contribution 2 .*use {re.escape(fix)} for"):
-            r._arrived_grad(slot, None)
+            r._arrived_grad(slot.chunk, ("a.weight",), None)
     ex.close()
 
 

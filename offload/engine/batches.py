@@ -90,8 +90,8 @@ def step_weights(micro: list[Any]) -> list[float]:
     a long one, so the step's gradient is that of one big batch). Micro-batches without labels
     weigh alike (1/n, as before). The loss function returns a micro-batch's mean; loss * weight
     summed over the step is the token mean of the whole step."""
-    counts = [target_tokens(mb) for mb in micro]
-    if any(c is None for c in counts):
+    counts = list(map(target_tokens, micro))  # (no comprehensions: each is one more Python call a step)
+    if None in counts:
         counts = [1] * len(micro)
     total = sum(counts)
     if total == 0:

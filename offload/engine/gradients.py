@@ -104,6 +104,7 @@ class GradientRouter:
         self.spill = new_spill()
         self.seen: set[int] = set()  # parameters with a gradient in this step (their ids)
         self._slot_of = {id(p): (n, self.plan.slots[n]) for p, n in param_names.items()}
+        self._names = {id(p): n for p, n in param_names.items()}  # id -> name
         self.early_on = False
         self.uses: dict[str, int] | None = None  # gradients per backward, per parameter (traced)
         self.expected: dict[int, int] = {}  # per chunk, when every parameter in it gets some
@@ -236,7 +237,8 @@ class GradientRouter:
         home = self._home_grads.get(pid)
         if home is not None:  # a device-home chunk: the gradient lands in place (never with ranks)
             home.copy_(src) if first else home.add_(src)
-            self._arrived_grad(slot, None)
+            if self.early_on or self.reduce_on:
+                self._arrived_grad(slot.chunk, (name,), None)
             return
         if self.transient is not None and self.uses is None:
             self._reduce_contribution(slot, src, first)
@@ -257,7 +259,8 @@ class GradientRouter:
         ticket = self._copy_out(dst, _Held(self.ledger, nbytes, src), first)
         if spilled:
             self.spill.landed(slot.chunk, ticket)
-        self._arrived_grad(slot, ticket)  # an early update may take the spill's buffer
+        if self.early_on or self.reduce_on:
+            self._arrived_grad(slot.chunk, (name,), ticket)  # an early update may take the spill's buffer
         if spilled and self.spill.complete(slot.chunk):
             self.spill.flush(slot.chunk)
 
@@ -286,8 +289,6 @@ class GradientRouter:
         got.add(pid)
         if len(got) == self.gather_from[cid]:
             self._send(cid)
-        if self.early_on or self.reduce_on:
-            self._arrived_grad(slot, None)  # (after _send: an early update waits for its copy)
 
     def send_open(self) -> None:
         """Send every chunk's gradients gathered so far (a block's recompute starts: none of them
@@ -306,17 +307,17 @@ class GradientRouter:
         dst = self.store.chunks[cid].grad
         first = cid not in self._flushed
         self._flushed.add(cid)
-        held = _Held(self.ledger, nbytes, g.buf)
+        ticket = None
         if not self.executor.cuda and self.executor.lanes["d2h"].link.bandwidth is None:
             try:
                 dst.copy_(g.buf) if first else dst.add_(g.buf)
             finally:
-                held.release()
+                self.ledger.release("gpu", "grad", nbytes)
             self.counts["grad_copies"] += 1
-            return
-        ticket = self._copy_out(dst, held, first)
-        if self.early_on or self.reduce_on:
-            self._chunk_tickets.setdefault(cid, []).append(ticket)
+        else:
+            ticket = self._copy_out(dst, _Held(self.ledger, nbytes, g.buf), first)
+        if self.early_on or self.reduce_on:  # (its parameters arrive with the copy: an early update waits for it)
+            self._arrived_grad(cid, list(map(self._names.__getitem__, g.arrived)), ticket)
 
     def _copy_out(self, dst: torch.Tensor, held: _Held, first: bool) -> Any:
         """Copy `held`'s gradients (booked already) to `dst` in host memory (added unless
@@ -383,30 +384,30 @@ class GradientRouter:
         finally:
             self._flushing = False
 
-    def _arrived_grad(self, slot: Any, ticket: Any) -> None:
-        """A parameter's gradient sum reached its grad chunk. Once every parameter of a chunk has
+    def _arrived_grad(self, cid: int, names: "tuple[str, ...] | list[str]", ticket: Any) -> None:
+        """The gradient sums of parameters `names` reached chunk `cid`'s grad chunk (with `ticket`'s
+        copy; called when early updates or reduces are on). Once every parameter of a chunk has
         sent its sum (last micro-batch, no clipping), the chunk's update starts while backward
         goes on (offload.engine.early)."""
-        if not (self.early_on or self.reduce_on):
-            return
-        cid = slot.chunk
-        n, traced = self._counts[slot.name], self.uses.get(slot.name, 0)
-        if n > traced:  # a contribution more than the first backward had: the control flow changed
-            if cid in self._submitted:
-                # owned-only gradients: every complete chunk is reduced early, whatever the overlap
-                fix = 'grad_reduce="step"' if self.transient is not None else "overlap_update=False"
-                done = "updated" if self.early_on else "reduced"
-                raise UnsupportedModel(
-                    f"parameter {slot.name!r} got gradient contribution {n} in this backward (the first "
-                    f"backward had {traced}) after its chunk was {done} "
-                    f"early; use {fix} for a model whose backward changes from step to step")
-            self._held_back.add(cid)  # updated at the end of the step instead
+        for name in names:
+            n, traced = self._counts[name], self.uses.get(name, 0)
+            if n > traced:  # a contribution more than the first backward had: the control flow changed
+                if cid in self._submitted:
+                    # owned-only gradients: every complete chunk is reduced early, whatever the overlap
+                    fix = 'grad_reduce="step"' if self.transient is not None else "overlap_update=False"
+                    done = "updated" if self.early_on else "reduced"
+                    raise UnsupportedModel(
+                        f"parameter {name!r} got gradient contribution {n} in this backward (the first "
+                        f"backward had {traced}) after its chunk was {done} "
+                        f"early; use {fix} for a model whose backward changes from step to step")
+                self._held_back.add(cid)  # updated at the end of the step instead
         if ticket is not None:
             self._chunk_tickets.setdefault(cid, []).append(ticket)
-        self._arrived[cid] = self._arrived.get(cid, 0) + 1
+        self._arrived[cid] = self._arrived.get(cid, 0) + len(names)
         if cid not in self._held_back and self._arrived[cid] == self.expected.get(cid):
             self._submitted.add(cid)
-            handed = self.spill.hand_over(cid)  # a gradient on NVMe: no round trip through the disk
+            # a gradient on NVMe: no round trip through the disk
+            handed = self.spill.hand_over(cid) if cid in self.spill.open else None
             if self.transient is not None and cid in self.transient.bufs:
                 self.transient.queue(cid)
             self.early.submit(cid, self._chunk_tickets.pop(cid, []), handed, final=self.early_on)

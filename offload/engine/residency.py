@@ -201,7 +201,8 @@ class Residency:
         keep = {c for c in self.keep if c in self.fresh or self.store.is_frozen(c)}
         self.fresh = set()
         self.cache.evict_all(keep=keep)
-        self.kept += sum(1 for c in keep if self.cache.resident(c))
+        for c in keep:  # (a loop: a generator is a Python call per chunk)
+            self.kept += bool(self.cache.resident(c))
         unfilled, self.unfilled = self.unfilled, {}
         for cid in self.keep:
             master = unfilled.get(cid)
@@ -297,38 +298,45 @@ class Residency:
 
     # -- the module stack -------------------------------------------------------------------
     def enter_module(self, mod: torch.nn.Module, args: Any = None) -> None:
-        """A module's forward starts: a new frame; its own chunks become resident."""
-        self.timeline.counts["hook_calls"] += 1
-        if not self._frames and self.timeline.phase == Phase.BACKWARD:  # a recompute not the engine's
-            raise UnsupportedModel(
-                f"{self.name_of(mod)} ran again in backward: the model recomputes it itself "
-                f"(torch.utils.checkpoint); the engine checkpoints repeated blocks on its own "
-                f"(Activations(recompute=...)): take the model's checkpointing out")
-        if not self._frames:
-            raise UnsupportedModel(
-                f"{self.name_of(mod)} ran outside engine.step / forward / eval_loss: the engine "
-                f"makes parameters resident only there (read trained weights with named_parameters_fp32)")
-        self._push(mod)
-
-    def _push(self, mod: torch.nn.Module) -> None:
+        """A module's forward starts (its pre-hook), or with args HOLD a block's recompute
+        (holding): a new frame; its own chunks become resident (the streamed ones acquired, a
+        home one's read in backward noted). (One function: it runs twice per unit and pass.)"""
+        if args is not HOLD:
+            self.timeline.counts["hook_calls"] += 1
+            if not self._frames and self.timeline.phase == Phase.BACKWARD:  # a recompute not the engine's
+                raise UnsupportedModel(
+                    f"{self.name_of(mod)} ran again in backward: the model recomputes it itself "
+                    f"(torch.utils.checkpoint); the engine checkpoints repeated blocks on its own "
+                    f"(Activations(recompute=...)): take the model's checkpointing out")
+            if not self._frames:
+                raise UnsupportedModel(
+                    f"{self.name_of(mod)} ran outside engine.step / forward / eval_loss: the engine "
+                    f"makes parameters resident only there (read trained weights with named_parameters_fp32)")
         self.guard.paused += 1
         try:
             self._frames.append((mod, []))
             if mod in self.module_chunks:
-                self.acquire_module(mod)
+                streamed, home = self._splits.get(mod) or self._split(mod)
+                for cid in streamed:
+                    self._acquire(cid)
+                if home and self.timeline.phase == Phase.BACKWARD:
+                    for cid in home:
+                        self.note_read(cid)
+                if self.timeline.recording:
+                    self.timeline.moment()
         finally:
             self.guard.paused -= 1
 
     def exit_module(self, mod: torch.nn.Module, args: Any = None, out: Any = None) -> None:
-        """A module's forward ended: release its own chunks and those read in its frame."""
-        self.timeline.counts["hook_calls"] += 1
-        self._pop(mod)
-
-    def _pop(self, mod: torch.nn.Module) -> None:
+        """A module's forward ended (its hook; args HOLD: a block's backward after its
+        recompute): release its own chunks and those read in its frame."""
+        if args is not HOLD:
+            self.timeline.counts["hook_calls"] += 1
         self.guard.paused += 1
         try:
             if mod in self.module_chunks:
-                self.release_module(mod)
+                for cid in (self._splits.get(mod) or self._split(mod))[0]:
+                    self._release(cid)
             if self._frames:
                 for cid in self._frames.pop()[1]:
                     self._release(cid)
@@ -390,20 +398,6 @@ class Residency:
         self.timeline.moment()
 
     # -- chunks ---------------------------------------------------------------------------
-    def acquire_module(self, mod: torch.nn.Module) -> None:
-        streamed, home = self._splits.get(mod) or self._split(mod)
-        for cid in streamed:
-            self._acquire(cid)
-        if home and self.timeline.phase == Phase.BACKWARD:  # (note_read, inline)
-            for cid in home:
-                self.note_read(cid)
-        if self.timeline.recording:  # (moment, inline: it records in one step of the run)
-            self.timeline.moment()
-
-    def release_module(self, mod: torch.nn.Module) -> None:
-        for cid in (self._splits.get(mod) or self._split(mod))[0]:
-            self._release(cid)
-
     def units_changed(self) -> None:
         """`module_chunks` was changed in place (the blocks became the units)."""
         self._splits = {}
@@ -466,6 +460,11 @@ class Residency:
                                  capacity=self.cache.limit, lookahead=lookahead)
 
 
+HOLD = object()
+"""enter_module / exit_module's `args` for a block's recompute and backward (Residency.holding):
+no module hook ran, so none is counted."""
+
+
 class _Holding:
     """Residency.holding's context (a class: a generator context costs several calls a block)."""
 
@@ -475,13 +474,16 @@ class _Holding:
 
     def __enter__(self) -> None:
         res = self.res
-        res._push(self.block)
-        self.held = [c for c in res.module_chunks.get(self.block, ()) if c not in res._holding]
-        res._holding.update(self.held)
+        res.enter_module(self.block, HOLD)
+        held = self.held = []
+        for c in res.module_chunks.get(self.block, ()):  # (a loop: a comprehension is one more call)
+            if c not in res._holding:
+                held.append(c)
+        res._holding.update(held)
 
     def __exit__(self, *exc: Any) -> None:
         self.res._holding.difference_update(self.held)
-        self.res._pop(self.block)
+        self.res.exit_module(self.block, HOLD)
 
 
 class _Both:

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..plan import perfmodel
 from ..plan.perfmodel import RESIDUAL_MLP_FAMILIES, TILED_FAMILIES, mlp_tile_tokens
 
 # The tile's bytes (perfmodel.MLP_TILE_BYTES) and the families (TILED_FAMILIES) are the
@@ -105,22 +106,22 @@ def tiled(forward: Callable[..., torch.Tensor], mlp: torch.nn.Module, *, width: 
     its graph alone, so backward's tiles are the MLP's only recomputation (tiled_mlps says
     where)."""
     # its dropouts, found again when its children change (walking modules() at every forward
-    # costs Python calls per module)
+    # costs Python calls per module); the tile's tokens per (itemsize, rows, tile bytes)
     found: list = [None, []]
-
-    def dropouts() -> list[torch.nn.Module]:
-        children = tuple(mlp._modules.values())
-        if children != found[0]:
-            found[0], found[1] = children, [m for m in mlp.modules() if isinstance(m, torch.nn.Dropout)]
-        return found[1]
+    sizes: dict[tuple[int, int, int], int] = {}
 
     def wrapper(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs or x.dim() != 3 or not enabled():
             return forward(x, *args, **kwargs)
-        drops = dropouts()
-        if drops and _active_dropout(drops):
+        children = tuple(mlp._modules.values())  # (inline: this runs for every MLP forward)
+        if children != found[0]:
+            found[0], found[1] = children, [m for m in mlp.modules() if isinstance(m, torch.nn.Dropout)]
+        if found[1] and _active_dropout(found[1]):
             return forward(x, *args, **kwargs)
-        size = mlp_tile_tokens(width, x.element_size(), x.shape[0], tile_bytes)
+        key = (x.element_size(), x.shape[0], perfmodel.MLP_TILE_BYTES if tile_bytes is None else tile_bytes)
+        size = sizes.get(key)
+        if size is None:
+            size = sizes[key] = mlp_tile_tokens(width, key[0], key[1], key[2])
         if x.shape[1] <= size:
             return forward(x)
         tiles = _tiles(x.shape[1], size)

@@ -12,10 +12,15 @@ storage is freed: keep a reference (or drop the key) for as long as the key is u
 
 from __future__ import annotations
 
+import operator
+
 import torch
+
+#: key_of(storage): an untyped storage's key, without a Python call (the saved-tensor hook
+#: takes one for every tensor autograd saves)
+key_of = operator.attrgetter("_cdata")
 
 
 def storage_key(t: "torch.Tensor | torch.UntypedStorage") -> int:
     """The identity of `t`'s storage (a tensor's untyped storage, or a storage itself)."""
-    storage = t if isinstance(t, torch.UntypedStorage) else t.untyped_storage()
-    return storage._cdata
+    return key_of(t if isinstance(t, torch.UntypedStorage) else t.untyped_storage())

@@ -65,7 +65,11 @@ class TraceFollower:
         if self.actions is None or not self.events or self.events[0][0] != ACQUIRE:
             return ()
         a, first = self.actions[0], self.events[0][1]
-        return tuple(dict.fromkeys(c for c in (first, *a.prefetch) if c not in a.prefetch_evict))
+        out: dict[int, None] = {}
+        for c in (first, *a.prefetch):  # (a loop: a generator is a Python call per chunk)
+            if c not in a.prefetch_evict:
+                out[c] = None
+        return tuple(out)
 
     def drop(self) -> None:
         self.events = self.actions = None
