@@ -59,6 +59,23 @@ def choose(a: argparse.Namespace, profile, gpu: int) -> int:
     return a.layers if n is None else n
 
 
+def step_in_turn(engines: dict, batches: list, warmup: int, *, reset_peaks: bool = False) -> tuple[dict, dict]:
+    """Step every engine on each batch in turn (who goes first alternates); ({name: the step
+    times after `warmup`}, {name: every loss}). `reset_peaks`: the ledgers' peaks are reset
+    when the timed steps begin (what is measured after is the steady state's)."""
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    losses: dict[str, list[float]] = {k: [] for k in engines}
+    for i, b in enumerate(batches):
+        for k in (list(engines) if i % 2 == 0 else list(reversed(engines))):
+            if reset_peaks and i == warmup:
+                engines[k].ledger.reset_peaks()
+            t = time.perf_counter()
+            losses[k].append(engines[k].step(b))
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t)
+    return times, losses
+
+
 def main() -> None:
     from tierwise.offload import Engine, flat_options
     from tierwise.profiles import ModelProfile
@@ -83,14 +100,7 @@ def main() -> None:
     engines = {k: Engine(build(a), **flat_options(lr=1e-4, chunk_bytes=a.chunk, gpu_mem=gpu, checkpointing=r,
                                                   activations=plans[k].reserve["gpu"]["activations"]))
                for k, r in (("all", a.layers), ("share", share))}
-    times: dict[str, list[float]] = {k: [] for k in engines}
-    losses: dict[str, list[float]] = {k: [] for k in engines}
-    for i, b in enumerate(batches):
-        for k in (list(engines) if i % 2 == 0 else list(reversed(engines))):
-            t = time.perf_counter()
-            losses[k].append(engines[k].step(b))
-            if i >= a.warmup:
-                times[k].append(time.perf_counter() - t)
+    times, losses = step_in_turn(engines, batches, a.warmup)
     assert losses["all"] == losses["share"], losses
     out = {"layers": a.layers, "batch": a.batch, "seq": a.seq, "gpu_budget": gpu, "recomputed": share}
     for k, eng in engines.items():

@@ -481,9 +481,11 @@ def attends_segments(cfg: TrainConfig, src: "ModelSource | None") -> bool:
 
 def checkpointing(cfg: TrainConfig) -> bool | int | None:
     """The Engine's / planner's `checkpointing` for --recompute / --recompute-layers: False off;
-    the first N layers; else None, their default (recompute when the model has several decoder
-    layers; one layer is never recomputed)."""
-    return False if cfg.recompute is False else cfg.recompute_layers
+    the first N layers; True every layer (a model of one decoder layer recomputes none: it has no
+    repeated block); None (not resolved yet) the planner's every layer too."""
+    if cfg.recompute is False:
+        return False
+    return cfg.recompute_layers if cfg.recompute_layers is not None else cfg.recompute
 
 
 def share_note(cfg: TrainConfig, plan: Plan, *, here: bool = True) -> str | None:

@@ -28,8 +28,12 @@ does forward, backward and the update. What maps where:
   bitsandbytes had loaded them.
 - Batches of several lengths: with `max_length` (TRL's SFTConfig) the engine is placed for the
   longest one before the first step.
-- `gradient_checkpointing=True` (TRL's default): the model's own checkpointing is turned off
-  and the engine recomputes the blocks instead (Activations(recompute=True)).
+- `gradient_checkpointing` (True is TRL's default): the model's own checkpointing is turned off
+  and, with `max_length`, the engine decides (Activations(recompute=None)): the warm-up step
+  recomputes every block, then the last blocks keep their activations where the whole model
+  stays on the device beside them, placed for the longest batch. Without `max_length` every
+  block is recomputed (a later, longer batch needs the slack). `offload={"checkpointing": True}`
+  recomputes every block, False none, an int n the first n.
 
 A model bigger than the device (or the host): `from_pretrained(name_or_path)` builds it on the
 meta device, as `finetune` does; the engine loads its checkpoint shard by shard into its tiers
@@ -60,6 +64,14 @@ _OPTIMS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "ad
            "adamw_bnb_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit", "sgd": "sgd"}
 """TrainingArguments.optim -> the engine's optimizer (offload={"optimizer": ...} wins); another is refused."""
 _SOURCE = "_tierwise_source"  # on a from_pretrained model: (its ModelSource, its ModelLayout)
+
+
+def _own_checkpointing_off(model: Any) -> None:
+    """transformers' own recompute off (the engine recomputes what its budget forces), by the
+    names transformers 5 gives it, or the older ones."""
+    new = hasattr(type(model), "is_activation_checkpointing")
+    if getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False):
+        (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
 
 
 def from_pretrained(name_or_path: str, *, trust_remote_code: bool = False) -> torch.nn.Module:
@@ -188,10 +200,11 @@ class _Offload:
                 compute = options.get("precision", Precision("bf16" if quantized[0][3] == torch.bfloat16 else "fp32"))
                 options["precision"] = Precision(compute.compute, base="nf4", double_quant=nested == {True})
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            if getattr(base, "is_gradient_checkpointing", False):  # (gradient_checkpointing=True, TRL's default)
-                base.gradient_checkpointing_disable()  # the engine recomputes the blocks itself
-                if "activations" not in options:
-                    options["activations"] = Activations(recompute=True)
+            _own_checkpointing_off(base)  # (gradient_checkpointing=True, TRL's default)
+            if "activations" not in options and self._longest() is None:
+                # the first batch need not be the longest: every block recomputed keeps the slack
+                # a longer one needs (the engine keeps activations only for a known longest batch)
+                options["activations"] = Activations(recompute=True)
             self.engine = Engine(model, **options)
             if _source(base) is not None:
                 self._load_checkpoint(model, base)
@@ -211,15 +224,20 @@ class _Offload:
         names = {n.removeprefix(prefix).replace(".base_layer.", "."): n for n, _ in model.named_parameters()}
         self.engine.load_weights((names.get(n, n), t) for n, t in iter_checkpoint(base, layout, src.model_dir))
 
+    def _longest(self) -> int | None:
+        """The longest row a batch can have (TRL's `max_length`), or None where it is not known."""
+        length = getattr(self.args, "max_length", None)  # type: ignore[attr-defined]
+        return length if isinstance(length, int) and length >= 2 else None
+
     def _measure_longest(self) -> None:
         """Batches vary in length (a collator pads each to its longest row): with `max_length`
         (TRL's SFTConfig) the engine is placed for the longest batch there can be, padded (the
         mask materialised), before the first step. Without it, for the first batch; a longer
         one later raises StepOverBudget naming Engine.measure."""
-        args: Any = self.args  # type: ignore[attr-defined]
-        length = getattr(args, "max_length", None)
-        if not isinstance(length, int) or length < 2:
+        length = self._longest()
+        if length is None:
             return
+        args: Any = self.args  # type: ignore[attr-defined]
         rows = args.per_device_train_batch_size
         ids = torch.zeros(rows, length, dtype=torch.long)
         mask = torch.ones_like(ids)

@@ -44,7 +44,7 @@ def plan_for(profile, precision, batch, seq, chunk, gpu, optimizer="adamw", opti
 
 def run_engine(model, *, precision, batch, seq, chunk, gpu, vocab, optimizer="adamw", optimizer_kwargs=None):
     eng = Engine(model, budget=Budget(gpu=gpu, chunk=chunk), optim=Optim(optimizer, kwargs=optimizer_kwargs),
-                 precision=Precision(precision))
+                 precision=Precision(precision), activations=Activations(recompute=True))  # (as planned)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (batch, seq), generator=g)
     eng.step({"input_ids": x, "labels": x})  # warm-up: measures activations, places chunks

@@ -83,7 +83,9 @@ class Precision:
 class Activations:
     """`recompute`: recompute each block in backward (True), keep every block's activations
     (False), recompute the first n blocks and keep the rest's (an int n: recomputed_blocks), or
-    None: recompute when the model has several blocks. `offload`: keep recomputed
+    None: the engine's choice (every block in the warm-up where the model has several; then the
+    last ones kept where the whole model stays on the device beside them; every one with
+    `expected`, the estimate's). `offload`: keep recomputed
     blocks' inputs in host memory between forward and backward. `expected`: the peak bytes of
     saved activations (the planner's estimate): given, chunks are placed now; None: after the
     warm-up step, which measures it. `host`: bytes of host memory the offloaded inputs need

@@ -90,6 +90,7 @@ from .actoffload import Offloader
 from .batches import default_loss, split_batch, step_weights, to_device
 from .early import EarlyUpdater
 from . import gradients as gradients_mod
+from . import segments
 from .gradients import GradientRouter
 from .gradspill import GradSpill
 from .frozen_base import frozen_layouts
@@ -246,6 +247,9 @@ class Engine:
             self.units_are_blocks = False
             self.zo_batch: int | None = None  # MeZO: rows of the +εz half while a dual forward runs
             checkpointing = activations.recompute if self.updater.needs_grad else False  # (no backward)
+            # None: every block recomputed in the warm-up, then kept where the budget allows
+            # (_keep_activations); not with offloaded inputs (they are the recomputed blocks')
+            self._auto_recompute = checkpointing is None and not self.offload_activations
             self._place(activations.expected)
             self.store.load(weights, self.params)  # copy the weights in; the originals go when repointed
             del weights
@@ -471,19 +475,13 @@ class Engine:
                              "checkpointing (a model with several blocks, checkpointing not False or 0)")
         recomputed = self.blocks[:count]
         self.tracker = ActivationTracker(res, self.ledger, self.device, counts=self.moments.counts)
-        self.tracker.lumps = lumped_recompute(model, recomputed)
+        # blocks that save what their inputs' shapes decide: a recompute may be lumped, and the
+        # warm-up's bytes hold for later batches of its shape (_keep_activations)
+        self.tracker.lumps = self._shaped_blocks = lumped_recompute(model, recomputed)
         if recomputed:
             surgery.disable_kv_cache()  # a KV cache would see each block twice (recompute)
-            config = getattr(model, "config", None)
-            for mlp, width, values in tiled_mlps(recomputed, getattr(config, "model_type", None)):
-                surgery.patch_forward(mlp, lambda f, m=mlp, w=width, v=values: tiled(
-                    f, m, width=w, context=lambda: res.recompute(self.tracker.hooks()),
-                    enabled=functools.partial(getattr, self, "units_are_blocks"), values=v))
-            for block in recomputed:
-                surgery.patch_forward(block, lambda f, b=block: checkpointed(
-                    f, context=self.tracker.recomputing, hold=functools.partial(self._holding, b),
-                    saving=self.tracker.saving_block_inputs,
-                    buffers=BufferGuard(b, **booked(self.ledger, "gpu", "activation"))))
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        self._recompute_undo = [self._recompute_block(i, model_type) for i in range(count)]
         self.recomputed = count
         """Blocks recomputed in backward: the first `recomputed` of `blocks`."""
         self._unit_hooks = install_module_hooks(self._hooked(), res.enter_module, res.exit_module)
@@ -506,6 +504,63 @@ class Engine:
             self.tracker.offloader = Offloader(ledger=self.ledger, tiers=self.tiers, executor=self.executor,
                                                device=self.device, phase=lambda: self.moments.phase,
                                                tier=self.activations_tier, nvme=self.nvme)
+
+    def _recompute_block(self, i: int, model_type: "str | None") -> list[Any]:
+        """Block i recomputed in backward (its MLP in tiles where its family allows): the undos."""
+        res, surgery, block = self.residency, self.surgery, self.blocks[i]
+        undo = [surgery.patch_forward(mlp, lambda f, m=mlp, w=width, v=values: tiled(
+            f, m, width=w, context=lambda: res.recompute(self.tracker.hooks()),
+            enabled=functools.partial(getattr, self, "units_are_blocks"), values=v))
+            for mlp, width, values in tiled_mlps([block], model_type)]
+        undo.append(surgery.patch_forward(block, lambda f: checkpointed(
+            f, context=functools.partial(self.tracker.recomputing, block=i),
+            hold=functools.partial(self._holding, block), saving=self.tracker.saving_block_inputs,
+            buffers=BufferGuard(block, **booked(self.ledger, "gpu", "activation")))))
+        return undo
+
+    def _keep_activations(self, act: int, pinned: int) -> int:
+        """`recompute` left to the engine (None): the warm-up recomputed every block and measured
+        what each one's recompute saved. Where those sizes follow the inputs' shapes (a dense
+        decoder family: model_info.lumped_recompute), the last blocks keep their activations instead, as many
+        as leave the whole model on the device beside them (fewer recomputes, the same bytes
+        over the link: nothing streams). Where a chunk streams anyway every block stays
+        recomputed: trading a resident chunk for kept activations takes a time model
+        (`finetune plan` weighs it and passes its count). Returns the activation bytes to place
+        for: the measured peak plus what the kept blocks hold from forward to backward (an upper
+        bound: at any moment the kept blocks add at most that to the warm-up's bytes)."""
+        saved, budget = self.tracker.block_bytes, self.ledger.budgets["gpu"]
+        if (not self._auto_recompute or not self._shaped_blocks or len(saved) < self.recomputed
+                or not self.allow_gpu_home or any(k > 1 for k in (self.grads.uses or {}).values())
+                or budget is None and self.device.type == "cuda"  # (no budget: the card's memory is unknown)
+                or segments.NAME == getattr(getattr(self.model, "config", None), "_attn_implementation", None)):
+            return act  # (sizes that follow the data or a packed row's documents, a shared weight: all recomputed)
+        whole = frozenset(range(len(self.plan.chunks)))
+
+        def placed(extra: int) -> "DevicePlan | None":
+            try:
+                plan = plan_device(self._device_needs(activations=act + extra, pinned=pinned), budget,
+                                   prefer=self._home_order(), decoded=self._decoded())
+            except InfeasibleBudget:
+                return None
+            return plan if plan.gpu_home == whole else None
+
+        base = placed(0)
+        extra, count = 0, self.recomputed
+        while base is not None and count and (plan := placed(extra + saved[count - 1])) is not None \
+                and plan.decoded_home == base.decoded_home:  # (not a decoded base given up for it)
+            count -= 1
+            extra += saved[count]
+        if count < self.recomputed:
+            for undo in reversed(self._recompute_undo[count:]):
+                for u in reversed(undo):
+                    u.remove()
+            del self._recompute_undo[count:]
+            log.info("the whole model stays on the device: %d of %d blocks keep their activations "
+                     "(%s) instead of being recomputed", self.recomputed - count, len(self.blocks),
+                     format_size(extra))
+            self.recomputed = count
+            self.residency.follower.reset()  # (backward reads the kept blocks' chunks once)
+        return act + extra
 
     def _holding(self, block: torch.nn.Module) -> Any:
         """A checkpointed block's recompute and backward (Residency.holding), with no gathered
@@ -646,7 +701,7 @@ class Engine:
                 if self.tracker.offloader is not None:
                     self.tracker.offloader.end_forward()
         except BudgetExceeded as exc:
-            raise self._budget_error(exc, intact=self._abort_cycle()) from exc
+            raise self._budget_error(exc) from exc
         except BaseException:  # (the loss function raised, or Ctrl-C): the step is dropped
             self._abort_cycle()
             raise
@@ -670,7 +725,7 @@ class Engine:
                 if self.grads.uses is not None:  # (the first backward has taught the router its reads)
                     self.residency.stop_watching_homes()
         except BudgetExceeded as exc:
-            raise self._budget_error(exc, intact=self._abort_cycle()) from exc
+            raise self._budget_error(exc) from exc
         except BaseException:
             self._abort_cycle()
             raise
@@ -687,11 +742,13 @@ class Engine:
         self._in_cycle = False
         return intact
 
-    def _budget_error(self, exc: BudgetExceeded, *, intact: bool) -> Exception:
-        """A gpu reservation failed mid-step (offload.engine.overbudget says what it needed)."""
+    def _budget_error(self, exc: BudgetExceeded) -> Exception:
+        """A reservation failed mid-step: the step is dropped (_abort_cycle), and for the gpu
+        offload.engine.overbudget says what it needed (the activations held when it failed)."""
+        act = self.ledger.usage()["gpu"].get("activation", 0) + (exc.asked if exc.kind == "activation" else 0)
+        intact = self._abort_cycle()
         if exc.tier != "gpu":
             return exc
-        act = self.ledger.usage()["gpu"].get("activation", 0) + (exc.asked if exc.kind == "activation" else 0)
         if self.minimum_gpu_bytes is None:  # the warm-up (or measure): nothing placed yet, every chunk streams
             pinned = 0 if self.units_are_blocks else self.residency.cache.pinned_peak  # (a block's, with blocks)
             minimum = self._device_needs(activations=act, pinned=pinned, units=self._plain_units).minimum
@@ -907,7 +964,7 @@ class Engine:
         if self.ranks is not None:  # every rank places for the largest: the same cache, the same fetches
             act = self.ranks.max_int(act, "agreeing on the activation peak")
             pinned = self.ranks.max_int(pinned, "agreeing on the streaming window")
-        measured = self._device_needs(activations=act, pinned=pinned)
+        # (the least budget with every block recomputed, whatever _keep_activations keeps below)
         self.minimum_gpu_bytes = self._device_needs(activations=act, pinned=0 if self.units_are_blocks else pinned,
                                                     units=self._plain_units).minimum
         if self.device_plan is not None:  # placed up front from an estimate: keep it if it holds
@@ -919,11 +976,11 @@ class Engine:
             for cid in sorted(self.device_plan.decoded_home):  # (decoded now: the weights are in)
                 self.residency.promote(cid, decoded=True)
             return
+        act = self._keep_activations(act, pinned)
         if self._choose_units(act):  # the next step traces again, with the blocks as the units
             self._reinstall_unit_hooks()
             self.residency.follower.reset()
-            measured = self._device_needs(activations=act, pinned=pinned)
-        self.needs = measured
+        self.needs = self._device_needs(activations=act, pinned=pinned)
         self.device_plan = plan_device(self.needs, self.ledger.budgets["gpu"], allow_gpu_home=self.allow_gpu_home,
                                        prefer=self._home_order(), decoded=self._decoded())
         for cid in sorted(self.device_plan.gpu_home):

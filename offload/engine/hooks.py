@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -27,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..runtime.ledger import Ledger
-from ..runtime.storage import storage_key
+from ..runtime.storage import key_of
 from . import segments
 
 if TYPE_CHECKING:
@@ -110,6 +111,9 @@ class ActivationTracker:
         self.learned: dict[Any, Any] = {}
         self.recording: _Recording | None = None
         self.lumps = True  # False: every recompute with the hooks (sizes that depend on the data)
+        # per block (its index), the most bytes one recompute of it saved: what the block holds
+        # from its forward to its backward when it is not recomputed
+        self.block_bytes: dict[int, int] = {}
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -118,7 +122,7 @@ class ActivationTracker:
         self.counts["saved_tensor_hooks"] += 1
         res = self.residency
         storage = t.untyped_storage()
-        key = storage_key(storage)
+        key = key_of(storage)
         cid = res.streamed_storage.get(key)
         if cid is not None:
             if res.holds(cid):
@@ -174,7 +178,11 @@ class ActivationTracker:
 
     def end_step(self) -> None:
         """The step's graphs are gone: forget their (dead) references."""
-        self._held = [r for r in self._held if r() is not None]
+        alive = []
+        for r in self._held:  # (a loop: a comprehension is one more Python call)
+            if r() is not None:
+                alive.append(r)
+        self._held = alive
 
     def unpack(self, packed: Any) -> torch.Tensor:
         kind = type(packed)
@@ -195,7 +203,7 @@ class ActivationTracker:
             return self.offloader.unpack(packed)
         return packed
 
-    def recomputing(self, key: Any) -> "_Recompute":
+    def recomputing(self, key: Any, block: int = -1) -> "_Recompute":
         """What a checkpointed block's recompute runs under, `key` naming what decides its saved
         tensors (the block, its inputs' shapes and dtypes, the segments of a packed batch). A key's
         first two recomputes run with the saved-tensor hooks and note the sizes of what they
@@ -204,12 +212,13 @@ class ActivationTracker:
         without the hooks and book the sum as one from the recompute's start to the end of the
         block's backward (`_Recompute.done`): no Python call per saved tensor. Sizes that differ
         between the two (data-dependent: experts' routing) keep the hooks for good, as does a key
-        None or `lumps` False. The read guard is entered either way."""
+        None or `lumps` False. The read guard is entered either way. `block`: the block's index,
+        for `block_bytes`."""
         if key is None or not self.lumps or self.offloader is not None:  # (offloaded inputs: hooks)
-            return _Recompute(self, None, None)
+            return _Recompute(self, None, None, block)
         key = (key, segments.last.key)  # (an attribute: this runs once per block recompute)
         known = self.learned.get(key)
-        return _Recompute(self, key, known if type(known) is int else None)
+        return _Recompute(self, key, known if type(known) is int else None, block)
 
     def _learn(self, key: Any, rec: "_Recording") -> None:
         before = self.learned.get(key, _NEW)
@@ -252,8 +261,8 @@ class _Recording:
 class _Recompute:
     """ActivationTracker.recomputing's context; `done()` once the block's backward has ended."""
 
-    def __init__(self, tracker: ActivationTracker, key: Any, lump: int | None):
-        self.tracker, self.key, self.lump = tracker, key, lump
+    def __init__(self, tracker: ActivationTracker, key: Any, lump: int | None, block: int):
+        self.tracker, self.key, self.lump, self.block = tracker, key, lump, block
         self.hooks: Any = None
         self.booked = 0
 
@@ -262,6 +271,8 @@ class _Recompute:
         if self.lump is not None:
             tracker.ledger.reserve("gpu", "activation", self.lump)
             self.booked = self.lump
+            if self.lump > tracker.block_bytes.get(self.block, 0):
+                tracker.block_bytes[self.block] = self.lump
         else:
             self.hooks = tracker.hooks()
             self.hooks.__enter__()
@@ -275,8 +286,12 @@ class _Recompute:
             return
         rec, tracker.recording = tracker.recording, None
         self.hooks.__exit__(*exc)
-        if exc[0] is None and rec is not None and self.key is not None:
-            tracker._learn(self.key, rec)
+        if exc[0] is None and rec is not None:
+            saved = sum(rec.sizes)
+            if saved > tracker.block_bytes.get(self.block, 0):
+                tracker.block_bytes[self.block] = saved
+            if self.key is not None:
+                tracker._learn(self.key, rec)
 
     def done(self) -> None:
         n, self.booked = self.booked, 0
@@ -327,7 +342,11 @@ class BufferGuard:
         self.modules = list(block.modules())  # (once: the generator costs a call per module, per forward)
 
     def before(self) -> list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]:
-        taken = [(m, n, b, b.clone()) for m in self.modules for n, b in m._buffers.items() if b is not None]
+        taken = []
+        for m in self.modules:  # (loops: a comprehension is a Python call, once per block)
+            for n, b in m._buffers.items():
+                if b is not None:
+                    taken.append((m, n, b, b.clone()))
         if taken:
             self.reserve(sum([_nbytes(c) for *_, c in taken]))
         return taken
@@ -395,7 +414,7 @@ class _Checkpoint(torch.autograd.Function):
         run, spec, others, cuda, training = meta
         ctx.run, ctx.spec, ctx.n_tensors, ctx.others = run, spec, len(tensors), others
         ctx.training = training  # (the block's mode: dropout saves masks in training only)
-        ctx.grad_mask = [t.requires_grad for t in tensors]
+        ctx.grad_mask = list(map(_REQUIRES_GRAD, tensors))
         ctx.save_for_backward(*tensors)
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state() if cuda else None
@@ -457,6 +476,7 @@ class _Checkpoint(torch.autograd.Function):
 
 
 _PLAIN = (torch.Tensor, bool, int, float, str, type(None))
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:

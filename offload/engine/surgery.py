@@ -72,9 +72,10 @@ class ModelSurgery:
             self.undo.append(Undo(back))
         return total
 
-    def patch_forward(self, mod: torch.nn.Module, wrap: Callable[[Callable], Callable]) -> None:
+    def patch_forward(self, mod: torch.nn.Module, wrap: Callable[[Callable], Callable]) -> Undo:
         """mod.forward = wrap(mod.forward); undone to the instance's own forward attribute (or
-        none: the class's forward again)."""
+        none: the class's forward again), at close() or by the Undo returned (the latest patch
+        of `mod` first)."""
         own = mod.__dict__.get("forward")
         mod.forward = wrap(mod.forward)
 
@@ -83,7 +84,9 @@ class ModelSurgery:
                 mod.__dict__.pop("forward", None)
             else:
                 mod.forward = own
-        self.undo.append(Undo(back))
+        undo = Undo(back)
+        self.undo.append(undo)
+        return undo
 
     def disable_kv_cache(self) -> None:
         """A recomputed block would see a KV cache twice: config.use_cache off while the engine runs."""

@@ -27,19 +27,25 @@ def cuda_batches(n):
     return [{k: v.cuda() for k, v in b.items()} for b in batches(n)]
 
 
-def test_streamed_engine_matches_plain_pytorch_on_cuda():
-    torch.manual_seed(0)
-    model = tiny_llama()
+def plain_on_cuda(model, data):
+    """A copy of `model` trained by plain PyTorch on CUDA (fused AdamW): (it, its losses)."""
     ref = copy.deepcopy(model).cuda()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
-    data = cuda_batches(5)
-    ref_losses = []
+    losses = []
     for b in data:
         loss = ref(**b).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_losses.append(loss.item())
+        losses.append(loss.item())
+    return ref, losses
+
+
+def test_streamed_engine_matches_plain_pytorch_on_cuda():
+    torch.manual_seed(0)
+    model = tiny_llama()
+    data = cuda_batches(5)
+    ref, ref_losses = plain_on_cuda(model, data)
     eng = Engine(model, **flat_options(lr=1e-3, chunk_bytes=16 << 10, device="cuda", **TIGHT))
     losses = [eng.step(b) for b in data]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
@@ -294,3 +300,25 @@ def test_gradients_staged_in_the_compute_dtype_on_cuda():
         eng.close()
     torch.testing.assert_close(torch.tensor(runs["fp32"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(runs["bf16"]), torch.tensor(ref_losses), rtol=2e-2, atol=2e-2)
+
+
+def test_the_engine_keeps_every_layer_where_the_model_fits_on_cuda():
+    """Recompute left to the engine (the default) with a budget the whole model fits beside
+    every layer's activations: after the warm-up no layer is recomputed, the losses and weights
+    are plain PyTorch's, and the CUDA allocator's peak stays inside the budget."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    data = cuda_batches(4)
+    ref, ref_losses = plain_on_cuda(model, data)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    eng = Engine(model, **flat_options(lr=1e-3, chunk_bytes=16 << 10, device="cuda", gpu_mem="64M"))
+    losses = [eng.step(b) for b in data]
+    assert eng.recomputed == 0 and len(eng.device_plan.gpu_home) == len(eng.plan.chunks)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    mine = dict(eng.named_parameters_fp32())
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(mine[n], p.detach().cpu(), rtol=1e-4, atol=1e-6)
+    assert torch.cuda.max_memory_allocated() - base <= 64 << 20
+    eng.close()
