@@ -11,6 +11,7 @@ engine's ledger measures for padded and unpadded batches, byte for byte.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from tierwise.cli.main import app  # noqa: E402
 from tierwise.cli.planning import make_plan, resolve_recompute  # noqa: E402
 from tierwise.offload import Activations, Budget, Engine, Optim, Precision  # noqa: E402
 from tierwise.offload.core.errors import StepOverBudget  # noqa: E402
+from tierwise.offload.core.sizes import parse_size  # noqa: E402
 from tierwise.offload.plan.perfmodel import activation_bytes  # noqa: E402
 from tierwise.profiles import ModelProfile  # noqa: E402
 
@@ -189,6 +191,9 @@ def test_mid_step_budget_error_numbers_add_up(overlap):
     assert need > GPU and not err.step_done
     text = str(err)
     assert f"gpu budget 160.00 KiB ({GPU} B)" in text and "needed at least" in text and f"({need} B)" in text
+    # the activations held when it failed (read before the step's were dropped): past the placement's
+    held, placed = re.search(r"activations at (.+?) where the chunks were placed for (.+?);", text).groups()
+    assert parse_size(held.replace(" ", "")) > parse_size(placed.replace(" ", "")), text
     unchanged = all(torch.equal(before[n], after[n]) for n in before)
     assert err.weights_intact == unchanged
     assert err.weights_intact is (not overlap)  # without early updates nothing moved
