@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierwise.offload import Activations, Engine, flat_options
+from tierwise.offload import Activations, Engine, Precision, flat_options
 from tierwise.offload.plan import perfmodel
 from tierwise.profiles import ModelProfile
 from tests.models import batches, tiny_llama, train_reference
@@ -104,3 +104,27 @@ def test_the_trainer_leaves_it_to_the_engine_where_the_longest_batch_is_known(tm
     ours.train()
     assert ours.engine.recomputed == 2
     assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
+
+
+def test_a_qlora_model_that_fits_keeps_its_layers_with_the_same_numbers():
+    """An NF4 base (double-quantized) with LoRA on every linear layer and adapter dropout, bf16:
+    left to the engine it keeps all 4 layers where everything fits, with the losses of the same
+    run recomputing every layer (dropout's masks included), and holds no more than it placed."""
+    peft = pytest.importorskip("peft")
+    data = batches(4)
+    runs = {}
+    for name, recompute in (("all", True), ("auto", None)):
+        torch.manual_seed(3)
+        eng = Engine(tiny_llama(), lora=peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear"),
+                     precision=Precision("bf16", base="nf4", double_quant=True),
+                     activations=Activations(recompute=recompute), **flat_options(lr=1e-3, gpu_mem="8M", chunk_bytes=CHUNK))
+        try:
+            runs[name] = [eng.step(b) for b in data[:1]]
+            eng.ledger.reset_peaks()
+            runs[name] += [eng.step(b) for b in data[1:]]
+            if name == "auto":
+                assert eng.recomputed == 0
+                assert 0 < eng.ledger.kind_peak("gpu", "activation") <= eng.needs.activations
+        finally:
+            eng.close()
+    assert runs["auto"] == runs["all"]
