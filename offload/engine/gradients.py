@@ -104,7 +104,6 @@ class GradientRouter:
         self.spill = new_spill()
         self.seen: set[int] = set()  # parameters with a gradient in this step (their ids)
         self._slot_of = {id(p): (n, self.plan.slots[n]) for p, n in param_names.items()}
-        self._names = {id(p): n for p, n in param_names.items()}  # id -> name
         self.early_on = False
         self.uses: dict[str, int] | None = None  # gradients per backward, per parameter (traced)
         self.expected: dict[int, int] = {}  # per chunk, when every parameter in it gets some
@@ -317,7 +316,10 @@ class GradientRouter:
         else:
             ticket = self._copy_out(dst, _Held(self.ledger, nbytes, g.buf), first)
         if self.early_on or self.reduce_on:  # (its parameters arrive with the copy: an early update waits for it)
-            self._arrived_grad(cid, list(map(self._names.__getitem__, g.arrived)), ticket)
+            names = []
+            for pid in g.arrived:  # (a loop: a comprehension is one more Python call)
+                names.append(self._slot_of[pid][0])
+            self._arrived_grad(cid, names, ticket)
 
     def _copy_out(self, dst: torch.Tensor, held: _Held, first: bool) -> Any:
         """Copy `held`'s gradients (booked already) to `dst` in host memory (added unless

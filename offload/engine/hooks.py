@@ -270,9 +270,7 @@ class _Recompute:
         tracker = self.tracker
         if self.lump is not None:
             tracker.ledger.reserve("gpu", "activation", self.lump)
-            self.booked = self.lump
-            if self.lump > tracker.block_bytes.get(self.block, 0):
-                tracker.block_bytes[self.block] = self.lump
+            self.booked = self.lump  # (the sum its hooked runs noted in block_bytes)
         else:
             self.hooks = tracker.hooks()
             self.hooks.__enter__()
