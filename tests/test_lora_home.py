@@ -243,3 +243,45 @@ def test_an_estimate_short_of_the_activations_keeps_the_base_encoded():
         assert eng.ledger.peaks()["gpu"] <= budget
     finally:
         eng.close()
+
+
+
+def test_placed_up_front_the_base_is_decoded_for_good_only_where_the_first_step_fits_too():
+    """The first step of an up-front placement runs with the encoded base on the device, each use
+    decoded through the streaming window; its decoded copy replaces it only after that step. At
+    the least budget that holds the decoded base in place of the window (so decoded for good when
+    placed after the warm-up), the encoded base beside the window does not fit: placed up front it
+    stays encoded (the planner says the same: plan_device is its placement too), the step stays
+    within the budget, and the run is the streamed one, bit for bit."""
+    from tierwise.offload.plan.placement import plan_device
+
+    model, data = tiny_llama(layers=4), batches(3)
+    # bf16 and the base in one chunk: the adapters' homes outweigh what decoding adds
+    opts = dict(lora=lora_config(r=16), lr=1e-2, base_dtype="nf4", precision="bf16", chunk_bytes="4M",
+                checkpointing=True)
+
+    def losses_of(**kw):
+        torch.manual_seed(7)
+        eng = Engine(copy.deepcopy(model), **flat_options(**opts, **kw))
+        try:
+            return [eng.step(b) for b in data], eng.device_plan.decoded_home, eng.ledger.peaks()["gpu"]
+        finally:
+            eng.close()
+
+    streamed, _, _ = losses_of(gpu_mem="64M", allow_gpu_home=False)
+    probe = Engine(copy.deepcopy(model), **flat_options(**opts, gpu_mem="64M"))
+    probe.step(data[0])
+    act = probe.ledger.kind_peak("gpu", "activation")
+    probe.close()
+    up = Engine(copy.deepcopy(model), **flat_options(**opts, gpu_mem="64M", activations=act))
+    needs = up.needs
+    up.close()
+    chunks = range(len(needs.home_bytes))
+    enc = frozenset(c for c in chunks if needs.compute_bytes[c] > needs.home_bytes[c])
+    home_decoded = sum(needs.compute_bytes[c] if c in enc else needs.home_bytes[c] for c in chunks)
+    budget = needs.minimum + max(0, home_decoded - needs.stream_window)
+    assert enc and plan_device(needs, budget, decoded=enc).decoded_home == enc
+    assert not plan_device(needs, budget, decoded=enc, up_front=True).decoded_home
+    losses, decoded, peak = losses_of(gpu_mem=budget, activations=act)
+    assert not decoded and peak <= budget
+    assert losses == streamed

@@ -377,7 +377,7 @@ class Engine:
         gpu_home: frozenset[int] = frozenset()
         if activations is not None:
             self.device_plan = plan_device(self.needs, budgets["gpu"], allow_gpu_home=self.allow_gpu_home,
-                                           prefer=self._home_order(), decoded=self._decoded())
+                                           prefer=self._home_order(), decoded=self._decoded(), up_front=True)
             gpu_home = self.device_plan.gpu_home
         streamed = {c: k for c, k in self.kinds.items() if c not in gpu_home}
         if self.shared is not None:  # the base's homes are the node's (the leader's placement)

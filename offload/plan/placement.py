@@ -66,13 +66,17 @@ def check_minimum(needs: DeviceNeeds, budget: "int | None", *, measured: bool) -
 
 
 def plan_device(needs: DeviceNeeds, budget: "int | None", *, allow_gpu_home: bool = True,
-                prefer: "Sequence[int] | None" = None, decoded: "frozenset[int]" = frozenset()) -> DevicePlan:
+                prefer: "Sequence[int] | None" = None, decoded: "frozenset[int]" = frozenset(),
+                up_front: bool = False) -> DevicePlan:
     """Choose gpu-home chunks and the cache size within `budget` (None: everything fits).
     `prefer`: the chunks that may be gpu-home, most wanted first (default: every chunk, last
     first: the first ones backward needs); the engine puts trainable chunks (LoRA adapters)
     before frozen ones. `decoded`: chunks that pass through the cache even when gpu-home (an
     encoded frozen chunk: its encoded bytes are home, each use decodes them into a cache buffer),
-    so the streaming window stays reserved while any of them is placed."""
+    so the streaming window stays reserved while any of them is placed. `up_front`: placed before
+    the first step, which runs with the encoded homes on the device, each use decoded through the
+    streaming window (the decoded copies replace them after it): decoded for good only where that
+    step fits too."""
     check_minimum(needs, budget, measured=True)
     n = len(needs.home_bytes)
     order = list(reversed(range(n))) if prefer is None else list(prefer)
@@ -87,7 +91,8 @@ def plan_device(needs: DeviceNeeds, budget: "int | None", *, allow_gpu_home: boo
         return DevicePlan(gpu_home=frozenset(range(n)), cache_limit=needs.stream_window)
     if whole and decoded:  # everything fits whole with the encoded chunks decoded: decoded once, for good
         every = DevicePlan(gpu_home=frozenset(range(n)), cache_limit=needs.stream_window, decoded_home=decoded)
-        if every.home_cost(needs) <= spare + needs.stream_window:
+        first_step = sum(needs.home_bytes) if up_front else 0  # (encoded homes beside the window)
+        if every.home_cost(needs) <= spare + needs.stream_window and first_step <= spare:
             return every
     home: set[int] = set()
     if allow_gpu_home:

@@ -699,7 +699,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
         return dataclasses.replace(ranked, reserve=reserve, peak=peak, host_rss=ranked.host_rss + node_act,
                                    budgets={**ranked.budgets, "host": host})
     # MeZO too may keep chunks on the device: its perturbed weights are temporaries.
-    device = plan_device(placed, gpu, allow_gpu_home=True, prefer=ch.home_order(), decoded=frozenset(ch.encoded))
+    device = plan_device(placed, gpu, allow_gpu_home=True, prefer=ch.home_order(), decoded=frozenset(ch.encoded),
+                         up_front=up_front)
     streamed = [c for c in range(ch.n) if c not in device.gpu_home]
     # The chunks the engine places host-side when it is built: the streamed ones when placed up
     # front, else every chunk (gpu-home chunks leave their homes when promoted after the warm-up).
