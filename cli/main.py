@@ -183,7 +183,8 @@ def plan(
                        "on this machine (simulated device without CUDA) and print planned vs "
                        "measured bytes per tier; exit 0 on PASS, 1 on FAIL.", rich_help_panel=PLAN_PANEL),
     verify_steps: int = Opt(3, "--verify-steps", help="Steps --verify runs (the first is the "
-                            "warm-up).", rich_help_panel=PLAN_PANEL),
+                            "warm-up; a LoRA run's base reads are compared from the third: at least 3).",
+                            rich_help_panel=PLAN_PANEL),
     config: Optional[Path] = Opt(None, "--config", is_eager=True, callback=config_callback,
                                  dir_okay=False, help="TOML file of options (train keys that "
                                  "plan does not use are ignored).", rich_help_panel=PLAN_PANEL),

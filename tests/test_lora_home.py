@@ -285,3 +285,25 @@ def test_placed_up_front_the_base_is_decoded_for_good_only_where_the_first_step_
     losses, decoded, peak = losses_of(gpu_mem=budget, activations=act)
     assert not decoded and peak <= budget
     assert losses == streamed
+
+
+def test_a_step_that_records_a_new_trace_keeps_its_first_frozen_chunks_too():
+    """The frozen chunks a step's schedule holds after its first event stay cached over the
+    step's end. A step that recorded a new trace (the units changed, or the control flow did)
+    schedules it before its end, so it keeps them too: the next step does not read them again.
+    The numbers are those of the run that never traced again."""
+    model, data = tiny_llama(layers=4), batches(4)
+    ref_losses, _, ref, _ = run(model, "nf4", data, **STREAMED)
+    ref.close()
+    torch.manual_seed(7)
+    eng = Engine(copy.deepcopy(model), **flat_options(lora=lora_config(), lr=1e-2, base_dtype="nf4", **STREAMED))
+    try:
+        losses = [eng.step(data[0])]
+        eng.residency.follower.reset()  # (as a change of the units of residency does)
+        kept = eng.residency.kept
+        losses.append(eng.step(data[1]))  # records the trace again
+        assert eng.residency.kept > kept
+        losses += [eng.step(b) for b in data[2:]]
+        assert losses == ref_losses
+    finally:
+        eng.close()

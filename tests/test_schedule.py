@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from tierwise.offload.plan.schedule import ACQUIRE, RELEASE, plan_schedule, resident_bytes
+from tierwise.offload.plan.schedule import (ACQUIRE, RELEASE, first_resident, kept_over_end, plan_schedule,
+                                            resident_bytes)
 
 
 def touches(seq):
@@ -103,3 +104,39 @@ def test_prefetch_takes_only_victims_needed_later():
 def test_an_acquisition_that_cannot_fit_is_an_error():
     with pytest.raises(ValueError, match="cannot fit"):
         plan_schedule([(ACQUIRE, 0), (ACQUIRE, 1)], sizes={0: 2, 1: 2}, capacity=3)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_step_that_begins_with_the_kept_chunks_fetches_each_once_less(seed):
+    """A step's trace (forward over the chunks, backward over them in reverse), its schedule
+    carried out twice in a row: the second time the cache begins with what the first kept over
+    its end (`kept_over_end`); every acquisition finds its chunk resident, the cache stays within
+    its capacity, and each kept chunk is fetched once less, the others as often as the first time."""
+    rng = random.Random(seed)
+    n = rng.randrange(2, 7)
+    sizes = {c: rng.choice([1, 2]) for c in range(n)}
+    order = list(range(n)) + list(reversed(range(n)))
+    events = [e for c in order for e in ((ACQUIRE, c), (RELEASE, c))]
+    capacity = 2 * max(sizes.values()) + rng.randrange(2 * n)
+    acts = plan_schedule(events, sizes=sizes, capacity=capacity, lookahead=rng.choice([0, 1, 2, 4]))
+    kept = kept_over_end(events, acts)
+    assert set(kept) <= set(first_resident(events, acts))
+
+    def carry_out(start):
+        resident, fetched = set(start), []
+        for (kind, cid), a in zip(events, acts):
+            resident -= set(a.evict)
+            fetched += [c for c in a.fetch if c not in resident]
+            resident |= set(a.fetch)
+            resident -= set(a.prefetch_evict)
+            fetched += [c for c in a.prefetch if c not in resident]
+            resident |= set(a.prefetch)
+            assert sum(sizes[c] for c in resident) <= capacity
+            if kind == ACQUIRE:
+                assert cid in resident
+        return resident, fetched
+
+    end, first = carry_out(())
+    assert set(kept) <= end  # still held when the step ends
+    _, second = carry_out(kept)
+    assert sorted(second + kept) == sorted(first)

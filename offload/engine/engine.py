@@ -902,9 +902,13 @@ class Engine:
         self._order, self._order_now = self._order_now, []
         early.clear()
         self.store.grad_scale = None
+        # (a trace this step recorded is scheduled before the eviction: the step keeps the first
+        # chunks of its schedule over its end, as any later one does)
+        self.residency.follower.end_step()
+        if self.minimum_gpu_bytes is not None:
+            self._schedule()
         self.residency.evict_updated()
         self.moments.moment()
-        self.residency.follower.end_step()
         self.tracker.end_step()
         self._in_cycle = False
         self.steps += 1

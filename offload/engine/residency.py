@@ -83,6 +83,7 @@ class Residency:
         self.follower = TraceFollower()
         self.copied_masters = 0  # swapped masters the update took from the cache (copy_master)
         self.keep: tuple[int, ...] = ()  # chunks the next step starts with, in order (keep_next)
+        self.keeping = False  # this step may keep chunks over its end (keep_next)
         self.fresh: set[int] = set()  # of those, the ones whose cached copy holds the new master
         self.unfilled: dict[int, torch.Tensor] = {}  # of those, not cached: the new master, where it lies
         self.kept = 0  # chunks kept resident over a step's end, over the run
@@ -175,6 +176,7 @@ class Residency:
         """(A step begins.) Which chunks to keep resident over this step's end: those the
         schedule holds after its first event; none when not `allowed`."""
         self.keep = self.follower.first_resident() if allowed else ()
+        self.keeping = allowed
         self.fresh, self.unfilled = set(), {}
 
     def refresh_master(self, cid: int, master: torch.Tensor) -> None:
@@ -198,7 +200,11 @@ class Residency:
         wait at each forward's start). (The others are not fetched here, ahead of the next
         step: measured, that moved a 9 ms wait at most, and it put the next step's bytes into
         this one's, which `finetune plan --verify` compares with the plan.)"""
-        keep = {c for c in self.keep if c in self.fresh or self.store.is_frozen(c)}
+        keep = {c for c in self.keep if c in self.fresh}
+        if self.keeping:  # frozen ones (unchanged) from the schedule as it is now: also a step that
+            for c in self.follower.first_resident():  # recorded a new trace keeps its first chunks
+                if self.store.is_frozen(c):
+                    keep.add(c)
         self.fresh = set()
         self.cache.evict_all(keep=keep)
         for c in keep:  # (a loop: a generator is a Python call per chunk)

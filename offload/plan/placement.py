@@ -91,8 +91,10 @@ def plan_device(needs: DeviceNeeds, budget: "int | None", *, allow_gpu_home: boo
         return DevicePlan(gpu_home=frozenset(range(n)), cache_limit=needs.stream_window)
     if whole and decoded:  # everything fits whole with the encoded chunks decoded: decoded once, for good
         every = DevicePlan(gpu_home=frozenset(range(n)), cache_limit=needs.stream_window, decoded_home=decoded)
-        first_step = sum(needs.home_bytes) if up_front else 0  # (encoded homes beside the window)
-        if every.home_cost(needs) <= spare + needs.stream_window and first_step <= spare:
+        # the first step, placed up front: every home encoded, the cache holding decoded copies
+        passing = min(needs.stream_window, sum(needs.compute_bytes[c] for c in decoded))
+        first_step = sum(needs.home_bytes) + passing if up_front else 0
+        if every.home_cost(needs) <= spare + needs.stream_window and first_step <= spare + needs.stream_window:
             return every
     home: set[int] = set()
     if allow_gpu_home:

@@ -49,7 +49,7 @@ from .perfmodel import (KINDS, LoraAct, StepLoad, activation_bytes, activation_p
                                ops_per_forward, param_update_flops, predict_step)
 from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
 from .lora import LoraModel, base_dtype_of, frozen_chunk_bytes, lora_specs, step_trace
-from .schedule import plan_schedule
+from .schedule import kept_over_end, plan_schedule
 from .needs import (BLOCK_SHARE, MARGIN_SHARE, block_of, device_needs, gathering, grad_staging_bytes,
                     minimum_with_margin, module_of, units_are_blocks, workspace_margin, zo_workspace)
 from .placement import DeviceNeeds, DevicePlan, plan_device
@@ -210,10 +210,13 @@ class Plan:
                                             for k, v in self.phases.items()))
         lines.append(f"step {self.step_s:.3f} s, {_rate(self.tokens_per_s)} tokens/s, bottleneck: {self.bottleneck}")
         if self.lora_rank is not None:
-            read = ", ".join(f"{t} {format_size(b)}" for t, b in self.base_read.items() if b) or "none (on the gpu)"
+            hosted = any(self.bytes[t].get("base") for t in ("host", "cxl", "nvme"))
+            read = (", ".join(f"{t} {format_size(b)}" for t, b in self.base_read.items() if b)
+                    or ("none (the device's cache holds it from step to step)" if hosted else "none (on the gpu)"))
             lines.append(f"base traffic per step: read {read} ({self.base_fetches_per_chunk:.2f} fetches per "
                          f"streamed base chunk and micro-batch: forward, then backward, where a recomputed layer's "
-                         f"recompute and backward share one fetch when the cache holds the layer till then), "
+                         f"recompute and backward share one fetch when the cache holds the layer till then; "
+                         f"what it holds of the next step's start at the step's end stays), "
                          f"written {format_size(self.base_written)}; "
                          + ("decoded once on the gpu after the warm-up and kept so (the budget holds it "
                             "decoded): no decoding per step" if self.base_decoded else
@@ -304,7 +307,7 @@ class _Chunks:
         self.grad_staging = 0  # host bytes gradients land in first on CUDA (make_plan)
         self.targets = lora.targets if lora is not None else frozenset()
         plain = "bf16" if self.bf16 else "fp32"
-        self.fetches_last: dict[int, int] = {}
+        self.fetches_last: dict[int, float] = {}
         adapters = sum(1 for sp in specs if ".lora_A." in sp.name)
         decoded = len(lora.quantizable) if lora is not None and base_dtype not in (None, plain) else 0
         # (None: the engine's own needs, no step to price)
@@ -350,8 +353,13 @@ class _Chunks:
                     self.block_sets[blocks[name]].add(slot.chunk)
         self.largest_param = max((s.numel for s in self.plan.slots.values() if s.chunk not in self.frozen),
                                  default=0)  # frozen parameters send no gradient
-        self.gathered = [c.numel for c, g in zip(self.plan.chunks, gathering([c.params for c in self.plan.chunks]))
+        gathers = gathering([c.params for c in self.plan.chunks])
+        self.gathered = [c.numel for c, g in zip(self.plan.chunks, gathers)
                          if g and c.index not in self.frozen]  # (chunks whose gradients gather on the device)
+        units = block_of(list(self.plan.slots))
+        # a gather across two units is open through the second one's recompute: chunk -> its bytes
+        self.open_gathers = {c.index: self.ce * c.numel for c, g in zip(self.plan.chunks, gathers)
+                             if g and c.index not in self.frozen and len({units[n] for n in c.params}) == 2}
         self.modules, self.owned = modules, owned
         self.widest = self._widest()
         self.zo_workspace = zo_workspace(owned.values(), self.ce)
@@ -360,13 +368,18 @@ class _Chunks:
         self.zo_module = "lm_head" if tied_head else widest  # a tied head runs last, on the embedding's chunk
         self.zo_chunks = sorted(modules.get(widest, ()))
 
-    def fetches(self, device: DevicePlan, streamed: list[int], *, recompute: int) -> dict[int, int]:
+    def fetches(self, device: DevicePlan, streamed: list[int], *, recompute: int,
+                micro_batches: int = 0) -> dict[int, float]:
         """Times each chunk of `streamed` (those through the cache: `cached`) is fetched, or for a
         gpu-home encoded one decoded, in one micro-batch of a LoRA step: the schedule
         (`plan.schedule.plan_schedule`, Belady + in-order prefetch, as the engine runs it) over
         the trace the engine records (`lora.step_trace`), within the cache limit. A recomputed
         block's chunks are fetched once for its recompute and backward when the cache holds
-        them until then; the smallest cache fetches some twice."""
+        them until then; the smallest cache fetches some twice. `micro_batches`: the step's, whose
+        traces the engine schedules as one (each count is their mean); in the steady state a
+        frozen chunk the step begins and ends holding stays over the step's end (`kept_over_end`;
+        offload.engine.residency): fetched once less per step (0: one micro-batch's trace, nothing
+        kept, as with several ranks)."""
         keep = set(streamed)
         events = [(k, c) for k, c in step_trace({m: set(c) for m, c in self.plain_modules.items()},
                                                  layers=self.layers, targets=self.targets, tied=self.tied,
@@ -374,10 +387,18 @@ class _Chunks:
         if not events:
             return {}
         sizes = {c: self.compute[c] for c in keep}
-        counts = dict.fromkeys(streamed, 0)
-        for a in plan_schedule(events, sizes=sizes, capacity=max(device.cache_limit, 1)):
+        counts: dict[int, float] = dict.fromkeys(streamed, 0)
+        # the engine records one trace for the step, its micro-batches one after another
+        n = max(micro_batches, 1)
+        events *= n
+        actions = plan_schedule(events, sizes=sizes, capacity=max(device.cache_limit, 1))
+        for a in actions:
             for c in a.fetch + a.prefetch:
-                counts[c] += 1
+                counts[c] += 1 / n
+        if micro_batches and self.needs_grad:
+            for c in kept_over_end(events, actions):
+                if c in self.frozen:
+                    counts[c] -= 1 / n
         self.fetches_last = counts
         return counts
 
@@ -730,7 +751,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     flops_fwd = model_flops(model=model, batch_size=batch_size, seq_len=seq_len)
     ops = ch.ops_decoded if ch.encoded and ch.encoded <= device.decoded_home else ch.ops
     load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd, ops=ops,
-                 recompute=checkpointing, offloaded={act_tier: host_act} if host_act else {})
+                 recompute=checkpointing, offloaded={act_tier: host_act} if host_act else {},
+                 micro_batches=grad_accum)
     pred = predict_step(hardware=hw, precision=precision, cost=ch.cost, tokens=batch_size * seq_len * grad_accum,
                         load=load, micro_batches=grad_accum)
     base = _base_traffic(ch, load=load, homes=homes, streamed=streamed, micro_batches=grad_accum, hw=hw)
@@ -880,13 +902,15 @@ def _streamed_homes(ch: _Chunks, homes: Homes, streamed: list[int]) -> Homes:
 
 def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int], flops_fwd: float,
           ops: int, recompute: int, remote: frozenset[int] = frozenset(),
-          offloaded: "dict[str, int] | None" = None) -> StepLoad:
+          offloaded: "dict[str, int] | None" = None, micro_batches: int = 0) -> StepLoad:
     """What one step moves and computes with this placement (input of the performance model).
     A frozen chunk's one kind is booked "base" in `placed` (never written back, never updated);
     it crosses the link as stored (encoded) and is decoded on the device; a gpu-home encoded one
     is decoded there per use (dequantization, no link, no base read). `remote`: trainable
     chunks another rank owns (several ranks): their compute copies arrive by broadcast, not over
-    this rank's link, and this rank does not update them (only their gradients are its)."""
+    this rank's link, and this rank does not update them (only their gradients are its).
+    `micro_batches`: the step's, over which a LoRA step's fetches saved by the chunks kept over
+    its end are spread (`_Chunks.fetches`; 0: none kept)."""
     source = "compute" if ch.bf16 else "master"
     stream = dict.fromkeys(("host", "cxl", "nvme"), 0)
     placed: dict[str, dict[str, int]] = {t: {} for t in ("host", "cxl", "nvme")}
@@ -903,18 +927,19 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
     # Belady over a forward and a backward pass: the cache keeps what fits across the turn
     fetched = max(0, 2 * streamed_compute - max(0, device.cache_limit - ch.widest)) if streamed else 0
     # a gpu-home encoded chunk is decoded into the cache: it competes for it, off the link
-    fetches = ch.fetches(device, ch.cached(device), recompute=recompute) if ch.frozen else {}
+    fetches = (ch.fetches(device, ch.cached(device), recompute=recompute, micro_batches=micro_batches)
+               if ch.frozen else {})
     if fetches:  # a LoRA step: the engine's own schedule over the step's trace, chunk by chunk
-        fetched = sum(n * ch.compute[c] for c, n in fetches.items() if c not in device.gpu_home)
-    link = sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] if c in ch.frozen else ch.compute[c])
-               for c in streamed if c not in remote)
+        fetched = round(sum(n * ch.compute[c] for c, n in fetches.items() if c not in device.gpu_home))
+    link = round(sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] if c in ch.frozen else ch.compute[c])
+                     for c in streamed if c not in remote))
     if remote and not ch.frozen:  # this rank's link carries only its own chunks' fetches
         own = streamed_compute - sum(ch.compute[c] for c in remote)
         link = round(fetched * own / streamed_compute) if streamed_compute else 0
     return StepLoad(
         tokens_flops_fwd=flops_fwd, placed=placed, stream_bytes=stream, fetched_bytes=fetched,
         link_bytes=link if ch.frozen or remote else None,
-        dequant_bytes=sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] + ch.compute[c]) for c in ch.encoded),
+        dequant_bytes=round(sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] + ch.compute[c]) for c in ch.encoded)),
         grad_d2h_bytes=sum(ch.compute[c] for c in streamed if c not in ch.frozen) if ch.needs_grad else 0,
         cpu_params=sum(ch.params[c] for c in streamed), cpu_flops=sum(ch.flops[c] for c in streamed),
         cpu_update_bytes=sum(_update_bytes(ch, c) for c in trainable),
@@ -933,8 +958,8 @@ def _base_traffic(ch: _Chunks, *, load: StepLoad, homes: Homes, streamed: list[i
                   hw: HardwareProfile) -> dict[str, Any]:
     """The frozen base's traffic per step: bytes read from each tier (every streamed frozen chunk
     is fetched in forward and again for backward -- once for a recomputed block's recompute and
-    backward together -- less what the cache keeps across the turn; each micro-batch again),
-    bytes written (none: frozen chunks are never written back) and seconds of decoding."""
+    backward together -- less what the cache keeps across the turn; each micro-batch again; once
+    less per step for the chunks kept over the step's end), bytes written (none: frozen chunks are never written back) and seconds of decoding."""
     if not ch.frozen:
         return {}
     frozen = [c for c in streamed if c in ch.frozen]
@@ -942,9 +967,9 @@ def _base_traffic(ch: _Chunks, *, load: StepLoad, homes: Homes, streamed: list[i
     share = sum(fetches.get(c, 0) for c in frozen) / len(frozen) if frozen else 0.0
     read = dict.fromkeys(("host", "cxl", "nvme"), 0)
     for c in frozen:
-        read[homes.tiers[c]["compute"]] += fetches.get(c, 0) * ch.kinds[c]["compute"]
+        read[homes.tiers[c]["compute"]] += round(fetches.get(c, 0) * micro_batches * ch.kinds[c]["compute"])
     bandwidth = (hw.host.dram_bandwidth_gbps if hw.simulated else hw.gpu.memory_bandwidth_gbps) * 1e9
-    return {"base_read": {t: b * micro_batches for t, b in read.items()},
+    return {"base_read": read,
             "base_written": 0, "base_fetches_per_chunk": share,
             "dequant_s": load.dequant_bytes * micro_batches / bandwidth}
 
@@ -982,7 +1007,7 @@ def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
 
 
 def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds,
-                   device: DevicePlan, batch_size: int, seq_len: int, precision: str,
+                   device: DevicePlan, homes: Homes, batch_size: int, seq_len: int, precision: str,
                    checkpointing: int, padded: bool = False, lora: LoraAct = None,
                    row_positions: bool = False, offload: bool = False) -> int:
     """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
@@ -990,8 +1015,9 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     lm_head's gradient on its way to the host while the final norm's activations are still
     saved; the embedding's gradient at the very end. A streamed gradient is gathered with its
     chunk's (offload.engine.gradients: a buffer of the chunk's size), booked until its copy to
-    the host lands: the simulated device's copy thread lands each at once; on CUDA up to the
-    gradient reserve may be in flight at any time."""
+    the host lands: the simulated device's copy thread lands each at once, but a chunk across two
+    units gathers from the first one's backward to the second's end, through the second's
+    recompute (one whose gradient home is on NVMe does not gather); on CUDA up to the gradient reserve may be in flight at any time."""
     if not ch.needs_grad:  # MeZO: the perturbed copies of the module computing (dual_forward)
         return needs.activations + ch.zo_workspace
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
@@ -1000,7 +1026,9 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     held = p["fixed"] + p["inputs_end"] + p["layers"]  # the kept layers' activations too, till their backward
     gathered = {name: ch.ce * ch.plan.chunks[s.chunk].numel for name, s in ch.plan.slots.items()
                 if s.chunk not in device.gpu_home and s.chunk not in ch.frozen}  # frozen: no gradient
-    inflight = (needs.grad_reserve if ch.cuda else 0) if gathered else 0
+    spanning = max((b for c, b in ch.open_gathers.items()
+                    if c in homes.tiers and homes.tiers[c].get("grad") in ("host", "cxl")), default=0)
+    inflight = (needs.grad_reserve if ch.cuda else spanning) if gathered else 0
     head = gathered.get("lm_head.weight", 0)
     # (a recompute comes after the kept layers' backward: the recomputed layers are the first)
     return max(held + p["head"], p["fixed"] + p["inputs"] + p["block"] + inflight,
@@ -1023,7 +1051,7 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
         for kind, b in ch.kinds[c].items():
             by_tier[tiers[kind]]["base" if c in ch.frozen else kind] += b
     cache = _resident_at_peak(ch, device)
-    transient = _gpu_transient(ch, model=model, hw=hw, needs=needs, device=device, **act_args)
+    transient = _gpu_transient(ch, model=model, hw=hw, needs=needs, device=device, homes=homes, **act_args)
     in_flight = "grad in flight" if ch.needs_grad else "workspace"
     reserve = {"gpu": {"buffers": needs.buffers, "stream cache": cache, "activations": needs.activations,
                        in_flight: transient - needs.activations},

@@ -136,6 +136,33 @@ def _prefetch(sim: _Sim, events: Sequence[tuple[str, int]], upcoming: list[int],
     return pre
 
 
+def first_resident(events: Sequence[tuple[str, int]], actions: Sequence[Actions]) -> tuple[int, ...]:
+    """The chunks the schedule holds right after its first event (the step's first acquisition,
+    then the prefetches it starts), in that order: a step may begin with these resident without
+    upsetting the schedule's room (offload.engine.residency.keep)."""
+    if not actions or not events or events[0][0] != ACQUIRE:
+        return ()
+    a = actions[0]
+    out: dict[int, None] = {}
+    for c in (events[0][1], *a.prefetch):  # (a loop: a generator is a Python call per chunk)
+        if c not in a.prefetch_evict:
+            out[c] = None
+    return tuple(out)
+
+
+def kept_over_end(events: Sequence[tuple[str, int]], actions: Sequence[Actions]) -> list[int]:
+    """Of `first_resident`, the chunks the schedule still holds after its last event: a step that
+    keeps them over its end (those unchanged by its update: offload.engine.residency) begins the
+    next without fetching them."""
+    held: set[int] = set()
+    for a in actions:
+        held.difference_update(a.evict)
+        held.update(a.fetch)
+        held.difference_update(a.prefetch_evict)
+        held.update(a.prefetch)
+    return [c for c in first_resident(events, actions) if c in held]
+
+
 def resident_bytes(actions: Sequence[Actions], sizes: Mapping[int, int]) -> list[int]:
     """Bytes resident after each event if `actions` are carried out (for checks and plots)."""
     used, out = 0, []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from typing import Callable, Mapping
 
-from ..plan.schedule import ACQUIRE, Actions, plan_schedule
+from ..plan.schedule import ACQUIRE, Actions, first_resident, plan_schedule
 
 
 class Phase(enum.StrEnum):
@@ -59,17 +59,8 @@ class TraceFollower:
         return None
 
     def first_resident(self) -> tuple[int, ...]:
-        """The chunks the schedule holds right after its first event (the step's first
-        acquisition, then the prefetches it starts), in that order: a step may begin with these
-        resident without upsetting the schedule's room (offload.engine.residency.keep)."""
-        if self.actions is None or not self.events or self.events[0][0] != ACQUIRE:
-            return ()
-        a, first = self.actions[0], self.events[0][1]
-        out: dict[int, None] = {}
-        for c in (first, *a.prefetch):  # (a loop: a generator is a Python call per chunk)
-            if c not in a.prefetch_evict:
-                out[c] = None
-        return tuple(out)
+        """The chunks the schedule holds right after its first event (plan.schedule.first_resident)."""
+        return () if self.actions is None or not self.events else first_resident(self.events, self.actions)
 
     def drop(self) -> None:
         self.events = self.actions = None

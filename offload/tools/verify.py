@@ -21,9 +21,11 @@ in `finetune plan`. A CXL budget without a CXL node runs on an emulated node.
 A LoRA run (`lora=peft.LoraConfig(...)`, `base_dtype`, `double_quant`) is built as training
 builds it: PEFT's adapters injected into the meta-device model (offload.engine.lora.inject_meta,
 same targets, rank and dropout), the base frozen, stored as `base_dtype` in the homes the
-plan gives it. Its verdict also compares the base's traffic per steady step: the bytes read
-from each host-side tier (every fetch of a frozen chunk, at its stored size) within
-`tolerance` of the plan's `base_read`, and the base's bytes written to NVMe, which must be 0.
+plan gives it. Its verdict also compares the base's traffic per steady step (from the third
+step on, so at least 3: the second starts with an empty cache, later ones with the chunks the
+step before kept over its end): the bytes read from each host-side tier (every fetch of a frozen
+chunk, at its stored size) within `tolerance` of the plan's `base_read`, and the base's bytes
+written to NVMe over those steps, which must be 0.
 """
 
 from __future__ import annotations
@@ -154,6 +156,9 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
     Raises TierwiseError (InfeasibleBudget included) for settings that cannot run."""
     if steps < 2:
         raise TierwiseError(f"--verify needs at least 2 steps (a warm-up and a measured one), got {steps}")
+    if lora is not None and steps < 3:
+        raise TierwiseError(f"--verify of a LoRA run needs at least 3 steps (a warm-up, one that starts with an "
+                            f"empty cache, then the steady ones whose base reads it compares), got {steps}")
     profile, config = _shapes(model, name=name)
     module = (build or hf_meta_model)(config)
     params = specs_of(module.named_parameters())  # the base's: the planner injects the adapters itself
@@ -192,15 +197,20 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
             losses = [engine.step(next(data), grad_accum=grad_accum)]
             warmup = engine.ledger.peaks()
             engine.ledger.reset_peaks()  # steady state from here: what the planner predicts
+            # the first step after the warm-up starts with an empty cache; from the next one a step
+            # begins with what the last one kept (offload.engine.residency): the base's reads are
+            # counted from there, the steady state the planner predicts
+            settle = 1 if lora is not None else 0
+            t0 = time.perf_counter()
+            losses += [engine.step(next(data), grad_accum=grad_accum) for _ in range(settle)]
             with _base_traffic(engine) as traffic:
-                t0 = time.perf_counter()
-                losses += [engine.step(next(data), grad_accum=grad_accum) for _ in range(steps - 1)]
-                step_s = (time.perf_counter() - t0) / (steps - 1)
+                losses += [engine.step(next(data), grad_accum=grad_accum) for _ in range(steps - 1 - settle)]
+            step_s = (time.perf_counter() - t0) / (steps - 1)
         measured = engine.ledger.peaks()
         limits = dict(engine.ledger.budgets)
     finally:
         engine.close()
-    base_read = {t: b // (steps - 1) for t, b in traffic["read"].items()}
+    base_read = {t: b // (steps - 1 - settle) for t, b in traffic["read"].items()}
     failures = _check(plan, limits=limits, warmup=warmup, measured=measured, device_peak=device["peak"],
                       gpu_budget=asked["gpu"], tolerance=tolerance)
     if plan.lora_rank is not None:
