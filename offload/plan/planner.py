@@ -353,13 +353,8 @@ class _Chunks:
                     self.block_sets[blocks[name]].add(slot.chunk)
         self.largest_param = max((s.numel for s in self.plan.slots.values() if s.chunk not in self.frozen),
                                  default=0)  # frozen parameters send no gradient
-        gathers = gathering([c.params for c in self.plan.chunks])
-        self.gathered = [c.numel for c, g in zip(self.plan.chunks, gathers)
+        self.gathered = [c.numel for c, g in zip(self.plan.chunks, gathering([c.params for c in self.plan.chunks]))
                          if g and c.index not in self.frozen]  # (chunks whose gradients gather on the device)
-        units = block_of(list(self.plan.slots))
-        # a gather across two units is open through the second one's recompute: chunk -> its bytes
-        self.open_gathers = {c.index: self.ce * c.numel for c, g in zip(self.plan.chunks, gathers)
-                             if g and c.index not in self.frozen and len({units[n] for n in c.params}) == 2}
         self.modules, self.owned = modules, owned
         self.widest = self._widest()
         self.zo_workspace = zo_workspace(owned.values(), self.ce)
@@ -1007,7 +1002,7 @@ def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
 
 
 def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds,
-                   device: DevicePlan, homes: Homes, batch_size: int, seq_len: int, precision: str,
+                   device: DevicePlan, batch_size: int, seq_len: int, precision: str,
                    checkpointing: int, padded: bool = False, lora: LoraAct = None,
                    row_positions: bool = False, offload: bool = False) -> int:
     """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
@@ -1015,9 +1010,8 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     lm_head's gradient on its way to the host while the final norm's activations are still
     saved; the embedding's gradient at the very end. A streamed gradient is gathered with its
     chunk's (offload.engine.gradients: a buffer of the chunk's size), booked until its copy to
-    the host lands: the simulated device's copy thread lands each at once, but a chunk across two
-    units gathers from the first one's backward to the second's end, through the second's
-    recompute (one whose gradient home is on NVMe does not gather); on CUDA up to the gradient reserve may be in flight at any time."""
+    the host lands: the simulated device's copy thread lands each at once; on CUDA up to the
+    gradient reserve may be in flight at any time."""
     if not ch.needs_grad:  # MeZO: the perturbed copies of the module computing (dual_forward)
         return needs.activations + ch.zo_workspace
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
@@ -1026,9 +1020,7 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     held = p["fixed"] + p["inputs_end"] + p["layers"]  # the kept layers' activations too, till their backward
     gathered = {name: ch.ce * ch.plan.chunks[s.chunk].numel for name, s in ch.plan.slots.items()
                 if s.chunk not in device.gpu_home and s.chunk not in ch.frozen}  # frozen: no gradient
-    spanning = max((b for c, b in ch.open_gathers.items()
-                    if c in homes.tiers and homes.tiers[c].get("grad") in ("host", "cxl")), default=0)
-    inflight = (needs.grad_reserve if ch.cuda else spanning) if gathered else 0
+    inflight = (needs.grad_reserve if ch.cuda else 0) if gathered else 0
     head = gathered.get("lm_head.weight", 0)
     # (a recompute comes after the kept layers' backward: the recomputed layers are the first)
     return max(held + p["head"], p["fixed"] + p["inputs"] + p["block"] + inflight,
@@ -1051,7 +1043,7 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
         for kind, b in ch.kinds[c].items():
             by_tier[tiers[kind]]["base" if c in ch.frozen else kind] += b
     cache = _resident_at_peak(ch, device)
-    transient = _gpu_transient(ch, model=model, hw=hw, needs=needs, device=device, homes=homes, **act_args)
+    transient = _gpu_transient(ch, model=model, hw=hw, needs=needs, device=device, **act_args)
     in_flight = "grad in flight" if ch.needs_grad else "workspace"
     reserve = {"gpu": {"buffers": needs.buffers, "stream cache": cache, "activations": needs.activations,
                        in_flight: transient - needs.activations},
