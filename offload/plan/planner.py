@@ -364,17 +364,17 @@ class _Chunks:
         self.zo_chunks = sorted(modules.get(widest, ()))
 
     def fetches(self, device: DevicePlan, streamed: list[int], *, recompute: int,
-                micro_batches: int = 0) -> dict[int, float]:
+                micro_batches: int = 1, keeps: bool = False) -> dict[int, float]:
         """Times each chunk of `streamed` (those through the cache: `cached`) is fetched, or for a
         gpu-home encoded one decoded, in one micro-batch of a LoRA step: the schedule
         (`plan.schedule.plan_schedule`, Belady + in-order prefetch, as the engine runs it) over
         the trace the engine records (`lora.step_trace`), within the cache limit. A recomputed
         block's chunks are fetched once for its recompute and backward when the cache holds
         them until then; the smallest cache fetches some twice. `micro_batches`: the step's, whose
-        traces the engine schedules as one (each count is their mean); in the steady state a
-        frozen chunk the step begins and ends holding stays over the step's end (`kept_over_end`;
-        offload.engine.residency): fetched once less per step (0: one micro-batch's trace, nothing
-        kept, as with several ranks)."""
+        traces the engine schedules as one (each count is their mean). `keeps`: in the steady
+        state a frozen chunk the step begins and ends holding stays over the step's end
+        (`kept_over_end`; offload.engine.residency): fetched once less per step (not with several
+        ranks)."""
         keep = set(streamed)
         events = [(k, c) for k, c in step_trace({m: set(c) for m, c in self.plain_modules.items()},
                                                  layers=self.layers, targets=self.targets, tied=self.tied,
@@ -384,13 +384,13 @@ class _Chunks:
         sizes = {c: self.compute[c] for c in keep}
         counts: dict[int, float] = dict.fromkeys(streamed, 0)
         # the engine records one trace for the step, its micro-batches one after another
-        n = max(micro_batches, 1)
+        n = micro_batches
         events *= n
         actions = plan_schedule(events, sizes=sizes, capacity=max(device.cache_limit, 1))
         for a in actions:
             for c in a.fetch + a.prefetch:
                 counts[c] += 1 / n
-        if micro_batches and self.needs_grad:
+        if keeps and self.needs_grad:
             for c in kept_over_end(events, actions):
                 if c in self.frozen:
                     counts[c] -= 1 / n
@@ -747,7 +747,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     ops = ch.ops_decoded if ch.encoded and ch.encoded <= device.decoded_home else ch.ops
     load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd, ops=ops,
                  recompute=checkpointing, offloaded={act_tier: host_act} if host_act else {},
-                 micro_batches=grad_accum)
+                 micro_batches=grad_accum, keeps=True)
     pred = predict_step(hardware=hw, precision=precision, cost=ch.cost, tokens=batch_size * seq_len * grad_accum,
                         load=load, micro_batches=grad_accum)
     base = _base_traffic(ch, load=load, homes=homes, streamed=streamed, micro_batches=grad_accum, hw=hw)
@@ -897,15 +897,15 @@ def _streamed_homes(ch: _Chunks, homes: Homes, streamed: list[int]) -> Homes:
 
 def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int], flops_fwd: float,
           ops: int, recompute: int, remote: frozenset[int] = frozenset(),
-          offloaded: "dict[str, int] | None" = None, micro_batches: int = 0) -> StepLoad:
+          offloaded: "dict[str, int] | None" = None, micro_batches: int = 1, keeps: bool = False) -> StepLoad:
     """What one step moves and computes with this placement (input of the performance model).
     A frozen chunk's one kind is booked "base" in `placed` (never written back, never updated);
     it crosses the link as stored (encoded) and is decoded on the device; a gpu-home encoded one
     is decoded there per use (dequantization, no link, no base read). `remote`: trainable
     chunks another rank owns (several ranks): their compute copies arrive by broadcast, not over
     this rank's link, and this rank does not update them (only their gradients are its).
-    `micro_batches`: the step's, over which a LoRA step's fetches saved by the chunks kept over
-    its end are spread (`_Chunks.fetches`; 0: none kept)."""
+    `micro_batches`, `keeps`: a LoRA step's fetches are the mean over the step's micro-batches,
+    less, with `keeps`, the chunks kept over its end (`_Chunks.fetches`)."""
     source = "compute" if ch.bf16 else "master"
     stream = dict.fromkeys(("host", "cxl", "nvme"), 0)
     placed: dict[str, dict[str, int]] = {t: {} for t in ("host", "cxl", "nvme")}
@@ -922,8 +922,8 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
     # Belady over a forward and a backward pass: the cache keeps what fits across the turn
     fetched = max(0, 2 * streamed_compute - max(0, device.cache_limit - ch.widest)) if streamed else 0
     # a gpu-home encoded chunk is decoded into the cache: it competes for it, off the link
-    fetches = (ch.fetches(device, ch.cached(device), recompute=recompute, micro_batches=micro_batches)
-               if ch.frozen else {})
+    fetches = (ch.fetches(device, ch.cached(device), recompute=recompute, micro_batches=micro_batches,
+                          keeps=keeps) if ch.frozen else {})
     if fetches:  # a LoRA step: the engine's own schedule over the step's trace, chunk by chunk
         fetched = round(sum(n * ch.compute[c] for c, n in fetches.items() if c not in device.gpu_home))
     link = round(sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] if c in ch.frozen else ch.compute[c])
@@ -1179,7 +1179,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
         homes_r = Homes(tiers=tiers, bytes={}, bounce=rank_homes[r].bounce + base_homes.bounce)
         load = _load(views[r], device=device, homes=homes_r, streamed=streamed, flops_fwd=flops_fwd,
                      ops=ch.ops, recompute=checkpointing, remote=remotes[r],
-                     offloaded={"host": offloaded} if offloaded else {})
+                     offloaded={"host": offloaded} if offloaded else {}, micro_batches=accum)
         if ch.frozen:  # the adapters: as the LoRA schedule fetches them, every micro-batch
             gather = accum * sum(views[r].fetches_last.get(c, 0) * ch.compute[c] for c in trainable)
         else:
