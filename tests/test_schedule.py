@@ -115,7 +115,8 @@ def test_a_step_that_begins_with_the_kept_chunks_fetches_each_once_less(seed):
     rng = random.Random(seed)
     n = rng.randrange(2, 7)
     sizes = {c: rng.choice([1, 2]) for c in range(n)}
-    order = list(range(n)) + list(reversed(range(n)))
+    frozen_first = seed % 2  # (chunk 0 unused in backward, as a frozen embedding is)
+    order = list(range(n)) + list(reversed(range(frozen_first, n)))
     events = [e for c in order for e in ((ACQUIRE, c), (RELEASE, c))]
     capacity = 2 * max(sizes.values()) + rng.randrange(2 * n)
     acts = plan_schedule(events, sizes=sizes, capacity=capacity, lookahead=rng.choice([0, 1, 2, 4]))
@@ -138,5 +139,16 @@ def test_a_step_that_begins_with_the_kept_chunks_fetches_each_once_less(seed):
 
     end, first = carry_out(())
     assert set(kept) <= end  # still held when the step ends
+    if capacity >= sum(sizes.values()):  # nothing is ever evicted: every first chunk is kept
+        assert kept == list(first_resident(events, acts)) != []
     _, second = carry_out(kept)
     assert sorted(second + kept) == sorted(first)
+
+
+def test_a_first_chunk_backward_does_not_use_is_evicted_not_kept():
+    """Forward over chunks 0-3, backward over 3-1 (0: a frozen embedding), room for two: the step
+    begins holding 0 and 1 (1 prefetched); 0, never used again, makes room, so only 1 is kept."""
+    events = touches([0, 1, 2, 3, 3, 2, 1])
+    acts = plan_schedule(events, sizes={c: 1 for c in range(4)}, capacity=2, lookahead=1)
+    assert first_resident(events, acts) == (0, 1)
+    assert kept_over_end(events, acts) == [1]

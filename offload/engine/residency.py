@@ -16,8 +16,9 @@ The update of a swapped chunk takes its fp32 master from the cached compute copy
 one (`copy_master`; simulated device). After its update, a chunk the next step's forward starts
 with (`keep`: the first chunks the schedule holds) has its cached copy rewritten from the new
 master (`refresh_master`) and stays resident over the step's end (`evict_updated`), so the next
-forward does not begin by reading back from NVMe what the update has just written there; frozen
-chunks among them stay as they are (nothing changed them). One not cached when it was updated
+forward does not begin by reading back from NVMe what the update has just written there; the
+frozen chunks the schedule begins with stay as they are (nothing changed them), taken from the
+schedule as it is at the step's end (also one the step has just recorded). One not cached when it was updated
 (the embedding: backward does not read it) is put into the cache from the update set that
 still holds its new master (`ResidentCache.put`; the set is taken again only once that copy is
 done), for the same reason.
@@ -202,7 +203,8 @@ class Residency:
         this one's, which `finetune plan --verify` compares with the plan.)"""
         keep = {c for c in self.keep if c in self.fresh}
         if self.keeping:  # frozen ones (unchanged) from the schedule as it is now: also a step that
-            for c in self.follower.first_resident():  # recorded a new trace keeps its first chunks
+            # recorded a new trace keeps its first chunks (one whose trace broke: those it began with)
+            for c in self.follower.first_resident() or self.keep:
                 if self.store.is_frozen(c):
                     keep.add(c)
         self.fresh = set()

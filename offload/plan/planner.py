@@ -215,8 +215,10 @@ class Plan:
                     or ("none (the device's cache holds it from step to step)" if hosted else "none (on the gpu)"))
             lines.append(f"base traffic per step: read {read} ({self.base_fetches_per_chunk:.2f} fetches per "
                          f"streamed base chunk and micro-batch: forward, then backward, where a recomputed layer's "
-                         f"recompute and backward share one fetch when the cache holds the layer till then; "
-                         f"what it holds of the next step's start at the step's end stays), "
+                         f"recompute and backward share one fetch when the cache holds the layer till then"
+                         + ("; what it holds of the next step's start at the step's end stays"
+                            if self.ranks is None and optimizer_spec(self.optimizer).needs_grad else "")
+                         + "), "
                          f"written {format_size(self.base_written)}; "
                          + ("decoded once on the gpu after the warm-up and kept so (the budget holds it "
                             "decoded): no decoding per step" if self.base_decoded else
@@ -1181,7 +1183,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                      ops=ch.ops, recompute=checkpointing, remote=remotes[r],
                      offloaded={"host": offloaded} if offloaded else {}, micro_batches=accum)
         if ch.frozen:  # the adapters: as the LoRA schedule fetches them, every micro-batch
-            gather = accum * sum(views[r].fetches_last.get(c, 0) * ch.compute[c] for c in trainable)
+            gather = round(accum * sum(views[r].fetches_last.get(c, 0) * ch.compute[c] for c in trainable))
         else:
             gather = multi.gather_bytes(trainable_compute=sum(ch.compute[c] for c in trainable),
                                         streamed_compute=sum(ch.compute[c] for c in streamed),

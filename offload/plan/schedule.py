@@ -115,8 +115,8 @@ def _prefetch(sim: _Sim, events: Sequence[tuple[str, int]], upcoming: list[int],
     """Fetch the next not-resident chunks of the trace, in order, while room can be made."""
     pre: list[int] = []
     seen: set[int] = set()
-    i = bisect.bisect_right(upcoming, now)
-    for t in upcoming[i:]:
+    for j in range(bisect.bisect_right(upcoming, now), len(upcoming)):  # (no slice: a copy per event)
+        t = upcoming[j]
         cid = events[t][1]
         if cid in seen:
             continue
