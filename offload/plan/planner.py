@@ -386,16 +386,15 @@ class _Chunks:
         sizes = {c: self.compute[c] for c in keep}
         counts: dict[int, float] = dict.fromkeys(streamed, 0)
         # the engine records one trace for the step, its micro-batches one after another
-        n = micro_batches
-        events *= n
+        events *= micro_batches
         actions = plan_schedule(events, sizes=sizes, capacity=max(device.cache_limit, 1))
         for a in actions:
             for c in a.fetch + a.prefetch:
-                counts[c] += 1 / n
+                counts[c] += 1 / micro_batches
         if keeps and self.needs_grad:
             for c in kept_over_end(events, actions):
                 if c in self.frozen:
-                    counts[c] -= 1 / n
+                    counts[c] -= 1 / micro_batches
         self.fetches_last = counts
         return counts
 
@@ -956,7 +955,8 @@ def _base_traffic(ch: _Chunks, *, load: StepLoad, homes: Homes, streamed: list[i
     """The frozen base's traffic per step: bytes read from each tier (every streamed frozen chunk
     is fetched in forward and again for backward -- once for a recomputed block's recompute and
     backward together -- less what the cache keeps across the turn; each micro-batch again; once
-    less per step for the chunks kept over the step's end), bytes written (none: frozen chunks are never written back) and seconds of decoding."""
+    less per step for the chunks kept over the step's end), bytes written (none: frozen chunks
+    are never written back) and seconds of decoding."""
     if not ch.frozen:
         return {}
     frozen = [c for c in streamed if c in ch.frozen]
