@@ -18,11 +18,11 @@ Both are bit-equal (tests/test_lora_home.py). Prints the median step of each, th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 
 import torch
+
+from recompute_share import save_json, step_in_turn
 
 
 def build(layers: int, vocab: int):
@@ -71,19 +71,9 @@ def main() -> None:
     per_use.step(batches[0])
     assert decoded.device_plan.decoded_home and not per_use.device_plan.decoded_home
     engines = {"per_use": per_use, "decoded": decoded}
-    times: dict[str, list[float]] = {k: [] for k in engines}
     decodes: dict[str, int] = {}
-    losses: dict[str, list[float]] = {k: [] for k in engines}
-    for i, b in enumerate(batches[1:]):
-        order = list(engines) if i % 2 == 0 else list(reversed(engines))
-        for k in order:
-            eng = engines[k]
-            if i == a.warmup - 1:
-                decodes[k] = eng.cache.decodes
-            t = time.perf_counter()
-            losses[k].append(eng.step(b))
-            if i >= a.warmup - 1:
-                times[k].append(time.perf_counter() - t)
+    times, losses = step_in_turn(engines, batches[1:], a.warmup - 1,
+                                 at_warmup=lambda k, e: decodes.__setitem__(k, e.cache.decodes))
     assert losses["per_use"] == losses["decoded"], losses
     out = {"base": a.base, "layers": a.layers, "batch": a.batch, "seq": a.seq}
     for k, eng in engines.items():
@@ -96,10 +86,7 @@ def main() -> None:
         print(f"{k:8s} step {out[f'{k}_step_s']:.3f} s (median of {len(times[k])}), "
               f"{out[f'{k}_decodes_per_step']:.0f} decodes a step, base on the gpu {out[f'{k}_base_gpu_mib']:.1f} MiB")
     print(f"decoded / per_use: {out['ratio']:.3f} (losses equal)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-
+    save_json(a.json, out)
 
 if __name__ == "__main__":
     main()

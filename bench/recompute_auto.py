@@ -17,12 +17,10 @@ measured after the warm-up against what the engine placed for.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 
 import torch
 
-from recompute_share import build, step_in_turn
+from recompute_share import build, engine_figures, print_row, save_json, step_in_turn
 
 
 def main() -> None:
@@ -44,29 +42,22 @@ def main() -> None:
                for _ in range(a.warmup + a.steps)]
     engines = {k: Engine(build(a), **flat_options(lr=1e-4, chunk_bytes=a.chunk, gpu_mem=a.gpu_mem, checkpointing=r))
                for k, r in (("all", True), ("auto", None))}
-    times, losses = step_in_turn(engines, batches, a.warmup, reset_peaks=True)
+    times, losses = step_in_turn(engines, batches, a.warmup, at_warmup=lambda k, e: e.ledger.reset_peaks())
     assert losses["all"] == losses["auto"], losses
     out = {"layers": a.layers, "batch": a.batch, "seq": a.seq, "gpu_budget": a.gpu_mem}
     for k, eng in engines.items():
+        engine_figures(out, k, eng, times[k])
         out[f"{k}_recomputed"] = eng.recomputed
         out[f"{k}_every_chunk_on_device"] = len(eng.device_plan.gpu_home) == len(eng.plan.chunks)
-        out[f"{k}_step_s"] = statistics.median(times[k])
-        out[f"{k}_activations_measured"] = eng.ledger.kind_peak("gpu", "activation")
         out[f"{k}_activations_placed"] = eng.needs.activations
-        out[f"{k}_gpu_peak"] = eng.ledger.peaks()["gpu"]
         eng.close()
     out["ratio"] = out["auto_step_s"] / out["all_step_s"]
     print(f"--gpu-mem {a.gpu_mem}: every chunk on the device: {out['auto_every_chunk_on_device']}; the engine "
           f"recomputes {out['auto_recomputed']} of {a.layers} layers")
     for k in engines:
-        print(f"{k:5s} step {out[f'{k}_step_s']:.3f} s (median of {len(times[k])}), activations "
-              f"{out[f'{k}_activations_measured'] / 2**20:.2f} MiB measured / "
-              f"{out[f'{k}_activations_placed'] / 2**20:.2f} placed, gpu peak {out[f'{k}_gpu_peak'] / 2**20:.1f} MiB")
+        print_row(out, k, len(times[k]), "placed")
     print(f"auto / all: {out['ratio']:.3f} (losses equal)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-
+    save_json(a.json, out)
 
 if __name__ == "__main__":
     main()

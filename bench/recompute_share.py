@@ -59,21 +59,41 @@ def choose(a: argparse.Namespace, profile, gpu: int) -> int:
     return a.layers if n is None else n
 
 
-def step_in_turn(engines: dict, batches: list, warmup: int, *, reset_peaks: bool = False) -> tuple[dict, dict]:
+def step_in_turn(engines: dict, batches: list, warmup: int, *, at_warmup=None) -> tuple[dict, dict]:
     """Step every engine on each batch in turn (who goes first alternates); ({name: the step
-    times after `warmup`}, {name: every loss}). `reset_peaks`: the ledgers' peaks are reset
-    when the timed steps begin (what is measured after is the steady state's)."""
+    times after `warmup`}, {name: every loss}). `at_warmup(name, engine)` runs as the timed
+    steps begin (to reset a ledger's peaks, or note a counter)."""
     times: dict[str, list[float]] = {k: [] for k in engines}
     losses: dict[str, list[float]] = {k: [] for k in engines}
     for i, b in enumerate(batches):
         for k in (list(engines) if i % 2 == 0 else list(reversed(engines))):
-            if reset_peaks and i == warmup:
-                engines[k].ledger.reset_peaks()
+            if at_warmup is not None and i == warmup:
+                at_warmup(k, engines[k])
             t = time.perf_counter()
             losses[k].append(engines[k].step(b))
             if i >= warmup:
                 times[k].append(time.perf_counter() - t)
     return times, losses
+
+
+def engine_figures(out: dict, k: str, eng, times: list[float]) -> None:
+    """An engine's figures in a side-by-side run: its median step, activation and gpu peaks."""
+    out[f"{k}_step_s"] = statistics.median(times)
+    out[f"{k}_activations_measured"] = eng.ledger.kind_peak("gpu", "activation")
+    out[f"{k}_gpu_peak"] = eng.ledger.peaks()["gpu"]
+
+
+def print_row(out: dict, k: str, steps: int, against: str) -> None:
+    """One engine's line: its step, activations measured against `out[k_activations_<against>]`."""
+    print(f"{k:5s} step {out[f'{k}_step_s']:.3f} s (median of {steps}), activations "
+          f"{out[f'{k}_activations_measured'] / 2**20:.2f} MiB measured / "
+          f"{out[f'{k}_activations_{against}'] / 2**20:.2f} {against}, gpu peak {out[f'{k}_gpu_peak'] / 2**20:.1f} MiB")
+
+
+def save_json(path: "str | None", out: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 def main() -> None:
@@ -104,10 +124,8 @@ def main() -> None:
     assert losses["all"] == losses["share"], losses
     out = {"layers": a.layers, "batch": a.batch, "seq": a.seq, "gpu_budget": gpu, "recomputed": share}
     for k, eng in engines.items():
-        out[f"{k}_step_s"] = statistics.median(times[k])
-        out[f"{k}_activations_measured"] = eng.ledger.kind_peak("gpu", "activation")
+        engine_figures(out, k, eng, times[k])
         out[f"{k}_activations_planned"] = plans[k].reserve["gpu"]["activations"]
-        out[f"{k}_gpu_peak"] = eng.ledger.peaks()["gpu"]
         out[f"{k}_planned_step_s"] = plans[k].step_s
         eng.close()
     out["ratio"] = out["share_step_s"] / out["all_step_s"]
@@ -115,14 +133,9 @@ def main() -> None:
     print(f"budget {gpu / 2**20:.1f} MiB: every layer's activations do not fit; the planner recomputes the first "
           f"{share} of {a.layers}")
     for k in engines:
-        print(f"{k:5s} step {out[f'{k}_step_s']:.3f} s (median of {len(times[k])}), activations "
-              f"{out[f'{k}_activations_measured'] / 2**20:.2f} MiB measured / {out[f'{k}_activations_planned'] / 2**20:.2f}"
-              f" planned, gpu peak {out[f'{k}_gpu_peak'] / 2**20:.1f} MiB")
+        print_row(out, k, len(times[k]), "planned")
     print(f"share / all: {out['ratio']:.3f} measured, {out['planned_ratio']:.3f} planned (losses equal)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-
+    save_json(a.json, out)
 
 if __name__ == "__main__":
     main()
