@@ -88,5 +88,6 @@ def main() -> None:
     print(f"decoded / per_use: {out['ratio']:.3f} (losses equal)")
     save_json(a.json, out)
 
+
 if __name__ == "__main__":
     main()

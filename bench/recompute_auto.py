@@ -59,5 +59,6 @@ def main() -> None:
     print(f"auto / all: {out['ratio']:.3f} (losses equal)")
     save_json(a.json, out)
 
+
 if __name__ == "__main__":
     main()

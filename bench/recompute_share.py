@@ -137,5 +137,6 @@ def main() -> None:
     print(f"share / all: {out['ratio']:.3f} measured, {out['planned_ratio']:.3f} planned (losses equal)")
     save_json(a.json, out)
 
+
 if __name__ == "__main__":
     main()
