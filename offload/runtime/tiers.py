@@ -20,13 +20,18 @@ log = logging.getLogger(__name__)
 
 
 def pick_device(device: "str | torch.device | None" = None) -> torch.device:
-    """CUDA when present (or asked for), else the simulated device on the CPU."""
-    if device is not None:
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
+    """CUDA when present (or asked for), else the simulated device on the CPU. A CUDA device
+    carries its index: tensors report `cuda:0`, and `torch.device("cuda") != "cuda:0"`, so the
+    hooks' test of whether a tensor is on the engine's device would fail for every one."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' asked for but CUDA is not available")
-        return dev
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 class Tiers:
