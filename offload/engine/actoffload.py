@@ -73,8 +73,11 @@ class Offloaded:
         if self.io_future is not None:
             self.io_future.result()
             self.io_future = None
-        self.io.tiers.free(self.mem, "activation", self.host)
-        self.host = None
+        host, self.host = self.host, None
+        if self.back_ticket is not None and not self.back_ticket.done():
+            self.io.park(self.back_ticket, self.mem, host)  # its copy to the device may still read it
+        else:
+            self.io.tiers.free(self.mem, "activation", host)
 
     def fetch(self) -> None:
         """Start bringing it back to the device (idempotent); from NVMe, start its read."""
@@ -84,6 +87,7 @@ class Offloaded:
             return
         if self.key is not None:
             if self.host is None:
+                self.io.reap(keep=1)  # (the plan's two host buffers: the newest parked one and this)
                 self.host = self.io.tiers.empty("host", "activation", self.numel, self.dtype)
                 self.io_future = self.io.nvme.read_async(self.key, self.host, urgent=True)
             return
@@ -151,6 +155,26 @@ class Offloader:
         self.by_storage: dict[int, weakref.ref] = {}
         self.fetched: dict[int, weakref.ref] = {}  # device copies made in backward, by storage
         self.active = False  # True while a checkpointed block saves its inputs in forward
+        # host buffers given back while a copy to the device may still read them (on CUDA an
+        # enqueued copy has not landed): (its ticket, the tier, the buffer), oldest first
+        self.parked: list[tuple[Any, str, torch.Tensor]] = []
+
+    def park(self, ticket: Any, mem: str, host: torch.Tensor) -> None:
+        self.parked.append((ticket, mem, host))
+
+    def reap(self, *, keep: int = 0) -> None:
+        """Free the parked buffers whose copies have landed; for all but the newest `keep`, wait
+        until they have (on CUDA a host wait, which the copy enqueued a block before has
+        usually made moot)."""
+        still = []
+        for i, (ticket, mem, host) in enumerate(self.parked):
+            if i < len(self.parked) - keep:
+                ticket.landed()
+            elif not ticket.done():
+                still.append((ticket, mem, host))
+                continue
+            self.tiers.free(mem, "activation", host)
+        self.parked = still
 
     def take_key(self) -> str:
         if self._keys:
@@ -210,6 +234,11 @@ class Offloader:
             if (x := ref()) is not None:
                 x.drop()
         self.stack, self.by_storage, self.fetched = [], {}, {}
+        self.reap()
+
+    def end_backward(self) -> None:
+        """Every input's copy back has been used: free the host buffers still parked."""
+        self.reap()
 
     def end_forward(self) -> None:
         for ref in self.stack:

@@ -720,6 +720,8 @@ class Engine:
                 waits = self.executor.host_waits
                 loss.backward()
                 self.moments.counts["host_waits_backward"] += self.executor.host_waits - waits
+                if self.tracker.offloader is not None:
+                    self.tracker.offloader.end_backward()
                 self.moments.moment()  # every gradient accumulated, before the drain
                 self.grads.end_backward()
                 if self.grads.uses is not None:  # (the first backward has taught the router its reads)
