@@ -50,6 +50,31 @@ def test_a_refused_register_leaves_pageable_memory_and_says_so(caplog):
     assert "cudaHostRegister" in caplog.text
 
 
+def test_cudas_register_runs_on_a_thread_of_its_own(monkeypatch):
+    # a refused register is also the calling thread's pending CUDA error: on the launching
+    # thread, torch's next kernel launch check would raise it as that kernel's
+    import threading
+
+    import torch
+
+    threads = []
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, n, flags):
+            threads.append(threading.current_thread())
+            return 2  # refused (out of lockable memory)
+
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    pin = HostPinner()
+    assert pin.empty(100).numel() == 100 and pin.failed
+    assert threads and threads[0] is not threading.current_thread()
+
+
 def test_engine_registers_its_ledgers_host_bytes(tmp_path, monkeypatch):
     cuda = FakeCuda()
 

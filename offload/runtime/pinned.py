@@ -13,6 +13,7 @@ rounded up to a 4 KiB page. Unregistered before the memory is released.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable
 
 import torch
@@ -24,8 +25,28 @@ log = logging.getLogger(__name__)
 PAGE = 4096
 
 
+def host_register(ptr: int, nbytes: int, flags: int, device: int) -> int:
+    """cudaHostRegister's error code (0: registered; -1 where the call itself raised), called on
+    `device` from a thread of its own: a refusal is also the calling thread's pending CUDA
+    error, which torch's next kernel launch check (cudaGetLastError) would raise as that
+    kernel's; and a thread's current device is where the registration goes."""
+    result = [-1]
+
+    def register() -> None:
+        try:
+            torch.cuda.set_device(device)
+            result[0] = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags))
+        except Exception:  # noqa: BLE001 - a refusal like the driver's: pageable, one warning
+            log.debug("cudaHostRegister raised", exc_info=True)
+
+    t = threading.Thread(target=register, name="cuda-host-register")
+    t.start()
+    t.join()
+    return result[0]
+
+
 def _cuda_register(ptr: int, nbytes: int) -> int:
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+    return host_register(ptr, nbytes, 0, torch.cuda.current_device())
 
 
 def _cuda_unregister(ptr: int) -> int:

@@ -25,13 +25,13 @@ import os
 import re
 import secrets
 import stat
-import threading
 import warnings
 
 import torch
 
 from ..core.errors import TierwiseError
 from ..core.units import format_size
+from .pinned import host_register
 
 log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
@@ -110,7 +110,7 @@ class SharedRegion:
         if index is None:
             index = torch.cuda.current_device()
         flags = 0 if self.writable else _REGISTER_READ_ONLY
-        err = _host_register(self.tensor.data_ptr(), self.nbytes, flags, index)
+        err = host_register(self.tensor.data_ptr(), self.nbytes, flags, index)
         if err != 0:
             log.warning("the shared base (%s) could not be pinned for CUDA copies (cudaHostRegister: %s): it "
                         "stays pageable, copies from it are slower", format_size(self.nbytes), _error_name(err))
@@ -139,24 +139,6 @@ class SharedRegion:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _host_register(ptr: int, nbytes: int, flags: int, device: int) -> int:
-    """cudaHostRegister's error code (0: registered), called on `device` from a thread of its own
-    (see the module docstring); -1 where the call itself raised."""
-    result = [-1]
-
-    def register() -> None:
-        try:
-            torch.cuda.set_device(device)
-            result[0] = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags))
-        except Exception:  # noqa: BLE001 - a refusal like the driver's: pageable, one warning
-            log.debug("cudaHostRegister raised", exc_info=True)
-
-    t = threading.Thread(target=register, name="cuda-host-register")
-    t.start()
-    t.join()
-    return result[0]
 
 
 def _error_name(err: int) -> str:
