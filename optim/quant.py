@@ -56,14 +56,20 @@ def _maps_cpu(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return code, mid
 
 
+@functools.lru_cache(maxsize=None)
+def _maps_on(signed: bool, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The maps copied to `device` once (each copy from pageable memory would wait for it)."""
+    return tuple(t.to(device) for t in _maps_cpu(signed))  # type: ignore[return-value]
+
+
 def dynamic_map(*, signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 256-entry map (fp32, sorted) on `device`."""
-    return _maps_cpu(signed)[0].to(device)
+    """The 256-entry map (fp32, sorted) on `device` (shared: read it, never write it)."""
+    return _maps_on(signed, str(torch.device(device)))[0]
 
 
 def midpoints(*, signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
     """Decision boundaries of the map: mid[i] = (code[i] + code[i+1]) / 2, mid[255] = inf."""
-    return _maps_cpu(signed)[1].to(device)
+    return _maps_on(signed, str(torch.device(device)))[1]
 
 
 def num_blocks(n: int, block: int = BLOCK) -> int:
