@@ -510,6 +510,58 @@ def test_offloader_moves_block_inputs_to_host_in_forward_only():
     ex.close()
 
 
+class _Unlanded:
+    """A copy to the device that reports itself not landed until `landed()` (CUDA's enqueued
+    copy, which the simulated device never shows: its copies are over when enqueued)."""
+
+    def __init__(self, ticket):
+        self.ticket, self.has_landed = ticket, False
+
+    def wait(self):
+        self.ticket.wait()
+
+    def done(self):
+        return self.has_landed
+
+    def landed(self):
+        self.ticket.landed()
+        self.has_landed = True
+
+
+class _CopiesLandLate:
+    def __init__(self, ex):
+        self.ex, self.h2d = ex, []
+
+    def copy(self, lane, dst, src, **kw):
+        ticket = self.ex.copy(lane, dst, src, **kw)
+        if lane == "h2d":
+            self.h2d.append(ticket := _Unlanded(ticket))
+        return ticket
+
+    def wait(self, ticket):
+        ticket.wait()
+
+
+def test_an_offloaded_inputs_host_buffer_outlives_its_copy_back():
+    ledger = Ledger({"gpu": None, "host": None})
+    ex = Executor(device=CPU)
+    late = _CopiesLandLate(ex)
+    off = Offloader(ledger=ledger, tiers=Tiers(ledger=ledger, device=CPU), executor=late, device=CPU,
+                    phase=lambda: Phase.FORWARD)
+    off.active = True
+    t = torch.arange(16.0).requires_grad_()
+    item = off.pack(t)
+    off.end_forward()
+    assert torch.equal(off.unpack(item), t.detach())
+    del item  # autograd drops the saved input: its copy back may still be reading the host buffer
+    assert ledger.usage()["host"]["activation"] == 64 and len(off.parked) == 1
+    assert not late.h2d[0].has_landed
+    off.end_backward()
+    assert late.h2d[0].has_landed and off.parked == []
+    assert ledger.usage()["host"].get("activation", 0) == 0
+    ex.close()
+
+
 def test_activation_tracker_books_activations_and_refers_to_chunks():
     ledger = Ledger({"gpu": None, "host": None})
     chunk = torch.zeros(8)
@@ -535,3 +587,16 @@ def test_activation_tracker_books_activations_and_refers_to_chunks():
     assert ledger.usage()["gpu"]["activation"] == 16
     del held
     assert ledger.usage()["gpu"].get("activation", 0) == 0
+
+
+def test_the_engines_cuda_device_carries_its_index(monkeypatch):
+    # tensors report cuda:0, and torch.device("cuda") != torch.device("cuda:0"): without the
+    # index no activation would be on the engine's device
+    from tierwise.offload.runtime.tiers import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert pick_device() == torch.device("cuda", 1)
+    assert pick_device("cuda") == torch.device("cuda", 1)
+    assert pick_device("cuda:0") == torch.device("cuda", 0)
+    assert pick_device("cpu") == torch.device("cpu")
