@@ -369,6 +369,8 @@ def headline(a, remaining: float) -> dict:
     from tierwise.offload.plan.planner import choose_recompute, make_plan
     from tierwise.profiles import ModelProfile
 
+    if remaining < 60:  # (a 16-layer slice's setup and steps: about a minute; the run's timeout would cut it)
+        return {"skipped": f"{remaining:.0f} s left"}
     full = 80
     layers = a.headline_layers or (full if remaining > 330 else 16)
     shape = scaled(a, dict(hidden=8192, intermediate=28672, heads=64, kv=8, vocab=128256))

@@ -45,7 +45,8 @@ import torch
 print("cuda", torch.version.cuda, torch.cuda.get_device_name())
 EOF
   if [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1: a rerun for the figures alone
-    timeout 90 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rfEs --tb=short
+    # (SIGINT: pytest still prints what failed so far, with its tracebacks)
+    timeout -s INT 90 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rfEs --tb=short
     echo "tests/gpu exit $?"
     # CAPPED_TRACE=1: the xfail'ed capped-allocator test, run for its error (pytest hides an xfail's traceback)
     [ -n "${CAPPED_TRACE:-}" ] && timeout 60 python3 -m pytest -q -m gpu tests/gpu/test_cuda.py -k capped --runxfail -p no:cacheprovider --tb=short 2>&1 | tail -15
@@ -63,7 +64,8 @@ EOF
     [ -s "$out/measured.toml" ] && prof=(--profile "$out/measured.toml")
   fi
   timeout 300 python3 bench/gpu_check.py --steps 5 --deadline 270 --json "$out/gpu_check.json" --trace-dir "$out" "${prof[@]}" "$@"
+  rc=$?
   gzip -f "$out"/trace_*.json 2>/dev/null
-  echo "gpu_check.py exit $?"
+  echo "gpu_check.py exit $rc"
   date -u
 } 2>&1 | tee "$out/gpu_check.log"

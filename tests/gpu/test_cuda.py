@@ -175,10 +175,11 @@ def test_qlora_on_cuda_matches_peft_over_linear4bit():
 
 
 def test_gpu_home_nf4_base_on_cuda_equals_the_streamed_run():
-    """With room, the NF4 base's encoded bytes are gpu-home and decoded from where they lie (no
-    staging copy, no link traffic after the warm-up): losses and adapters equal the run that
-    streams the base from host and decodes it from the staging buffer (the same decode of the
-    same bytes; the adapters' update runs on a different device, see below)."""
+    """With room, the NF4 base lives on the device (decoded once and kept where that fits, else
+    encoded and decoded from where it lies; no link traffic after the warm-up): losses and
+    adapters equal the run that streams the base from host and decodes it from the staging
+    buffer (the same decode of the same bytes; the adapters' update runs on a different device,
+    see below)."""
     pytest.importorskip("peft")
     from tests.test_lora import adapters, lora_config
 
@@ -192,7 +193,8 @@ def test_gpu_home_nf4_base_on_cuda_equals_the_streamed_run():
         link = eng.executor.lanes["h2d"].link.bytes_moved
         losses += [eng.step(b) for b in data[1:]]
         moved = eng.executor.lanes["h2d"].link.bytes_moved - link
-        home = [c for c in eng.plan.frozen if eng.store.is_encoded(c) and eng.store.decodes_on_device(c)]
+        home = [c for c, layout in eng.frozen_layouts.items()
+                if layout is not None and eng.store.chunks[c].tiers["compute"] == "gpu"]
         runs.append((losses, adapters(eng.named_parameters_fp32()), moved, len(home)))
         assert eng.ledger.peaks()["gpu"] <= eng.ledger.budgets["gpu"]
         eng.close()
