@@ -29,7 +29,7 @@ from .data import (Batches, DataError, DataPosition, check_vocab, eval_batches, 
                    padded_batch)
 from .export import export_hf
 from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
-from .loading import ModelSource, build_meta_model, resolve_model
+from .loading import ModelSource, build_meta_model, resolve_model, weights_digest
 from .metrics import MetricsWriter, read_metrics, truncate_metrics
 from .packing import keeps_mask
 from .planning import (OFFLOADED, attends_segments, check_seq_len, checkpointing, gpu_budget, host_budget, preflight,
@@ -349,6 +349,8 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
         console.print(lora_mod.summary(cfg, model), highlight=False, soft_wrap=True)
         if cfg.precision_note:
             console.print(cfg.precision_note, highlight=False, soft_wrap=True)
+    # what a LoRA checkpoint's adapters were trained on (it holds no base): checked on --resume
+    base = weights_digest(src.model_dir) if cfg.lora and src.model_dir is not None else None
     preload_plots()
     engine = make_engine(model, cfg, ranks=ranks, plan=plan)
     engine.skip_nonfinite = bool(cfg.skip_nonfinite)
@@ -356,13 +358,13 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
         warn(console, note)
     try:
         start = _initial_state(engine, cfg, src, out, batches, console, model=model,
-                               layout=layout, renames=renames, schedule=schedule)
+                               layout=layout, renames=renames, schedule=schedule, base=base)
         if padded:
             _measure_worst(engine, padded_batch(blocks, batch_size=cfg.batch_size, segments=attends_segments(cfg, src),
                                                 mask=keeps_mask(src.config)))
         losses: list[float | None] = []
         t0 = time.perf_counter()
-        code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule,
+        code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule, base=base,
                      start=start, total=total, eval_data=eval_data, console=console,
                      losses=losses, padded=padded, intro=_intro(batches, start=start, total=total, plan=plan))
         console.print(summary(losses, first_step=start + 1, seconds=time.perf_counter() - t0),
@@ -446,8 +448,9 @@ def _load_base(engine, cfg: TrainConfig, src: ModelSource, *, model, layout: Mod
 
 def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batches: Batches,
                    console: Console, *, model, layout: ModelLayout, renames: dict[str, str] | None = None,
-                   schedule: LRSchedule | None = None) -> int:
-    """Load a checkpoint (--resume) or the weights; returns the first step to run.
+                   schedule: LRSchedule | None = None, base: str | None = None) -> int:
+    """Load a checkpoint (--resume) or the weights; returns the first step to run (`base`: the
+    LoRA base's weights_digest, checked against the checkpoint's).
 
     The weights stream from `src`'s checkpoint through transformers' key renaming and tensor
     conversions (cli.layout); with --resume only its names are read, so the export writes the
@@ -462,7 +465,7 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
         else:
             engine_state, trainer = ckpt.load_checkpoint(path)
             rng = trainer["rng"]
-        check_resumable(cfg, ckpt_dir(cfg, out), trainer, digest=batches.digest)
+        check_resumable(cfg, ckpt_dir(cfg, out), trainer, digest=batches.digest, base=base)
         if cfg.lora:
             _load_base(engine, cfg, src, model=model, layout=layout, renames=renames, frozen_only=True)
         elif src.has_weights:
@@ -551,10 +554,11 @@ def check_world(out: Path, world: int) -> None:
 
 
 def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None, *,
-                    digest: str | None = None) -> None:
-    """Refuse --resume with options that change the batches or the engine state's layout, or
+                    digest: str | None = None, base: str | None = None) -> None:
+    """Refuse --resume with options that change the batches or the engine state's layout,
     (`digest` given: Batches.digest) with data that tokenizes to other blocks than the
-    checkpointed run's."""
+    checkpointed run's, or (`base` given: loading.weights_digest) a LoRA run's base whose
+    weights are not those its adapters were trained on."""
     if trainer is None:
         trainer = ckpt.load_trainer(ckpt.latest_checkpoint(out))
     saved = trainer.get("config", {}) if isinstance(trainer, dict) else {}
@@ -564,7 +568,7 @@ def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None, *,
                if not _same_option(k, saved.get(k, defaults[k]), getattr(cfg, k))
                and not (k == "optimizer" and cfg.reset_optimizer)]
     if changed:
-        was = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)}" for k in changed)
+        was = ", ".join(_as_given(k, saved.get(k, defaults[k])) for k in changed)
         hint = " (add --reset-optimizer to start the new optimizer from fresh state)" \
             if changed == ["optimizer"] else ""
         raise ConfigError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)}"
@@ -576,6 +580,20 @@ def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None, *,
                           f"tokenizes to other blocks than the checkpointed run's in {out} ({digest}, it had "
                           f"{was}): the data or the tokenizer changed, so its data position would name other "
                           "batches (restore them, or start a new run)")
+    was = trainer.get("base") if isinstance(trainer, dict) else None
+    if base is not None and was is not None and was != base:
+        raise ConfigError(f"--resume: the base model's weights in {cfg.model} are not those the checkpointed "
+                          f"LoRA run in {out} trained its adapters on ({base}, it had {was}): the checkpoint holds "
+                          "the adapters only (restore the base, or start a new run)")
+
+
+def _as_given(key: str, value: Any) -> str:
+    """An option as a run was given it: `--lora-rank 2`; an unset one in words, not `None`."""
+    flag = "--" + key.replace("_", "-")
+    if value is not None:
+        return f"{flag} {value}"
+    return {"model": "the built-in tiny model, no --model",
+            "lora_rank": "no --lora-rank: a full fine-tune"}.get(key, f"no {flag}")
 
 
 def resume_changes(cfg: TrainConfig, trainer: dict, schedule: LRSchedule | None, *, done: int) -> list[str]:
@@ -620,11 +638,11 @@ def _same_option(key: str, saved, now) -> bool:
 
 
 def save(engine, cfg: TrainConfig, out: Path, *, step: int, batches: Batches,
-         schedule: LRSchedule, rng: dict | None = None) -> Path:
-    """Checkpoint `step` (`rng`: the RNG state to record; default: now). Several ranks:
-    collective, each rank its shard (cli.shards)."""
+         schedule: LRSchedule, rng: dict | None = None, base: str | None = None) -> Path:
+    """Checkpoint `step` (`rng`: the RNG state to record; default: now; `base`: a LoRA base's
+    weights_digest). Several ranks: collective, each rank its shard (cli.shards)."""
     trainer = {"data": batches.position.to_dict(), "data_blocks": batches.digest,
-               "schedule": schedule.to_dict(), "config": cfg.to_dict()}
+               "schedule": schedule.to_dict(), "config": cfg.to_dict()} | ({"base": base} if base else {})
     rng = rng or ckpt.capture_rng()
     state = engine.state_dict(deferred=True)  # each chunk read while it is written
     ranks = launch.from_env()
@@ -666,7 +684,7 @@ def _intro(batches: Batches, *, start: int, total: int, plan: Any) -> str:
 
 
 def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
-          schedule: LRSchedule, start: int, total: int, eval_data: list,
+          schedule: LRSchedule, start: int, base: str | None = None, total: int, eval_data: list,
           console: Console, losses: list[float | None], padded: bool = True, intro: str | None = None) -> int:
     """Steps start+1..total; appends each train loss to `losses` (None: a step skipped with
     --skip-nonfinite); returns the exit code.
@@ -691,7 +709,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                 if not e.step_done:  # the state is the last completed step's (or not at all)
                     batches.position = position
                 raise _over_budget(e, engine, cfg, out, step=step, start=start, batches=batches,
-                                   schedule=schedule, rng=None if e.step_done else rng) from None
+                                   schedule=schedule, rng=None if e.step_done else rng, base=base) from None
             dt = time.perf_counter() - t0
             bad = _nonfinite(engine, loss)
             if bad and engine.skipped_last and in_a_row < cfg.skip_nonfinite:
@@ -728,12 +746,12 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                     bar.note(f"step {step}: eval loss {ev:.4f}")
             signum = _agreed_stop(stop.signum)
             if signum:
-                path = save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
+                path = save(engine, cfg, out, step=step, batches=batches, schedule=schedule, base=base)
                 bar.note(f"interrupted ({signal.Signals(signum).name}): checkpoint {path.name} "
                          "saved; run again with --resume to continue")
                 return 128 + signum
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                path = save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
+                path = save(engine, cfg, out, step=step, batches=batches, schedule=schedule, base=base)
                 if bar.plain:  # a log says where a run can resume from
                     bar.note(f"step {step}: checkpoint {path.name} saved")
         evaluated = cfg.eval_every and step % cfg.eval_every == 0
@@ -743,7 +761,7 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
             bar.note(f"step {step}: eval loss {ev:.4f}")
         last = ckpt.latest_checkpoint(ckpt_dir(cfg, out))  # every rank reads the same (shared)
         if last is None or last.name != ckpt.ckpt_name(step):
-            save(engine, cfg, out, step=step, batches=batches, schedule=schedule)
+            save(engine, cfg, out, step=step, batches=batches, schedule=schedule, base=base)
     return 0
 
 
@@ -758,7 +776,8 @@ def _agreed_stop(signum: int) -> int:
 
 
 def _over_budget(e: StepOverBudget, engine, cfg: TrainConfig, out: Path, *, step: int, start: int,
-                 batches: Batches, schedule: LRSchedule, rng: dict | None) -> InfeasibleBudget:
+                 batches: Batches, schedule: LRSchedule, rng: dict | None,
+                 base: str | None = None) -> InfeasibleBudget:
     """Checkpoint what the engine holds when it is a completed step's state, and say so."""
     done = step + 1 if e.step_done else step
     if not e.step_done and not e.weights_intact:
@@ -768,7 +787,7 @@ def _over_budget(e: StepOverBudget, engine, cfg: TrainConfig, out: Path, *, step
     elif done == start:
         saved = "no step completed in this run, nothing new to save"
     else:
-        path = save(engine, cfg, out, step=done, batches=batches, schedule=schedule, rng=rng)
+        path = save(engine, cfg, out, step=done, batches=batches, schedule=schedule, rng=rng, base=base)
         saved = f"checkpoint {path.name} saved (step {done}): --resume continues from it"
     return InfeasibleBudget(f"step {step + 1}: {str(e).splitlines()[0]}; {saved}", minimum=e.minimum)
 

@@ -220,6 +220,25 @@ def test_resume_with_other_lora_flags_is_one_line(assets, tmp_path, monkeypatch)
     assert "--lora-rank" in line and "--lora-alpha" in line and "it used --lora-rank 2" in line
     line = error_line(CliRunner().invoke(app, _args(assets["untied"], assets, out, "--resume", steps=2)))
     assert "--lora-rank" in line  # a full fine-tune cannot continue a LoRA checkpoint
+    full = tmp_path / "full"
+    _finetune(_args(assets["untied"], assets, full, steps=1), monkeypatch)
+    line = error_line(CliRunner().invoke(app, _args(assets["untied"], assets, full, "--lora-rank", "4", "--resume",
+                                                    steps=2)))
+    assert "it used no --lora-rank: a full fine-tune, no --lora-alpha" in line and "None" not in line
+
+
+def test_resume_over_a_changed_base_is_refused(assets, tmp_path, monkeypatch):
+    """A LoRA checkpoint holds the adapters only: its --resume loads the base again, and one
+    whose weights changed (same shapes) would continue silently on another model."""
+    base = make_tiny_llama_dir(tmp_path / "base", vocab_size=288, hidden=32, layers=2)
+    out = tmp_path / "run"
+    _finetune(_args(base, assets, out, "--lora-rank", "2", steps=1), monkeypatch)
+    make_tiny_llama_dir(base, vocab_size=288, hidden=32, layers=2)  # written again, the same weights
+    _finetune(_args(base, assets, out, "--lora-rank", "2", "--resume", steps=2), monkeypatch)
+    make_tiny_llama_dir(base, vocab_size=288, hidden=32, layers=2, seed=1)
+    line = error_line(CliRunner().invoke(app, _args(base, assets, out, "--lora-rank", "2", "--resume", steps=3)))
+    assert "the base model's weights" in line and "adapters only" in line
+    assert len(_losses(out)) == 2  # nothing of the refused run written
 
 
 def test_checkpoint_from_before_the_lora_options_resumes(assets, tmp_path, monkeypatch):
