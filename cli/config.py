@@ -271,7 +271,7 @@ class TrainConfig:
     """With --resume: keep the checkpoint's weights, RNG and data position, start the optimizer
     (--optimizer, possibly another one) from fresh state. Without it a changed --optimizer is
     refused."""
-    overwrite: bool = _f(False, "Empty --output first (only a directory an earlier finetune run made).",
+    overwrite: bool = _f(False, "Empty --output first: only a directory an earlier finetune run made, holding only what a run writes (anything else there is refused, never deleted).",
                          panel=OUTPUT, flag="--overwrite")
     export_dtype: str | None = _f(None, "Dtype of the exported model (default: --precision).", panel=OUTPUT,
                                   choices=PRECISIONS_EXPORT)

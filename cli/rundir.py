@@ -3,11 +3,13 @@
 A run creates `.tierwise-run` in its --output and holds an advisory lock on it
 (offload.runtime.runlock) until it ends: a second run on the same --output is refused with the pid of
 the first. The file also marks the directory as made by tierwise: `--overwrite` empties only
-such a directory (everything in it but the marker), never a directory of someone else's files.
+such a directory, of what a run writes there (RUN_ENTRIES), and refuses where it holds anything
+else (a user's notes, their data): never a file someone else put there.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -16,6 +18,9 @@ from .config import ConfigError
 from ..offload.runtime import runlock
 
 MARKER = ".tierwise-run"
+#: what a run writes at the top of its --output (cli.checkpoint, cli.train, cli.metrics, cli.lora)
+RUN_ENTRIES = re.compile(r"ckpt-\d+(\.tmp|\.old)?|latest(\.tmp)?|metrics\.jsonl(\.tmp)?|loss\.png"
+                         r"|memory_timeline\.png|model|adapter|tensorboard|wandb")
 
 
 class RunDir:
@@ -53,6 +58,11 @@ def claim(output: str, *, resume: bool, overwrite: bool, inputs: dict | None = N
             _refuse(out, resume)
         if overwrite:
             _refuse_inputs_inside(out, inputs or {})
+            others = sorted(p.name for p in entries if not RUN_ENTRIES.fullmatch(p.name))
+            if others:
+                raise ConfigError(f"--overwrite: {out} holds what no run writes ({', '.join(others[:5])}"
+                                  f"{', ...' if len(others) > 5 else ''}): refusing to delete it; move it out "
+                                  "or choose another --output")
             for p in entries:
                 if p.is_dir() and not p.is_symlink():
                     shutil.rmtree(p)

@@ -291,7 +291,7 @@ def test_quickstart_demo_under_a_minute(tmp_path):
     out = tmp_path / "demo"
     out.mkdir()
     (out / ".tierwise-run").write_text("")  # an earlier run's directory:
-    (out / "old.txt").write_text("an earlier run")  # --overwrite replaces it
+    (out / "ckpt-000099").mkdir()  # an earlier run's checkpoint: --overwrite replaces it
     t0 = time.monotonic()
     proc = subprocess.run([*cmd, "--output", str(out), "--overwrite"], cwd=tmp_path, env=_env(),
                           capture_output=True, text=True, timeout=120)
@@ -304,9 +304,12 @@ def test_quickstart_demo_under_a_minute(tmp_path):
         assert text in proc.stdout, proc.stdout
     losses = _train_losses(out)
     assert losses[-1] < losses[0] - 1.0, losses  # the demo visibly learns
-    assert not (out / "old.txt").exists()
+    assert not (out / "ckpt-000099").exists()
     for name in ("model/config.json", "model/model.safetensors", "loss.png", "latest"):
         assert (out / name).exists(), name
+    from tierwise.cli.rundir import MARKER, RUN_ENTRIES  # what --overwrite may delete: all a run writes
+
+    assert all(RUN_ENTRIES.fullmatch(p.name) for p in out.iterdir() if p.name != MARKER), os.listdir(out)
 
 
 def test_profile_name_without_weights_trains_random_init(tmp_path):

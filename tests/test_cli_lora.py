@@ -210,6 +210,9 @@ def test_checkpoint_holds_no_base_and_sigkill_resume_is_bit_exact(assets, tmp_pa
     assert _losses(out) == _losses(reference)
     assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == \
         (reference / "adapter" / "adapter_model.safetensors").read_bytes()
+    from tierwise.cli.rundir import MARKER, RUN_ENTRIES  # what --overwrite may delete: all a run writes
+
+    assert all(RUN_ENTRIES.fullmatch(p.name) for p in out.iterdir() if p.name != MARKER), os.listdir(out)
 
 
 def test_resume_with_other_lora_flags_is_one_line(assets, tmp_path, monkeypatch):

@@ -174,10 +174,17 @@ def test_overwrite_only_empties_a_directory_a_run_made(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, [*fast, "--output", str(run)])
     assert r.exit_code == 0, (r.output, r.exception)
     assert (run / MARKER).exists()
-    (run / "extra.txt").write_text("x")
-    r = CliRunner().invoke(app, [*fast, "--output", str(run), "--overwrite"])
+    made = sorted(p.name for p in run.iterdir())
+    (run / "NOTES.md").write_text("what I tried")  # the user's own, in the run's directory
+    (run / "mydata").mkdir()
+    line = _error_line(CliRunner().invoke(app, [*fast, "--output", str(run), "--overwrite"]))
+    assert "holds what no run writes (NOTES.md, mydata)" in line, line
+    assert (run / "NOTES.md").read_text() == "what I tried" and (run / "mydata").is_dir()
+    (run / "NOTES.md").unlink()
+    (run / "mydata").rmdir()
+    r = CliRunner().invoke(app, [*fast, "--output", str(run), "--overwrite"])  # what a run made: replaced
     assert r.exit_code == 0, (r.output, r.exception)
-    assert not (run / "extra.txt").exists() and (run / MARKER).exists()
+    assert sorted(p.name for p in run.iterdir()) == made
 
 
 def test_overwrite_refuses_to_delete_the_runs_own_inputs(tmp_path, monkeypatch):
