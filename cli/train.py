@@ -12,6 +12,7 @@ import math
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -158,6 +159,7 @@ class _StopFlag:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            self._hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def _handle(self, signum, frame):
@@ -165,9 +167,19 @@ class _StopFlag:
             raise KeyboardInterrupt
         self.signum = signum
 
+    def _unraisable(self, what) -> None:
+        """The abort raised inside a finalizer (a tensor freed mid-step) is printed there with a
+        traceback and dropped: say nothing, and raise it again a moment later."""
+        if what.exc_type is KeyboardInterrupt and self.set:
+            threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
+        else:
+            self._hook(what)
+
     def __exit__(self, *exc):
         for s, previous in self._previous.items():
             signal.signal(s, previous)
+        if self._previous:
+            sys.unraisablehook = self._hook
         if exc[0] is not None and launch.from_env().several:
             launch.finish_failing()
 

@@ -286,3 +286,24 @@ def test_a_refused_engine_leaves_no_threads_swap_files_or_hooks(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == []
     assert {name: m.forward for name, m in model.named_modules()} == forwards
     assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == hooks
+
+
+def test_a_second_signal_inside_a_finalizer_aborts_without_a_traceback(capsys):
+    """The second Ctrl-C aborts; raised while a finalizer runs (a tensor freed mid-step), Python
+    printed it with a traceback and dropped it, and the run went on."""
+    class Freed:
+        def __del__(self):
+            raise KeyboardInterrupt  # what the handler raises when the signal lands here
+
+    before = sys.unraisablehook
+    with tierwise.cli.train._StopFlag() as stop:
+        os.kill(os.getpid(), signal.SIGINT)  # the first: finish the step, checkpoint
+        deadline = time.monotonic() + 5
+        while not stop.set and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(KeyboardInterrupt):
+            Freed()
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+    assert "Exception ignored" not in capsys.readouterr().err
+    assert sys.unraisablehook is before
