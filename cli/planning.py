@@ -197,7 +197,10 @@ def check_budgets(cfg: TrainConfig, *, here: bool) -> None:
         return
     over = _ram_over(cfg)
     if over:
-        raise ConfigError(f"{over}: lower --cpu-mem (to plan another machine, name it with --hardware)")
+        gpu_first = not machine.has_cuda() and (gpu or 0) > (cfg.budgets["cpu"] or 0)
+        other = (f"a run and --dry-run are of this machine; `finetune plan` plans hardware profile {cfg.hardware}"
+                 if cfg.hardware else "to plan another machine: finetune plan --hardware NAME")
+        raise ConfigError(f"{over}: lower {'--gpu-mem' if gpu_first else '--cpu-mem'} ({other})")
     if gpu is not None and machine.has_cuda():
         have = machine.device_memory()
         if have is not None and gpu > have:
@@ -209,14 +212,15 @@ def _ram_over(cfg: TrainConfig) -> "str | None":
     """What --cpu-mem (and the simulated device's --gpu-mem, which is host RAM) with the process
     beside them asks of this machine's available RAM, said when it is more; else None."""
     gpu, cpu, have = cfg.budgets["gpu"], cfg.budgets["cpu"], machine.available_ram()
-    if cpu is None or have is None:
-        return None
     simulated = gpu if gpu is not None and not machine.has_cuda() else 0
-    if cpu + simulated + planner.PROCESS_BYTES <= have:
+    if have is None or cpu is None and not simulated:
         return None
-    also = f" + --gpu-mem {format_size(simulated)} (the simulated device)" if simulated else ""
-    return (f"--cpu-mem {format_size(cpu)}{also} + about {format_size(planner.PROCESS_BYTES)} for the process "
-            f"is more than this machine has available ({format_size(have)} of {format_size(physical_ram() or have)} RAM)")
+    if (cpu or 0) + simulated + planner.PROCESS_BYTES <= have:
+        return None
+    asked = ([f"--cpu-mem {format_size(cpu)}"] if cpu is not None else []) \
+        + ([f"--gpu-mem {format_size(simulated)} (the simulated device: host RAM)"] if simulated else [])
+    return (f"{' + '.join(asked)} + about {format_size(planner.PROCESS_BYTES)} for the process is more than "
+            f"this machine has available ({format_size(have)} of {format_size(physical_ram() or have)} RAM)")
 
 
 def local_notes(cfg: TrainConfig, plan: Plan) -> list[str]:

@@ -60,14 +60,27 @@ def test_cpu_budget_counts_the_process_and_the_simulated_device(small_machine):
                                                    "--gpu-mem", "4G").output
 
 
+@pytest.mark.parametrize("args", [["plan"], ["--steps", "1", "--dry-run"], ["--steps", "1"]],
+                         ids=["plan", "dry-run", "run"])
+def test_a_simulated_device_above_available_ram_is_refused_without_cpu_mem_too(small_machine, tmp_path, args):
+    """The simulated device is host RAM: --gpu-mem alone, over what is available, names itself."""
+    line = error_line(_invoke(*args, "--gpu-mem", "100T", *(["--output", str(tmp_path / "o")] if len(args) > 1
+                                                          else [])))
+    assert line.startswith("error: --gpu-mem 100.00 TiB (the simulated device: host RAM) + about"), line
+    assert line.endswith("lower --gpu-mem (to plan another machine: finetune plan --hardware NAME)"), line
+    assert "--gpu-mem 30.00 GiB" in (line := error_line(_invoke("plan", "--gpu-mem", "30G", "--cpu-mem", "1G")))
+    assert "lower --gpu-mem" in line  # the larger of the two, not --cpu-mem
+    assert not (tmp_path / "o").exists()
+
+
 def test_what_if_plan_is_priced_on_the_profile_with_notes_about_this_machine(small_machine, tmp_path):
     args = ["plan", "--model", "llama-70b", "--gpu-mem", "24G", "--cpu-mem", "256G", "--nvme-path",
             str(tmp_path / "nv"), "--hardware", "rtx4090", "--optimizer", "adamw8bit"]
     r = _invoke(*args)
     assert r.exit_code == 0, r.output
     assert "verdict: fits" in r.output
-    assert ("note: --cpu-mem 256.00 GiB + --gpu-mem 24.00 GiB (the simulated device) + about 360.00 MiB for the "
-            "process is more than this machine has available (16.00 GiB") in r.output
+    assert ("note: --cpu-mem 256.00 GiB + --gpu-mem 24.00 GiB (the simulated device: host RAM) + about 360.00 MiB "
+            "for the process is more than this machine has available (16.00 GiB") in r.output
     assert "note: --nvme-path here has 50.00 GiB free" in r.output and "a run here would be refused" in r.output
     # --nvme-mem states the other machine's drive: a smaller one does not fit
     line = error_line(_invoke(*args, "--nvme-mem", "300G"))
