@@ -60,6 +60,19 @@ def test_non_empty_output_needs_resume_or_overwrite(runner, tmp_path):
         runner.invoke(app, ["--output", str(tmp_path), "--resume", *FAST]))
 
 
+def test_resume_dry_run_refuses_what_the_resume_would(runner, tmp_path):
+    out = tmp_path / "run"
+    r = runner.invoke(app, ["--output", str(out), *FAST, "--steps", "1"])
+    assert r.exit_code == 0, r.output
+    line = _error_line(runner.invoke(app, ["--output", str(out), *FAST, "--steps", "2", "--model", "tiny",
+                                           "--resume", "--dry-run"]))
+    assert "--model differs from the checkpointed run" in line and "the built-in tiny model" in line
+    assert "no checkpoint" in _error_line(runner.invoke(app, ["--output", str(tmp_path / "none"), *FAST,
+                                                              "--resume", "--dry-run"]))
+    r = runner.invoke(app, ["--output", str(out), *FAST, "--steps", "2", "--resume", "--dry-run"])
+    assert r.exit_code == 0 and "verdict: fits" in r.output, r.output
+
+
 def test_config_file_merges_and_cli_wins(runner, tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(cli_train, "run", lambda cfg, console: seen.setdefault("cfg", cfg) and 0)
