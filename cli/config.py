@@ -170,7 +170,7 @@ class TrainConfig:
     """Run the Python code a model directory ships (auto_map in config.json); without it such a
     model is refused (never transformers' interactive prompt)."""
     """JSONL file or `datasets` directory; None = the built-in sample."""
-    eval_data: str | None = _f(None, "Held-out data in the same formats.", panel=MODEL)
+    eval_data: str | None = _f(None, "Held-out data in the same formats (default: none, no eval loss).", panel=MODEL)
     seq_len: int = _f(128, "Tokens per sequence (rows are packed to this length).", panel=MODEL, plan=True)
     batch_size: int = _f(4, "Sequences per micro-batch.", panel=MODEL, plan=True)
     """Micro-batch size; one optimizer step sees batch_size * grad_accum sequences."""
@@ -193,9 +193,12 @@ class TrainConfig:
     qlora: bool = _f(False, f"QLoRA: LoRA (rank {QLORA_RANK} unless --lora-rank) over an NF4 base with double "
                      "quantization.", panel=LORA, flag="--qlora", plan=True)
     """Shorthand for --lora-rank 16 --base-dtype nf4 (an NF4 base is always double-quantized)."""
-    gpu_mem: str | None = _f(None, "GPU memory to use, e.g. 24G (default: engine's).", panel=MEMORY, plan=True)
-    cpu_mem: str | None = _f(None, "Host RAM to use, e.g. 256G.", panel=MEMORY, plan=True)
-    cxl_mem: str | None = _f(None, "CXL memory to use, e.g. 512G.", panel=MEMORY, plan=True)
+    gpu_mem: str | None = _f(None, "GPU memory to use, e.g. 24G (default: the GPU's free memory; without CUDA "
+                             "this machine's RAM, the simulated device). Sizes: K/M/G/T and KiB..TiB are powers of "
+                             "1024, KB/MB/GB/TB of 1000 (24GB is 22.35 GiB).", panel=MEMORY, plan=True)
+    cpu_mem: str | None = _f(None, "Host RAM to use, e.g. 256G (default: this machine's RAM).", panel=MEMORY,
+                             plan=True)
+    cxl_mem: str | None = _f(None, "CXL memory to use, e.g. 512G (default: none, no CXL tier).", panel=MEMORY, plan=True)
     cxl_node: "str | int | tuple[int, ...] | None" = _f(
         None, "NUMA node(s) of the CXL memory, e.g. 1 or 1,2 (pages interleave across several; default: every "
         "CXL node).", panel=MEMORY, plan=True)
@@ -240,7 +243,7 @@ class TrainConfig:
                           "recipe; 1e-3 for the built-in demo).", panel=OPTIM)
     """Peak learning rate; None: DEFAULT_LR, LORA_LR for a LoRA run, or DEMO_LR for the built-in demo."""
     weight_decay: float = _f(0.0, "Decoupled weight decay.", panel=OPTIM)
-    grad_clip: float | None = _f(None, "Clip the global grad norm to this value.", panel=OPTIM)
+    grad_clip: float | None = _f(None, "Clip the global grad norm to this value (default: no clipping).", panel=OPTIM)
     skip_nonfinite: int = _f(0, "Skip the update of a step whose loss (or, with --grad-clip, gradient norm) is "
                              "NaN/inf, up to N steps in a row; 0: stop the run at the first.", panel=OPTIM)
     """Skip (no update) a step whose loss, or with --grad-clip gradient norm, is NaN/inf, up to
@@ -254,7 +257,7 @@ class TrainConfig:
     warmup_steps: int = _f(0, "Linear warmup steps.", panel=SCHED)
     schedule: str = _f("cosine", "LR decay after warmup.", panel=SCHED, choices=SCHEDULES)
     eval_every: int = _f(0, "Evaluate on --eval-data every N steps (0: at the end only).", panel=SCHED)
-    checkpoint_every: int = _f(0, "Checkpoint every N steps (always at the end and on Ctrl-C).", panel=OUTPUT)
+    checkpoint_every: int = _f(0, "Checkpoint every N steps (0: only at the end; always on Ctrl-C).", panel=OUTPUT)
     log_every: int = _f(0, "With output not a terminal (nohup, a scheduler, > log): a progress line every N steps "
                         "(0: about 100 lines a run).", panel=OUTPUT)
     keep_checkpoints: int = _f(2, "Complete checkpoints to keep (0: all).", panel=OUTPUT)
@@ -318,6 +321,8 @@ class TrainConfig:
                            ("--cxl-mem", self.cxl_mem), ("--nvme-mem", self.nvme_mem),
                            ("--chunk-size", self.chunk_size)):
             if text is not None and str(text).strip().replace(".", "", 1).isdigit():
+                if float(text) == 0:
+                    raise ConfigError(f"{flag} must be positive, got {text}")
                 raise ConfigError(f"{flag} {text} has no unit: write {str(text).strip()}G for GiB "
                                   f"(or M, K, T; {str(text).strip()}B for bytes)")
         self.budgets = {

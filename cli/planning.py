@@ -732,13 +732,6 @@ def dry_run(cfg: TrainConfig, *, console: Console) -> int:
         console.print(f"[bold yellow]warning:[/] {src.note}", soft_wrap=True, highlight=False)
     model = build_meta_model(src.config)
     cfg = resolve_offload(resolve_recompute(cfg, src=src), src=src)
-    if cfg.resume:  # what the run would refuse before training
-        from . import checkpoint as ckpt
-        from .train import check_resumable
-
-        if ckpt.latest_checkpoint(cfg.output) is None:
-            raise ConfigError(f"--resume: no checkpoint in {cfg.output}")
-        check_resumable(cfg, Path(cfg.output))
     total, lora = count_parameters(model), None
     if cfg.lora:  # the adapters as the run makes them (meta device: no values needed to count)
         from . import lora as lora_mod

@@ -50,6 +50,7 @@ def claim(output: str, *, resume: bool, overwrite: bool, inputs: dict | None = N
             raise ConfigError(f"--overwrite: {out} was not made by a finetune run (no {MARKER} "
                               "file in it): refusing to delete its files; choose another --output")
         _refuse(out, resume)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     fd = runlock.acquire(marker, what=f"--output {out}")
     try:
@@ -70,6 +71,9 @@ def claim(output: str, *, resume: bool, overwrite: bool, inputs: dict | None = N
                     p.unlink()
     except BaseException:
         runlock.release(fd)
+        if created:  # a refused run leaves no directory behind
+            marker.unlink(missing_ok=True)
+            out.rmdir()
         raise
     return RunDir(out, fd)
 

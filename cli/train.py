@@ -194,6 +194,10 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     if cfg.dry_run:
         from .planning import dry_run
 
+        if cfg.resume:  # what the run would refuse before training
+            if ckpt.latest_checkpoint(cfg.output) is None:
+                raise ConfigError(f"--resume: no checkpoint in {cfg.output}")
+            check_resumable(cfg, Path(cfg.output))
         return dry_run(cfg, console=console)
     ranks = launch.from_env()
     if cfg.resume:  # before the ranks meet: the launcher's check, for torchrun started by hand

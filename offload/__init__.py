@@ -11,7 +11,20 @@ importing only those above it in this list (tests/test_structure.py holds the or
 This face is lazy (module `__getattr__`): `import tierwise.offload` and its torch-free stages
 work without torch; `Engine` imports it on first use."""
 
+import logging
 from importlib import import_module
+
+
+class _NoKernelHubNotice(logging.Filter):
+    """bitsandbytes logs a warning at import where it cannot fetch an optional CPU kernel from
+    the Hugging Face Hub (no network, or an untrusted repository): its own CPU path runs, and
+    the line looks like a failure of the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in record.getMessage()
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoKernelHubNotice())
 
 _EXPORTS = {
     "Engine": ".engine.engine",

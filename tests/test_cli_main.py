@@ -58,6 +58,9 @@ def test_non_empty_output_needs_resume_or_overwrite(runner, tmp_path):
     assert "is not empty" in line and "--resume" in line and "--overwrite" in line
     assert "no checkpoint" in _error_line(
         runner.invoke(app, ["--output", str(tmp_path), "--resume", *FAST]))
+    missing = tmp_path / "missing"
+    assert "no checkpoint" in _error_line(runner.invoke(app, ["--output", str(missing), "--resume", *FAST]))
+    assert not missing.exists()  # a refused run leaves no directory behind
 
 
 def test_resume_dry_run_refuses_what_the_resume_would(runner, tmp_path):

@@ -28,6 +28,6 @@ def parse_size(text: "str | int | None", *, what: str = "size") -> "int | None":
     unit = m.group(2).upper() if m else None
     if not m or unit not in _UNITS:
         raise SizeError(
-            f"bad {what} {text!r}: use a number with a unit, like 24G, 24GiB, 512M or 1.5T"
+            f"bad {what} {text!r}: use a number with a unit, like 24G (24 GiB), 512M or 1.5T; 24GB is 24 x 10^9 bytes"
         )
     return int(float(m.group(1)) * _UNITS[unit])
