@@ -12,12 +12,11 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from ..offload.core.units import format_size
 
 
-def format_usage(usage: dict | None) -> str:
-    """{tier: {kind: bytes}} -> 'gpu 1.20 GiB · host 3.00 GiB'."""
-    if not usage:
-        return ""
-    return " · ".join(f"{tier} {format_size(sum(kinds.values()))}"
-                      for tier, kinds in usage.items() if sum(kinds.values()))
+def format_peaks(peaks: dict | None) -> str:
+    """{tier: bytes} -> 'peak gpu 1.20 GiB · host 3.00 GiB' (the run's peaks so far, as the
+    log lines and metrics.jsonl have them: between steps what is held is the homes alone)."""
+    shown = " · ".join(f"{tier} {format_size(b)}" for tier, b in (peaks or {}).items() if b)
+    return f"peak {shown}" if shown else ""
 
 
 class TrainProgress:
@@ -63,11 +62,11 @@ class TrainProgress:
         if self._progress is not None:
             self._progress.stop()
 
-    def update(self, *, step: int, loss: float, tokens_per_s: float, usage: dict | None,
-               lr: float | None = None, peaks: dict | None = None) -> None:
+    def update(self, *, step: int, loss: float, tokens_per_s: float, lr: float | None = None,
+               peaks: dict | None = None) -> None:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, loss=f"{loss:.4f}",
-                                  tps=f"{tokens_per_s:,.0f}", mem=format_usage(usage))
+                                  tps=f"{tokens_per_s:,.0f}", mem=format_peaks(peaks))
             return
         done = step - self.start
         if not (done == 1 or step == self.total or done % self.every == 0):
@@ -78,8 +77,8 @@ class TrainProgress:
         if lr is not None:
             parts.append(f"lr {lr:.3g}")
         parts.append(f"{tokens_per_s:,.0f} tok/s")
-        if peaks:
-            parts.append("peak " + " · ".join(f"{t} {format_size(b)}" for t, b in peaks.items() if b))
+        if format_peaks(peaks):
+            parts.append(format_peaks(peaks))
         parts.append(f"elapsed {clock(elapsed)}, ETA {clock(eta)}")
         self.console.print(", ".join(parts), highlight=False, soft_wrap=True)
 

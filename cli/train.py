@@ -750,8 +750,8 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                     record["counters"] = dict(counters)
                 record.update(_rank_peaks(engine))
                 metrics.write(**record)
-                bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"], usage=engine.ledger.usage(),
-                           lr=lr, peaks=record["peak_bytes"])
+                bar.update(step=step, loss=loss, tokens_per_s=record["tokens_per_s"], lr=lr,
+                           peaks=record["peak_bytes"])
             if step == start + 1:  # the engine's warm-up step (it traces and plans in it)
                 for line in _warmup_lines(engine, cfg, src, before, padded=padded):
                     bar.note(line)
