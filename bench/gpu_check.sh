@@ -46,7 +46,7 @@ print("cuda", torch.version.cuda, torch.cuda.get_device_name())
 EOF
   if [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1: a rerun for the figures alone
     # (SIGINT: pytest still prints what failed so far, with its tracebacks)
-    timeout -s INT 90 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rfEs --tb=short
+    timeout -s INT -k 15 90 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rfEs --tb=short
     echo "tests/gpu exit $?"
     # CAPPED_TRACE=1: the xfail'ed capped-allocator test, run for its error (pytest hides an xfail's traceback)
     [ -n "${CAPPED_TRACE:-}" ] && timeout 60 python3 -m pytest -q -m gpu tests/gpu/test_cuda.py -k capped --runxfail -p no:cacheprovider --tb=short 2>&1 | tail -15

@@ -112,21 +112,24 @@ def read_safetensors_index(model_dir: "str | Path") -> dict[str, tuple[Path, int
 
 
 def weights_digest(model_dir: "str | Path") -> str:
-    """A fingerprint of the weights in `model_dir`: each file's name and header, and the first
-    4 KiB of every tensor (a fine-tune changes nearly every element of a tensor it touches).
-    It reads a few KiB a tensor, not the weights: for a LoRA --resume, whose checkpoint holds
-    the adapters only and loads the base again."""
-    crc, tensors = 0, 0
-    for path in safetensors_files(model_dir):
-        base, meta = _safetensors_header(path)
-        crc = zlib.crc32(json.dumps([path.name, meta], sort_keys=True).encode(), crc)
-        with open(path, "rb") as f:
-            for entry in sorted(meta.values(), key=lambda e: e["data_offsets"][0]):
-                start, end = entry["data_offsets"]
-                f.seek(base + start)
-                crc = zlib.crc32(f.read(min(end - start, 4096)), crc)
-                tensors += 1
-    return f"{tensors} tensors, crc32 {crc:08x}"
+    """A fingerprint of the weights in `model_dir`: each tensor's name, dtype, shape and first
+    4 KiB (a fine-tune changes nearly every element of a tensor it touches), in name order, so
+    the same weights saved in other shards give the same one. It reads a few KiB a tensor, not
+    the weights: for a LoRA --resume, whose checkpoint holds the adapters only."""
+    index = read_safetensors_index(model_dir)
+    crc, files = 0, {}
+    try:
+        for name in sorted(index):
+            path, base, entry = index[name]
+            f = files[path] if path in files else files.setdefault(path, open(path, "rb"))
+            start, end = entry["data_offsets"]
+            f.seek(base + start)
+            crc = zlib.crc32(json.dumps([name, entry["dtype"], entry["shape"]]).encode(), crc)
+            crc = zlib.crc32(f.read(min(end - start, 4096)), crc)
+    finally:
+        for f in files.values():
+            f.close()
+    return f"{len(index)} tensors, crc32 {crc:08x}"
 
 
 def read_tensor(f: Any, base: int, name: str, entry: dict, path: Path) -> torch.Tensor:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import functools
 import inspect
-import logging
 import os
 import sys
 import traceback
@@ -110,10 +109,11 @@ def config_options(*, plan: bool = False):
             annotation = Optional[args[0]] if args else kind
             decls = [meta["flag"]] if meta["flag"] else []
             info = Opt(f.default, *decls, help=meta["help"], rich_help_panel=meta["panel"])
-            if plan and f.name == "seq_len":  # `plan --seq-len max`: the longest that fits
+            if f.name == "seq_len":  # text: `plan --seq-len max` is the longest that fits; training says so
                 annotation = str
-                info = Opt(str(f.default), *decls, help=meta["help"] + " `max`: the longest that fits the budgets.",
-                           rich_help_panel=meta["panel"])
+                info = Opt(str(f.default), *decls, help=meta["help"] + (" `max`: the longest that fits the budgets."
+                                                                         if plan else ""),
+                           rich_help_panel=meta["panel"], metavar="<int|max>" if plan else "<int>")
             extra.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info,
                                            annotation=annotation))
 
@@ -147,6 +147,10 @@ def train(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION, **options)
     if ctx.invoked_subcommand is not None:
         return
     raise_config_error(ctx)
+    if str(options.get("seq_len")) == "max":
+        raise TierwiseError("--seq-len max is `finetune plan`'s search for the longest length that fits: run "
+                            "`finetune plan --seq-len max` with these options, then train at the length it finds")
+    options["seq_len"] = _whole(options.get("seq_len"), "--seq-len")
     cfg = TrainConfig(**options)
     from .launch import from_env, relaunch
 
@@ -369,18 +373,6 @@ def fix_mmap_threshold() -> bool:
         return False
 
 
-class _OptionalKernelNotice(logging.Filter):
-    """bitsandbytes announces on every LoRA run, as a warning, that an optional CPU kernel from
-    the Hugging Face hub could not be loaded (no network, or an unverified publisher): nothing a
-    user can act on, and it reads like an error. Kept at debug level."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"):
-            logging.getLogger(__name__).debug("bitsandbytes: %s", record.getMessage())
-            return False
-        return True
-
-
 def main() -> None:
     """Console-script entry point. One of several ranks ends with os._exit once its output is
     flushed: the interpreter's teardown can wait seconds on the process groups' threads after a
@@ -392,7 +384,6 @@ def main() -> None:
     # allocation, so set before any; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     fix_mmap_threshold()
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OptionalKernelNotice())
     if not from_env().several:
         _run_app()
         return

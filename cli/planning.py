@@ -10,7 +10,7 @@ import itertools
 import logging
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -197,7 +197,7 @@ def check_budgets(cfg: TrainConfig, *, here: bool) -> None:
         return
     over = _ram_over(cfg)
     if over:
-        gpu_first = not machine.has_cuda() and (gpu or 0) > (cfg.budgets["cpu"] or 0)
+        gpu_first = not machine.has_cuda() and (gpu or 0) * max(1, cfg.nproc_per_node) > (cfg.budgets["cpu"] or 0)
         other = (f"a run and --dry-run are of this machine; `finetune plan` plans hardware profile {cfg.hardware}"
                  if cfg.hardware else "to plan another machine: finetune plan --hardware NAME")
         raise ConfigError(f"{over}: lower {'--gpu-mem' if gpu_first else '--cpu-mem'} ({other})")
@@ -212,13 +212,15 @@ def _ram_over(cfg: TrainConfig) -> "str | None":
     """What --cpu-mem (and the simulated device's --gpu-mem, which is host RAM) with the process
     beside them asks of this machine's available RAM, said when it is more; else None."""
     gpu, cpu, have = cfg.budgets["gpu"], cfg.budgets["cpu"], machine.available_ram()
-    simulated = gpu if gpu is not None and not machine.has_cuda() else 0
+    ranks = max(1, cfg.nproc_per_node)  # each its own simulated device
+    simulated = gpu * ranks if gpu is not None and not machine.has_cuda() else 0
     if have is None or cpu is None and not simulated:
         return None
     if (cpu or 0) + simulated + planner.PROCESS_BYTES <= have:
         return None
+    each = f" x {ranks} ranks" if ranks > 1 else ""
     asked = ([f"--cpu-mem {format_size(cpu)}"] if cpu is not None else []) \
-        + ([f"--gpu-mem {format_size(simulated)} (the simulated device: host RAM)"] if simulated else [])
+        + ([f"--gpu-mem {format_size(gpu or 0)}{each} (the simulated device: host RAM)"] if simulated else [])
     return (f"{' + '.join(asked)} + about {format_size(planner.PROCESS_BYTES)} for the process is more than "
             f"this machine has available ({format_size(have)} of {format_size(physical_ram() or have)} RAM)")
 
@@ -723,8 +725,9 @@ def summary_table(cfg: TrainConfig, *, name: str, params: int, lora: str | None 
     return table
 
 
-def dry_run(cfg: TrainConfig, *, console: Console) -> int:
-    """Resolve the model and budgets, print a summary and the plan; touch nothing on disk."""
+def dry_run(cfg: TrainConfig, *, console: Console, resuming: "Callable | None" = None) -> int:
+    """Resolve the model and budgets, print a summary and the plan; touch nothing on disk.
+    `resuming(cfg, src)`: --resume's checks (cli.train), run once the model is resolved."""
     from .loading import build_meta_model, count_parameters
 
     src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -732,6 +735,8 @@ def dry_run(cfg: TrainConfig, *, console: Console) -> int:
         console.print(f"[bold yellow]warning:[/] {src.note}", soft_wrap=True, highlight=False)
     model = build_meta_model(src.config)
     cfg = resolve_offload(resolve_recompute(cfg, src=src), src=src)
+    if resuming is not None:
+        resuming(cfg, src)
     total, lora = count_parameters(model), None
     if cfg.lora:  # the adapters as the run makes them (meta device: no values needed to count)
         from . import lora as lora_mod

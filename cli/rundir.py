@@ -9,6 +9,7 @@ else (a user's notes, their data): never a file someone else put there.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 from . import checkpoint as ckpt
 from .config import ConfigError
 from ..offload.runtime import runlock
+from ..offload.runtime.swapdir import PRIVATE_PREFIX
 
 MARKER = ".tierwise-run"
 #: what a run writes at the top of its --output (cli.checkpoint, cli.train, cli.metrics, cli.lora)
@@ -34,12 +36,14 @@ class RunDir:
         self._fd = None
 
 
-def claim(output: str, *, resume: bool, overwrite: bool, inputs: dict | None = None) -> RunDir:
+def claim(output: str, *, resume: bool, overwrite: bool, inputs: dict | None = None,
+          swap: "str | None" = None) -> RunDir:
     """Create or reuse `output` for a run. Refused: a file; a non-empty directory without
     --resume / --overwrite; --overwrite of a directory tierwise did not make, or one holding an
     input of this run (`inputs`: flag -> path, e.g. a previous run's export as --model: it
     would be deleted under the run); --resume without a checkpoint; a directory another live
-    run holds."""
+    run holds. `swap` (--nvme-path) inside `output`: --overwrite leaves what holds it (the NVMe
+    store removes its own swap files, a dead run's too)."""
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output {out} exists and is not a directory")
@@ -50,11 +54,11 @@ def claim(output: str, *, resume: bool, overwrite: bool, inputs: dict | None = N
             raise ConfigError(f"--overwrite: {out} was not made by a finetune run (no {MARKER} "
                               "file in it): refusing to delete its files; choose another --output")
         _refuse(out, resume)
-    created = not out.exists()
+    made = _missing(out)
     out.mkdir(parents=True, exist_ok=True)
     fd = runlock.acquire(marker, what=f"--output {out}")
     try:
-        entries = [p for p in out.iterdir() if p.name != MARKER]
+        entries = [p for p in out.iterdir() if p.name != MARKER and not _holds_swap(out, p, swap)]
         if resume and ckpt.latest_checkpoint(out) is None or entries and not (resume or overwrite):
             _refuse(out, resume)
         if overwrite:
@@ -70,12 +74,33 @@ def claim(output: str, *, resume: bool, overwrite: bool, inputs: dict | None = N
                 else:
                     p.unlink()
     except BaseException:
-        runlock.release(fd)
-        if created:  # a refused run leaves no directory behind
+        if made:  # a refused run leaves no directory behind (the marker goes while the lock is held)
             marker.unlink(missing_ok=True)
-            out.rmdir()
+        runlock.release(fd)
+        for d in made:
+            with contextlib.suppress(OSError):  # (another run may have begun there since)
+                d.rmdir()
         raise
     return RunDir(out, fd)
+
+
+def _missing(out: Path) -> list[Path]:
+    """`out` and its ancestors that do not exist yet, deepest first."""
+    made = []
+    while not out.exists() and out != out.parent:
+        made.append(out)
+        out = out.parent
+    return made
+
+
+def _holds_swap(out: Path, entry: Path, swap: "str | None") -> bool:
+    """`entry` of `out` is --nvme-path, holds it, or is a swap directory where --nvme-path is `out`."""
+    if swap is None:
+        return False
+    where, root = Path(swap).expanduser().resolve(), out.resolve()
+    if where == root:
+        return entry.name.startswith(PRIVATE_PREFIX)
+    return where.is_relative_to(root) and where.relative_to(root).parts[0] == entry.name
 
 
 def _refuse_inputs_inside(out: Path, inputs: dict) -> None:

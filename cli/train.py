@@ -194,11 +194,7 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
     if cfg.dry_run:
         from .planning import dry_run
 
-        if cfg.resume:  # what the run would refuse before training
-            if ckpt.latest_checkpoint(cfg.output) is None:
-                raise ConfigError(f"--resume: no checkpoint in {cfg.output}")
-            check_resumable(cfg, Path(cfg.output))
-        return dry_run(cfg, console=console)
+        return dry_run(cfg, console=console, resuming=_resumable if cfg.resume else None)
     ranks = launch.from_env()
     if cfg.resume:  # before the ranks meet: the launcher's check, for torchrun started by hand
         check_world(Path(cfg.output), ranks.world)
@@ -292,7 +288,7 @@ def _claim_output(cfg: TrainConfig, ranks: "launch.RankInfo") -> "rundir.RunDir 
         try:
             claimed = rundir.claim(cfg.output, resume=cfg.resume, overwrite=cfg.overwrite,
                                    inputs={"--model": cfg.model, "--data": cfg.data,
-                                           "--eval-data": cfg.eval_data})
+                                           "--eval-data": cfg.eval_data}, swap=cfg.nvme_path)
         except TierwiseError as e:
             refusal = e
     try:
@@ -345,8 +341,8 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console, ranks: "launch.RankIn
     padded = has_padding(blocks, segments=attends_segments(cfg, src), mask=keeps_mask(src.config))
     cfg = resolve_offload(resolve_recompute(cfg, src=src, padded=padded), src=src, padded=padded,
                           ranks=ranks if ranks is not None and ranks.several else False)
-    if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:
-        check_resumable(cfg, Path(cfg.output))  # a changed option says so before any budget does
+    if cfg.resume and ckpt.latest_checkpoint(cfg.output) is not None:  # a changed option or base says so
+        check_resumable(cfg, Path(cfg.output), base=lora_base(cfg, src))  # before any budget does
     return src, blocks, eval_data, padded, cfg
 
 
@@ -365,8 +361,7 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
         console.print(lora_mod.summary(cfg, model), highlight=False, soft_wrap=True)
         if cfg.precision_note:
             console.print(cfg.precision_note, highlight=False, soft_wrap=True)
-    # what a LoRA checkpoint's adapters were trained on (it holds no base): checked on --resume
-    base = weights_digest(src.model_dir) if cfg.lora and src.model_dir is not None else None
+    base = lora_base(cfg, src)
     preload_plots()
     engine = make_engine(model, cfg, ranks=ranks, plan=plan)
     engine.skip_nonfinite = bool(cfg.skip_nonfinite)
@@ -567,6 +562,20 @@ def check_world(out: Path, world: int) -> None:
         raise ConfigError(f"--resume: {path.name} in {out} was written by {ranks(saved)}, this run has "
                           f"{ranks(world)}: resharding a checkpoint is not built (resume with "
                           f"--nproc-per-node {saved})")
+
+
+def lora_base(cfg: TrainConfig, src: ModelSource) -> str | None:
+    """What a LoRA run's adapters are trained on (its checkpoint holds no base), checked on
+    --resume: the weights_digest of --model's weights; None for a full fine-tune or a base
+    initialised from the seed."""
+    return weights_digest(src.model_dir) if cfg.lora and src.model_dir is not None else None
+
+
+def _resumable(cfg: TrainConfig, src: ModelSource) -> None:
+    """--resume --dry-run: what the run would refuse before it trains."""
+    if ckpt.latest_checkpoint(cfg.output) is None:
+        raise ConfigError(f"--resume: no checkpoint in {cfg.output}")
+    check_resumable(cfg, Path(cfg.output), base=lora_base(cfg, src))
 
 
 def check_resumable(cfg: TrainConfig, out: Path, trainer: dict | None = None, *,

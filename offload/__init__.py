@@ -16,12 +16,16 @@ from importlib import import_module
 
 
 class _NoKernelHubNotice(logging.Filter):
-    """bitsandbytes logs a warning at import where it cannot fetch an optional CPU kernel from
-    the Hugging Face Hub (no network, or an untrusted repository): its own CPU path runs, and
-    the line looks like a failure of the run."""
+    """bitsandbytes warns at import that an optional CPU kernel from the Hugging Face Hub could
+    not be loaded (no network, or an unverified publisher): nothing a user can act on (its own
+    CPU path runs), and it reads like an error of the run. Kept at debug level; here, so a
+    user's own script that imports the engine gets it too, not only `finetune`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "kernels-community" not in record.getMessage()
+        if "kernels-community" in record.getMessage():
+            logging.getLogger(__name__).debug("bitsandbytes: %s", record.getMessage())
+            return False
+        return True
 
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoKernelHubNotice())

@@ -62,14 +62,21 @@ def _maps_on(signed: bool, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(t.to(device) for t in _maps_cpu(signed))  # type: ignore[return-value]
 
 
+def _key(device: torch.device | str) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # one entry per card, not per current device
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev)
+
+
 def dynamic_map(*, signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
     """The 256-entry map (fp32, sorted) on `device` (shared: read it, never write it)."""
-    return _maps_on(signed, str(torch.device(device)))[0]
+    return _maps_on(signed, _key(device))[0]
 
 
 def midpoints(*, signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
     """Decision boundaries of the map: mid[i] = (code[i] + code[i+1]) / 2, mid[255] = inf."""
-    return _maps_on(signed, str(torch.device(device)))[1]
+    return _maps_on(signed, _key(device))[1]
 
 
 def num_blocks(n: int, block: int = BLOCK) -> int:

@@ -70,6 +70,9 @@ def test_a_simulated_device_above_available_ram_is_refused_without_cpu_mem_too(s
     assert line.endswith("lower --gpu-mem (to plan another machine: finetune plan --hardware NAME)"), line
     assert "--gpu-mem 30.00 GiB" in (line := error_line(_invoke("plan", "--gpu-mem", "30G", "--cpu-mem", "1G")))
     assert "lower --gpu-mem" in line  # the larger of the two, not --cpu-mem
+    line = error_line(_invoke("plan", "--gpu-mem", "10G", "--nproc-per-node", "2"))  # a device each
+    assert "--gpu-mem 10.00 GiB x 2 ranks (the simulated device: host RAM)" in line, line
+    assert "more than this machine" not in _invoke("plan", "--gpu-mem", "10G").output
     assert not (tmp_path / "o").exists()
 
 

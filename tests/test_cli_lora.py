@@ -236,11 +236,13 @@ def test_resume_over_a_changed_base_is_refused(assets, tmp_path, monkeypatch):
     base = make_tiny_llama_dir(tmp_path / "base", vocab_size=288, hidden=32, layers=2)
     out = tmp_path / "run"
     _finetune(_args(base, assets, out, "--lora-rank", "2", steps=1), monkeypatch)
-    make_tiny_llama_dir(base, vocab_size=288, hidden=32, layers=2)  # written again, the same weights
+    make_tiny_llama_dir(base, vocab_size=288, hidden=32, layers=2, shard=True)  # the same weights, in shards
     _finetune(_args(base, assets, out, "--lora-rank", "2", "--resume", steps=2), monkeypatch)
-    make_tiny_llama_dir(base, vocab_size=288, hidden=32, layers=2, seed=1)
-    line = error_line(CliRunner().invoke(app, _args(base, assets, out, "--lora-rank", "2", "--resume", steps=3)))
-    assert "the base model's weights" in line and "adapters only" in line
+    make_tiny_llama_dir(base, vocab_size=288, hidden=32, layers=2, seed=1, shard=True)
+    for extra in ([], ["--dry-run"]):
+        line = error_line(CliRunner().invoke(app, _args(base, assets, out, "--lora-rank", "2", "--resume", *extra,
+                                                        steps=3)))
+        assert "the base model's weights" in line and "adapters only" in line
     assert len(_losses(out)) == 2  # nothing of the refused run written
 
 

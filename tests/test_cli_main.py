@@ -76,6 +76,13 @@ def test_resume_dry_run_refuses_what_the_resume_would(runner, tmp_path):
     assert r.exit_code == 0 and "verdict: fits" in r.output, r.output
 
 
+def test_seq_len_max_in_training_points_to_plan(runner, tmp_path):
+    line = _error_line(runner.invoke(app, ["--output", str(tmp_path / "o"), "--seq-len", "max", "--steps", "1"]))
+    assert "`finetune plan --seq-len max`" in line
+    assert "whole number" in _error_line(runner.invoke(app, ["--output", str(tmp_path / "o"), "--seq-len", "1k"]))
+    assert not (tmp_path / "o").exists()
+
+
 def test_config_file_merges_and_cli_wins(runner, tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(cli_train, "run", lambda cfg, console: seen.setdefault("cfg", cfg) and 0)

@@ -307,3 +307,26 @@ def test_a_second_signal_inside_a_finalizer_aborts_without_a_traceback(capsys):
                 time.sleep(0.01)
     assert "Exception ignored" not in capsys.readouterr().err
     assert sys.unraisablehook is before
+
+
+def test_overwrite_leaves_the_nvme_path_inside_output_to_the_store(tmp_path):
+    from tierwise.cli import rundir
+    from tierwise.cli.config import ConfigError
+
+    out = tmp_path / "run"
+    (out / "swap" / "tierwise-swap-1-ab").mkdir(parents=True)  # --nvme-path run/swap
+    (out / "ckpt-000001").mkdir()
+    (out / MARKER).write_text("")
+    with pytest.raises(ConfigError, match=r"holds what no run writes \(swap\)"):
+        rundir.claim(str(out), resume=False, overwrite=True)
+    rundir.claim(str(out), resume=False, overwrite=True, swap=str(out / "swap")).release()
+    assert (out / "swap" / "tierwise-swap-1-ab").is_dir() and not (out / "ckpt-000001").exists()
+    (out / "swap" / "tierwise-swap-1-ab").rmdir()
+    (out / "swap").rmdir()
+    (out / "tierwise-swap-7-cd").mkdir()  # --nvme-path run: a killed run's swap directory
+    rundir.claim(str(out), resume=False, overwrite=True, swap=str(out)).release()
+    assert (out / "tierwise-swap-7-cd").is_dir()
+    deep = tmp_path / "a" / "b" / "c"  # a refused run removes every directory it made
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        rundir.claim(str(deep), resume=True, overwrite=False)
+    assert not (tmp_path / "a").exists()

@@ -66,6 +66,14 @@ def test_headline_command_refuses_within_seconds_without_allocating(tmp_path):
     assert not (tmp_path / "out").exists()  # refused before the output was claimed
 
 
+def test_the_automatic_host_budget_is_this_machines_ram_not_the_profiles(tmp_path):
+    # (a simulated device that fits beside it: the headline's 24G does not on a 24 GiB machine)
+    line = _error_line(_invoke("--model", "70b", "--gpu-mem", "16G", "--output", str(tmp_path / "out")))
+    assert "cannot hold the streamed chunks" in line and "--nvme-path" in line
+    assert f"host budget {format_size(physical_ram())}" in line  # not the profile's 24 GiB
+    assert not (tmp_path / "out").exists()
+
+
 def test_automatic_host_budget_is_at_most_the_machines_ram():
     r = _invoke("plan", "--json")
     assert r.exit_code == 0, r.output

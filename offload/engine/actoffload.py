@@ -165,16 +165,19 @@ class Offloader:
     def reap(self, *, keep: int = 0) -> None:
         """Free the parked buffers whose copies have landed; for all but the newest `keep`, wait
         until they have (on CUDA a host wait, which the copy enqueued a block before has
-        usually made moot)."""
-        still = []
-        for i, (ticket, mem, host) in enumerate(self.parked):
-            if i < len(self.parked) - keep:
-                ticket.landed()
+        usually made moot). A failed copy reads nothing more (its error went to whoever used
+        the bytes): its buffer is freed too."""
+        parked, self.parked = self.parked, []
+        for i, (ticket, mem, host) in enumerate(parked):
+            if i < len(parked) - keep:
+                try:
+                    ticket.landed()
+                except Exception:  # noqa: BLE001 - raised already where the bytes were waited for
+                    pass
             elif not ticket.done():
-                still.append((ticket, mem, host))
+                self.parked.append((ticket, mem, host))
                 continue
             self.tiers.free(mem, "activation", host)
-        self.parked = still
 
     def take_key(self) -> str:
         if self._keys:
@@ -217,6 +220,7 @@ class Offloader:
         return item if item is not None and item.back is not None else None
 
     def unpack(self, item: Offloaded) -> torch.Tensor:
+        self.reap(keep=len(self.parked))  # (the copies back that have landed: no wait)
         out = item.get()
         alive = [r() for r in self.stack]
         idx = next((i for i, x in enumerate(alive) if x is item), None)
