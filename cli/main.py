@@ -194,7 +194,13 @@ def plan(
                                  "plan does not use are ignored).", rich_help_panel=PLAN_PANEL),
     **options,
 ) -> None:
-    """Show where every chunk would live, the predicted peaks per tier and the step time."""
+    """Show where every chunk would live, the predicted peaks per tier and the step time.
+
+    Example: finetune plan --model llama-8b --qlora --gpu-mem 24G --cpu-mem 64G --seq-len max
+
+    --seq-len max: the longest context that fits. --hardware rtx4090: plan that machine from this one.
+
+    --verify: run 3 real steps here and compare them with the plan."""
     raise_config_error(ctx)
     from .planning import (OFFLOADED, SEQ_STEP, advise, check_budgets, local_notes, longest, longest_line, make_plan,
                            print_plan, resolve_offload, resolve_recompute, seq_len_note, share_note,
@@ -263,7 +269,9 @@ def profile(
     nvme_path: Optional[str] = Opt(None, help="Directory on the NVMe drive to measure (the one "
                                    "--nvme-path will name; default: the system's temp directory)."),
 ) -> None:
-    """Measure this machine's link bandwidths and compute speed into a hardware profile."""
+    """Measure this machine's link bandwidths and compute speed into a hardware profile.
+
+    Example: finetune profile --output me.toml, then finetune plan --hardware me.toml ..."""
     from .planning import profile as run_profile
 
     if nvme_path is not None:
@@ -284,7 +292,9 @@ def generate(
                                   "own Python code."),
 ) -> None:
     """Answer a prompt with the model a run trained: a LoRA run's adapter over its base as it
-    trained (an NF4 or int8 base decoded from the same encoding)."""
+    trained (an NF4 or int8 base decoded from the same encoding).
+
+    Example: finetune generate run --prompt "The capital of France is" --max-new-tokens 16"""
     if max_new_tokens < 1:
         raise TierwiseError("--max-new-tokens must be at least 1")
     if not temperature >= 0:
@@ -320,7 +330,9 @@ def export(
 ) -> None:
     """Merge a LoRA adapter into its base: an ordinary Hugging Face model directory.
 
-    Streamed shard by shard (never the whole model in memory)."""
+    Streamed shard by shard (never the whole model in memory).
+
+    Example: finetune export --merge --adapter run/adapter --base ./llama --output ./llama-merged"""
     if not merge:
         raise TierwiseError("export: give --merge (merging a LoRA adapter is the only export)")
     for flag, value in (("--adapter", adapter), ("--base", base), ("--output", output)):
