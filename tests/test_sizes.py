@@ -16,7 +16,7 @@ def test_parse_size_accepts(text, expected):
 
 @pytest.mark.parametrize("text", ["", "G", "24X", "-1G", "1e9", "24 G B", "twelve"])
 def test_parse_size_rejects_with_clear_message(text):
-    with pytest.raises(SizeError, match="bad --gpu-mem .*24G, 24GiB, 512M"):
+    with pytest.raises(SizeError, match=r"bad --gpu-mem .*24G \(24 GiB\), 512M or 1.5T; 24GB is 24 x 10\^9 bytes"):
         parse_size(text, what="--gpu-mem")
 
 
