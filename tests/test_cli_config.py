@@ -41,7 +41,7 @@ def test_every_option_field_has_its_flag_default_and_toml_key():
             if not wanted:
                 continue
             p = params[f.name]
-            default = int(p.default) if params is plan and f.name == "seq_len" else p.default  # (`plan`: or max)
+            default = int(p.default) if f.name == "seq_len" else p.default  # (text: `plan --seq-len max`)
             assert default == f.default, (f.name, p.default, f.default)
             assert f"--{f.name.replace('_', '-')}" in p.opts, (f.name, p.opts)
             if meta["choices"]:
