@@ -286,6 +286,14 @@ def latest_checkpoint(output_dir: "str | Path") -> Path | None:
     return found[-1][1] if found else None
 
 
+def named_latest(output_dir: "str | Path") -> str | None:
+    """What `latest` says (None: no such file), to tell a resume that fell back from it."""
+    pointer = Path(output_dir) / LATEST
+    if not pointer.is_file() or pointer.is_symlink():
+        return None
+    return pointer.read_text(errors="replace").strip()[:64]
+
+
 def load_checkpoint(path: "str | Path") -> tuple[Any, dict]:
     """(engine_state, trainer_state) of one checkpoint directory, its manifest verified. The
     engine state's chunks are not read yet (cli.tensorfile.Stored): Engine.load_state_dict reads

@@ -500,7 +500,9 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
         batches.position = DataPosition.from_dict(trainer["data"])
         # A killed run may have logged steps after its last checkpoint; they run again now.
         truncate_metrics(out / "metrics.jsonl", after_step=int(trainer["step"]))
-        console.print(f"resumed from {path.name} (step {trainer['step']})", highlight=False)
+        named = ckpt.named_latest(ckpt_dir(cfg, out))
+        fell_back = f"; `latest` names {named}, not a complete checkpoint here" if named not in (None, path.name) else ""
+        console.print(f"resumed from {path.name} (step {trainer['step']}{fell_back})", highlight=False)
         for note in resume_changes(cfg, trainer, schedule, done=int(trainer["step"])):
             console.print(note, highlight=False, soft_wrap=True)
         return int(trainer["step"])

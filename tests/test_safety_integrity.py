@@ -204,6 +204,15 @@ def test_latest_cannot_point_outside_output(tmp_path):
     assert ckpt.latest_checkpoint(inside) == inside / "ckpt-000001"
 
 
+def test_a_resume_that_falls_back_from_latest_says_so(assets, trained, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    shutil.rmtree(out / "ckpt-000002")  # the checkpoint `latest` names, deleted by hand
+    r = _invoke(*_args(assets, out, "--steps", "3", "--resume"))
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "resumed from ckpt-000001 (step 1; `latest` names ckpt-000002, not a complete checkpoint here)" in r.output
+
+
 @pytest.mark.parametrize("flag,value", [("--optimizer", "sgd"), ("--optimizer", "adamw8bit"),
                                         ("--chunk-size", "32K"), ("--precision", "bf16")])
 def test_resume_with_another_optimizer_or_chunk_size_is_one_line(assets, trained, tmp_path, flag, value):
