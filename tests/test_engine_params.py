@@ -213,3 +213,45 @@ def test_adamw_chunks_equal_fused_adamw_for_every_element_count():
         m, v = k["state"][: 4 * n].view(torch.float32), k["state"][4 * n:].view(torch.float32)
         assert torch.equal(s.view(k["master"]), p.detach()), shapes[i]
         assert torch.equal(s.view(m), opt.state[p]["exp_avg"]) and torch.equal(s.view(v), opt.state[p]["exp_avg_sq"]), shapes[i]
+
+
+def test_a_meta_model_without_values_is_refused_not_trained_as_zeros():
+    """A closed engine's model (its parameters meta) or one built on the meta device, given to a
+    new engine without weights: every step trained an all-zero model at the loss ln(vocab)."""
+    from tierwise.offload import Engine, flat_options
+    from tierwise.offload.core.errors import UnsupportedModel
+    from tests.models import batches, tiny_llama
+
+    model, data = tiny_llama(), batches(2)
+    first = Engine(model, **flat_options(lr=1e-3))
+    first.step(data[0])
+    first.close()  # the model's parameters are meta now
+    again = Engine(model, **flat_options(lr=1e-3))
+    for run in (lambda: again.step(data[1]), lambda: again.eval_loss(data[1])):
+        with pytest.raises(UnsupportedModel, match="on the meta device with no values"):
+            run()
+    again.init_weights_(seed=0)
+    assert again.step(data[1]) > 0
+    again.close()
+
+
+def test_an_update_without_gradients_changes_nothing_and_a_partial_one_says_so(caplog):
+    """torch.optim skips a parameter whose .grad is None; the engine updates chunks whole: with
+    no gradient at all (optimizer_step before any backward) it now does nothing, as torch does;
+    with some parameters unused it says so, once."""
+    import logging
+
+    from tests.models import batches, tiny_llama
+
+    model, data = tiny_llama(), batches(3)
+    model.unused = nn.Linear(4, 4)  # never called in forward
+    eng = Engine(model, **flat_options(lr=1e-2, weight_decay=0.1))
+    before = {n: t.clone() for n, t in eng.named_parameters_fp32()}
+    eng.optimizer_step()  # no backward: no gradient anywhere
+    assert all(torch.equal(before[n], t) for n, t in eng.named_parameters_fp32())
+    with caplog.at_level(logging.WARNING, logger="tierwise"):
+        eng.step(data[0])
+        eng.step(data[1])
+    told = [r for r in caplog.records if "got no gradient this step" in r.getMessage()]
+    assert len(told) == 1 and "unused.weight" in told[0].getMessage()
+    eng.close()

@@ -233,6 +233,11 @@ class Engine:
             trainable = [c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)]
             self.grad_window = window_bytes(self.plan, trainable) if self.owned_grads else 0
             weights = [(n, p) for n, p in named if p.device.type != "meta"]
+            #: parameters that came on the meta device and have no values yet (load_weights,
+            #: init_weights_ or load_state_dict give them): a step before would train zeros
+            self._unset = {n for n, p in named if p.device.type == "meta"}
+            self._trainable_count = len({id(p) for n, p in named if n not in frozen})
+            self._told_unseen = False
             self.surgery = ModelSurgery(model)
             named = self.surgery.materialize_meta(named, dtype=self.compute_dtype, device=self.device)
             self.params = dict(named)
@@ -673,7 +678,28 @@ class Engine:
         return f"module {name!r} ({type(mod).__name__})" if name else f"the model ({type(mod).__name__})"
 
     # -- the step -----------------------------------------------------------------------
+    def _tell_unseen(self) -> None:
+        """Once: trainable parameters without a gradient this step are updated as with a zero
+        gradient (the chunk is updated whole), where torch.optim skips a parameter whose .grad
+        is None: their moments decay, weight decay applies, their step count advances."""
+        names = [n for n, slot in self.plan.slots.items()
+                 if not self.plan.is_frozen(slot.chunk) and id(self.params[n]) not in self.grads.seen]
+        if names:
+            self._told_unseen = True
+            log.warning("%d trainable parameters got no gradient this step (%s%s): the engine updates them as "
+                        "with a zero gradient, where torch.optim skips them (their optimizer moments decay and "
+                        "weight decay applies); freeze what never trains (requires_grad=False)",
+                        len(names), ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
+
+    def _check_set(self) -> None:
+        if self._unset:
+            some = ", ".join(sorted(self._unset)[:2])
+            raise UnsupportedModel(f"{len(self._unset)} parameters ({some}, ...) are on the meta device with no values: "
+                                   "give them with engine.load_weights(...) or init_weights_() first (a model from "
+                                   "tierwise.offload.hf.from_pretrained is loaded by OffloadTrainer)")
+
     def _begin_cycle(self) -> None:
+        self._check_set()
         if self.shared is not None:
             self.shared.ready()
         if not self._in_cycle:
@@ -886,6 +912,10 @@ class Engine:
 
     def _update(self, *, skip: bool) -> None:
         early = self.grads.finish_step(self.params, zero_unseen=self.updater.needs_grad)
+        if self.updater.needs_grad and self.ranks is None:
+            skip = skip or not self.grads.seen  # no gradient at all (no backward): torch.optim does nothing
+            if not skip and len(self.grads.seen) < self._trainable_count and not self._told_unseen:
+                self._tell_unseen()
         rest = [c for c in range(len(self.plan.chunks)) if c not in early]
         if self.ranks is not None:
             if self.updater.needs_grad and not self.owned_grads:  # (owned: reduced in each backward)
@@ -1045,7 +1075,12 @@ class Engine:
         """Copy (name, tensor) pairs into their slots, one at a time (meta-device models)."""
         self._check_open()
         self.residency.cache.evict_all()  # a compute copy kept over a step's end would be stale
-        self.store.load(named_tensors, self.params)
+        self.store.load(self._setting(named_tensors), self.params)
+
+    def _setting(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named_tensors:
+            self._unset.discard(name)
+            yield name, tensor
 
     def init_weights_(self, *, seed: int = 0, std: float = 0.02, frozen_only: bool = False,
                       device: "str | torch.device" = "cpu") -> None:
@@ -1070,13 +1105,14 @@ class Engine:
                     yield name, torch.zeros(slot.shape, device=device)
 
         self.residency.cache.evict_all()  # a compute copy kept over a step's end would be stale
-        self.store.load(tensors(), self.params)
+        self.store.load(self._setting(tensors()), self.params)
 
     @torch.no_grad()
     def eval_loss(self, batch: Any) -> float:
         """The loss on `batch` without gradients (no update, nothing kept for backward), in eval
         mode (no dropout: e.g. LoRA's), as a model evaluated in plain PyTorch."""
         self._check_open()
+        self._check_set()
         phase, training = self.moments.phase, self.model.training
         self.moments.phase = Phase.EVAL
         self.model.eval()
@@ -1148,6 +1184,7 @@ class Engine:
             raise ValueError(f"checkpoint has buffers this model lacks: {unknown[:3]}")
         self.residency.cache.evict_all()
         self.store.load_state_dict(sd)
+        self._unset -= {n for n, slot in self.plan.slots.items() if not self.plan.is_frozen(slot.chunk)}
         self.updater.load_meta_state(sd.get("optimizer_meta", {}))
         self.steps = int(sd["steps"])
         if self.owned_grads and sd.get("grad_uses") is not None:
