@@ -166,6 +166,15 @@ class _Offload:
             raise TypeError(f"offload= takes a dict of engine options, got {type(given).__name__}")
         opts = flat_options(**given)
         optim = opts.get("optim")
+        if optim is not None:  # what TrainingArguments sets would silently replace these
+            default = Optim(optim.name)
+            theirs = {"lr": "learning_rate", "betas": "adam_beta1 and adam_beta2", "eps": "adam_epsilon",
+                      "weight_decay": "weight_decay (which the engine refuses)", "grad_clip": "max_grad_norm",
+                      "overlap_update": "nothing: the Trainer's update is applied in order"}
+            given_here = [k for k in theirs if getattr(optim, k) != getattr(default, k)]
+            if given_here:
+                raise TierwiseError("offload= " + ", ".join(f"{k} (set it with TrainingArguments' {theirs[k]})"
+                                                             for k in given_here) + ": the Trainer sets these itself")
         if optim is None:
             name = str(getattr(args.optim, "value", args.optim))
             if name not in _OPTIMS:

@@ -120,6 +120,12 @@ def test_with_offload_builds_a_subclass_and_refuses_what_it_cannot_do(tmp_path):
         cls(model=tiny(), args=args(tmp_path / "x", weight_decay=0.1), train_dataset=Rows(), offload=OFFLOAD)
     with pytest.raises(TypeError, match="Trainer class"):
         with_offload(int)
+    for given, theirs in (({"lr": 0.1}, "learning_rate"), ({"grad_clip": 1.0}, "max_grad_norm"),
+                          ({"eps": 1.0}, "adam_epsilon")):  # the Trainer's own values replaced them, silently
+        trainer = OffloadTrainer(model=tiny(), args=args(tmp_path / "y"), train_dataset=Rows(),
+                                 offload={**OFFLOAD, **given})
+        with pytest.raises(TierwiseError, match=f"set it with TrainingArguments' {theirs}"):
+            trainer.train()
 
 
 def test_with_offload_sft_trainer_and_peft_config_trains_as_sft_trainer(tmp_path):
