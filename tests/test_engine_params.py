@@ -255,3 +255,18 @@ def test_an_update_without_gradients_changes_nothing_and_a_partial_one_says_so(c
     told = [r for r in caplog.records if "got no gradient this step" in r.getMessage()]
     assert len(told) == 1 and "unused.weight" in told[0].getMessage()
     eng.close()
+
+
+def test_a_batch_without_labels_and_a_closed_engines_backward_say_what_is_wrong():
+    from tests.models import batches, tiny_llama
+
+    eng = Engine(tiny_llama(), **flat_options(lr=1e-3))
+    b = batches(1)[0]
+    with pytest.raises(ValueError, match="returned no loss for a batch with keys .*give it 'labels'"):
+        eng.step({"input_ids": b["input_ids"]})  # (was: 'NoneType' object has no attribute 'backward')
+    with pytest.raises(TypeError, match="give a dict batch"):
+        eng.step(b["input_ids"])
+    loss = eng.forward(b)
+    eng.close()
+    with pytest.raises(RuntimeError, match="this Engine is closed"):
+        eng.backward(loss)

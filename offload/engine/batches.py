@@ -15,7 +15,15 @@ def default_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torc
     """Hugging Face convention: the model's loss from `labels`; a causal LM's with its head in
     tiles (offload.engine.headloss), never holding every token's logits."""
     loss = tiled_loss(model, batch)
-    return model(**batch).loss if loss is None else loss
+    if loss is None:
+        if not isinstance(batch, dict):
+            raise TypeError(f"the engine's default loss calls model(**batch): give a dict batch (input_ids, labels), "
+                            f"or a loss_fn for a {type(batch).__name__}")
+        loss = model(**batch).loss
+        if loss is None:
+            raise ValueError(f"{type(model).__name__} returned no loss for a batch with keys {sorted(batch)}: give "
+                             "it 'labels' (a causal LM's loss comes from them), or the engine a loss_fn")
+    return loss
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -736,6 +736,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss`; gradients accumulate (fp32) in their grad chunks. A failure
         (a budget, a rank that stopped) drops the step's gradients before it is raised."""
+        self._check_open()
         # owned-only gradients: complete chunks are reduced during backward (the window of
         # transient buffers counts on it), in step() as in a caller's own forward/backward
         self.grads.reduce_on = self.owned_grads
