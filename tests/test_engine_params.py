@@ -270,3 +270,17 @@ def test_a_batch_without_labels_and_a_closed_engines_backward_say_what_is_wrong(
     eng.close()
     with pytest.raises(RuntimeError, match="this Engine is closed"):
         eng.backward(loss)
+
+
+@pytest.mark.parametrize("bad,error,says", [
+    (dict(lr="1e-4"), TypeError, "Optim lr must be a number, got '1e-4'"),
+    (dict(grad_clip="1.0"), TypeError, "Optim grad_clip must be a number"),
+    (dict(betas=(0.9,)), ValueError, r"Optim betas must be two numbers in \[0, 1\)"),
+    (dict(betas=(1.5, 0.999)), ValueError, r"Optim betas must be two numbers in \[0, 1\)"),
+])
+def test_optim_options_of_the_wrong_kind_are_one_clear_error(bad, error, says):
+    # (were: "must be real number, not str" from deep in a step; an IndexError; a silent 1.5)
+    from tierwise.offload import Optim
+
+    with pytest.raises(error, match=says):
+        Optim(**bad)

@@ -59,6 +59,13 @@ class Optim:
     def __post_init__(self) -> None:
         if self.kwargs is None:  # (a flat dict's "none given")
             object.__setattr__(self, "kwargs", {})
+        for key in ("lr", "eps", "weight_decay", "momentum") + (("grad_clip",) if self.grad_clip is not None else ()):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"Optim {key} must be a number, got {value!r}")
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
+                and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas)):
+            raise ValueError(f"Optim betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.grad_clip is not None and not self.grad_clip > 0:  # (inf: the norm is measured, nothing clipped)
             raise ValueError(f"grad_clip must be a positive number (None: no clipping), got {self.grad_clip}")
 
