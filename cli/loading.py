@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -40,6 +41,11 @@ class ModelSource:
     @property
     def has_weights(self) -> bool:
         return self.model_dir is not None
+
+    @functools.cached_property
+    def digest(self) -> str | None:
+        """weights_digest of its weights (read once a run), None without any."""
+        return weights_digest(self.model_dir) if self.model_dir is not None else None
 
 
 def build_meta_model(config) -> torch.nn.Module:

@@ -197,7 +197,7 @@ def check_budgets(cfg: TrainConfig, *, here: bool) -> None:
         return
     over = _ram_over(cfg)
     if over:
-        gpu_first = not machine.has_cuda() and (gpu or 0) * max(1, cfg.nproc_per_node) > (cfg.budgets["cpu"] or 0)
+        gpu_first = _simulated_ram(cfg) > (cfg.budgets["cpu"] or 0)
         other = (f"a run and --dry-run are of this machine; `finetune plan` plans hardware profile {cfg.hardware}"
                  if cfg.hardware else "to plan another machine: finetune plan --hardware NAME")
         raise ConfigError(f"{over}: lower {'--gpu-mem' if gpu_first else '--cpu-mem'} ({other})")
@@ -208,12 +208,17 @@ def check_budgets(cfg: TrainConfig, *, here: bool) -> None:
                               f"({format_size(have)}): lower --gpu-mem")
 
 
+def _simulated_ram(cfg: TrainConfig) -> int:
+    """The host RAM the simulated devices take (--gpu-mem, one a rank); 0 on CUDA."""
+    gpu = cfg.budgets["gpu"]
+    return gpu * max(1, cfg.nproc_per_node) if gpu is not None and not machine.has_cuda() else 0
+
+
 def _ram_over(cfg: TrainConfig) -> "str | None":
     """What --cpu-mem (and the simulated device's --gpu-mem, which is host RAM) with the process
     beside them asks of this machine's available RAM, said when it is more; else None."""
     gpu, cpu, have = cfg.budgets["gpu"], cfg.budgets["cpu"], machine.available_ram()
-    ranks = max(1, cfg.nproc_per_node)  # each its own simulated device
-    simulated = gpu * ranks if gpu is not None and not machine.has_cuda() else 0
+    ranks, simulated = max(1, cfg.nproc_per_node), _simulated_ram(cfg)
     if have is None or cpu is None and not simulated:
         return None
     if (cpu or 0) + simulated + planner.PROCESS_BYTES <= have:

@@ -30,7 +30,7 @@ from .data import (Batches, DataError, DataPosition, check_vocab, eval_batches, 
                    padded_batch)
 from .export import export_hf
 from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
-from .loading import ModelSource, build_meta_model, resolve_model, weights_digest
+from .loading import ModelSource, build_meta_model, resolve_model
 from .metrics import MetricsWriter, read_metrics, truncate_metrics
 from .packing import keeps_mask
 from .planning import (OFFLOADED, attends_segments, check_seq_len, checkpointing, gpu_budget, host_budget, preflight,
@@ -361,7 +361,6 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
         console.print(lora_mod.summary(cfg, model), highlight=False, soft_wrap=True)
         if cfg.precision_note:
             console.print(cfg.precision_note, highlight=False, soft_wrap=True)
-    base = lora_base(cfg, src)
     preload_plots()
     engine = make_engine(model, cfg, ranks=ranks, plan=plan)
     engine.skip_nonfinite = bool(cfg.skip_nonfinite)
@@ -369,13 +368,13 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
         warn(console, note)
     try:
         start = _initial_state(engine, cfg, src, out, batches, console, model=model,
-                               layout=layout, renames=renames, schedule=schedule, base=base)
+                               layout=layout, renames=renames, schedule=schedule)
         if padded:
             _measure_worst(engine, padded_batch(blocks, batch_size=cfg.batch_size, segments=attends_segments(cfg, src),
                                                 mask=keeps_mask(src.config)))
         losses: list[float | None] = []
         t0 = time.perf_counter()
-        code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule, base=base,
+        code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule,
                      start=start, total=total, eval_data=eval_data, console=console,
                      losses=losses, padded=padded, intro=_intro(batches, start=start, total=total, plan=plan))
         console.print(summary(losses, first_step=start + 1, seconds=time.perf_counter() - t0),
@@ -459,9 +458,8 @@ def _load_base(engine, cfg: TrainConfig, src: ModelSource, *, model, layout: Mod
 
 def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batches: Batches,
                    console: Console, *, model, layout: ModelLayout, renames: dict[str, str] | None = None,
-                   schedule: LRSchedule | None = None, base: str | None = None) -> int:
-    """Load a checkpoint (--resume) or the weights; returns the first step to run (`base`: the
-    LoRA base's weights_digest, checked against the checkpoint's).
+                   schedule: LRSchedule | None = None) -> int:
+    """Load a checkpoint (--resume) or the weights; returns the first step to run.
 
     The weights stream from `src`'s checkpoint through transformers' key renaming and tensor
     conversions (cli.layout); with --resume only its names are read, so the export writes the
@@ -476,7 +474,7 @@ def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batche
         else:
             engine_state, trainer = ckpt.load_checkpoint(path)
             rng = trainer["rng"]
-        check_resumable(cfg, ckpt_dir(cfg, out), trainer, digest=batches.digest, base=base)
+        check_resumable(cfg, ckpt_dir(cfg, out), trainer, digest=batches.digest, base=lora_base(cfg, src))
         if cfg.lora:
             _load_base(engine, cfg, src, model=model, layout=layout, renames=renames, frozen_only=True)
         elif src.has_weights:
@@ -570,7 +568,7 @@ def lora_base(cfg: TrainConfig, src: ModelSource) -> str | None:
     """What a LoRA run's adapters are trained on (its checkpoint holds no base), checked on
     --resume: the weights_digest of --model's weights; None for a full fine-tune or a base
     initialised from the seed."""
-    return weights_digest(src.model_dir) if cfg.lora and src.model_dir is not None else None
+    return src.digest if cfg.lora else None
 
 
 def _resumable(cfg: TrainConfig, src: ModelSource) -> None:
@@ -711,13 +709,14 @@ def _intro(batches: Batches, *, start: int, total: int, plan: Any) -> str:
 
 
 def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
-          schedule: LRSchedule, start: int, base: str | None = None, total: int, eval_data: list,
+          schedule: LRSchedule, start: int, total: int, eval_data: list,
           console: Console, losses: list[float | None], padded: bool = True, intro: str | None = None) -> int:
     """Steps start+1..total; appends each train loss to `losses` (None: a step skipped with
     --skip-nonfinite); returns the exit code.
     A step the device budget cannot hold (StepOverBudget) checkpoints the last completed
     step and raises a one-line InfeasibleBudget (exit 2)."""
     step, in_a_row = start, 0
+    base = lora_base(cfg, src)  # (each checkpoint holds it: a LoRA --resume checks its base)
     with MetricsWriter(out / "metrics.jsonl", report_to=cfg.report_to if launch.from_env().main else "none",
                        config=dataclasses.asdict(cfg)) as metrics, _StopFlag() as stop, \
             TrainProgress(console=console, total=total, start=start, every=cfg.log_every, intro=intro,

@@ -1105,8 +1105,7 @@ class Engine:
                 else:
                     yield name, torch.zeros(slot.shape, device=device)
 
-        self.residency.cache.evict_all()  # a compute copy kept over a step's end would be stale
-        self.store.load(self._setting(tensors()), self.params)
+        self.load_weights(tensors())
 
     @torch.no_grad()
     def eval_loss(self, batch: Any) -> float:
