@@ -228,6 +228,9 @@ class Engine:
                                         momentum=optim.momentum, **optim.kwargs)
             if self.updater.needs_grad:
                 check_dense_grads(model)
+            if self.updater.needs_grad and self.ranks is None:
+                # (several ranks: which parameters got a gradient is known per rank only)
+                self.updater.has_grad = self._has_grad
             #: several ranks with owned-only gradients (offload.engine.transient)
             self.owned_grads = self.ranks is not None and distributed.grad_reduce == "micro" and self.updater.needs_grad
             trainable = [c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)]
@@ -678,10 +681,14 @@ class Engine:
         return f"module {name!r} ({type(mod).__name__})" if name else f"the model ({type(mod).__name__})"
 
     # -- the step -----------------------------------------------------------------------
+    def _has_grad(self, name: str) -> bool:
+        return id(self.params[name]) in self.grads.seen
+
     def _tell_unseen(self) -> None:
-        """Once: trainable parameters without a gradient this step are updated as with a zero
-        gradient (the chunk is updated whole), where torch.optim skips a parameter whose .grad
-        is None: their moments decay, weight decay applies, their step count advances."""
+        """Once, with several ranks: trainable parameters without a gradient this step are updated
+        as with a zero gradient (which got one is known per rank), where torch.optim skips a
+        parameter whose .grad is None: their moments decay, weight decay applies, their step
+        count advances."""
         names = [n for n, slot in self.plan.slots.items()
                  if not self.plan.is_frozen(slot.chunk) and id(self.params[n]) not in self.grads.seen]
         if names:
@@ -915,8 +922,9 @@ class Engine:
         early = self.grads.finish_step(self.params, zero_unseen=self.updater.needs_grad)
         if self.updater.needs_grad and self.ranks is None:
             skip = skip or not self.grads.seen  # no gradient at all (no backward): torch.optim does nothing
-            if not skip and len(self.grads.seen) < self._trainable_count and not self._told_unseen:
-                self._tell_unseen()
+        elif (self.updater.needs_grad and not skip and len(self.grads.seen) < self._trainable_count
+              and not self._told_unseen):
+            self._tell_unseen()
         rest = [c for c in range(len(self.plan.chunks)) if c not in early]
         if self.ranks is not None:
             if self.updater.needs_grad and not self.owned_grads:  # (owned: reduced in each backward)
@@ -1165,6 +1173,7 @@ class Engine:
             shard["grad_uses"] = dict(self.grads.uses)
         return self.store.state_dict(deferred=deferred) | {"steps": self.steps, "optimizer": self.optimizer_name,
                                           "optimizer_meta": self.updater.meta_state(),
+                                          "missed": dict(getattr(self.updater, "missed", {})),
                                           "buffers": buffers} | shard
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -1186,6 +1195,8 @@ class Engine:
         self.store.load_state_dict(sd)
         self._unset -= {n for n, slot in self.plan.slots.items() if not self.plan.is_frozen(slot.chunk)}
         self.updater.load_meta_state(sd.get("optimizer_meta", {}))
+        if hasattr(self.updater, "missed"):
+            self.updater.missed = dict(sd.get("missed", {}))
         self.steps = int(sd["steps"])
         if self.owned_grads and sd.get("grad_uses") is not None:
             # the first backward then reduces whole chunks, as the interrupted run's did: a sum of

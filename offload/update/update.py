@@ -16,6 +16,10 @@ big the blob of a chunk is and how to step a chunk given its master, grad and bl
 - slot-wise (SlotUpdater): the optim/ pure function per parameter slot, with that slot's state
   carved out of the blob, so the engine equals the drop-in optimizer step for step (8-bit
   blocks, small-tensor fallbacks and low-rank projections all follow the parameter).
+
+A parameter that got no gradient in a step (an unused branch, an expert no token reached) sits
+that update out, as torch.optim skips a parameter whose .grad is None (`Skips`): its moments do
+not decay, no weight decay applies, and its own step count falls behind its chunk's.
 """
 
 from __future__ import annotations
@@ -75,7 +79,33 @@ def fused_ranges(plan: ChunkPlan, chunk: ChunkSpec) -> list[tuple[int, int]]:
     return [(o, n) for o, n in out]
 
 
-class AdamWChunks:
+class Skips:
+    """Which parameters sit a chunk's update out. `has_grad(name)`, set by the engine (None:
+    every parameter is updated), says whether a parameter got a gradient this step; `missed`
+    counts the updates each parameter sat out (checkpointed), so its own step count is its
+    chunk's minus that."""
+
+    def __init__(self, plan: ChunkPlan):
+        self.plan = plan
+        self.has_grad: Callable[[str], bool] | None = None
+        self.missed: dict[str, int] = {}
+
+    def absent(self, cid: int) -> list[str]:
+        """The parameters of chunk `cid` without a gradient this step; called once per update
+        of the chunk (it counts them as missed)."""
+        if self.has_grad is None:
+            return []
+        names = [n for n in self.plan.chunks[cid].params if not self.has_grad(n)]
+        for n in names:
+            self.missed[n] = self.missed.get(n, 0) + 1
+        return names
+
+    def whole(self, cid: int, absent: list[str]) -> bool:
+        """Every parameter of the chunk takes this update at the chunk's own step count."""
+        return not absent and not (self.missed and any(n in self.missed for n in self.plan.chunks[cid].params))
+
+
+class AdamWChunks(Skips):
     """Decoupled-weight-decay Adam (AdamW) on fp32 chunks: torch's fused kernel, each
     parameter seen as torch.optim.AdamW(fused=True) sees it (see the module docstring)."""
 
@@ -83,7 +113,7 @@ class AdamWChunks:
     needs_grad = True
 
     def __init__(self, plan: ChunkPlan):
-        self.plan = plan
+        super().__init__(plan)
         self.ranges = {c.index: fused_ranges(plan, c) for c in plan.chunks}
 
     def state_bytes(self, cid: int) -> int:
@@ -95,13 +125,21 @@ class AdamWChunks:
         n = master.numel()
         m, v = blob[: 4 * n].view(torch.float32), blob[4 * n: 8 * n].view(torch.float32)
         step += 1
-        ranges = self.ranges[cid]
+        absent = self.absent(cid)
+        if self.whole(cid, absent):
+            ranges, steps = self.ranges[cid], [step] * len(self.ranges[cid])
+        else:  # each parameter alone, at its own count (as the merged runs are: bit for bit)
+            taking = [self.plan.slots[p] for p in self.plan.chunks[cid].params if p not in absent]
+            ranges = [(s.offset, s.numel) for s in taking]
+            steps = [step - self.missed.get(s.name, 0) for s in taking]
+            if not ranges:
+                return
 
         def slots(t: torch.Tensor) -> list[torch.Tensor]:  # [numel] views of the chunk
             return [t[o: o + k] for o, k in ranges]
 
         torch._fused_adamw_(
-            slots(master), slots(grad), slots(m), slots(v), [], [step] * len(ranges),
+            slots(master), slots(grad), slots(m), slots(v), [], steps,
             amsgrad=False, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1],
             weight_decay=hp.weight_decay, eps=hp.eps, maximize=False,
         )
@@ -128,16 +166,29 @@ class SGDChunks(AdamWChunks):
     def step(self, master: torch.Tensor, grad: torch.Tensor, blob: torch.Tensor, cid: int,
              step: torch.Tensor, hp: Hyper) -> None:
         """master, grad: [numel] fp32; blob: [4 numel] uint8 momentum buffer or empty."""
-        d_p = grad if hp.weight_decay == 0 else grad.add(master, alpha=hp.weight_decay)
-        if self.momentum:
-            buf = blob.view(torch.float32)
-            if step.item() == 0:
+        absent = self.absent(cid)
+        buf = blob.view(torch.float32) if self.momentum else None
+        if self.whole(cid, absent):
+            self._sgd(master, grad, buf, first=step.item() == 0, hp=hp)
+        else:  # (elementwise: a parameter alone rounds as in the whole chunk)
+            done = int(step.item())
+            for name in self.plan.chunks[cid].params:
+                if name not in absent:
+                    s = self.plan.slots[name]
+                    self._sgd(s.view(master), s.view(grad), None if buf is None else s.view(buf),
+                              first=done == self.missed.get(name, 0), hp=hp)
+        step += 1
+
+    def _sgd(self, p: torch.Tensor, g: torch.Tensor, buf: "torch.Tensor | None", *, first: bool,
+             hp: Hyper) -> None:
+        d_p = g if hp.weight_decay == 0 else g.add(p, alpha=hp.weight_decay)
+        if buf is not None:
+            if first:
                 buf.copy_(d_p)
             else:
                 buf.mul_(self.momentum).add_(d_p)
             d_p = buf
-        master.add_(d_p, alpha=-hp.lr)
-        step += 1
+        p.add_(d_p, alpha=-hp.lr)
 
 
 @dataclass(kw_only=True)
@@ -156,7 +207,7 @@ class _SlotLayout:
     entries: list[_Entry] = field(default_factory=list)
 
 
-class SlotUpdater:
+class SlotUpdater(Skips):
     """A drop-in optimizer's pure step function, run per parameter slot on chunk storage.
 
     `init(meta_param, projected) -> state dict` and `run(param, grad, state, step, index,
@@ -168,7 +219,8 @@ class SlotUpdater:
 
     def __init__(self, name: str, plan: ChunkPlan, *, order: list[str], projected: set[str],
                  init: Callable[[torch.Tensor, bool], dict], run: Callable[..., None]):
-        self.name, self.plan, self.init, self.run = name, plan, init, run
+        super().__init__(plan)
+        self.name, self.init, self.run = name, init, run
         index = {n: i + 1 for i, n in enumerate(order)}
         self.layouts: dict[int, list[_SlotLayout]] = {}
         self.nbytes: dict[int, int] = {}
@@ -196,13 +248,16 @@ class SlotUpdater:
         """master, grad: [numel] fp32 chunk tensors; blob: [state_bytes(cid)] uint8."""
         step += 1
         k = int(step.item())
+        absent = self.absent(cid)
         for lay in self.layouts[cid]:
+            if lay.name in absent:
+                continue
             s = self.plan.slots[lay.name]
             views = {e.key: blob[e.offset: e.offset + math.prod(e.shape) * e.dtype.itemsize]
                      .view(e.dtype).view(e.shape) for e in lay.entries}
             state = dict(views) | self.meta.get(lay.name, {})
             p, g = s.view(master), s.view(grad)  # the parameter as the drop-in sees it
-            self.run(p, g, state, step=k, index=lay.index, projected=lay.projected, hp=hp)
+            self.run(p, g, state, step=k - self.missed.get(lay.name, 0), index=lay.index, projected=lay.projected, hp=hp)
             for key, val in state.items():
                 if key in views:
                     if val is not views[key]:  # the step replaced a tensor (e.g. a new projector)
