@@ -74,11 +74,11 @@ def tight_gpu(case: dict) -> int:
     """The smallest device budget the engine takes for this case (the planner's gpu_minimum,
     the engine's own formula: tests/test_plan_vs_engine.py), plus 8 KiB (two ranks agree on the
     larger activation peak of the two)."""
-    from tierwise.offload.core.chunks import specs_of
+    from tierwise.offload.engine.model_info import model_specs
     from tierwise.offload.plan.planner import make_plan
 
     model = build()
-    p = make_plan(model=model.config, hardware="cpu-sim", params=specs_of(model.named_parameters()),
+    p = make_plan(model=model.config, hardware="cpu-sim", params=model_specs(model),
                   gpu_mem=None, cpu_mem=None, optimizer="adamw", precision=case["precision"], batch_size=ROWS,
                   seq_len=SEQ, grad_accum=case["grad_accum"], chunk_bytes=CHUNK, checkpointing=case["checkpointing"])
     return p.gpu_minimum + (8 << 10)
@@ -142,11 +142,11 @@ def zero3_bytes(*, params: int, precision: str, micro_batches: int, recompute: b
 
 def planned(case: dict, *, world: int = 2) -> "tuple[int, int]":
     """The planner's (gather, reduce) bytes per rank per step for this case, on cpu-sim."""
-    from tierwise.offload.core.chunks import specs_of
+    from tierwise.offload.engine.model_info import model_specs
     from tierwise.offload.plan.planner import make_plan
 
     model = build()
-    p = make_plan(model=model.config, hardware="cpu-sim", params=specs_of(model.named_parameters()),
+    p = make_plan(model=model.config, hardware="cpu-sim", params=model_specs(model),
                   gpu_mem=case["gpu_mem"], cpu_mem=None, optimizer="adamw", precision=case["precision"],
                   batch_size=ROWS, seq_len=SEQ, grad_accum=case["grad_accum"], chunk_bytes=CHUNK,
                   checkpointing=case["checkpointing"], nproc_per_node=world)

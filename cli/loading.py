@@ -33,7 +33,7 @@ class ModelSource:
 
     name: str                   # as given, or "builtin-tiny"
     config: Any                 # a transformers PretrainedConfig
-    tokenizer: Any              # a PreTrainedTokenizer(Fast)
+    tokenizer: Any              # a PreTrainedTokenizer(Fast); None where not asked for
     model_dir: Path | None      # a local HF dir with weights, or None (random init)
     generation_config: Path | None = None
     note: str | None = None     # a warning the CLI shows loudly (e.g. random init)
@@ -177,11 +177,12 @@ def iter_safetensors(model_dir: "str | Path", *, order: Sequence[str] | None = N
             f.close()
 
 
-def resolve_model(spec: str | None, *, trust_remote_code: bool = False) -> ModelSource:
+def resolve_model(spec: str | None, *, trust_remote_code: bool = False, tokenizer: bool = True) -> ModelSource:
     """A local HF dir (has config.json), a model profile name, or None for the built-in tiny.
 
     A directory whose config.json has `auto_map` ships its own Python code: it is run only with
-    `trust_remote_code` (--trust-remote-code), else refused; transformers never prompts."""
+    `trust_remote_code` (--trust-remote-code), else refused; transformers never prompts.
+    `tokenizer=False`: a directory's tokenizer is not loaded (nor needed: the model alone)."""
     if spec is None:
         from .builtin import build_tokenizer, tiny_llama_config
 
@@ -190,11 +191,11 @@ def resolve_model(spec: str | None, *, trust_remote_code: bool = False) -> Model
                            tokenizer=tok, model_dir=None)
     path = Path(spec).expanduser()
     if path.is_dir():
-        return _from_dir(path, trust_remote_code=trust_remote_code)
+        return _from_dir(path, trust_remote_code=trust_remote_code, tokenizer=tokenizer)
     if is_profile(spec):  # a profile name, or a profile given as a .toml file
         return _from_profile(spec)
     if HUB_ID.fullmatch(spec):
-        source = _from_dir(hub_snapshot(spec), trust_remote_code=trust_remote_code)
+        source = _from_dir(hub_snapshot(spec), trust_remote_code=trust_remote_code, tokenizer=tokenizer)
         return dataclasses.replace(source, name=spec)
     raise ModelError(f"--model {spec}: not a Hugging Face model directory "
                      "(expected a directory with config.json), a Hub id (ORG/NAME) or a model profile")
@@ -232,7 +233,7 @@ def hub_snapshot(repo_id: str) -> Path:
                          f"gave ({_first_line(e)})") from None
 
 
-def _from_dir(path: Path, *, trust_remote_code: bool = False) -> ModelSource:
+def _from_dir(path: Path, *, trust_remote_code: bool = False, tokenizer: bool = True) -> ModelSource:
     from transformers import AutoConfig, AutoTokenizer
 
     if not (path / "config.json").exists():
@@ -249,12 +250,12 @@ def _from_dir(path: Path, *, trust_remote_code: bool = False) -> ModelSource:
                if isinstance(kind, str) and "model type" in str(e) else _first_line(e))
         raise ModelError(f"--model {path}: cannot read config.json: {why}") from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code) if tokenizer else None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelError(f"--model {path}: cannot load its tokenizer ({_first_line(e)})") from None
     read_safetensors_index(path)  # fail early: no weights, a corrupt header
     gen = path / "generation_config.json"
-    return ModelSource(name=str(path), config=config, tokenizer=tokenizer, model_dir=path,
+    return ModelSource(name=str(path), config=config, tokenizer=tok, model_dir=path,
                        generation_config=gen if gen.exists() else None)
 
 

@@ -311,12 +311,12 @@ def engine_params(src: "ModelSource") -> list:
     """The parameters the engine will chunk: those of the module training builds
     (cli.loading.build_meta_model), so the plan counts a tied head as the run does.
     Kept on `src`: the advice on a refusal plans the same model many times."""
-    from ..offload.core.chunks import specs_of
+    from ..offload.engine.model_info import model_specs
     from .loading import build_meta_model
 
     cached = getattr(src, "_engine_params", None)
     if cached is None:
-        cached = specs_of(build_meta_model(src.config).named_parameters())
+        cached = model_specs(build_meta_model(src.config))
         src._engine_params = cached
     return cached
 

@@ -80,7 +80,7 @@ def from_pretrained(name_or_path: str, *, trust_remote_code: bool = False) -> to
     from ..cli.layout import ModelLayout
     from ..cli.loading import build_meta_model, resolve_model
 
-    src = resolve_model(name_or_path, trust_remote_code=trust_remote_code)
+    src = resolve_model(name_or_path, trust_remote_code=trust_remote_code, tokenizer=False)
     if not src.has_weights:
         raise TierwiseError(f"{name_or_path} has no weights to load (a profile builds a random model: "
                             "use transformers' from_config)")

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from . import _cpu_kernel
-from .base import TierwiseOptimizer, check_hyper, write_back_
+from .base import TierwiseOptimizer, write_back_
 from .costs import OptimizerCost
 from .quant import BLOCK, dequantize_blockwise, dynamic_map, num_blocks, decade_table, quantize_blockwise
 
@@ -24,10 +24,11 @@ logger = logging.getLogger(__name__)
 MIN_8BIT_NUMEL = 4096
 
 
-def init_adamw8bit_state(param: torch.Tensor) -> dict[str, torch.Tensor]:  # param: (...) any float
-    """Zero state for one tensor: uint8 codes + fp32 absmax per 256-block, or fp32 moments."""
+def init_adamw8bit_state(param: torch.Tensor, *, fp32: bool = False) -> dict[str, torch.Tensor]:
+    """Zero state for one tensor: uint8 codes + fp32 absmax per 256-block, or fp32 moments (a
+    tensor under MIN_8BIT_NUMEL elements, or `fp32`: bitsandbytes' optim_bits=32)."""
     n, dev = param.numel(), param.device
-    if n < MIN_8BIT_NUMEL:
+    if n < MIN_8BIT_NUMEL or fp32:
         return {"exp_avg": torch.zeros(n, dtype=torch.float32, device=dev),
                 "exp_avg_sq": torch.zeros(n, dtype=torch.float32, device=dev)}
     blocks = num_blocks(n)
@@ -174,17 +175,25 @@ class AdamW8bit(TierwiseOptimizer):
     `stochastic_rounding=True` (bf16) is the lean option, bitsandbytes' behaviour plus rounding:
     no master, a transient fp32 copy written back with stochastic rounding, so small updates move
     the param in expectation. `master_weights=False` without it: bitsandbytes' exactly (updates
-    below the precision are lost)."""
+    below the precision are lost). A group with `optim_bits=32` keeps fp32 moments, as
+    bitsandbytes' override does: transformers' Trainer gives it to every nn.Embedding's weight,
+    and so does the engine (a row no token reached gets a zero gradient, which 8-bit moments can
+    turn into a step of thousands of lr)."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *,
                  stochastic_rounding: bool = False, master_weights: Optional[bool] = None) -> None:
-        check_hyper(lr, betas, eps, weight_decay)
         if master_weights is None:
             master_weights = not stochastic_rounding
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps, weight_decay=weight_decay,
                         stochastic_rounding=stochastic_rounding, master_weights=master_weights)
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        bits = param_group.get("optim_bits", 8)
+        if bits not in (8, 32):
+            raise ValueError(f"optim_bits takes 8 or 32 (fp32 moments), got {bits!r}")
+        super().add_param_group(param_group)
 
     @classmethod
     def cost(cls) -> OptimizerCost:
@@ -196,7 +205,7 @@ class AdamW8bit(TierwiseOptimizer):
         exact = p.dtype == torch.float32 and p.is_contiguous()
         if not state:
             state["step"] = 0
-            state.update(init_adamw8bit_state(p))
+            state.update(init_adamw8bit_state(p, fp32=group.get("optim_bits", 8) == 32))
             if not exact and group.get("master_weights", False):
                 state["master"] = p.data.float().contiguous()
         state["step"] += 1

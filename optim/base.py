@@ -12,9 +12,15 @@ from .costs import OptimizerCost
 
 
 def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """torch.optim.AdamW's checks (a NaN fails them too): a bad value is refused here, not a NaN later."""
-    if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-        raise ValueError(f"invalid lr/betas/eps/weight_decay: {lr}, {tuple(betas)}, {eps}, {weight_decay} "
+    """torch.optim.AdamW's checks (a NaN fails them too): a bad value is refused here, not a NaN
+    later; so is one of the wrong kind (a string lr, one beta), not a TypeError in the step."""
+    try:
+        beta1, beta2 = betas
+        ok = bool(lr >= 0 and eps >= 0 and weight_decay >= 0 and 0 <= beta1 < 1 and 0 <= beta2 < 1)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"invalid lr/betas/eps/weight_decay: {lr!r}, {betas!r}, {eps!r}, {weight_decay!r} "
                          f"(want lr, eps, weight_decay >= 0 and betas in [0, 1))")
 
 
@@ -47,8 +53,15 @@ class TierwiseOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if "betas" in group:  # every group (the constructor's too): a bad value fails now, by name
+            try:
+                check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            except ValueError:
+                self.param_groups.pop()  # a refused group leaves the optimizer as it was
+                raise
         # the steps compute on real float copies: a complex param would lose its imaginary part
-        complex_ = [p for p in self.param_groups[-1]["params"] if p.is_complex()]
+        complex_ = [p for p in group["params"] if p.is_complex()]
         if complex_:
             self.param_groups.pop()
             raise ValueError(f"{type(self).__name__} does not support complex parameters (one of shape "
@@ -108,7 +121,6 @@ class LowRankOptimizer(TierwiseOptimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             check_low_rank(group.get("rank"), group["update_proj_gap"], group["scale"])
         except ValueError:
             self.param_groups.pop()  # a refused group leaves the optimizer as it was

@@ -85,7 +85,7 @@ class ModelProfile:
     def param_specs(self) -> list[ParamSpec]:
         """Every parameter (name, shape), in `named_parameters()` order; tied lm_head is omitted."""
         h, i, bias = self.hidden_size, self.intermediate_size, FAMILIES[self.family][1]
-        specs = [ParamSpec(name="model.embed_tokens.weight", shape=(self.vocab_size, h))]
+        specs = [ParamSpec(name="model.embed_tokens.weight", shape=(self.vocab_size, h), embedding=True)]
         for layer in range(self.num_hidden_layers):
             p = f"model.layers.{layer}."
             for proj, out in (("q_proj", self.q_dim), ("k_proj", self.kv_dim), ("v_proj", self.kv_dim)):

@@ -824,7 +824,7 @@ def test_budget_matrix_two_ranks_planned(two_ranks, name):
     node's NVMe bytes and a rank's device peak within 10%."""
     from tests.dist_cases import CHUNK as DIST_CHUNK, TINY as DIST_TINY, case as dist_case
 
-    from tierwise.offload.core.chunks import specs_of
+    from tierwise.offload.engine.model_info import model_specs
     from tierwise.offload.core.sizes import parse_size
     from tests.models import tiny_llama
 
@@ -837,7 +837,7 @@ def test_budget_matrix_two_ranks_planned(two_ranks, name):
                      cpu_mem=None if cpu is None else 2 * parse_size(cpu),
                      nvme_path="/nvme" if spec["engine"].get("nvme") else None, optimizer="adamw",
                      precision="fp32", batch_size=2, seq_len=12, grad_accum=spec["grad_accum"],
-                     chunk_bytes=DIST_CHUNK, params=specs_of(model.named_parameters()), nproc_per_node=2,
+                     chunk_bytes=DIST_CHUNK, params=model_specs(model), nproc_per_node=2,
                      suggest=False)
     peaks = got["tier_peaks"]
     for planned, measured in zip(plan.ranks.private_host, peaks["host"]):

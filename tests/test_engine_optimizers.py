@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from tierwise.offload import Budget, Engine, Optim, flat_options
-from tierwise.offload.update.updaters import drop_in_groups
+from tierwise.offload.update.updaters import drop_in_groups, eight_bit_groups
 from tierwise.optim import AdamW8bit, ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit
 from tests.models import batches, tiny_llama
 
 HP = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
 
 CASES = {
-    "adamw8bit": (lambda m: AdamW8bit(m.parameters(), **HP), {}),
+    "adamw8bit": (lambda m: AdamW8bit(eight_bit_groups(m), **HP), {}),  # embeddings: fp32 moments
     "galore": (lambda m: GaLoreAdamW(drop_in_groups(m, rank=8, update_proj_gap=2), **HP),
                {"rank": 8, "update_proj_gap": 2}),
     "galore8bit": (lambda m: GaLoreAdamW8bit(drop_in_groups(m, rank=8, update_proj_gap=2), **HP),

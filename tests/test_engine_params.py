@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tierwise.offload import Engine, flat_options
-from tierwise.offload.core.errors import InfeasibleBudget, ParamLayoutError
+from tierwise.offload.core.errors import InfeasibleBudget, ParamLayoutError, UnsupportedModel
 from tierwise.offload.plan.homes import minimum_host
 from tierwise.offload.update.updaters import drop_in_groups
 from tierwise.optim import AdamW8bit, ApolloAdamW, GaLoreAdamW
@@ -283,3 +283,48 @@ def test_optim_options_of_the_wrong_kind_are_one_clear_error(bad, error, says):
 
     with pytest.raises(error, match=says):
         Optim(**bad)
+
+
+def test_options_that_would_be_ignored_are_refused():
+    from tierwise.offload import Precision, Streaming
+
+    with pytest.raises(ValueError, match="prefetch takes a number of chunks >= 0, got -1"):
+        Streaming(prefetch=-1)
+    with pytest.raises(ValueError, match="h2d_bandwidth takes bytes/s > 0"):
+        Streaming(h2d_bandwidth=0)
+    with pytest.raises(ValueError, match="double_quant quantizes NF4's absmax: it needs base='nf4'"):
+        Precision(base="int8", double_quant=True)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))  # every parameter trains: nothing to encode
+    with pytest.raises(UnsupportedModel, match="base='nf4' sets how a frozen base is stored"):
+        Engine(model, precision=Precision(base="nf4"), loss_fn=lambda m, x: m(x).sum())
+    model[0].requires_grad_(False)  # a frozen part: it is encoded
+    eng = Engine(model, precision=Precision(base="nf4"), loss_fn=lambda m, x: m(x).sum())
+    assert eng.frozen_layouts
+    eng.close()
+
+
+def test_a_model_engines_cannot_take_is_one_clear_error():
+    """A loss_fn that returns a number, a model another engine holds (its parameters are that
+    engine's views), a torch.compile wrapper: each a sentence naming the fix, not an error from
+    inside torch."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+
+    x = torch.randn(4, 8)
+    eng = Engine(model(), loss_fn=lambda m, b: float(m(b).sum()))
+    with pytest.raises(TypeError, match="loss_fn returned a float: it must return the loss as a one-element tensor"):
+        eng.step(x)  # (was: 'float' object has no attribute 'backward')
+    eng.close()
+    eng = Engine(model(), loss_fn=lambda m, b: m(b))
+    with pytest.raises(TypeError, match=r"loss_fn returned a tensor of shape \(4, 2\)"):
+        eng.step(x)
+    eng.close()
+    held = model()
+    first = Engine(held, loss_fn=lambda m, b: m(b).sum())
+    with pytest.raises(UnsupportedModel, match="another Engine holds this model"):
+        Engine(held, loss_fn=lambda m, b: m(b).sum())  # (was: a ParamLayoutError on stride (0, 0))
+    assert first.step(x) is not None  # the refusal left the first engine as it was
+    first.close()
+    with pytest.raises(UnsupportedModel, match="torch.compile wrapper: give the Engine the model itself"):
+        Engine(torch.compile(model()), loss_fn=lambda m, b: m(b).sum())

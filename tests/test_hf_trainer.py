@@ -193,6 +193,44 @@ def test_from_pretrained_loads_a_model_bigger_than_the_device_and_trains_as_one_
     assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
 
 
+def test_adamw_8bit_trains_as_the_trainer_with_bitsandbytes(tmp_path):
+    """TrainingArguments(optim="adamw_8bit"): transformers gives bitsandbytes' optimizer fp32
+    moments for the embeddings, and so does the engine (with 8-bit ones the losses parted by
+    2e-3 by step 4). What is left is bitsandbytes' CPU quantizer, a 65,536-bin table where the
+    engine takes the nearest code (as bitsandbytes' CUDA kernel does)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    kw = dict(optim="adamw_8bit", max_steps=6)
+    model = lambda: tiny(hidden=64)  # noqa: E731 - an embedding of 6,144 elements: 8-bit-sized
+    plain = Trainer(model=model(), args=args(tmp_path / "plain", **kw), train_dataset=Rows())
+    try:
+        plain.train()
+    finally:  # transformers' override stays in bitsandbytes' global manager, keyed by group and
+        # parameter index: a later bitsandbytes optimizer in this process would inherit it
+        bnb.optim.GlobalOptimManager.get_instance().initialize()
+    ours = OffloadTrainer(model=model(), args=args(tmp_path / "ours", **kw), train_dataset=Rows(),
+                          offload={"gpu_mem": "400K", "chunk_bytes": 16 << 10})
+    ours.train()
+    assert ours.engine.optimizer_name == "adamw8bit"
+    assert logs(ours) == pytest.approx(logs(plain), rel=1e-4)
+
+
+def test_from_pretrained_needs_no_tokenizer(tmp_path):
+    """A directory of config and weights alone (the data came tokenized), as transformers'
+    from_pretrained takes it: the model trains as the one transformers loads."""
+    from tierwise.offload.hf import from_pretrained
+
+    tiny().save_pretrained(tmp_path / "model")
+    assert not list((tmp_path / "model").glob("tokenizer*"))
+    short = dict(max_steps=2, warmup_steps=0)
+    plain = Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model"),
+                    args=args(tmp_path / "plain", **short), train_dataset=Rows())
+    plain.train()
+    ours = OffloadTrainer(model=from_pretrained(str(tmp_path / "model")), args=args(tmp_path / "ours", **short),
+                          train_dataset=Rows(), offload=OFFLOAD)
+    ours.train()
+    assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
+
+
 def test_a_bitsandbytes_qlora_model_trains_as_without_offload(tmp_path):
     """The QLoRA script as people write it (BitsAndBytesConfig NF4, double quant; SFTTrainer with
     peft_config) with one changed line: its 4-bit layers become the engine's NF4 base, streamed,

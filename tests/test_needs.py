@@ -5,7 +5,7 @@ optimizer and activations, compute the same DeviceNeeds and the same bounce byte
 import pytest
 
 from tierwise.offload import Activations, Budget, Engine, Optim, Precision
-from tierwise.offload.core.chunks import specs_of
+from tierwise.offload.engine.model_info import model_specs
 from tierwise.offload.plan import needs, planner
 from tierwise.offload.plan.homes import bounce_sizes
 from tierwise.offload.plan.placement import DeviceNeeds
@@ -17,7 +17,7 @@ from tests.models import tiny_llama
                                                        ("mezo", "bf16", False), ("adamw8bit", "fp32", True)])
 def test_engine_and_planner_call_one_formula(optimizer, precision, tie):
     model = tiny_llama(layers=2, hidden=32, vocab=128, tie=tie)
-    specs = specs_of(model.named_parameters())
+    specs = model_specs(model)
     eng = Engine(model, budget=Budget(chunk=8 << 10), optim=Optim(optimizer), precision=Precision(precision),
                  activations=Activations(expected=12345))
     try:
@@ -46,7 +46,7 @@ def test_formula_pieces():
 def test_bounce_buffers_are_the_planned_ones(tmp_path):
     """The engine allocates exactly the bounce bytes the planner reserves (everything on NVMe)."""
     model = tiny_llama(layers=2, hidden=32, vocab=128)
-    specs = specs_of(model.named_parameters())
+    specs = model_specs(model)
     eng = Engine(model, budget=Budget(gpu="96K", cpu="256K", nvme=str(tmp_path), chunk=8 << 10), optim=Optim("adamw"),
                  activations=Activations(expected=0))
     try:

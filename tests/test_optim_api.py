@@ -126,3 +126,20 @@ def test_a_complex_parameter_is_refused(name):
     with pytest.raises(ValueError, match="does not support complex parameters"):
         opt.add_param_group({"params": [w]})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("group", [{"lr": "1e-3"}, {"betas": (0.9,)}, {"eps": -1.0}])
+def test_a_bad_param_group_is_refused_when_given(group):
+    """Each group's values, the constructor's and add_param_group's: refused by name, not a
+    TypeError inside the first step."""
+    from tierwise.optim import AdamW8bit, GaLoreAdamW
+
+    model = torch.nn.Linear(64, 64)
+    with pytest.raises(ValueError, match="invalid lr/betas/eps/weight_decay"):
+        AdamW8bit([{"params": [model.weight], **group}])
+    opt = AdamW8bit([model.weight])
+    with pytest.raises(ValueError, match="invalid lr/betas/eps/weight_decay"):
+        opt.add_param_group({"params": [model.bias], **group})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match="invalid lr/betas/eps/weight_decay"):
+        GaLoreAdamW([{"params": [model.weight], "rank": 4, **group}])

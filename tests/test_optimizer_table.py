@@ -13,7 +13,8 @@ from tierwise.offload.update.updaters import make_updater
 
 # every branch of the formulas: 1-D, 0-dim, small (fp32 8-bit fallback), big, tall and wide
 # matrices, a 3-D weight, and an embedding / head that stay dense
-SPECS = [ParamSpec(name=n, shape=s) for n, s in (
+# (the embedding is an nn.Embedding's: AdamW8bit keeps its moments in fp32)
+SPECS = [ParamSpec(name=n, shape=s, embedding="embed" in n) for n, s in (
     ("model.embed_tokens.weight", (256, 64)), ("model.layers.0.norm.weight", (64,)),
     ("model.layers.0.temp", ()), ("model.layers.0.q.weight", (64, 64)),
     ("model.layers.0.up.weight", (200, 64)), ("model.layers.0.down.weight", (64, 200)),
@@ -47,6 +48,15 @@ def test_plan_and_engine_state_bytes_and_rank_agree(name):
             m, n = 64, 200
             flops = param_update_flops(ParamSpec(name="x", shape=(m, n)), cost=spec, rank=None, projected=True)
             assert flops == 4.0 * m * n * min(spec.default_rank, m, n)
+
+
+def test_8bit_embeddings_keep_fp32_moments():
+    plan = _plan()
+    emb = plan.slots["model.embed_tokens.weight"]
+    alone = pack_chunks([ParamSpec(name="e", shape=(256, 64), embedding=flag) for flag in (True,)],
+                        chunk_bytes=64 << 10, element_size=4)
+    assert table.state_bytes(alone, "adamw8bit") == [8 * 256 * 64]  # (an 8-bit one: ~2.03 B each)
+    assert emb.embedding and not plan.slots["lm_head.weight"].embedding
 
 
 def test_sgd_momentum_state():

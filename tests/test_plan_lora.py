@@ -12,6 +12,7 @@ peft = pytest.importorskip("peft")
 
 from tierwise.offload import Activations, Budget, Engine, Precision  # noqa: E402
 from tierwise.offload.core.chunks import specs_of  # noqa: E402
+from tierwise.offload.engine.model_info import model_specs  # noqa: E402
 from tierwise.offload.core.errors import UnsupportedModel  # noqa: E402
 from tierwise.offload.engine.frozen_base import quantizable  # noqa: E402
 from tierwise.offload.plan.lora import lora_specs, parse_targets  # noqa: E402
@@ -67,7 +68,7 @@ def test_lora_specs_are_what_peft_makes_for_every_family(family, targets):
 
     targets = FAMILY_TARGETS[family] if targets == "family" else targets
     model = family_model(family)
-    specs, linears = specs_of(model.named_parameters()), linear_modules(model)
+    specs, linears = model_specs(model), linear_modules(model)
     ref = peft.get_peft_model(copy.deepcopy(model), config(targets))
     theirs = [(n.removeprefix("base_model.model."), tuple(p.shape)) for n, p in ref.named_parameters()]
     if targets == "all-linear" and family in FUSED_EXPERTS:

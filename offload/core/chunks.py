@@ -17,6 +17,7 @@ passes such parameters to the fused AdamW kernel as tensors of their own).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     stride: tuple[int, ...] | None = None
+    embedding: bool = False  # an nn.Embedding's weight (AdamW8bit keeps its moments in fp32)
 
     @property
     def numel(self) -> int:
@@ -82,6 +84,7 @@ class Slot:
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...] | None = None
+    embedding: bool = False  # ParamSpec.embedding
 
     def __post_init__(self) -> None:
         if self.stride is None:
@@ -167,8 +170,7 @@ def pack_chunks(params: Sequence[ParamSpec], *, chunk_bytes: int = DEFAULT_CHUNK
                            element_size=element_size)
         k = len(first.chunks)
         moved = tuple(ChunkSpec(index=c.index + k, numel=c.numel, params=c.params) for c in rest.chunks)
-        joined = dict(first.slots) | {n: Slot(name=n, chunk=s.chunk + k, offset=s.offset, shape=s.shape,
-                                              stride=s.stride) for n, s in rest.slots.items()}
+        joined = dict(first.slots) | {n: dataclasses.replace(s, chunk=s.chunk + k) for n, s in rest.slots.items()}
         return ChunkPlan(chunks=first.chunks + moved, slots=joined, chunk_numel=first.chunk_numel,
                          frozen=frozenset(c.index for c in moved))
     if chunk_bytes < ALIGN * element_size:
@@ -201,7 +203,7 @@ def pack_chunks(params: Sequence[ParamSpec], *, chunk_bytes: int = DEFAULT_CHUNK
             close()
             start = 0
         slots[p.name] = Slot(name=p.name, chunk=len(chunks), offset=start, shape=tuple(p.shape),
-                             stride=None if p.stride is None else tuple(p.stride))
+                             stride=None if p.stride is None else tuple(p.stride), embedding=p.embedding)
         current.append(p.name)
         used = start + n
         if used >= capacity:  # full, or an oversized parameter alone in its chunk
@@ -210,6 +212,9 @@ def pack_chunks(params: Sequence[ParamSpec], *, chunk_bytes: int = DEFAULT_CHUNK
     return ChunkPlan(chunks=tuple(chunks), slots=slots, chunk_numel=capacity)
 
 
-def specs_of(named_params: Iterable[tuple[str, Any]]) -> list[ParamSpec]:
-    """ParamSpecs from (name, tensor) pairs (meta tensors too: shape and strides only)."""
-    return [ParamSpec(name=n, shape=tuple(t.shape), stride=tuple(t.stride())) for n, t in named_params]
+def specs_of(named_params: Iterable[tuple[str, Any]], *, embeddings: "frozenset[str] | set[str]" = frozenset()
+             ) -> list[ParamSpec]:
+    """ParamSpecs from (name, tensor) pairs (meta tensors too: shape and strides only);
+    `embeddings`: the names that are nn.Embedding weights (model_info.embedding_names)."""
+    return [ParamSpec(name=n, shape=tuple(t.shape), stride=tuple(t.stride()), embedding=n in embeddings)
+            for n, t in named_params]

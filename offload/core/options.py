@@ -84,6 +84,8 @@ class Precision:
         check(self.compute, COMPUTE_DTYPES, "precision")
         if self.base is not None:
             check(self.base, BASE_DTYPES, "base dtype")
+        if self.double_quant and self.base != "nf4":
+            raise ValueError(f"double_quant quantizes NF4's absmax: it needs base='nf4', got base={self.base!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +159,16 @@ class Streaming:
     h2d_bandwidth: float | None = None
     d2h_bandwidth: float | None = None
     allow_gpu_home: bool = True
+
+    def __post_init__(self) -> None:
+        p = self.prefetch
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(f"streaming: prefetch takes a number of chunks >= 0, got {p!r}")
+        for key in ("h2d_bandwidth", "d2h_bandwidth"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < float("inf")):
+                raise ValueError(f"streaming: {key} takes bytes/s > 0 (None: the real link), got {value!r}")
 
 
 GROUPS: dict[str, type] = {"budget": Budget, "optim": Optim, "precision": Precision, "activations": Activations,

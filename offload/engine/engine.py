@@ -67,7 +67,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..core.chunks import pack_chunks, specs_of
+from ..core.chunks import pack_chunks
 from ..core.errors import BudgetExceeded, InfeasibleBudget, UnsupportedModel
 from ..core.options import Activations, Budget, Distributed, Optim, Precision, Streaming, recomputed_blocks
 from ..core.sizes import parse_size
@@ -97,8 +97,8 @@ from .frozen_base import frozen_layouts
 from .tiled import tiled, tiled_mlps
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from .lora import apply_lora
-from .model_info import (check_dense_grads, check_no_own_checkpointing, check_trainable_dtypes, find_blocks,
-                         lumped_recompute)
+from .model_info import (check_dense_grads, check_model_given, check_no_own_checkpointing, check_trainable_dtypes,
+                         find_blocks, lumped_recompute, model_specs)
 from .needs import device_needs, module_chunks, open_tiers
 from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
 from .sharedbase import SharedBase
@@ -152,6 +152,7 @@ class Engine:
                             distributed=distributed, streaming=streaming)
         optimizer = optim.name
         # refusals that do not depend on the adapters come before apply_lora changes the model
+        check_model_given(model)
         check_no_own_checkpointing(model)
         if optimizer == "mezo" and loss_fn is not default_loss:
             # its dual forward computes the Hugging Face causal-LM loss from `labels` itself
@@ -183,10 +184,14 @@ class Engine:
         named = list(model.named_parameters())
         check_trainable_dtypes(named)
         frozen = {n for n, p in named if not p.requires_grad}
+        if precision.base is not None and not frozen:
+            raise UnsupportedModel(f"base={precision.base!r} sets how a frozen base is stored, and every parameter "
+                                   "of this model trains: give lora=... (a LoraConfig), or freeze the base "
+                                   "(requires_grad=False)")
         if frozen and optimizer == "mezo":
             raise UnsupportedModel(f"mezo perturbs every parameter of a module; frozen parameters "
                                    f"({sorted(frozen)[:3]}...) are not supported with it")
-        self.plan = pack_chunks(specs_of(named), chunk_bytes=parse_size(budget.chunk, what="chunk size"),
+        self.plan = pack_chunks(model_specs(model), chunk_bytes=parse_size(budget.chunk, what="chunk size"),
                                 frozen=frozen)
         self.frozen_layouts = frozen_layouts(self.plan, model, base_dtype=precision.base,
                                             double_quant=precision.double_quant,
@@ -730,6 +735,11 @@ class Engine:
                 waits = self.executor.host_waits
                 with self.tracker.hooks(), self.residency.reading():
                     loss = self.loss_fn(self.model, to_device(batch, self.device))
+                if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                    what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                            else f"a {type(loss).__name__}")
+                    raise TypeError(f"loss_fn returned {what}: it must return the loss as a one-element tensor "
+                                    "(with its graph: no .item() or float())")
                 self.moments.counts["host_waits_forward"] += self.executor.host_waits - waits
                 if self.tracker.offloader is not None:
                     self.tracker.offloader.end_forward()

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..core.chunks import ParamSpec, specs_of
 from ..core.errors import UnsupportedModel
 from ..plan.perfmodel import TILED_FAMILIES
 from . import segments
@@ -80,6 +81,34 @@ def check_dense_grads(model: torch.nn.Module) -> None:
         raise UnsupportedModel(f"sparse gradients are not supported: {', '.join(sparse[:3])} "
                                f"{'is' if len(sparse) == 1 else 'are'} an embedding with sparse=True; "
                                f"use sparse=False")
+
+
+def embedding_names(model: torch.nn.Module) -> frozenset[str]:
+    """The names (as named_parameters gives them: a tied weight once) of nn.Embedding weights."""
+    ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return frozenset(n for n, p in model.named_parameters() if id(p) in ids)
+
+
+def model_specs(model: torch.nn.Module) -> list[ParamSpec]:
+    """The ParamSpecs the engine chunks a model by (its named_parameters, embeddings marked);
+    the planner takes the same (make_plan's `params`)."""
+    return specs_of(model.named_parameters(), embeddings=embedding_names(model))
+
+
+def check_model_given(model: Any) -> None:
+    """Refuse what an engine cannot take over: not a module, a module another engine holds
+    (its parameters are that engine's views), or a torch.compile wrapper (the engine hooks and
+    wraps the modules; compiled code would bypass or re-trace them)."""
+    from .surgery import HELD
+
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise UnsupportedModel("the model is a torch.compile wrapper: give the Engine the model itself "
+                               "(it hooks the modules and wraps their forwards)")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"the Engine takes a torch.nn.Module, got {type(model).__name__}")
+    if model in HELD:
+        raise UnsupportedModel("another Engine holds this model (its parameters are that engine's): close "
+                               "that one first (its trained weights: named_parameters_fp32), or give a new model")
 
 
 def check_no_own_checkpointing(model: torch.nn.Module) -> None:

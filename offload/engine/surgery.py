@@ -9,6 +9,7 @@ off a Hugging Face KV cache under recompute. Each change records an undo handle 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -30,12 +31,18 @@ class Undo:
             fn()
 
 
+HELD: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+"""The models engines hold now (their parameters are the engines'); a copy is not among them."""
+
+
 class ModelSurgery:
     """Gets the model. Every method that changes it records how to undo the change."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.undo: list[Any] = []  # anything with remove(): Undo, torch's RemovableHandle
+        HELD.add(model)
+        self.undo.append(Undo(lambda: HELD.discard(model)))
 
     def keep(self, handles: Iterable[Any]) -> None:
         """Handles made elsewhere (torch's hook handles): close() removes them."""

@@ -39,11 +39,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from ..core.chunks import DEFAULT_CHUNK_BYTES, specs_of
+from ..core.chunks import DEFAULT_CHUNK_BYTES
 from ..core.errors import TierwiseError
 from ..engine.frozen_base import linear_modules
 from ..engine.lora import inject_meta
-from ..engine.model_info import hf_meta_model
+from ..engine.model_info import hf_meta_model, model_specs
 from ..runtime.store import SwapKind
 from ..core.vocab import TIERS
 from ..plan.planner import MASKED, Plan, make_plan, recompute_text
@@ -161,7 +161,7 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
                             f"empty cache, then the steady ones whose base reads it compares), got {steps}")
     profile, config = _shapes(model, name=name)
     module = (build or hf_meta_model)(config)
-    params = specs_of(module.named_parameters())  # the base's: the planner injects the adapters itself
+    params = model_specs(module)  # the base's: the planner injects the adapters itself
     linears = linear_modules(module) if lora is not None else None
     if lora is not None:
         try:

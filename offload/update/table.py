@@ -99,6 +99,10 @@ class OptimizerSpec:
     """Multiplier on that throughput (a cheaper update runs faster)."""
     dense_state_per_param: float = 8.0
     """State bytes per element of a large non-projected parameter (for people: README, tables)."""
+    fp32_embeddings: bool = False
+    """nn.Embedding weights keep fp32 moments (8 B/element), as transformers' Trainer has
+    bitsandbytes' 8-bit optimizers do (a row no token reached keeps a zero gradient, which 8-bit
+    moments turn into steps of many times lr)."""
 
     @property
     def low_rank(self) -> bool:
@@ -109,7 +113,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {s.name: s for s in (
     OptimizerSpec(name="adamw", chunk_state_per_param=8),
     # bitsandbytes-style block-wise 8-bit: 2 B of moments + 2 fp32 absmax per 256-element block
     OptimizerSpec(name="adamw8bit", slot_state=lambda shape, projected, rank: _adam8(math.prod(shape)),
-                  cpu_rate="adamw8bit", dense_state_per_param=2.0 + 8 / BLOCK),
+                  cpu_rate="adamw8bit", dense_state_per_param=2.0 + 8 / BLOCK, fp32_embeddings=True),
     OptimizerSpec(name="galore", slot_state=_galore(False), lowrank="galore", default_rank=128),
     OptimizerSpec(name="galore8bit", slot_state=_galore(True), lowrank="galore", default_rank=128,
                   cpu_rate="adamw8bit", dense_state_per_param=8.0),
@@ -144,5 +148,10 @@ def state_bytes(plan: ChunkPlan, name: str, *, rank: int | None = None, momentum
     shapes = {n: tuple(s.shape) for n, s in plan.slots.items()}
     proj = projected_params(shapes) if spec.low_rank else set()
     r = spec.default_rank if rank is None else rank
-    return [sum(_align(b) for n in c.params for b in spec.slot_state(shapes[n], n in proj, r))
-            for c in plan.chunks]
+
+    def tensors(n: str) -> list[int]:
+        if spec.fp32_embeddings and plan.slots[n].embedding:
+            return _adam(math.prod(shapes[n]))
+        return spec.slot_state(shapes[n], n in proj, r)
+
+    return [sum(_align(b) for n in c.params for b in tensors(n)) for c in plan.chunks]

@@ -24,7 +24,7 @@ from ...optim.apollo import apollo_step_, init_apollo_state
 from ...optim.base import check_low_rank
 from ...optim.galore import as_matrix, galore_step_, init_galore_state, svd_projector
 
-__all__ = ["LOW_RANK", "NAMES", "drop_in_groups", "make_updater", "projected_params"]
+__all__ = ["LOW_RANK", "NAMES", "drop_in_groups", "eight_bit_groups", "make_updater", "projected_params"]
 
 
 def drop_in_groups(model: torch.nn.Module, *, rank: int, **extra: Any) -> list[dict]:
@@ -36,19 +36,33 @@ def drop_in_groups(model: torch.nn.Module, *, rank: int, **extra: Any) -> list[d
             {"params": [p for n, p in named if n not in proj]}]
 
 
+def eight_bit_groups(model: torch.nn.Module, **extra: Any) -> list[dict]:
+    """Param groups giving the drop-in AdamW8bit the engine's rule (and transformers' Trainer's
+    with bitsandbytes): nn.Embedding weights keep fp32 moments (optim_bits=32), in model order."""
+    from ..engine.model_info import embedding_names
+
+    full = embedding_names(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if n in full], "optim_bits": 32, **extra},
+            {"params": [p for n, p in named if n not in full], **extra}]
+
+
 def _hyper(hp: Hyper) -> dict:
     return dict(lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], eps=hp.eps, weight_decay=hp.weight_decay)
 
 
 def _adam8(plan: ChunkPlan, order: list[str], proj: set[str]) -> SlotUpdater:
+    # (the slots SlotUpdater calls "projected" are here the embeddings: fp32 moments, table.fp32_embeddings)
+    full = {n for n, s in plan.slots.items() if s.embedding}
+
     def run(p: Any, g: Any, state: dict, *, step: int, index: int, projected: bool, hp: Hyper) -> None:
         work = p if p.is_contiguous() else p.contiguous()  # as AdamW8bit does: blocks in logical order
         adamw8bit_step_(work, g, state, step=step, **_hyper(hp))
         if work is not p:
             p.copy_(work)
 
-    return SlotUpdater("adamw8bit", plan, order=order, projected=set(),
-                       init=lambda meta, projected: init_adamw8bit_state(meta), run=run)
+    return SlotUpdater("adamw8bit", plan, order=order, projected=full,
+                       init=lambda meta, fp32: init_adamw8bit_state(meta, fp32=fp32), run=run)
 
 
 def _galore(plan: ChunkPlan, order: list[str], proj: set[str], *, eight_bit: bool, rank: int,
