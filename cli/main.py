@@ -85,7 +85,13 @@ def user_errors(fn):
     return wrapper
 
 
-Opt = functools.partial(typer.Option, show_default=True)
+def Opt(default: typing.Any, *decls: str, **kw: typing.Any) -> typing.Any:
+    """typer.Option with its default shown; a flag (a bool default, or --x/--no-x) shows no
+    <bool> value."""
+    if (isinstance(default, bool) or any("/" in d for d in decls)) and kw.get("metavar") is None:
+        kw["metavar"] = ""
+    kw.setdefault("show_default", True)
+    return typer.Option(default, *decls, **kw)
 
 
 def config_options(*, plan: bool = False):
@@ -108,7 +114,8 @@ def config_options(*, plan: bool = False):
                 args = [Enum(f.name, {c: c for c in meta["choices"]}, type=str)]
             annotation = Optional[args[0]] if args else kind
             decls = [meta["flag"]] if meta["flag"] else []
-            info = Opt(f.default, *decls, help=meta["help"], rich_help_panel=meta["panel"])
+            info = Opt(f.default, *decls, help=meta["help"], rich_help_panel=meta["panel"],
+                       metavar="" if bool in (kind, *args) else None)  # (a None default: a flag too)
             if f.name == "seq_len":  # text: `plan --seq-len max` is the longest that fits; training says so
                 annotation = str
                 info = Opt(str(f.default), *decls, help=meta["help"] + (" `max`: the longest that fits the budgets."
@@ -308,8 +315,8 @@ def generate(
 @app.command()
 @user_errors
 def export(
-    merge: bool = Opt(False, "--merge", help="Merge a LoRA adapter into its base model (the "
-                      "only export mode)."),
+    merge: bool = Opt(False, "--merge", help="Merge a LoRA adapter into its base model: the "
+                      "only export, done with or without this flag."),
     adapter: Optional[Path] = Opt(None, "--adapter", help="PEFT adapter directory "
                                   "(adapter_config.json + adapter_model.safetensors)."),
     base: Optional[Path] = Opt(None, "--base", help="The base model directory the adapter was "
@@ -332,12 +339,11 @@ def export(
 
     Streamed shard by shard (never the whole model in memory).
 
-    Example: finetune export --merge --adapter run/adapter --base ./llama --output ./llama-merged"""
-    if not merge:
-        raise TierwiseError("export: give --merge (merging a LoRA adapter is the only export)")
+    Example: finetune export --adapter run/adapter --base ./llama --output ./llama-merged"""
+    del merge  # (the only export: accepted, not required)
     for flag, value in (("--adapter", adapter), ("--base", base), ("--output", output)):
         if value is None:
-            raise TierwiseError(f"export --merge needs {flag}")
+            raise TierwiseError(f"export needs {flag} (the adapter, the base it was trained on, where to write)")
     from .merge import merge as run_merge
 
     out = run_merge(adapter, base, output, dtype=dtype, cpu_mem=cpu_mem,

@@ -765,14 +765,14 @@ def profile(*, hardware: str | None, output: str | None, console: Console, nvme_
 
     with console.status("[bold]measuring this machine[/] (under a minute)") as status:
         def progress(msg: str) -> None:
-            console.print(f"  {msg}", highlight=False)
+            console.print(f"  {msg}", highlight=False, soft_wrap=True)  # (the terminal wraps: never mid-number)
             status.update(f"[bold]measuring[/] after {msg.split(':')[0]}")
 
         text = measure(hardware=hardware, output=output, nvme_path=nvme_path, quick=quick, progress=progress)
     if output is None and text:
         console.out(text, highlight=False)
         console.print("save it with --output FILE.toml, then plan and train with --hardware FILE.toml",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
     elif output:
         console.print(f"use it with [bold]--hardware {output}[/]")
     return 0

@@ -158,9 +158,8 @@ def test_merge_refusals(tmp_path):
     full.mkdir()
     (full / "x").write_text("x")
     assert "not empty" in error_line(_run(*common, "--output", full))
-    assert "give --merge" in error_line(_run("--adapter", adapter, "--base", base, "--output",
-                                             tmp_path / "o"))
-    assert "needs --output" in error_line(_run(*common))
+    assert "export needs --output" in error_line(_run(*common))
+    assert "export needs --base" in error_line(_run("--adapter", adapter))
 
     model = AutoModelForCausalLM.from_pretrained(base)
     get_peft_model(model, IA3Config(target_modules=["q_proj", "down_proj"],
