@@ -15,10 +15,11 @@ from __future__ import annotations
 import tempfile
 
 import torch
-from transformers import LlamaForCausalLM, TrainingArguments
 
+from tierwise.offload.hf import OffloadTrainer  # (before transformers: bitsandbytes' import-time
+# notice that an optional Hub kernel is unavailable offline is then kept at debug level)
 from tierwise.cli.builtin import build_tokenizer, sample_lines, tiny_llama_config
-from tierwise.offload.hf import OffloadTrainer
+from transformers import LlamaForCausalLM, TrainingArguments
 
 SEQ_LEN = 32
 
