@@ -18,7 +18,7 @@ does forward, backward and the update. What maps where:
   `engine.backward` of the loss as the Trainer scales it; the update at its sync step.
 - `max_grad_norm`: the engine clips (Optim.grad_clip); the logged grad_norm is the engine's.
 - Logs (and `report_to`): each tier's peak beside the loss (`gpu_peak_gib`, `host_peak_gib`, ...).
-- Evaluation: the loss through `engine.eval_loss` (no logits: `compute_metrics` is refused).
+- Evaluation: the loss through `engine.eval_loss` (no logits: `compute_metrics` and `predict()` are refused).
 - `save_model` / checkpoints: what Trainer writes, from the engine's fp32 masters in the
   model's dtypes (a PEFT model: its adapter); a checkpoint also holds the engine's state
   (`ENGINE_STATE`), and `resume_from_checkpoint` restores it.
@@ -288,6 +288,9 @@ class _Offload:
     def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: Any = None) -> tuple[Any, None, None]:
         trainer: Any = self
+        if not prediction_loss_only:  # predict(), or evaluate() with compute_metrics: logits wanted
+            raise TierwiseError("OffloadTrainer evaluates the loss only (the engine never holds every token's "
+                                "logits): predict() is not supported; evaluate() gives eval_loss")
         if self.engine is None:  # evaluated before training: the engine takes the model now
             self.create_optimizer()
         inputs = trainer._prepare_inputs(inputs)

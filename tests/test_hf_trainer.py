@@ -78,6 +78,8 @@ def test_offload_trainer_trains_as_plain_trainer(tmp_path):
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
     evaluated = ours.evaluate(eval_dataset=Rows(n=6))["eval_loss"]
     assert evaluated == pytest.approx(plain.evaluate(eval_dataset=Rows(n=6))["eval_loss"], rel=1e-5)
+    with pytest.raises(TierwiseError, match="evaluates the loss only"):  # (was: predictions None, silently)
+        ours.predict(Rows(n=2))
 
 
 def test_a_peft_model_trains_its_adapter_as_peft_does(tmp_path):
