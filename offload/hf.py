@@ -215,11 +215,18 @@ class _Offload:
                 # a longer one needs (the engine keeps activations only for a known longest batch)
                 options["activations"] = Activations(recompute=True)
             self.engine = Engine(model, **options)
-            if _source(base) is not None:
-                self._load_checkpoint(model, base)
-            if quantized:
-                self.engine.load_weights((name, _dequantized(w)) for name, w, *_ in quantized)
-            self._measure_longest()
+            try:
+                if _source(base) is not None:
+                    self._load_checkpoint(model, base)
+                if quantized:
+                    self.engine.load_weights((name, _dequantized(w)) for name, w, *_ in quantized)
+                self._measure_longest()
+            except BaseException as exc:  # the engine goes (its threads, its memory), and the model with it
+                self.engine.close()
+                self.engine = None
+                exc.add_note("tierwise: the engine that held the model was closed: build the model and the "
+                             "trainer again to retry")
+                raise
             trainer.optimizer = _EngineOptimizer(self.engine, trainer.args.learning_rate)
         return trainer.optimizer
 

@@ -53,7 +53,7 @@ from tierwise.offload.core.errors import InfeasibleBudget
 from tierwise.offload.core.vocab import COMPUTE_DTYPES
 from tierwise.offload.runtime.ledger import Ledger
 from tierwise.offload.plan.planner import make_plan
-from tierwise.offload.update.updaters import drop_in_groups
+from tierwise.offload.update.updaters import drop_in_groups, eight_bit_groups
 from tierwise.offload.tools.verify import cuda_peak
 from tierwise.optim import AdamW8bit, ApolloAdamW, GaLoreAdamW, MeZO
 from tierwise.optim.mezo import direction, tensor_seed
@@ -191,7 +191,7 @@ def drop_in(opt: str, params_of: torch.nn.Module) -> torch.optim.Optimizer:
     if opt == "adamw":
         return torch.optim.AdamW(params_of.parameters(), fused=True, **HP)
     if opt == "adamw8bit":
-        return AdamW8bit(params_of.parameters(), **HP)
+        return AdamW8bit(eight_bit_groups(params_of), **HP)  # (embeddings: fp32 moments)
     if opt == "galore":
         return GaLoreAdamW(drop_in_groups(params_of, **OPT_KWARGS["galore"]), **HP)
     if opt == "apollo":

@@ -942,7 +942,8 @@ class Engine:
             rest = [c for c in rest if self.ranks.owns(c)]
         if self.grad_clip is not None:
             sum_norms = None if self.ranks is None else (lambda t: self.ranks.sum_(t, "summing gradient norms"))
-            self.last_grad_norm = self.store.clip_grads_(self.grad_clip, sum_norms=sum_norms)
+            self.last_grad_norm = self.store.clip_grads_(self.grad_clip, sum_norms=sum_norms,
+                                                         has_grad=getattr(self.updater, "has_grad", None))
             skip = skip or (self.skip_nonfinite and not bool(torch.isfinite(self.last_grad_norm)))
         self.skipped_last = skip
         if not skip:
@@ -952,6 +953,7 @@ class Engine:
         drop_ahead(self._ahead)
         self._order, self._order_now = self._order_now, []
         early.clear()
+        self.grads.seen = set()  # (used: a second optimizer_step without a backward updates nothing)
         self.store.grad_scale = None
         # (a trace this step recorded is scheduled before the eviction: the step keeps the first
         # chunks of its schedule over its end, as any later one does)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from typing import Any
 
 import torch
 
 from ..core.chunks import ParamSpec, specs_of
 from ..core.errors import UnsupportedModel
+from ..update.updaters import embedding_names
 from ..plan.perfmodel import TILED_FAMILIES
 from . import segments
 
@@ -83,12 +85,6 @@ def check_dense_grads(model: torch.nn.Module) -> None:
                                f"use sparse=False")
 
 
-def embedding_names(model: torch.nn.Module) -> frozenset[str]:
-    """The names (as named_parameters gives them: a tied weight once) of nn.Embedding weights."""
-    ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    return frozenset(n for n, p in model.named_parameters() if id(p) in ids)
-
-
 def model_specs(model: torch.nn.Module) -> list[ParamSpec]:
     """The ParamSpecs the engine chunks a model by (its named_parameters, embeddings marked);
     the planner takes the same (make_plan's `params`)."""
@@ -101,7 +97,8 @@ def check_model_given(model: Any) -> None:
     wraps the modules; compiled code would bypass or re-trace them)."""
     from .surgery import HELD
 
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    dynamo = sys.modules.get("torch._dynamo")  # (imported by torch.compile: not imported here, 1 s)
+    if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
         raise UnsupportedModel("the model is a torch.compile wrapper: give the Engine the model itself "
                                "(it hooks the modules and wraps their forwards)")
     if not isinstance(model, torch.nn.Module):

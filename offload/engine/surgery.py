@@ -42,7 +42,6 @@ class ModelSurgery:
         self.model = model
         self.undo: list[Any] = []  # anything with remove(): Undo, torch's RemovableHandle
         HELD.add(model)
-        self.undo.append(Undo(lambda: HELD.discard(model)))
 
     def keep(self, handles: Iterable[Any]) -> None:
         """Handles made elsewhere (torch's hook handles): close() removes them."""
@@ -104,8 +103,11 @@ class ModelSurgery:
 
     def close(self) -> None:
         undo, self.undo = self.undo, []
-        for h in reversed(undo):
-            h.remove()
+        try:
+            for h in reversed(undo):
+                h.remove()
+        finally:  # (an undo that failed still lets the model go)
+            HELD.discard(self.model)
 
     def to_meta(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Replace `params` in the model by meta tensors of their shape (shared ones stay shared):

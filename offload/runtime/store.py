@@ -392,8 +392,8 @@ class ChunkStore:
             if id(p) not in seen and grad is not None and not isinstance(grad, SwapKind):
                 self.grad_view(self.plan.slots[name]).zero_()
 
-    def clip_grads_(self, max_norm: float, *, sum_norms: "Callable[[torch.Tensor], torch.Tensor] | None" = None
-                    ) -> torch.Tensor:
+    def clip_grads_(self, max_norm: float, *, sum_norms: "Callable[[torch.Tensor], torch.Tensor] | None" = None,
+                    has_grad: "Callable[[str], bool] | None" = None) -> torch.Tensor:
         """Global-norm clipping, computed as torch.nn.utils.clip_grad_norm_ does.
 
         The norm is taken per parameter with the same kernel and in the same order as the
@@ -403,6 +403,8 @@ class ChunkStore:
         Several ranks: a remote chunk's parameters contribute norms of 0 and `sum_norms` sums
         the vector of per-parameter norms over the ranks (each norm comes from one rank, the
         others add zeros: exact), so every rank takes the reference's norm of all of them.
+        `has_grad(name)`: False for a parameter that got no gradient this step, left out of the
+        norm as torch leaves out a None .grad (a zero in the list can change the rounding).
         """
         norms: list[torch.Tensor] = []
         for cid, ch in enumerate(self.chunks):
@@ -412,8 +414,13 @@ class ChunkStore:
             if ch.grad is None:  # frozen
                 continue
             with self.opened(cid, only=("grad",)) as work:
-                views = [self.plan.slots[n].view(work["grad"]) for n in ch.names]  # as the reference's grads
+                views = [self.plan.slots[n].view(work["grad"]) for n in ch.names  # as the reference's grads
+                         if has_grad is None or has_grad(n)]
+                if not views:
+                    continue
                 norms.extend(torch._foreach_norm(views, 2.0))
+        if not norms:  # no gradient at all: torch's norm of nothing
+            norms = [torch.zeros((), dtype=torch.float32)]
         first = norms[0].device
         stacked = torch.stack([n.to(first) for n in norms])
         if sum_norms is not None:
@@ -494,9 +501,11 @@ class ChunkStore:
                 for kind in ("master", "state"):  # copy_ would convert a wrong dtype silently
                     if kind in work and (kind not in saved or saved[kind].dtype != work[kind].dtype
                                          or saved[kind].shape != work[kind].shape):
+                        old = ("; or an adamw8bit run of a tierwise before 2026-12-07, whose embeddings kept "
+                               "8-bit moments (not resumable)" if kind == "state" else "")
                         raise ValueError(f"checkpoint chunk {cid}'s {kind} is not this engine's "
                                          f"({work[kind].dtype} {tuple(work[kind].shape)}): another "
-                                         "optimizer, precision or --chunk-size wrote it")
+                                         f"optimizer, precision or --chunk-size wrote it{old}")
                 if "state" in saved and "state" not in work:  # it would be dropped (SGD without momentum)
                     raise ValueError(f"checkpoint chunk {cid} has optimizer state this engine keeps none of: "
                                      "another optimizer (or SGD momentum) wrote it")

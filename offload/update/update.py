@@ -128,12 +128,11 @@ class AdamWChunks(Skips):
         absent = self.absent(cid)
         if self.whole(cid, absent):
             ranges, steps = self.ranges[cid], [step] * len(self.ranges[cid])
-        else:  # each parameter alone, at its own count (as the merged runs are: bit for bit)
-            taking = [self.plan.slots[p] for p in self.plan.chunks[cid].params if p not in absent]
-            ranges = [(s.offset, s.numel) for s in taking]
-            steps = [step - self.missed.get(s.name, 0) for s in taking]
+        else:  # the parameters taking this update, merged as fused_ranges does where their counts agree
+            ranges, missed = self._runs(cid, absent)
             if not ranges:
                 return
+            steps = [step - k if k else step for k in missed]
 
         def slots(t: torch.Tensor) -> list[torch.Tensor]:  # [numel] views of the chunk
             return [t[o: o + k] for o, k in ranges]
@@ -143,6 +142,24 @@ class AdamWChunks(Skips):
             amsgrad=False, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1],
             weight_decay=hp.weight_decay, eps=hp.eps, maximize=False,
         )
+
+    def _runs(self, cid: int, absent: list[str]) -> tuple[list[tuple[int, int]], list[int]]:
+        """(offset, numel) and missed updates of the tensors the fused kernel gets for the
+        parameters of `cid` not in `absent`: fused_ranges' runs, split where the count changes."""
+        out: list[list[int]] = []
+        merge = False
+        for name in self.plan.chunks[cid].params:
+            if name in absent:
+                merge = False
+                continue
+            s, k = self.plan.slots[name], self.missed.get(name, 0)
+            whole = s.numel % ALIGN == 0
+            if whole and merge and out[-1][2] == k and out[-1][0] + out[-1][1] == s.offset:
+                out[-1][1] += s.numel
+            else:
+                out.append([s.offset, s.numel, k])
+            merge = whole
+        return [(o, n) for o, n, _ in out], [k for _, _, k in out]
 
     def meta_state(self) -> dict:
         return {}
@@ -170,14 +187,29 @@ class SGDChunks(AdamWChunks):
         buf = blob.view(torch.float32) if self.momentum else None
         if self.whole(cid, absent):
             self._sgd(master, grad, buf, first=step.item() == 0, hp=hp)
-        else:  # (elementwise: a parameter alone rounds as in the whole chunk)
+        else:  # spans of neighbours with the same count (elementwise: a span rounds as the whole chunk)
             done = int(step.item())
-            for name in self.plan.chunks[cid].params:
-                if name not in absent:
-                    s = self.plan.slots[name]
-                    self._sgd(s.view(master), s.view(grad), None if buf is None else s.view(buf),
-                              first=done == self.missed.get(name, 0), hp=hp)
+            for start, end, k in self._spans(cid, absent):
+                self._sgd(master[start:end], grad[start:end], None if buf is None else buf[start:end],
+                          first=done == k, hp=hp)
         step += 1
+
+    def _spans(self, cid: int, absent: list[str]) -> list[tuple[int, int, int]]:
+        """[start, end) element spans of neighbouring parameters of `cid` taking this update
+        with the same missed count (the padding between them is zeros: it stays zero)."""
+        out: list[list[int]] = []
+        joined = False
+        for name in self.plan.chunks[cid].params:
+            if name in absent:
+                joined = False
+                continue
+            s, k = self.plan.slots[name], self.missed.get(name, 0)
+            if joined and out[-1][2] == k:
+                out[-1][1] = s.offset + s.numel
+            else:
+                out.append([s.offset, s.offset + s.numel, k])
+            joined = True
+        return [(a, b, k) for a, b, k in out]
 
     def _sgd(self, p: torch.Tensor, g: torch.Tensor, buf: "torch.Tensor | None", *, first: bool,
              hp: Hyper) -> None:
