@@ -238,7 +238,11 @@ class TrainConfig:
     """Recompute the first N decoder layers (core.options.recomputed_blocks); None: as --recompute
     says. Set by cli.planning.resolve_recompute where auto picks a share."""
     chunk_size: str = _f("64M", "Bytes of fp32 weights per chunk.", panel=HW, plan=True)
-    optimizer: str = _f("adamw", "Optimizer.", panel=OPTIM, choices=OPTIMIZERS, plan=True)
+    optimizer: str = _f("adamw", "Optimizer, and its state per trainable parameter: adamw 8 B; adamw8bit about "
+                        "2 B (embeddings 8); galore, galore8bit, apollo, apollo-mini: low-rank moments (a "
+                        "fraction of AdamW's); sgd none; mezo none, and no gradients "
+                        "(zeroth order). docs/optimizers.md compares them.", panel=OPTIM, choices=OPTIMIZERS,
+                        plan=True)
     lr: float | None = _f(None, "Peak learning rate (default: 1e-4; 2e-4 with --lora/--qlora, as the QLoRA "
                           "recipe; 1e-3 for the built-in demo).", panel=OPTIM)
     """Peak learning rate; None: DEFAULT_LR, LORA_LR for a LoRA run, or DEMO_LR for the built-in demo."""
