@@ -67,16 +67,21 @@ def fused_ranges(plan: ChunkPlan, chunk: ChunkSpec) -> list[tuple[int, int]]:
     """(offset, numel) of the tensors the fused kernel gets for `chunk`: each slot whose numel
     is not a multiple of ALIGN alone, consecutive slots that are multiples of ALIGN merged."""
     out: list[list[int]] = []
-    merge = False
+    prev = None
     for name in chunk.params:
         s = plan.slots[name]
-        whole = s.numel % ALIGN == 0
-        if whole and merge and out[-1][0] + out[-1][1] == s.offset:
+        if prev is not None and _fuses(prev, s):
             out[-1][1] += s.numel
         else:
             out.append([s.offset, s.numel])
-        merge = whole
+        prev = s
     return [(o, n) for o, n in out]
+
+
+def _fuses(a: Any, b: Any) -> bool:
+    """Slots `a` then `b` go to the fused kernel as one tensor: both multiples of ALIGN, `b`
+    right after `a`."""
+    return a.numel % ALIGN == 0 and b.numel % ALIGN == 0 and a.offset + a.numel == b.offset
 
 
 class Skips:
@@ -99,6 +104,24 @@ class Skips:
         for n in names:
             self.missed[n] = self.missed.get(n, 0) + 1
         return names
+
+    def runs(self, cid: int, absent: list[str], joins: Callable[[Any, Any], bool]) -> list[tuple[int, int, int]]:
+        """[start, end) element spans of the parameters of `cid` taking this update (not in
+        `absent`), each with its missed count: neighbours with the same count are one span where
+        `joins(previous slot, slot)`."""
+        out: list[list[int]] = []
+        prev = None
+        for name in self.plan.chunks[cid].params:
+            if name in absent:
+                prev = None
+                continue
+            s, k = self.plan.slots[name], self.missed.get(name, 0)
+            if prev is not None and out[-1][2] == k and joins(prev, s):
+                out[-1][1] = s.offset + s.numel
+            else:
+                out.append([s.offset, s.offset + s.numel, k])
+            prev = s
+        return [(a, b, k) for a, b, k in out]
 
     def whole(self, cid: int, absent: list[str]) -> bool:
         """Every parameter of the chunk takes this update at the chunk's own step count."""
@@ -129,10 +152,11 @@ class AdamWChunks(Skips):
         if self.whole(cid, absent):
             ranges, steps = self.ranges[cid], [step] * len(self.ranges[cid])
         else:  # the parameters taking this update, merged as fused_ranges does where their counts agree
-            ranges, missed = self._runs(cid, absent)
-            if not ranges:
+            spans = self.runs(cid, absent, _fuses)
+            if not spans:
                 return
-            steps = [step - k if k else step for k in missed]
+            ranges = [(a, b - a) for a, b, _ in spans]
+            steps = [step - k if k else step for _, _, k in spans]
 
         def slots(t: torch.Tensor) -> list[torch.Tensor]:  # [numel] views of the chunk
             return [t[o: o + k] for o, k in ranges]
@@ -142,24 +166,6 @@ class AdamWChunks(Skips):
             amsgrad=False, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1],
             weight_decay=hp.weight_decay, eps=hp.eps, maximize=False,
         )
-
-    def _runs(self, cid: int, absent: list[str]) -> tuple[list[tuple[int, int]], list[int]]:
-        """(offset, numel) and missed updates of the tensors the fused kernel gets for the
-        parameters of `cid` not in `absent`: fused_ranges' runs, split where the count changes."""
-        out: list[list[int]] = []
-        merge = False
-        for name in self.plan.chunks[cid].params:
-            if name in absent:
-                merge = False
-                continue
-            s, k = self.plan.slots[name], self.missed.get(name, 0)
-            whole = s.numel % ALIGN == 0
-            if whole and merge and out[-1][2] == k and out[-1][0] + out[-1][1] == s.offset:
-                out[-1][1] += s.numel
-            else:
-                out.append([s.offset, s.numel, k])
-            merge = whole
-        return [(o, n) for o, n, _ in out], [k for _, _, k in out]
 
     def meta_state(self) -> dict:
         return {}
@@ -189,27 +195,10 @@ class SGDChunks(AdamWChunks):
             self._sgd(master, grad, buf, first=step.item() == 0, hp=hp)
         else:  # spans of neighbours with the same count (elementwise: a span rounds as the whole chunk)
             done = int(step.item())
-            for start, end, k in self._spans(cid, absent):
+            for start, end, k in self.runs(cid, absent, lambda a, b: True):  # (padding: zeros, stays zero)
                 self._sgd(master[start:end], grad[start:end], None if buf is None else buf[start:end],
                           first=done == k, hp=hp)
         step += 1
-
-    def _spans(self, cid: int, absent: list[str]) -> list[tuple[int, int, int]]:
-        """[start, end) element spans of neighbouring parameters of `cid` taking this update
-        with the same missed count (the padding between them is zeros: it stays zero)."""
-        out: list[list[int]] = []
-        joined = False
-        for name in self.plan.chunks[cid].params:
-            if name in absent:
-                joined = False
-                continue
-            s, k = self.plan.slots[name], self.missed.get(name, 0)
-            if joined and out[-1][2] == k:
-                out[-1][1] = s.offset + s.numel
-            else:
-                out.append([s.offset, s.offset + s.numel, k])
-            joined = True
-        return [(a, b, k) for a, b, k in out]
 
     def _sgd(self, p: torch.Tensor, g: torch.Tensor, buf: "torch.Tensor | None", *, first: bool,
              hp: Hyper) -> None:
