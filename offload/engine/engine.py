@@ -235,7 +235,7 @@ class Engine:
                 check_dense_grads(model)
             if self.updater.needs_grad and self.ranks is None:
                 # (several ranks: which parameters got a gradient is known per rank only)
-                self.updater.has_grad = self._has_grad
+                self.updater.unseen = self._unseen
             #: several ranks with owned-only gradients (offload.engine.transient)
             self.owned_grads = self.ranks is not None and distributed.grad_reduce == "micro" and self.updater.needs_grad
             trainable = [c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)]
@@ -686,8 +686,12 @@ class Engine:
         return f"module {name!r} ({type(mod).__name__})" if name else f"the model ({type(mod).__name__})"
 
     # -- the step -----------------------------------------------------------------------
-    def _has_grad(self, name: str) -> bool:
-        return id(self.params[name]) in self.grads.seen
+    def _unseen(self, cid: int) -> list[str]:
+        """The parameters of chunk `cid` without a gradient this step (none: no call per parameter)."""
+        seen = self.grads.seen
+        if len(seen) >= self._trainable_count:
+            return []
+        return [n for n in self.plan.chunks[cid].params if id(self.params[n]) not in seen]
 
     def _tell_unseen(self) -> None:
         """Once, with several ranks: trainable parameters without a gradient this step are updated
@@ -943,7 +947,7 @@ class Engine:
         if self.grad_clip is not None:
             sum_norms = None if self.ranks is None else (lambda t: self.ranks.sum_(t, "summing gradient norms"))
             self.last_grad_norm = self.store.clip_grads_(self.grad_clip, sum_norms=sum_norms,
-                                                         has_grad=getattr(self.updater, "has_grad", None))
+                                                         unseen=getattr(self.updater, "unseen", None))
             skip = skip or (self.skip_nonfinite and not bool(torch.isfinite(self.last_grad_norm)))
         self.skipped_last = skip
         if not skip:

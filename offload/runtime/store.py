@@ -393,7 +393,7 @@ class ChunkStore:
                 self.grad_view(self.plan.slots[name]).zero_()
 
     def clip_grads_(self, max_norm: float, *, sum_norms: "Callable[[torch.Tensor], torch.Tensor] | None" = None,
-                    has_grad: "Callable[[str], bool] | None" = None) -> torch.Tensor:
+                    unseen: "Callable[[int], list[str]] | None" = None) -> torch.Tensor:
         """Global-norm clipping, computed as torch.nn.utils.clip_grad_norm_ does.
 
         The norm is taken per parameter with the same kernel and in the same order as the
@@ -403,8 +403,8 @@ class ChunkStore:
         Several ranks: a remote chunk's parameters contribute norms of 0 and `sum_norms` sums
         the vector of per-parameter norms over the ranks (each norm comes from one rank, the
         others add zeros: exact), so every rank takes the reference's norm of all of them.
-        `has_grad(name)`: False for a parameter that got no gradient this step, left out of the
-        norm as torch leaves out a None .grad (a zero in the list can change the rounding).
+        `unseen(cid)`: the parameters of chunk `cid` that got no gradient this step, left out of
+        the norm as torch leaves out a None .grad (a zero in the list can change the rounding).
         """
         norms: list[torch.Tensor] = []
         for cid, ch in enumerate(self.chunks):
@@ -414,8 +414,9 @@ class ChunkStore:
             if ch.grad is None:  # frozen
                 continue
             with self.opened(cid, only=("grad",)) as work:
+                out = () if unseen is None else unseen(cid)
                 views = [self.plan.slots[n].view(work["grad"]) for n in ch.names  # as the reference's grads
-                         if has_grad is None or has_grad(n)]
+                         if n not in out]
                 if not views:
                     continue
                 norms.extend(torch._foreach_norm(views, 2.0))

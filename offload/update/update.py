@@ -85,22 +85,22 @@ def _fuses(a: Any, b: Any) -> bool:
 
 
 class Skips:
-    """Which parameters sit a chunk's update out. `has_grad(name)`, set by the engine (None:
-    every parameter is updated), says whether a parameter got a gradient this step; `missed`
+    """Which parameters sit a chunk's update out. `unseen(cid)`, set by the engine (None: every
+    parameter is updated), lists the parameters of chunk `cid` without a gradient this step; `missed`
     counts the updates each parameter sat out (checkpointed), so its own step count is its
     chunk's minus that."""
 
     def __init__(self, plan: ChunkPlan):
         self.plan = plan
-        self.has_grad: Callable[[str], bool] | None = None
+        self.unseen: Callable[[int], list[str]] | None = None
         self.missed: dict[str, int] = {}
 
     def absent(self, cid: int) -> list[str]:
         """The parameters of chunk `cid` without a gradient this step; called once per update
         of the chunk (it counts them as missed)."""
-        if self.has_grad is None:
+        if self.unseen is None:
             return []
-        names = [n for n in self.plan.chunks[cid].params if not self.has_grad(n)]
+        names = self.unseen(cid)
         for n in names:
             self.missed[n] = self.missed.get(n, 0) + 1
         return names
