@@ -233,9 +233,6 @@ class Engine:
                                         momentum=optim.momentum, **optim.kwargs)
             if self.updater.needs_grad:
                 check_dense_grads(model)
-            if self.updater.needs_grad and self.ranks is None:
-                # (several ranks: which parameters got a gradient is known per rank only)
-                self.updater.unseen = self._unseen
             #: several ranks with owned-only gradients (offload.engine.transient)
             self.owned_grads = self.ranks is not None and distributed.grad_reduce == "micro" and self.updater.needs_grad
             trainable = [c.index for c in self.plan.chunks if not self.plan.is_frozen(c.index)]
@@ -687,11 +684,8 @@ class Engine:
 
     # -- the step -----------------------------------------------------------------------
     def _unseen(self, cid: int) -> list[str]:
-        """The parameters of chunk `cid` without a gradient this step (none: no call per parameter)."""
-        seen = self.grads.seen
-        if len(seen) >= self._trainable_count:
-            return []
-        return [n for n in self.plan.chunks[cid].params if id(self.params[n]) not in seen]
+        """The parameters of chunk `cid` without a gradient this step."""
+        return [n for n in self.plan.chunks[cid].params if id(self.params[n]) not in self.grads.seen]
 
     def _tell_unseen(self) -> None:
         """Once, with several ranks: trainable parameters without a gradient this step are updated
@@ -936,6 +930,9 @@ class Engine:
         early = self.grads.finish_step(self.params, zero_unseen=self.updater.needs_grad)
         if self.updater.needs_grad and self.ranks is None:
             skip = skip or not self.grads.seen  # no gradient at all (no backward): torch.optim does nothing
+            # some got none: they sit this update out (several ranks: which did is known per rank
+            # only; an early update's chunk had every gradient)
+            self.updater.unseen = self._unseen if len(self.grads.seen) < self._trainable_count else None
         elif (self.updater.needs_grad and not skip and len(self.grads.seen) < self._trainable_count
               and not self._told_unseen):
             self._tell_unseen()
@@ -950,10 +947,14 @@ class Engine:
                                                          unseen=getattr(self.updater, "unseen", None))
             skip = skip or (self.skip_nonfinite and not bool(torch.isfinite(self.last_grad_norm)))
         self.skipped_last = skip
-        if not skip:
-            update_all(self.store, self.updater, self.hyper, self.bounce, chunks=rest,
-                       resident=self.residency.copy_master, carry=self._ahead,
-                       refresh=self.residency.refresh_master, defer=True)
+        try:
+            if not skip:
+                update_all(self.store, self.updater, self.hyper, self.bounce, chunks=rest,
+                           resident=self.residency.copy_master, carry=self._ahead,
+                           refresh=self.residency.refresh_master, defer=True)
+        finally:
+            if hasattr(self.updater, "unseen"):  # (the next step's early updates: every gradient there)
+                self.updater.unseen = None
         drop_ahead(self._ahead)
         self._order, self._order_now = self._order_now, []
         early.clear()

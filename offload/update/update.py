@@ -85,8 +85,9 @@ def _fuses(a: Any, b: Any) -> bool:
 
 
 class Skips:
-    """Which parameters sit a chunk's update out. `unseen(cid)`, set by the engine (None: every
-    parameter is updated), lists the parameters of chunk `cid` without a gradient this step; `missed`
+    """Which parameters sit a chunk's update out. `unseen(cid)`, set by the engine for an update
+    where some parameter got no gradient (None: every parameter takes it), lists the parameters of
+    chunk `cid` without one; `missed`
     counts the updates each parameter sat out (checkpointed), so its own step count is its
     chunk's minus that."""
 
@@ -148,8 +149,8 @@ class AdamWChunks(Skips):
         n = master.numel()
         m, v = blob[: 4 * n].view(torch.float32), blob[4 * n: 8 * n].view(torch.float32)
         step += 1
-        absent = self.absent(cid)
-        if self.whole(cid, absent):
+        absent = self.absent(cid) if self.unseen is not None else []
+        if not self.missed and not absent or self.whole(cid, absent):  # (the first test: no call)
             ranges, steps = self.ranges[cid], [step] * len(self.ranges[cid])
         else:  # the parameters taking this update, merged as fused_ranges does where their counts agree
             spans = self.runs(cid, absent, _fuses)
@@ -189,9 +190,9 @@ class SGDChunks(AdamWChunks):
     def step(self, master: torch.Tensor, grad: torch.Tensor, blob: torch.Tensor, cid: int,
              step: torch.Tensor, hp: Hyper) -> None:
         """master, grad: [numel] fp32; blob: [4 numel] uint8 momentum buffer or empty."""
-        absent = self.absent(cid)
+        absent = self.absent(cid) if self.unseen is not None else []
         buf = blob.view(torch.float32) if self.momentum else None
-        if self.whole(cid, absent):
+        if not self.missed and not absent or self.whole(cid, absent):
             self._sgd(master, grad, buf, first=step.item() == 0, hp=hp)
         else:  # spans of neighbours with the same count (elementwise: a span rounds as the whole chunk)
             done = int(step.item())
@@ -269,7 +270,7 @@ class SlotUpdater(Skips):
         """master, grad: [numel] fp32 chunk tensors; blob: [state_bytes(cid)] uint8."""
         step += 1
         k = int(step.item())
-        absent = self.absent(cid)
+        absent = self.absent(cid) if self.unseen is not None else []
         for lay in self.layouts[cid]:
             if lay.name in absent:
                 continue
