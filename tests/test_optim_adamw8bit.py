@@ -297,3 +297,26 @@ def test_bf16_params_keep_an_fp32_master_and_move_like_fp32():
     assert bool((ref[0] < 0.998).all())  # the reference moved by about 50 x lr (0.995)
     assert torch.equal(bf16, ref[0].bfloat16().float())  # the master is the fp32 run, rounded once
     assert torch.equal(lean, torch.ones(8192))  # bitsandbytes' behaviour: nothing moved
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_weight_changed_outside_is_not_reverted_by_the_master(dtype):
+    """A bf16/fp16 param keeps an fp32 master in the state; a weight changed outside between
+    steps (a loaded state dict, a reverted or averaged weight) goes on from its new value, as
+    with torch.optim.AdamW, not from the master's old one."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 128).to(dtype)
+    keep = torch.nn.Linear(128, 128).to(dtype)
+    keep.load_state_dict(lin.state_dict())
+    opts = [AdamW8bit(m.parameters(), lr=1e-3) for m in (lin, keep)]
+    x = torch.randn(8, 128, dtype=dtype)
+    for step in range(3):
+        if step == 2:
+            with torch.no_grad():
+                lin.weight.zero_()
+        for m, opt in zip((lin, keep), opts):
+            m(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert float(lin.weight.abs().max()) <= 2e-3  # one step from zero (was: the master's 0.09)
+    assert float(keep.weight.abs().max()) > 0.05

@@ -97,7 +97,7 @@ from .frozen_base import frozen_layouts
 from .tiled import tiled, tiled_mlps
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from .lora import apply_lora
-from .model_info import (check_dense_grads, check_model_given, check_no_own_checkpointing, check_trainable_dtypes,
+from .model_info import (adds_router_loss, check_dense_grads, check_model_given, check_no_own_checkpointing, check_trainable_dtypes,
                          find_blocks, lumped_recompute, model_specs)
 from .needs import device_needs, module_chunks, open_tiers
 from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
@@ -483,6 +483,13 @@ class Engine:
         if self.offload_activations and not count and self.updater.needs_grad:
             raise ValueError("offload_activations moves the inputs of recomputed blocks: it needs "
                              "checkpointing (a model with several blocks, checkpointing not False or 0)")
+        if count and self.updater.needs_grad and adds_router_loss(model):
+            # a recomputed block's first forward runs without a graph: the router logits the model
+            # collects there would give its auxiliary loss no gradient
+            raise UnsupportedModel("this MoE model adds its router's load-balancing loss (output_router_logits), "
+                                   "whose gradient the engine's block recompute would drop: train with "
+                                   "--no-recompute (Activations(recompute=False)), or set output_router_logits "
+                                   "to false to train without that loss")
         recomputed = self.blocks[:count]
         self.tracker = ActivationTracker(res, self.ledger, self.device, counts=self.moments.counts)
         # blocks that save what their inputs' shapes decide: a recompute may be lumped, and the

@@ -108,6 +108,13 @@ def check_model_given(model: Any) -> None:
                                "that one first (its trained weights: named_parameters_fp32), or give a new model")
 
 
+def adds_router_loss(model: torch.nn.Module) -> bool:
+    """A MoE model whose own loss adds its router's load-balancing loss (output_router_logits,
+    a nonzero router_aux_loss_coef)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "output_router_logits", False)) and getattr(config, "router_aux_loss_coef", 1.0) != 0
+
+
 def check_no_own_checkpointing(model: torch.nn.Module) -> None:
     """Refuse a Hugging Face model with gradient checkpointing on: its recompute runs modules in
     backward outside the engine's frames (the engine checkpoints repeated blocks itself)."""
