@@ -128,6 +128,25 @@ def raise_config_error(ctx) -> None:
         raise ConfigError(ctx.meta[_META_ERROR])
 
 
+#: Options that exclude each other: one given on the command line drops the other's value from
+#: the --config file (command-line flags win).
+EXCLUSIVE = (("steps", "epochs"),)
+
+
+def flags_win(ctx, options: dict) -> None:
+    """Drop a --config value that a command-line flag excludes (see EXCLUSIVE)."""
+    from_file = set((ctx.default_map or {}))
+
+    def on_command_line(name: str) -> bool:
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name == "COMMANDLINE"
+
+    for a, b in EXCLUSIVE:
+        for given, other in ((a, b), (b, a)):
+            if on_command_line(given) and other in from_file and not on_command_line(other):
+                options[other] = None
+
+
 # Panels of `finetune --help`.
 PANELS = MODEL, LORA, MEMORY, OPTIM, SCHED, OUTPUT, HW = (
     "Model & data", "LoRA / QLoRA", "Memory budget", "Optimizer", "Schedule", "Output & resume", "Hardware & plan")
@@ -178,7 +197,7 @@ class TrainConfig:
     pack: bool = _f(True, "Pack rows into full sequences (else truncate/pad each row).", panel=MODEL)
     lora_rank: int | None = _f(None, "Train LoRA adapters of this rank over a frozen base instead of every "
                                "weight (PEFT's LoRA; the export is a PEFT adapter directory, OUTPUT/adapter). "
-                               "Default: full fine-tuning.", panel=LORA, plan=True)
+                               "Default (or 0): full fine-tuning.", panel=LORA, plan=True)
     """LoRA rank; None: full fine-tuning (with --qlora: QLORA_RANK)."""
     lora_alpha: float | None = _f(None, "LoRA scaling numerator (the update is alpha/rank * B A). Default: "
                                   "2 x rank.", panel=LORA, plan=True)
@@ -191,7 +210,7 @@ class TrainConfig:
                                 "double-quantized, the QLoRA recipe). Default: "
                                 "--precision. LoRA runs only.", panel=LORA, choices=BASE_DTYPES, plan=True)
     qlora: bool = _f(False, f"QLoRA: LoRA (rank {QLORA_RANK} unless --lora-rank) over an NF4 base with double "
-                     "quantization.", panel=LORA, flag="--qlora", plan=True)
+                     "quantization.", panel=LORA, flag="--qlora/--no-qlora", plan=True)
     """Shorthand for --lora-rank 16 --base-dtype nf4 (an NF4 base is always double-quantized)."""
     gpu_mem: str | None = _f(None, "GPU memory to use, e.g. 24G (default: the GPU's free memory; without CUDA "
                              "this machine's RAM, the simulated device). Sizes: K/M/G/T and KiB..TiB are powers of "
@@ -279,7 +298,7 @@ class TrainConfig:
     (--optimizer, possibly another one) from fresh state. Without it a changed --optimizer is
     refused."""
     overwrite: bool = _f(False, "Empty --output first: only a directory an earlier finetune run made, holding only what a run writes (anything else there is refused, never deleted).",
-                         panel=OUTPUT, flag="--overwrite")
+                         panel=OUTPUT, flag="--overwrite/--no-overwrite")
     export_dtype: str | None = _f(None, "Dtype of the exported model (default: --precision).", panel=OUTPUT,
                                   choices=PRECISIONS_EXPORT)
     hardware: str | None = _f(None, "Hardware profile name or TOML file (default: detect).", panel=HW, plan=True)
@@ -312,6 +331,11 @@ class TrainConfig:
         return self.model is None and self.data is None
 
     def __post_init__(self):
+        if self.lora_rank == 0:  # (turns a --config file's LoRA off)
+            if self.qlora:
+                raise ConfigError("--lora-rank 0 is a full fine-tune, --qlora a LoRA run: give one (--no-qlora "
+                                  "turns a --config file's qlora off)")
+            self.lora_rank = None
         lora = self.lora_rank is not None or self.qlora
         if self.lr is None:
             self.lr = self.DEMO_LR if self.is_demo else self.LORA_LR if lora else self.DEFAULT_LR

@@ -26,7 +26,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from .config import DISK_FULL, OUTPUT, PANELS, TrainConfig, config_callback, option_fields, raise_config_error
+from .config import (DISK_FULL, OUTPUT, PANELS, TrainConfig, config_callback, flags_win, option_fields,
+                     raise_config_error)
 from .launch import USER_ERROR as EXIT_USER_ERROR
 from ..offload.core.errors import InfeasibleBudget, TierwiseError
 
@@ -154,6 +155,7 @@ def train(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION, **options)
     if ctx.invoked_subcommand is not None:
         return
     raise_config_error(ctx)
+    flags_win(ctx, options)
     if str(options.get("seq_len")) == "max":
         raise TierwiseError("--seq-len max is `finetune plan`'s search for the longest length that fits: run "
                             "`finetune plan --seq-len max` with these options, then train at the length it finds")
@@ -209,6 +211,7 @@ def plan(
 
     --verify: run 3 real steps here and compare them with the plan."""
     raise_config_error(ctx)
+    flags_win(ctx, options)
     from .planning import (OFFLOADED, SEQ_STEP, advise, check_budgets, local_notes, longest, longest_line, make_plan,
                            print_plan, resolve_offload, resolve_recompute, seq_len_note, share_note,
                            verify_plan)

@@ -58,7 +58,8 @@ def claim(output: str, *, resume: bool, overwrite: bool, inputs: dict | None = N
     out.mkdir(parents=True, exist_ok=True)
     fd = runlock.acquire(marker, what=f"--output {out}")
     try:
-        entries = [p for p in out.iterdir() if p.name != MARKER and not _holds_swap(out, p, swap)]
+        entries = [p for p in out.iterdir() if p.name != MARKER and not _holds_swap(out, p, swap)
+                   and not _nothing_yet(p)]
         if resume and ckpt.latest_checkpoint(out) is None or entries and not (resume or overwrite):
             _refuse(out, resume)
         if overwrite:
@@ -82,6 +83,11 @@ def claim(output: str, *, resume: bool, overwrite: bool, inputs: dict | None = N
                 d.rmdir()
         raise
     return RunDir(out, fd)
+
+
+def _nothing_yet(p: Path) -> bool:
+    """An empty metrics.jsonl: a run that failed before its first step (its retry starts over)."""
+    return p.name == "metrics.jsonl" and p.is_file() and p.stat().st_size == 0
 
 
 def _missing(out: Path) -> list[Path]:

@@ -39,6 +39,7 @@ from .plots import plot_loss, plot_timeline, preload as preload_plots
 from .progress import TrainProgress
 from .report import phase_delta, summary, warmup_report
 from .schedule import LRSchedule
+from ..offload.core.encoding import fused_experts
 from ..offload.core.errors import InfeasibleBudget, StepOverBudget, TierwiseError
 from ..offload.core.options import Activations, Budget, Distributed, Optim, Precision
 from ..offload.core.sizes import parse_size
@@ -868,7 +869,14 @@ def _finish(engine, cfg: TrainConfig, src: ModelSource, out: Path, console: Cons
             warn(console, f"the base was model profile '{src.name}', a random initialisation that is not "
                           "saved: this adapter fits no model on disk (a profile is for trying the pipeline; "
                           "pass a Hugging Face model directory to train a usable adapter)")
-        if cfg.base_dtype == "nf4":  # the adapters fit the quantised base, not the original
+        experts = any(fused_experts(n, p.shape) for n, p in model.named_parameters())
+        if cfg.base_dtype == "nf4" and experts:  # transformers + bitsandbytes leave fused experts unquantised
+            console.print("the adapters were trained over an NF4 base, its fused MoE experts included: "
+                          "`finetune generate` runs the trained model; bitsandbytes' loader "
+                          "(BitsAndBytesConfig(load_in_4bit=True)) keeps the experts unquantised, so the "
+                          "model it gives differs by their quantisation error, as the unquantised base does",
+                          highlight=False, soft_wrap=True)
+        elif cfg.base_dtype == "nf4":  # the adapters fit the quantised base, not the original
             console.print("the adapters were trained over an NF4 base: load the base as bitsandbytes' NF4 "
                           "(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
                           "bnb_4bit_use_double_quant=True)) to get the trained model; over the unquantised "

@@ -153,3 +153,21 @@ def test_nvme_path_that_is_a_file_is_one_line_and_exit_2(tmp_path, command):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "is a file, not a directory" in lines[0], r.stderr
     assert f.read_text() == "mine"
+
+
+def test_command_line_flags_win_over_the_file_even_to_turn_its_values_off(tmp_path, monkeypatch):
+    """--epochs over a file's steps (and the reverse), --lora-rank 0 and --no-qlora over a
+    file's LoRA: the command line wins, as --help says (were: "not both", or no way to say it)."""
+    seen = []
+    monkeypatch.setattr(cli_train, "run", lambda cfg, console: seen.append(cfg) and 0)
+    (tmp_path / "a.toml").write_text('steps = 4\nlora-rank = 4\nqlora = true\n')
+    (tmp_path / "b.toml").write_text('epochs = 2\n')
+    for args in (["--config", str(tmp_path / "a.toml"), "--epochs", "1", "--lora-rank", "0", "--no-qlora"],
+                 ["--config", str(tmp_path / "b.toml"), "--steps", "3"]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0, (r.output, r.exception)
+    (a, b) = seen
+    assert (a.steps, a.epochs, a.lora_rank, a.qlora, a.base_dtype) == (None, 1, None, False, None)
+    assert (b.steps, b.epochs) == (3, None)
+    r = CliRunner().invoke(app, ["--config", str(tmp_path / "b.toml"), "--steps", "3", "--epochs", "1"])
+    assert r.exit_code == 2 and "not both" in r.stderr  # both on the command line: still refused

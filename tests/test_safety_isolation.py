@@ -330,3 +330,19 @@ def test_overwrite_leaves_the_nvme_path_inside_output_to_the_store(tmp_path):
     with pytest.raises(ConfigError, match="no checkpoint"):
         rundir.claim(str(deep), resume=True, overwrite=False)
     assert not (tmp_path / "a").exists()
+
+
+def test_an_output_left_by_a_run_that_failed_before_its_first_step_is_reused(tmp_path):
+    """Its marker and an empty metrics.jsonl: nothing to resume or keep, so a retry with the same
+    --output starts (was: "not empty: pass --resume", and --resume then "no checkpoint")."""
+    from tierwise.cli import rundir
+    from tierwise.offload.core.errors import TierwiseError
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / MARKER).write_text("")
+    (out / "metrics.jsonl").write_text("")
+    rundir.claim(str(out), resume=False, overwrite=False).release()
+    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')  # a run that trained: kept
+    with pytest.raises(TierwiseError, match="not empty"):
+        rundir.claim(str(out), resume=False, overwrite=False)
