@@ -442,7 +442,7 @@ class TrainConfig:
                 raise ConfigError(f"{given[0]} applies to LoRA runs: add --lora-rank N (or --qlora)")
             return
         if self.lora_rank < 1:
-            raise ConfigError(f"--lora-rank must be at least 1, got {self.lora_rank}")
+            raise ConfigError(f"--lora-rank must be at least 1 (0: a full fine-tune), got {self.lora_rank}")
         if self.optimizer == "mezo":
             raise ConfigError("--optimizer mezo perturbs every weight: it does not train LoRA adapters")
         if self.lora_alpha is None:

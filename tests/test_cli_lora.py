@@ -262,7 +262,7 @@ def test_checkpoint_from_before_the_lora_options_resumes(assets, tmp_path, monke
 # -- user errors: one line, exit 2 ------------------------------------------------------------
 
 @pytest.mark.parametrize("flags,expect", [
-    (["--lora-rank", "0"], "--lora-rank must be at least 1"),
+    (["--lora-rank", "-1"], "--lora-rank must be at least 1"),  # (0: a full fine-tune)
     (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
     (["--lora-rank", "4", "--lora-alpha", "-1"], "--lora-alpha must be a positive number"),
     (["--base-dtype", "nf4"], "--base-dtype applies to LoRA runs"),
