@@ -277,8 +277,10 @@ class TrainConfig:
     steps: int | None = _f(None, "Optimizer steps (default: one epoch; three epochs for the built-in demo).",
                            panel=SCHED)
     epochs: int | None = _f(None, "Epochs over --data (instead of --steps).", panel=SCHED)
-    warmup_steps: int = _f(0, "Linear warmup steps.", panel=SCHED)
-    schedule: str = _f("cosine", "LR decay after warmup.", panel=SCHED, choices=SCHEDULES)
+    warmup_steps: int = _f(0, "Linear warmup steps: N steps rising from lr/(N+1) to --lr.", panel=SCHED)
+    schedule: str = _f("cosine", "LR decay after warmup: cosine or linear down to 10% of --lr at the last step "
+                       "(a floor, unlike transformers' schedules, which end at 0); constant: none.",
+                       panel=SCHED, choices=SCHEDULES)
     eval_every: int = _f(0, "Evaluate on --eval-data every N steps (0: at the end only).", panel=SCHED)
     checkpoint_every: int = _f(0, "Checkpoint every N steps (0: only at the end; always on Ctrl-C).", panel=OUTPUT)
     log_every: int = _f(0, "With output not a terminal (nohup, a scheduler, > log): a progress line every N steps "

@@ -168,6 +168,25 @@ def state_bytes_8bit(shape: tuple[int, ...], rank: Optional[int] = None) -> floa
     return 2.0 * n + 8.0 * num_blocks(n)
 
 
+def embedding_names(model: torch.nn.Module) -> frozenset[str]:
+    """The names (as named_parameters gives them: a tied weight once) of nn.Embedding weights:
+    AdamW8bit keeps their moments in fp32, in the engine (offload.update.table's
+    fp32_embeddings) as transformers' Trainer has bitsandbytes do."""
+    ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return frozenset(n for n, p in model.named_parameters() if id(p) in ids)
+
+
+def eight_bit_groups(model: torch.nn.Module, **extra: Any) -> list[dict]:
+    """Param groups giving AdamW8bit the engine's rule (and transformers' Trainer's with
+    bitsandbytes): nn.Embedding weights keep fp32 moments (optim_bits=32), in model order; a
+    model without embeddings gets one group."""
+    full = embedding_names(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if n in full], "optim_bits": 32, **extra},
+              {"params": [p for n, p in named if n not in full], **extra}]
+    return [g for g in groups if g["params"]]
+
+
 class AdamW8bit(TierwiseOptimizer):
     """Drop-in AdamW with 8-bit moments. A non-fp32 param (bf16, fp16) keeps an fp32 master in
     its state (4 more bytes per param) that the update runs on, copied into the param rounded

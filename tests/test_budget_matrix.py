@@ -53,9 +53,9 @@ from tierwise.offload.core.errors import InfeasibleBudget
 from tierwise.offload.core.vocab import COMPUTE_DTYPES
 from tierwise.offload.runtime.ledger import Ledger
 from tierwise.offload.plan.planner import make_plan
-from tierwise.offload.update.updaters import drop_in_groups, eight_bit_groups
+from tierwise.offload.update.updaters import drop_in_groups
 from tierwise.offload.tools.verify import cuda_peak
-from tierwise.optim import AdamW8bit, ApolloAdamW, GaLoreAdamW, MeZO
+from tierwise.optim import eight_bit_groups, AdamW8bit, ApolloAdamW, GaLoreAdamW, MeZO
 from tierwise.optim.mezo import direction, tensor_seed
 from tierwise.profiles import ModelProfile, load_hardware_profile
 from tierwise.profiles.hardware import CxlSpec

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tierwise.offload import Budget, Engine, Optim, flat_options
-from tierwise.offload.update.updaters import drop_in_groups, eight_bit_groups
-from tierwise.optim import AdamW8bit, ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit
+from tierwise.offload.update.updaters import drop_in_groups
+from tierwise.optim import eight_bit_groups, AdamW8bit, ApolloAdamW, ApolloMini, GaLoreAdamW, GaLoreAdamW8bit
 from tests.models import batches, tiny_llama
 
 HP = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)

@@ -11,7 +11,7 @@ import torch
 
 from ..core.chunks import ParamSpec, specs_of
 from ..core.errors import UnsupportedModel
-from ..update.updaters import embedding_names
+from ...optim.adamw8bit import embedding_names
 from ..plan.perfmodel import TILED_FAMILIES
 from . import segments
 

@@ -24,7 +24,7 @@ from ...optim.apollo import apollo_step_, init_apollo_state
 from ...optim.base import check_low_rank
 from ...optim.galore import as_matrix, galore_step_, init_galore_state, svd_projector
 
-__all__ = ["LOW_RANK", "NAMES", "drop_in_groups", "eight_bit_groups", "make_updater", "projected_params"]
+__all__ = ["LOW_RANK", "NAMES", "drop_in_groups", "make_updater", "projected_params"]
 
 
 def drop_in_groups(model: torch.nn.Module, *, rank: int, **extra: Any) -> list[dict]:
@@ -34,22 +34,6 @@ def drop_in_groups(model: torch.nn.Module, *, rank: int, **extra: Any) -> list[d
     named = list(model.named_parameters())
     return [{"params": [p for n, p in named if n in proj], "rank": rank, **extra},
             {"params": [p for n, p in named if n not in proj]}]
-
-
-def embedding_names(model: torch.nn.Module) -> frozenset[str]:
-    """The names (as named_parameters gives them: a tied weight once) of nn.Embedding weights:
-    AdamW8bit keeps their moments in fp32 (table.OptimizerSpec.fp32_embeddings)."""
-    ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    return frozenset(n for n, p in model.named_parameters() if id(p) in ids)
-
-
-def eight_bit_groups(model: torch.nn.Module, **extra: Any) -> list[dict]:
-    """Param groups giving the drop-in AdamW8bit the engine's rule (and transformers' Trainer's
-    with bitsandbytes): nn.Embedding weights keep fp32 moments (optim_bits=32), in model order."""
-    full = embedding_names(model)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for n, p in named if n in full], "optim_bits": 32, **extra},
-            {"params": [p for n, p in named if n not in full], **extra}]
 
 
 def _hyper(hp: Hyper) -> dict:
