@@ -321,9 +321,11 @@ def export(
     merge: bool = Opt(False, "--merge", help="Merge a LoRA adapter into its base model: the "
                       "only export, done with or without this flag."),
     adapter: Optional[Path] = Opt(None, "--adapter", help="PEFT adapter directory "
-                                  "(adapter_config.json + adapter_model.safetensors)."),
+                                  "(adapter_config.json + adapter_model.safetensors), or the run's "
+                                  "--output holding it."),
     base: Optional[Path] = Opt(None, "--base", help="The base model directory the adapter was "
-                               "trained on (safetensors). For a QLoRA run: the original, "
+                               "trained on (safetensors; default: the one its adapter_config.json "
+                               "names, where that directory is here). For a QLoRA run: the original, "
                                "unquantised checkpoint; the delta goes onto its weights, so the "
                                "NF4 rounding is not baked into the merged model."),
     output: Optional[Path] = Opt(None, "--output", help="Directory to write the merged Hugging "
@@ -344,6 +346,11 @@ def export(
 
     Example: finetune export --adapter run/adapter --base ./llama --output ./llama-merged"""
     del merge  # (the only export: accepted, not required)
+    if adapter is not None and not (adapter / "adapter_config.json").exists() \
+            and (adapter / "adapter" / "adapter_config.json").exists():
+        adapter = adapter / "adapter"  # a run's --output, as `finetune generate` takes it
+    if base is None and adapter is not None:
+        base = _adapter_base(adapter)
     for flag, value in (("--adapter", adapter), ("--base", base), ("--output", output)):
         if value is None:
             raise TierwiseError(f"export needs {flag} (the adapter, the base it was trained on, where to write)")
@@ -353,6 +360,17 @@ def export(
                     max_shard_size=shard_size, overwrite=overwrite,
                     trust_remote_code=trust_remote_code)
     Console().print(f"merged {adapter} into {base}: {out}", highlight=False)
+
+
+def _adapter_base(adapter: Path) -> Optional[Path]:
+    """The base an adapter's config names, where that is a directory here (else None)."""
+    import json
+
+    try:
+        named = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError):
+        return None
+    return Path(named) if isinstance(named, str) and named and Path(named).is_dir() else None
 
 
 def _run_app() -> None:

@@ -159,7 +159,14 @@ def test_merge_refusals(tmp_path):
     (full / "x").write_text("x")
     assert "not empty" in error_line(_run(*common, "--output", full))
     assert "export needs --output" in error_line(_run(*common))
-    assert "export needs --base" in error_line(_run("--adapter", adapter))
+    # the base its adapter_config.json names, where that directory is here; --adapter a run's output
+    assert "export needs --output" in error_line(_run("--adapter", adapter))
+    run = tmp_path / "run"
+    run.mkdir()
+    adapter.rename(run / "adapter")
+    merged = tmp_path / "merged"
+    assert _run("--adapter", run, "--output", merged).exit_code == 0 and (merged / "config.json").exists()
+    (run / "adapter").rename(adapter)
 
     model = AutoModelForCausalLM.from_pretrained(base)
     get_peft_model(model, IA3Config(target_modules=["q_proj", "down_proj"],
