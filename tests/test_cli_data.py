@@ -49,14 +49,15 @@ def test_chat_loss_only_on_assistant_turns(tok):
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"text": "ok"}\n{"text": "broken"', ":2: bad JSON"),
+    ('{"text": "ok"}\n{"text": "broken"', "(at the end of the line, near '{\"text\": \"broken\"')"),
+    ('[{"text": "a"},\n{"text": "b"}]', ": a JSON array; the data is JSONL"),
     ('{"text": "ok"}\n\n{"foo": 1}', ":3: unknown schema with keys ['foo']"),
     ('[1, 2]', ":1: expected a JSON object"),
     ('{"prompt": "only a prompt"}', ":1: 'prompt' and 'completion' must both be strings"),
     ('{"messages": [{"role": "user"}]}',
      """:1: 'messages' must be a non-empty list of {"role": str, "content": str} objects"""),
     ('{"text": 3}', ":1: 'text' must be a string"),
-], ids=["bad-json", "unknown-schema", "not-object", "prompt-only", "bad-messages", "text-int"])
+], ids=["bad-json", "json-array", "unknown-schema", "not-object", "prompt-only", "bad-messages", "text-int"])
 def test_errors_name_file_and_line(tmp_path, tok, line, message):
     path = tmp_path / "d.jsonl"
     path.write_text(line)

@@ -263,7 +263,8 @@ def test_a_node_budget_too_small_for_its_ranks_is_refused_by_all_in_one_line(tmp
         return
     assert not (tmp_path / "o").exists()  # refused before --output was claimed
     if case == "bad-data":
-        assert errors[0][0] == f"error: {bad}:2: bad JSON: Expecting value (column 10)", errors
+        assert errors[0][0] == f"error: {bad}:2: bad JSON: Expecting value (column 10, near '{{\"text\": broken')", \
+            errors
         return
     assert errors[0][0].startswith("error: node host budget 1.00 MiB cannot hold 2 ranks' own chunks"), errors
     assert "`finetune plan --nproc-per-node 2` with the same model" in errors[0][0]
