@@ -279,8 +279,15 @@ def _config_json(path: Path) -> dict:
 
 def _from_profile(name: str) -> ModelSource:
     from ..profiles import load_model_profile
+    from ..profiles.schema import UnknownProfileError
 
-    profile = load_model_profile(name)  # raises a TierwiseError for an unknown name
+    try:
+        profile = load_model_profile(name)
+    except UnknownProfileError as e:  # perhaps a directory meant: say where a relative path starts
+        if name.endswith(".toml"):
+            raise
+        raise ModelError(f"--model {name}: no such directory in {Path.cwd()} (a relative path, in a --config "
+                         f"file too, starts from the current directory), and {e}") from None
     from .builtin import build_tokenizer
 
     tokenizer, config = build_tokenizer(), profile.to_hf_config()
