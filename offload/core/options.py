@@ -204,7 +204,9 @@ def flat_options(**flat: Any) -> dict[str, Any]:
     grouped: dict[str, dict[str, Any]] = {}
     out: dict[str, Any] = {}
     for name, value in flat.items():
-        if name in FLAT:
+        if name in GROUPS and isinstance(value, GROUPS[name]):  # (a group itself, e.g. "activations")
+            out[name] = value
+        elif name in FLAT:
             group, key = FLAT[name]
             grouped.setdefault(group, {})[key] = value
         elif name in PASSED or name in GROUPS:

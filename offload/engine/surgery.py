@@ -95,11 +95,18 @@ class ModelSurgery:
         return undo
 
     def disable_kv_cache(self) -> None:
-        """A recomputed block would see a KV cache twice: config.use_cache off while the engine runs."""
-        config = getattr(self.model, "config", None)
-        if getattr(config, "use_cache", False):
-            config.use_cache = False
-            self.undo.append(Undo(lambda: setattr(config, "use_cache", True)))
+        """A recomputed block would see a KV cache twice: use_cache off while the engine runs, in
+        every config the model's modules hold and their text configs (a vision-language model's
+        language model reads its own)."""
+        configs: dict[int, Any] = {}
+        for m in self.model.modules():
+            for config in (getattr(m, "config", None), getattr(getattr(m, "config", None), "text_config", None)):
+                if config is not None and not isinstance(config, torch.nn.Module):
+                    configs.setdefault(id(config), config)
+        for config in configs.values():
+            if getattr(config, "use_cache", False) is True:
+                config.use_cache = False
+                self.undo.append(Undo(lambda c=config: setattr(c, "use_cache", True)))
 
     def close(self) -> None:
         undo, self.undo = self.undo, []
