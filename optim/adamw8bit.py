@@ -231,14 +231,14 @@ class AdamW8bit(TierwiseOptimizer):
         master = p.data if exact else state.get("master")
         if master is None:
             master = p.data.float().contiguous()
-        elif master is not p.data:  # an element changed outside since the last step (a loaded state
-            # dict, a reverted or averaged weight) starts from its new value, not from the master
-            torch.where(p.data.reshape(master.shape) != master.to(p.dtype),
-                        p.data.reshape(master.shape).float(), master, out=master)
+        elif not exact:  # an element changed outside since the last step (a loaded state dict, a
+            # reverted or averaged weight) starts from its new value, not from the master
+            weight = p.data.reshape(master.shape)
+            torch.where(weight != master.to(p.dtype), weight, master, out=master)
         beta1, beta2 = group["betas"]
         adamw8bit_step_(master, p.grad, state, lr=group["lr"], beta1=beta1, beta2=beta2,
                         eps=group["eps"], weight_decay=group["weight_decay"], step=state["step"])
-        if master is not p.data:
+        if not exact:  # (p.data is a new tensor object at each access: never `is` the master)
             write_back_(p, master, stochastic=group["stochastic_rounding"] and "master" not in state,
                         seed=state["step"] * 1_000_003 + index)
 
