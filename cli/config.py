@@ -133,8 +133,13 @@ def raise_config_error(ctx) -> None:
 EXCLUSIVE = (("steps", "epochs"),)
 
 
+#: Options that mean something in a LoRA run only.
+LORA_ONLY = ("lora_alpha", "lora_dropout", "lora_targets", "base_dtype")
+
+
 def flags_win(ctx, options: dict) -> None:
-    """Drop a --config value that a command-line flag excludes (see EXCLUSIVE)."""
+    """Drop a --config value that a command-line flag excludes (see EXCLUSIVE), and the file's
+    LoRA-only values when the command line turns its LoRA off (--lora-rank 0, --no-qlora)."""
     from_file = set((ctx.default_map or {}))
 
     def on_command_line(name: str) -> bool:
@@ -145,6 +150,13 @@ def flags_win(ctx, options: dict) -> None:
         for given, other in ((a, b), (b, a)):
             if on_command_line(given) and other in from_file and not on_command_line(other):
                 options[other] = None
+    no_rank = options.get("lora_rank") in (None, 0)
+    if (on_command_line("lora_rank") and options.get("lora_rank") == 0
+            or on_command_line("qlora") and not options.get("qlora") and no_rank):
+        defaults = {f.name: f.default for f in fields(TrainConfig)}
+        for key in LORA_ONLY:
+            if key in from_file and not on_command_line(key):
+                options[key] = defaults[key]
 
 
 # Panels of `finetune --help`.

@@ -94,7 +94,7 @@ MAX_ROW_BYTES = 64 << 20
 
 def _read_jsonl(path: Path) -> Iterator[Row]:
     with open(path, "rb") as f:
-        lineno = 0
+        lineno, first = 0, True  # first: no example line read yet
         while line := f.readline(MAX_ROW_BYTES + 1):
             lineno += 1
             if len(line) > MAX_ROW_BYTES:
@@ -104,7 +104,7 @@ def _read_jsonl(path: Path) -> Iterator[Row]:
                 text = line.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 hint = (": a compressed file? give it uncompressed (JSONL text, one example per line)"
-                        if lineno == 1 and line[:2] in (b"\x1f\x8b", b"BZ", b"\xfd7", b"(\xb5") else "")
+                        if lineno == 1 and line[:2] in (b"\x1f\x8b", b"BZ", b"\xfd7", b"(\xb5", b"PK") else "")
                 raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {e.start} of the line "
                                 f"is {line[e.start]:#04x}){hint}") from None
             del line
@@ -113,13 +113,14 @@ def _read_jsonl(path: Path) -> Iterator[Row]:
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
-                if lineno == 1 and text.lstrip().startswith("["):
+                if first and text.lstrip().startswith("["):
                     raise DataError(f"{path}: a JSON array; the data is JSONL: one JSON object per line "
                                     "(e.g. jq -c '.[]' file.json > file.jsonl)") from None
                 body = text.rstrip("\r\n")
                 where = f"column {e.pos + 1}" if e.pos < len(body) else "at the end of the line"
                 near = body[max(0, e.pos - 20): e.pos + 20].strip()
                 raise DataError(f"{path}:{lineno}: bad JSON: {e.msg} ({where}, near {near!r})") from None
+            first = False
             if not isinstance(obj, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__} (JSONL: one "
                                 "example, a JSON object, per line)")

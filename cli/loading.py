@@ -287,7 +287,7 @@ def _from_profile(name: str) -> ModelSource:
         if name.endswith(".toml"):
             raise
         raise ModelError(f"--model {name}: no such directory in {Path.cwd()} (a relative path, in a --config "
-                         f"file too, starts from the current directory), and {e}") from None
+                         f"file too, starts from the current directory), not a Hub id (ORG/NAME), and {e}") from None
     from .builtin import build_tokenizer
 
     tokenizer, config = build_tokenizer(), profile.to_hf_config()

@@ -346,9 +346,12 @@ def export(
 
     Example: finetune export --adapter run/adapter --base ./llama --output ./llama-merged"""
     del merge  # (the only export: accepted, not required)
-    if adapter is not None and not (adapter / "adapter_config.json").exists() \
-            and (adapter / "adapter" / "adapter_config.json").exists():
-        adapter = adapter / "adapter"  # a run's --output, as `finetune generate` takes it
+    if adapter is not None and not (adapter / "adapter_config.json").exists():
+        if (adapter / "adapter" / "adapter_config.json").exists():
+            adapter = adapter / "adapter"  # a run's --output, as `finetune generate` takes it
+        elif (adapter / "model" / "config.json").exists():
+            raise TierwiseError(f"--adapter {adapter} is a full fine-tune's output: its model is already "
+                                f"{adapter / 'model'} (no adapter to merge)")
     if base is None and adapter is not None:
         base = _adapter_base(adapter)
     for flag, value in (("--adapter", adapter), ("--base", base), ("--output", output)):

@@ -171,3 +171,15 @@ def test_command_line_flags_win_over_the_file_even_to_turn_its_values_off(tmp_pa
     assert (b.steps, b.epochs) == (3, None)
     r = CliRunner().invoke(app, ["--config", str(tmp_path / "b.toml"), "--steps", "3", "--epochs", "1"])
     assert r.exit_code == 2 and "not both" in r.stderr  # both on the command line: still refused
+    # the file's LoRA-only values go with its LoRA (were: "--lora-alpha applies to LoRA runs")
+    (tmp_path / "c.toml").write_text('lora-rank = 8\nlora-alpha = 16\nlora-targets = "q_proj,v_proj"\n')
+    (tmp_path / "d.toml").write_text('qlora = true\nlora-targets = "q_proj,v_proj"\n')
+    seen.clear()
+    for args in (["--config", str(tmp_path / "c.toml"), "--lora-rank", "0"],
+                 ["--config", str(tmp_path / "d.toml"), "--no-qlora"]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0, (r.output, r.exception)
+    assert all((c.lora_rank, c.lora_alpha, c.lora_targets, c.base_dtype) == (None, None, "all-linear", None)
+               for c in seen)
+    r = CliRunner().invoke(app, ["--config", str(tmp_path / "c.toml"), "--lora-rank", "0", "--lora-alpha", "3"])
+    assert r.exit_code == 2 and "--lora-alpha applies to LoRA runs" in r.stderr  # given on the command line
