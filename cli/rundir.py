@@ -58,8 +58,9 @@ def claim(output: str, *, resume: bool, overwrite: bool, inputs: dict | None = N
     out.mkdir(parents=True, exist_ok=True)
     fd = runlock.acquire(marker, what=f"--output {out}")
     try:
+        left = _left_before_a_step(out)
         entries = [p for p in out.iterdir() if p.name != MARKER and not _holds_swap(out, p, swap)
-                   and not _nothing_yet(p)]
+                   and p.name not in left]
         if resume and ckpt.latest_checkpoint(out) is None or entries and not (resume or overwrite):
             _refuse(out, resume)
         if overwrite:
@@ -85,9 +86,14 @@ def claim(output: str, *, resume: bool, overwrite: bool, inputs: dict | None = N
     return RunDir(out, fd)
 
 
-def _nothing_yet(p: Path) -> bool:
-    """An empty metrics.jsonl: a run that failed before its first step (its retry starts over)."""
-    return p.name == "metrics.jsonl" and p.is_file() and p.stat().st_size == 0
+def _left_before_a_step(out: Path) -> set[str]:
+    """What a run that failed before its first step leaves (its retry starts over there): an
+    empty metrics.jsonl and its reporters' directories, where no checkpoint exists."""
+    metrics = out / "metrics.jsonl"
+    if ckpt.latest_checkpoint(out) is not None or metrics.exists() and (not metrics.is_file()
+                                                                         or metrics.stat().st_size):
+        return set()
+    return {"metrics.jsonl", "tensorboard", "wandb"}
 
 
 def _missing(out: Path) -> list[Path]:

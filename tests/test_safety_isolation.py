@@ -342,6 +342,7 @@ def test_an_output_left_by_a_run_that_failed_before_its_first_step_is_reused(tmp
     out.mkdir()
     (out / MARKER).write_text("")
     (out / "metrics.jsonl").write_text("")
+    (out / "tensorboard").mkdir()  # (--report-to tensorboard: its writer starts before the first step)
     rundir.claim(str(out), resume=False, overwrite=False).release()
     (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')  # a run that trained: kept
     with pytest.raises(TierwiseError, match="not empty"):
