@@ -97,8 +97,8 @@ from .frozen_base import frozen_layouts
 from .tiled import tiled, tiled_mlps
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from .lora import apply_lora
-from .model_info import (adds_router_loss, check_dense_grads, check_model_given, check_no_own_checkpointing, check_trainable_dtypes,
-                         find_blocks, lumped_recompute, model_specs)
+from .model_info import (adds_router_loss, check_dense_grads, check_model_given, check_no_own_checkpointing,
+                         check_trainable_dtypes, find_blocks, lumped_recompute, model_specs)
 from .needs import device_needs, module_chunks, open_tiers
 from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
 from .sharedbase import SharedBase
@@ -120,6 +120,7 @@ ROUTER_LOSS_REFUSAL = (
     "block recompute would drop: train without recompute (--no-recompute; Activations(recompute=False); "
     "OffloadTrainer: offload={\"checkpointing\": False}), or without that loss (output_router_logits false in "
     "the model's config.json)")
+
 
 class Engine:
     """Chunked, budgeted training of `model`. See the module docstring.
@@ -706,8 +707,7 @@ class Engine:
         as with a zero gradient (which got one is known per rank), where torch.optim skips a
         parameter whose .grad is None: their moments decay, weight decay applies, their step
         count advances."""
-        names = [n for n, slot in self.plan.slots.items()
-                 if not self.plan.is_frozen(slot.chunk) and id(self.params[n]) not in self.grads.seen]
+        names = [n for c in range(len(self.plan.chunks)) if not self.plan.is_frozen(c) for n in self._unseen(c)]
         if names:
             self._told_unseen = True
             log.warning("%d trainable parameters got no gradient this step (%s%s): the engine updates them as "

@@ -66,16 +66,28 @@ def _align(n: int) -> int:
 def fused_ranges(plan: ChunkPlan, chunk: ChunkSpec) -> list[tuple[int, int]]:
     """(offset, numel) of the tensors the fused kernel gets for `chunk`: each slot whose numel
     is not a multiple of ALIGN alone, consecutive slots that are multiples of ALIGN merged."""
+    return [(a, b - a) for a, b, _ in spans(plan, chunk.params, _fuses)]
+
+
+def spans(plan: ChunkPlan, names: "tuple[str, ...]", joins: Callable[[Any, Any], bool], *,
+          absent: "list[str] | tuple[()]" = (), missed: "dict[str, int] | None" = None
+          ) -> list[tuple[int, int, int]]:
+    """[start, end) element spans of the parameters `names` (in chunk order) not in `absent`,
+    each with its `missed` count: neighbours with the same count are one span where
+    `joins(previous slot, slot)`."""
     out: list[list[int]] = []
     prev = None
-    for name in chunk.params:
-        s = plan.slots[name]
-        if prev is not None and _fuses(prev, s):
-            out[-1][1] += s.numel
+    for name in names:
+        if name in absent:
+            prev = None
+            continue
+        s, k = plan.slots[name], (missed or {}).get(name, 0)
+        if prev is not None and out[-1][2] == k and joins(prev, s):
+            out[-1][1] = s.offset + s.numel
         else:
-            out.append([s.offset, s.numel])
+            out.append([s.offset, s.offset + s.numel, k])
         prev = s
-    return [(o, n) for o, n in out]
+    return [(a, b, k) for a, b, k in out]
 
 
 def _fuses(a: Any, b: Any) -> bool:
@@ -87,9 +99,8 @@ def _fuses(a: Any, b: Any) -> bool:
 class Skips:
     """Which parameters sit a chunk's update out. `unseen(cid)`, set by the engine for an update
     where some parameter got no gradient (None: every parameter takes it), lists the parameters of
-    chunk `cid` without one; `missed`
-    counts the updates each parameter sat out (checkpointed), so its own step count is its
-    chunk's minus that."""
+    chunk `cid` without one; `missed` counts the updates each parameter sat out (checkpointed),
+    so its own step count is its chunk's minus that."""
 
     def __init__(self, plan: ChunkPlan):
         self.plan = plan
@@ -107,22 +118,8 @@ class Skips:
         return names
 
     def runs(self, cid: int, absent: list[str], joins: Callable[[Any, Any], bool]) -> list[tuple[int, int, int]]:
-        """[start, end) element spans of the parameters of `cid` taking this update (not in
-        `absent`), each with its missed count: neighbours with the same count are one span where
-        `joins(previous slot, slot)`."""
-        out: list[list[int]] = []
-        prev = None
-        for name in self.plan.chunks[cid].params:
-            if name in absent:
-                prev = None
-                continue
-            s, k = self.plan.slots[name], self.missed.get(name, 0)
-            if prev is not None and out[-1][2] == k and joins(prev, s):
-                out[-1][1] = s.offset + s.numel
-            else:
-                out.append([s.offset, s.offset + s.numel, k])
-            prev = s
-        return [(a, b, k) for a, b, k in out]
+        """`spans` of the parameters of `cid` taking this update, with their missed counts."""
+        return spans(self.plan, self.plan.chunks[cid].params, joins, absent=absent, missed=self.missed)
 
     def whole(self, cid: int, absent: list[str]) -> bool:
         """Every parameter of the chunk takes this update at the chunk's own step count."""
