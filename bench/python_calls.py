@@ -131,7 +131,9 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"per_step": per_step, "engine_over_model": round(ratio, 3),
                                                "attributed": attributed, "attributed_ratio": round(ratio_attr, 3),
-                                               "counters": state["counters"]}, indent=1))
+                                               "counters": state["counters"],
+                                               "by_function": {k: round(n / timed, 2) for k, n in files.most_common()}},
+                                              indent=1))
 
 
 if __name__ == "__main__":

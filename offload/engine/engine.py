@@ -723,7 +723,8 @@ class Engine:
                                    "tierwise.offload.hf.from_pretrained is loaded by OffloadTrainer)")
 
     def _begin_cycle(self) -> None:
-        self._check_set()
+        if self._unset:
+            self._check_set()
         if self.shared is not None:
             self.shared.ready()
         if not self._in_cycle:
@@ -939,9 +940,9 @@ class Engine:
         self._check_open()
         with self.moments.timed(Phase.UPDATE):
             self._update(skip=skip)
-        if self.minimum_gpu_bytes is None:
+        if self.minimum_gpu_bytes is None:  # (later steps: _update has scheduled)
             self._after_warmup()
-        self._schedule()
+            self._schedule()
 
     def _update(self, *, skip: bool) -> None:
         early = self.grads.finish_step(self.params, zero_unseen=self.updater.needs_grad)

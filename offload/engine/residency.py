@@ -176,7 +176,7 @@ class Residency:
     def keep_next(self, allowed: bool) -> None:
         """(A step begins.) Which chunks to keep resident over this step's end: those the
         schedule holds after its first event; none when not `allowed`."""
-        self.keep = self.follower.first_resident() if allowed else ()
+        self.keep = self.follower.first if allowed else ()
         self.keeping = allowed
         self.fresh, self.unfilled = set(), {}
 
@@ -204,8 +204,9 @@ class Residency:
         keep = {c for c in self.keep if c in self.fresh}
         if self.keeping:  # frozen ones (unchanged) from the schedule as it is now: also a step that
             # recorded a new trace keeps its first chunks (one whose trace broke: those it began with)
-            for c in self.follower.first_resident() or self.keep:
-                if self.store.is_frozen(c):
+            frozen = self.store.frozen
+            for c in self.follower.first or self.keep:
+                if c in frozen:
                     keep.add(c)
         self.fresh = set()
         self.cache.evict_all(keep=keep)

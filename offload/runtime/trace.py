@@ -35,6 +35,7 @@ class TraceFollower:
         self._rec_phases: list[Phase] = []
         self.pos = -1
         self.retraces = 0
+        self.first: tuple[int, ...] = ()  # the chunks the schedule holds right after its first event
 
     @property
     def following(self) -> bool:
@@ -58,18 +59,16 @@ class TraceFollower:
             self._rec_phases.append(phase)
         return None
 
-    def first_resident(self) -> tuple[int, ...]:
-        """The chunks the schedule holds right after its first event (plan.schedule.first_resident)."""
-        return () if self.actions is None or not self.events else first_resident(self.events, self.actions)
-
     def drop(self) -> None:
         self.events = self.actions = None
+        self.first = ()
         self._recording = None
         self.retraces += 1
 
     def reset(self) -> None:
         """Forget the trace (the units of residency changed): the next step records a new one."""
         self.events = self.actions = None
+        self.first = ()
         self._recording = None
 
     def end_step(self) -> None:
@@ -91,3 +90,5 @@ class TraceFollower:
             if any(k == ACQUIRE for k, _ in self.events) else None
         if self.actions is None:
             self.events = None
+        # (kept, not recomputed: read at each step's start and end)
+        self.first = () if self.actions is None or not self.events else first_resident(self.events, self.actions)
