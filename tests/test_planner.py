@@ -339,3 +339,21 @@ def test_the_step_s_last_write_backs_overlap_the_next_forward_s_idle_disk(tmp_pa
     assert 0 < disk["deferred"] < disk["backward"] / 4  # one chunk's write-backs of six
     assert plan.phases["backward"] == pytest.approx(disk["backward"] - min(idle, disk["deferred"]))
     assert plan.phases["backward"] < disk["backward"] * 0.99
+
+
+def test_adamw8bit_prices_its_fp32_embeddings_at_the_fp32_rate():
+    """An 8-bit optimizer keeps an embedding's moments in fp32 (table.fp32_embeddings): the
+    planner prices its update at the fp32 AdamW rate, the rest at the 8-bit one."""
+    import dataclasses
+
+    from tierwise.profiles import load_hardware_profile
+
+    hw = load_hardware_profile("cpu-sim")
+    fast8 = dataclasses.replace(hw, host=dataclasses.replace(hw.host, adamw8bit_params_per_s=1e30))
+    slow32 = dataclasses.replace(fast8, host=dataclasses.replace(fast8.host, adamw_params_per_s=hw.host.adamw_params_per_s / 2))
+    kw = dict(model="tiny", gpu_mem=None, cpu_mem=None, optimizer="adamw8bit", precision="fp32", batch_size=2, seq_len=32)
+    tiny = load_model_profile("tiny")
+    emb = sum(s.numel for s in tiny.param_specs() if s.embedding)
+    assert 0 < emb < tiny.num_params
+    extra = make_plan(hardware=slow32, **kw).phases["update"] - make_plan(hardware=fast8, **kw).phases["update"]
+    assert extra == pytest.approx(emb / hw.host.adamw_params_per_s, rel=1e-6)

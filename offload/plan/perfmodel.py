@@ -371,12 +371,18 @@ class StepLoad:
     """Gradient bytes sent device -> host per micro-batch (compute dtype, streamed chunks)."""
     cpu_params: int
     """Parameters updated on the CPU (streamed chunks)."""
+    cpu_fp32_params: int
+    """Of those, the ones with fp32 moments under an 8-bit optimizer (its embeddings,
+    update.table.fp32_embeddings): updated at the fp32 AdamW rate."""
     cpu_flops: float
     """Matmul flops of the CPU update (low-rank projections)."""
     cpu_update_bytes: int
     """Host-memory bytes read and written by the CPU update."""
     gpu_params: int
     """Parameters updated on the device (gpu-home chunks)."""
+    gpu_fp32_params: int
+    """Of those, the ones with fp32 moments under an 8-bit optimizer (priced on the simulated
+    device, whose update runs on the host's cores)."""
     gpu_update_bytes: int
     """Device-memory bytes read and written by the device update."""
     gpu_update_flops: float
@@ -453,6 +459,12 @@ def _cpu_rate(hw: HardwareProfile, cost: OptimizerSpec) -> float:
     return float(getattr(hw.host, f"{cost.cpu_rate}_params_per_s")) * cost.cpu_rate_scale
 
 
+def _cpu_params_s(hw: HardwareProfile, cost: OptimizerSpec, params: int, fp32: int, share: float = 1.0) -> float:
+    """Seconds of a CPU update's elementwise work over `params` parameters, `fp32` of them with
+    fp32 moments under an 8-bit optimizer, on all of the host's cores (`share` of them)."""
+    return ((params - fp32) / _cpu_rate(hw, cost) + fp32 / hw.host.adamw_params_per_s) / share
+
+
 def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSpec, load: StepLoad,
                  tokens: int, micro_batches: int = 1, collectives: "Collectives | None" = None) -> StepPrediction:
     """Price one step of `load` on `hardware` (see the module docstring for the model).
@@ -514,10 +526,11 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
     nv_write = sum(get("nvme", k) for k in KINDS if k != "grad")
     nv_update = nv_read / nv_r + nv_write / nv_w
     io_cores = 1 if nv_update > 0 and hw.host.cpu_cores > 1 else 0
-    rate = _cpu_rate(hw, cost) * (hw.host.cpu_cores - io_cores) / hw.host.cpu_cores
+    cores = (hw.host.cpu_cores - io_cores) / hw.host.cpu_cores
+    rate = _cpu_rate(hw, cost) * cores
     host_share = sum(get("host", k) for k in KINDS) / max(1, sum(get(t, k) for t in pl for k in KINDS))
     cxl_share = sum(get("cxl", k) for k in KINDS) / max(1, sum(get(t, k) for t in pl for k in KINDS))
-    cpu_update = max(load.cpu_params / rate, load.cpu_update_bytes * host_share / dram,
+    cpu_update = max(_cpu_params_s(hw, cost, load.cpu_params, load.cpu_fp32_params, cores), load.cpu_update_bytes * host_share / dram,
                      load.cpu_update_bytes * cxl_share / cxl, load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12))
     gpu_update = load.gpu_update_bytes / (hw.gpu.memory_bandwidth_gbps * GB) \
         + load.gpu_update_flops / (hw.gpu.fp32_tflops * 1e12)
@@ -606,8 +619,10 @@ def _predict_simulated(*, hardware: HardwareProfile, precision: str, cost: Optim
     if act:
         fwd["pcie d2h"] = act / back
         bwd["pcie h2d"] += act / copy
-    params = load.cpu_params + load.gpu_params
-    upd = {"cpu update": params / _cpu_rate(hw, cost) + load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12),
+    # (the simulated device's update runs on the same cores)
+    upd = {"cpu update": _cpu_params_s(hw, cost, load.cpu_params + load.gpu_params,
+                                       load.cpu_fp32_params + load.gpu_fp32_params)
+           + load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12),
            "dispatch": 4 * load.num_chunks * overhead}
     if collectives is not None:  # gloo between processes: copies on the same cores, added up
         link_s = collectives.gbps * GB

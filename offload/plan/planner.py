@@ -302,6 +302,7 @@ class _Chunks:
         self.needs_grad = self.cost.needs_grad
         self.kinds: list[dict[str, int]] = []  # per chunk, as the engine's store.kind_bytes / frozen_kind_bytes
         self.params: list[int] = []
+        self.fp32_params: list[int] = []  # of those, updated at the fp32 rate (fp32_embeddings)
         self.flops: list[float] = []
         self.encoded: set[int] = set()  # frozen chunks stored in another dtype (decoded per use, home or not)
         self.layers, self.tied = (model.num_hidden_layers, model.tie_word_embeddings) if lora is not None else (0, False)
@@ -327,6 +328,7 @@ class _Chunks:
                     self.encoded.add(c.index)
                 self.kinds.append({"compute": nbytes})
                 self.params.append(0)
+                self.fp32_params.append(0)
                 self.flops.append(0.0)
                 continue
             k = {"grad": 4 * c.numel if self.needs_grad else 0, "state": blobs[c.index],
@@ -335,6 +337,7 @@ class _Chunks:
                 k["compute"] = self.ce * c.numel
             self.kinds.append({kind: b for kind, b in k.items() if b})
             self.params.append(sum(p.numel for p in ps))
+            self.fp32_params.append(sum(p.numel for p in ps if self.cost.fp32_embeddings and p.embedding))
             self.flops.append(sum(param_update_flops(p, cost=self.cost, rank=rank, projected=p.name in proj)
                                   for p in ps))
         self.compute = [self.ce * c.numel for c in self.plan.chunks]
@@ -937,9 +940,10 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
         link_bytes=link if ch.frozen or remote else None,
         dequant_bytes=round(sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] + ch.compute[c]) for c in ch.encoded)),
         grad_d2h_bytes=sum(ch.compute[c] for c in streamed if c not in ch.frozen) if ch.needs_grad else 0,
-        cpu_params=sum(ch.params[c] for c in streamed), cpu_flops=sum(ch.flops[c] for c in streamed),
+        cpu_params=sum(ch.params[c] for c in streamed), cpu_fp32_params=sum(ch.fp32_params[c] for c in streamed),
+        cpu_flops=sum(ch.flops[c] for c in streamed),
         cpu_update_bytes=sum(_update_bytes(ch, c) for c in trainable),
-        gpu_params=sum(ch.params[c] for c in home),
+        gpu_params=sum(ch.params[c] for c in home), gpu_fp32_params=sum(ch.fp32_params[c] for c in home),
         gpu_update_bytes=sum(_update_bytes(ch, c) for c in home if c not in ch.frozen),
         gpu_update_flops=sum(ch.flops[c] for c in home),
         chunk_compute_bytes=max((ch.compute[c] for c in streamed), default=0),
