@@ -23,7 +23,6 @@ from .profilemodel import is_profile, profile_params
 from ..offload.core.errors import InfeasibleBudget, UnsupportedModel
 from ..offload.core.units import format_size
 from ..offload.plan import planner
-from ..offload.plan.perfmodel import adds_router_loss
 from ..offload.plan.planner import Plan
 from ..profiles import ProfileError
 
@@ -535,14 +534,11 @@ def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
     --gpu-mem (the planner would judge the hardware profile's memory, not this card's). A run the
     planner cannot price (a model family it does not know, a planner error) recomputes. A LoRA
     run: the fastest of off, those and all, as the planner finds it (keeping activations can
-    leave too little room to cache the streamed base). A MoE model that adds its router's
-    auxiliary loss: off (the engine refuses recompute for it). `here`: as make_plan's."""
+    leave too little room to cache the streamed base). `here`: as make_plan's."""
     if cfg.recompute is not None:
         return cfg
     if cfg.recompute_layers is not None:
         return _recomputing(cfg, cfg.recompute_layers)
-    if src is not None and adds_router_loss(src.config):  # its gradient needs the first forward's graph
-        return dataclasses.replace(cfg, recompute=False)
     if cfg.offload_activations or (cfg.budgets["gpu"] is None and _has_cuda()):
         return dataclasses.replace(cfg, recompute=True)
     plans: dict[int | None, Plan | None] = {}

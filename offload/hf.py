@@ -196,7 +196,6 @@ class _Offload:
         trainer: Any = self
         if trainer.optimizer is None:
             from .engine.engine import Engine
-            from .engine.model_info import adds_router_loss
 
             model = trainer.model
             self._dtypes = {n: p.dtype for n, p in model.named_parameters()}
@@ -211,7 +210,7 @@ class _Offload:
                 options["precision"] = Precision(compute.compute, base="nf4", double_quant=nested == {True})
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             _own_checkpointing_off(base)  # (gradient_checkpointing=True, TRL's default)
-            if "activations" not in options and self._longest() is None and not adds_router_loss(base):
+            if "activations" not in options and self._longest() is None:
                 # the first batch need not be the longest: every block recomputed keeps the slack
                 # a longer one needs (the engine keeps activations only for a known longest batch)
                 options["activations"] = Activations(recompute=True)

@@ -97,7 +97,7 @@ from .frozen_base import frozen_layouts
 from .tiled import tiled, tiled_mlps
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from .lora import apply_lora
-from .model_info import (adds_router_loss, check_dense_grads, check_model_given, check_no_own_checkpointing,
+from .model_info import (check_dense_grads, check_model_given, check_no_own_checkpointing,
                          check_trainable_dtypes, find_blocks, lumped_recompute, model_specs)
 from .needs import device_needs, module_chunks, open_tiers
 from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
@@ -113,13 +113,6 @@ from .timeline import Timeline
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-ROUTER_LOSS_REFUSAL = (
-    "this MoE model adds its router's auxiliary loss (output_router_logits), whose gradient the engine's "
-    "block recompute would drop: train without recompute (--no-recompute; Activations(recompute=False); "
-    "OffloadTrainer: offload={\"checkpointing\": False}), or without that loss (output_router_logits false in "
-    "the model's config.json)")
 
 
 class Engine:
@@ -486,18 +479,10 @@ class Engine:
                 surgery.patch_forward(mod, lambda f, m=mod: dual_forward(
                     f, m, half=lambda: self.zo_batch, updater=self.updater, names=self.param_names,
                     ledger=self.ledger))
-        # a recomputed block's first forward runs without a graph: the router logits a MoE model
-        # collects there would give its auxiliary loss no gradient
-        self._router_loss = self.updater.needs_grad and adds_router_loss(model)
-        if self._router_loss and checkpointing is None:  # (the engine's choice: keep them all)
-            log.info("the model adds its router's auxiliary loss: every block keeps its activations")
-            checkpointing = False
         count = recomputed_blocks(checkpointing, len(self.blocks))
         if self.offload_activations and not count and self.updater.needs_grad:
             raise ValueError("offload_activations moves the inputs of recomputed blocks: it needs "
                              "checkpointing (a model with several blocks, checkpointing not False or 0)")
-        if count and self._router_loss:
-            raise UnsupportedModel(ROUTER_LOSS_REFUSAL)
         recomputed = self.blocks[:count]
         self.tracker = ActivationTracker(res, self.ledger, self.device, counts=self.moments.counts)
         # blocks that save what their inputs' shapes decide: a recompute may be lumped, and the
@@ -746,9 +731,6 @@ class Engine:
         try:
             with self.moments.timed(Phase.FORWARD):
                 waits = self.executor.host_waits
-                if (self.recomputed and isinstance(batch, dict) and batch.get("output_router_logits")
-                        and self.updater.needs_grad):
-                    raise UnsupportedModel(ROUTER_LOSS_REFUSAL)  # (asked for by the batch, not the config)
                 with self.tracker.hooks(), self.residency.reading():
                     loss = self.loss_fn(self.model, to_device(batch, self.device))
                 if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):

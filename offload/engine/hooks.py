@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -409,15 +410,30 @@ class _Checkpoint(torch.autograd.Function):
         # meta: (run, spec, the non-tensor leaves, CUDA's random state kept too, the block's
         # training mode); run: (context, callable, [snapshot], hold). (One argument: autograd
         # makes Python calls per argument.)
-        run, spec, others, cuda, training = meta
+        run, spec, others, cuda, training, side = meta
         ctx.run, ctx.spec, ctx.n_tensors, ctx.others = run, spec, len(tensors), others
         ctx.training = training  # (the block's mode: dropout saves masks in training only)
         ctx.grad_mask = list(map(_REQUIRES_GRAD, tensors))
         ctx.save_for_backward(*tensors)
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state() if cuda else None
+        ctx.side = None
         with torch.no_grad():
-            return run[1](*_rebuild(spec, len(tensors), [*tensors, *others]))
+            out = run[1](*_rebuild(spec, len(tensors), [*tensors, *others]))
+        if side is None:
+            return out
+        extra = side.take()
+        if not extra:
+            return out
+        ctx.side = side
+        if isinstance(out, torch.Tensor):
+            side.single = True
+            return (out, *extra)
+        if not isinstance(out, tuple):
+            raise TypeError(f"a recomputed block whose forward returns a {type(out).__name__} cannot carry the "
+                            f"outputs recorded inside it ({', '.join(sorted({k for k, _ in side.found}))}): "
+                            "train without recompute")
+        return (*out, *extra)
 
     @staticmethod
     def backward(ctx, *grads: Any) -> Any:  # type: ignore[override]
@@ -435,8 +451,12 @@ class _Checkpoint(torch.autograd.Function):
             ctx.run[1], tuple(layout), tuple(ctx.grad_mask), own.n_args, own.keys, own.shape, tuple(others),
             ctx.training, torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
         flat = inputs + list(ctx.others)
+        side = ctx.side
+        if side is not None:  # the recorded outputs' gradients: the last ones
+            grads, side_grads = grads[:len(grads) - len(side.found)], grads[len(grads) - len(side.found):]
         with ctx.run[3]():  # the block's chunks stay resident through its recompute and backward
             recompute = ctx.run[0](key)
+            token = None if side is None else side.var.set({k: [] for k, _ in side.marks})
             try:
                 # the forward's random state for the recompute, this one's back after it (as
                 # torch.random.fork_rng does, without its generator's calls)
@@ -462,10 +482,17 @@ class _Checkpoint(torch.autograd.Function):
                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None:
                         outs.append(o)
                         gs.append(g)
+                if side is not None:
+                    for o, g in zip(side.again(side.var.get()), side_grads):
+                        if o.requires_grad and g is not None:
+                            outs.append(o)
+                            gs.append(g)
                 if outs:
                     torch.autograd.backward(outs, gs)
                 del out, outs, gs
             finally:
+                if token is not None:
+                    side.var.reset(token)
                 recompute.done()  # (the recompute's graph is gone: its saved tensors with it)
         result: list = [None, None]
         for t, g in zip(inputs, ctx.grad_mask):
@@ -535,6 +562,54 @@ def _rebuild(spec: Any, n_tensors: int, flat: Any) -> tuple[tuple, dict]:
     return tree_unflatten(leaves, treespec)
 
 
+class _Side:
+    """Tensors the model's own output hooks record inside a recomputed block, into a collector
+    its forward set up (transformers 5: a MoE's router logits for its auxiliary loss, inner
+    modules' outputs): the block's first forward runs without a graph, so they are made outputs
+    of its autograd Function, which replaces them in the collector; its backward recomputes
+    them into a fresh collector and adds their gradients."""
+
+    __slots__ = ("var", "collected", "marks", "found", "single")
+
+    def __init__(self, var: Any, collected: dict):
+        self.var, self.collected = var, collected
+        self.marks = [(k, len(v)) for k, v in collected.items() if type(v) is list]
+        self.found: list[tuple[str, int, int]] = []  # (key, from its mark, the mark) of each new one
+        self.single = False  # the block returned one tensor, not a tuple
+
+    def take(self) -> list[torch.Tensor]:
+        """The tensors recorded since the marks, without a graph."""
+        new = []
+        for k, start in self.marks:
+            got = self.collected[k]
+            for j in range(start, len(got)):
+                t = got[j]
+                if isinstance(t, torch.Tensor) and not t.requires_grad:
+                    self.found.append((k, j - start, start))
+                    new.append(t)
+        return new
+
+    def put(self, tensors: Iterable[torch.Tensor]) -> None:
+        for (k, j, start), t in zip(self.found, tensors):
+            self.collected[k][start + j] = t
+
+    def again(self, fresh: dict) -> list[torch.Tensor]:
+        """The same tensors, from the recompute's fresh collector."""
+        return [fresh[k][j] for k, j, _ in self.found]
+
+
+def _collector_var() -> Any:
+    """The context variable transformers' output hooks record into, or None (a model that is
+    not a transformers one, or a version without it)."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers.utils import output_capturing
+        return output_capturing._active_collector.context_var
+    except (ImportError, AttributeError):
+        return None
+
+
 def checkpointed(forward: Callable, *, context: Callable[[Any], Any], hold: Callable[[], Any],
                  saving: Callable[[], Any], buffers: BufferGuard) -> Callable:
     """Wrap a block's forward so that backward recomputes it instead of keeping its internals.
@@ -549,6 +624,7 @@ def checkpointed(forward: Callable, *, context: Callable[[Any], Any], hold: Call
     """
     anchor = torch.empty(0, requires_grad=True)
     cuda = torch.cuda.is_available()  # (once: a Python call in torch at every forward otherwise)
+    var = _collector_var()
 
     def run(args: tuple, kwargs: dict) -> Any:
         return forward(*args, **kwargs)
@@ -565,7 +641,9 @@ def checkpointed(forward: Callable, *, context: Callable[[Any], Any], hold: Call
         is_tensor = tuple(kinds)
         snapshot: list = [None]
         taken = buffers.before()
-        meta = ((context, run, snapshot, hold), (treespec, is_tensor), others, cuda, buffers.block.training)
+        collected = None if var is None else var.get()
+        side = _Side(var, collected) if collected else None
+        meta = ((context, run, snapshot, hold), (treespec, is_tensor), others, cuda, buffers.block.training, side)
         around = saving()
         try:
             if around is None:
@@ -577,6 +655,10 @@ def checkpointed(forward: Callable, *, context: Callable[[Any], Any], hold: Call
             buffers.drop(taken)
             raise
         snapshot[0] = buffers.after(taken)
+        if side is not None and side.found:
+            n = len(out) - len(side.found)
+            side.put(out[n:])
+            out = out[0] if side.single else out[:n]
         return out
 
     return wrapper

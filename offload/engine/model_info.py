@@ -12,7 +12,7 @@ import torch
 from ..core.chunks import ParamSpec, specs_of
 from ..core.errors import UnsupportedModel
 from ...optim.adamw8bit import embedding_names
-from ..plan.perfmodel import TILED_FAMILIES, adds_router_loss as config_adds_router_loss
+from ..plan.perfmodel import TILED_FAMILIES
 from . import segments
 
 log = logging.getLogger(__name__)
@@ -106,21 +106,6 @@ def check_model_given(model: Any) -> None:
     if model in HELD:
         raise UnsupportedModel("another Engine holds this model (its parameters are that engine's): close "
                                "that one first (its trained weights: named_parameters_fp32), or give a new model")
-
-
-def adds_router_loss(model: torch.nn.Module) -> bool:
-    """A MoE model whose own loss adds its router's auxiliary loss (perfmodel.adds_router_loss
-    reads its config; Switch-style models ask for the router logits by a forward argument that
-    defaults to True)."""
-    import inspect
-
-    if config_adds_router_loss(getattr(model, "config", None)):
-        return True
-    try:
-        arg = inspect.signature(type(model).forward).parameters.get("output_router_logits")
-    except (TypeError, ValueError):
-        return False
-    return arg is not None and arg.default is True
 
 
 def check_no_own_checkpointing(model: torch.nn.Module) -> None:

@@ -88,28 +88,6 @@ def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad
 #: additive copy), one SDPA call a layer instead of one per segment.
 SEGMENTS_FROM = 4096
 
-#: Config fields holding the weight of a MoE router's auxiliary loss: Mixtral, Qwen-MoE, OLMoE,
-#: GPT-OSS... (router_aux_loss_coef), JetMoE (aux_loss_coef), Switch (its z-loss too).
-ROUTER_LOSS_FIELDS = ("router_aux_loss_coef", "aux_loss_coef", "router_z_loss_coef")
-
-
-def adds_router_loss(config: object) -> bool:
-    """Whether a model of `config` adds its MoE router's auxiliary loss to its own loss: it
-    outputs the router logits (`output_router_logits`, here or in a vision-language model's
-    `text_config`) and some weight of that loss is not 0 (or none is named: assumed added).
-    Its gradient needs the first forward's graph (the engine's block recompute has none)."""
-    for cfg in (config, getattr(config, "text_config", None)):
-        if cfg is None or not getattr(cfg, "output_router_logits", False):
-            continue
-        weights = [getattr(cfg, k) for k in ROUTER_LOSS_FIELDS if getattr(cfg, k, None) is not None]
-        dbrx = getattr(getattr(cfg, "ffn_config", None), "moe_loss_weight", None)  # DBRX's field
-        if dbrx is not None:
-            weights.append(dbrx)
-        if not weights or any(w != 0 for w in weights):
-            return True
-    return False
-
-
 #: A recomputed block's MLP runs in sequence tiles of this many bytes of intermediates
 #: (offload.engine.tiled), in these families (a token-wise `mlp` of gate, up and down).
 MLP_TILE_BYTES = 256 << 20
