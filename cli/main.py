@@ -21,7 +21,7 @@ import traceback
 import typing
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -35,8 +35,26 @@ from ..offload.core.errors import InfeasibleBudget, TierwiseError
 PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ENOTDIR,
                errno.EROFS, errno.ENAMETOOLONG)
 
+class _FlagHelp:
+    """`-h, --help` shown as the flag it is (typer shows `<bool>` after its own help option)."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        opt = super().get_help_option(ctx)  # type: ignore[misc]
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+
+class _Command(_FlagHelp, typer.core.TyperCommand):
+    pass
+
+
+class _Group(_FlagHelp, typer.core.TyperGroup):
+    pass
+
+
 app = typer.Typer(
-    name="finetune", add_completion=False, pretty_exceptions_enable=False,
+    name="finetune", add_completion=False, pretty_exceptions_enable=False, cls=_Group,
     rich_markup_mode="rich", context_settings={"help_option_names": ["-h", "--help"]},
     help=("Fine-tune a language model bigger than your GPU: its weights, gradients and "
           "optimizer state stream across GPU, host RAM, CXL memory and NVMe.\n\n"
@@ -186,7 +204,7 @@ def train(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION, **options)
         raise typer.Exit(code)
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 @config_options(plan=True)
 def plan(
@@ -271,7 +289,7 @@ def _whole(value: object, flag: str) -> int:
         raise TierwiseError(f"{flag} takes a whole number (or, for `plan`, max), got {value!r}") from None
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 def profile(
     hardware: Optional[str] = Opt(None, help="Name to save the measured hardware profile as."),
@@ -289,7 +307,7 @@ def profile(
     run_profile(hardware=hardware, output=output, nvme_path=nvme_path, console=Console())
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 def generate(
     run: Path = typer.Argument(..., help="A finished run's --output (its model/ or adapter/)."),
@@ -315,7 +333,7 @@ def generate(
     print(answer(model, tokenizer, prompt, max_new_tokens=max_new_tokens, chat=chat, temperature=temperature))
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 def export(
     merge: bool = Opt(False, "--merge", help="Merge a LoRA adapter into its base model: the "

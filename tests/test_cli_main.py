@@ -35,6 +35,9 @@ def test_help_groups_options_in_panels(runner):
                   "Hardware & plan"):
         assert panel in result.output
     assert "plan" in result.output and "profile" in result.output
+    for command in ([], ["plan"], ["export"], ["generate"], ["profile"]):  # (flags show no value type)
+        shown = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"}).output
+        assert "Show this message" in shown and "<bool>" not in shown, command
 
 
 def test_bad_size_is_one_line_exit_2(runner, tmp_path):
