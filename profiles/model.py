@@ -1,10 +1,13 @@
 """Model profiles: architecture shapes of decoder-only LMs (no weights), from TOML files.
 
 `param_specs()` lists the parameters analytically, with the names and shapes of the
-transformers state dict (LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM), in the
-order transformers registers them (`named_parameters()`, the order the engine packs chunks
-in): embed, then per layer q/k/v/o, gate/up/down, input_layernorm, post_attention_layernorm,
-then the final norm and lm_head (absent when tied). Instant even for 405B.
+transformers state dict (LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM, and the
+mixtures of experts MixtralForCausalLM / Qwen2MoeForCausalLM), in the order transformers
+registers them (`named_parameters()`, the order the engine packs chunks in): embed, then per
+layer q/k/v/o, the MLP (gate/up/down; a MoE layer's router `mlp.gate`, its fused 3-D experts
+`mlp.experts.gate_up_proj` / `down_proj` and Qwen2-MoE's shared expert and its gate),
+input_layernorm, post_attention_layernorm, then the final norm and lm_head (absent when tied).
+Instant even for 405B.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "llama": ("LlamaConfig", False),
     "mistral": ("MistralConfig", False),
     "qwen2": ("Qwen2Config", True),
+    "mixtral": ("MixtralConfig", False),
+    "qwen2_moe": ("Qwen2MoeConfig", True),
 }
+#: The mixture-of-experts families: every decoder layer's MLP is a router over fused experts.
+MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,9 +65,30 @@ class ModelProfile:
     """RMSNorm epsilon."""
     head_dim: int | None = None
     """Per-head width; None means hidden_size // num_attention_heads."""
+    num_experts: int = field(default=0, metadata={"min": 0})
+    """A MoE family's routed experts per layer (Mixtral's num_local_experts); 0 for a dense one."""
+    num_experts_per_tok: int = field(default=0, metadata={"min": 0})
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int | None = None
+    """One routed expert's MLP width; None: intermediate_size (Mixtral's)."""
+    shared_expert_intermediate_size: int = field(default=0, metadata={"min": 0})
+    """Qwen2-MoE's shared expert's MLP width (every token runs it, scaled by its own gate); 0: none."""
 
     def __post_init__(self) -> None:
         validate_fields(self)
+        moe = self.family in MOE_FAMILIES
+        if moe:  # (Qwen2-MoE always has its shared expert; Mixtral none)
+            bad = not 0 < self.num_experts_per_tok <= self.num_experts or \
+                (self.family == "qwen2_moe") != (self.shared_expert_intermediate_size > 0)
+        else:
+            bad = bool(self.num_experts or self.num_experts_per_tok or self.shared_expert_intermediate_size
+                       or self.moe_intermediate_size)
+        if bad:
+            raise FieldValueError(
+                f"family {self.family!r} {'needs' if moe else 'takes no'} num_experts and num_experts_per_tok "
+                f"(got {self.num_experts} and {self.num_experts_per_tok}; top-k at most the experts; a "
+                f"shared expert's width for qwen2_moe only)",
+                where=self.name, field="num_experts")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise FieldValueError(
                 f"field 'hidden_size' ({self.hidden_size}) must be a multiple of num_attention_heads "
@@ -82,9 +110,35 @@ class ModelProfile:
     def kv_dim(self) -> int:
         return self.num_key_value_heads * self.dim_per_head
 
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_size(self) -> int:
+        """One routed expert's MLP width."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def _mlp_specs(self, p: str) -> list[ParamSpec]:
+        h, i = self.hidden_size, self.intermediate_size
+        if not self.moe:
+            return [ParamSpec(name=p + "mlp.gate_proj.weight", shape=(i, h)),
+                    ParamSpec(name=p + "mlp.up_proj.weight", shape=(i, h)),
+                    ParamSpec(name=p + "mlp.down_proj.weight", shape=(h, i))]
+        n, x, sh = self.num_experts, self.expert_size, self.shared_expert_intermediate_size
+        out = [ParamSpec(name=p + "mlp.gate.weight", shape=(n, h)),
+               ParamSpec(name=p + "mlp.experts.gate_up_proj", shape=(n, 2 * x, h)),
+               ParamSpec(name=p + "mlp.experts.down_proj", shape=(n, h, x))]
+        if sh:
+            out += [ParamSpec(name=p + "mlp.shared_expert.gate_proj.weight", shape=(sh, h)),
+                    ParamSpec(name=p + "mlp.shared_expert.up_proj.weight", shape=(sh, h)),
+                    ParamSpec(name=p + "mlp.shared_expert.down_proj.weight", shape=(h, sh)),
+                    ParamSpec(name=p + "mlp.shared_expert_gate.weight", shape=(1, h))]
+        return out
+
     def param_specs(self) -> list[ParamSpec]:
         """Every parameter (name, shape), in `named_parameters()` order; tied lm_head is omitted."""
-        h, i, bias = self.hidden_size, self.intermediate_size, FAMILIES[self.family][1]
+        h, bias = self.hidden_size, FAMILIES[self.family][1]
         specs = [ParamSpec(name="model.embed_tokens.weight", shape=(self.vocab_size, h), embedding=True)]
         for layer in range(self.num_hidden_layers):
             p = f"model.layers.{layer}."
@@ -93,9 +147,7 @@ class ModelProfile:
                 if bias:
                     specs.append(ParamSpec(name=f"{p}self_attn.{proj}.bias", shape=(out,)))
             specs.append(ParamSpec(name=p + "self_attn.o_proj.weight", shape=(h, self.q_dim)))
-            specs.append(ParamSpec(name=p + "mlp.gate_proj.weight", shape=(i, h)))
-            specs.append(ParamSpec(name=p + "mlp.up_proj.weight", shape=(i, h)))
-            specs.append(ParamSpec(name=p + "mlp.down_proj.weight", shape=(h, i)))
+            specs += self._mlp_specs(p)
             specs.append(ParamSpec(name=p + "input_layernorm.weight", shape=(h,)))
             specs.append(ParamSpec(name=p + "post_attention_layernorm.weight", shape=(h,)))
         specs.append(ParamSpec(name="model.norm.weight", shape=(h,)))
@@ -103,13 +155,24 @@ class ModelProfile:
             specs.append(ParamSpec(name="lm_head.weight", shape=(self.vocab_size, h)))
         return specs
 
+    def _attention_params(self, *, biases: bool = True) -> int:
+        h = self.hidden_size
+        attn = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
+        return attn + (self.q_dim + 2 * self.kv_dim if biases and FAMILIES[self.family][1] else 0)
+
+    def _mlp_params(self, *, active: bool) -> int:
+        """One layer's MLP parameters; `active`: those one token's forward multiplies by (its
+        top-k experts, the router, the shared expert and its gate)."""
+        h = self.hidden_size
+        if not self.moe:
+            return 3 * h * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+        return self.num_experts * h + experts * 3 * h * self.expert_size + shared
+
     def layer_params(self) -> int:
         """Parameters of one decoder layer."""
-        h, i = self.hidden_size, self.intermediate_size
-        attn = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
-        if FAMILIES[self.family][1]:
-            attn += self.q_dim + 2 * self.kv_dim
-        return attn + 3 * h * i + 2 * h
+        return self._attention_params() + self._mlp_params(active=False) + 2 * self.hidden_size
 
     @property
     def num_params(self) -> int:
@@ -120,34 +183,42 @@ class ModelProfile:
 
     @property
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token (all but the embedding lookup and norms)."""
+        """Parameters that take part in a matmul per token (all but the embedding lookup, norms
+        and biases; of a MoE layer's experts, the top-k a token is routed to)."""
         lm_head = self.vocab_size * self.hidden_size
-        return self.num_hidden_layers * (self.layer_params() - 2 * self.hidden_size) + lm_head
+        return self.num_hidden_layers * (self._attention_params(biases=False) + self._mlp_params(active=True)) \
+            + lm_head
 
     def largest_param_numel(self) -> int:
         return max(math.prod(s.shape) for s in self._largest_candidates())
 
     def _largest_candidates(self) -> list[ParamSpec]:
-        h, i = self.hidden_size, self.intermediate_size
-        return [ParamSpec(name="emb", shape=(self.vocab_size, h)), ParamSpec(name="mlp", shape=(i, h)),
-                ParamSpec(name="q", shape=(self.q_dim, h))]
+        h = self.hidden_size
+        return [ParamSpec(name="emb", shape=(self.vocab_size, h)), ParamSpec(name="q", shape=(self.q_dim, h)),
+                *self._mlp_specs("")]
 
     @classmethod
     def from_hf_config(cls, config: Any, *, name: str | None = None) -> "ModelProfile":
-        """The profile of a transformers Llama/Qwen2/Mistral config (or a model with `.config`)."""
+        """The profile of a transformers config of a FAMILIES family (or a model with `.config`)."""
         config = getattr(config, "config", config)
         family = getattr(config, "model_type", "llama")
-        if family not in FAMILIES:
-            experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-            # a MoE layer runs top-k of its experts per token (compute), routes tokens (activations) and
-            # runs router + experts modules (trace): none of it is the dense formulas' (not priced, not guessed)
-            why = (f": a mixture of experts ({config.num_experts_per_tok} of {experts} experts per token), not the "
-                   "dense decoder its compute, activation and traffic formulas model"
-                   if experts and getattr(config, "num_experts_per_tok", None) else " yet")
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+        top_k = getattr(config, "num_experts_per_tok", None) or 0
+        every_layer = not getattr(config, "mlp_only_layers", None) and getattr(config, "decoder_sparse_step", 1) == 1
+        if family not in FAMILIES or (family in MOE_FAMILIES and not every_layer):
+            # another MoE's layers (their routers, experts and saved tensors) are not these formulas'
+            why = (f": a mixture of experts ({top_k} of {experts} experts per token"
+                   f"{'' if every_layer else ', some layers dense'}) the formulas do not model"
+                   if experts and top_k else " yet")
             raise FieldValueError(f"the planner prices the {', '.join(FAMILIES)} families, not {family!r}{why}: "
                                   "`plan` and `--dry-run` cannot price this model; training runs (the engine "
                                   "measures its budgets in the warm-up step)",
                                   where=name or type(config).__name__, field="family")
+        moe: dict[str, Any] = {}
+        if family in MOE_FAMILIES:
+            moe = dict(num_experts=experts, num_experts_per_tok=top_k,
+                       moe_intermediate_size=getattr(config, "moe_intermediate_size", None),
+                       shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0)
         rope = getattr(config, "rope_parameters", None) or {}
         return cls(
             name=name or getattr(config, "_name_or_path", "") or family, family=family,
@@ -158,10 +229,10 @@ class ModelProfile:
             max_position_embeddings=config.max_position_embeddings,
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
             rms_norm_eps=float(config.rms_norm_eps),
-            head_dim=getattr(config, "head_dim", None))
+            head_dim=getattr(config, "head_dim", None), **moe)
 
     def to_hf_config(self) -> Any:
-        """A transformers config of this shape (LlamaConfig, Qwen2Config or MistralConfig)."""
+        """A transformers config of this shape (its family's config class)."""
         import transformers
 
         cls = getattr(transformers, FAMILIES[self.family][0])
@@ -174,4 +245,10 @@ class ModelProfile:
         )
         if self.head_dim is not None:
             kwargs["head_dim"] = self.head_dim
+        if self.family == "mixtral":
+            kwargs.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+        elif self.family == "qwen2_moe":
+            kwargs.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                          moe_intermediate_size=self.expert_size,
+                          shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         return cls(**kwargs)

@@ -3,6 +3,8 @@ with their layers is the reference (tests/test_cli_lora.py covers Llama end to e
 
 from __future__ import annotations
 
+import json
+
 import sys
 from pathlib import Path
 
@@ -95,15 +97,21 @@ def test_plan_of_a_family_the_planner_does_not_price_says_training_runs(gpt2, tm
     assert "'gpt2'" in line and "training runs" in line and "field 'family'" not in line, line
 
 
-@pytest.mark.parametrize("family,experts", [("mixtral", "2 of 4"), ("qwen2-moe", "2 of 4")])
-def test_plan_of_a_moe_family_says_why_it_is_not_priced(tmp_path, family, experts):
-    """A mixture of experts is not priced with the dense formulas (top-k compute, routing): one
-    line that says so and that training runs."""
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
+def test_plan_of_a_moe_family(tmp_path, family):
+    """Mixtral and Qwen2-MoE are priced (top-k compute, their experts' activations); a mixture
+    the formulas do not model (a Qwen2-MoE with dense layers) is not: one line that says so and
+    that training runs."""
     model = make_tiny_family_dir(tmp_path / family, family)
     data = write_jsonl(tmp_path / "train.jsonl", sample_rows(8))
-    line = error_line(CliRunner().invoke(app, _args((model, data), tmp_path / "run", "--qlora", "--lora-targets",
-                                                    "q_proj", "--dry-run"), env={"COLUMNS": "300"}))
-    assert f"mixture of experts ({experts} experts per token)" in line and "training runs" in line, line
+    args = _args((model, data), tmp_path / "run", "--qlora", "--lora-targets", "q_proj", "--dry-run")
+    out = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+    assert out.exit_code == 0 and "verdict: fits" in out.output and "mixture of experts" not in out.output, out.output
+    if family == "qwen2-moe":
+        cfg = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**cfg, "mlp_only_layers": [1]}))
+        line = error_line(CliRunner().invoke(app, args, env={"COLUMNS": "300"}))
+        assert "mixture of experts (2 of 4 experts per token, some layers dense)" in line and "training runs" in line
 
 
 def test_the_summary_says_how_much_of_an_nf4_base_is_encoded(tmp_path):

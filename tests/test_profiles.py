@@ -54,6 +54,7 @@ def test_every_hardware_profile_loads(name):
     ("7b", 6_738_415_616), ("LLAMA-2-7B", 6_738_415_616), ("meta-llama/Llama-2-7b-hf", 6_738_415_616),
     ("70b", 70_553_706_496), ("llama-3-70b", 70_553_706_496), ("Qwen/Qwen2.5-7B", 7_615_616_512),
     ("mistral-7b", 7_241_732_096), ("100m", 101_924_480), ("405b", 405_853_388_800),
+    ("mixtral-8x7b", 46_702_792_704), ("Qwen/Qwen1.5-MoE-A2.7B", 14_315_784_192),
 ], ids=str)
 def test_aliases_are_case_insensitive_and_counts_match_published(alias, params):
     assert load_model_profile(alias).num_params == params
@@ -74,6 +75,58 @@ def test_param_specs_match_transformers_meta_model(tmp_path, family, tied, cls):
     assert ours == theirs
     # the engine packs chunks in named_parameters() order: the planner must list them the same way
     assert [s.name for s in profile.param_specs()] == [n for n, _ in model.named_parameters()]
+
+
+MOE = {"mixtral": "num_experts = 4\nnum_experts_per_tok = 2\n",
+       "qwen2_moe": "num_experts = 6\nnum_experts_per_tok = 2\nmoe_intermediate_size = 48\n"
+                    "shared_expert_intermediate_size = 80\n"}
+
+
+@pytest.mark.parametrize("family, cls", [("mixtral", "MixtralForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM")])
+def test_moe_param_specs_and_active_params_match_transformers(tmp_path, family, cls):
+    """A MoE profile lists transformers' parameters in its order (the router, the fused 3-D
+    experts, Qwen2-MoE's shared expert and its gate), reads its config back, and counts the
+    matmul parameters one token multiplies by as torch's flop counter sees a forward."""
+    import transformers
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Matmuls(TorchDispatchMode):  # (torch's FlopCounterMode has no rule for _grouped_mm)
+        flops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in ("mm", "addmm", "bmm", "_grouped_mm"):
+                a = args[1] if name == "addmm" else args[0]
+                self.flops += 2 * out.numel() * a.shape[-1]
+            return out
+
+    profile = load_model_profile(_write(tmp_path, TINY.format(family=family, tied="false") + MOE[family]))
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(profile.to_hf_config())
+    assert [(s.name, s.shape) for s in profile.param_specs()] == \
+        [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert sum(p.numel() for p in model.parameters()) == profile.num_params
+    assert type(profile).from_hf_config(model.config, name="t") == profile
+    tokens = 12
+    with Matmuls() as count, torch.no_grad():
+        model(torch.randint(0, 256, (1, tokens)))
+    assert count.flops == 2 * profile.matmul_params * tokens  # (CPU SDPA's own are not these ops)
+
+
+def test_a_moe_the_formulas_do_not_model_is_not_priced():
+    from transformers import Qwen2MoeConfig
+
+    from tierwise.profiles.model import ModelProfile
+
+    cfg = Qwen2MoeConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
+    with pytest.raises(FieldValueError, match="some layers dense"):
+        ModelProfile.from_hf_config(cfg)
+    with pytest.raises(FieldValueError, match="needs num_experts"):
+        ModelProfile(name="x", family="mixtral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+                     rope_theta=1e4, rms_norm_eps=1e-5)
 
 
 def test_shipped_tiny_matches_transformers():
@@ -121,7 +174,7 @@ def _bad_model(tmp_path, old, new):
     ("rope_theta = 10000.0", "rope_theta = 10000.0\nrope_thetta = 1.0", UnknownFieldError,
      "unknown field 'rope_thetta' (known: "),
     ('family = "llama"', 'family = "gpt2"', FieldValueError,
-     "field 'family' must be one of llama, mistral, qwen2, got 'gpt2'"),
+     "field 'family' must be one of llama, mistral, qwen2, mixtral, qwen2_moe, got 'gpt2'"),
     ("num_key_value_heads = 2", "num_key_value_heads = 3", FieldValueError,
      "field 'num_key_value_heads' (3) must divide num_attention_heads (4)"),
     ("hidden_size = 64", "hidden_size = 66", FieldValueError, "field 'hidden_size' (66) must be a multiple of"),

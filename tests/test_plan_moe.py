@@ -1,0 +1,73 @@
+"""The planner prices the mixtures of experts it has formulas for (Mixtral, Qwen2-MoE): their
+activations equal what the engine's ledger counts (full fine-tune; a LoRA run's are at most
+the full fine-tune's), and `finetune plan` places Mixtral 8x7B."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tierwise.offload import Activations, Budget, Engine, Precision
+from tierwise.offload.plan.perfmodel import activation_bytes
+from tierwise.offload.plan.planner import make_plan
+from tierwise.profiles import load_model_profile
+from tierwise.profiles.model import ModelProfile
+
+MOE = {"mixtral": dict(num_experts=4, num_experts_per_tok=2),
+       "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+                         shared_expert_intermediate_size=56)}
+
+
+def tiny(family: str) -> ModelProfile:
+    return ModelProfile(name="t", family=family, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
+                        rope_theta=1e4, rms_norm_eps=1e-5, **MOE[family])
+
+
+def _peak(profile: ModelProfile, *, precision: str, checkpointing, lora=None, rows=2, seq=20) -> int:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(profile.to_hf_config())
+    kw = {} if lora is None else {"lora": lora}
+    eng = Engine(model, budget=Budget(chunk=16 << 10), precision=Precision(precision),
+                 activations=Activations(recompute=checkpointing), **kw)
+    try:
+        x = torch.randint(0, profile.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(1))
+        eng.ledger.reset_peaks()
+        eng.step({"input_ids": x, "labels": x})
+        return eng.ledger.kind_peak("gpu", "activation")
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
+@pytest.mark.parametrize("family", list(MOE))
+def test_moe_activations_are_planned_exactly(family, precision, checkpointing):
+    profile = tiny(family)
+    assert _peak(profile, precision=precision, checkpointing=checkpointing) == activation_bytes(
+        model=profile, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing)
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_a_moe_lora_run_saves_at_most_the_full_fine_tunes(family):
+    from peft import LoraConfig
+
+    profile = tiny(family)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    got = _peak(profile, precision="fp32", checkpointing=True, lora=lora)
+    planned = activation_bytes(model=profile, batch_size=2, seq_len=20, precision="fp32", checkpointing=True,
+                               lora=(frozenset({"q_proj", "v_proj"}), 4))
+    assert 0 < got <= planned
+
+
+def test_mixtral_8x7b_is_planned():
+    """QLoRA on the attention of Mixtral 8x7B on one 24 GB card and 64 GB of host memory."""
+    plan = make_plan(model="mixtral-8x7b", hardware="rtx4090", gpu_mem="24G", cpu_mem="64G",
+                     optimizer="adamw", precision="bf16", batch_size=1, seq_len=2048, lora_rank=16,
+                     lora_targets="q_proj,k_proj,v_proj,o_proj", base_dtype="nf4")
+    prof = load_model_profile("mixtral-8x7b")
+    assert plan.num_params == prof.num_params + plan.trainable_params
+    # the largest parameter is one layer's fused gate_up experts: 8 x 28672 x 4096
+    assert max(s.numel for s in prof.param_specs()) == prof.largest_param_numel() == 8 * 2 * 14336 * 4096
+    assert plan.step_s > 0 and plan.tokens_per_s > 0
