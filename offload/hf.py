@@ -113,6 +113,21 @@ def with_offload(trainer_class: type) -> type:
     return _CACHE[trainer_class]
 
 
+def _check_own_loss(cls: type) -> None:
+    """Refuse a Trainer class whose compute_loss is its own: the engine computes the model's own
+    loss and never calls it (a subclass's custom loss, DPO's, a reward model's, ...). TRL's
+    SFTTrainer computes the model's causal LM loss (its other losses are refused by loss_type)."""
+    for c in cls.__mro__:
+        if "compute_loss" in c.__dict__:
+            if c.__module__.startswith("transformers.") or (c.__module__.startswith("trl.")
+                                                            and c.__name__ == "SFTTrainer"):
+                return
+            what = (f"TRL's {c.__name__} trains its own objective" if c.__module__.startswith("trl.")
+                    else f"{c.__name__}.compute_loss is not called")
+            raise TierwiseError(f"{what}: the engine trains a causal LM on the model's own loss (transformers' "
+                                "Trainer or TRL's SFTTrainer); train this one without offload")
+
+
 class _Offload:
     """The overrides with_offload mixes into a Trainer class."""
 
@@ -124,6 +139,7 @@ class _Offload:
         model = kwargs.get("model")
         if kwargs.get("peft_config") is not None and _source(model) is not None:
             kwargs["model"] = get_peft_model(model, kwargs.pop("peft_config"))  # with values, not meta
+        _check_own_loss(type(self))
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         trainer: Any = self
         trainer.accelerator.device_placement = False  # the engine places the weights, not .to(device)
@@ -259,6 +275,28 @@ class _Offload:
         mask = torch.ones_like(ids)
         mask[0, -1] = 0
         self.engine.measure({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().train(*args, **kwargs)  # type: ignore[misc]
+        self._save_through_engine()
+        return out
+
+    def _save_through_engine(self) -> None:
+        """The model's weights live in the engine (its parameters hold placeholders): the
+        model's own save_pretrained (and push_to_hub, which calls it) writes the engine's, as
+        save_model does. (A PEFT model's adapters are its own: its save_pretrained keeps them.)"""
+        model: Any = getattr(self, "model", None)
+        if self.engine is None or model is None or hasattr(model, "peft_config") \
+                or not hasattr(model, "save_pretrained") or "save_pretrained" in vars(model):
+            return
+        own = model.save_pretrained
+
+        def save_pretrained(save_directory: Any, *args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
+            if state_dict is None and self.engine is not None:
+                state_dict = self._weights()
+            return own(save_directory, *args, state_dict=state_dict, **kwargs)
+
+        model.save_pretrained = save_pretrained
 
     # -- a step ---------------------------------------------------------------------------
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:

@@ -292,3 +292,40 @@ def test_steps_train_in_train_mode_and_a_changed_loss_is_refused(tmp_path):
         with pytest.raises(TierwiseError):
             OffloadTrainer(model=tiny(), args=args(tmp_path / "x", **bad), train_dataset=Rows(),
                            offload=OFFLOAD).train()
+
+
+def test_a_trainer_with_its_own_compute_loss_is_refused(tmp_path):
+    """The engine computes the model's own loss: a Trainer subclass's compute_loss (a custom
+    loss) or a TRL trainer with its own objective (DPO, reward) would be skipped, silently."""
+    class ZeroLoss(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(**inputs).loss * 0.0
+
+    with pytest.raises(TierwiseError, match="ZeroLoss.compute_loss is not called"):
+        with_offload(ZeroLoss)(model=tiny(), args=args(tmp_path / "z"), train_dataset=Rows(), offload=OFFLOAD)
+
+    class Logged(ZeroLoss):  # (a subclass of a subclass: the same)
+        pass
+
+    with pytest.raises(TierwiseError, match="ZeroLoss.compute_loss"):
+        with_offload(Logged)(model=tiny(), args=args(tmp_path / "l"), train_dataset=Rows(), offload=OFFLOAD)
+    trl = pytest.importorskip("trl")
+    for cls in (trl.DPOTrainer, trl.RewardTrainer):
+        with pytest.raises(TierwiseError, match=f"TRL's {cls.__name__} trains its own objective"):
+            with_offload(cls)(model=tiny(), args=args(tmp_path / "t"))
+
+
+def test_the_models_own_save_pretrained_after_training_writes_the_trained_weights(tmp_path):
+    """trainer.model's parameters hold the engine's placeholders: its save_pretrained (as TRL
+    scripts call it) writes the engine's weights, as save_model does (was: a shared-tensors
+    error)."""
+    trainer = OffloadTrainer(model=tiny(), args=args(tmp_path / "o", max_steps=2), train_dataset=Rows(),
+                             offload=OFFLOAD)
+    trainer.train()
+    trainer.model.save_pretrained(tmp_path / "direct")
+    trainer.save_model(str(tmp_path / "saved"))
+    direct = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "direct").state_dict()
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
+    start = tiny().state_dict()
+    assert all(torch.equal(direct[k], saved[k]) for k in saved)
+    assert any(not torch.equal(direct[k], start[k]) for k in start)
