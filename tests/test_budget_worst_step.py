@@ -302,3 +302,20 @@ def test_a_first_step_below_the_minimum_says_so_and_does_not_point_at_measure():
         assert budget < exc.value.minimum["gpu"] <= true_minimum
     finally:
         eng.close()
+
+
+def test_a_warm_up_stopped_in_forward_says_its_minimum_is_a_floor():
+    """The first step's "at least" counts the activations saved before it stopped: stopped in
+    forward, the whole step needs more, and the message says so (a user raising the budget to
+    that figure again and again); stopped in backward, it does not."""
+    from models import batches
+
+    said = {}
+    for gpu in ("150K", "320K"):
+        eng = Engine(tiny_llama(), budget=Budget(gpu=gpu, chunk=16 << 10), activations=Activations(recompute=True))
+        with pytest.raises(StepOverBudget) as info:
+            eng.step(batches(1, batch=4, seq=16)[0])
+        said[gpu] = str(info.value)
+        eng.close()
+    assert "it stopped in forward, so the whole step needs more" in said["150K"]
+    assert "stopped in forward" not in said["320K"] and "offload={'gpu_mem'" in said["320K"]

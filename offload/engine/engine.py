@@ -796,7 +796,7 @@ class Engine:
         if self.minimum_gpu_bytes is None:  # the warm-up (or measure): nothing placed yet, every chunk streams
             pinned = 0 if self.units_are_blocks else self.residency.cache.pinned_peak  # (a block's, with blocks)
             minimum = self._device_needs(activations=act, pinned=pinned, units=self._plain_units).minimum
-            return warmup_over_budget(exc, act, minimum, intact=intact)
+            return warmup_over_budget(exc, act, minimum, intact=intact, phase=str(self.moments.phase))
         return step_over_budget(exc, act, self.needs.activations, intact=intact)
 
     def step(self, batch: Any, *, grad_accum: int = 1) -> float:

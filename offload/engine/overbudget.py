@@ -6,15 +6,20 @@ from ..core.errors import BudgetExceeded, StepOverBudget
 from ..core.units import format_size
 
 
-def warmup_over_budget(exc: BudgetExceeded, act: int, minimum: int, *, intact: bool) -> StepOverBudget:
+def warmup_over_budget(exc: BudgetExceeded, act: int, minimum: int, *, intact: bool,
+                       phase: str = "") -> StepOverBudget:
     """In the first step (or measure: nothing placed yet, every chunk streams): the engine's
-    minimum with the activations so far (`act`), at least what the failed reservation asked."""
+    minimum with the activations so far (`act`), at least what the failed reservation asked. A
+    step stopped in forward has not saved all it will: that minimum is a floor, not the need."""
     need = max(exc.used + exc.asked, minimum)
+    floor = (f"; it stopped in forward, so the whole step needs more (its remaining layers save too): "
+             f"a budget well above this, or `finetune plan` for the model's estimate" if phase == "forward" else "")
     return StepOverBudget(
         f"gpu budget {format_size(exc.budget)} ({exc.budget} B) is below the engine's minimum for this "
         f"batch: at least {format_size(need)} ({need} B), with activations so far {format_size(act)} "
-        f"(the first step streams every chunk through the smallest window); raise --gpu-mem or lower "
-        f"the batch size / sequence length", minimum={"gpu": need}, weights_intact=intact)
+        f"(the first step streams every chunk through the smallest window{floor}); raise the gpu budget "
+        f"(--gpu-mem, Budget(gpu=...), offload={{'gpu_mem': ...}}) or lower the batch size / sequence length",
+        minimum={"gpu": need}, weights_intact=intact)
 
 
 def step_over_budget(exc: BudgetExceeded, act: int, placed_for: int, *, intact: bool) -> StepOverBudget:
