@@ -64,6 +64,7 @@ _OPTIMS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "ad
            "adamw_bnb_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit", "sgd": "sgd"}
 """TrainingArguments.optim -> the engine's optimizer (offload={"optimizer": ...} wins); another is refused."""
 _SOURCE = "_tierwise_source"  # on a from_pretrained model: (its ModelSource, its ModelLayout)
+_SAVE_DTYPE = "_tierwise_save_dtype"  # on a from_pretrained model given dtype=: what its weights save as
 
 
 def _own_checkpointing_off(model: Any) -> None:
@@ -74,19 +75,42 @@ def _own_checkpointing_off(model: Any) -> None:
         (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
 
 
-def from_pretrained(name_or_path: str, *, trust_remote_code: bool = False) -> torch.nn.Module:
+def from_pretrained(name_or_path: str, *, dtype: Any = None, torch_dtype: Any = None,
+                    trust_remote_code: bool = False, **unused: Any) -> torch.nn.Module:
     """A Hugging Face causal LM (a directory or a Hub id, the local cache first) built on the
-    meta device: no weight is read now. OffloadTrainer's engine loads them into its tiers."""
+    meta device: no weight is read now. OffloadTrainer's engine loads them into its tiers.
+    `dtype` (or `torch_dtype`): the dtype the trained weights are saved in, "auto" the
+    checkpoint's own (transformers' default); None: fp32. The engine keeps fp32 masters either
+    way and computes in the Trainer's precision (bf16=True or not)."""
     from ..cli.layout import ModelLayout
     from ..cli.loading import build_meta_model, resolve_model
 
+    if unused:
+        raise TypeError(f"tierwise from_pretrained takes dtype (or torch_dtype) and trust_remote_code, not "
+                        f"{', '.join(sorted(unused))}: the engine places and encodes the weights (offload= "
+                        "{'base_dtype': 'nf4'} for a QLoRA base)")
     src = resolve_model(name_or_path, trust_remote_code=trust_remote_code, tokenizer=False)
     if not src.has_weights:
         raise TierwiseError(f"{name_or_path} has no weights to load (a profile builds a random model: "
                             "use transformers' from_config)")
     model = build_meta_model(src.config)
     setattr(model, _SOURCE, (src, ModelLayout.of(model)))
+    saved = _save_dtype(dtype if dtype is not None else torch_dtype, src.config)
+    if saved is not None:
+        setattr(model, _SAVE_DTYPE, saved)
     return model
+
+
+def _save_dtype(given: Any, config: Any) -> "torch.dtype | None":
+    if given is None:
+        return None
+    if given == "auto":
+        given = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(given, str):
+        given = getattr(torch, given.removeprefix("torch."), None)
+    if not isinstance(given, torch.dtype) or not given.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch dtype or 'auto', got {given!r}")
+    return given
 
 
 def get_peft_model(model: torch.nn.Module, config: Any, **kwargs: Any) -> torch.nn.Module:
@@ -215,6 +239,10 @@ class _Offload:
 
             model = trainer.model
             self._dtypes = {n: p.dtype for n, p in model.named_parameters()}
+            saved = getattr(model.get_base_model() if hasattr(model, "get_base_model") else model, _SAVE_DTYPE, None)
+            if saved is not None:  # (a PEFT adapter keeps fp32, as PEFT casts adapters by default)
+                self._dtypes = {n: saved if d.is_floating_point and ".lora_" not in n else d
+                                for n, d in self._dtypes.items()}
             options = self._engine_options()
             if _source(model) is not None and any(".modules_to_save." in n for n, _ in model.named_parameters()):
                 raise TierwiseError("modules_to_save over a from_pretrained model is not supported yet: load the "

@@ -329,3 +329,24 @@ def test_the_models_own_save_pretrained_after_training_writes_the_trained_weight
     start = tiny().state_dict()
     assert all(torch.equal(direct[k], saved[k]) for k in saved)
     assert any(not torch.equal(direct[k], start[k]) for k in start)
+
+
+def test_from_pretrained_takes_a_dtype_for_what_it_saves(tmp_path):
+    """dtype="auto" keeps a bf16 checkpoint's dtype in what save_model writes, as transformers'
+    from_pretrained loads it (the default stays fp32); a loader argument the engine has no use
+    for is refused in one line."""
+    from safetensors import safe_open
+
+    from tierwise.offload.hf import from_pretrained
+
+    saved = tmp_path / "bf16"
+    tiny().to(torch.bfloat16).save_pretrained(saved)
+    for dtype, want in ((None, torch.float32), ("auto", torch.bfloat16), (torch.bfloat16, torch.bfloat16)):
+        trainer = OffloadTrainer(model=from_pretrained(str(saved), dtype=dtype), args=args(tmp_path / "o", max_steps=1),
+                                 train_dataset=Rows(), offload=OFFLOAD)
+        trainer.train()
+        trainer.save_model(str(tmp_path / "out"))
+        with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {want}, dtype
+    with pytest.raises(TypeError, match="not device_map"):
+        from_pretrained(str(saved), device_map="auto")
