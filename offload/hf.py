@@ -393,7 +393,9 @@ class _Offload:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if not os.path.isfile(os.path.join(resume_from_checkpoint, ENGINE_STATE)):
-            raise TierwiseError(f"{resume_from_checkpoint} holds no {ENGINE_STATE}: not a checkpoint OffloadTrainer wrote")
+            raise TierwiseError(f"{resume_from_checkpoint} holds no {ENGINE_STATE}: not a checkpoint OffloadTrainer wrote "
+                                "(a plain Trainer's holds its own optimizer's state); resume from one an offloaded run "
+                                "saved, or start from its weights: load the checkpoint directory as the model")
         # the weights come back with the engine's state (_load_optimizer_and_scheduler)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
