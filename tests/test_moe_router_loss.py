@@ -138,3 +138,27 @@ def test_offload_trainer_trains_the_router_loss_as_the_trainer(tmp_path):
         return [r["loss"] for r in t.state.log_history if "loss" in r]
     assert losses(ours) == pytest.approx(losses(plain), rel=1e-5)
 
+
+
+def test_the_recorded_outputs_are_freed_after_each_step():
+    """The records a recompute makes outputs of its Function die with the step (a context that
+    kept the collector kept them, and each block's RNG state, in a cycle autograd never frees)."""
+    import gc
+    import weakref
+
+    refs = []
+
+    def loss_fn(m, b):
+        out = m(**b)
+        refs.extend(weakref.ref(t) for t in out.router_logits)
+        return out.loss
+
+    eng = Engine(tiny_mixtral(0.5), **flat_options(lr=1e-3, loss_fn=loss_fn, activations=Activations(recompute=True)))
+    gc.disable()
+    try:
+        for b in batches(3, batch=2, seq=12):
+            eng.step(b)
+        assert len(refs) == 6 and all(r() is None for r in refs)
+    finally:
+        gc.enable()
+        eng.close()

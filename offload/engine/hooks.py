@@ -431,7 +431,7 @@ class _Checkpoint(torch.autograd.Function):
             return (out, *extra)
         if not isinstance(out, tuple):
             raise TypeError(f"a recomputed block whose forward returns a {type(out).__name__} cannot carry the "
-                            f"outputs recorded inside it ({', '.join(sorted({k for k, _ in side.found}))}): "
+                            f"outputs recorded inside it ({', '.join(sorted({f[0] for f in side.found}))}): "
                             "train without recompute")
         return (*out, *extra)
 
@@ -572,7 +572,8 @@ class _Side:
     __slots__ = ("var", "collected", "marks", "found", "single")
 
     def __init__(self, var: Any, collected: dict):
-        self.var, self.collected = var, collected
+        self.var = var
+        self.collected: dict | None = collected
         self.marks = [(k, len(v)) for k, v in collected.items() if type(v) is list]
         self.found: list[tuple[str, int, int]] = []  # (key, from its mark, the mark) of each new one
         self.single = False  # the block returned one tensor, not a tuple
@@ -580,6 +581,7 @@ class _Side:
     def take(self) -> list[torch.Tensor]:
         """The tensors recorded since the marks, without a graph."""
         new = []
+        assert self.collected is not None  # (taken before put)
         for k, start in self.marks:
             got = self.collected[k]
             for j in range(start, len(got)):
@@ -590,8 +592,12 @@ class _Side:
         return new
 
     def put(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Replace them in the collector, and let go of it: the Function's context keeps this
+        object, and the collector holds the Function's outputs (a cycle torch's autograd
+        graph does not free)."""
+        collected, self.collected = self.collected, None
         for (k, j, start), t in zip(self.found, tensors):
-            self.collected[k][start + j] = t
+            collected[k][start + j] = t
 
     def again(self, fresh: dict) -> list[torch.Tensor]:
         """The same tensors, from the recompute's fresh collector."""

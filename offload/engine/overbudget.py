@@ -12,8 +12,8 @@ def warmup_over_budget(exc: BudgetExceeded, act: int, minimum: int, *, intact: b
     minimum with the activations so far (`act`), at least what the failed reservation asked. A
     step stopped in forward has not saved all it will: that minimum is a floor, not the need."""
     need = max(exc.used + exc.asked, minimum)
-    floor = (f"; it stopped in forward, so the whole step needs more (its remaining layers save too): "
-             f"a budget well above this, or `finetune plan` for the model's estimate" if phase == "forward" else "")
+    floor = ("; it stopped in forward, so the whole step needs more (its remaining layers save too): "
+             "a budget well above this, or `finetune plan` for the model's estimate" if phase == "forward" else "")
     return StepOverBudget(
         f"gpu budget {format_size(exc.budget)} ({exc.budget} B) is below the engine's minimum for this "
         f"batch: at least {format_size(need)} ({need} B), with activations so far {format_size(act)} "
