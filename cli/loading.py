@@ -177,8 +177,10 @@ def iter_safetensors(model_dir: "str | Path", *, order: Sequence[str] | None = N
             f.close()
 
 
-def resolve_model(spec: str | None, *, trust_remote_code: bool = False, tokenizer: bool = True) -> ModelSource:
+def resolve_model(spec: str | None, *, trust_remote_code: bool = False, tokenizer: bool = True,
+                  hub: "dict[str, Any] | None" = None) -> ModelSource:
     """A local HF dir (has config.json), a model profile name, or None for the built-in tiny.
+    `hub`: snapshot_download's revision / token for a Hub id.
 
     A directory whose config.json has `auto_map` ships its own Python code: it is run only with
     `trust_remote_code` (--trust-remote-code), else refused; transformers never prompts.
@@ -195,7 +197,8 @@ def resolve_model(spec: str | None, *, trust_remote_code: bool = False, tokenize
     if is_profile(spec):  # a profile name, or a profile given as a .toml file
         return _from_profile(spec)
     if HUB_ID.fullmatch(spec):
-        source = _from_dir(hub_snapshot(spec), trust_remote_code=trust_remote_code, tokenizer=tokenizer)
+        source = _from_dir(hub_snapshot(spec, **(hub or {})), trust_remote_code=trust_remote_code,
+                           tokenizer=tokenizer)
         return dataclasses.replace(source, name=spec)
     raise ModelError(f"--model {spec}: not a Hugging Face model directory "
                      "(expected a directory with config.json), a Hub id (ORG/NAME) or a model profile")
@@ -211,7 +214,7 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
-def hub_snapshot(repo_id: str) -> Path:
+def hub_snapshot(repo_id: str, **hub: Any) -> Path:
     """The local directory of Hub model `repo_id`: the Hugging Face cache's snapshot when it is
     there (no network), else downloaded into that cache with huggingface_hub's progress bars
     (refused when HF_HUB_OFFLINE is set). HF_HUB_CACHE / HF_HOME are read now, not at import."""
@@ -221,13 +224,14 @@ def hub_snapshot(repo_id: str) -> Path:
     cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub")
                                                if os.environ.get("HF_HOME") else None)
     try:
-        return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=HUB_FILES, local_files_only=True))
+        return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=HUB_FILES, local_files_only=True,
+                                      **hub))
     except LocalEntryNotFoundError:
         if _offline():
             raise ModelError(f"--model {repo_id}: not in the local Hugging Face cache, and HF_HUB_OFFLINE is "
                              "set: download it once online (or give its directory)") from None
     try:
-        return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=HUB_FILES))
+        return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=HUB_FILES, **hub))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
         raise ModelError(f"--model {repo_id}: no such directory here, and not a model the Hugging Face Hub "
                          f"gave ({_first_line(e)})") from None

@@ -48,7 +48,9 @@ several processes, `compute_metrics`.
 
 from __future__ import annotations
 
+import json
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -76,23 +78,31 @@ def _own_checkpointing_off(model: Any) -> None:
 
 
 def from_pretrained(name_or_path: str, *, dtype: Any = None, torch_dtype: Any = None,
-                    trust_remote_code: bool = False, **unused: Any) -> torch.nn.Module:
+                    trust_remote_code: bool = False, attn_implementation: str | None = None,
+                    revision: str | None = None, token: Any = None, **unused: Any) -> torch.nn.Module:
     """A Hugging Face causal LM (a directory or a Hub id, the local cache first) built on the
     meta device: no weight is read now. OffloadTrainer's engine loads them into its tiers.
     `dtype` (or `torch_dtype`): the dtype the trained weights are saved in, "auto" the
     checkpoint's own (transformers' default); None: fp32. The engine keeps fp32 masters either
-    way and computes in the Trainer's precision (bf16=True or not)."""
+    way and computes in the Trainer's precision (bf16=True or not). `attn_implementation`,
+    `revision`, `token`: as transformers' (the last two for a Hub id)."""
     from ..cli.layout import ModelLayout
     from ..cli.loading import build_meta_model, resolve_model
 
     if unused:
-        raise TypeError(f"tierwise from_pretrained takes dtype (or torch_dtype) and trust_remote_code, not "
-                        f"{', '.join(sorted(unused))}: the engine places and encodes the weights (offload= "
-                        "{'base_dtype': 'nf4'} for a QLoRA base)")
-    src = resolve_model(name_or_path, trust_remote_code=trust_remote_code, tokenizer=False)
+        placing = {"device_map", "quantization_config", "load_in_4bit", "load_in_8bit", "low_cpu_mem_usage",
+                   "max_memory", "offload_folder"}
+        why = ("the engine places and encodes the weights (offload={'base_dtype': 'nf4'} for a QLoRA base)"
+               if placing & set(unused) else "they are not supported here")
+        raise TypeError(f"tierwise from_pretrained takes dtype (or torch_dtype), attn_implementation, revision, "
+                        f"token and trust_remote_code, not {', '.join(sorted(unused))}: {why}")
+    hub = {k: v for k, v in (("revision", revision), ("token", token)) if v is not None}
+    src = resolve_model(name_or_path, trust_remote_code=trust_remote_code, tokenizer=False, hub=hub)
     if not src.has_weights:
         raise TierwiseError(f"{name_or_path} has no weights to load (a profile builds a random model: "
                             "use transformers' from_config)")
+    if attn_implementation is not None:
+        src.config._attn_implementation = attn_implementation
     model = build_meta_model(src.config)
     setattr(model, _SOURCE, (src, ModelLayout.of(model)))
     saved = _save_dtype(dtype if dtype is not None else torch_dtype, src.config)
@@ -138,18 +148,21 @@ def with_offload(trainer_class: type) -> type:
 
 
 def _check_own_loss(cls: type) -> None:
-    """Refuse a Trainer class whose compute_loss is its own: the engine computes the model's own
-    loss and never calls it (a subclass's custom loss, DPO's, a reward model's, ...). TRL's
-    SFTTrainer computes the model's causal LM loss (its other losses are refused by loss_type)."""
-    for c in cls.__mro__:
-        if "compute_loss" in c.__dict__:
+    """Refuse a Trainer class with a compute_loss or training_step of its own: the engine
+    computes the model's own loss in its own step and never calls them (a subclass's custom
+    loss, DPO's, a reward model's, ...). TRL's SFTTrainer computes the model's causal LM loss
+    (its other losses are refused by loss_type)."""
+    for method in ("compute_loss", "training_step"):
+        for c in cls.__mro__:
+            if c is _Offload or method not in c.__dict__:
+                continue
             if c.__module__.startswith("transformers.") or (c.__module__.startswith("trl.")
                                                             and c.__name__ == "SFTTrainer"):
-                return
+                break
             what = (f"TRL's {c.__name__} trains its own objective" if c.__module__.startswith("trl.")
-                    else f"{c.__name__}.compute_loss is not called")
-            raise TierwiseError(f"{what}: the engine trains a causal LM on the model's own loss (transformers' "
-                                "Trainer or TRL's SFTTrainer); train this one without offload")
+                    else f"{c.__name__}.{method} is not called")
+            raise TierwiseError(f"{what}: the engine trains a causal LM on the model's own loss in its own step "
+                                "(transformers' Trainer or TRL's SFTTrainer); train this one without offload")
 
 
 class _Offload:
@@ -188,9 +201,12 @@ class _Offload:
             raise TierwiseError("compute_loss_func: the engine computes the model's own loss")
         if getattr(args, "loss_type", None) not in (None, "nll"):  # TRL's SFTConfig
             raise TierwiseError(f"loss_type={args.loss_type!r}: the engine computes the model's own loss (nll)")
-        if getattr(trainer, "aux_loss_enabled", False):  # TRL: a MoE router's loss added in compute_loss
-            raise TierwiseError("the router's auxiliary loss (output_router_logits) is added by the Trainer's "
-                                "compute_loss, which the engine does not call")
+        # TRL adds a MoE router's loss over the accumulation steps' mean, the model's own loss (the
+        # engine's) weighs it by each micro-batch's target tokens: the same without accumulation
+        if getattr(trainer, "aux_loss_enabled", False) and args.gradient_accumulation_steps > 1:
+            raise TierwiseError("the router's auxiliary loss with gradient_accumulation_steps > 1: TRL divides it "
+                                "by the steps, the engine's model loss weighs it by each micro-batch's tokens; "
+                                "train with gradient_accumulation_steps=1 or SFTConfig(router_aux_loss_coef=0.0)")
         given = self._offload if isinstance(self._offload, dict) else {}
         if given.get("precision") == "fp32" and args.bf16:
             raise TierwiseError("bf16=True with offload precision fp32: choose one")
@@ -239,7 +255,7 @@ class _Offload:
 
             model = trainer.model
             self._dtypes = {n: p.dtype for n, p in model.named_parameters()}
-            saved = getattr(model.get_base_model() if hasattr(model, "get_base_model") else model, _SAVE_DTYPE, None)
+            saved = getattr(_base(model), _SAVE_DTYPE, None)
             if saved is not None:  # (a PEFT adapter keeps fp32, as PEFT casts adapters by default)
                 self._dtypes = {n: saved if d.is_floating_point and ".lora_" not in n else d
                                 for n, d in self._dtypes.items()}
@@ -315,16 +331,37 @@ class _Offload:
         save_model does. (A PEFT model's adapters are its own: its save_pretrained keeps them.)"""
         model: Any = getattr(self, "model", None)
         if self.engine is None or model is None or hasattr(model, "peft_config") \
-                or not hasattr(model, "save_pretrained") or "save_pretrained" in vars(model):
+                or not hasattr(model, "save_pretrained"):
             return
-        own = model.save_pretrained
+        own = vars(model).get("save_pretrained")
+        own = getattr(own, "_tierwise_own", own) or type(model).save_pretrained.__get__(model)
+        trainer = weakref.ref(self)  # (the model does not keep the trainer alive)
 
         def save_pretrained(save_directory: Any, *args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
-            if state_dict is None and self.engine is not None:
-                state_dict = self._weights()
-            return own(save_directory, *args, state_dict=state_dict, **kwargs)
+            t = trainer()
+            if state_dict is None and t is not None and t.engine is not None:
+                state_dict = t._weights()
+            out = own(save_directory, *args, state_dict=state_dict, **kwargs)
+            if t is not None:
+                t._write_save_dtype(save_directory)
+            return out
 
+        save_pretrained._tierwise_own = own  # type: ignore[attr-defined]
         model.save_pretrained = save_pretrained
+
+    def _write_save_dtype(self, directory: Any) -> None:
+        """config.json names the dtype the weights were saved in (transformers writes the
+        parameters', the engine's fp32 placeholders)."""
+        saved = getattr(_base(getattr(self, "model", None)), _SAVE_DTYPE, None)
+        path = os.path.join(str(directory), "config.json")
+        if saved is None or not os.path.isfile(path):
+            return
+        with open(path) as f:
+            config = json.load(f)
+        config["dtype"] = str(saved).removeprefix("torch.")
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
 
     # -- a step ---------------------------------------------------------------------------
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
@@ -376,6 +413,7 @@ class _Offload:
         if self.engine is not None and state_dict is None:
             state_dict = self._weights()
         super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
+        self._write_save_dtype(output_dir if output_dir is not None else self.args.output_dir)  # type: ignore[attr-defined]
 
     def _weights(self) -> dict[str, torch.Tensor]:
         """The model's weights from the engine's masters, each in the dtype the model had (a
@@ -439,6 +477,11 @@ def _dequantized(weight: Any) -> torch.Tensor:
     import bitsandbytes.functional as bnbf
 
     return bnbf.dequantize_4bit(weight.data, weight.quant_state).float().cpu()
+
+
+def _base(model: Any) -> Any:
+    """A PEFT model's base model, or the model."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _source(model: Any) -> Any:

@@ -309,6 +309,12 @@ def test_a_trainer_with_its_own_compute_loss_is_refused(tmp_path):
 
     with pytest.raises(TierwiseError, match="ZeroLoss.compute_loss"):
         with_offload(Logged)(model=tiny(), args=args(tmp_path / "l"), train_dataset=Rows(), offload=OFFLOAD)
+    class Scaled(Trainer):  # an objective in training_step: skipped as silently
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            return super().training_step(model, inputs, num_items_in_batch) * 0.0
+
+    with pytest.raises(TierwiseError, match="Scaled.training_step is not called"):
+        with_offload(Scaled)(model=tiny(), args=args(tmp_path / "s"), train_dataset=Rows(), offload=OFFLOAD)
     trl = pytest.importorskip("trl")
     for cls in (trl.DPOTrainer, trl.RewardTrainer):
         with pytest.raises(TierwiseError, match=f"TRL's {cls.__name__} trains its own objective"):
@@ -329,6 +335,20 @@ def test_the_models_own_save_pretrained_after_training_writes_the_trained_weight
     start = tiny().state_dict()
     assert all(torch.equal(direct[k], saved[k]) for k in saved)
     assert any(not torch.equal(direct[k], start[k]) for k in start)
+    # a second trainer over the same model (the first one's engine closed, its weights given back
+    # as Engine.close says): the model's save_pretrained writes the second one's
+    trainer.engine.close()
+    model = trainer.model
+    model.load_state_dict(saved, assign=True)
+    second = OffloadTrainer(model=model, args=args(tmp_path / "o2", max_steps=3), train_dataset=Rows(),
+                            offload=OFFLOAD)
+    second.train()
+    model.save_pretrained(tmp_path / "again")
+    second.save_model(str(tmp_path / "saved2"))
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").state_dict()
+    saved2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved2").state_dict()
+    assert all(torch.equal(again[k], saved2[k]) for k in saved2)
+    assert any(not torch.equal(again[k], saved[k]) for k in saved)
 
 
 def test_from_pretrained_takes_a_dtype_for_what_it_saves(tmp_path):
@@ -348,5 +368,11 @@ def test_from_pretrained_takes_a_dtype_for_what_it_saves(tmp_path):
         trainer.save_model(str(tmp_path / "out"))
         with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
             assert {f.get_tensor(k).dtype for k in f.keys()} == {want}, dtype
-    with pytest.raises(TypeError, match="not device_map"):
+        config = json.loads((tmp_path / "out" / "config.json").read_text())
+        assert config["dtype"] == str(want).removeprefix("torch."), dtype  # (reloaded in it by "auto")
+        trainer.model.save_pretrained(tmp_path / "direct")
+        assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "direct").dtype == want
+    with pytest.raises(TypeError, match="not device_map.*places and encodes"):
         from_pretrained(str(saved), device_map="auto")
+    eager = from_pretrained(str(saved), attn_implementation="eager")
+    assert eager.config._attn_implementation == "eager"

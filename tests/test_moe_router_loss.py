@@ -15,10 +15,10 @@ from tierwise.offload import Activations, Engine, flat_options
 from tests.models import batches, train_reference
 
 
-def tiny_mixtral(aux: float, *, logits: bool = True, layers: int = 2) -> MixtralForCausalLM:
+def tiny_mixtral(aux: float, *, logits: bool = True, layers: int = 2, vocab: int = 128) -> MixtralForCausalLM:
     torch.manual_seed(0)
     return MixtralForCausalLM(MixtralConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
         output_router_logits=logits, router_aux_loss_coef=aux))
 
@@ -162,3 +162,32 @@ def test_the_recorded_outputs_are_freed_after_each_step():
     finally:
         gc.enable()
         eng.close()
+
+
+def test_sft_trainer_with_the_router_loss_trains_as_sft_trainer(tmp_path):
+    """TRL's SFTTrainer adds a Mixtral's router loss itself (router_aux_loss_coef, on by default
+    for it); without gradient accumulation that is the model's own loss, which the engine trains."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tierwise.cli.builtin import build_tokenizer
+    from tierwise.offload.core.errors import TierwiseError
+    from tierwise.offload.hf import with_offload
+
+    tok = build_tokenizer()
+    rows = batches(8, batch=1, seq=12, vocab=len(tok))
+    data = datasets.Dataset.from_dict({"input_ids": [b["input_ids"][0].tolist() for b in rows]})
+
+    def run(cls, out, accum=1, **kw):
+        cfg = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=accum,
+                            max_steps=3, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
+                            use_cpu=True, weight_decay=0.0, disable_tqdm=True, bf16=False, seed=0,
+                            router_aux_loss_coef=0.5)
+        trainer = cls(model=tiny_mixtral(0.5, vocab=len(tok)), args=cfg, train_dataset=data, processing_class=tok, **kw)
+        assert trainer.aux_loss_enabled
+        trainer.train()
+        return [r["loss"] for r in trainer.state.log_history if "loss" in r]
+
+    assert run(with_offload(trl.SFTTrainer), tmp_path / "o") == pytest.approx(run(trl.SFTTrainer, tmp_path / "p"),
+                                                                               rel=1e-5)
+    with pytest.raises(TierwiseError, match="gradient_accumulation_steps=1"):
+        run(with_offload(trl.SFTTrainer), tmp_path / "a", accum=2)
