@@ -71,3 +71,17 @@ def test_mixtral_8x7b_is_planned():
     # the largest parameter is one layer's fused gate_up experts: 8 x 28672 x 4096
     assert max(s.numel for s in prof.param_specs()) == prof.largest_param_numel() == 8 * 2 * 14336 * 4096
     assert plan.step_s > 0 and plan.tokens_per_s > 0
+
+
+def test_mezo_on_a_moe_is_refused_by_the_plan_and_the_engine():
+    """MeZO runs each module over half of a doubled batch; a MoE's router and experts see
+    flattened tokens (was: a TypeError deep in the dual forward, and a plan that "fits")."""
+    from tierwise.offload import flat_options
+    from tierwise.offload.core.errors import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match="mixture of experts"):
+        make_plan(model="mixtral-8x7b", hardware="h100", gpu_mem="80G", cpu_mem="512G", optimizer="mezo",
+                  precision="bf16", batch_size=1, seq_len=512)
+    model = transformers.AutoModelForCausalLM.from_config(tiny("mixtral").to_hf_config())
+    with pytest.raises(UnsupportedModel, match="mixture of experts"):
+        Engine(model, **flat_options(optimizer="mezo", lr=1e-3))

@@ -85,6 +85,7 @@ from ..runtime.tiers import pick_device
 from ..runtime.trace import Phase
 from ..update.update import Hyper, check_lr
 from ..update.updaters import make_updater
+from ..update.table import MOE_ZEROTH
 from ..update.zeroth import dual_forward, hf_split_losses
 from .actoffload import Offloader
 from .batches import default_loss, split_batch, step_weights, to_device
@@ -97,7 +98,7 @@ from .frozen_base import frozen_layouts
 from .tiled import tiled, tiled_mlps
 from .hooks import ActivationTracker, BufferGuard, checkpointed, install_module_hooks
 from .lora import apply_lora
-from .model_info import (check_dense_grads, check_model_given, check_no_own_checkpointing,
+from .model_info import (is_moe, check_dense_grads, check_model_given, check_no_own_checkpointing,
                          check_trainable_dtypes, find_blocks, lumped_recompute, model_specs)
 from .needs import device_needs, module_chunks, open_tiers
 from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
@@ -475,6 +476,8 @@ class Engine:
         change recorded in `surgery` for close() to undo; the gradient router."""
         res, surgery = self.residency, self.surgery
         if not self.updater.needs_grad:
+            if is_moe(model):
+                raise UnsupportedModel(MOE_ZEROTH)
             for mod in self.module_chunks:
                 surgery.patch_forward(mod, lambda f, m=mod: dual_forward(
                     f, m, half=lambda: self.zo_batch, updater=self.updater, names=self.param_names,

@@ -40,14 +40,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, ParamSpec, pack_chunks
-from ..core.errors import InfeasibleBudget, TierwiseError
+from ..core.errors import InfeasibleBudget, TierwiseError, UnsupportedModel
 from ..core.options import recomputed_blocks
 from ..core.vocab import GRAD_REDUCE, TIERS
 from .homes import Homes, assign_homes, beside_reserved, minimum_host
 from .perfmodel import (KINDS, LoraAct, StepLoad, activation_bytes, activation_parts, buffer_bytes, model_blocks,
                                compute_bytes, model_flops,
                                ops_per_forward, param_update_flops, predict_step)
-from ..update.table import LOW_RANK, optimizer_spec, projected_params, state_bytes
+from ..update.table import LOW_RANK, MOE_ZEROTH, optimizer_spec, projected_params, state_bytes
 from .lora import LoraModel, base_dtype_of, frozen_chunk_bytes, lora_specs, step_trace
 from .schedule import kept_over_end, plan_schedule
 from .needs import (BLOCK_SHARE, MARGIN_SHARE, block_of, device_needs, gathering, grad_staging_bytes,
@@ -289,6 +289,8 @@ class _Chunks:
         if frozen and not self.cost.needs_grad:
             raise TierwiseError(f"{optimizer} perturbs every parameter of a module; a frozen base (LoRA) "
                                 f"is not supported with it")
+        if not self.cost.needs_grad and any(len(s.shape) >= 3 and ".experts." in s.name for s in specs):
+            raise UnsupportedModel(MOE_ZEROTH)
         self.num_params = sum(s.numel for s in specs)
         self.trainable_params = sum(s.numel for s in specs if s.name not in frozen)
         by_name = {s.name: s for s in specs}

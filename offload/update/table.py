@@ -109,6 +109,11 @@ class OptimizerSpec:
         return self.lowrank is not None
 
 
+#: A zeroth-order optimizer over a mixture of experts, refused by the planner and the engine alike.
+MOE_ZEROTH = ("a zeroth-order optimizer (mezo) perturbs each module in its own forward over half of a "
+              "doubled batch, and a mixture of experts routes flattened tokens between its modules: not "
+              "supported; train it with adamw, adamw8bit, galore or apollo")
+
 OPTIMIZERS: dict[str, OptimizerSpec] = {s.name: s for s in (
     OptimizerSpec(name="adamw", chunk_state_per_param=8),
     # bitsandbytes-style block-wise 8-bit: 2 B of moments + 2 fp32 absmax per 256-element block
