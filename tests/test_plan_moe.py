@@ -49,16 +49,24 @@ def test_moe_activations_are_planned_exactly(family, precision, checkpointing):
         model=profile, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing)
 
 
-@pytest.mark.parametrize("family", list(MOE))
-def test_a_moe_lora_run_saves_at_most_the_full_fine_tunes(family):
+QWEN_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate")
+
+
+@pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
+@pytest.mark.parametrize("family, targets", [("mixtral", ("q_proj", "v_proj")), ("qwen2_moe", ("q_proj", "v_proj")),
+                                             ("qwen2_moe", QWEN_ALL), ("qwen2_moe", ("shared_expert_gate", "q_proj"))],
+                         ids=["mixtral-qv", "qwen-qv", "qwen-all-linear", "qwen-shared-gate"])
+def test_moe_lora_activations_are_planned_exactly(family, targets, checkpointing):
+    """Frozen experts save less (no gathered input, no product); Qwen2-MoE's shared expert is a
+    dense MLP whose linears may be targets."""
     from peft import LoraConfig
 
     profile = tiny(family)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    got = _peak(profile, precision="fp32", checkpointing=True, lora=lora)
-    planned = activation_bytes(model=profile, batch_size=2, seq_len=20, precision="fp32", checkpointing=True,
-                               lora=(frozenset({"q_proj", "v_proj"}), 4))
-    assert 0 < got <= planned
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets))
+    for precision in ("fp32", "bf16"):
+        got = _peak(profile, precision=precision, checkpointing=checkpointing, lora=lora)
+        assert got == activation_bytes(model=profile, batch_size=2, seq_len=20, precision=precision,
+                                       checkpointing=checkpointing, lora=(frozenset(targets), 4)), precision
 
 
 def test_mixtral_8x7b_is_planned():

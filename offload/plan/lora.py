@@ -54,7 +54,7 @@ def profile_linears(specs: Sequence[ParamSpec]) -> dict[str, str]:
     out = {}
     for s in specs:
         module, _, leaf = s.name.rpartition(".")
-        if leaf == "weight" and module.rpartition(".")[2] in LINEARS:
+        if leaf == "weight" and module.rpartition(".")[2] in (*LINEARS, "shared_expert_gate"):
             out[module] = "linear"
         elif s.name == "lm_head.weight":
             out[module] = "head"
@@ -96,8 +96,14 @@ def _targeted(linears: dict[str, str], targets: "str | Sequence[str]") -> set[st
     return set(body) if names == ["all-linear"] else {m for m in body if any(_matches(m, n) for n in names)}
 
 
+#: MoE families whose fused experts PEFT's "all-linear" leaves alone (it adapts their dense
+#: linears only: Qwen2-MoE's attention, shared expert and its gate); on others (Mixtral) it
+#: adapts the experts and the router as parameters (target_parameters), which is not priced.
+ALL_LINEAR_SKIPS_EXPERTS = frozenset({"qwen2_moe"})
+
+
 def lora_specs(specs: Sequence[ParamSpec], *, rank: int, targets: "str | Sequence[str]",
-               linears: "dict[str, str] | None" = None) -> LoraModel:
+               linears: "dict[str, str] | None" = None, family: str | None = None) -> LoraModel:
     """`specs` after LoRA injection (see the module docstring); `rank` >= 1. `linears`: the
     model's adaptable modules {name: kind (KINDS)}, as `engine.frozen_base.linear_modules` reads
     them off the module (None: a Llama-family profile's, `profile_linears`). A Conv1D's weight is
@@ -106,13 +112,13 @@ def lora_specs(specs: Sequence[ParamSpec], *, rank: int, targets: "str | Sequenc
     Refused (UnsupportedModel) rather than guessed: "all-linear" on a model with fused MoE
     experts (3-D `...experts.*` parameters), which PEFT adapts for some families with
     `target_parameters` (Mixtral under transformers 5: the experts and the router), a kind of
-    adapter this does not model."""
+    adapter this does not model (`family`: the model's type; ALL_LINEAR_SKIPS_EXPERTS)."""
     if rank < 1:
         raise TierwiseError(f"--lora-rank must be at least 1, got {rank}")
     linears = profile_linears(specs) if linears is None else dict(linears)
     wanted = parse_targets(targets, linears)
     fused = [s.name for s in specs if len(s.shape) >= 3 and ".experts." in s.name]
-    if fused and _names(targets) == ["all-linear"]:
+    if fused and _names(targets) == ["all-linear"] and family not in ALL_LINEAR_SKIPS_EXPERTS:
         raise UnsupportedModel(f"LoRA all-linear on a model with fused MoE experts ({fused[0]}, ...): PEFT may adapt "
                                f"them as parameters (target_parameters), which the planner does not price; "
                                f"name the linears instead (--lora-targets {','.join(sorted(wanted))})")

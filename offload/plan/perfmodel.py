@@ -202,11 +202,12 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     mask = batch_size * s * s if padded and checkpointed else 0  # bool, saved as a block input
     # rotary cos/sin (e each) and position ids (int64, saved by a checkpointed block), per row or shared
     positions = (batch_size if row_positions else 1) * s * (2 * model.dim_per_head * e + (8 if checkpointed else 0))
-    if lora is not None and model.moe:  # (frozen experts save less: not modelled)
-        lora = None  # an upper bound: the full fine-tune's activations
-    if lora is not None:
-        parts = _lora_parts(lora, e=e, t=t, s=s, h=h, i=i, layers=layers, attention=attention, fixed=mask + positions,
-                            recomputed=recomputed, model=model, batch_size=batch_size, mlp_t=mlp_t)
+    if lora is not None:  # (a MoE's dense MLP is its shared expert, none for Mixtral; its routed experts: `moe`)
+        dense = model.shared_expert_intermediate_size if model.moe else i
+        routed = moe_mlp_bytes(model, t=t, e=e, frozen=True) if model.moe else 0
+        parts = _lora_parts(lora, e=e, t=t, s=s, h=h, i=dense, layers=layers, attention=attention,
+                            fixed=mask + positions, recomputed=recomputed, model=model, batch_size=batch_size,
+                            mlp_t=mlp_t, routed=routed)
     else:
         parts = {
             "fixed": 8 * t + positions + mask,
@@ -228,28 +229,33 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     return parts
 
 
-def moe_mlp_bytes(model: ModelProfile, *, t: int, e: int) -> int:
+def moe_mlp_bytes(model: ModelProfile, *, t: int, e: int, frozen: bool = False) -> int:
     """What a MoE layer's MLP saves for backward over `t` tokens, as transformers' grouped_mm
     experts (its default) save it, measured through the engine (tests/test_plan_moe.py): per
     routed token-expert pair (S = t x top-k) the gathered input and the down projection's output
     (e*h each), the gate/up output, its activation and their product (4 e*x); the router's fp32
     logits and probabilities' share (4*t*experts), per-expert offsets; Mixtral's renormalised
-    top-k weights; Qwen2-MoE's shared expert (a dense MLP, 4 e*t*width) and its gated output."""
+    top-k weights; Qwen2-MoE's shared expert (a dense MLP, 4 e*t*width) and its gated output.
+    `frozen` (a LoRA run: experts and router frozen): no gathered input and no product (only
+    the weights' gradients need them), and without the shared expert, which the LoRA formulas
+    price as a dense MLP (its linears may be targets)."""
     h, x, n = model.hidden_size, model.expert_size, model.num_experts
     pairs = t * model.num_experts_per_tok
-    common = pairs * (4 * e * x + 2 * e * h) + 4 * t * n + 4 * n
+    common = pairs * ((3 if frozen else 4) * e * x + (1 if frozen else 2) * e * h) + 4 * t * n + 4 * n
     if model.family == "mixtral":
         return common + 40 * pairs + 4 * t
-    width = model.shared_expert_intermediate_size
+    width = 0 if frozen else model.shared_expert_intermediate_size
     return common + (32 + e) * pairs + e * t + e * t * h + 4 * e * t * width
 
 
 def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int]", *, e: int, t: int, s: int, h: int, i: int, layers: int,
                 attention: int, fixed: int, recomputed: int, model: ModelProfile, batch_size: int,
-                mlp_t: int) -> dict[str, int]:
+                mlp_t: int, routed: int = 0) -> dict[str, int]:
     """activation_parts of a LoRA run (see there). `mlp_t`: the MLP's tokens at once in a
     recomputed layer (a tile's when it runs in tiles, which it does not with dropout; its input
-    is then saved whatever the targets); a kept layer's MLP runs untiled."""
+    is then saved whatever the targets); a kept layer's MLP runs untiled. A MoE layer: `i` is
+    its shared expert's width (0 for Mixtral), `routed` its routed experts' bytes
+    (moe_mlp_bytes, frozen)."""
     targets, rank, drop = (*lora, None) if len(lora) == 2 else lora
     if drop is not None and targets & {"gate_proj", "up_proj", "down_proj"}:
         mlp_t = t  # (an adapter's dropout in the MLP would draw its noise per tile: untiled)
@@ -258,8 +264,9 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
     mlp_targets = len(targets & {"gate_proj", "up_proj", "down_proj"})
 
     def internals_at(mt: int) -> int:  # one layer's, its MLP over `mt` tokens at once
-        post = 4 * t + fp32_copy + (e * t * h if targets & {"gate_proj", "up_proj"} or mt != t else 0)
-        mlp = 3 * e * mt * i + (e * mt * i if "down_proj" in targets else 0)
+        post = 4 * t + fp32_copy + (e * t * h if targets & {"gate_proj", "up_proj", "shared_expert_gate"}
+                                    or mt != t else 0)
+        mlp = 3 * e * mt * i + (e * mt * i if "down_proj" in targets else 0) + routed
         out = first + attention + post + mlp + e * rank * (t * (len(targets) - mlp_targets) + mt * mlp_targets)
         if drop is not None:
             out += _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim, grad_in=lambda part: True)

@@ -611,8 +611,9 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
         raise TierwiseError(f"--base-dtype {base_dtype} stores a frozen base: give --lora-rank (or --qlora)")
     lora = None
     if lora_rank is not None:
+        family = getattr(model, "family", None) or getattr(getattr(model, "config", model), "model_type", None)
         lora = lora_specs(list(params) if params is not None else model.param_specs(), rank=lora_rank,
-                          targets=lora_targets, linears=linears)
+                          targets=lora_targets, linears=linears, family=family)
     ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_size, rank=rank,
                  optimizer_kwargs=optimizer_kwargs, params=params, lora=lora, base_dtype=base_dtype,
                  double_quant=double_quant, cuda=not hw.simulated if cuda is None else cuda)
