@@ -44,14 +44,19 @@ def check_targets(model: torch.nn.Module, targets: "list[str] | str") -> None:
         return
     modules = list(model.named_modules())
     leaves = sorted({n.rsplit(".", 1)[-1] for n, m in modules if _adaptable(m)})
+    # fused MoE experts are parameters, not layers: only all-linear adapts them, where PEFT does (Mixtral)
+    fused = "; a MoE's fused experts and router are adapted by all-linear where PEFT does (Mixtral)" \
+        if any(p.dim() >= 3 for p in model.parameters()) else ""
     for t in targets:
         matched = [m for n, m in modules if n == t or n.endswith("." + t)]
         if not matched:
-            raise ConfigError(f"--lora-targets: no module of {type(model).__name__} is named {t!r} "
-                              f"(its linear layers: {', '.join(leaves)})")
+            param = any(n == t or n.endswith("." + t) for n, _ in model.named_parameters())
+            head = (f"--lora-targets {t}: a parameter, not a layer" if param else
+                    f"--lora-targets: no module of {type(model).__name__} is named {t!r}")
+            raise ConfigError(f"{head} (the layers LoRA adapts: {', '.join(leaves)}{fused})")
         if not any(_adaptable(m) for m in matched):  # e.g. "mlp": a block, not a layer
             raise ConfigError(f"--lora-targets {t}: {type(matched[0]).__name__} is not a layer LoRA adapts "
-                              f"(name linear layers: {', '.join(leaves)})")
+                              f"(name layers: {', '.join(leaves)}{fused})")
 
 
 def _adaptable(m: torch.nn.Module) -> bool:
@@ -80,7 +85,11 @@ def inject(model: torch.nn.Module, config, *, seed: int, values: bool = True) ->
     try:
         return inject_meta(model, config, seed=seed, values=values)
     except ValueError as e:  # e.g. a target that is no layer PEFT can adapt
-        raise ConfigError(f"LoRA: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+        line = (str(e).splitlines() or [type(e).__name__])[0]
+        if "ParamWrapper" in line and "dropout" in line:  # PEFT adapts fused MoE experts as parameters
+            line = ("--lora-dropout: PEFT adapts this model's fused MoE experts (and router) as parameters, "
+                    "which take no dropout; give --lora-dropout 0, or name the linears with --lora-targets")
+        raise ConfigError(f"LoRA: {line}") from None
 
 
 def renamed(named: Iterable[tuple[str, torch.Tensor]], renames: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -164,3 +164,19 @@ def test_mixtral_all_linear_run_exports_and_merges(tmp_path):
         rs, gs = ref.state_dict(), got.state_dict()
         assert set(rs) == set(gs) and all(torch.equal(rs[k], gs[k]) for k in rs)
         torch.testing.assert_close(got(ids).logits, unmerged, rtol=0, atol=1e-5)
+
+
+def test_mixtral_lora_messages_name_what_to_do(tmp_path):
+    """A fused expert named as a target is a parameter, not a layer; LoRA dropout on the experts
+    PEFT adapts as parameters is refused naming the fix (was PEFT's own line); the plan of
+    all-linear says training runs as given."""
+    model = make_tiny_family_dir(tmp_path / "mixtral", "mixtral")
+    data = write_jsonl(tmp_path / "train.jsonl", sample_rows(8))
+
+    def line(*flags):
+        return error_line(CliRunner().invoke(app, _args((model, data), tmp_path / "run", "--lora-rank", "4", *flags),
+                                             env={"COLUMNS": "300"}))
+
+    assert "gate_up_proj: a parameter, not a layer" in line("--lora-targets", "gate_up_proj")
+    assert "give --lora-dropout 0" in line("--lora-dropout", "0.1")
+    assert "training runs as given" in line("--dry-run")

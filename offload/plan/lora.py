@@ -119,9 +119,10 @@ def lora_specs(specs: Sequence[ParamSpec], *, rank: int, targets: "str | Sequenc
     wanted = parse_targets(targets, linears)
     fused = [s.name for s in specs if len(s.shape) >= 3 and ".experts." in s.name]
     if fused and _names(targets) == ["all-linear"] and family not in ALL_LINEAR_SKIPS_EXPERTS:
-        raise UnsupportedModel(f"LoRA all-linear on a model with fused MoE experts ({fused[0]}, ...): PEFT may adapt "
-                               f"them as parameters (target_parameters), which the planner does not price; "
-                               f"name the linears instead (--lora-targets {','.join(sorted(wanted))})")
+        raise UnsupportedModel(f"LoRA all-linear on a model with fused MoE experts ({fused[0]}, ...): PEFT adapts "
+                               f"them and the router as parameters (target_parameters), which the planner does "
+                               f"not price; training runs as given (the engine measures its budgets); a plan "
+                               f"without those adapters: --lora-targets {','.join(sorted(wanted))}")
     chosen = _targeted(linears, targets)
     out: list[ParamSpec] = []
     frozen: set[str] = set()
