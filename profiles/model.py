@@ -182,6 +182,12 @@ class ModelProfile:
             + self.hidden_size
 
     @property
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: all but the experts it is not routed to."""
+        idle = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * self.expert_size
+        return self.num_params - self.num_hidden_layers * idle
+
+    @property
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token (all but the embedding lookup, norms
         and biases; of a MoE layer's experts, the top-k a token is routed to)."""

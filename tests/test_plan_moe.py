@@ -76,6 +76,8 @@ def test_mixtral_8x7b_is_planned():
                      lora_targets="q_proj,k_proj,v_proj,o_proj", base_dtype="nf4")
     prof = load_model_profile("mixtral-8x7b")
     assert plan.num_params == prof.num_params + plan.trainable_params
+    assert prof.active_params == 12_879_925_248  # (published: 12.9B)
+    assert plan.active_params == prof.active_params + plan.trainable_params and "12.89B active a token" in plan.render_table()
     # the largest parameter is one layer's fused gate_up experts: 8 x 28672 x 4096
     assert max(s.numel for s in prof.param_specs()) == prof.largest_param_numel() == 8 * 2 * 14336 * 4096
     assert plan.step_s > 0 and plan.tokens_per_s > 0

@@ -124,6 +124,8 @@ class Plan:
     tokens_per_s: float
     bounds: dict[str, str] = field(default_factory=dict)
     """The resource that bounds each phase (perfmodel.StepPrediction.bounds)."""
+    active_params: int | None = None
+    """A mixture of experts: the parameters one token's forward uses (with LoRA, its adapters too)."""
     checkpointing: int = 0
     """Decoder blocks backward recomputes (activation checkpointing): the first ones; 0 none."""
     layers: int = 0
@@ -191,7 +193,8 @@ class Plan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"{self.model} on {self.hardware}: {self.optimizer}, {self.precision}, "
                  f"batch {self.batch_size} x {self.seq_len}{MASKED if self.padded else ''}, "
-                 f"grad-accum {self.grad_accum}, {_count(self.num_params)} params, "
+                 f"grad-accum {self.grad_accum}, {_count(self.num_params)} params"
+                 f"{f' ({_count(self.active_params)} active a token)' if self.active_params else ''}, "
                  f"{self.num_chunks} chunks of {format_size(self.chunk_bytes)}, "
                  f"recompute {recompute_text(self.checkpointing, self.layers)}"]
         if self.lora_rank is not None:
@@ -1079,6 +1082,7 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
     gpu_params = sum(ch.params[c] for c in device.gpu_home)
     return Plan(model=model.name, hardware=hw.name, precision=precision, budgets=budgets,
                 num_params=ch.num_params, num_chunks=ch.n, bytes=by_tier, reserve=reserve, peak=peak,
+                active_params=(model.active_params + ch.num_params - model.num_params) if model.moe else None,
                 gpu_minimum=_minimum(ch, needs, margin),
                 workspace_margin=margin, cache_limit=device.cache_limit, chunk_homes=tuple(chunk_homes),
                 gpu_update_params=gpu_params, cpu_update_params=ch.trainable_params - gpu_params,
