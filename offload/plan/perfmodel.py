@@ -399,6 +399,8 @@ class StepLoad:
     """Compute-copy bytes of the largest streamed chunk (startup of a pass)."""
     chunk_params: int
     """Parameters of the largest CPU-updated chunk (the update tail after backward)."""
+    chunk_fp32_params: int = 0
+    """Of those, the ones with fp32 moments under an 8-bit optimizer (cpu_fp32_params)."""
     num_chunks: int = 0
     """Chunks in all (the update runs one kernel call per chunk)."""
     streamed_chunks: int = 0
@@ -542,7 +544,8 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
                      load.cpu_update_bytes * cxl_share / cxl, load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12))
     gpu_update = load.gpu_update_bytes / (hw.gpu.memory_bandwidth_gbps * GB) \
         + load.gpu_update_flops / (hw.gpu.fp32_tflops * 1e12)
-    tail = load.chunk_params / rate if load.cpu_params else 0.0
+    tail = (load.chunk_params - load.chunk_fp32_params) / rate + load.chunk_fp32_params / (
+        hw.host.adamw_params_per_s * cores) if load.cpu_params else 0.0
 
     if cost.needs_grad:  # backward (with recompute by default); CPU updates overlap it, group by group
         staged = _staged_bytes(load.grad_d2h_bytes, compute_bytes(precision), micro_batches) if load.grad_staged else 0

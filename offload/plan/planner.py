@@ -941,6 +941,7 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
     if remote and not ch.frozen:  # this rank's link carries only its own chunks' fetches
         own = streamed_compute - sum(ch.compute[c] for c in remote)
         link = round(fetched * own / streamed_compute) if streamed_compute else 0
+    largest = max(trainable, key=lambda c: ch.params[c], default=None)
     return StepLoad(
         tokens_flops_fwd=flops_fwd, placed=placed, stream_bytes=stream, fetched_bytes=fetched,
         link_bytes=link if ch.frozen or remote else None,
@@ -953,7 +954,8 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
         gpu_update_bytes=sum(_update_bytes(ch, c) for c in home if c not in ch.frozen),
         gpu_update_flops=sum(ch.flops[c] for c in home),
         chunk_compute_bytes=max((ch.compute[c] for c in streamed), default=0),
-        chunk_params=max((ch.params[c] for c in trainable), default=0),
+        chunk_params=ch.params[largest] if largest is not None else 0,
+        chunk_fp32_params=ch.fp32_params[largest] if largest is not None else 0,
         num_chunks=ch.n - len(ch.frozen), streamed_chunks=len(streamed), ops_per_forward=ops,
         recompute=recompute / max(1, ch.num_layers),
         offloaded=offloaded or {}, grad_staged=bool(ch.grad_staging),
