@@ -206,7 +206,7 @@ class TrainConfig:
     batch_size: int = _f(4, "Sequences per micro-batch.", panel=MODEL, plan=True)
     """Micro-batch size; one optimizer step sees batch_size * grad_accum sequences."""
     grad_accum: int = _f(1, "Micro-batches per optimizer step.", panel=OPTIM, plan=True)
-    pack: bool = _f(True, "Pack rows into full sequences (else truncate/pad each row).", panel=MODEL)
+    pack: bool = _f(True, "Pack rows into full sequences (else truncate/pad each row).", panel=MODEL, plan=True)
     lora_rank: int | None = _f(None, "Train LoRA adapters of this rank over a frozen base instead of every "
                                "weight (PEFT's LoRA; the export is a PEFT adapter directory, OUTPUT/adapter). "
                                "Default (or 0): full fine-tuning.", panel=LORA, plan=True)

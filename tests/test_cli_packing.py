@@ -128,6 +128,12 @@ def test_the_plan_says_how_rows_are_packed():
     r = CliRunner().invoke(app, ["plan", "--gpu-mem", "16M"])
     assert r.exit_code == 0, r.output
     assert "packing: each row attends only to itself" in r.stderr
+    # a --no-pack run is planned with its own flag: padded rows, no per-row positions
+    import json
+
+    plans = [json.loads(CliRunner().invoke(app, ["plan", "--gpu-mem", "16M", "--json", *flag]).stdout)
+             for flag in ([], ["--no-pack"])]
+    assert plans[0]["row_positions"] and not plans[1]["row_positions"]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
