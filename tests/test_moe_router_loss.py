@@ -32,6 +32,19 @@ def tiny_qwen2_moe() -> Qwen2MoeForCausalLM:
         router_aux_loss_coef=0.5))
 
 
+def _plain(model: torch.nn.Module, data: list, loss_fn) -> tuple[list[float], torch.nn.Module]:
+    """Plain PyTorch (fused AdamW) on `data` with `loss_fn(model, batch)`: (losses, model)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
+    losses = []
+    for b in data:
+        loss = loss_fn(model, b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
 def _equal(eng: Engine, ref: torch.nn.Module) -> None:
     mine = dict(eng.named_parameters_fp32())
     for n, p in ref.named_parameters():
@@ -67,15 +80,7 @@ def test_qwen2_moe_and_a_batch_asking_for_the_router_logits():
     eng.close()
     # a config without it, a batch that asks for it
     asked = [{**b, "output_router_logits": True} for b in data]
-    ref = tiny_mixtral(0.5, logits=False)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
-    ref_losses = []
-    for b in asked:
-        loss = ref(**b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses, ref = _plain(tiny_mixtral(0.5, logits=False), asked, lambda m, b: m(**b).loss)
     assert ref_losses != train_reference(tiny_mixtral(0.5, logits=False), data)[0]  # (it asked: another loss)
     eng = Engine(tiny_mixtral(0.5, logits=False), **flat_options(lr=1e-3, activations=Activations(recompute=True)))
     assert [eng.step(b) for b in asked] == ref_losses
@@ -100,15 +105,7 @@ def test_a_loss_on_attentions_recorded_inside_a_recomputed_block():
         return out.loss + out.attentions[1].square().mean()
 
     data = batches(3, batch=2, seq=12)
-    ref = model()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
-    ref_losses = []
-    for b in data:
-        loss = loss_fn(ref, b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses, ref = _plain(model(), data, loss_fn)
     eng = Engine(model(), **flat_options(lr=1e-3, loss_fn=loss_fn, activations=Activations(recompute=True)))
     assert eng.recomputed == 3
     assert [eng.step(b) for b in data] == ref_losses
