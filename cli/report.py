@@ -54,7 +54,10 @@ def warmup_report(*, measured_times: dict[str, float], measured_peaks: dict[str,
         lines[1] += f"   (--gpu-mem {format_size(gpu_budget)})"
     if plan is not None:
         worst = ", for a batch with an S x S mask" if plan.padded else ""  # the run's worst step
-        lines[2] += f"   ({plan.hardware} profile{worst})"
+        slow = sum(measured_times.get(ph, 0.0) for ph in PHASES) > 2 * sum(plan.phases.get(ph, 0.0) for ph in PHASES)
+        once = "; times of a steady step: the warm-up's include one-time work, the step lines show the rate" \
+            if slow else ""
+        lines[2] += f"   ({plan.hardware} profile{worst}{once})"
     else:
         lines.append(f"{'  planned'.ljust(widths[0])}   no prediction"
                      + (f": {plan_error}" if plan_error else ""))

@@ -35,6 +35,9 @@ def test_warmup_report_with_plan_is_aligned():
     assert lines[1].split()[:5] == ["measured", "12.3", "ms", "500.0", "ms"]
     assert "400 µs" in lines[1] and "700.00 KiB" in lines[1] and "(--gpu-mem 800.00 KiB)" in lines[1]
     assert lines[2].split()[0] == "planned" and "1.00 MiB" in lines[2] and "cpu-sim" in lines[2]
+    assert "the warm-up's include one-time work" in lines[2]  # (512 ms measured against 6 ms planned)
+    close = warmup_report(measured_times={"forward": 0.002, "backward": 0.005}, measured_peaks=PEAKS, plan=plan)
+    assert "one-time" not in close[2]
     assert len({len(line.split("   (")[0]) for line in lines}) == 1  # right-aligned columns
 
 
