@@ -44,9 +44,12 @@ def check_targets(model: torch.nn.Module, targets: "list[str] | str") -> None:
         return
     modules = list(model.named_modules())
     leaves = sorted({n.rsplit(".", 1)[-1] for n, m in modules if _adaptable(m)})
-    # fused MoE experts are parameters, not layers: only all-linear adapts them, where PEFT does (Mixtral)
-    fused = "; a MoE's fused experts and router are adapted by all-linear where PEFT does (Mixtral)" \
-        if any(p.dim() >= 3 for p in model.parameters()) else ""
+    # fused MoE experts are parameters, not layers: only all-linear adapts them, where PEFT does
+    from ..offload.plan.lora import ALL_LINEAR_SKIPS_EXPERTS
+
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    fused = "; all-linear adapts this model's fused experts and router as parameters" \
+        if any(p.dim() >= 3 for p in model.parameters()) and kind not in ALL_LINEAR_SKIPS_EXPERTS else ""
     for t in targets:
         matched = [m for n, m in modules if n == t or n.endswith("." + t)]
         if not matched:
@@ -56,7 +59,7 @@ def check_targets(model: torch.nn.Module, targets: "list[str] | str") -> None:
             raise ConfigError(f"{head} (the layers LoRA adapts: {', '.join(leaves)}{fused})")
         if not any(_adaptable(m) for m in matched):  # e.g. "mlp": a block, not a layer
             raise ConfigError(f"--lora-targets {t}: {type(matched[0]).__name__} is not a layer LoRA adapts "
-                              f"(name layers: {', '.join(leaves)}{fused})")
+                              f"(the layers LoRA adapts: {', '.join(leaves)}{fused})")
 
 
 def _adaptable(m: torch.nn.Module) -> bool:

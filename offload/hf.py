@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import json
 import os
-import weakref
 from typing import Any
 
 import torch
@@ -152,8 +151,12 @@ def _check_own_loss(cls: type) -> None:
     computes the model's own loss in its own step and never calls them (a subclass's custom
     loss, DPO's, a reward model's, ...). TRL's SFTTrainer computes the model's causal LM loss
     (its other losses are refused by loss_type)."""
-    for method in ("compute_loss", "training_step"):
-        for c in cls.__mro__:
+    mro = cls.__mro__
+    below = mro[mro.index(_Offload) + 1:] if _Offload in mro else mro
+    # (a compute_loss is never called; a training_step only where _Offload's overrides it: a
+    # subclass of the offloaded class wraps the engine's step, and runs)
+    for method, classes in (("compute_loss", mro), ("training_step", below)):
+        for c in classes:
             if c is _Offload or method not in c.__dict__:
                 continue
             if c.__module__.startswith("transformers.") or (c.__module__.startswith("trl.")
@@ -205,8 +208,9 @@ class _Offload:
         # engine's) weighs it by each micro-batch's target tokens: the same without accumulation
         if getattr(trainer, "aux_loss_enabled", False) and args.gradient_accumulation_steps > 1:
             raise TierwiseError("the router's auxiliary loss with gradient_accumulation_steps > 1: TRL divides it "
-                                "by the steps, the engine's model loss weighs it by each micro-batch's tokens; "
-                                "train with gradient_accumulation_steps=1 or SFTConfig(router_aux_loss_coef=0.0)")
+                                "by the steps, the model's own loss (the engine's) adds it whole in every "
+                                "micro-batch; train with gradient_accumulation_steps=1 or "
+                                "SFTConfig(router_aux_loss_coef=0.0)")
         given = self._offload if isinstance(self._offload, dict) else {}
         if given.get("precision") == "fp32" and args.bf16:
             raise TierwiseError("bf16=True with offload precision fp32: choose one")
@@ -335,33 +339,22 @@ class _Offload:
             return
         own = vars(model).get("save_pretrained")
         own = getattr(own, "_tierwise_own", own) or type(model).save_pretrained.__get__(model)
-        trainer = weakref.ref(self)  # (the model does not keep the trainer alive)
+        # the engine (which the model's hooks keep alive anyway) and what saving needs, not the
+        # trainer: a script may drop the trainer and save the model
+        engine, dtypes, saved = self.engine, self._dtypes, getattr(_base(model), _SAVE_DTYPE, None)
 
         def save_pretrained(save_directory: Any, *args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
-            t = trainer()
-            if state_dict is None and t is not None and t.engine is not None:
-                state_dict = t._weights()
+            if state_dict is None and not engine.closed:  # (closed: the weights were given back)
+                state_dict = _engine_weights(engine, dtypes)
             out = own(save_directory, *args, state_dict=state_dict, **kwargs)
-            if t is not None:
-                t._write_save_dtype(save_directory)
+            _write_dtype(save_directory, saved)
             return out
 
         save_pretrained._tierwise_own = own  # type: ignore[attr-defined]
         model.save_pretrained = save_pretrained
 
     def _write_save_dtype(self, directory: Any) -> None:
-        """config.json names the dtype the weights were saved in (transformers writes the
-        parameters', the engine's fp32 placeholders)."""
-        saved = getattr(_base(getattr(self, "model", None)), _SAVE_DTYPE, None)
-        path = os.path.join(str(directory), "config.json")
-        if saved is None or not os.path.isfile(path):
-            return
-        with open(path) as f:
-            config = json.load(f)
-        config["dtype"] = str(saved).removeprefix("torch.")
-        with open(path, "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-            f.write("\n")
+        _write_dtype(directory, getattr(_base(getattr(self, "model", None)), _SAVE_DTYPE, None))
 
     # -- a step ---------------------------------------------------------------------------
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
@@ -416,13 +409,7 @@ class _Offload:
         self._write_save_dtype(output_dir if output_dir is not None else self.args.output_dir)  # type: ignore[attr-defined]
 
     def _weights(self) -> dict[str, torch.Tensor]:
-        """The model's weights from the engine's masters, each in the dtype the model had (a
-        PEFT model: its trainable adapters, what save_pretrained keeps of them)."""
-        peft = hasattr(self.engine.model, "peft_config")
-        out = {}
-        for name, t in self.engine.named_parameters_fp32(trainable_only=peft):
-            out[name] = t.to(self._dtypes.get(name, t.dtype))
-        return out
+        return _engine_weights(self.engine, self._dtypes)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
@@ -477,6 +464,27 @@ def _dequantized(weight: Any) -> torch.Tensor:
     import bitsandbytes.functional as bnbf
 
     return bnbf.dequantize_4bit(weight.data, weight.quant_state).float().cpu()
+
+
+def _write_dtype(directory: Any, saved: "torch.dtype | None") -> None:
+    """config.json names the dtype the weights were saved in (transformers writes the
+    parameters', the engine's fp32 placeholders)."""
+    path = os.path.join(str(directory), "config.json")
+    if saved is None or not os.path.isfile(path):
+        return
+    with open(path) as f:
+        config = json.load(f)
+    config["dtype"] = str(saved).removeprefix("torch.")
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _engine_weights(engine: Any, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """The model's weights from the engine's masters, each in the dtype the model had (a PEFT
+    model: its trainable adapters, what save_pretrained keeps of them)."""
+    peft = hasattr(engine.model, "peft_config")
+    return {name: t.to(dtypes.get(name, t.dtype)) for name, t in engine.named_parameters_fp32(trainable_only=peft)}
 
 
 def _base(model: Any) -> Any:

@@ -309,6 +309,16 @@ def test_a_trainer_with_its_own_compute_loss_is_refused(tmp_path):
 
     with pytest.raises(TierwiseError, match="ZeroLoss.compute_loss"):
         with_offload(Logged)(model=tiny(), args=args(tmp_path / "l"), train_dataset=Rows(), offload=OFFLOAD)
+    class Timed(OffloadTrainer):  # wrapping the engine's step (above it): it runs, so it is no refusal
+        calls = 0
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            Timed.calls += 1
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    Timed(model=tiny(), args=args(tmp_path / "t", max_steps=2), train_dataset=Rows(), offload=OFFLOAD).train()
+    assert Timed.calls == 4  # (2 steps x grad-accum 2)
+
     class Scaled(Trainer):  # an objective in training_step: skipped as silently
         def training_step(self, model, inputs, num_items_in_batch=None):
             return super().training_step(model, inputs, num_items_in_batch) * 0.0
@@ -335,6 +345,18 @@ def test_the_models_own_save_pretrained_after_training_writes_the_trained_weight
     start = tiny().state_dict()
     assert all(torch.equal(direct[k], saved[k]) for k in saved)
     assert any(not torch.equal(direct[k], start[k]) for k in start)
+    # the trainer dropped (a script that trains in a function and saves the model it returns)
+    def trained(out):
+        t = OffloadTrainer(model=tiny(), args=args(out, max_steps=2), train_dataset=Rows(), offload=OFFLOAD)
+        t.train()
+        t.save_model(str(out / "saved"))
+        return t.model
+
+    alone = trained(tmp_path / "alone")
+    alone.save_pretrained(tmp_path / "alone" / "direct")
+    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "alone" / "direct").state_dict()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "alone" / "saved").state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     # a second trainer over the same model (the first one's engine closed, its weights given back
     # as Engine.close says): the model's save_pretrained writes the second one's
     trainer.engine.close()

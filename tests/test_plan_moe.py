@@ -53,20 +53,27 @@ QWEN_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 
 @pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
-@pytest.mark.parametrize("family, targets", [("mixtral", ("q_proj", "v_proj")), ("qwen2_moe", ("q_proj", "v_proj")),
-                                             ("qwen2_moe", QWEN_ALL), ("qwen2_moe", ("shared_expert_gate", "q_proj"))],
-                         ids=["mixtral-qv", "qwen-qv", "qwen-all-linear", "qwen-shared-gate"])
-def test_moe_lora_activations_are_planned_exactly(family, targets, checkpointing):
-    """Frozen experts save less (no gathered input, no product); Qwen2-MoE's shared expert is a
-    dense MLP whose linears may be targets."""
+@pytest.mark.parametrize("family, targets, dropout", [
+    ("mixtral", ("q_proj", "v_proj"), 0.0), ("qwen2_moe", ("q_proj", "v_proj"), 0.0), ("qwen2_moe", QWEN_ALL, 0.0),
+    ("qwen2_moe", ("shared_expert_gate", "q_proj"), 0.0), ("qwen2_moe", ("down_proj",), 0.0),
+    ("qwen2_moe", ("shared_expert_gate",), 0.0), ("qwen2_moe", QWEN_ALL, 0.1),
+    ("qwen2_moe", ("shared_expert_gate", "down_proj"), 0.1)],
+    ids=["mixtral-qv", "qwen-qv", "qwen-all-linear", "qwen-shared-gate", "qwen-down", "qwen-gate-only",
+         "qwen-all-dropout", "qwen-gate-down-dropout"])
+def test_moe_lora_activations_are_planned_exactly(family, targets, dropout, checkpointing):
+    """Frozen experts save less (no gathered input, no product; nothing in layer 0 without
+    recompute when no attention linear is a target); Qwen2-MoE's shared expert is a dense MLP
+    whose linears (and gate) may be targets, with LoRA dropout too."""
     from peft import LoraConfig
 
     profile = tiny(family)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets))
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=dropout)
     for precision in ("fp32", "bf16"):
+        e = 4 if precision == "fp32" else 2  # (the CPU's dropout keeps its scaled noise, e bytes)
+        act = (frozenset(targets), 4, e) if dropout else (frozenset(targets), 4)
         got = _peak(profile, precision=precision, checkpointing=checkpointing, lora=lora)
         assert got == activation_bytes(model=profile, batch_size=2, seq_len=20, precision=precision,
-                                       checkpointing=checkpointing, lora=(frozenset(targets), 4)), precision
+                                       checkpointing=checkpointing, lora=act), precision
 
 
 def test_mixtral_8x7b_is_planned():
@@ -95,3 +102,15 @@ def test_mezo_on_a_moe_is_refused_by_the_plan_and_the_engine():
     model = transformers.AutoModelForCausalLM.from_config(tiny("mixtral").to_hf_config())
     with pytest.raises(UnsupportedModel, match="mixture of experts"):
         Engine(model, **flat_options(optimizer="mezo", lr=1e-3))
+
+
+def test_a_dense_model_whose_config_names_experts_is_no_moe():
+    """Nemotron-H's config names 8 experts by default, also without MoE layers: the parameters
+    decide (MeZO trains it)."""
+    from tierwise.offload.engine.model_info import is_moe
+
+    moe = transformers.AutoModelForCausalLM.from_config(tiny("mixtral").to_hf_config())
+    assert is_moe(moe)
+    plain = torch.nn.Linear(2, 2)
+    plain.config = transformers.MixtralConfig(num_local_experts=8)
+    assert not is_moe(plain)

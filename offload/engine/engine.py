@@ -1226,6 +1226,11 @@ class Engine:
             for name, value in sd.get("buffers", {}).items():
                 own[name].copy_(value)
 
+    @property
+    def closed(self) -> bool:
+        """close() has run: the model's parameters are meta tensors (or what was assigned since)."""
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:  # (its parameters are meta tensors now: the error would name a device)
             raise RuntimeError("this Engine is closed: build a new one to go on training")

@@ -283,6 +283,9 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
             mlp_in = targets & {"gate_proj", "up_proj"}
             # of gate, up and silu(gate): what the targeted side's gradient needs
             layer0 += e * t * i * {0: 3, 1: 2 if "up_proj" in mlp_in else 1, 2: 0}[len(mlp_in)]
+            if routed:  # frozen routed experts whose input needs no gradient save nothing; of the
+                # shared expert's gate, its sigmoid (and the shared output, the gate being a target)
+                layer0 += routed - e * t - (e * t * h if "shared_expert_gate" in targets else 0)
     if drop is not None:  # layer 0 saves no dropout mask where its input needs no gradient
         layer0 += _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim, grad_in=lambda part: True) \
             - _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim,
@@ -302,7 +305,7 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
 
 
 _INPUT = {"q_proj": "h", "k_proj": "h", "v_proj": "h", "o_proj": "q", "gate_proj": "h", "up_proj": "h",
-          "down_proj": "i"}
+          "down_proj": "i", "shared_expert_gate": "h"}  # (Qwen2-MoE's: it reads the MLP's input)
 
 
 def _dropout_bytes(targets: frozenset[str], *, e: int, mask: int, t: int, h: int, i: int, q: int,
@@ -311,7 +314,8 @@ def _dropout_bytes(targets: frozenset[str], *, e: int, mask: int, t: int, h: int
     copies beyond the one input a group shares without dropout, and a mask per targeted linear
     whose input needs a gradient (`grad_in(linear)`)."""
     width = {"h": h, "q": q, "i": i}
-    qkv, gate_up = len(targets & {"q_proj", "k_proj", "v_proj"}), len(targets & {"gate_proj", "up_proj"})
+    qkv = len(targets & {"q_proj", "k_proj", "v_proj"})
+    gate_up = len(targets & {"gate_proj", "up_proj", "shared_expert_gate"})
     copies = e * t * h * (max(0, qkv - 1) + max(0, gate_up - 1))
     if "o_proj" in targets and grad_in("o_proj"):
         copies += e * t * q
@@ -324,7 +328,8 @@ def _needs_grad_in(part: str, targets: frozenset[str]) -> bool:
     whether the input of linear `part` needs one, i.e. some linear before it is targeted."""
     before = {"o_proj": {"q_proj", "k_proj", "v_proj"}, "gate_proj": {"q_proj", "k_proj", "v_proj", "o_proj"},
               "up_proj": {"q_proj", "k_proj", "v_proj", "o_proj"},
-              "down_proj": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"}}
+              "down_proj": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"},
+              "shared_expert_gate": {"q_proj", "k_proj", "v_proj", "o_proj"}}
     return bool(targets & before.get(part, set()))
 
 
