@@ -249,11 +249,13 @@ def test_segments_of_a_batch_moved_to_the_device_come_from_its_host_copy(monkeyp
     assert segments.last.of(device, 2) == [[(0, 3), (3, 7), (7, 8)]] * 2
 
 
+@pytest.mark.parametrize("lora", [None, ("q_proj", "v_proj"), ("q_proj", "o_proj")], ids=["full", "qv", "qo"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_long_packed_rows_per_segment_are_planned_as_measured(precision):
+def test_long_packed_rows_per_segment_are_planned_as_measured(precision, lora):
     """4,096 tokens of eight 512-token rows, attended per segment through the engine (every
     block recomputed): the planner's activation bytes (row_positions, the segments' joined
-    output included) are the engine's measured peak, to the byte."""
+    output included, which a LoRA run saves only where o_proj is a target) are the engine's
+    measured peak, to the byte."""
     import transformers
 
     from tierwise.offload import Activations, Budget, Engine, Optim, Precision
@@ -267,8 +269,11 @@ def test_long_packed_rows_per_segment_are_planned_as_measured(precision):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(profile.to_hf_config())
     assert use_segments(model)
+    from peft import LoraConfig
+
+    extra = {} if lora is None else {"lora": LoraConfig(r=4, lora_alpha=8, target_modules=list(lora))}
     eng = Engine(model, budget=Budget(chunk=4 << 20), optim=Optim(lr=1e-4), precision=Precision(precision),
-                 activations=Activations(recompute=True))
+                 activations=Activations(recompute=True), **extra)
     x = torch.randint(0, 1024, (1, seq), generator=torch.Generator().manual_seed(0))
     try:
         eng.step({"input_ids": x, "labels": x, "position_ids": (torch.arange(seq) % 512)[None], "use_cache": False})
@@ -276,4 +281,5 @@ def test_long_packed_rows_per_segment_are_planned_as_measured(precision):
     finally:
         eng.close()
     assert measured == activation_bytes(model=profile, batch_size=1, seq_len=seq, precision=precision,
-                                        checkpointing=True, row_positions=True)
+                                        checkpointing=True, row_positions=True,
+                                        lora=None if lora is None else (frozenset(lora), 4))

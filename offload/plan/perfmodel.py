@@ -205,7 +205,9 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     if lora is not None:  # (a MoE's dense MLP is its shared expert, none for Mixtral; its routed experts: `moe`)
         dense = model.shared_expert_intermediate_size if model.moe else i
         routed = moe_mlp_bytes(model, t=t, e=e, frozen=True) if model.moe else 0
-        parts = _lora_parts(lora, e=e, t=t, s=s, h=h, i=dense, layers=layers, attention=attention,
+        joined = not padded and row_positions and s >= SEGMENTS_FROM and "o_proj" not in lora[0]
+        parts = _lora_parts(lora, e=e, t=t, s=s, h=h, i=dense, layers=layers,
+                            attention=attention - (e * t * model.q_dim if joined else 0),  # (o_proj's frozen input)
                             fixed=mask + positions, recomputed=recomputed, model=model, batch_size=batch_size,
                             mlp_t=mlp_t, routed=routed)
     else:
