@@ -73,6 +73,9 @@ class ModelProfile:
     """One routed expert's MLP width; None: intermediate_size (Mixtral's)."""
     shared_expert_intermediate_size: int = field(default=0, metadata={"min": 0})
     """Qwen2-MoE's shared expert's MLP width (every token runs it, scaled by its own gate); 0: none."""
+    router_loss: bool = False
+    """The model's loss adds its router's load-balancing loss (a MoE config's output_router_logits
+    with a weight that is not 0): it keeps every layer's router logits for it."""
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -82,7 +85,7 @@ class ModelProfile:
                 (self.family == "qwen2_moe") != (self.shared_expert_intermediate_size > 0)
         else:
             bad = bool(self.num_experts or self.num_experts_per_tok or self.shared_expert_intermediate_size
-                       or self.moe_intermediate_size)
+                       or self.moe_intermediate_size or self.router_loss)
         if bad:
             raise FieldValueError(
                 f"family {self.family!r} {'needs' if moe else 'takes no'} num_experts and num_experts_per_tok "
@@ -224,7 +227,9 @@ class ModelProfile:
         if family in MOE_FAMILIES:
             moe = dict(num_experts=experts, num_experts_per_tok=top_k,
                        moe_intermediate_size=getattr(config, "moe_intermediate_size", None),
-                       shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0)
+                       shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
+                       router_loss=bool(getattr(config, "output_router_logits", False)
+                                        and getattr(config, "router_aux_loss_coef", 0.0)))
         rope = getattr(config, "rope_parameters", None) or {}
         return cls(
             name=name or getattr(config, "_name_or_path", "") or family, family=family,
@@ -251,6 +256,8 @@ class ModelProfile:
         )
         if self.head_dim is not None:
             kwargs["head_dim"] = self.head_dim
+        if self.router_loss:
+            kwargs.update(output_router_logits=True)
         if self.family == "mixtral":
             kwargs.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
         elif self.family == "qwen2_moe":

@@ -19,10 +19,10 @@ MOE = {"mixtral": dict(num_experts=4, num_experts_per_tok=2),
                          shared_expert_intermediate_size=56)}
 
 
-def tiny(family: str) -> ModelProfile:
+def tiny(family: str, *, router_loss: bool = False) -> ModelProfile:
     return ModelProfile(name="t", family=family, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
-                        rope_theta=1e4, rms_norm_eps=1e-5, **MOE[family])
+                        rope_theta=1e4, rms_norm_eps=1e-5, router_loss=router_loss, **MOE[family])
 
 
 def _peak(profile: ModelProfile, *, precision: str, checkpointing, lora=None, rows=2, seq=20) -> int:
@@ -40,11 +40,15 @@ def _peak(profile: ModelProfile, *, precision: str, checkpointing, lora=None, ro
         eng.close()
 
 
+@pytest.mark.parametrize("router_loss", [False, True], ids=["", "router-loss"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
 @pytest.mark.parametrize("family", list(MOE))
-def test_moe_activations_are_planned_exactly(family, precision, checkpointing):
-    profile = tiny(family)
+def test_moe_activations_are_planned_exactly(family, precision, checkpointing, router_loss):
+    """(The router loss keeps every layer's router logits, joined, and their softmax until its
+    backward: a part of the end of forward's peak.)"""
+    profile = tiny(family, router_loss=router_loss)
+    assert ModelProfile.from_hf_config(profile.to_hf_config(), name="t") == profile
     assert _peak(profile, precision=precision, checkpointing=checkpointing) == activation_bytes(
         model=profile, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing)
 

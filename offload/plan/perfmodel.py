@@ -219,6 +219,9 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             "final_norm": norm,
             "head": norm + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=True),
         }
+    if model.router_loss:  # every layer's router logits joined (e each) and their top-k's indices
+        # (int64), until the loss's backward: part of the end of forward's peak
+        parts["head"] += layers * t * (e * model.num_experts + 8 * model.num_experts_per_tok)
     parts["host_inputs"] = parts["host_staging"] = 0
     parts["inputs_end"] = parts["inputs"]
     if offload and checkpointed:
