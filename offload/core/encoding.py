@@ -18,6 +18,11 @@ NESTED_BLOCK = 256  # bitsandbytes' block for the double-quantized absmax
 ALIGN_BYTES = 16  # each parameter's encoding starts 16-byte aligned in a frozen chunk's blob
 
 
+def is_expert(name: str) -> bool:
+    """Whether parameter `name` belongs to a MoE's experts (fused 3-D, or one module each)."""
+    return ".experts." in f".{name}"
+
+
 def fused_experts(name: str, shape: Sequence[int]) -> bool:
     """Whether parameter `name` of `shape` is a fused MoE expert stack: a 3-D parameter of a
     module named `experts` (transformers 5's Mixtral, Qwen-MoE, ...: `mlp.experts.gate_up_proj`

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..core.chunks import ParamSpec, specs_of
+from ..core.encoding import is_expert
 from ..core.errors import UnsupportedModel
 from ...optim.adamw8bit import embedding_names
 from ..plan.perfmodel import TILED_FAMILIES
@@ -94,7 +95,7 @@ def model_specs(model: torch.nn.Module) -> list[ParamSpec]:
 def is_moe(model: torch.nn.Module) -> bool:
     """A mixture of experts: it has `experts` parameters (fused 3-D, or one module each). (Not
     its config: some configs name experts by default for models without MoE layers.)"""
-    return any(".experts." in f".{n}" for n, _ in model.named_parameters())
+    return any(is_expert(n) for n, _ in model.named_parameters())
 
 
 def check_model_given(model: Any) -> None:

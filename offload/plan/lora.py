@@ -117,7 +117,7 @@ def lora_specs(specs: Sequence[ParamSpec], *, rank: int, targets: "str | Sequenc
         raise TierwiseError(f"--lora-rank must be at least 1, got {rank}")
     linears = profile_linears(specs) if linears is None else dict(linears)
     wanted = parse_targets(targets, linears)
-    fused = [s.name for s in specs if len(s.shape) >= 3 and ".experts." in s.name]
+    fused = [s.name for s in specs if fused_experts(s.name, s.shape)]
     if fused and _names(targets) == ["all-linear"] and family not in ALL_LINEAR_SKIPS_EXPERTS:
         raise UnsupportedModel(f"LoRA all-linear on a model with fused MoE experts ({fused[0]}, ...): PEFT adapts "
                                f"them and the router as parameters (target_parameters), which the planner does "

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..core.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, ParamSpec, pack_chunks
+from ..core.encoding import is_expert
 from ..core.errors import InfeasibleBudget, TierwiseError, UnsupportedModel
 from ..core.options import recomputed_blocks
 from ..core.vocab import GRAD_REDUCE, TIERS
@@ -292,7 +293,7 @@ class _Chunks:
         if frozen and not self.cost.needs_grad:
             raise TierwiseError(f"{optimizer} perturbs every parameter of a module; a frozen base (LoRA) "
                                 f"is not supported with it")
-        if not self.cost.needs_grad and any(len(s.shape) >= 3 and ".experts." in s.name for s in specs):
+        if not self.cost.needs_grad and any(is_expert(s.name) for s in specs):  # (as the engine: model_info.is_moe)
             raise UnsupportedModel(MOE_ZEROTH)
         self.num_params = sum(s.numel for s in specs)
         self.trainable_params = sum(s.numel for s in specs if s.name not in frozen)
