@@ -259,7 +259,7 @@ class _Offload:
 
             model = trainer.model
             self._dtypes = {n: p.dtype for n, p in model.named_parameters()}
-            saved = getattr(_base(model), _SAVE_DTYPE, None)
+            saved = _saved_dtype(model)
             if saved is not None:  # (a PEFT adapter keeps fp32, as PEFT casts adapters by default)
                 self._dtypes = {n: saved if d.is_floating_point and ".lora_" not in n else d
                                 for n, d in self._dtypes.items()}
@@ -341,7 +341,7 @@ class _Offload:
         own = getattr(own, "_tierwise_own", own) or type(model).save_pretrained.__get__(model)
         # the engine (which the model's hooks keep alive anyway) and what saving needs, not the
         # trainer: a script may drop the trainer and save the model
-        engine, dtypes, saved = self.engine, self._dtypes, getattr(_base(model), _SAVE_DTYPE, None)
+        engine, dtypes, saved = self.engine, self._dtypes, _saved_dtype(model)
 
         def save_pretrained(save_directory: Any, *args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
             if state_dict is None and not engine.closed:  # (closed: the weights were given back)
@@ -352,9 +352,6 @@ class _Offload:
 
         save_pretrained._tierwise_own = own  # type: ignore[attr-defined]
         model.save_pretrained = save_pretrained
-
-    def _write_save_dtype(self, directory: Any) -> None:
-        _write_dtype(directory, getattr(_base(getattr(self, "model", None)), _SAVE_DTYPE, None))
 
     # -- a step ---------------------------------------------------------------------------
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
@@ -406,7 +403,8 @@ class _Offload:
         if self.engine is not None and state_dict is None:
             state_dict = self._weights()
         super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
-        self._write_save_dtype(output_dir if output_dir is not None else self.args.output_dir)  # type: ignore[attr-defined]
+        _write_dtype(output_dir if output_dir is not None else self.args.output_dir,  # type: ignore[attr-defined]
+                     _saved_dtype(getattr(self, "model", None)))
 
     def _weights(self) -> dict[str, torch.Tensor]:
         return _engine_weights(self.engine, self._dtypes)
@@ -490,6 +488,11 @@ def _engine_weights(engine: Any, dtypes: dict[str, torch.dtype]) -> dict[str, to
 def _base(model: Any) -> Any:
     """A PEFT model's base model, or the model."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _saved_dtype(model: Any) -> "torch.dtype | None":
+    """The dtype from_pretrained(dtype=...) asked the trained weights to be saved in, or None."""
+    return getattr(_base(model), _SAVE_DTYPE, None)
 
 
 def _source(model: Any) -> Any:

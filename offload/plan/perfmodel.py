@@ -547,15 +547,13 @@ def predict_step(*, hardware: HardwareProfile, precision: str, cost: OptimizerSp
     nv_update = nv_read / nv_r + nv_write / nv_w
     io_cores = 1 if nv_update > 0 and hw.host.cpu_cores > 1 else 0
     cores = (hw.host.cpu_cores - io_cores) / hw.host.cpu_cores
-    rate = _cpu_rate(hw, cost) * cores
     host_share = sum(get("host", k) for k in KINDS) / max(1, sum(get(t, k) for t in pl for k in KINDS))
     cxl_share = sum(get("cxl", k) for k in KINDS) / max(1, sum(get(t, k) for t in pl for k in KINDS))
     cpu_update = max(_cpu_params_s(hw, cost, load.cpu_params, load.cpu_fp32_params, cores), load.cpu_update_bytes * host_share / dram,
                      load.cpu_update_bytes * cxl_share / cxl, load.cpu_flops / (hw.host.cpu_fp32_tflops * 1e12))
     gpu_update = load.gpu_update_bytes / (hw.gpu.memory_bandwidth_gbps * GB) \
         + load.gpu_update_flops / (hw.gpu.fp32_tflops * 1e12)
-    tail = (load.chunk_params - load.chunk_fp32_params) / rate + load.chunk_fp32_params / (
-        hw.host.adamw_params_per_s * cores) if load.cpu_params else 0.0
+    tail = _cpu_params_s(hw, cost, load.chunk_params, load.chunk_fp32_params, cores) if load.cpu_params else 0.0
 
     if cost.needs_grad:  # backward (with recompute by default); CPU updates overlap it, group by group
         staged = _staged_bytes(load.grad_d2h_bytes, compute_bytes(precision), micro_batches) if load.grad_staged else 0
