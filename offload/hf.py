@@ -17,7 +17,9 @@ does forward, backward and the update. What maps where:
 - `gradient_accumulation_steps`: the Trainer's micro-batches, each `engine.forward` +
   `engine.backward` of the loss as the Trainer scales it; the update at its sync step.
 - `max_grad_norm`: the engine clips (Optim.grad_clip); the logged grad_norm is the engine's.
-- Logs (and `report_to`): each tier's peak beside the loss (`gpu_peak_gib`, `host_peak_gib`, ...).
+- Logs (and `report_to`): each tier's peak beside the loss (`gpu_peak_gib`, `host_peak_gib`, ...);
+  TRL's SFTTrainer's token metrics (entropy, mean_token_accuracy, num_tokens, a MoE's aux_loss,
+  and their eval_ forms), counted by the engine's loss in its tiles.
 - Evaluation: the loss through `engine.eval_loss` (no logits: `compute_metrics` and `predict()` are refused).
 - `save_model` / checkpoints: what Trainer writes, from the engine's fp32 masters in the
   model's dtypes (a PEFT model: its adapter); a checkpoint also holds the engine's state
@@ -48,9 +50,10 @@ several processes, `compute_metrics`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -176,6 +179,7 @@ class _Offload:
     def __init__(self, *args: Any, offload: Any = None, **kwargs: Any):
         self._offload = offload
         self.engine = None
+        self._pending_stats: list[tuple[str, Any, Any]] = []
         model = kwargs.get("model")
         if kwargs.get("peft_config") is not None and _source(model) is not None:
             kwargs["model"] = get_peft_model(model, kwargs.pop("peft_config"))  # with values, not meta
@@ -361,7 +365,8 @@ class _Offload:
         scaled_by_model = trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
         if scaled_by_model:
             inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
-        loss = self.engine.forward(inputs)
+        with self._token_stats("train", inputs):
+            loss = self.engine.forward(inputs)
         if not scaled_by_model:
             loss = loss / trainer.current_gradient_accumulation_steps
         self.engine.backward(loss)
@@ -383,6 +388,7 @@ class _Offload:
         if self.engine is not None and "loss" in logs:
             for tier, b in self.engine.ledger.peaks().items():
                 logs[f"{tier}_peak_gib"] = round(b / 2**30, 4)
+        self._resolve_token_stats()
         super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
     def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
@@ -396,7 +402,38 @@ class _Offload:
         inputs = trainer._prepare_inputs(inputs)
         if "labels" not in inputs:
             return None, None, None
-        return torch.tensor(self.engine.eval_loss(inputs)), None, None
+        with self._token_stats("eval", inputs):
+            loss = self.engine.eval_loss(inputs)
+        return torch.tensor(loss), None, None
+
+    @contextlib.contextmanager
+    def _token_stats(self, mode: str, inputs: dict[str, Any]) -> Iterator[None]:
+        """A TRL trainer's token metrics (entropy, mean_token_accuracy, num_tokens, aux_loss), from
+        the engine's loss: kept on the device until `log` (no read-back during a step)."""
+        if not isinstance(getattr(self, "_metrics", None), dict):  # (transformers' Trainer logs none)
+            yield
+            return
+        from .engine.headloss import collecting
+
+        with collecting() as stats:
+            yield
+        mask, ids = inputs.get("attention_mask"), inputs.get("position_ids")
+        tokens = mask.sum() if isinstance(mask, torch.Tensor) else ids.size(1) if isinstance(ids, torch.Tensor) else 0
+        self._pending_stats.append((mode, stats, tokens))
+
+    def _resolve_token_stats(self) -> None:
+        """The pending token metrics into the TRL trainer's `_metrics`, as its compute_loss puts them."""
+        trainer: Any = self
+        for mode, stats, tokens in self._pending_stats:
+            metrics, valid = trainer._metrics[mode], float(stats.tokens)
+            metrics["entropy"].append(float(stats.entropy) / valid if valid > 0 else 0.0)
+            metrics["mean_token_accuracy"].append(float(stats.top1) / valid if valid > 0 else 0.0)
+            if mode == "train":
+                trainer._total_train_tokens += int(tokens)
+            metrics["num_tokens"] = [trainer._total_train_tokens]
+            if getattr(trainer, "aux_loss_enabled", False) and stats.aux_loss is not None:
+                metrics["aux_loss"].append(float(stats.aux_loss))
+        self._pending_stats.clear()
 
     # -- what is saved ----------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:

@@ -255,3 +255,45 @@ def test_kept_targets_found_on_the_host_are_the_ones_the_device_would_find(monke
     moved = batches.to_device({"input_ids": host.clone(), "labels": host}, torch.device("cpu"))
     monkeypatch.undo()
     assert moved["labels"] is device and headloss._host.of(device) is host
+
+
+def reference_stats(model, batch):
+    """What TRL's SFTTrainer logs of a batch, from the model's own full logits: the mean over
+    the target tokens of the next-token entropy, and of whether the label is the argmax."""
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    keep = labels != -100
+    logp = torch.log_softmax(logits[keep], dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    top1 = logits[keep].argmax(-1) == labels[keep]
+    return entropy.mean().item(), top1.float().mean().item(), int(keep.sum())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("grad", [False, True])
+def test_token_stats_are_trls_and_change_no_number(family, tiled, grad, monkeypatch):
+    """Inside collecting() the loss also counts the target tokens' entropy and argmax hits, as
+    the full logits give them (gemma2: after its soft-capping), on the tiled path and the
+    model's own; the loss and gradients are the same bit for bit as without."""
+    model = family_model(family)
+    batch = masked_batch()
+    with torch.no_grad():  # some labels the model's argmax: the accuracy is not 0
+        batch["labels"][0, 6:12] = model(batch["input_ids"]).logits[0, 5:11].argmax(-1)
+    entropy, top1, tokens = reference_stats(model, batch)
+    assert 0 < top1 < 1
+    calls = []
+    monkeypatch.setattr(headloss.HeadLoss, "apply", _counting(headloss.HeadLoss.apply, calls))
+    monkeypatch.setattr(headloss, "TILE_BYTES", 4 * VOCAB * 7 if tiled else 1 << 40)
+    with torch.set_grad_enabled(grad):
+        plain_loss, plain = run(model, batch, tiled, monkeypatch) if grad else (default_loss(model, batch), {})
+        with headloss.collecting() as stats:
+            loss, got = run(model, batch, tiled, monkeypatch) if grad else (default_loss(model, batch), {})
+    assert bool(calls) == tiled
+    assert torch.equal(loss, plain_loss)
+    assert got.keys() == plain.keys() and all(torch.equal(got[n], plain[n]) for n in got)
+    assert int(stats.tokens) == tokens
+    assert float(stats.entropy) / tokens == pytest.approx(entropy, rel=1e-5)
+    assert float(stats.top1) / tokens == pytest.approx(top1, abs=1e-6)
+    assert headloss.collected() is None

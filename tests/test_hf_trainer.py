@@ -130,12 +130,16 @@ def test_with_offload_builds_a_subclass_and_refuses_what_it_cannot_do(tmp_path):
             trainer.train()
 
 
-def test_with_offload_sft_trainer_and_peft_config_trains_as_sft_trainer(tmp_path):
-    """TRL's SFTTrainer with peft_config, with and without offload: the same losses."""
+@pytest.mark.parametrize("tiled", [False, True])
+def test_with_offload_sft_trainer_and_peft_config_trains_as_sft_trainer(tmp_path, tiled, monkeypatch):
+    """TRL's SFTTrainer with peft_config, with and without offload: the same losses, and the
+    same token metrics it logs (entropy, mean_token_accuracy, num_tokens; in evaluation too),
+    from the engine's loss on its tiled path and on the model's own."""
     trl = pytest.importorskip("trl")
     peft = pytest.importorskip("peft")
     datasets = pytest.importorskip("datasets")
     from tierwise.cli.builtin import build_tokenizer, sample_lines
+    from tierwise.offload.engine import headloss
 
     tok = build_tokenizer()
     data = datasets.Dataset.from_dict({"text": sample_lines()[:24]})
@@ -143,18 +147,24 @@ def test_with_offload_sft_trainer_and_peft_config_trains_as_sft_trainer(tmp_path
 
     def run(cls, out, **kw):
         config = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                               learning_rate=5e-3, max_steps=6, warmup_steps=2, max_grad_norm=0.5, logging_steps=1,
+                               learning_rate=5e-2, max_steps=6, warmup_steps=2, max_grad_norm=0.5, logging_steps=2,
                                save_strategy="no", report_to=[], seed=0, use_cpu=True, max_length=32,
-                               weight_decay=0.0, disable_tqdm=True, bf16=False)
+                               weight_decay=0.0, disable_tqdm=True, bf16=False, eval_strategy="steps", eval_steps=3)
         torch.manual_seed(0)
-        trainer = cls(model=tiny(vocab=len(tok)), args=config, train_dataset=data, processing_class=tok, peft_config=lora, **kw)
+        trainer = cls(model=tiny(vocab=len(tok)), args=config, train_dataset=data, eval_dataset=data.select(range(6)),
+                      processing_class=tok, peft_config=lora, **kw)
         trainer.train()
         return trainer
 
     plain = run(trl.SFTTrainer, tmp_path / "plain")
+    if tiled:  # (a few tokens a tile: every batch spans several)
+        monkeypatch.setattr(headloss, "TILE_BYTES", 4 * len(tok) * 7)
     ours = run(with_offload(trl.SFTTrainer), tmp_path / "ours", offload={**OFFLOAD, "gpu_mem": "400K"})
-    assert len(logs(ours)) == 6
-    assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
+    assert len(logs(ours)) == 3 and len(logs(ours, "eval_loss")) == 2
+    for key in ("loss", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss", "eval_entropy",
+                "eval_mean_token_accuracy", "eval_num_tokens"):
+        assert logs(ours, key) == pytest.approx(logs(plain, key), rel=1e-5), key
+    assert any(logs(plain, "mean_token_accuracy"))  # (the model learns a few tokens: not all zero)
 
 
 def test_from_pretrained_loads_a_model_bigger_than_the_device_and_trains_as_one_that_fits(tmp_path):

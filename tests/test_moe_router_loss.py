@@ -182,9 +182,12 @@ def test_sft_trainer_with_the_router_loss_trains_as_sft_trainer(tmp_path):
         trainer = cls(model=tiny_mixtral(0.5, vocab=len(tok)), args=cfg, train_dataset=data, processing_class=tok, **kw)
         assert trainer.aux_loss_enabled
         trainer.train()
-        return [r["loss"] for r in trainer.state.log_history if "loss" in r]
+        return {k: [r[k] for r in trainer.state.log_history if k in r]
+                for k in ("loss", "aux_loss", "entropy", "mean_token_accuracy", "num_tokens")}
 
-    assert run(with_offload(trl.SFTTrainer), tmp_path / "o") == pytest.approx(run(trl.SFTTrainer, tmp_path / "p"),
-                                                                               rel=1e-5)
+    ours, plain = run(with_offload(trl.SFTTrainer), tmp_path / "o"), run(trl.SFTTrainer, tmp_path / "p")
+    assert len(plain["aux_loss"]) == 3
+    for key in plain:  # (the metrics TRL logs too: the router's loss among them)
+        assert ours[key] == pytest.approx(plain[key], rel=1e-5), key
     with pytest.raises(TierwiseError, match="gradient_accumulation_steps=1"):
         run(with_offload(trl.SFTTrainer), tmp_path / "a", accum=2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from . import headloss, segments
 from .headloss import tiled_loss
@@ -19,11 +20,29 @@ def default_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torc
         if not isinstance(batch, dict):
             raise TypeError(f"the engine's default loss calls model(**batch): give a dict batch (input_ids, labels), "
                             f"or a loss_fn for a {type(batch).__name__}")
-        loss = model(**batch).loss
+        out = model(**batch)
+        loss = out.loss
         if loss is None:
             raise ValueError(f"{type(model).__name__} returned no loss for a batch with keys {sorted(batch)}: give "
                              "it 'labels' (a causal LM's loss comes from them), or the engine a loss_fn")
+        stats = headloss.collected()
+        if stats is not None:
+            _own_stats(stats, out, batch)
     return loss
+
+
+def _own_stats(stats: headloss.TokenStats, out: Any, batch: dict[str, Any]) -> None:
+    """A causal LM's token statistics from its own logits (and its router's aux_loss)."""
+    aux = getattr(out, "aux_loss", None)
+    if isinstance(aux, torch.Tensor):
+        stats.aux_loss = aux.detach()
+    logits, labels, shifted = getattr(out, "logits", None), batch.get("labels"), batch.get("shift_labels")
+    if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and isinstance(labels, torch.Tensor)):
+        return
+    if not isinstance(shifted, torch.Tensor) and labels.shape == logits.shape[:2]:
+        shifted = F.pad(labels[:, 1:], (0, 1), value=headloss.IGNORE)  # (the logits stay a view)
+    if isinstance(shifted, torch.Tensor) and shifted.shape == logits.shape[:2]:
+        stats.add_logits(logits, shifted)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

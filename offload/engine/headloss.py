@@ -21,11 +21,16 @@ order (tests hold it to plain PyTorch in fp32 at 1e-5).
 Only families whose forward is known to end in `lm_head` + ForCausalLMLoss take it
 (FAMILIES), with their transforms of the logits (gemma2's final soft-capping, cohere's
 logit_scale, granite's logits_scaling); anything else runs the model's own loss.
+
+Inside `collecting()`, each loss also counts what TRL's SFTTrainer logs of the target tokens
+(`TokenStats`: the entropy of the next-token distribution, whether the label is its first
+argmax), from the same tiles, as device tensors: nothing is read back during the step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import math
 import weakref
@@ -115,7 +120,8 @@ def tiled_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor | 
     items = batch.get("num_items_in_batch")
     rest = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", "num_items_in_batch")}
     box: list[torch.Tensor] = []
-    with _head_forward(head, lambda hidden: _run(head, hidden, shifted, items, transform, box, keep)):
+    stats = _stats.get()
+    with _head_forward(head, lambda hidden: _run(head, hidden, shifted, items, transform, box, keep, stats)):
         model(**rest)
     return box[0]
 
@@ -141,14 +147,15 @@ known_labels = _host.known
 
 
 def _run(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, items: Any,
-         transform: Transform | None, box: list[torch.Tensor], keep: torch.Tensor | None = None) -> torch.Tensor:
+         transform: Transform | None, box: list[torch.Tensor], keep: torch.Tensor | None = None,
+         stats: "TokenStats | None" = None) -> torch.Tensor:
     """The swapped head's forward: keeps the loss in `box`, returns empty logits for the model's
     own code to pass on (nothing of them is used)."""
     if hidden.shape[:-1].numel() != targets.numel():
         raise ValueError(f"the head saw {hidden.shape[:-1].numel()} positions for {targets.numel()} labels")
     # (inside the Function grad mode is off: whether gradients are wanted is decided here)
     box.append(HeadLoss.apply(hidden, head.weight, head.bias, targets, items, transform, torch.is_grad_enabled(),
-                              keep))
+                              keep, stats))
     return hidden.new_zeros(*hidden.shape[:-1], 0)
 
 
@@ -183,10 +190,12 @@ class HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, items: Any, transform: Any, grads: bool = True,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, stats: "TokenStats | None" = None) -> torch.Tensor:
         h = hidden.reshape(-1, hidden.shape[-1])
         if keep is None:  # (`keep`: the positions whose target is not IGNORE, found on the host)
             keep = (targets != IGNORE).nonzero().squeeze(1)
+        if stats is not None:
+            stats.tokens += keep.numel()
         count = keep.numel() if items is None else items
         want_h, want_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         want_b = grads and bias is not None and ctx.needs_input_grad[2]
@@ -208,10 +217,16 @@ class HeadLoss(torch.autograd.Function):
             zf = z.float()
             lse = torch.logsumexp(zf, dim=-1)
             total += (lse - zf.gather(1, y.unsqueeze(1)).squeeze(1)).sum()
+            if stats is not None:
+                stats.add_top1(zf, y)
+            if not (want_h or want_w or want_b or stats is not None):
+                continue
+            # softmax, in zf's storage; d loss / d zf = (softmax - onehot) / count
+            g = zf.sub_(lse.unsqueeze(1)).exp_()
+            if stats is not None:
+                stats.add_entropy(g)
             if not (want_h or want_w or want_b):
                 continue
-            # d loss / d zf = (softmax - onehot) / count, made in zf's storage
-            g = zf.sub_(lse.unsqueeze(1)).exp_()
             g.scatter_add_(1, y.unsqueeze(1), g.new_full((y.numel(), 1), -1.0))
             g.mul_(scale)
             g = g.to(z.dtype)
@@ -232,4 +247,60 @@ class HeadLoss(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         grad_h, grad_w, grad_b = ctx.saved_tensors
         return (None if grad_h is None else grad_h * grad, None if grad_w is None else grad_w * grad,
-                None if grad_b is None else grad_b * grad, None, None, None, None, None)
+                None if grad_b is None else grad_b * grad, None, None, None, None, None, None)
+
+
+class TokenStats:
+    """Sums over one loss's target tokens, on the device: `entropy` (nats), `top1` (the label
+    is the first argmax of the logits, as TRL's is_top1), `tokens` (how many; a host int), and
+    the model's `aux_loss` (a MoE router's) where its own loss ran. TRL's SFTTrainer logs
+    entropy / tokens and top1 / tokens."""
+
+    def __init__(self) -> None:
+        self.entropy: Any = 0.0
+        self.top1: Any = 0
+        self.tokens: Any = 0
+        self.aux_loss: torch.Tensor | None = None
+
+    def add_top1(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self.top1 = self.top1 + logits.argmax(1).eq(labels).sum()
+
+    def add_entropy(self, probs: torch.Tensor) -> None:
+        # (a temporary the size of the tile: as large as the one logsumexp made before it)
+        self.entropy = self.entropy + torch.special.entr(probs).sum(dtype=torch.float32)
+
+    @torch.no_grad()
+    def add_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """From a model's own (batch, seq, vocab) logits and its labels shifted to line up with
+        them, in tiles; masked rather than selected (selecting reads a count back from the device)."""
+        z = logits.reshape(-1, logits.shape[-1])
+        y = labels.reshape(-1)
+        mask = y != IGNORE
+        self.tokens = self.tokens + mask.sum()
+        step = max(1, TILE_BYTES // (4 * z.shape[-1]))
+        for start in range(0, y.numel(), step):
+            zf = z[start:start + step].to(torch.float32, copy=True)
+            m = mask[start:start + step]
+            self.top1 = self.top1 + zf.argmax(1).eq(y[start:start + step]).logical_and_(m).sum()
+            p = zf.sub_(torch.logsumexp(zf, dim=-1, keepdim=True)).exp_()
+            self.entropy = self.entropy + torch.special.entr(p).sum(1).mul_(m).sum()
+
+
+_stats: contextvars.ContextVar[TokenStats | None] = contextvars.ContextVar("tierwise_token_stats", default=None)
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[TokenStats]:
+    """Each loss computed inside (the tiled one or the model's own, offload.engine.batches)
+    adds its target tokens' statistics to the TokenStats yielded."""
+    stats = TokenStats()
+    token = _stats.set(stats)
+    try:
+        yield stats
+    finally:
+        _stats.reset(token)
+
+
+def collected() -> TokenStats | None:
+    """The TokenStats a `collecting()` around this call gathers into, or None."""
+    return _stats.get()
