@@ -23,7 +23,8 @@ does forward, backward and the update. What maps where:
 - Evaluation: the loss through `engine.eval_loss` (no logits: `compute_metrics` and `predict()` are refused).
 - `save_model` / checkpoints: what Trainer writes, from the engine's fp32 masters in the
   model's dtypes (a PEFT model: its adapter); a checkpoint also holds the engine's state
-  (`ENGINE_STATE`), and `resume_from_checkpoint` restores it.
+  (`ENGINE_STATE`), and `resume_from_checkpoint` restores it, as `load_best_model_at_end` does
+  the best checkpoint's.
 - A PEFT model (`peft_config=` to SFTTrainer, or `get_peft_model`) is taken as it is: its
   frozen base streamed, its adapters trained. A QLoRA model loaded with BitsAndBytesConfig
   (NF4) is taken too: its 4-bit layers become the engine's NF4 base, the same codes, wherever
@@ -215,6 +216,10 @@ class _Offload:
                                 "by the steps, the model's own loss (the engine's) adds it whole in every "
                                 "micro-batch; train with gradient_accumulation_steps=1 or "
                                 "SFTConfig(router_aux_loss_coef=0.0)")
+        if args.load_best_model_at_end and args.save_only_model:  # (found out only when training ends)
+            raise TierwiseError("load_best_model_at_end with save_only_model=True: the best step's weights come "
+                                f"back from the engine's state ({ENGINE_STATE}), which save_only_model does not save; "
+                                "train without save_only_model")
         given = self._offload if isinstance(self._offload, dict) else {}
         if given.get("precision") == "fp32" and args.bf16:
             raise TierwiseError("bf16=True with offload precision fp32: choose one")
@@ -457,6 +462,19 @@ class _Offload:
                                 "(a plain Trainer's holds its own optimizer's state); resume from one an offloaded run "
                                 "saved, or start from its weights: load the checkpoint directory as the model")
         # the weights come back with the engine's state (_load_optimizer_and_scheduler)
+
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end: the best checkpoint's weights (and optimizer state) into the
+        engine, which holds the model's weights, not the model's placeholders."""
+        trainer: Any = self
+        best = trainer.state.best_model_checkpoint
+        if self.engine is None:
+            return super()._load_best_model()  # type: ignore[misc]
+        path = os.path.join(best, ENGINE_STATE)
+        if not os.path.isfile(path):
+            raise TierwiseError(f"load_best_model_at_end: {best} holds no {ENGINE_STATE}, the weights of the best step; "
+                                "load that checkpoint directory as the model yourself")
+        self.engine.load_state_dict(torch.load(path, weights_only=False))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]

@@ -112,6 +112,51 @@ def test_a_checkpoint_resumes_to_the_same_losses(tmp_path):
     assert logs(again)[-3:] == pytest.approx(logs(whole)[-3:], rel=1e-6)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_load_best_model_at_end_saves_the_best_checkpoints_weights(tmp_path, lora):
+    """load_best_model_at_end: the Trainer loads the best checkpoint's weights into the model,
+    whose parameters are the engine's placeholders; the engine takes them from that
+    checkpoint, so what is saved after training is the best step's, as plain Trainer's is.
+    (greater_is_better on eval_loss makes the best an early step, not the last.)"""
+    peft = pytest.importorskip("peft") if lora else None
+
+    def model():
+        torch.manual_seed(0)
+        m = tiny()
+        if lora:
+            m = peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                       task_type="CAUSAL_LM"))
+        return m
+
+    def run(out, cls, **kw):
+        a = args(out, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                 load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True)
+        trainer = cls(model=model(), args=a, train_dataset=Rows(), eval_dataset=Rows(n=6), **kw)
+        torch.manual_seed(0)
+        trainer.train()
+        trainer.save_model(str(out / "final"))
+        return trainer
+
+    plain, ours = run(tmp_path / "plain", Trainer), run(tmp_path / "ours", OffloadTrainer, offload=OFFLOAD)
+    assert plain.state.best_model_checkpoint.endswith("checkpoint-2")
+    assert ours.state.best_model_checkpoint.endswith("checkpoint-2")
+    from safetensors.torch import load_file
+
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    a, b = load_file(tmp_path / "ours" / "final" / name), load_file(tmp_path / "plain" / "final" / name)
+    last = load_file(tmp_path / "plain" / "checkpoint-6" / name)
+    assert a.keys() == b.keys()
+    for n in b:
+        torch.testing.assert_close(a[n], b[n], rtol=1e-4, atol=1e-5, msg=n)
+    assert any(not torch.allclose(b[n], last[n]) for n in b)  # the best is not the last: the test can fail
+    assert ours.evaluate()["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-5)
+    if not lora:  # (the engine's state, which holds the best weights, is what save_only_model leaves out)
+        with pytest.raises(TierwiseError, match="save_only_model"):
+            OffloadTrainer(model=tiny(), args=args(tmp_path / "x", eval_strategy="steps", save_strategy="steps",
+                                                   load_best_model_at_end=True, save_only_model=True),
+                           train_dataset=Rows(), eval_dataset=Rows(n=6), offload=OFFLOAD)
+
+
 def test_with_offload_builds_a_subclass_and_refuses_what_it_cannot_do(tmp_path):
     class MyTrainer(Trainer):
         pass
