@@ -301,6 +301,6 @@ def collecting() -> Iterator[TokenStats]:
         _stats.reset(token)
 
 
-def collected() -> TokenStats | None:
-    """The TokenStats a `collecting()` around this call gathers into, or None."""
-    return _stats.get()
+collected = _stats.get
+"""The TokenStats a `collecting()` around the caller gathers into, or None (a C call: no
+Python frame a step)."""
