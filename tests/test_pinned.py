@@ -96,3 +96,41 @@ def test_engine_registers_its_ledgers_host_bytes(tmp_path, monkeypatch):
     assert cuda.peak <= eng.ledger.budgets["host"] + allocations * (PAGE - 1)
     eng.close()
     assert not cuda.live  # nothing stays registered past the engine
+
+
+def test_offloaded_activations_reuse_their_registered_buffers(monkeypatch):
+    """Block inputs offloaded to host memory: their buffers are registered once, then reused
+    step after step (registering takes milliseconds and serialises the device's streams),
+    booked as activations all along: what is registered is still the ledger's host bytes, and
+    a batch of another length frees the spares it cannot use."""
+    from tierwise.offload import Activations
+
+    cuda = FakeCuda()
+    calls = []
+
+    def register(ptr, n):
+        calls.append(n)
+        return cuda.register(ptr, n)
+
+    class PinnedTiers(Tiers):
+        def __init__(self, **kw):
+            super().__init__(**kw, pinner=HostPinner(register=register, unregister=cuda.unregister))
+
+    monkeypatch.setattr(needs, "Tiers", PinnedTiers)
+    data = batches(4)
+    ref_losses, _ = train_reference(tiny_llama(), data)
+    eng = Engine(tiny_llama(), budget=Budget(gpu="500K", cpu="4M", chunk=16 << 10), optim=Optim(lr=1e-3),
+                 activations=Activations(recompute=True, offload=True, host=64 << 10))
+    losses = [eng.step(data[0]), eng.step(data[1])]
+    first = len(calls)
+    losses += [eng.step(b) for b in data[2:]]
+    assert losses == ref_losses
+    assert len(calls) == first  # steady state: nothing registered
+    spares = eng.tracker.offloader.spare_bytes
+    assert spares > 0 and eng.ledger.usage()["host"]["activation"] == spares
+    assert eng.ledger.used("host") <= sum(cuda.live.values()) <= eng.ledger.used("host") + len(cuda.live) * (PAGE - 1)
+    shorter = {k: v[:, : v.shape[1] // 2] for k, v in data[0].items()}  # another length: other buffers
+    eng.step(shorter)
+    assert eng.ledger.usage()["host"]["activation"] == eng.tracker.offloader.spare_bytes != spares
+    eng.close()
+    assert not cuda.live

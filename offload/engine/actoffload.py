@@ -40,7 +40,7 @@ class Offloaded:
         self.numel, self.dtype = t.numel(), t.dtype
         io.ledger.reserve("gpu", "activation", self.nbytes)
         self.mem = "host" if io.tier == "nvme" else io.tier  # the tier of its buffer in memory
-        self.host: torch.Tensor | None = io.tiers.empty(self.mem, "activation", t.numel(), t.dtype)
+        self.host: torch.Tensor | None = io.host_empty(self.mem, t.numel(), t.dtype)
         self.device_ref: torch.Tensor | None = t  # until the copy out has landed
         self.ticket = io.executor.copy("d2h", self.host, t.detach().reshape(-1))  # (no graph: a copy for later)
         self.back: torch.Tensor | None = None
@@ -77,7 +77,7 @@ class Offloaded:
         if self.back_ticket is not None and not self.back_ticket.done():
             self.io.park(self.back_ticket, self.mem, host)  # its copy to the device may still read it
         else:
-            self.io.tiers.free(self.mem, "activation", host)
+            self.io.spare(self.mem, host)
 
     def fetch(self) -> None:
         """Start bringing it back to the device (idempotent); from NVMe, start its read."""
@@ -88,7 +88,7 @@ class Offloaded:
         if self.key is not None:
             if self.host is None:
                 self.io.reap(keep=1)  # (the plan's two host buffers: the newest parked one and this)
-                self.host = self.io.tiers.empty("host", "activation", self.numel, self.dtype)
+                self.host = self.io.host_empty("host", self.numel, self.dtype)
                 self.io_future = self.io.nvme.read_async(self.key, self.host, urgent=True)
             return
         self.settle(wait=True)
@@ -158,6 +158,7 @@ class Offloader:
         # host buffers given back while a copy to the device may still read them (on CUDA an
         # enqueued copy has not landed): (its ticket, the tier, the buffer), oldest first
         self.parked: list[tuple[Any, str, torch.Tensor]] = []
+        self._spare: dict[tuple[str, int, torch.dtype], list[torch.Tensor]] = {}  # freed buffers kept, by size
 
     def park(self, ticket: Any, mem: str, host: torch.Tensor) -> None:
         self.parked.append((ticket, mem, host))
@@ -177,7 +178,33 @@ class Offloader:
             elif not ticket.done():
                 self.parked.append((ticket, mem, host))
                 continue
-            self.tiers.free(mem, "activation", host)
+            self.spare(mem, host)
+
+    def host_empty(self, mem: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for an input in `mem` (host or CXL): a spare one of its size, or a new one;
+        the spares of other sizes are freed first (a batch of another length does not use them,
+        and the spares stay within one step's inputs)."""
+        spares = self._spare.get((mem, numel, dtype))
+        if spares:
+            return spares.pop()
+        self.trim(keep=(mem, numel, dtype))
+        return self.tiers.empty(mem, "activation", numel, dtype)
+
+    def spare(self, mem: str, host: torch.Tensor) -> None:
+        """Keep a freed buffer for the next step's inputs, its bytes still booked as activations
+        (the plan holds the offloaded inputs' bytes for them throughout): registering host
+        memory with CUDA takes milliseconds a buffer and serialises the device's streams."""
+        self._spare.setdefault((mem, host.numel(), host.dtype), []).append(host)
+
+    @property
+    def spare_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for spares in self._spare.values() for t in spares)
+
+    def trim(self, *, keep: Any = None) -> None:
+        """Free the spare buffers (but those of size `keep`)."""
+        for key in [k for k in self._spare if k != keep]:
+            for host in self._spare.pop(key):
+                self.tiers.free(key[0], "activation", host)
 
     def take_key(self) -> str:
         if self._keys:
