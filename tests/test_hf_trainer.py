@@ -157,6 +157,31 @@ def test_load_best_model_at_end_saves_the_best_checkpoints_weights(tmp_path, lor
                            train_dataset=Rows(), eval_dataset=Rows(n=6), offload=OFFLOAD)
 
 
+def test_a_collators_batch_encoding_trains_and_evaluates_as_plain_trainer(tmp_path):
+    """transformers' collators (DataCollatorForLanguageModeling, ...WithPadding, ...ForSeq2Seq)
+    return a BatchEncoding, a mapping but not a dict: it trains and evaluates as a dict does."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from tierwise.cli.builtin import build_tokenizer
+
+    tok = build_tokenizer()
+    g = torch.Generator().manual_seed(3)
+    rows = [{"input_ids": torch.randint(5, len(tok), (12,), generator=g).tolist()} for _ in range(16)]
+    collator = DataCollatorForLanguageModeling(tokenizer=tok, mlm=False)
+    assert not isinstance(collator(rows[:2]), dict)  # (the case under test)
+
+    def run(cls, out, **kw):
+        trainer = cls(model=tiny(vocab=len(tok)), args=args(out, max_steps=3, eval_strategy="steps", eval_steps=3),
+                      train_dataset=rows, eval_dataset=rows[:4], data_collator=collator, **kw)
+        trainer.train()
+        return trainer
+
+    plain = run(Trainer, tmp_path / "plain")
+    ours = run(OffloadTrainer, tmp_path / "ours", offload={**OFFLOAD, "gpu_mem": "400K"})
+    assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
+    assert logs(ours, "eval_loss") == pytest.approx(logs(plain, "eval_loss"), rel=1e-5) and logs(ours, "eval_loss")
+
+
 def test_with_offload_builds_a_subclass_and_refuses_what_it_cannot_do(tmp_path):
     class MyTrainer(Trainer):
         pass

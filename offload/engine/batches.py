@@ -3,6 +3,7 @@ and the target tokens that weight each micro-batch's loss (`step_weights`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -50,12 +51,12 @@ def to_device(batch: Any, device: torch.device) -> Any:
     pinned memory, without a wait on the launching thread (a copy from pageable memory waits
     for it); a dict's `position_ids` leave their packed segments, and its `labels` the targets
     the loss keeps, found on the host (offload.engine.segments, .headloss), not read back from
-    the device."""
+    the device. A mapping (a collator's BatchEncoding) comes back a dict."""
     if isinstance(batch, torch.Tensor):
         if device.type == "cuda" and batch.device.type == "cpu":
             return batch.pin_memory().to(device, non_blocking=True)
         return batch.to(device)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # (a dict, or a collator's BatchEncoding: a dict from here on)
         out = {k: to_device(v, device) for k, v in batch.items()}
         ids, labels = batch.get("position_ids"), batch.get("labels")
         if isinstance(ids, torch.Tensor) and out["position_ids"] is not ids:
@@ -81,7 +82,7 @@ def split_batch(batch: Any, n: int, *, inner: bool = False) -> list[Any]:
         if batch.shape[0] % n:
             raise ValueError(f"batch of {batch.shape[0]} does not split into {n} micro-batches")
         return list(batch.chunk(n))
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         parts = {k: split_batch(v, n, inner=True) for k, v in batch.items()}
         return [{k: parts[k][i] for k in batch} for i in range(n)]
     if isinstance(batch, (list, tuple)):  # e.g. (inputs, targets), as to_device takes it
@@ -103,7 +104,7 @@ def target_tokens(batch: Any) -> int | None:
     nothing), not -100 -- what transformers' ForCausalLMLoss averages over; 1-D labels (one per
     row, a classifier's) count their rows that are not -100. None when the batch
     has no `labels` tensor (a custom loss function: its micro-batches weigh alike)."""
-    labels = batch.get("labels") if isinstance(batch, dict) else None
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if not isinstance(labels, torch.Tensor):
         return None
     if labels.dim() < 2:  # one label per row (sequence classification): nothing to shift
