@@ -468,3 +468,28 @@ def test_a_float64_trainable_parameter_is_refused_not_cast():
     model[0].requires_grad_(False)  # frozen: refused for its trainable sibling only
     with pytest.raises(UnsupportedModel, match="'1.weight' is torch.float64"):
         Engine(model, loss_fn=lambda m, b: m(b).square().mean())
+
+
+def test_on_cuda_every_buffer_copy_is_kept_without_comparing(monkeypatch):
+    """On CUDA a checkpointed block's buffer copies are kept whole (comparing them reads back
+    from the device): BatchNorm's running statistics, updated in forward, and the weights
+    stay those of plain PyTorch, and the copies are booked as activations."""
+    from tierwise.offload.engine import hooks
+
+    monkeypatch.setattr(hooks.BufferGuard, "compares", staticmethod(lambda device: False))
+    compared, kept = [], []
+    real_equal, real_after = torch.equal, hooks.BufferGuard.after
+    monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(1) or real_equal(a, b))
+    monkeypatch.setattr(hooks.BufferGuard, "after", lambda self, taken: kept.append(len(taken)) or real_after(self, taken))
+    data = zoo.data(STEPS)
+    ref_losses, ref = zoo.reference(zoo.build("batchnorm"), data)
+    eng = engine("batchnorm", SMALL, gpu_mem="64M")
+    try:
+        assert train(eng, data) == ref_losses
+        monkeypatch.setattr(torch, "equal", real_equal)
+        assert not compared and kept and all(kept)  # (the blocks were recomputed, with their buffers)
+        assert_same_as_reference(eng, eng.model, ref)
+        assert all(int(m.bn.num_batches_tracked) == STEPS for m in eng.model.blocks)
+        assert eng.ledger.usage()["gpu"].get("activation", 0) == 0  # every copy released after backward
+    finally:
+        eng.close()

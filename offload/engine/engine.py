@@ -142,7 +142,9 @@ class Engine:
         `activations.offload`: keep checkpointed blocks' inputs in host memory between forward
         and backward (offload.engine.actoffload). `activations.expected` given, chunks are placed
         in their final tiers now; otherwise after the warm-up step, which measures the peak (until
-        then every chunk lives host-side). `distributed`: see the module docstring."""
+        then every chunk lives host-side). `distributed`: see the module docstring. `device`: CUDA
+        where present (default), else the simulated device on the CPU; a CUDA device becomes the
+        calling thread's current one (the thread that runs the steps)."""
         for name, value, cls in (("budget", budget, Budget), ("optim", optim, Optim),
                                  ("precision", precision, Precision), ("activations", activations, Activations),
                                  ("distributed", distributed, Distributed), ("streaming", streaming, Streaming)):
@@ -165,6 +167,8 @@ class Engine:
             model = apply_lora(model, lora)
         self.model, self.loss_fn = model, loss_fn
         self.device = pick_device(device)
+        if self.device.type == "cuda":  # streams, events, host registrations and the random state
+            torch.cuda.set_device(self.device)  # below are the current device's
         self.compute_dtype = DTYPES[precision.compute]
         self.precision = precision.compute
         self.grad_clip = optim.grad_clip
@@ -528,7 +532,7 @@ class Engine:
         undo.append(surgery.patch_forward(block, lambda f: checkpointed(
             f, context=functools.partial(self.tracker.recomputing, block=i),
             hold=functools.partial(self._holding, block), saving=self.tracker.saving_block_inputs,
-            buffers=BufferGuard(block, **booked(self.ledger, "gpu", "activation")))))
+            buffers=BufferGuard(block, **booked(self.ledger, "gpu", "activation"), device=self.device))))
         return undo
 
     def _keep_activations(self, act: int, pinned: int) -> int:
@@ -826,6 +830,7 @@ class Engine:
         micro = split_batch(batch, grad_accum * world)
         weights = step_weights(micro)
         terms = [0.0] * len(micro)  # micro-batch i's loss * weight, summed in i's order (_ordered_sums)
+        held: list[torch.Tensor | None] = [None] * len(micro)
         mine = [i for i in range(len(micro)) if self.ranks is None or i % world == self.ranks.rank]
         for i in mine:
             mb = micro[i]
@@ -848,8 +853,11 @@ class Engine:
                 self.backward(loss * weights[i] if weights[i] != 1.0 else loss)
             finally:
                 self.grads.early_on = False
-            if counted:
-                terms[i] = loss.detach().float().item() * weights[i]
+            if counted:  # (read after the loop: a read here would drain the device between micro-batches)
+                held[i] = loss.detach()
+        for i, t in enumerate(held):
+            if t is not None:
+                terms[i] = float(t) * weights[i]
         if self.ranks is not None:
             finite = self.ranks.all_true(finite, "checking the losses are finite")
         (total,) = self._ordered_sums([terms], "summing the loss")
@@ -1252,6 +1260,8 @@ class Engine:
             self.grads.transient.free_all()
         if self.nvme is not None:
             self.nvme.close()
+        if self.tracker.offloader is not None:
+            self.tracker.offloader.trim()  # (its spare host buffers)
         self.tiers.close()  # host memory stays registered no longer than the engine
         self.surgery.close()
         if self.shared is not None:

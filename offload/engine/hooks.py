@@ -334,11 +334,20 @@ class BufferGuard:
     back to the forward's results: one update per forward, as without recompute. The copies
     are device bytes, reserved as activations (`reserve(n)` / `release(n)`).
     (Version counters cannot tell: batch_norm updates running stats without bumping them.)
+    On CUDA the values are not compared (a comparison reads back from the device: the host
+    would wait for the block's kernels): every copy is kept, restoring an unchanged buffer.
     """
 
-    def __init__(self, block: torch.nn.Module, *, reserve: Callable[[int], None], release: Callable[[int], None]):
+    def __init__(self, block: torch.nn.Module, *, reserve: Callable[[int], None], release: Callable[[int], None],
+                 device: torch.device = torch.device("cpu")):
         self.block, self.reserve, self.release = block, reserve, release
         self.modules = list(block.modules())  # (once: the generator costs a call per module, per forward)
+        self.compare = self.compares(device)
+
+    @staticmethod
+    def compares(device: torch.device) -> bool:
+        """Whether the copies of unchanged buffers are dropped after the forward (not on CUDA)."""
+        return device.type != "cuda"
 
     def before(self) -> list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]:
         taken = []
@@ -354,7 +363,7 @@ class BufferGuard:
         if not taken:
             return _NOTHING
         changed = [(m, n, copy) for m, n, b, copy in taken
-                   if m._buffers[n] is not b or not torch.equal(b, copy)]
+                   if not self.compare or m._buffers[n] is not b or not torch.equal(b, copy)]
         kept = sum([_nbytes(c) for *_, c in changed])
         self.release(sum([_nbytes(c) for *_, c in taken]) - kept)
         return _Snapshot(changed, lambda: self.release(kept))

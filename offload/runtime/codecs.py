@@ -37,9 +37,17 @@ NF4_LEVELS = (
 )
 
 
+def _settled(t: torch.Tensor) -> torch.Tensor:
+    """A cached table, made on whichever stream its first user ran (a copy stream, say): on a
+    GPU, finished before any stream reads it (once: the cache keeps it)."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+    return t
+
+
 @lru_cache(maxsize=None)
 def _nf4_code(device: str) -> torch.Tensor:
-    return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
+    return _settled(torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device))
 
 
 @lru_cache(maxsize=None)
@@ -47,14 +55,14 @@ def _nf4_pairs(device: str) -> torch.Tensor:
     """[256, 2]: the two levels a packed byte stands for (high nibble first)."""
     code = _nf4_code(device)
     b = torch.arange(256, device=device)
-    return torch.stack([code[b >> 4], code[b & 15]], dim=1).contiguous()
+    return _settled(torch.stack([code[b >> 4], code[b & 15]], dim=1).contiguous())
 
 
 @lru_cache(maxsize=None)
 def _dynamic_map(device: str) -> torch.Tensor:
     """bitsandbytes' signed dynamic 8-bit map (the code of the double-quantized absmax)."""
     from bitsandbytes.functional import create_dynamic_map
-    return create_dynamic_map(signed=True).to(device)
+    return _settled(create_dynamic_map(signed=True).to(device))
 
 
 def _block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:

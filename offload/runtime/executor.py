@@ -146,7 +146,7 @@ class Executor:
         if self.cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream())
-        done_event = torch.cuda.Event() if self.cuda else None
+        done_event = torch.cuda.Event(blocking=True) if self.cuda else None  # (its waiter sleeps, not spins)
 
         def run() -> None:
             start = time.perf_counter()
@@ -200,15 +200,17 @@ class Executor:
             # whose memory a chunk evicted a moment ago still feeds queued kernels): wait for them
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream())
-        done_event = torch.cuda.Event() if self.cuda else None
+        done_event = torch.cuda.Event(blocking=True) if self.cuda else None
 
         def run() -> None:
             start = time.perf_counter()
             if self.cuda:
                 with torch.cuda.stream(lane.stream):
                     lane.stream.wait_event(ready)
-                    fn(lane.stream)
-                    done_event.record(lane.stream)
+                    try:
+                        fn(lane.stream)
+                    finally:  # (fn raised: what it enqueued still writes its buffers until this)
+                        done_event.record(lane.stream)
                 if reuses_host:
                     done_event.synchronize()  # fn's host buffers may be reused by the next job
             else:

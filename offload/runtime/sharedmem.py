@@ -144,7 +144,8 @@ class SharedRegion:
 def _error_name(err: int) -> str:
     """CUDA's name of runtime error `err` (e.g. 'out of memory': a memlock limit, ulimit -l)."""
     try:
-        return f"{torch.cuda.cudart().cudaGetErrorString(err)} ({err})"
+        cudart = torch.cuda.cudart()
+        return f"{cudart.cudaGetErrorString(cudart.cudaError(err))} ({err})"  # (the binding takes the enum)
     except Exception:  # noqa: BLE001 - no name: the number
         return f"error {err}"
 
