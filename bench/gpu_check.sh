@@ -63,7 +63,7 @@ EOF
     echo "profile exit $?"
     [ -s "$out/measured.toml" ] && prof=(--profile "$out/measured.toml")
   fi
-  timeout 300 python3 bench/gpu_check.py --steps 5 --deadline 270 --json "$out/gpu_check.json" --trace-dir "$out" "${prof[@]}" "$@"
+  timeout -s INT -k 15 300 python3 bench/gpu_check.py --steps 5 --deadline 270 --json "$out/gpu_check.json" --trace-dir "$out" "${prof[@]}" "$@"
   rc=$?
   gzip -f "$out"/trace_*.json 2>/dev/null
   echo "gpu_check.py exit $rc"
