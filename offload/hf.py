@@ -29,12 +29,15 @@ does forward, backward and the update. What maps where:
   frozen base streamed, its adapters trained. A QLoRA model loaded with BitsAndBytesConfig
   (NF4) is taken too: its 4-bit layers become the engine's NF4 base, the same codes, wherever
   bitsandbytes had loaded them.
-- Batches of several lengths: with `max_length` (TRL's SFTConfig) the engine is placed for the
-  longest one before the first step.
+- Batches of several lengths: the engine is placed for the longest one before the first step,
+  its length the train dataset's longest `input_ids` (a datasets.Dataset's, read from its Arrow
+  column, or a list's) within TRL's `max_length`, padded as the collator pads; TRL's
+  `max_length` where the dataset cannot tell. Neither known (another dataset, transformers'
+  Trainer): placed for the first batch, and a longer one later raises StepOverBudget.
 - `gradient_checkpointing` (True is TRL's default): the model's own checkpointing is turned off
-  and, with `max_length`, the engine decides (Activations(recompute=None)): the warm-up step
-  recomputes every block, then the last blocks keep their activations where the whole model
-  stays on the device beside them, placed for the longest batch. Without `max_length` every
+  and, with the longest batch known, the engine decides (Activations(recompute=None)): the
+  warm-up step recomputes every block, then the last blocks keep their activations where the
+  whole model stays on the device beside them, placed for the longest batch. Not known, every
   block is recomputed (a later, longer batch needs the slack). `offload={"checkpointing": True}`
   recomputes every block, False none, an int n the first n.
 
@@ -54,11 +57,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 import torch
 
-from .core.errors import TierwiseError
+from .core.errors import InfeasibleBudget, TierwiseError
 from .core.options import GROUPS, Activations, Optim, Precision, flat_options
 
 ENGINE_STATE = "tierwise_engine.pt"
@@ -314,15 +318,30 @@ class _Offload:
         self.engine.load_weights((names.get(n, n), t) for n, t in iter_checkpoint(base, layout, src.model_dir))
 
     def _longest(self) -> int | None:
-        """The longest row a batch can have (TRL's `max_length`), or None where it is not known."""
-        length = getattr(self.args, "max_length", None)  # type: ignore[attr-defined]
-        return length if isinstance(length, int) and length >= 2 else None
+        """The longest row a batch can have, or None where it is not known: the train dataset's
+        longest `input_ids` (where it reads cheaply: a datasets.Dataset's Arrow column, a list),
+        within TRL's `max_length`, rounded up as the collator pads (`pad_to_multiple_of`);
+        TRL's `max_length` alone where the dataset cannot tell."""
+        trainer: Any = self
+        given = getattr(trainer.args, "max_length", None)
+        given = given if isinstance(given, int) and given >= 2 else None
+        row = _longest_row(getattr(trainer, "train_dataset", None))
+        if row is None:
+            return given
+        row = row if given is None else min(row, given)
+        collator = getattr(trainer, "data_collator", None)
+        multiple = getattr(collator, "pad_to_multiple_of", None)
+        if isinstance(multiple, int) and multiple > 1:
+            row = -(-row // multiple) * multiple
+        if getattr(collator, "padding", None) == "max_length" and isinstance(getattr(collator, "max_length", None), int):
+            row = max(row, collator.max_length)  # type: ignore[union-attr]
+        return row if row >= 2 else None
 
     def _measure_longest(self) -> None:
-        """Batches vary in length (a collator pads each to its longest row): with `max_length`
-        (TRL's SFTConfig) the engine is placed for the longest batch there can be, padded (the
-        mask materialised), before the first step. Without it, for the first batch; a longer
-        one later raises StepOverBudget naming Engine.measure."""
+        """Batches vary in length (a collator pads each to its longest row): where the longest
+        is known (`_longest`), the engine is placed for the longest batch there can be, padded
+        (the mask materialised), before the first step. Otherwise for the first batch; a
+        longer one later raises StepOverBudget (train() adds what to give)."""
         length = self._longest()
         if length is None:
             return
@@ -334,9 +353,22 @@ class _Offload:
         self.engine.measure({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().train(*args, **kwargs)  # type: ignore[misc]
+        try:
+            out = super().train(*args, **kwargs)  # type: ignore[misc]
+        except InfeasibleBudget as exc:  # (its message speaks the CLI's and the Engine's words)
+            exc.add_note(self._budget_note())
+            raise
         self._save_through_engine()
         return out
+
+    def _budget_note(self) -> str:
+        longest = self._longest()
+        rows = self.args.per_device_train_batch_size  # type: ignore[attr-defined]
+        placed = (f"for batches of {rows} x {longest} tokens, the longest it found" if longest is not None else
+                  "for the first batch (it found no longest: give TRL's max_length, or a datasets.Dataset with "
+                  "input_ids, whose longest row it reads)")
+        return (f"OffloadTrainer: the budgets are offload={{'gpu_mem': ..., 'cpu_mem': ...}}; the engine was placed "
+                f"{placed}; a smaller per_device_train_batch_size or max_length needs less")
 
     def _save_through_engine(self) -> None:
         """The model's weights live in the engine (its parameters hold placeholders): the
@@ -481,6 +513,28 @@ class _Offload:
         if checkpoint is not None and self.engine is not None:
             state = torch.load(os.path.join(checkpoint, ENGINE_STATE), weights_only=False)
             self.engine.load_state_dict(state)
+
+
+def _longest_row(dataset: Any) -> int | None:
+    """The longest `input_ids` of a dataset whose rows read cheaply (a datasets.Dataset: its
+    Arrow column's list lengths, every row of the table, also those a select() left out; a
+    list or tuple of mappings), or None (another dataset: reading each row may be costly)."""
+    if isinstance(dataset, (list, tuple)):
+        if not dataset or not all(isinstance(r, Mapping) and "input_ids" in r for r in dataset):
+            return None
+        return max(len(r["input_ids"]) for r in dataset)
+    try:
+        import datasets
+        import pyarrow.compute as pc
+    except ImportError:
+        return None
+    if not isinstance(dataset, datasets.Dataset) or "input_ids" not in (dataset.column_names or ()):
+        return None
+    column = dataset.data.column("input_ids")
+    if len(column) == 0 or not hasattr(column.type, "value_type"):  # (not a list column)
+        return None
+    longest = pc.max(pc.list_value_length(column)).as_py()
+    return int(longest) if longest is not None else None
 
 
 def _take_linear4bit(model: torch.nn.Module) -> list[tuple[str, Any, bool, torch.dtype]]:

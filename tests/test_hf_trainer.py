@@ -182,6 +182,51 @@ def test_a_collators_batch_encoding_trains_and_evaluates_as_plain_trainer(tmp_pa
     assert logs(ours, "eval_loss") == pytest.approx(logs(plain, "eval_loss"), rel=1e-5) and logs(ours, "eval_loss")
 
 
+def test_a_longer_batch_later_is_placed_for_when_the_dataset_tells_its_longest_row(tmp_path):
+    """Short batches first, longer ones later (a padding collator, sequential order): the
+    engine is placed for the train dataset's longest row (a datasets.Dataset's Arrow column, a
+    list) and trains as plain Trainer; a dataset that cannot tell is placed for the first
+    batch, and the longer one's error says what to give, in the Trainer's words."""
+    datasets = pytest.importorskip("datasets")
+    from transformers import DataCollatorForLanguageModeling
+
+    from tierwise.cli.builtin import build_tokenizer
+    from tierwise.offload.core.errors import StepOverBudget
+    from tierwise.offload.hf import _longest_row
+
+    tok = build_tokenizer()
+    g = torch.Generator().manual_seed(4)
+    rows = [{"input_ids": torch.randint(5, len(tok), (n,), generator=g).tolist()} for n in [4] * 8 + [28] * 8]
+    collator = DataCollatorForLanguageModeling(tokenizer=tok, mlm=False, pad_to_multiple_of=8)
+
+    class Opaque(torch.utils.data.Dataset):  # (reading every row could be costly: not scanned)
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            return rows[i]
+
+    table = datasets.Dataset.from_list(rows)
+    assert _longest_row(table) == _longest_row(rows) == 28 and _longest_row(Opaque()) is None
+
+    def run(cls, out, data, **kw):
+        a = args(out, max_steps=4, train_sampling_strategy="sequential", gradient_accumulation_steps=1,
+                 per_device_train_batch_size=4)
+        trainer = cls(model=tiny(vocab=len(tok)), args=a, train_dataset=data, data_collator=collator, **kw)
+        trainer.train()
+        return trainer
+
+    offload = {**OFFLOAD, "gpu_mem": "600K"}
+    plain = run(Trainer, tmp_path / "plain", rows)
+    for data in (table, rows):
+        ours = run(OffloadTrainer, tmp_path / "ours", data, offload=offload)
+        assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
+        assert ours._longest() == 32  # (28, padded to a multiple of 8)
+    with pytest.raises(StepOverBudget) as caught:
+        run(OffloadTrainer, tmp_path / "opaque", Opaque(), offload=offload)
+    assert "placed for the first batch" in str(caught.value.__notes__) and "max_length" in str(caught.value.__notes__)
+
+
 def test_with_offload_builds_a_subclass_and_refuses_what_it_cannot_do(tmp_path):
     class MyTrainer(Trainer):
         pass
@@ -204,7 +249,8 @@ def test_with_offload_builds_a_subclass_and_refuses_what_it_cannot_do(tmp_path):
 def test_with_offload_sft_trainer_and_peft_config_trains_as_sft_trainer(tmp_path, tiled, monkeypatch):
     """TRL's SFTTrainer with peft_config, with and without offload: the same losses, and the
     same token metrics it logs (entropy, mean_token_accuracy, num_tokens; in evaluation too),
-    from the engine's loss on its tiled path and on the model's own."""
+    from the engine's loss on its tiled path and on the model's own. SFTConfig's default
+    max_length (1024) is not what the engine is placed for: the data's longest row is."""
     trl = pytest.importorskip("trl")
     peft = pytest.importorskip("peft")
     datasets = pytest.importorskip("datasets")
@@ -218,7 +264,7 @@ def test_with_offload_sft_trainer_and_peft_config_trains_as_sft_trainer(tmp_path
     def run(cls, out, **kw):
         config = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                learning_rate=5e-2, max_steps=6, warmup_steps=2, max_grad_norm=0.5, logging_steps=2,
-                               save_strategy="no", report_to=[], seed=0, use_cpu=True, max_length=32,
+                               save_strategy="no", report_to=[], seed=0, use_cpu=True,
                                weight_decay=0.0, disable_tqdm=True, bf16=False, eval_strategy="steps", eval_steps=3)
         torch.manual_seed(0)
         trainer = cls(model=tiny(vocab=len(tok)), args=config, train_dataset=data, eval_dataset=data.select(range(6)),
@@ -231,6 +277,7 @@ def test_with_offload_sft_trainer_and_peft_config_trains_as_sft_trainer(tmp_path
         monkeypatch.setattr(headloss, "TILE_BYTES", 4 * len(tok) * 7)
     ours = run(with_offload(trl.SFTTrainer), tmp_path / "ours", offload={**OFFLOAD, "gpu_mem": "400K"})
     assert len(logs(ours)) == 3 and len(logs(ours, "eval_loss")) == 2
+    assert ours._longest() < ours.args.max_length == 1024  # (SFTConfig's default: placed for the data's longest)
     for key in ("loss", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss", "eval_entropy",
                 "eval_mean_token_accuracy", "eval_num_tokens"):
         assert logs(ours, key) == pytest.approx(logs(plain, key), rel=1e-5), key
