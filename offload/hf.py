@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any, Iterator
@@ -64,6 +65,8 @@ import torch
 
 from .core.errors import InfeasibleBudget, TierwiseError
 from .core.options import GROUPS, Activations, Optim, Precision, flat_options
+
+log = logging.getLogger(__name__)
 
 ENGINE_STATE = "tierwise_engine.pt"
 """The engine's state (masters, optimizer state, step) inside a Trainer checkpoint directory."""
@@ -154,6 +157,11 @@ def with_offload(trainer_class: type) -> type:
     return _CACHE[trainer_class]
 
 
+def _sft(trainer: Any) -> bool:
+    """`trainer` is TRL's SFTTrainer (or a subclass of it)."""
+    return any(c.__module__.startswith("trl.") and c.__name__ == "SFTTrainer" for c in type(trainer).__mro__)
+
+
 def _check_own_loss(cls: type) -> None:
     """Refuse a Trainer class with a compute_loss or training_step of its own: the engine
     computes the model's own loss in its own step and never calls them (a subclass's custom
@@ -220,6 +228,8 @@ class _Offload:
                                 "by the steps, the model's own loss (the engine's) adds it whole in every "
                                 "micro-batch; train with gradient_accumulation_steps=1 or "
                                 "SFTConfig(router_aux_loss_coef=0.0)")
+        if getattr(args, "torch_compile", False):  # (the same numbers: a warning, not a refusal)
+            log.warning("torch_compile=True is not applied: the engine runs the model eagerly, through its hooks")
         if args.load_best_model_at_end and args.save_only_model:  # (found out only when training ends)
             raise TierwiseError("load_best_model_at_end with save_only_model=True: the best step's weights come "
                                 f"back from the engine's state ({ENGINE_STATE}), which save_only_model does not save; "
@@ -257,7 +267,8 @@ class _Offload:
             optim = Optim(_OPTIMS[name])
         opts["optim"] = Optim(optim.name, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                               eps=args.adam_epsilon, weight_decay=0.0, momentum=optim.momentum, kwargs=optim.kwargs,
-                              grad_clip=args.max_grad_norm or None, overlap_update=False)
+                              # (max_grad_norm 0: no clipping, but the Trainer still logs the norm)
+                              grad_clip=args.max_grad_norm or float("inf"), overlap_update=False)
         if "precision" not in opts and args.bf16:
             opts["precision"] = Precision("bf16")
         unknown = set(opts) - set(GROUPS) - {"lora", "device"}
@@ -441,6 +452,10 @@ class _Offload:
             return None, None, None
         with self._token_stats("eval", inputs):
             loss = self.engine.eval_loss(inputs)
+        from .engine.batches import target_tokens
+
+        if loss != loss and _sft(self) and target_tokens(inputs) == 0:
+            loss = 0.0  # TRL's SFTTrainer: a batch without target tokens evaluates to 0 (its count clamped to 1)
         return torch.tensor(loss), None, None
 
     @contextlib.contextmanager
@@ -490,9 +505,10 @@ class _Offload:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if not os.path.isfile(os.path.join(resume_from_checkpoint, ENGINE_STATE)):
-            raise TierwiseError(f"{resume_from_checkpoint} holds no {ENGINE_STATE}: not a checkpoint OffloadTrainer wrote "
-                                "(a plain Trainer's holds its own optimizer's state); resume from one an offloaded run "
-                                "saved, or start from its weights: load the checkpoint directory as the model")
+            raise TierwiseError(f"{resume_from_checkpoint} holds no {ENGINE_STATE}, the engine's state: saved with "
+                                "save_only_model=True, or by a plain Trainer; resume from a checkpoint an offloaded run "
+                                "saved without save_only_model, or start from its weights: load the checkpoint "
+                                "directory as the model")
         # the weights come back with the engine's state (_load_optimizer_and_scheduler)
 
     def _load_best_model(self) -> None:

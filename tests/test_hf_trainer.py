@@ -82,6 +82,18 @@ def test_offload_trainer_trains_as_plain_trainer(tmp_path):
         ours.predict(Rows(n=2))
 
 
+def test_without_clipping_the_grad_norm_is_still_logged(tmp_path):
+    """max_grad_norm=0: nothing clipped, and the Trainer still logs the gradient norm."""
+    plain = Trainer(model=tiny(), args=args(tmp_path / "plain", max_grad_norm=0.0, max_steps=3), train_dataset=Rows())
+    plain.train()
+    ours = OffloadTrainer(model=tiny(), args=args(tmp_path / "ours", max_grad_norm=0.0, max_steps=3),
+                          train_dataset=Rows(), offload=OFFLOAD)
+    ours.train()
+    assert len(logs(plain, "grad_norm")) == 3
+    assert logs(ours, "grad_norm") == pytest.approx(logs(plain, "grad_norm"), rel=1e-4)
+    assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
+
+
 def test_a_peft_model_trains_its_adapter_as_peft_does(tmp_path):
     peft = pytest.importorskip("peft")
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -282,6 +294,10 @@ def test_with_offload_sft_trainer_and_peft_config_trains_as_sft_trainer(tmp_path
                 "eval_mean_token_accuracy", "eval_num_tokens"):
         assert logs(ours, key) == pytest.approx(logs(plain, key), rel=1e-5), key
     assert any(logs(plain, "mean_token_accuracy"))  # (the model learns a few tokens: not all zero)
+    ids = torch.randint(5, len(tok), (2, 12))  # an eval batch without target tokens: TRL's loss says 0
+    masked = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.full_like(ids, -100)}
+    got = [float(t.prediction_step(t.model, dict(masked), prediction_loss_only=True)[0]) for t in (plain, ours)]
+    assert got == [0.0, 0.0]
 
 
 def test_from_pretrained_loads_a_model_bigger_than_the_device_and_trains_as_one_that_fits(tmp_path):

@@ -394,7 +394,8 @@ class ChunkStore:
 
     def clip_grads_(self, max_norm: float, *, sum_norms: "Callable[[torch.Tensor], torch.Tensor] | None" = None,
                     unseen: "Callable[[int], list[str]] | None" = None) -> torch.Tensor:
-        """Global-norm clipping, computed as torch.nn.utils.clip_grad_norm_ does.
+        """Global-norm clipping, computed as torch.nn.utils.clip_grad_norm_ does (`max_norm`
+        inf: the norm, nothing clipped).
 
         The norm is taken per parameter with the same kernel and in the same order as the
         reference (chunk by chunk, so gradients on NVMe are read one chunk at a time), then the
@@ -427,6 +428,8 @@ class ChunkStore:
         if sum_norms is not None:
             stacked = sum_norms(stacked)
         total = torch.linalg.vector_norm(stacked, 2.0)
+        if max_norm == float("inf"):  # the norm only (nothing scaled: an inf or nan norm stays the gradients')
+            return total
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for cid, ch in enumerate(self.chunks):
             if ch.grad is not None and not isinstance(ch.grad, SwapKind) and cid not in self.remote:
