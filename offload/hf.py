@@ -68,8 +68,11 @@ from .core.options import GROUPS, Activations, Optim, Precision, flat_options
 
 log = logging.getLogger(__name__)
 
-ENGINE_STATE = "tierwise_engine.pt"
-"""The engine's state (masters, optimizer state, step) inside a Trainer checkpoint directory."""
+ENGINE_STATE = "tierwise_engine.safetensors"
+"""The engine's state (masters, optimizer state, step) inside a Trainer checkpoint directory,
+beside its layout (`tierwise_engine.json`): written and read one chunk at a time, as `finetune`
+checkpoints are (cli.checkpoint's save_tree), so the host holds no whole copy of it."""
+_ENGINE_TREE = ENGINE_STATE.removesuffix(".safetensors")
 
 _CACHE: dict[type, type] = {}
 _OPTIMS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw_8bit": "adamw8bit",
@@ -157,6 +160,19 @@ def with_offload(trainer_class: type) -> type:
     return _CACHE[trainer_class]
 
 
+def _no_sums() -> dict[str, Any]:
+    return {"entropy": 0.0, "mean_token_accuracy": 0.0, "aux_loss": 0.0, "n": 0, "n_aux": 0}
+
+
+def _ratio(total: Any, count: Any) -> Any:
+    """total / count, 0 where count is 0 (TRL's), without reading a device count back."""
+    if isinstance(count, torch.Tensor):  # (in float64, as TRL sums its Python floats)
+        return torch.where(count > 0, total / count.clamp(min=1), 0.0).double()
+    if isinstance(total, torch.Tensor):
+        return total.double() / count if count > 0 else 0.0
+    return total / count if count > 0 else 0.0
+
+
 def _sft(trainer: Any) -> bool:
     """`trainer` is TRL's SFTTrainer (or a subclass of it)."""
     return any(c.__module__.startswith("trl.") and c.__name__ == "SFTTrainer" for c in type(trainer).__mro__)
@@ -192,7 +208,8 @@ class _Offload:
     def __init__(self, *args: Any, offload: Any = None, **kwargs: Any):
         self._offload = offload
         self.engine = None
-        self._pending_stats: list[tuple[str, Any, Any]] = []
+        self._stat_sums = {"train": _no_sums(), "eval": _no_sums()}  # TRL's token metrics, until logged
+        self._pending_tokens: Any = 0
         model = kwargs.get("model")
         if kwargs.get("peft_config") is not None and _source(model) is not None:
             kwargs["model"] = get_peft_model(model, kwargs.pop("peft_config"))  # with values, not meta
@@ -337,7 +354,7 @@ class _Offload:
         given = getattr(trainer.args, "max_length", None)
         given = given if isinstance(given, int) and given >= 2 else None
         row = _longest_row(getattr(trainer, "train_dataset", None))
-        if row is None:
+        if row is None or row < 2:
             return given
         row = row if given is None else min(row, given)
         collator = getattr(trainer, "data_collator", None)
@@ -346,7 +363,7 @@ class _Offload:
             row = -(-row // multiple) * multiple
         if getattr(collator, "padding", None) == "max_length" and isinstance(getattr(collator, "max_length", None), int):
             row = max(row, collator.max_length)  # type: ignore[union-attr]
-        return row if row >= 2 else None
+        return row
 
     def _measure_longest(self) -> None:
         """Batches vary in length (a collator pads each to its longest row): where the longest
@@ -428,7 +445,7 @@ class _Offload:
 
     def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> Any:
         norm = self.engine.last_grad_norm if self.engine is not None else None
-        grad_norm = float(norm) if norm is not None else grad_norm
+        grad_norm = norm.detach() if norm is not None else grad_norm  # (read back only when logged)
         return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)  # type: ignore[misc]
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
@@ -469,23 +486,39 @@ class _Offload:
 
         with collecting() as stats:
             yield
-        mask, ids = inputs.get("attention_mask"), inputs.get("position_ids")
-        tokens = mask.sum() if isinstance(mask, torch.Tensor) else ids.size(1) if isinstance(ids, torch.Tensor) else 0
-        self._pending_stats.append((mode, stats, tokens))
+        if not stats.counted:  # (the model's own loss gave no logits to count from: nothing logged)
+            return
+        sums = self._stat_sums[mode]  # (sums on the device, one per metric: nothing grows with the steps)
+        sums["entropy"] = sums["entropy"] + _ratio(stats.entropy, stats.tokens)
+        sums["mean_token_accuracy"] = sums["mean_token_accuracy"] + _ratio(stats.top1, stats.tokens)
+        sums["n"] += 1
+        if stats.aux_loss is not None:
+            sums["aux_loss"] = sums["aux_loss"] + stats.aux_loss
+            sums["n_aux"] += 1
+        if mode == "train":
+            mask, ids = inputs.get("attention_mask"), inputs.get("position_ids")
+            self._pending_tokens = self._pending_tokens + (
+                mask.sum() if isinstance(mask, torch.Tensor) else ids.size(1) if isinstance(ids, torch.Tensor) else 0)
 
     def _resolve_token_stats(self) -> None:
-        """The pending token metrics into the TRL trainer's `_metrics`, as its compute_loss puts them."""
+        """The token metrics of the mode being logged into the TRL trainer's `_metrics`, as its
+        compute_loss and log have them: the mean over the micro-batches of each one's ratio."""
         trainer: Any = self
-        for mode, stats, tokens in self._pending_stats:
-            metrics, valid = trainer._metrics[mode], float(stats.tokens)
-            metrics["entropy"].append(float(stats.entropy) / valid if valid > 0 else 0.0)
-            metrics["mean_token_accuracy"].append(float(stats.top1) / valid if valid > 0 else 0.0)
-            if mode == "train":
-                trainer._total_train_tokens += int(tokens)
-            metrics["num_tokens"] = [trainer._total_train_tokens]
-            if getattr(trainer, "aux_loss_enabled", False) and stats.aux_loss is not None:
-                metrics["aux_loss"].append(float(stats.aux_loss))
-        self._pending_stats.clear()
+        if not isinstance(getattr(trainer, "_metrics", None), dict):
+            return
+        trainer._total_train_tokens += int(self._pending_tokens)
+        self._pending_tokens = 0
+        mode = "train" if trainer.model.training else "eval"  # (as TRL's log decides)
+        sums = self._stat_sums[mode]
+        if not sums["n"]:
+            return
+        metrics = trainer._metrics[mode]
+        metrics["entropy"].append(float(sums["entropy"]) / sums["n"])
+        metrics["mean_token_accuracy"].append(float(sums["mean_token_accuracy"]) / sums["n"])
+        metrics["num_tokens"] = [trainer._total_train_tokens]
+        if getattr(trainer, "aux_loss_enabled", False) and sums["n_aux"]:
+            metrics["aux_loss"].append(float(sums["aux_loss"]) / sums["n_aux"])
+        self._stat_sums[mode] = _no_sums()
 
     # -- what is saved ----------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
@@ -501,7 +534,16 @@ class _Offload:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
         if self.engine is not None:
-            torch.save(self.engine.state_dict(), os.path.join(output_dir, ENGINE_STATE))
+            from pathlib import Path
+
+            from ..cli.checkpoint import NonFiniteState, save_tree
+
+            try:
+                save_tree(Path(output_dir), _ENGINE_TREE, self.engine.state_dict(deferred=True))
+            except NonFiniteState as exc:
+                raise TierwiseError(f"the engine's state holds NaN or inf ({exc.where}): the checkpoint in "
+                                    f"{output_dir} is incomplete (training diverged: lower the learning rate, or "
+                                    "give max_grad_norm)") from None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if not os.path.isfile(os.path.join(resume_from_checkpoint, ENGINE_STATE)):
@@ -522,35 +564,54 @@ class _Offload:
         if not os.path.isfile(path):
             raise TierwiseError(f"load_best_model_at_end: {best} holds no {ENGINE_STATE}, the weights of the best step; "
                                 "load that checkpoint directory as the model yourself")
-        self.engine.load_state_dict(torch.load(path, weights_only=False))
+        self._load_engine_state(best)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         if checkpoint is not None and self.engine is not None:
-            state = torch.load(os.path.join(checkpoint, ENGINE_STATE), weights_only=False)
-            self.engine.load_state_dict(state)
+            self._load_engine_state(checkpoint)
+
+    def _load_engine_state(self, directory: str) -> None:
+        """The engine's state from a checkpoint directory, each chunk read into its home tier."""
+        from pathlib import Path
+
+        from ..cli.checkpoint import load_tree
+
+        self.engine.load_state_dict(load_tree(Path(directory), _ENGINE_TREE, lazy=True))
 
 
 def _longest_row(dataset: Any) -> int | None:
     """The longest `input_ids` of a dataset whose rows read cheaply (a datasets.Dataset: its
-    Arrow column's list lengths, every row of the table, also those a select() left out; a
-    list or tuple of mappings), or None (another dataset: reading each row may be costly)."""
+    Arrow column's list lengths, of the rows a filter() or shuffle() kept; a list or tuple of
+    mappings), or None (another dataset: reading each row may be costly; not a list of ids)."""
     if isinstance(dataset, (list, tuple)):
         if not dataset or not all(isinstance(r, Mapping) and "input_ids" in r for r in dataset):
             return None
-        return max(len(r["input_ids"]) for r in dataset)
+        ids = [r["input_ids"] for r in dataset]
+        if any(isinstance(i, torch.Tensor) and i.dim() != 1 for i in ids):
+            return None
+        return max(len(i) for i in ids)
     try:
         import datasets
+        import pyarrow as pa
         import pyarrow.compute as pc
     except ImportError:
         return None
     if not isinstance(dataset, datasets.Dataset) or "input_ids" not in (dataset.column_names or ()):
         return None
     column = dataset.data.column("input_ids")
-    if len(column) == 0 or not hasattr(column.type, "value_type"):  # (not a list column)
+    kind = column.type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
         return None
-    longest = pc.max(pc.list_value_length(column)).as_py()
-    return int(longest) if longest is not None else None
+    indices = getattr(dataset, "_indices", None)  # (the rows it keeps, where it keeps fewer than its table)
+    if indices is not None:
+        if getattr(indices, "num_columns", None) != 1:  # (datasets' Table wraps a pyarrow one)
+            return None
+        lengths = pc.list_value_length(column).take(indices.column(0))
+        longest = pc.max(lengths).as_py() if len(lengths) else None
+    else:  # chunk by chunk: no array of every row's length at once
+        longest = max((pc.max(pc.list_value_length(c)).as_py() or 0 for c in column.chunks), default=None)
+    return int(longest) if longest else None
 
 
 def _take_linear4bit(model: torch.nn.Module) -> list[tuple[str, Any, bool, torch.dtype]]:

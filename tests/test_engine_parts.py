@@ -558,6 +558,8 @@ def test_an_offloaded_inputs_host_buffer_outlives_its_copy_back():
     assert not late.h2d[0].has_landed
     off.end_backward()
     assert late.h2d[0].has_landed and off.parked == []
+    assert off.spare_bytes == 64  # (kept for the next step's inputs, booked until trimmed)
+    off.trim()
     assert ledger.usage()["host"].get("activation", 0) == 0
     ex.close()
 

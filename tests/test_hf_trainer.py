@@ -220,6 +220,10 @@ def test_a_longer_batch_later_is_placed_for_when_the_dataset_tells_its_longest_r
 
     table = datasets.Dataset.from_list(rows)
     assert _longest_row(table) == _longest_row(rows) == 28 and _longest_row(Opaque()) is None
+    longer = datasets.Dataset.from_list(rows + [{"input_ids": [5] * 500}])
+    assert _longest_row(longer) == 500
+    assert _longest_row(longer.filter(lambda r: len(r["input_ids"]) <= 64)) == 28  # (the rows it keeps)
+    assert _longest_row(datasets.Dataset.from_dict({"input_ids": [[[1, 2, 3]]]})) is None  # (not a list of ids)
 
     def run(cls, out, data, **kw):
         a = args(out, max_steps=4, train_sampling_strategy="sequential", gradient_accumulation_steps=1,

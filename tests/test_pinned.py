@@ -101,8 +101,9 @@ def test_engine_registers_its_ledgers_host_bytes(tmp_path, monkeypatch):
 def test_offloaded_activations_reuse_their_registered_buffers(monkeypatch):
     """Block inputs offloaded to host memory: their buffers are registered once, then reused
     step after step (registering takes milliseconds and serialises the device's streams),
-    booked as activations all along: what is registered is still the ledger's host bytes, and
-    a batch of another length frees the spares it cannot use."""
+    booked as activations all along: what is registered is still the ledger's host bytes. A
+    shorter batch takes the first bytes of a longer one's buffers; a longer one frees the
+    spares too small for it."""
     from tierwise.offload import Activations
 
     cuda = FakeCuda()
@@ -117,20 +118,33 @@ def test_offloaded_activations_reuse_their_registered_buffers(monkeypatch):
             super().__init__(**kw, pinner=HostPinner(register=register, unregister=cuda.unregister))
 
     monkeypatch.setattr(needs, "Tiers", PinnedTiers)
-    data = batches(4)
+    full = batches(6)
+    short = [{k: v[:, : v.shape[1] // 2] for k, v in b.items()} for b in full]
+    data = [short[0], short[1], short[2], full[3], full[4], short[5]]
     ref_losses, _ = train_reference(tiny_llama(), data)
-    eng = Engine(tiny_llama(), budget=Budget(gpu="500K", cpu="4M", chunk=16 << 10), optim=Optim(lr=1e-3),
+    eng = Engine(tiny_llama(), budget=Budget(gpu="600K", cpu="4M", chunk=16 << 10), optim=Optim(lr=1e-3),
                  activations=Activations(recompute=True, offload=True, host=64 << 10))
-    losses = [eng.step(data[0]), eng.step(data[1])]
-    first = len(calls)
-    losses += [eng.step(b) for b in data[2:]]
+    eng.measure(full[0])  # (placed for the longest batch)
+    seen = []  # per step: (registrations so far, spare bytes, the ledger's host activations)
+
+    def booked():
+        assert eng.ledger.used("host") <= sum(cuda.live.values()) <= eng.ledger.used("host") + len(cuda.live) * (PAGE - 1)
+        return len(calls), eng.tracker.offloader.spare_bytes, eng.ledger.usage()["host"]["activation"]
+
+    losses = []
+    for b in data:
+        losses.append(eng.step(b))
+        seen.append(booked())
     assert losses == ref_losses
-    assert len(calls) == first  # steady state: nothing registered
-    spares = eng.tracker.offloader.spare_bytes
-    assert spares > 0 and eng.ledger.usage()["host"]["activation"] == spares
-    assert eng.ledger.used("host") <= sum(cuda.live.values()) <= eng.ledger.used("host") + len(cuda.live) * (PAGE - 1)
-    shorter = {k: v[:, : v.shape[1] // 2] for k, v in data[0].items()}  # another length: other buffers
-    eng.step(shorter)
-    assert eng.ledger.usage()["host"]["activation"] == eng.tracker.offloader.spare_bytes != spares
+    assert all(spares > 0 and spares == act for _, spares, act in seen)
+    assert len({n for n, *_ in seen}) == 1  # nothing registered after the first step, short batch or long
+    off = eng.tracker.offloader
+    (key, spares), = off._spare.items()
+    longest = max(b.numel() for b in spares)
+    more = off.host_empty(key[0], longest + 1, key[1])  # longer than any: the spares are freed, a new one made
+    assert off.spare_bytes == 0 and eng.ledger.usage()["host"]["activation"] == more.numel() * more.element_size()
+    assert len(calls) == seen[-1][0] + 1
+    off.spare(key[0], more)
+    assert off.spare_bytes == eng.ledger.usage()["host"]["activation"]
     eng.close()
     assert not cuda.live

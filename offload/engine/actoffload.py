@@ -158,7 +158,8 @@ class Offloader:
         # host buffers given back while a copy to the device may still read them (on CUDA an
         # enqueued copy has not landed): (its ticket, the tier, the buffer), oldest first
         self.parked: list[tuple[Any, str, torch.Tensor]] = []
-        self._spare: dict[tuple[str, int, torch.dtype], list[torch.Tensor]] = {}  # freed buffers kept, by size
+        self._spare: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}  # freed buffers kept
+        self._lent: dict[int, torch.Tensor] = {}  # a buffer in use, by its address: what goes back
 
     def park(self, ticket: Any, mem: str, host: torch.Tensor) -> None:
         self.parked.append((ticket, mem, host))
@@ -181,30 +182,39 @@ class Offloader:
             self.spare(mem, host)
 
     def host_empty(self, mem: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A buffer for an input in `mem` (host or CXL): a spare one of its size, or a new one;
-        the spares of other sizes are freed first (a batch of another length does not use them,
-        and the spares stay within one step's inputs)."""
-        spares = self._spare.get((mem, numel, dtype))
-        if spares:
-            return spares.pop()
-        self.trim(keep=(mem, numel, dtype))
-        return self.tiers.empty(mem, "activation", numel, dtype)
+        """A buffer of `numel` for an input in `mem` (host or CXL): the first elements of the
+        smallest spare big enough, or a new one (the spares too small freed first: the pool
+        keeps the longest inputs' buffers, within what the plan holds for them)."""
+        spares = self._spare.setdefault((mem, dtype), [])
+        fits = [b for b in spares if b.numel() >= numel]
+        if fits:
+            base = min(fits, key=torch.Tensor.numel)
+            spares.remove(base)
+        else:
+            for small in spares:
+                self.tiers.free(mem, "activation", small)
+            spares.clear()
+            base = self.tiers.empty(mem, "activation", numel, dtype)
+        self._lent[base.data_ptr()] = base
+        return base[:numel]
 
     def spare(self, mem: str, host: torch.Tensor) -> None:
         """Keep a freed buffer for the next step's inputs, its bytes still booked as activations
         (the plan holds the offloaded inputs' bytes for them throughout): registering host
         memory with CUDA takes milliseconds a buffer and serialises the device's streams."""
-        self._spare.setdefault((mem, host.numel(), host.dtype), []).append(host)
+        base = self._lent.pop(host.data_ptr())
+        self._spare.setdefault((mem, base.dtype), []).append(base)
 
     @property
     def spare_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for spares in self._spare.values() for t in spares)
+        return sum(b.numel() * b.element_size() for spares in self._spare.values() for b in spares)
 
-    def trim(self, *, keep: Any = None) -> None:
-        """Free the spare buffers (but those of size `keep`)."""
-        for key in [k for k in self._spare if k != keep]:
-            for host in self._spare.pop(key):
-                self.tiers.free(key[0], "activation", host)
+    def trim(self) -> None:
+        """Free the spare buffers."""
+        for (mem, _), spares in self._spare.items():
+            for base in spares:
+                self.tiers.free(mem, "activation", base)
+        self._spare.clear()
 
     def take_key(self) -> str:
         if self._keys:

@@ -39,11 +39,14 @@ def _own_stats(stats: headloss.TokenStats, out: Any, batch: dict[str, Any]) -> N
         stats.aux_loss = aux.detach()
     logits, labels, shifted = getattr(out, "logits", None), batch.get("labels"), batch.get("shift_labels")
     if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and isinstance(labels, torch.Tensor)):
+        stats.counted = False
         return
     if not isinstance(shifted, torch.Tensor) and labels.shape == logits.shape[:2]:
         shifted = F.pad(labels[:, 1:], (0, 1), value=headloss.IGNORE)  # (the logits stay a view)
     if isinstance(shifted, torch.Tensor) and shifted.shape == logits.shape[:2]:
         stats.add_logits(logits, shifted)
+    else:  # (prompt tuning's virtual tokens, ...: which logit is whose label, unknown)
+        stats.counted = False
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

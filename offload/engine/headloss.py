@@ -261,6 +261,7 @@ class TokenStats:
         self.top1: Any = 0
         self.tokens: Any = 0
         self.aux_loss: torch.Tensor | None = None
+        self.counted = True  # False: a loss whose logits could not be lined up with the labels
 
     def add_top1(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         self.top1 = self.top1 + logits.argmax(1).eq(labels).sum()
