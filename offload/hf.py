@@ -22,7 +22,8 @@ does forward, backward and the update. What maps where:
   and their eval_ forms), counted by the engine's loss in its tiles.
 - Evaluation: the loss through `engine.eval_loss` (no logits: `compute_metrics` and `predict()` are refused).
 - `save_model` / checkpoints: what Trainer writes, from the engine's fp32 masters in the
-  model's dtypes (a PEFT model: its adapter); a checkpoint also holds the engine's state
+  model's dtypes, streamed one tensor at a time as `finetune export` writes them (a PEFT model:
+  its adapter, through PEFT's save_pretrained); a checkpoint also holds the engine's state
   (`ENGINE_STATE`), and `resume_from_checkpoint` restores it, as `load_best_model_at_end` does
   the best checkpoint's.
 - A PEFT model (`peft_config=` to SFTTrainer, or `get_peft_model`) is taken as it is: its
@@ -209,6 +210,7 @@ class _Offload:
         self._offload = offload
         self.engine = None
         self._stat_sums = {"train": _no_sums(), "eval": _no_sums()}  # TRL's token metrics, until logged
+        self._save_layout: Any = None  # what save_pretrained writes of the model (_layout)
         self._pending_tokens: Any = 0
         model = kwargs.get("model")
         if kwargs.get("peft_config") is not None and _source(model) is not None:
@@ -305,6 +307,7 @@ class _Offload:
                 self._dtypes = {n: saved if d.is_floating_point and ".lora_" not in n else d
                                 for n, d in self._dtypes.items()}
             options = self._engine_options()
+            self._save_layout = _layout(model)  # (before the engine takes the parameters)
             if _source(model) is not None and any(".modules_to_save." in n for n, _ in model.named_parameters()):
                 raise TierwiseError("modules_to_save over a from_pretrained model is not supported yet: load the "
                                     "model with transformers, or train without modules_to_save")
@@ -410,9 +413,12 @@ class _Offload:
         own = getattr(own, "_tierwise_own", own) or type(model).save_pretrained.__get__(model)
         # the engine (which the model's hooks keep alive anyway) and what saving needs, not the
         # trainer: a script may drop the trainer and save the model
-        engine, dtypes, saved = self.engine, self._dtypes, _saved_dtype(model)
+        engine, dtypes, saved, layout = self.engine, self._dtypes, _saved_dtype(model), self._save_layout
 
         def save_pretrained(save_directory: Any, *args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
+            if state_dict is None and not engine.closed and not args and not kwargs \
+                    and _stream_save(engine, model, dtypes, save_directory, layout):
+                return None
             if state_dict is None and not engine.closed:  # (closed: the weights were given back)
                 state_dict = _engine_weights(engine, dtypes)
             out = own(save_directory, *args, state_dict=state_dict, **kwargs)
@@ -522,11 +528,20 @@ class _Offload:
 
     # -- what is saved ----------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+        trainer: Any = self
+        out = output_dir if output_dir is not None else trainer.args.output_dir
+        if self.engine is not None and state_dict is None and trainer.args.should_save \
+                and _stream_save(self.engine, trainer.model, self._dtypes, out, self._save_layout):
+            # the rest of what Trainer._save writes beside the weights
+            tokenizer = trainer.processing_class or getattr(trainer.data_collator, "tokenizer", None)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out)
+            torch.save(trainer.args, os.path.join(out, "training_args.bin"))
+            return
         if self.engine is not None and state_dict is None:
             state_dict = self._weights()
         super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
-        _write_dtype(output_dir if output_dir is not None else self.args.output_dir,  # type: ignore[attr-defined]
-                     _saved_dtype(getattr(self, "model", None)))
+        _write_dtype(out, _saved_dtype(getattr(self, "model", None)))
 
     def _weights(self) -> dict[str, torch.Tensor]:
         return _engine_weights(self.engine, self._dtypes)
@@ -662,6 +677,39 @@ def _write_dtype(directory: Any, saved: "torch.dtype | None") -> None:
     with open(path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def _layout(model: Any) -> Any:
+    """What save_pretrained writes of `model` (cli.layout.ModelLayout: names, ties, buffers),
+    taken while its parameters are its own (the engine's placeholders share one storage, which
+    would read as ties), or None where the weights are not streamed out (`_stream_save`)."""
+    from transformers import PreTrainedModel
+
+    if hasattr(model, "peft_config") or not isinstance(model, PreTrainedModel):
+        return None
+    source = _source(model)
+    if source is not None:
+        return source[1]
+    from ..cli.layout import ModelLayout
+
+    return ModelLayout.of(model)
+
+
+def _stream_save(engine: Any, model: Any, dtypes: dict[str, torch.dtype], directory: Any, layout: Any) -> bool:
+    """A whole model's weights written as its save_pretrained writes them (config, safetensors
+    shards and their index, generation config), streamed from the engine one tensor at a time
+    (cli.export): the host never holds the whole model. False, nothing written, where it does
+    not apply: a PEFT model (its adapters: small), not a transformers PreTrainedModel (no
+    `layout`), float weights of several dtypes."""
+    floats = {d for d in dtypes.values() if d.is_floating_point}
+    if layout is None or len(floats) != 1:
+        return False
+    from ..cli.export import export_hf
+
+    generation = model.generation_config if model.can_generate() and model.generation_config is not None else None
+    export_hf(engine.named_parameters_fp32(), directory, config=model.config, model=model, layout=layout,
+              dtype=floats.pop(), generation_config=generation)
+    return True
 
 
 def _engine_weights(engine: Any, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:

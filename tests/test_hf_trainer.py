@@ -94,6 +94,39 @@ def test_without_clipping_the_grad_norm_is_still_logged(tmp_path):
     assert logs(ours) == pytest.approx(logs(plain), rel=1e-5)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_whole_models_weights_are_saved_one_tensor_at_a_time(tmp_path, monkeypatch, tied):
+    """save_model and the model's own save_pretrained write a whole model's weights streamed
+    from the engine (cli.export: never the whole model in host memory), tied embeddings once,
+    loading back to plain Trainer's."""
+    from tierwise.offload import hf
+
+    def model():
+        m = tiny()
+        if tied:
+            m.config.tie_word_embeddings = True
+            m.tie_weights()
+        return m
+
+    plain = Trainer(model=model(), args=args(tmp_path / "plain", max_steps=2), train_dataset=Rows())
+    plain.train()
+    ours = OffloadTrainer(model=model(), args=args(tmp_path / "ours", max_steps=2), train_dataset=Rows(),
+                          offload=OFFLOAD)
+    ours.train()
+    monkeypatch.setattr(hf, "_engine_weights", lambda *a: pytest.fail("the whole model gathered in memory"))
+    ours.save_model(str(tmp_path / "ours-model"))
+    ours.model.save_pretrained(tmp_path / "ours-own")
+    plain.save_model(str(tmp_path / "plain-model"))
+    b = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "plain-model").state_dict()
+    for saved in ("ours-model", "ours-own"):
+        a = transformers.LlamaForCausalLM.from_pretrained(tmp_path / saved).state_dict()
+        assert a.keys() == b.keys()
+        for name in b:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert (tmp_path / "ours-model" / "training_args.bin").is_file()
+    assert sorted(p.name for p in (tmp_path / "ours-model").glob("*.safetensors")) == ["model.safetensors"]
+
+
 def test_a_peft_model_trains_its_adapter_as_peft_does(tmp_path):
     peft = pytest.importorskip("peft")
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
