@@ -107,7 +107,7 @@ def adamw8bit_step_reference_(
         p.mul_(1.0 - lr * weight_decay)
     p.addcdiv_(m, denom, value=-lr / bc1)
     quantize_blockwise(m, signed=True, out=state["state1"], absmax_out=state["absmax1"])
-    quantize_blockwise(v, signed=False, out=state["state2"], absmax_out=state["absmax2"])
+    quantize_blockwise(v, signed=False, out=state["state2"], absmax_out=state["absmax2"], nonzero=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -151,13 +151,17 @@ def _c_step(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *,
 
 def _cuda_step(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float,
                beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
-    # bitsandbytes' fused CUDA kernel; its maps are the same as ours (asserted in tests)
+    # bitsandbytes' fused CUDA kernel; its maps are the same as ours (asserted in tests). Its
+    # nearest code makes a small positive v 0: coded 1 after it instead (quantize_blockwise's
+    # `nonzero`), where v is positive: it was before, or the gradient is not 0
     import bitsandbytes.functional as bnbf
 
+    was = state["state2"] != 0
     bnbf.optimizer_update_8bit_blockwise(
         "adam", g, p, state["state1"], state["state2"], beta1, beta2, 0.0, 0.0, eps, step, lr,
         dynamic_map(signed=True, device=p.device), dynamic_map(signed=False, device=p.device),
         state["absmax1"], state["absmax2"], weight_decay, gnorm_scale=1.0, skip_zeros=False)
+    state["state2"].masked_fill_((state["state2"] == 0) & (was | (g != 0)), 1)
 
 
 def state_bytes_8bit(shape: tuple[int, ...], rank: Optional[int] = None) -> float:

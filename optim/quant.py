@@ -100,15 +100,22 @@ def quantize_blockwise(
     block: int = BLOCK,
     out: torch.Tensor | None = None,  # (...) uint8, same numel as x
     absmax_out: torch.Tensor | None = None,  # (blocks,) fp32
+    nonzero: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nearest-code quantization of x; returns (codes uint8 shaped like x, absmax (blocks,))."""
+    """Nearest-code quantization of x; returns (codes uint8 shaped like x, absmax (blocks,)).
+    `nonzero` (an unsigned map: Adam's second moment): a positive x codes at least 1, the
+    smallest positive entry, never 0 (divided into its first moment, a v read back as 0 makes
+    a step of m / eps: the zero-point problem of low-bit optimizer states)."""
     n = x.numel()
-    xb = _blocked(x.float(), block)
+    xf = x.float()
+    xb = _blocked(xf, block)
     absmax = xb.abs().amax(dim=1)
     inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
     scaled = (xb * inv[:, None]).clamp_(-1.0, 1.0).reshape(-1)[:n]
     # bucketize(right=False) counts midpoints strictly below x: a tie goes to the lower code
     idx = torch.bucketize(scaled, midpoints(signed=signed, device=x.device)[:-1])
+    if nonzero:
+        idx = torch.where((idx == 0) & (xf.reshape(-1)[:n] > 0), 1, idx)
     codes = idx.to(torch.uint8).view(x.shape)
     if out is not None:
         out.copy_(codes.view(out.shape))

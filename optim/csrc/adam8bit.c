@@ -14,7 +14,11 @@
      p = p * decay + (step_size * m) / fma(sqrt(v), 1 / bc2_sqrt, eps)
    then each block is requantized to the nearest map entry of x / new_absmax by arithmetic
    (see optim/quant.py DecadeTable; packed tables qt: A[16] B[16] K[16] L[32] D[32] as floats). Built with -ffp-contract=off: the
-   scalar and AVX2 paths round every operation identically, so results do not depend on the ISA. */
+   scalar and AVX2 paths round every operation identically, so results do not depend on the ISA.
+   NONZERO_V: a positive v below half the map's smallest positive entry (times absmax) codes 1,
+   not 0 (the zero-point problem of low-bit second moments: the next step would divide m by
+   eps alone, a step of hundreds of lr where g is then 0); quant.py's quantize_blockwise
+   (nonzero=True) and the CUDA path (optim/adamw8bit.py) do the same. */
 
 /* The quantizer of the scalar and AVX2 paths: DecadeTable's arithmetic with its lookups
    regrouped so that AVX2 needs one byte shuffle and four 8-lane permutes per 8 values (no
@@ -116,7 +120,8 @@ static void block_scalar(const ctx_t *c, float *p, const float *g, uint8_t *q1, 
         /* the mirror follows m's sign: m * inv's, but for inf * 0 (a negative NaN) */
         const int k1 = quantize_one(m[j] * inv1, c->t1, 0);
         q1[j] = (uint8_t)(signbit(m[j]) ? mirror(k1) : k1);
-        q2[j] = (uint8_t)quantize_one(v[j] * inv2, c->t2, 0);
+        const int k2 = quantize_one(v[j] * inv2, c->t2, 0);
+        q2[j] = (uint8_t)(k2 == 0 && v[j] > 0.0f ? 1 : k2);  /* NONZERO_V: see the file's head */
     }
     *absmax1 = n1;
     *absmax2 = n2;
@@ -196,8 +201,10 @@ TW_AVX2 static inline void store32(uint8_t *dst, const __m256i *c, const __m256 
     _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(bytes, order));
 }
 
-/* codes of x[0..n) * scale for n a multiple of 32 (a signed map mirrors by the sign of x) */
-TW_AVX2 static void quantize_run8(const float *x, float scale, uint8_t *q, const qtab_t *t, int is_signed, int64_t n) {
+/* codes of x[0..n) * scale for n a multiple of 32 (a signed map mirrors by the sign of x;
+   nonzero: NONZERO_V) */
+TW_AVX2 static void quantize_run8(const float *x, float scale, uint8_t *q, const qtab_t *t, int is_signed,
+                                  int nonzero, int64_t n) {
     qreg_t r;
     load_qreg(&r, t);
     const __m256 s = _mm256_set1_ps(scale);
@@ -207,6 +214,9 @@ TW_AVX2 static void quantize_run8(const float *x, float scale, uint8_t *q, const
         for (int u = 0; u < 4; ++u) {
             v[u] = _mm256_loadu_ps(x + i + 8 * u);
             k[u] = quantize8(_mm256_mul_ps(v[u], s), &r);
+            if (nonzero)  /* a positive v codes at least 1 (all-ones >> 31 = 1) */
+                k[u] = _mm256_max_epi32(k[u], _mm256_srli_epi32(
+                    _mm256_castps_si256(_mm256_cmp_ps(v[u], _mm256_setzero_ps(), _CMP_GT_OQ)), 31));
         }
         store32(q + i, k, v, is_signed);
     }
@@ -256,8 +266,8 @@ TW_AVX2 static void range_avx2(const ctx_t *c, float *p, const float *g, uint8_t
             mx2 = _mm256_max_ps(vj, mx2);
         }
         const float n1 = hmax8(mx1), n2 = hmax8(mx2);
-        quantize_run8(m, inverse(n1), c1, c->t1, 1, 256);  /* one map at a time: fewer live registers */
-        quantize_run8(v, inverse(n2), c2, c->t2, 0, 256);
+        quantize_run8(m, inverse(n1), c1, c->t1, 1, 0, 256);  /* one map at a time: fewer live registers */
+        quantize_run8(v, inverse(n2), c2, c->t2, 0, 1, 256);
         absmax1[b] = n1;
         absmax2[b] = n2;
     }
@@ -448,7 +458,11 @@ TW_AVX512 static void range_avx512(const ctx_t *c, float *p, const float *g, uin
                    checked on all such floats) */
                 if (requant) {
                     k1[u] = quantize16(_mm512_mul_ps(_mm512_load_ps(m[prev] + j + 16 * u), inv1), &qt1);
-                    k2[u] = quantize16(_mm512_mul_ps(_mm512_load_ps(v[prev] + j + 16 * u), inv2), &qt2);
+                    const __m512 vv = _mm512_load_ps(v[prev] + j + 16 * u);
+                    /* NONZERO_V: min(bits(v), 1) is 1 for a positive v, 0 for +0 (no compare:
+                       the quantizer's permutes already load port 5) */
+                    k2[u] = _mm512_max_epi32(quantize16(_mm512_mul_ps(vv, inv2), &qt2),
+                                             _mm512_min_epu32(_mm512_castps_si512(vv), _mm512_set1_epi32(1)));
                 }
             }
             if (requant) {
@@ -488,7 +502,7 @@ TW_AVX512 static int64_t quantize_avx512(const float *x, uint8_t *q, const float
 
 TW_AVX2 static int64_t quantize_avx2(const float *x, uint8_t *q, const qtab_t *t, int is_signed, int64_t n) {
     const int64_t whole = n / 32 * 32;
-    quantize_run8(x, 1.0f, q, t, is_signed, whole);
+    quantize_run8(x, 1.0f, q, t, is_signed, 0, whole);
     return whole;
 }
 #endif
