@@ -1,7 +1,7 @@
 """APOLLO (Zhu et al. 2024): low-rank Adam state only to estimate a gradient scaling.
 
-A Gaussian random projection (regenerated from a seed every `update_proj_gap` steps, so it is
-never stored) maps the gradient to rank r; Adam moments there give R~ = m / (sqrt(v) + eps).
+A Gaussian random projection (regenerated from a seed every `update_proj_gap` steps: kept in
+the state as a cache, saved with it, never updated) maps the gradient to rank r; Adam moments there give R~ = m / (sqrt(v) + eps).
 The raw gradient is scaled channel-wise by ||R~_c|| / ||R_c|| (APOLLO) or tensor-wise
 (APOLLO-Mini, rank 1), times sqrt(scale), passed through the Fira norm-growth limiter, and
 applied with Adam's bias-corrected step size. Groups without `rank` are plain AdamW.
@@ -97,7 +97,8 @@ def apollo_state_bytes(shape: tuple[int, ...], rank: Optional[int], *, mini: boo
         return 8.0 * math.prod(shape)
     rows, cols = shape[0], math.prod(shape[1:])
     r = 1 if mini else min(rank, rows, cols)
-    return 8.0 * math.prod(low_rank_shape((rows, cols), r)) + 4.0
+    # moments, the scaled-gradient norm, the projector (offload.update.table counts the same)
+    return 8.0 * math.prod(low_rank_shape((rows, cols), r)) + 4.0 + 4.0 * r * (cols if rows >= cols else rows)
 
 
 class ApolloAdamW(LowRankOptimizer):

@@ -101,7 +101,8 @@ class TierwiseOptimizer(torch.optim.Optimizer):
 class LowRankOptimizer(TierwiseOptimizer):
     """GaLore / APOLLO plumbing: groups with a `rank` project their >= 2-D params through
     `_projected_step`; every other param gets plain AdamW (the papers' choice for embeddings,
-    norms and biases). Non-fp32 params are updated through an fp32 copy. Built with no group
+    norms and biases), as their reference code has it (optim.galore.plain_step_). Non-fp32
+    params are updated through an fp32 copy. Built with no group
     holding a rank it is refused: it would be plain AdamW with AdamW's state, saying nothing."""
 
     #: the rank `finetune --optimizer NAME` uses, named in the refusal's hint
@@ -131,7 +132,8 @@ class LowRankOptimizer(TierwiseOptimizer):
         raise NotImplementedError
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
-        from .adamw import adamw_step_, init_adamw_state
+        from .adamw import init_adamw_state
+        from .galore import plain_step_
 
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -143,7 +145,7 @@ class LowRankOptimizer(TierwiseOptimizer):
             if not state:
                 state.update(init_adamw_state(p), step=0)
             state["step"] += 1
-            adamw_step_(master, p.grad, state, step=state["step"], **hyper)
+            plain_step_(master, p.grad, state, step=state["step"], **hyper)
         if master is not p.data:
             p.data.copy_(master)
 

@@ -56,23 +56,44 @@ def test_galore_refreshes_projector_every_gap_steps():
     assert changed == [False, False, True, False, False, True]  # new SVD at steps 4 and 7
 
 
+def reference_plain_adamw(p, grads, *, lr, betas, eps, weight_decay):
+    """GaLore's and APOLLO's reference AdamW for a parameter they do not project (galore_torch's
+    AdamW, transformers' former AdamW), written out: m / (sqrt(v) + eps) at lr * sqrt(bc2) / bc1,
+    then p -= lr * wd * p."""
+    p, m, v = p.clone(), torch.zeros_like(p), torch.zeros_like(p)
+    for step, g in enumerate(grads, start=1):
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        size = lr * math.sqrt(1 - betas[1] ** step) / (1 - betas[0] ** step)
+        p = p - size * m / (v.sqrt() + eps)
+        p = p - lr * weight_decay * p
+    return p
+
+
 @pytest.mark.parametrize("cls", [GaLoreAdamW, GaLoreAdamW8bit, ApolloAdamW, ApolloMini],
                          ids=["galore", "galore8bit", "apollo", "apollo-mini"])
-def test_groups_without_rank_are_torch_adamw(cls):
+def test_groups_without_rank_are_the_references_adamw(cls):
+    """A parameter not projected (a 1-D bias here) takes the reference code's AdamW, the
+    projected step's own form (eps before the bias correction, decay after), not torch's: at
+    GaLore's eps 1e-6 and small gradients the two part by most of a step."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(16, 8))
     b = torch.nn.Parameter(torch.randn(8))
-    ref = [torch.nn.Parameter(t.detach().clone()) for t in (w, b)]
-    opt = cls([{"params": [w], "rank": 2}, {"params": [b]}], lr=1e-2, weight_decay=0.1, eps=1e-8)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, eps=1e-8)
+    opt = cls([{"params": [w], "rank": 2}, {"params": [b]}], lr=1e-2, weight_decay=0.1, eps=1e-6)
+    b0, grads = b.detach().clone(), []
     for _ in range(3):
-        for t, r in zip((w, b), ref):
-            t.grad = torch.randn_like(t)
-            r.grad = t.grad.clone()
+        w.grad = torch.randn_like(w)
+        b.grad = torch.randn_like(b) * 1e-5  # (small: where eps's place shows)
+        grads.append(b.grad.clone())
         opt.step()
-        ref_opt.step()
-    assert torch.allclose(b, ref[1], atol=1e-6)  # 1-D / rank-less: exactly AdamW
-    assert not torch.allclose(w, ref[0], atol=1e-4)  # projected: not AdamW
+    want = reference_plain_adamw(b0, grads, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.1)
+    torch.testing.assert_close(b.detach(), want, rtol=1e-6, atol=1e-7)
+    torch_b = torch.nn.Parameter(b0.clone())
+    torch_opt = torch.optim.AdamW([torch_b], lr=1e-2, weight_decay=0.1, eps=1e-6)
+    for g in grads:
+        torch_b.grad = g.clone()
+        torch_opt.step()
+    assert not torch.allclose(torch_b, want, atol=1e-4)  # (the two forms differ: the test can fail)
     assert opt.state[w]["exp_avg" if "exp_avg" in opt.state[w] else "state1"].numel() <= 2 * 16
 
 
@@ -168,3 +189,17 @@ def test_drop_in_without_a_rank_is_refused_naming_drop_in_groups(cls, name):
     with pytest.raises(ValueError, match=rf"no rank: .*drop_in_groups\(model, rank={rank}\)"):
         cls(model.parameters(), lr=1e-3)
     cls(model.parameters(), lr=1e-3, rank=rank)  # a rank for all: accepted
+
+
+@pytest.mark.parametrize("cls", [GaLoreAdamW, GaLoreAdamW8bit, ApolloAdamW, ApolloMini],
+                         ids=["galore", "galore8bit", "apollo", "apollo-mini"])
+@pytest.mark.parametrize("shape", [(256, 512), (512, 256), (300, 40)])
+def test_cost_is_the_state_the_optimizer_allocates(cls, shape):
+    """cost().tensor_state_bytes: the bytes of every tensor in a projected weight's state after
+    a step (APOLLO's projector included: a cache it keeps)."""
+    w = torch.nn.Parameter(torch.randn(*shape))
+    opt = cls([{"params": [w], "rank": 16}], lr=1e-3)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    held = sum(t.numel() * t.element_size() for t in opt.state[w].values() if torch.is_tensor(t))
+    assert held == cls.cost().tensor_state_bytes(shape, 16)

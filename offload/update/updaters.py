@@ -18,11 +18,11 @@ import torch
 from ..core.chunks import ChunkPlan
 from .table import LOW_RANK, NAMES, OPTIMIZERS, projected_params
 from .update import AdamWChunks, Hyper, SGDChunks, SlotUpdater
-from ...optim.adamw import adamw_step_, init_adamw_state
+from ...optim.adamw import init_adamw_state
 from ...optim.adamw8bit import adamw8bit_step_, init_adamw8bit_state
 from ...optim.apollo import apollo_step_, init_apollo_state
 from ...optim.base import check_low_rank
-from ...optim.galore import as_matrix, galore_step_, init_galore_state, svd_projector
+from ...optim.galore import as_matrix, galore_step_, init_galore_state, plain_step_, svd_projector
 
 __all__ = ["LOW_RANK", "NAMES", "drop_in_groups", "make_updater", "projected_params"]
 
@@ -67,8 +67,8 @@ def _galore(plan: ChunkPlan, order: list[str], proj: set[str], *, eight_bit: boo
         if projected:
             galore_step_(p, g, state, step=step, rank=rank, update_proj_gap=update_proj_gap, scale=scale,
                          eight_bit=eight_bit, **_hyper(hp))
-        else:
-            adamw_step_(p, g, state, step=step, **_hyper(hp))
+        else:  # (not projected: the reference's AdamW, as the drop-in's)
+            plain_step_(p, g, state, step=step, **_hyper(hp))
 
     return SlotUpdater("galore8bit" if eight_bit else "galore", plan, order=order, projected=proj, init=init, run=run)
 
@@ -90,8 +90,8 @@ def _apollo(plan: ChunkPlan, order: list[str], proj: set[str], *, mini: bool, ra
         if projected:
             apollo_step_(p, g, state, step=step, rank=rank, update_proj_gap=update_proj_gap, scale=scale,
                          mini=mini, seed=seed * 7919 + index, **_hyper(hp))
-        else:
-            adamw_step_(p, g, state, step=step, **_hyper(hp))
+        else:  # (not projected: the reference's AdamW, as the drop-in's)
+            plain_step_(p, g, state, step=step, **_hyper(hp))
 
     return SlotUpdater("apollo-mini" if mini else "apollo", plan, order=order, projected=proj, init=init, run=run)
 
