@@ -1,7 +1,8 @@
 """Use a tierwise optimizer with the Hugging Face Trainer (no engine, no offload).
 
-Every tierwise optimizer is a drop-in torch.optim.Optimizer, so `Trainer(optimizers=(opt,
-sched))` takes it as is. This script builds a tiny Llama and a tiny dataset locally (nothing is
+Every tierwise optimizer that steps on gradients (AdamW8bit, GaLore, APOLLO) is a drop-in
+torch.optim.Optimizer, so `Trainer(optimizers=(opt, sched))` takes it as is (MeZO steps on a
+closure of two forward passes, which the Trainer does not give it). This script builds a tiny Llama and a tiny dataset locally (nothing is
 downloaded) and trains a few steps on the CPU in seconds:
 
     python examples/hf_trainer.py

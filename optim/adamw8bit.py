@@ -200,8 +200,9 @@ class AdamW8bit(TierwiseOptimizer):
     the param in expectation. `master_weights=False` without it: bitsandbytes' exactly (updates
     below the precision are lost). A group with `optim_bits=32` keeps fp32 moments, as
     bitsandbytes' override does: transformers' Trainer gives it to every nn.Embedding's weight,
-    and so does the engine (a row no token reached gets a zero gradient, which 8-bit moments can
-    turn into a step of thousands of lr)."""
+    and so does the engine. A positive second moment never codes 0 (docs/optimizers.md: a row
+    no token reached, a ReLU unit that died, made steps of thousands of lr with bitsandbytes'
+    rounding). A float64 param is refused (the step computes in fp32)."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *,

@@ -44,6 +44,9 @@ class TierwiseOptimizer(torch.optim.Optimizer):
     Subclasses put the math in a pure function and call it from `_update`.
     """
 
+    #: the step computes in fp32 (a float64 parameter would be rounded to it: refused)
+    fp32_math = True
+
     @classmethod
     def cost(cls) -> OptimizerCost:
         raise NotImplementedError
@@ -67,6 +70,11 @@ class TierwiseOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__} does not support complex parameters (one of shape "
                              f"{tuple(complex_[0].shape)}): keep it as a real (..., 2) parameter and "
                              f"view_as_complex it in forward")
+        double = [p for p in group["params"] if p.dtype == torch.float64] if self.fp32_math else []
+        if double:
+            self.param_groups.pop()
+            raise ValueError(f"{type(self).__name__} computes in fp32: a float64 parameter (one of shape "
+                             f"{tuple(double[0].shape)}) would be rounded to it; give it to torch.optim.AdamW")
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -85,7 +93,18 @@ class TierwiseOptimizer(torch.optim.Optimizer):
                 self._update(p, group, self.state[p], index)
         return loss
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "tierwise_optimizer": type(self).__name__}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # another optimizer's state (torch's AdamW, bitsandbytes', another of ours) would load
+        # as moments of another shape (a crash inside a step) or silently replace these groups
+        name, saved_name = type(self).__name__, state_dict.get("tierwise_optimizer")
+        missing = sorted({k for g in state_dict.get("param_groups", []) for k in set(self.defaults) - set(g)})
+        if (saved_name is not None and saved_name != name) or missing:
+            what = f"{saved_name}'s" if saved_name else f"another optimizer's (its param groups lack {', '.join(missing)})"
+            raise ValueError(f"{name}.load_state_dict: this is {what} state; load one {name}.state_dict() "
+                             f"wrote, or start {name} afresh")
         # torch casts floating state to the param dtype (uint8 codes would survive, but an fp32
         # absmax of a bf16 param would not): keep every saved tensor's dtype instead.
         saved = copy.deepcopy(state_dict["state"])

@@ -8,6 +8,7 @@ exactly); the engine keeps fp32 masters and perturbs compute copies, which is ex
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -53,14 +54,32 @@ def mezo_update_(
 class MeZO(TierwiseOptimizer):
     """ZO-SGD: `loss = opt.step(closure)`; closure runs a forward pass (no grad) and returns the loss."""
 
+    fp32_math = False  # (perturbs and updates in the parameter's own dtype)
+
     def __init__(self, params: Any, lr: float = 1e-6, eps: float = 1e-3, weight_decay: float = 0.0, *,
                  seed: int = 0) -> None:
-        if not eps > 0:
-            raise ValueError(f"eps must be > 0, got {eps}")
-        if not (lr >= 0 and weight_decay >= 0):  # (a NaN fails too), as torch.optim.SGD checks
-            raise ValueError(f"lr and weight_decay must be >= 0, got {lr}, {weight_decay}")
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
         self.state["mezo"] = {"seed": seed, "step": 0, "projected_grad": 0.0}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # every group (the constructor's too), as torch.optim.SGD checks them
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        first = self.param_groups[0]["eps"]
+        why = (f"eps must be > 0, got {eps}" if not eps > 0 else
+               f"lr and weight_decay must be >= 0, got {lr}, {decay}" if not (lr >= 0 and decay >= 0) else
+               f"MeZO perturbs every group by one eps: this group's is {eps}, the first's {first}" if eps != first
+               else None)
+        if why is not None:
+            self.param_groups.pop()  # a refused group leaves the optimizer as it was
+            raise ValueError(why)
+        low = [p for p in group["params"] if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
+        if low:
+            warnings.warn(f"MeZO perturbs {low[0].dtype} parameters in place: +eps z, -2 eps z, +eps z does "
+                          "not round back to them (about 1e-2 of a weight over 20 steps in bf16, even at lr 0); "
+                          "keep the trained parameters in fp32, or train with the engine (--optimizer mezo: "
+                          "fp32 masters)", stacklevel=3)
 
     @classmethod
     def cost(cls) -> OptimizerCost:

@@ -143,3 +143,56 @@ def test_a_bad_param_group_is_refused_when_given(group):
     assert len(opt.param_groups) == 1
     with pytest.raises(ValueError, match="invalid lr/betas/eps/weight_decay"):
         GaLoreAdamW([{"params": [model.weight], "rank": 4, **group}])
+
+
+def test_another_optimizers_state_is_refused_not_loaded():
+    """A state dict torch's AdamW, bitsandbytes' or another tierwise optimizer wrote is refused
+    in one line (it crashed inside the next step, or silently replaced a GaLore optimizer's
+    groups with AdamW's); its own loads."""
+    from tierwise.optim import AdamW8bit, GaLoreAdamW
+
+    w, b = torch.nn.Parameter(torch.randn(128, 64)), torch.nn.Parameter(torch.randn(64))
+
+    def stepped(opt):
+        w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
+        opt.step()
+        return opt.state_dict()
+
+    def galore():
+        return GaLoreAdamW([{"params": [w], "rank": 4}, {"params": [b]}])
+
+    theirs = stepped(torch.optim.AdamW([w, b]))
+    with pytest.raises(ValueError, match="another optimizer's .*lack master_weights"):
+        AdamW8bit([w, b]).load_state_dict(theirs)
+    with pytest.raises(ValueError, match="lack rank"):
+        galore().load_state_dict(theirs)
+    with pytest.raises(ValueError, match="this is AdamW8bit's state"):
+        galore().load_state_dict(stepped(AdamW8bit([w, b])))
+    mine = stepped(galore())
+    again = galore()
+    again.load_state_dict(mine)
+    assert again.param_groups[0]["rank"] == 4
+
+
+def test_float64_parameters_are_refused_where_the_step_computes_in_fp32():
+    from tierwise.optim import AdamW8bit, GaLoreAdamW, MeZO
+
+    double = torch.nn.Parameter(torch.randn(64, 128, dtype=torch.float64))
+    with pytest.raises(ValueError, match="computes in fp32: a float64 parameter"):
+        AdamW8bit([double])
+    with pytest.raises(ValueError, match="computes in fp32"):
+        GaLoreAdamW([{"params": [double], "rank": 4}])
+    MeZO([double])  # (its own dtype: taken)
+
+
+def test_mezo_checks_every_group_and_warns_on_low_precision_parameters():
+    from tierwise.optim import MeZO
+
+    opt = MeZO([torch.nn.Parameter(torch.randn(4))], lr=1e-3)
+    with pytest.raises(ValueError, match="lr and weight_decay must be >= 0"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4))], "lr": -1.0})
+    with pytest.raises(ValueError, match="one eps: this group's is 0.01, the first's 0.001"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4))], "eps": 1e-2})
+    assert len(opt.param_groups) == 1
+    with pytest.warns(UserWarning, match="does not round back"):
+        MeZO([torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))])
