@@ -218,6 +218,12 @@ class AdamW8bit(TierwiseOptimizer):
         if bits not in (8, 32):
             raise ValueError(f"optim_bits takes 8 or 32 (fp32 moments), got {bits!r}")
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["stochastic_rounding"] and not group["master_weights"] \
+                and any(p.dtype == torch.float16 for p in group["params"]):
+            self.param_groups.pop()  # (it would round fp16 to nearest, without a master: updates lost)
+            raise ValueError("stochastic_rounding rounds bf16 parameters; an fp16 one needs its fp32 master: "
+                             "give fp16 parameters a group with master_weights=True")
 
     @classmethod
     def cost(cls) -> OptimizerCost:

@@ -196,3 +196,15 @@ def test_mezo_checks_every_group_and_warns_on_low_precision_parameters():
     assert len(opt.param_groups) == 1
     with pytest.warns(UserWarning, match="does not round back"):
         MeZO([torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))])
+
+
+def test_stochastic_rounding_without_a_master_refuses_fp16_parameters():
+    """Stochastic rounding is bf16's: an fp16 parameter without its master would round to
+    nearest and lose every update below its precision, silently."""
+    from tierwise.optim import AdamW8bit
+
+    half = torch.nn.Parameter(torch.ones(8192, dtype=torch.float16))
+    with pytest.raises(ValueError, match="fp16 one needs its fp32 master"):
+        AdamW8bit([half], stochastic_rounding=True)
+    AdamW8bit([half], stochastic_rounding=True, master_weights=True)
+    AdamW8bit([torch.nn.Parameter(torch.ones(8192, dtype=torch.bfloat16))], stochastic_rounding=True)
