@@ -74,6 +74,11 @@ ENGINE_STATE = "tierwise_engine.safetensors"
 beside its layout (`tierwise_engine.json`): written and read one chunk at a time, as `finetune`
 checkpoints are (cli.checkpoint's save_tree), so the host holds no whole copy of it."""
 _ENGINE_TREE = ENGINE_STATE.removesuffix(".safetensors")
+_ENGINE_PICKLE = "tierwise_engine.pt"  # (what checkpoints held before: still read)
+
+
+def _has_engine_state(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, f)) for f in (ENGINE_STATE, _ENGINE_PICKLE))
 
 _CACHE: dict[type, type] = {}
 _OPTIMS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw_8bit": "adamw8bit",
@@ -561,7 +566,7 @@ class _Offload:
                                     "give max_grad_norm)") from None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        if not os.path.isfile(os.path.join(resume_from_checkpoint, ENGINE_STATE)):
+        if not _has_engine_state(resume_from_checkpoint):
             raise TierwiseError(f"{resume_from_checkpoint} holds no {ENGINE_STATE}, the engine's state: saved with "
                                 "save_only_model=True, or by a plain Trainer; resume from a checkpoint an offloaded run "
                                 "saved without save_only_model, or start from its weights: load the checkpoint "
@@ -575,8 +580,7 @@ class _Offload:
         best = trainer.state.best_model_checkpoint
         if self.engine is None:
             return super()._load_best_model()  # type: ignore[misc]
-        path = os.path.join(best, ENGINE_STATE)
-        if not os.path.isfile(path):
+        if not _has_engine_state(best):
             raise TierwiseError(f"load_best_model_at_end: {best} holds no {ENGINE_STATE}, the weights of the best step; "
                                 "load that checkpoint directory as the model yourself")
         self._load_engine_state(best)
@@ -592,7 +596,12 @@ class _Offload:
 
         from ..cli.checkpoint import load_tree
 
-        self.engine.load_state_dict(load_tree(Path(directory), _ENGINE_TREE, lazy=True))
+        if os.path.isfile(os.path.join(directory, ENGINE_STATE)):
+            state = load_tree(Path(directory), _ENGINE_TREE, lazy=True)
+        else:  # an older checkpoint's pickle: mapped, not read whole
+            state = torch.load(os.path.join(directory, _ENGINE_PICKLE), map_location="cpu", mmap=True,
+                               weights_only=False)
+        self.engine.load_state_dict(state)
 
 
 def _longest_row(dataset: Any) -> int | None:

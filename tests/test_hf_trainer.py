@@ -155,6 +155,20 @@ def test_a_checkpoint_resumes_to_the_same_losses(tmp_path):
     again = OffloadTrainer(model=tiny(seed=5), args=args(tmp_path / "cut"), train_dataset=Rows(), offload=OFFLOAD)
     again.train(resume_from_checkpoint=str(ckpt))
     assert logs(again)[-3:] == pytest.approx(logs(whole)[-3:], rel=1e-6)
+    # a checkpoint of an earlier version: the engine's state pickled whole (tierwise_engine.pt)
+    import shutil
+
+    from tierwise.cli.checkpoint import load_tree
+
+    old = tmp_path / "old" / "checkpoint-3"
+    shutil.copytree(ckpt, old)
+    state = load_tree(old, "tierwise_engine")
+    (old / ENGINE_STATE).unlink()
+    (old / "tierwise_engine.json").unlink()
+    torch.save(state, old / "tierwise_engine.pt")
+    older = OffloadTrainer(model=tiny(seed=5), args=args(tmp_path / "old"), train_dataset=Rows(), offload=OFFLOAD)
+    older.train(resume_from_checkpoint=str(old))
+    assert logs(older)[-3:] == pytest.approx(logs(whole)[-3:], rel=1e-6)
 
 
 @pytest.mark.parametrize("lora", [False, True])
