@@ -204,6 +204,9 @@ class AdamW8bit(TierwiseOptimizer):
     no token reached, a ReLU unit that died, made steps of thousands of lr with bitsandbytes'
     rounding). A float64 param is refused (the step computes in fp32)."""
 
+    state_family = "AdamW8bit"  # (Adam8bit's state is the same)
+    signature_keys = frozenset({"stochastic_rounding"})
+
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *,
                  stochastic_rounding: bool = False, master_weights: Optional[bool] = None) -> None:
@@ -220,7 +223,7 @@ class AdamW8bit(TierwiseOptimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if group["stochastic_rounding"] and not group["master_weights"] \
-                and any(p.dtype == torch.float16 for p in group["params"]):
+                and any(p.dtype == torch.float16 and p.requires_grad for p in group["params"]):
             self.param_groups.pop()  # (it would round fp16 to nearest, without a master: updates lost)
             raise ValueError("stochastic_rounding rounds bf16 parameters; an fp16 one needs its fp32 master: "
                              "give fp16 parameters a group with master_weights=True")

@@ -105,6 +105,7 @@ class ApolloAdamW(LowRankOptimizer):
     """APOLLO; `mini=True` (or ApolloMini) is rank-1 tensor-wise scaling. `rank` per group."""
 
     _mini_default = False
+    state_family = "ApolloAdamW"  # (ApolloMini's too: `mini` is a group key)
     suggested_rank = 256
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),

@@ -46,6 +46,12 @@ class TierwiseOptimizer(torch.optim.Optimizer):
 
     #: the step computes in fp32 (a float64 parameter would be rounded to it: refused)
     fp32_math = True
+    #: whose state dicts load into this class (Adam8bit's and AdamW8bit's are one; a subclass
+    #: inherits its parent's); None: the class's own name
+    state_family: str | None = None
+    #: param-group keys every version of this optimizer wrote and other optimizers lack: a
+    #: state dict without its `tierwise_optimizer` tag and without these is another optimizer's
+    signature_keys: frozenset[str] = frozenset()
 
     @classmethod
     def cost(cls) -> OptimizerCost:
@@ -70,7 +76,7 @@ class TierwiseOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__} does not support complex parameters (one of shape "
                              f"{tuple(complex_[0].shape)}): keep it as a real (..., 2) parameter and "
                              f"view_as_complex it in forward")
-        double = [p for p in group["params"] if p.dtype == torch.float64] if self.fp32_math else []
+        double = [p for p in group["params"] if p.dtype == torch.float64 and p.requires_grad] if self.fp32_math else []
         if double:
             self.param_groups.pop()
             raise ValueError(f"{type(self).__name__} computes in fp32: a float64 parameter (one of shape "
@@ -93,18 +99,26 @@ class TierwiseOptimizer(torch.optim.Optimizer):
                 self._update(p, group, self.state[p], index)
         return loss
 
+    def _family(self) -> str:
+        return self.state_family or type(self).__name__
+
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "tierwise_optimizer": type(self).__name__}
+        return {**super().state_dict(), "tierwise_optimizer": self._family()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # another optimizer's state (torch's AdamW, bitsandbytes', another of ours) would load
         # as moments of another shape (a crash inside a step) or silently replace these groups
-        name, saved_name = type(self).__name__, state_dict.get("tierwise_optimizer")
-        missing = sorted({k for g in state_dict.get("param_groups", []) for k in set(self.defaults) - set(g)})
-        if (saved_name is not None and saved_name != name) or missing:
-            what = f"{saved_name}'s" if saved_name else f"another optimizer's (its param groups lack {', '.join(missing)})"
-            raise ValueError(f"{name}.load_state_dict: this is {what} state; load one {name}.state_dict() "
-                             f"wrote, or start {name} afresh")
+        name, saved_name = self._family(), state_dict.get("tierwise_optimizer")
+        groups = state_dict.get("param_groups", [])
+        missing = sorted({k for g in groups for k in self.signature_keys - set(g)})
+        if (saved_name is not None and saved_name != name) or (saved_name is None and missing):
+            what = (f"{saved_name}'s" if saved_name is not None else
+                    f"another optimizer's (its param groups lack {', '.join(missing)})")
+            raise ValueError(f"{type(self).__name__}.load_state_dict: this is {what} state; load one "
+                             f"{type(self).__name__}.state_dict() wrote, or start it afresh")
+        # a key a later version added: its default, as torch's __setstate__ fills its own
+        defaults = {k: v for k, v in self.defaults.items() if k != "params"}
+        state_dict = {**state_dict, "param_groups": [{**defaults, **g} for g in groups]}
         # torch casts floating state to the param dtype (uint8 codes would survive, but an fp32
         # absmax of a bf16 param would not): keep every saved tensor's dtype instead.
         saved = copy.deepcopy(state_dict["state"])
@@ -126,6 +140,10 @@ class LowRankOptimizer(TierwiseOptimizer):
 
     #: the rank `finetune --optimizer NAME` uses, named in the refusal's hint
     suggested_rank = 128
+    signature_keys = frozenset({"rank", "update_proj_gap"})
+    #: a parameter not projected takes the reference code's AdamW: GaLore's and APOLLO's own
+    #: (optim.galore.plain_step_); 8-bit GaLore's runs bitsandbytes' AdamW8bit there (adamw_step_'s form)
+    plain_reference = True
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
@@ -151,7 +169,7 @@ class LowRankOptimizer(TierwiseOptimizer):
         raise NotImplementedError
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
-        from .adamw import init_adamw_state
+        from .adamw import adamw_step_, init_adamw_state
         from .galore import plain_step_
 
         beta1, beta2 = group["betas"]
@@ -164,7 +182,7 @@ class LowRankOptimizer(TierwiseOptimizer):
             if not state:
                 state.update(init_adamw_state(p), step=0)
             state["step"] += 1
-            plain_step_(master, p.grad, state, step=state["step"], **hyper)
+            (plain_step_ if self.plain_reference else adamw_step_)(master, p.grad, state, step=state["step"], **hyper)
         if master is not p.data:
             p.data.copy_(master)
 

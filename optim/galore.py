@@ -140,6 +140,7 @@ class GaLoreAdamW(LowRankOptimizer):
     """GaLore-AdamW. Put `rank` (and optionally update_proj_gap, scale) in a param group."""
 
     _eight_bit = False
+    state_family = "GaLoreAdamW"
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, *, rank: Optional[int] = None,
@@ -170,3 +171,5 @@ class GaLoreAdamW8bit(GaLoreAdamW):
     """GaLore with 8-bit blockwise moments in the subspace (the AdamW8bit step)."""
 
     _eight_bit = True
+    state_family = "GaLoreAdamW8bit"
+    plain_reference = False  # (its reference runs bitsandbytes' AdamW8bit on what it does not project)

@@ -56,6 +56,7 @@ class MeZO(TierwiseOptimizer):
     """ZO-SGD: `loss = opt.step(closure)`; closure runs a forward pass (no grad) and returns the loss."""
 
     fp32_math = False  # (perturbs and updates in the parameter's own dtype)
+    state_family = "MeZO"
 
     def __init__(self, params: Any, lr: float = 1e-6, eps: float = 1e-3, weight_decay: float = 0.0, *,
                  seed: int = 0) -> None:

@@ -592,3 +592,24 @@ def test_from_pretrained_takes_a_dtype_for_what_it_saves(tmp_path):
         from_pretrained(str(saved), device_map="auto")
     eager = from_pretrained(str(saved), attn_implementation="eager")
     assert eager.config._attn_implementation == "eager"
+
+
+def test_a_drop_in_optimizer_resumes_under_plain_trainer(tmp_path):
+    """tierwise's AdamW8bit given to plain transformers.Trainer (optimizers=): a checkpoint
+    resumes to the losses of the run that was not cut (accelerate and the resume each load the
+    optimizer's state dict: a second load is refused by nothing)."""
+    from tierwise.optim import AdamW8bit, eight_bit_groups
+
+    def run(out, **kw):
+        model = tiny()
+        trainer = Trainer(model=model, args=args(out, **kw), train_dataset=Rows(),
+                          optimizers=(AdamW8bit(eight_bit_groups(model), lr=5e-3, weight_decay=0.0), None))
+        return trainer
+
+    whole = run(tmp_path / "whole")
+    whole.train()
+    cut = run(tmp_path / "cut", save_strategy="steps", save_steps=3)
+    cut.train()
+    again = run(tmp_path / "cut")
+    again.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-3"))
+    assert logs(again)[-3:] == pytest.approx(logs(whole)[-3:], rel=1e-6)

@@ -162,7 +162,7 @@ def test_another_optimizers_state_is_refused_not_loaded():
         return GaLoreAdamW([{"params": [w], "rank": 4}, {"params": [b]}])
 
     theirs = stepped(torch.optim.AdamW([w, b]))
-    with pytest.raises(ValueError, match="another optimizer's .*lack master_weights"):
+    with pytest.raises(ValueError, match="another optimizer.s .*lack stochastic_rounding"):
         AdamW8bit([w, b]).load_state_dict(theirs)
     with pytest.raises(ValueError, match="lack rank"):
         galore().load_state_dict(theirs)
@@ -171,7 +171,18 @@ def test_another_optimizers_state_is_refused_not_loaded():
     mine = stepped(galore())
     again = galore()
     again.load_state_dict(mine)
+    again.load_state_dict(mine)  # (twice, as accelerate's wrapper and the Trainer's resume do)
     assert again.param_groups[0]["rank"] == 4
+    # an earlier version's state: no tag, a group key added since (its default fills it)
+    from tierwise.optim import Adam8bit
+
+    old = stepped(AdamW8bit([w, b]))
+    del old["tierwise_optimizer"]
+    for g in old["param_groups"]:
+        del g["master_weights"]
+    Adam8bit([w, b]).load_state_dict(old)  # (Adam8bit's state is AdamW8bit's)
+    with pytest.raises(ValueError, match="this is GaLoreAdamW's state"):
+        AdamW8bit([w, b]).load_state_dict(mine)
 
 
 def test_float64_parameters_are_refused_where_the_step_computes_in_fp32():

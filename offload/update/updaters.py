@@ -18,7 +18,7 @@ import torch
 from ..core.chunks import ChunkPlan
 from .table import LOW_RANK, NAMES, OPTIMIZERS, projected_params
 from .update import AdamWChunks, Hyper, SGDChunks, SlotUpdater
-from ...optim.adamw import init_adamw_state
+from ...optim.adamw import adamw_step_, init_adamw_state
 from ...optim.adamw8bit import adamw8bit_step_, init_adamw8bit_state
 from ...optim.apollo import apollo_step_, init_apollo_state
 from ...optim.base import check_low_rank
@@ -63,12 +63,14 @@ def _galore(plan: ChunkPlan, order: list[str], proj: set[str], *, eight_bit: boo
         st["proj"] = svd_projector(as_matrix(meta), min(rank, *as_matrix(meta).shape))  # room for it
         return st
 
+    plain = adamw_step_ if eight_bit else plain_step_  # (the reference's, as the drop-in's)
+
     def run(p: Any, g: Any, state: dict, *, step: int, index: int, projected: bool, hp: Hyper) -> None:
         if projected:
             galore_step_(p, g, state, step=step, rank=rank, update_proj_gap=update_proj_gap, scale=scale,
                          eight_bit=eight_bit, **_hyper(hp))
-        else:  # (not projected: the reference's AdamW, as the drop-in's)
-            plain_step_(p, g, state, step=step, **_hyper(hp))
+        else:
+            plain(p, g, state, step=step, **_hyper(hp))
 
     return SlotUpdater("galore8bit" if eight_bit else "galore", plan, order=order, projected=proj, init=init, run=run)
 
