@@ -91,6 +91,7 @@ def export_hf(named: Iterable[tuple[str, torch.Tensor]], out_dir: "str | Path", 
     layout = layout or ModelLayout.of(model)
     weight_map = write_shards(iter_export(model, layout, named), out_dir, dtype=dtype,
                               max_shard_bytes=parse_size(max_shard_size, what="--shard-size"))
+    _drop_stale(out_dir, set(weight_map.values()))
     if len(set(weight_map.values())) > 1:
         total = 0
         for f in sorted(set(weight_map.values())):
@@ -109,6 +110,19 @@ def export_hf(named: Iterable[tuple[str, torch.Tensor]], out_dir: "str | Path", 
             generation_config.save_pretrained(out_dir)
     log.info("exported %d tensors to %s", len(weight_map), out_dir)
     return out_dir
+
+
+def _drop_stale(out_dir: Path, written: set[str]) -> None:
+    """An earlier save's weight files this one did not write (more shards then, or an index
+    where one file is written now), removed as save_pretrained removes them: a loader would
+    take the stale index, or the stale single file."""
+    stale = [f for f in out_dir.glob("model*.safetensors") if f.name not in written]
+    if len(written) <= 1:
+        stale.append(out_dir / "model.safetensors.index.json")
+    for f in stale:
+        if f.is_file() and (f.name == "model.safetensors" or f.name.startswith("model-")
+                            or f.name == "model.safetensors.index.json"):
+            f.unlink()
 
 
 def _with_dtype(config, dtype: torch.dtype):

@@ -711,13 +711,17 @@ def _stream_save(engine: Any, model: Any, dtypes: dict[str, torch.dtype], direct
     not apply: a PEFT model (its adapters: small), not a transformers PreTrainedModel (no
     `layout`), float weights of several dtypes."""
     floats = {d for d in dtypes.values() if d.is_floating_point}
-    if layout is None or len(floats) != 1:
-        return False
+    if layout is None or len(floats) != 1 or getattr(model, "_auto_class", None) is not None:
+        return False  # (remote code: transformers' save_pretrained copies the model's code too)
+    import copy
+
     from ..cli.export import export_hf
 
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]  # (as save_pretrained names it)
     generation = model.generation_config if model.can_generate() and model.generation_config is not None else None
-    export_hf(engine.named_parameters_fp32(), directory, config=model.config, model=model, layout=layout,
-              dtype=floats.pop(), generation_config=generation)
+    export_hf(engine.named_parameters_fp32(), directory, config=config, model=model, layout=layout,
+              dtype=floats.pop(), generation_config=generation, max_shard_size="50GB")  # (transformers 5's)
     return True
 
 

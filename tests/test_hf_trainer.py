@@ -114,6 +114,10 @@ def test_a_whole_models_weights_are_saved_one_tensor_at_a_time(tmp_path, monkeyp
                           offload=OFFLOAD)
     ours.train()
     monkeypatch.setattr(hf, "_engine_weights", lambda *a: pytest.fail("the whole model gathered in memory"))
+    stale = tmp_path / "ours-model"  # (an earlier save's shards and index: removed, as save_pretrained does)
+    stale.mkdir()
+    (stale / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    (stale / "model.safetensors.index.json").write_text("{}")
     ours.save_model(str(tmp_path / "ours-model"))
     ours.model.save_pretrained(tmp_path / "ours-own")
     plain.save_model(str(tmp_path / "plain-model"))
@@ -125,6 +129,10 @@ def test_a_whole_models_weights_are_saved_one_tensor_at_a_time(tmp_path, monkeyp
             torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
     assert (tmp_path / "ours-model" / "training_args.bin").is_file()
     assert sorted(p.name for p in (tmp_path / "ours-model").glob("*.safetensors")) == ["model.safetensors"]
+    assert not (tmp_path / "ours-model" / "model.safetensors.index.json").exists()
+    for saved in ("ours-model", "ours-own"):  # config.json as save_pretrained writes it
+        config = json.loads((tmp_path / saved / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
 
 
 def test_a_peft_model_trains_its_adapter_as_peft_does(tmp_path):
