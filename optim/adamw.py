@@ -40,6 +40,38 @@ def adamw_step_(
     param.addcdiv_(m, denom, value=-lr / bc1)
 
 
+def adam_direction_(state: dict[str, Any], low: torch.Tensor, *, beta1: float, beta2: float,
+                    eps: float) -> torch.Tensor:  # low: (r, c) projected gradient -> same shape
+    """Update the subspace moments in place and return m / (sqrt(v) + eps), no bias correction
+    (GaLore and APOLLO fold that into the step size)."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    m.mul_(beta1).add_(low, alpha=1.0 - beta1)
+    v.mul_(beta2).addcmul_(low, low, value=1.0 - beta2)
+    return m / (v.sqrt() + eps)
+
+
+def plain_step_(
+    param: torch.Tensor,  # (...) fp32, updated in place
+    grad: torch.Tensor,  # (...) same shape
+    state: dict[str, Any],  # from init_adamw_state(param)
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,  # 1-based
+) -> None:
+    """A parameter GaLore and APOLLO do not project (embeddings, the head, norms, biases): their
+    reference code's AdamW, as their projected step has it: m / (sqrt(v) + eps) at the step size
+    lr * sqrt(bc2) / bc1, then decoupled weight decay (torch's AdamW puts eps after the bias
+    correction and decays first)."""
+    d = adam_direction_(state, grad.float(), beta1=beta1, beta2=beta2, eps=eps)
+    param.add_(d.view(param.shape), alpha=-lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step))
+    if weight_decay > 0.0:
+        param.add_(param, alpha=-lr * weight_decay)
+
+
 def _fused_ok(params: Any) -> tuple[Any, bool]:
     params = list(params)
     tensors = [t for g in params for t in (g["params"] if isinstance(g, dict) else [g])]

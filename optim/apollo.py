@@ -15,7 +15,8 @@ import torch
 
 from .base import LowRankOptimizer
 from .costs import OptimizerCost
-from .galore import adam_direction_, as_matrix, low_rank_shape, project, project_right
+from .adamw import adam_direction_
+from .galore import as_matrix, low_rank_shape, project, project_right
 
 LIMITER_GAMMA = 1.01
 

@@ -134,7 +134,7 @@ class TierwiseOptimizer(torch.optim.Optimizer):
 class LowRankOptimizer(TierwiseOptimizer):
     """GaLore / APOLLO plumbing: groups with a `rank` project their >= 2-D params through
     `_projected_step`; every other param gets plain AdamW (the papers' choice for embeddings,
-    norms and biases), as their reference code has it (optim.galore.plain_step_). Non-fp32
+    norms and biases), as their reference code has it (optim.adamw.plain_step_). Non-fp32
     params are updated through an fp32 copy. Built with no group
     holding a rank it is refused: it would be plain AdamW with AdamW's state, saying nothing."""
 
@@ -142,7 +142,7 @@ class LowRankOptimizer(TierwiseOptimizer):
     suggested_rank = 128
     signature_keys = frozenset({"rank", "update_proj_gap"})
     #: a parameter not projected takes the reference code's AdamW: GaLore's and APOLLO's own
-    #: (optim.galore.plain_step_); 8-bit GaLore's runs bitsandbytes' AdamW8bit there (adamw_step_'s form)
+    #: (optim.adamw.plain_step_); 8-bit GaLore's runs bitsandbytes' AdamW8bit there (adamw_step_'s form)
     plain_reference = True
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
@@ -169,8 +169,7 @@ class LowRankOptimizer(TierwiseOptimizer):
         raise NotImplementedError
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
-        from .adamw import adamw_step_, init_adamw_state
-        from .galore import plain_step_
+        from .adamw import adamw_step_, init_adamw_state, plain_step_
 
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],

@@ -18,11 +18,11 @@ import torch
 from ..core.chunks import ChunkPlan
 from .table import LOW_RANK, NAMES, OPTIMIZERS, projected_params
 from .update import AdamWChunks, Hyper, SGDChunks, SlotUpdater
-from ...optim.adamw import adamw_step_, init_adamw_state
+from ...optim.adamw import adamw_step_, init_adamw_state, plain_step_
 from ...optim.adamw8bit import adamw8bit_step_, init_adamw8bit_state
 from ...optim.apollo import apollo_step_, init_apollo_state
 from ...optim.base import check_low_rank
-from ...optim.galore import as_matrix, galore_step_, init_galore_state, plain_step_, svd_projector
+from ...optim.galore import as_matrix, galore_step_, init_galore_state, svd_projector
 
 __all__ = ["LOW_RANK", "NAMES", "drop_in_groups", "make_updater", "projected_params"]
 
