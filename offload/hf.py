@@ -421,9 +421,9 @@ class _Offload:
         engine, dtypes, saved, layout = self.engine, self._dtypes, _saved_dtype(model), self._save_layout
 
         def save_pretrained(save_directory: Any, *args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
-            if state_dict is None and not engine.closed and not args and not kwargs \
-                    and _stream_save(engine, model, dtypes, save_directory, layout):
-                return None
+            if state_dict is None and not engine.closed and not args and set(kwargs) <= {"max_shard_size"} \
+                    and _stream_save(engine, model, dtypes, save_directory, layout, **kwargs):
+                return None  # (push_to_hub gives max_shard_size)
             if state_dict is None and not engine.closed:  # (closed: the weights were given back)
                 state_dict = _engine_weights(engine, dtypes)
             out = own(save_directory, *args, state_dict=state_dict, **kwargs)
@@ -704,7 +704,8 @@ def _layout(model: Any) -> Any:
     return ModelLayout.of(model)
 
 
-def _stream_save(engine: Any, model: Any, dtypes: dict[str, torch.dtype], directory: Any, layout: Any) -> bool:
+def _stream_save(engine: Any, model: Any, dtypes: dict[str, torch.dtype], directory: Any, layout: Any,
+                 max_shard_size: Any = "50GB") -> bool:  # (transformers 5's default)
     """A whole model's weights written as its save_pretrained writes them (config, safetensors
     shards and their index, generation config), streamed from the engine one tensor at a time
     (cli.export): the host never holds the whole model. False, nothing written, where it does
@@ -721,7 +722,7 @@ def _stream_save(engine: Any, model: Any, dtypes: dict[str, torch.dtype], direct
     config.architectures = [type(model).__name__]  # (as save_pretrained names it)
     generation = model.generation_config if model.can_generate() and model.generation_config is not None else None
     export_hf(engine.named_parameters_fp32(), directory, config=config, model=model, layout=layout,
-              dtype=floats.pop(), generation_config=generation, max_shard_size="50GB")  # (transformers 5's)
+              dtype=floats.pop(), generation_config=generation, max_shard_size=max_shard_size)
     return True
 
 

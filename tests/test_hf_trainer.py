@@ -119,7 +119,8 @@ def test_a_whole_models_weights_are_saved_one_tensor_at_a_time(tmp_path, monkeyp
     (stale / "model-00001-of-00002.safetensors").write_bytes(b"x")
     (stale / "model.safetensors.index.json").write_text("{}")
     ours.save_model(str(tmp_path / "ours-model"))
-    ours.model.save_pretrained(tmp_path / "ours-own")
+    ours.model.save_pretrained(tmp_path / "ours-own", max_shard_size="2KB")  # (as push_to_hub calls it)
+    assert len(list((tmp_path / "ours-own").glob("model-*-of-*.safetensors"))) > 1
     plain.save_model(str(tmp_path / "plain-model"))
     b = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "plain-model").state_dict()
     for saved in ("ours-model", "ours-own"):
