@@ -4,8 +4,9 @@ The direction z ~ N(0, I) is never stored: it is regenerated from (seed, tensor 
 subset of tensors (e.g. one chunk at a time in the engine) can be perturbed independently and
 identically. Note: +eps z, -2 eps z, +eps z restores a param only up to its own rounding (a
 stateless x -> fl(x + d) is not injective for |x| << |d|, so no float scheme can undo it
-exactly): fp32's; a bf16 or fp16 param drifts far more (warned); the engine keeps fp32 masters
-and perturbs compute copies, which is exact.
+exactly): fp32's; a bf16 or fp16 param drifts far more (warned). The engine perturbs
+temporaries (its compute copies stay as they were) and applies this same arithmetic to its fp32
+masters, so it gives this class's fp32 numbers step for step (offload.update.zeroth).
 """
 from __future__ import annotations
 
