@@ -56,10 +56,12 @@ several processes, `compute_metrics`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -179,9 +181,14 @@ def _ratio(total: Any, count: Any) -> Any:
     return total / count if count > 0 else 0.0
 
 
+def _sft_class(c: type) -> bool:
+    """`c` is TRL's SFTTrainer itself."""
+    return c.__module__.startswith("trl.") and c.__name__ == "SFTTrainer"
+
+
 def _sft(trainer: Any) -> bool:
     """`trainer` is TRL's SFTTrainer (or a subclass of it)."""
-    return any(c.__module__.startswith("trl.") and c.__name__ == "SFTTrainer" for c in type(trainer).__mro__)
+    return any(map(_sft_class, type(trainer).__mro__))
 
 
 def _check_own_loss(cls: type) -> None:
@@ -197,8 +204,7 @@ def _check_own_loss(cls: type) -> None:
         for c in classes:
             if c is _Offload or method not in c.__dict__:
                 continue
-            if c.__module__.startswith("transformers.") or (c.__module__.startswith("trl.")
-                                                            and c.__name__ == "SFTTrainer"):
+            if c.__module__.startswith("transformers.") or _sft_class(c):
                 break
             what = (f"TRL's {c.__name__} trains its own objective" if c.__module__.startswith("trl.")
                     else f"{c.__name__}.{method} is not called")
@@ -554,8 +560,6 @@ class _Offload:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
         if self.engine is not None:
-            from pathlib import Path
-
             from ..cli.checkpoint import NonFiniteState, save_tree
 
             try:
@@ -592,8 +596,6 @@ class _Offload:
 
     def _load_engine_state(self, directory: str) -> None:
         """The engine's state from a checkpoint directory, each chunk read into its home tier."""
-        from pathlib import Path
-
         from ..cli.checkpoint import load_tree
 
         if os.path.isfile(os.path.join(directory, ENGINE_STATE)):
@@ -714,8 +716,6 @@ def _stream_save(engine: Any, model: Any, dtypes: dict[str, torch.dtype], direct
     floats = {d for d in dtypes.values() if d.is_floating_point}
     if layout is None or len(floats) != 1 or getattr(model, "_auto_class", None) is not None:
         return False  # (remote code: transformers' save_pretrained copies the model's code too)
-    import copy
-
     from ..cli.export import export_hf
 
     config = copy.deepcopy(model.config)

@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from . import headloss, segments
 from .headloss import tiled_loss
@@ -42,7 +41,7 @@ def _own_stats(stats: headloss.TokenStats, out: Any, batch: dict[str, Any]) -> N
         stats.counted = False
         return
     if not isinstance(shifted, torch.Tensor) and labels.shape == logits.shape[:2]:
-        shifted = F.pad(labels[:, 1:], (0, 1), value=headloss.IGNORE)  # (the logits stay a view)
+        shifted = headloss.next_tokens(labels)  # (the logits stay a view)
     if isinstance(shifted, torch.Tensor) and shifted.shape == logits.shape[:2]:
         stats.add_logits(logits, shifted)
     else:  # (prompt tuning's virtual tokens, ...: which logit is whose label, unknown)

@@ -86,6 +86,12 @@ def transform_of(config: Any) -> Transform | None | str:
     return None
 
 
+def next_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's target: the label after it (the last position's IGNORE), as
+    transformers' ForCausalLMLoss shifts them; shaped like `labels` (B, S)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module | None:
     """The transformers causal LM inside `model` (itself, or a PEFT wrapper's base), or None."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -111,16 +117,16 @@ def tiled_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor | 
         _note_once(lm, transform)
         return None
     shift = batch.get("shift_labels")  # (given already shifted, as transformers' loss takes them)
-    shifted = (shift if isinstance(shift, torch.Tensor) else F.pad(labels[:, 1:], (0, 1), value=IGNORE)).reshape(-1)
+    shifted = (shift if isinstance(shift, torch.Tensor) else next_tokens(labels)).reshape(-1)
     keep = None
     host = _host.of(labels) if labels.device.type != "cpu" and not isinstance(shift, torch.Tensor) else None
     if host is not None:  # the targets kept, found on the host: no wait for the device to count them
-        keep = F.pad(host[:, 1:], (0, 1), value=IGNORE).reshape(-1).ne(IGNORE).nonzero().squeeze(1)
+        keep = next_tokens(host).reshape(-1).ne(IGNORE).nonzero().squeeze(1)
         keep = keep.pin_memory().to(labels.device, non_blocking=True) if labels.is_cuda else keep.to(labels.device)
     items = batch.get("num_items_in_batch")
     rest = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", "num_items_in_batch")}
     box: list[torch.Tensor] = []
-    stats = _stats.get()
+    stats = collected()
     with _head_forward(head, lambda hidden: _run(head, hidden, shifted, items, transform, box, keep, stats)):
         model(**rest)
     return box[0]
