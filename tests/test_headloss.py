@@ -297,3 +297,24 @@ def test_token_stats_are_trls_and_change_no_number(family, tiled, grad, monkeypa
     assert float(stats.entropy) / tokens == pytest.approx(entropy, rel=1e-5)
     assert float(stats.top1) / tokens == pytest.approx(top1, abs=1e-6)
     assert headloss.collected() is None
+
+
+def test_the_loss_transients_measured_stay_within_what_is_booked():
+    """bench/loss_workspace.py: peak RSS of the loss's forward and backward (the model's own and
+    the tiled loss; fp32/bf16, no grad, soft-capping, token statistics, a trained head) against
+    what the ledger books for it: loss_bytes as saved + perfmodel.loss_workspace. Within it, and
+    near it (a model that books too much shrinks what a budget can train)."""
+    import json
+    import subprocess
+
+    bench = Path(__file__).parents[1] / "bench" / "loss_workspace.py"
+    proc = subprocess.run([sys.executable, str(bench), "--tile", "32M", "--tokens", "256", "--tiled-tokens", "1024",
+                           "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 11
+    for r in rows:
+        booked = r["saved"] + r["workspace"]
+        assert r["peak"] <= booked + (2 << 20), r  # (2 MiB: the allocator's small blocks)
+        # a trained head's saved gradient comes after its fp32 sum is gone: booked beside it
+        assert r["peak"] >= (0.7 if "head" in r["case"] else 0.85) * booked, r

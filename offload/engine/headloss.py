@@ -47,6 +47,7 @@ TILE_BYTES = HEAD_TILE_BYTES
 """fp32 logits of one tile (a 128,256-word vocabulary: 523 tokens a tile); the planner prices it."""
 
 IGNORE = -100
+SLICES = 8  # a tile's temporaries are made in this many pieces (the entropy, the head's bf16 gradient)
 
 FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
                       "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "opt", "falcon", "granite", "cohere",
@@ -59,7 +60,7 @@ class Transform:
 
     def __init__(self, name: str, apply: Callable[[torch.Tensor], torch.Tensor],
                  backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        # backward(raw, g): the gradient of raw from out's, in autograd's order of operations
+        # backward(raw, g): the gradient of raw from out's (g, which it may overwrite), in autograd's order
         self.name, self.apply, self.backward = name, apply, backward
 
 
@@ -75,14 +76,18 @@ def transform_of(config: Any) -> Transform | None | str:
         return f"loss_type {config.loss_type!r}"
     cap = getattr(config, "final_logit_softcapping", None)
     if kind in ("gemma2", "gemma3_text") and cap is not None:
-        return Transform("soft-capping", lambda z: torch.tanh(z / cap) * cap,
-                         lambda raw, g: (g * cap) * (1 - torch.tanh(raw / cap) ** 2) / cap)
+        def capped_grad(raw: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+            # autograd's order ((g * cap) * (1 - t*t) / cap), in place: one temporary, not five
+            t = raw.div(cap).tanh_().square_().neg_().add_(1)
+            return g.mul_(cap).mul_(t).div_(cap)
+
+        return Transform("soft-capping", lambda z: torch.tanh(z / cap) * cap, capped_grad)
     if kind == "cohere":
         scale = config.logit_scale
-        return Transform("logit_scale", lambda z: z * scale, lambda raw, g: g * scale)
+        return Transform("logit_scale", lambda z: z * scale, lambda raw, g: g.mul_(scale))
     if kind == "granite":
         div = config.logits_scaling
-        return Transform("logits_scaling", lambda z: z / div, lambda raw, g: g / div)
+        return Transform("logits_scaling", lambda z: z / div, lambda raw, g: g.div_(div))
     return None
 
 
@@ -189,6 +194,53 @@ def _note_once(model: torch.nn.Module, why: str) -> None:
         log.info("the loss holds every token's logits (the tiled head loss does not apply: %s)", why)
 
 
+def _tile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, rows: torch.Tensor,
+          transform: Transform | None, scale: Any, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None,
+          grad_b: torch.Tensor | None, stats: "TokenStats | None") -> torch.Tensor:
+    """One tile's summed loss; its gradients added into grad_h/w/b (those not None). A function
+    so that the tile's tensors are freed when it returns, before the next tile's are made; the
+    softmax is made in the fp32 logits' own storage (perfmodel.loss_workspace counts what is left)."""
+    raw = F.linear(x, weight, bias)
+    dtype = raw.dtype
+    zf = (transform.apply(raw) if transform is not None else raw).float()
+    if transform is None:  # (raw is only the transform's derivative's input)
+        del raw
+    picked = zf.gather(1, y.unsqueeze(1)).squeeze(1)
+    if stats is not None:
+        stats.add_top1(zf, y)
+    top = zf.amax(1, keepdim=True)
+    g = zf.sub_(top).exp_()  # exp(z - max), in place: no tile-sized temporary as logsumexp makes
+    del zf
+    sums = g.sum(1, keepdim=True)
+    loss = (top.squeeze(1) + sums.log().squeeze(1) - picked).sum()
+    want = grad_h is not None or grad_w is not None or grad_b is not None
+    if not want and stats is None:
+        return loss
+    g.div_(sums)  # the softmax; d loss / d z = (softmax - onehot) * scale
+    if stats is not None:
+        stats.add_entropy(g)
+    if not want:
+        return loss
+    g.scatter_add_(1, y.unsqueeze(1), g.new_full((y.numel(), 1), -1.0))
+    g.mul_(scale)
+    g = g.to(dtype)  # (the fp32 tile is freed here when computing in bf16/fp16)
+    if transform is not None:
+        g = transform.backward(raw, g)
+        del raw
+    if grad_h is not None:
+        grad_h.index_copy_(0, rows, g @ weight)
+    if grad_w is not None:  # (in fp32 summed in place; a bf16 product summed in fp32, by slices of
+        if grad_w.dtype == g.dtype:  # the vocabulary: the product and its fp32 copy are an eighth)
+            grad_w.addmm_(g.t(), x)
+        else:
+            part = -(-grad_w.shape[0] // SLICES)
+            for v in range(0, grad_w.shape[0], part):
+                grad_w[v:v + part] += g[:, v:v + part].t() @ x
+    if grad_b is not None:
+        grad_b += g.sum(0, dtype=torch.float32)
+    return loss
+
+
 class HeadLoss(torch.autograd.Function):
     """loss = CE(transform(hidden @ W^T + b).float(), targets) over the tokens whose target is
     not IGNORE, in tiles; the gradients are made in forward (see the module docstring)."""
@@ -217,33 +269,8 @@ class HeadLoss(torch.autograd.Function):
         step = max(1, TILE_BYTES // (4 * weight.shape[0]))
         for start in range(0, keep.numel(), step):
             rows = keep[start:start + step]
-            x, y = h.index_select(0, rows), targets.index_select(0, rows)
-            raw = F.linear(x, weight, bias)
-            z = transform.apply(raw) if transform is not None else raw
-            zf = z.float()
-            lse = torch.logsumexp(zf, dim=-1)
-            total += (lse - zf.gather(1, y.unsqueeze(1)).squeeze(1)).sum()
-            if stats is not None:
-                stats.add_top1(zf, y)
-            if not (want_h or want_w or want_b or stats is not None):
-                continue
-            # softmax, in zf's storage; d loss / d zf = (softmax - onehot) / count
-            g = zf.sub_(lse.unsqueeze(1)).exp_()
-            if stats is not None:
-                stats.add_entropy(g)
-            if not (want_h or want_w or want_b):
-                continue
-            g.scatter_add_(1, y.unsqueeze(1), g.new_full((y.numel(), 1), -1.0))
-            g.mul_(scale)
-            g = g.to(z.dtype)
-            if transform is not None:
-                g = transform.backward(raw, g)
-            if want_h:
-                grad_h.index_copy_(0, rows, g @ weight)
-            if want_w:  # (a bf16 product per tile, summed in fp32)
-                grad_w += g.t() @ x
-            if want_b:
-                grad_b += g.sum(0, dtype=torch.float32)
+            total += _tile(h.index_select(0, rows), weight, bias, targets.index_select(0, rows), rows, transform,
+                           scale, grad_h, grad_w, grad_b, stats)
         ctx.save_for_backward(grad_h.reshape(hidden.shape) if want_h else None,
                               grad_w.to(weight.dtype) if want_w else None,
                               grad_b.to(bias.dtype) if want_b else None)
@@ -273,8 +300,10 @@ class TokenStats:
         self.top1 = self.top1 + logits.argmax(1).eq(labels).sum()
 
     def add_entropy(self, probs: torch.Tensor) -> None:
-        # (a temporary the size of the tile: as large as the one logsumexp made before it)
-        self.entropy = self.entropy + torch.special.entr(probs).sum(dtype=torch.float32)
+        # (in slices of rows: entr's temporary is an eighth of the tile)
+        step = max(1, -(-probs.shape[0] // SLICES))
+        for r in range(0, probs.shape[0], step):
+            self.entropy = self.entropy + torch.special.entr(probs[r:r + step]).sum(dtype=torch.float32)
 
     @torch.no_grad()
     def add_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
@@ -289,8 +318,11 @@ class TokenStats:
             zf = z[start:start + step].to(torch.float32, copy=True)
             m = mask[start:start + step]
             self.top1 = self.top1 + zf.argmax(1).eq(y[start:start + step]).logical_and_(m).sum()
-            p = zf.sub_(torch.logsumexp(zf, dim=-1, keepdim=True)).exp_()
-            self.entropy = self.entropy + torch.special.entr(p).sum(1).mul_(m).sum()
+            p = zf.sub_(zf.amax(1, keepdim=True)).exp_()  # (in place, as the tiled loss's softmax)
+            p.div_(p.sum(1, keepdim=True))
+            rows = max(1, -(-p.shape[0] // SLICES))
+            for r in range(0, p.shape[0], rows):
+                self.entropy = self.entropy + torch.special.entr(p[r:r + rows]).sum(1).mul_(m[r:r + rows]).sum()
 
 
 _stats: contextvars.ContextVar[TokenStats | None] = contextvars.ContextVar("tierwise_token_stats", default=None)

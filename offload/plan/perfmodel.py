@@ -87,6 +87,38 @@ def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad
     return e * t * h + (e * vocab * h if head_grad else 0)
 
 
+
+def loss_workspace(*, t: int, vocab: int, h: int, e: int, grads: bool = True, head_grad: bool = False,
+                   transform: bool = False, stats: bool = False) -> int:
+    """What a causal LM's loss holds beside what it saves (`loss_bytes`), at its worst moment:
+    the transient tensors of the logits (offload.engine.headloss). The engine books it on the
+    simulated device while a default loss runs; CUDA's allocator measures it (offload.engine.
+    workspace). Measured against RSS on CPU (tests/test_headloss.py).
+    Logits that fit one tile (the model's own loss): `grads`, backward's two fp32 gradients of
+    the logits, 8*T*V (forward's logits and their fp32 copy are fewer); without, forward's
+    logits, their fp32 copy (when e < 4) and log_softmax's output. Beyond, the tiled loss: one
+    tile's logits in fp32 (e < 4: with their e copy and its gradient, 1.5 tiles; a family's
+    transform of them, 3 and 2 tiles), a tile of e inputs and of their gradient; when the head
+    trains in e < 4, its fp32 gradient sum (4*V*h) and an eighth of a tile's product in e and in
+    fp32 (headloss.SLICES); in backward, the
+    scaled gradients returned (e*T*h, and e*V*h when the head trains). `stats`: SFTTrainer's
+    token statistics are counted too (headloss.TokenStats): a tile's fp32 copy of the model's own
+    logits, and an eighth of a tile for the entropy."""
+    if 4 * t * vocab <= HEAD_TILE_BYTES:
+        own = 8 * t * vocab if grads else (e + 4 + (4 if e < 4 else 0)) * t * vocab
+        return max(own, (e + 4) * t * vocab + t * vocab // 2) if stats else own
+    n = min(t, max(1, HEAD_TILE_BYTES // (4 * vocab)))
+    tile = 4 * n * vocab
+    if not grads:
+        return tile * (2 if transform else 1) + e * n * vocab * (e < 4) + e * n * h
+    logits = tile * (3 if transform else 1) if e == 4 else tile * (4 if transform else 3) // 2
+    if stats:
+        logits = max(logits, tile + tile // 8)
+    narrow = head_grad and e < 4
+    forward = (max(logits, e * n * vocab + (e + 4) * vocab * h * narrow // 8) + 4 * vocab * h * narrow
+               + 2 * e * n * h)
+    return max(forward, e * t * h + e * vocab * h * head_grad)
+
 #: Packed rows of at least this many tokens are attended one segment at a time (no S x S mask:
 #: offload.engine.segments); shorter ones take transformers' mask (at most 48 MiB a row with its
 #: additive copy), one SDPA call a layer instead of one per segment.
