@@ -288,7 +288,7 @@ def test_a_longer_batch_later_is_placed_for_when_the_dataset_tells_its_longest_r
         trainer.train()
         return trainer
 
-    offload = {**OFFLOAD, "gpu_mem": "600K"}
+    offload = {**OFFLOAD, "gpu_mem": "900K"}
     plain = run(Trainer, tmp_path / "plain", rows)
     for data in (table, rows):
         ours = run(OffloadTrainer, tmp_path / "ours", data, offload=offload)

@@ -140,7 +140,11 @@ def test_lora_dropout_activations_are_what_the_engine_measures(prec, checkpointi
                                checkpointing=checkpointing, padded=padded, lora=(parse_targets(targets), 4, mask))
     measured = measured_activations(prec, checkpointing, targets, padded, dropout=0.05)
     assert planned == measured
-    assert measured > measured_activations(prec, checkpointing, targets, padded)  # dropout saves more
+    without = activation_bytes(model=MODELS["dense"], batch_size=2, seq_len=16, precision=prec,
+                               checkpointing=checkpointing, padded=padded, lora=(parse_targets(targets), 4))
+    # dropout saves more, where the peak is not the loss's moment (the end of forward)
+    assert measured - measured_activations(prec, checkpointing, targets, padded) == planned - without
+    assert planned > without or checkpointing is None
     plan = make_plan(model=MODELS["dense"], hardware="cpu-sim", gpu_mem="1G", cpu_mem="1G", optimizer="adamw",
                      precision=prec, batch_size=2, seq_len=16, lora_rank=4, lora_targets=targets, lora_dropout=0.05,
                      checkpointing=checkpointing, padded=padded, suggest=False)

@@ -26,7 +26,7 @@ CHUNK = 16 << 10
 
 
 @pytest.mark.parametrize("n", [1, 3])
-@pytest.mark.parametrize("gpu", [None, "1M"], ids=["roomy", "streamed"])
+@pytest.mark.parametrize("gpu", [None, "1200K"], ids=["roomy", "streamed"])
 def test_the_first_blocks_recomputed_train_as_plain_pytorch(n, gpu):
     data = batches(4)
     ref_losses, ref = train_reference(tiny_llama(), data)
@@ -101,25 +101,25 @@ BASE = dict(batch_size=4, seq_len=128)  # (no model: the built-in one)
 
 
 def test_auto_recomputes_the_fewest_first_layers_that_fit():
-    """The built-in 2-layer model: 8M holds every layer's activations (no recompute), 5M holds
-    one layer's beside the other's recompute (the first recomputed: faster than both), 4M only
+    """The built-in 2-layer model: 9M holds every layer's activations (no recompute), 7M holds
+    one layer's beside the other's recompute (the first recomputed: faster than both), 5M only
     the recompute of both."""
-    picks = {g: resolve_recompute(TrainConfig(**BASE, gpu_mem=g)) for g in ("8M", "5M", "4M")}
-    assert (picks["8M"].recompute, picks["8M"].recompute_layers) == (False, None)
-    assert (picks["5M"].recompute, picks["5M"].recompute_layers) == (True, 1)
-    assert (picks["4M"].recompute, picks["4M"].recompute_layers) == (True, None)
-    with pytest.raises(InfeasibleBudget, match="too small"):  # 5M without the share
-        plan_of(TrainConfig(**BASE, gpu_mem="5M", recompute=False))
+    picks = {g: resolve_recompute(TrainConfig(**BASE, gpu_mem=g)) for g in ("9M", "7M", "5M")}
+    assert (picks["9M"].recompute, picks["9M"].recompute_layers) == (False, None)
+    assert (picks["7M"].recompute, picks["7M"].recompute_layers) == (True, 1)
+    assert (picks["5M"].recompute, picks["5M"].recompute_layers) == (True, None)
+    with pytest.raises(InfeasibleBudget, match="too small"):  # 7M without the share
+        plan_of(TrainConfig(**BASE, gpu_mem="7M", recompute=False))
 
 
 def test_the_flag_plans_trains_and_refuses(tmp_path):
     runner = CliRunner()
-    plan = runner.invoke(app, ["plan", "--gpu-mem", "5M", "--recompute-layers", "1"])
+    plan = runner.invoke(app, ["plan", "--gpu-mem", "7M", "--recompute-layers", "1"])
     assert plan.exit_code == 0, plan.output
     assert "recompute the first 1 of 2 layers" in plan.output
-    auto = runner.invoke(app, ["plan", "--gpu-mem", "5M"])
+    auto = runner.invoke(app, ["plan", "--gpu-mem", "7M"])
     assert auto.exit_code == 0 and "recompute: the first 1 of 2 layers, the fastest plan that fits" in auto.output
-    run = runner.invoke(app, ["--gpu-mem", "5M", "--steps", "2", "--output", str(tmp_path / "run")])
+    run = runner.invoke(app, ["--gpu-mem", "7M", "--steps", "2", "--output", str(tmp_path / "run")])
     assert run.exit_code == 0, run.output
     assert "the first 1 of 2 decoder layers recomputed" in run.output
     for args, words in ((["--recompute-layers", "3"], "--recompute-layers 3: the model has 2 decoder layers"),
@@ -149,10 +149,10 @@ def test_a_single_layer_is_never_recomputed_and_the_plan_agrees():
 
 def test_recompute_none_by_count_and_the_advice_for_a_share():
     """--recompute with --recompute-layers 0 contradicts itself (one-line error); a share that
-    does not fit is advised, among what fits, to recompute all (which 4M holds)."""
+    does not fit is advised, among what fits, to recompute all (which 5M holds)."""
     runner = CliRunner()
     bad = runner.invoke(app, ["plan", "--recompute", "--recompute-layers", "0"])
     assert bad.exit_code == 2 and "drop --recompute" in error_line(bad)
-    tight = runner.invoke(app, ["plan", "--gpu-mem", "4M", "--recompute-layers", "1"], env={"COLUMNS": "200"})
+    tight = runner.invoke(app, ["plan", "--gpu-mem", "5M", "--recompute-layers", "1"], env={"COLUMNS": "200"})
     assert tight.exit_code == 2, tight.output
     assert any(line.startswith("  --recompute ") for line in tight.output.splitlines()), tight.output

@@ -43,19 +43,19 @@ def test_tokens_per_second_keep_their_precision(rate, text):
 
 
 def test_a_refused_plan_lists_changes_that_fit_each_checked():
-    r = _invoke("plan", "--gpu-mem", "4M", "--no-recompute")
+    r = _invoke("plan", "--gpu-mem", "5M", "--no-recompute")
     assert r.exit_code == 2
     out = r.stdout.splitlines()
-    assert out[0].startswith("verdict: does not fit: --gpu-mem 4.00 MiB is too small")
+    assert out[0].startswith("verdict: does not fit: --gpu-mem 5.00 MiB is too small")
     i = out.index("would fit (each checked by the planner; fastest step first):")
     suggestions = [ln.split("   ")[0].strip() for ln in out[i + 1:] if ln.startswith("  ")]
     assert "--recompute" in suggestions, out
     kept = "" if "--recompute" in suggestions[0] else " --no-recompute"  # the change replaces what it names
-    assert out[-1] == f"fastest: finetune plan --gpu-mem 4M{kept} {suggestions[0]}"
+    assert out[-1] == f"fastest: finetune plan --gpu-mem 5M{kept} {suggestions[0]}"
     errors = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(errors) == 1 and errors[0].startswith("error: --gpu-mem 4.00 MiB is too small")
+    assert len(errors) == 1 and errors[0].startswith("error: --gpu-mem 5.00 MiB is too small")
     for flags in suggestions:  # what the advice says fits does fit
-        args = ["plan", "--gpu-mem", "4M", *shlex.split(flags.replace("DIR", "."))]
+        args = ["plan", "--gpu-mem", "5M", *shlex.split(flags.replace("DIR", "."))]
         if "--recompute" not in flags:
             args.append("--no-recompute")
         assert _invoke(*args).exit_code == 0, flags

@@ -91,7 +91,7 @@ from .actoffload import Offloader
 from .batches import default_loss, split_batch, step_weights, to_device
 from .early import EarlyUpdater
 from . import gradients as gradients_mod
-from . import segments
+from . import headloss, segments
 from .gradients import GradientRouter
 from .gradspill import GradSpill
 from .frozen_base import frozen_layouts
@@ -203,6 +203,8 @@ class Engine:
                                              compute_dtype=self.compute_dtype)
         self.optimizer_name = optimizer
         self.ranks = self.shared = self.nvme = self.executor = self.surgery = self.grads = None
+        self._head_hook: "torch.utils.hooks.RemovableHandle | None" = None
+        self._loss_stages = (0, 0, 0)  # the default loss's transients by stage (headloss.workspace)
         self._closed = False
         try:
             group = distributed.group if distributed.group is not None else default_group()
@@ -492,6 +494,12 @@ class Engine:
                              "checkpointing (a model with several blocks, checkpointing not False or 0)")
         recomputed = self.blocks[:count]
         self.tracker = ActivationTracker(res, self.ledger, self.device, counts=self.moments.counts)
+        # the simulated device books the default loss's transients till the head's input has its
+        # gradient (offload.engine.workspace); CUDA's allocator measures them
+        lm = headloss.causal_lm(model) if self.loss_fn is default_loss and not self.workspace.cuda else None
+        head = lm.get_output_embeddings() if lm is not None else None
+        if isinstance(head, torch.nn.Module):
+            self._head_hook = head.register_forward_hook(self._after_head)
         # blocks that save what their inputs' shapes decide: a recompute may be lumped, and the
         # warm-up's bytes hold for later batches of its shape (_keep_activations)
         self.tracker.lumps = self._shaped_blocks = lumped_recompute(model, recomputed)
@@ -731,6 +739,17 @@ class Engine:
                                      and self.updater.needs_grad)
             self.moments.begin_step(self.steps)
 
+    def _after_head(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
+        """Hooks on the gradients of the head's output (the loss's backward is done: what stays
+        through the head's backward is booked) and of its input (the loss's transients are gone)."""
+        x = args[0] if args else None
+        if not (self.workspace.loss and isinstance(x, torch.Tensor) and x.requires_grad):
+            return
+        tail = self._loss_stages[2]
+        if isinstance(out, torch.Tensor) and out.requires_grad and out.numel():
+            out.register_hook(lambda grad: self.workspace.book_loss(tail))
+        x.register_hook(self.workspace.release_loss)
+
     def forward(self, batch: Any) -> torch.Tensor:
         """Run the loss function on `batch`; returns the loss tensor (graph kept for backward)."""
         self._check_open()
@@ -738,8 +757,15 @@ class Engine:
         try:
             with self.moments.timed(Phase.FORWARD):
                 waits = self.executor.host_waits
+                if self._head_hook is not None:
+                    self._loss_stages = headloss.workspace(self.model, batch, torch.is_grad_enabled())
+                    self.workspace.book_loss(self._loss_stages[0])
                 with self.tracker.hooks(), self.residency.reading():
                     loss = self.loss_fn(self.model, to_device(batch, self.device))
+                if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+                    self.workspace.release_loss()  # (no backward to end them)
+                elif self.workspace.loss:
+                    self.workspace.book_loss(self._loss_stages[1])
                 if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                     what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                             else f"a {type(loss).__name__}")
@@ -782,12 +808,14 @@ class Engine:
             raise
         finally:
             self.grads.reduce_on = False
+            self.workspace.release_loss()  # (the head's input had no gradient, or backward failed)
 
     def _abort_cycle(self) -> bool:
         """Drop a failed step's gradients; True when its early updates (offload.engine.early) had not
         reached any chunk, so the weights are those of the last completed step."""
         intact = self.grads.abort()
         self.tracker.abandon()
+        self.workspace.release_loss()
         drop_ahead(self._ahead)  # (after the worker: grads.abort waited for it)
         self._order_now = []
         self._in_cycle = False
@@ -1269,6 +1297,8 @@ class Engine:
         if self.ranks is not None:
             self.ranks.close()
         self.residency.restore_classes()
+        if self._head_hook is not None:
+            self._head_hook.remove()
         # no placeholder values left: a use of the closed model fails loudly (meta tensors)
         self.surgery.to_meta(self.params.values())
         self._closed = True

@@ -34,12 +34,13 @@ import contextvars
 import logging
 import math
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
-from ..plan.perfmodel import HEAD_TILE_BYTES
+from ..plan.perfmodel import HEAD_TILE_BYTES, loss_tail, loss_workspace
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,26 @@ def tiled_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor | 
         model(**rest)
     return box[0]
 
+
+def workspace(model: torch.nn.Module, batch: Any, grads: bool) -> tuple[int, int, int]:
+    """The transient bytes of the engine's default loss on `batch`, tiled or the model's own as
+    `tiled_loss` decides: during forward (perfmodel.loss_workspace), from forward's end to the
+    gradient of the head's output (the same: the model's own loss makes them in backward; the
+    tiled loss's are gone), then through the head's backward (perfmodel.loss_tail). Zeros for
+    what is not a causal LM's loss."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings() if lm is not None else None
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or not isinstance(head, torch.nn.Linear):
+        return 0, 0, 0
+    t, vocab, h, e = labels.numel(), head.out_features, head.in_features, head.weight.element_size()
+    transform = transform_of(lm.config)
+    own = isinstance(transform, str) or 4 * t * vocab <= TILE_BYTES
+    trains = grads and head.weight.requires_grad
+    during = loss_workspace(t=t, vocab=vocab, h=h, e=e, grads=grads, head_grad=trains,
+                            transform=isinstance(transform, Transform), stats=collected() is not None, own=own)
+    tail = loss_tail(t=t, vocab=vocab, h=h, e=e, head_grad=trains, own=own) if grads else 0
+    return during, during if own else tail, tail
 
 class _HostLabels:
     """The last batch's labels as the host had them, keyed by their device copy (the engine's

@@ -9,12 +9,19 @@ So the warm-up step streams through the smallest window, reads the allocator's p
 placement then leaves room for what the ledger missed plus a margin (offload.plan.needs.
 workspace_margin, which the planner leaves too; a placement made up front from estimated
 activations leaves the margin from the start). The simulated device has no allocator to ask:
-0 there. Resets CUDA's peak memory statistics once, at the warm-up.
+there the ledger books the loss's transients itself (`book_loss`: perfmodel.loss_workspace, as
+measured against RSS), from the loss's start until the gradient of the head's input is made
+(the loss's backward done), as activations: their worst moment is the activations' (the end of
+forward), and the activations' peak is what the placement leaves room for (the planner adds
+them there too: perfmodel.activation_bytes). Resets CUDA's peak memory statistics once, at
+the warm-up.
 Fragmentation is what the margin covers; the CLI turns on the allocator's expandable segments
 (PYTORCH_CUDA_ALLOC_CONF) to keep it small; a library user sets that variable before CUDA starts.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -30,6 +37,27 @@ class Workspace:
         self.outside = 0  # bytes the process held on the device that are not the engine's
         self.missed = 0  # the most the allocator held beside the ledger, over the measured passes
         self.bytes = 0  # that plus the margin, once measured
+        self.loss = 0  # the simulated device: the loss's transients booked now (as "activation")
+        self._lock = threading.Lock()  # (released from autograd's thread)
+
+    def book_loss(self, nbytes: int) -> None:
+        """The simulated device: `nbytes` of the loss's transients booked now (more or fewer than
+        before: the loss's stages, headloss.workspace)."""
+        if self.cuda:
+            return
+        with self._lock:
+            if nbytes > self.loss:
+                self.ledger.reserve("gpu", "activation", nbytes - self.loss)
+            elif nbytes < self.loss:
+                self.ledger.release("gpu", "activation", self.loss - nbytes)
+            self.loss = nbytes
+
+    def release_loss(self, *_: object) -> None:
+        """The loss's transients are gone (a hook on the head input's gradient; the end of backward)."""
+        with self._lock:
+            if self.loss:
+                self.ledger.release("gpu", "activation", self.loss)
+                self.loss = 0
 
     def begin(self) -> None:
         """At the start of a measured pass (Engine.measure, the warm-up step)."""

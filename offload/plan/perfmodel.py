@@ -89,7 +89,7 @@ def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad
 
 
 def loss_workspace(*, t: int, vocab: int, h: int, e: int, grads: bool = True, head_grad: bool = False,
-                   transform: bool = False, stats: bool = False) -> int:
+                   transform: bool = False, stats: bool = False, own: bool = False) -> int:
     """What a causal LM's loss holds beside what it saves (`loss_bytes`), at its worst moment:
     the transient tensors of the logits (offload.engine.headloss). The engine books it on the
     simulated device while a default loss runs; CUDA's allocator measures it (offload.engine.
@@ -103,8 +103,9 @@ def loss_workspace(*, t: int, vocab: int, h: int, e: int, grads: bool = True, he
     fp32 (headloss.SLICES); in backward, the
     scaled gradients returned (e*T*h, and e*V*h when the head trains). `stats`: SFTTrainer's
     token statistics are counted too (headloss.TokenStats): a tile's fp32 copy of the model's own
-    logits, and an eighth of a tile for the entropy."""
-    if 4 * t * vocab <= HEAD_TILE_BYTES:
+    logits, and an eighth of a tile for the entropy. `own`: the model's own loss at any length
+    (a model the tiled loss does not take)."""
+    if own or 4 * t * vocab <= HEAD_TILE_BYTES:
         own = 8 * t * vocab if grads else (e + 4 + (4 if e < 4 else 0)) * t * vocab
         return max(own, (e + 4) * t * vocab + t * vocab // 2) if stats else own
     n = min(t, max(1, HEAD_TILE_BYTES // (4 * vocab)))
@@ -118,6 +119,15 @@ def loss_workspace(*, t: int, vocab: int, h: int, e: int, grads: bool = True, he
     forward = (max(logits, e * n * vocab + (e + 4) * vocab * h * narrow // 8) + 4 * vocab * h * narrow
                + 2 * e * n * h)
     return max(forward, e * t * h + e * vocab * h * head_grad)
+
+
+def loss_tail(*, t: int, vocab: int, h: int, e: int, head_grad: bool = False, own: bool = False) -> int:
+    """What the loss's transients leave while the head's own backward runs (after the gradient of
+    its output is made): the model's own loss, that gradient (e*T*V); the tiled loss, the scaled
+    gradients it returns (e*T*h, and e*V*h when the head trains)."""
+    if own or 4 * t * vocab <= HEAD_TILE_BYTES:
+        return e * t * vocab
+    return e * t * h + (e * vocab * h if head_grad else 0)
 
 #: Packed rows of at least this many tokens are attended one segment at a time (no S x S mask:
 #: offload.engine.segments); shorter ones take transformers' mask (at most 48 MiB a row with its
@@ -166,8 +176,10 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     layers  the layers kept (not recomputed): each one's internals (untiled) and, in fp32 runs,
             its first norm's fp32 input (the block input itself; in bf16 it is not saved),
             held from forward to their backward; 0 when every layer is recomputed
-    head    the final norm + what the loss saves (loss_bytes)
+    head    the final norm + what the loss saves (loss_bytes) + its transients (loss_workspace:
+            the engine books them with the activations, till the head's input has its gradient)
     final_norm  the part of head still saved once log_softmax's backward has run
+    loss_tail   what the loss's transients leave while the head's backward runs (loss_tail)
     The peak is fixed + the larger of inputs_end + layers + head (end of forward) and inputs +
     block (a recompute in backward: the recomputed layers are the first ones, reached after the
     kept layers' activations and the head's are freed).
@@ -249,7 +261,9 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             "block": internals if checkpointed else 0,
             "layers": (layers - recomputed) * (kept_internals + (e * t * h if e == 4 else 0)),
             "final_norm": norm,
-            "head": norm + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=True),
+            "head": norm + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=True)
+            + loss_workspace(t=t, vocab=model.vocab_size, h=h, e=e, head_grad=True),
+            "loss_tail": loss_tail(t=t, vocab=model.vocab_size, h=h, e=e, head_grad=True),
         }
     if model.router_loss:  # every layer's router logits joined (e each) and their top-k's indices
         # (int64), until the loss's backward: part of the end of forward's peak
@@ -337,7 +351,9 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
         "block": internals if recomputed else 0,
         "layers": (layers - recomputed) * (kept_internals + kept_input) - (0 if recomputed else layer0),
         "final_norm": final,
-        "head": final + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=False),
+        "head": final + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=False)
+        + loss_workspace(t=t, vocab=model.vocab_size, h=h, e=e),
+        "loss_tail": loss_tail(t=t, vocab=model.vocab_size, h=h, e=e),
     }
 
 

@@ -1039,7 +1039,7 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     head = gathered.get("lm_head.weight", 0)
     # (a recompute comes after the kept layers' backward: the recomputed layers are the first)
     return max(held + p["head"], p["fixed"] + p["inputs"] + p["block"] + inflight,
-               held + p["final_norm"] + max(head, inflight),
+               held + p["final_norm"] + p["loss_tail"] + max(head, inflight),
                p["fixed"] + max(gathered.get("model.embed_tokens.weight", 0), inflight))
 
 
