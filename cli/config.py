@@ -225,9 +225,11 @@ class TrainConfig:
                      "quantization.", panel=LORA, flag="--qlora/--no-qlora", plan=True)
     """Shorthand for --lora-rank 16 --base-dtype nf4 (an NF4 base is always double-quantized)."""
     gpu_mem: str | None = _f(None, "GPU memory to use, e.g. 24G (default: the GPU's free memory; without CUDA "
-                             "this machine's RAM, the simulated device). Sizes: K/M/G/T and KiB..TiB are powers of "
-                             "1024, KB/MB/GB/TB of 1000 (24GB is 22.35 GiB).", panel=MEMORY, plan=True)
-    cpu_mem: str | None = _f(None, "Host RAM to use, e.g. 256G (default: this machine's RAM).", panel=MEMORY,
+                             "the simulated device, in host RAM: 8 GiB or half the RAM, whichever is less). Sizes: "
+                             "K/M/G/T and KiB..TiB are powers of 1024, KB/MB/GB/TB of 1000 (24GB is 22.35 GiB).",
+                             panel=MEMORY, plan=True)
+    cpu_mem: str | None = _f(None, "Host RAM to use, e.g. 256G (default: this machine's RAM less the process's "
+                             "own ~0.4 GiB and, without CUDA, the simulated device's --gpu-mem).", panel=MEMORY,
                              plan=True)
     cxl_mem: str | None = _f(None, "CXL memory to use, e.g. 512G (default: none, no CXL tier).", panel=MEMORY, plan=True)
     cxl_node: "str | int | tuple[int, ...] | None" = _f(

@@ -148,20 +148,34 @@ def resolve_model(spec: str | None, *, trust_remote_code: bool = False) -> "Mode
 
 
 def host_budget(cfg: TrainConfig, *, planning: bool = False) -> int | None:
-    """The host RAM budget: --cpu-mem, else this machine's RAM (never more than it has). A plan
-    for another machine (--hardware NAME) uses that profile's host memory instead (None)."""
+    """The host RAM budget: --cpu-mem, else this machine's RAM less what else the run keeps
+    there: the process itself (planner.process_bytes) and, without CUDA, the simulated device
+    (`gpu_budget`, one a rank): the defaults fit the RAM together. A plan for another machine
+    (--hardware NAME) uses that profile's host memory instead (None)."""
     if cfg.budgets["cpu"] is not None:
         return cfg.budgets["cpu"]
-    return None if planning and cfg.hardware else physical_ram()
+    if planning and cfg.hardware:
+        return None
+    ram = physical_ram()
+    if ram is None:
+        return None
+    device = 0 if machine.has_cuda() else (gpu_budget(cfg) or 0) * max(1, cfg.nproc_per_node)
+    return max(0, ram - device - planner.process_bytes(lora=bool(cfg.lora_rank)))
 
 
 def gpu_budget(cfg: TrainConfig) -> int | None:
     """The GPU budget of a run on this machine: --gpu-mem, else what the device has (never
-    more: cli.machine.device_memory). The planner takes the smaller of it and its hardware
-    profile's device memory."""
+    more: cli.machine.device_memory); without CUDA, the simulated device's memory is host RAM:
+    the default profile's device memory (8 GiB), or half the RAM where that is less. The
+    planner takes the smaller of it and its hardware profile's device memory."""
     if cfg.budgets["gpu"] is not None:
         return cfg.budgets["gpu"]
-    return machine.device_memory()
+    have = machine.device_memory()
+    if have is None or machine.has_cuda():
+        return have
+    from ..profiles import load_hardware_profile
+
+    return min(load_hardware_profile(planner.DEFAULT_HARDWARE).gpu.memory, have // 2)
 
 
 def nvme_budget(cfg: TrainConfig, *, here: bool = True) -> int | None:
@@ -221,12 +235,13 @@ def _ram_over(cfg: TrainConfig) -> "str | None":
     ranks, simulated = max(1, cfg.nproc_per_node), _simulated_ram(cfg)
     if have is None or cpu is None and not simulated:
         return None
-    if (cpu or 0) + simulated + planner.PROCESS_BYTES <= have:
+    process = planner.process_bytes(lora=bool(cfg.lora_rank))
+    if (cpu or 0) + simulated + process <= have:
         return None
     each = f" x {ranks} ranks" if ranks > 1 else ""
     asked = ([f"--cpu-mem {format_size(cpu)}"] if cpu is not None else []) \
         + ([f"--gpu-mem {format_size(gpu or 0)}{each} (the simulated device: host RAM)"] if simulated else [])
-    return (f"{' + '.join(asked)} + about {format_size(planner.PROCESS_BYTES)} for the process is more than "
+    return (f"{' + '.join(asked)} + about {format_size(process)} for the process is more than "
             f"this machine has available ({format_size(have)} of {format_size(physical_ram() or have)} RAM)")
 
 

@@ -30,6 +30,7 @@ def test_device_memory_is_cuda_free_memory_or_the_ram(monkeypatch):
 
 
 def test_the_automatic_gpu_budget_is_the_devices_at_most(monkeypatch):
+    monkeypatch.setattr(machine, "has_cuda", lambda: True)
     monkeypatch.setattr(machine, "device_memory", lambda: 1 << 20)  # a 1 MiB device
     cfg = TrainConfig(model="tiny", recompute=True)
     assert planning.gpu_budget(cfg) == 1 << 20
@@ -46,6 +47,26 @@ def test_the_automatic_gpu_budget_is_the_devices_at_most(monkeypatch):
     assert other.budgets["gpu"] == 8 << 30
 
 
+def test_without_cuda_the_default_budgets_fit_the_ram_together(monkeypatch):
+    """The simulated device is host RAM: by default it takes the profile's 8 GiB or half the RAM,
+    and the host budget the rest, less the process's own; the plan's host RSS then fits the RAM."""
+    from tierwise.offload.plan.planner import process_bytes
+
+    monkeypatch.setattr(machine, "has_cuda", lambda: False)
+    for ram in (6 << 30, 64 << 30):
+        monkeypatch.setattr(machine, "device_memory", lambda: ram)
+        monkeypatch.setattr(planning, "physical_ram", lambda: ram)
+        cfg = TrainConfig(model="tiny", recompute=True)
+        device = min(8 << 30, ram // 2)
+        assert planning.gpu_budget(cfg) == device
+        assert planning.host_budget(cfg) == ram - device - process_bytes(lora=False)
+        plan = planning.make_plan(cfg)
+        assert plan.budgets["gpu"] == device and plan.budgets["host"] == ram - device - process_bytes(lora=False)
+        assert plan.budgets["gpu"] + plan.budgets["host"] + plan.process_bytes == ram
+        lora = TrainConfig(model="tiny", recompute=True, qlora=True)
+        assert planning.host_budget(lora) == ram - device - process_bytes(lora=True) < planning.host_budget(cfg)
+
+
 def test_training_hands_the_engine_the_devices_memory(monkeypatch, tmp_path):
     seen = {}
 
@@ -55,6 +76,7 @@ def test_training_hands_the_engine_the_devices_memory(monkeypatch, tmp_path):
             super().__init__(model, **kwargs)
 
     monkeypatch.setattr(tierwise.cli.train, "engine_class", lambda: Spy)
+    monkeypatch.setattr(machine, "has_cuda", lambda: True)
     monkeypatch.setattr(machine, "device_memory", lambda: 7 << 30)
     cfg = TrainConfig(steps=1, seq_len=32, batch_size=2, output=str(tmp_path / "o"), recompute=True)
     model = tierwise.cli.train.build_meta_model(tierwise.cli.train.resolve_model(None).config)

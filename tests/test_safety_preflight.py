@@ -58,7 +58,8 @@ def test_headline_command_refuses_within_seconds_without_allocating(tmp_path):
         assert "--gpu-mem 24.00 GiB (the simulated device: host RAM)" in errors[0] and "lower --gpu-mem" in errors[0]
     else:
         assert "cannot hold the streamed chunks" in errors[0] and "--nvme-path" in errors[0]
-        assert f"host budget {format_size(physical_ram())}" in errors[0]  # not the profile's 24 GiB
+        host = physical_ram() - PROCESS_BYTES - (0 if machine.has_cuda() else 24 << 30)
+        assert f"host budget {format_size(host)}" in errors[0]  # not the profile's 24 GiB
     assert "Traceback" not in proc.stderr
     assert elapsed < 60, elapsed
     if rss_kib > before:  # the largest child so far is this one
@@ -67,10 +68,12 @@ def test_headline_command_refuses_within_seconds_without_allocating(tmp_path):
 
 
 def test_the_automatic_host_budget_is_this_machines_ram_not_the_profiles(tmp_path):
-    # (a simulated device that fits beside it: the headline's 24G does not on a 24 GiB machine)
+    # (a simulated device that fits beside it: the headline's 24G does not on a 24 GiB machine);
+    # the RAM less the process's own and the simulated device's
     line = _error_line(_invoke("--model", "70b", "--gpu-mem", "16G", "--output", str(tmp_path / "out")))
     assert "cannot hold the streamed chunks" in line and "--nvme-path" in line
-    assert f"host budget {format_size(physical_ram())}" in line  # not the profile's 24 GiB
+    host = physical_ram() - PROCESS_BYTES - (0 if machine.has_cuda() else 16 << 30)
+    assert f"host budget {format_size(host)}" in line  # not the profile's 24 GiB
     assert not (tmp_path / "out").exists()
 
 

@@ -81,6 +81,21 @@ class ChunkHome:
     state: str | None
 
 
+#: The process beside its budgets, as the OS counts it: Python, torch, transformers, matplotlib,
+#: the model's skeleton, the tokenizer and the data. Measured on CPU when the engine is built
+#: (bench/host_rss.py, a 0.6B Llama: 321-329 MiB) plus 32 MiB for what the first step brings in.
+#: A CUDA context adds host memory of its own that no CPU run measures (gpu_check records it).
+PROCESS_BYTES = 360 << 20
+#: What importing PEFT adds for a LoRA/QLoRA run (measured: 51 MiB, peft 0.21; 387-392 MiB of
+#: anonymous RSS when the engine is built, against 323 MiB for a full fine-tune of the same model).
+PEFT_BYTES = 64 << 20
+
+
+def process_bytes(*, lora: bool) -> int:
+    """The process beside its budgets, as the OS counts it (PROCESS_BYTES, PEFT_BYTES)."""
+    return PROCESS_BYTES + (PEFT_BYTES if lora else 0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """A feasible placement and its predicted cost."""
@@ -133,7 +148,11 @@ class Plan:
     """The model's decoder blocks."""
     host_rss: int = 0
     """What the OS will count for the process (per node with several ranks): the host peak, the
-    process itself (PROCESS_BYTES each) and, on the simulated device, its gpu peak (host RAM)."""
+    process itself (`process_bytes` each) and, on the simulated device, its gpu peak (host RAM).
+    Anonymous memory: RSS as `top` shows it adds the pages of torch's libraries the process has
+    read (130-330 MiB measured), which are shared and which the OS drops under pressure."""
+    process_bytes: int = PROCESS_BYTES
+    """Of host_rss, each process's own (process_bytes)."""
     padded: bool = False
     """Planned for a batch whose attention takes a dense S x S mask (perfmodel.activation_parts):
     the run's worst step when some batch does (cli.planning.data_padded)."""
@@ -239,9 +258,10 @@ class Plan:
                          f"for the CUDA allocator (1/{MARGIN_SHARE} of the budget, as the engine leaves it)")
         if self.host_rss:
             procs = self.ranks.nproc_per_node if self.ranks is not None else 1
-            sim = self.host_rss > self.peak.get("host", 0) + PROCESS_BYTES * procs
+            sim = self.host_rss > self.peak.get("host", 0) + self.process_bytes * procs
+            peft = ", PEFT" if self.process_bytes > PROCESS_BYTES else ""
             lines.append(f"host RSS to expect: {format_size(self.host_rss)} (host peak + about "
-                         f"{format_size(PROCESS_BYTES)} a process for Python, torch and the data"
+                         f"{format_size(self.process_bytes)} a process for Python, torch{peft} and the data"
                          f"{' + the simulated device, which is host RAM' if sim else ''})")
         lines.append(f"times modelled from hardware profile '{self.hardware}', not measured "
                      "(--verify runs real steps here; `finetune profile` measures this machine)")
@@ -249,13 +269,6 @@ class Plan:
         lines.append(f"verdict: fits: every tier's peak is within its budget (fullest: {tight[1]} "
                      f"at {100 * tight[0]:.0f}%)")
         return "\n".join(lines)
-
-
-#: The process beside its budgets, as the OS counts it: Python, torch, transformers, matplotlib,
-#: the model's skeleton, the tokenizer and the data. Measured on CPU when the engine is built
-#: (bench/host_rss.py, a 0.6B Llama: 321-329 MiB) plus 32 MiB for what the first step brings in.
-#: A CUDA context adds host memory of its own that no CPU run measures (gpu_check records it).
-PROCESS_BYTES = 360 << 20
 
 
 def _rate(x: float) -> str:
@@ -1091,7 +1104,8 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
                 gpu_update_params=gpu_params, cpu_update_params=ch.trainable_params - gpu_params,
                 phases=pred.phases, step_s=pred.step_s, bottleneck=pred.bottleneck,
                 tokens_per_s=pred.tokens_per_s, bounds=pred.bounds,
-                host_rss=peak.get("host", 0) + PROCESS_BYTES + (0 if ch.cuda else peak.get("gpu", 0)), **meta)
+                host_rss=peak.get("host", 0) + process_bytes(lora=bool(ch.frozen)) + (0 if ch.cuda else peak.get("gpu", 0)),
+                process_bytes=process_bytes(lora=bool(ch.frozen)), **meta)
 
 
 def _rank_view(ch: _Chunks, remote: frozenset[int], owned_grads: bool) -> _Chunks:
@@ -1259,7 +1273,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
                      single_tokens_per_s=single_tps,
                      host_shares=None if host is None or not uneven else
                      [(per_host[r] or 0) + keep + base_part + base_homes.bounce for r in range(L)])
-    rss = node_bytes["host"] + L * PROCESS_BYTES + (0 if ch.cuda else sum(gpu_peaks))
+    rss = node_bytes["host"] + L * plan.process_bytes + (0 if ch.cuda else sum(gpu_peaks))
     return dataclasses.replace(plan, bytes=by_tier, reserve=reserve, peak=peak, ranks=ranks, host_rss=rss,
                                gpu_update_params=0, cpu_update_params=owned[0])
 
