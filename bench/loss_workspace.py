@@ -27,7 +27,7 @@ CASES = [  # (path, dtype, flags)
     ("own", "float32", ""), ("own", "bfloat16", ""), ("own", "float32", "stats"), ("own", "bfloat16", "nograd"),
     ("tiled", "float32", ""), ("tiled", "bfloat16", ""), ("tiled", "float32", "stats"),
     ("tiled", "bfloat16", "cap"), ("tiled", "float32", "cap"), ("tiled", "bfloat16", "head"),
-    ("tiled", "float32", "nograd"),
+    ("tiled", "float32", "nograd"), ("tiled", "float32", "nograd cap"), ("tiled", "float32", "nograd stats"),
 ]
 
 

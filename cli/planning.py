@@ -159,15 +159,17 @@ def host_budget(cfg: TrainConfig, *, planning: bool = False) -> int | None:
     ram = physical_ram()
     if ram is None:
         return None
-    device = 0 if machine.has_cuda() else (gpu_budget(cfg) or 0) * max(1, cfg.nproc_per_node)
-    return max(0, ram - device - planner.process_bytes(lora=bool(cfg.lora_rank)))
+    ranks = max(1, cfg.nproc_per_node)  # (each local rank: a process, and without CUDA a device)
+    device = 0 if machine.has_cuda() else (gpu_budget(cfg) or 0) * ranks
+    return max(0, ram - device - planner.process_bytes(lora=bool(cfg.lora_rank)) * ranks)
 
 
 def gpu_budget(cfg: TrainConfig) -> int | None:
     """The GPU budget of a run on this machine: --gpu-mem, else what the device has (never
     more: cli.machine.device_memory); without CUDA, the simulated device's memory is host RAM:
-    the default profile's device memory (8 GiB), or half the RAM where that is less. The
-    planner takes the smaller of it and its hardware profile's device memory."""
+    the default profile's device memory (8 GiB), or half the RAM (shared by the local ranks)
+    where that is less. The planner takes the smaller of it and its hardware profile's device
+    memory."""
     if cfg.budgets["gpu"] is not None:
         return cfg.budgets["gpu"]
     have = machine.device_memory()
@@ -175,7 +177,8 @@ def gpu_budget(cfg: TrainConfig) -> int | None:
         return have
     from ..profiles import load_hardware_profile
 
-    return min(load_hardware_profile(planner.DEFAULT_HARDWARE).gpu.memory, have // 2)
+    # (each local rank has a simulated device of its own: together they take half the RAM at most)
+    return min(load_hardware_profile(planner.DEFAULT_HARDWARE).gpu.memory, have // (2 * max(1, cfg.nproc_per_node)))
 
 
 def nvme_budget(cfg: TrainConfig, *, here: bool = True) -> int | None:

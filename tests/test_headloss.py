@@ -312,7 +312,7 @@ def test_the_loss_transients_measured_stay_within_what_is_booked():
                            "--json"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 11
+    assert len(rows) == 13
     for r in rows:
         booked = r["saved"] + r["workspace"]
         assert r["peak"] <= booked + (2 << 20), r  # (2 MiB: the allocator's small blocks)

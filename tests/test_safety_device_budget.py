@@ -65,6 +65,9 @@ def test_without_cuda_the_default_budgets_fit_the_ram_together(monkeypatch):
         assert plan.budgets["gpu"] + plan.budgets["host"] + plan.process_bytes == ram
         lora = TrainConfig(model="tiny", recompute=True, qlora=True)
         assert planning.host_budget(lora) == ram - device - process_bytes(lora=True) < planning.host_budget(cfg)
+        two = TrainConfig(model="tiny", recompute=True, nproc_per_node=2)  # (a device each: half the RAM in all)
+        assert planning.gpu_budget(two) == min(8 << 30, ram // 4)
+        assert planning.host_budget(two) == ram - 2 * planning.gpu_budget(two) - 2 * process_bytes(lora=False) > 0
 
 
 def test_training_hands_the_engine_the_devices_memory(monkeypatch, tmp_path):

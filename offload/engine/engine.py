@@ -500,6 +500,7 @@ class Engine:
         head = lm.get_output_embeddings() if lm is not None else None
         if isinstance(head, torch.nn.Module):
             self._head_hook = head.register_forward_hook(self._after_head)
+            surgery.keep([self._head_hook])  # (removed by close(), or when construction fails)
         # blocks that save what their inputs' shapes decide: a recompute may be lumped, and the
         # warm-up's bytes hold for later batches of its shape (_keep_activations)
         self.tracker.lumps = self._shaped_blocks = lumped_recompute(model, recomputed)
@@ -1297,8 +1298,6 @@ class Engine:
         if self.ranks is not None:
             self.ranks.close()
         self.residency.restore_classes()
-        if self._head_hook is not None:
-            self._head_hook.remove()
         # no placeholder values left: a use of the closed model fails loudly (meta tensors)
         self.surgery.to_meta(self.params.values())
         self._closed = True

@@ -76,12 +76,13 @@ HEAD_TILE_BYTES = 256 << 20
 """fp32 logits of one tile of the engine's head loss (offload.engine.headloss)."""
 
 
-def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad: bool) -> int:
+def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad: bool, own: bool = False) -> int:
     """What a causal LM's loss saves for backward over `t` tokens (offload.engine.headloss).
     Logits that fit one tile: the model's own loss, log_softmax's fp32 output (4*T*V) + int64
     targets + a scalar. Beyond: the head in tiles saves the gradient of its input (e*T*h) and,
-    when the head trains (`head_grad`), of its weight (e*V*h); nothing of the logits."""
-    if 4 * t * vocab <= HEAD_TILE_BYTES:
+    when the head trains (`head_grad`), of its weight (e*V*h); nothing of the logits. `own`: the
+    model's own loss at any length (a model the tiled loss does not take: its router's loss)."""
+    if own or 4 * t * vocab <= HEAD_TILE_BYTES:
         # targets: the labels shifted in a padded S+1 copy; with one sequence a view of all of it
         return 4 * t * vocab + 8 * (t + (batch_size == 1)) + 4
     return e * t * h + (e * vocab * h if head_grad else 0)
@@ -106,12 +107,13 @@ def loss_workspace(*, t: int, vocab: int, h: int, e: int, grads: bool = True, he
     logits, and an eighth of a tile for the entropy. `own`: the model's own loss at any length
     (a model the tiled loss does not take)."""
     if own or 4 * t * vocab <= HEAD_TILE_BYTES:
-        own = 8 * t * vocab if grads else (e + 4 + (4 if e < 4 else 0)) * t * vocab
-        return max(own, (e + 4) * t * vocab + t * vocab // 2) if stats else own
+        whole = 8 * t * vocab if grads else (e + 4 + (4 if e < 4 else 0)) * t * vocab
+        return max(whole, (e + 4) * t * vocab + t * vocab // 2) if stats else whole
     n = min(t, max(1, HEAD_TILE_BYTES // (4 * vocab)))
     tile = 4 * n * vocab
-    if not grads:
-        return tile * (2 if transform else 1) + e * n * vocab * (e < 4) + e * n * h
+    if not grads:  # (no fp32 copy of the gradient: the transform's temporaries count)
+        logits = tile * (3 if transform else 1) if e == 4 else tile * (5 if transform else 3) // 2
+        return (max(logits, tile + tile // 8) if stats else logits) + e * n * h
     logits = tile * (3 if transform else 1) if e == 4 else tile * (4 if transform else 3) // 2
     if stats:
         logits = max(logits, tile + tile // 8)
@@ -226,6 +228,7 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     """
     e = compute_bytes(precision)
     t, s, h, i = batch_size * seq_len, seq_len, model.hidden_size, model.intermediate_size
+    own = model.router_loss  # (a router's loss joins the model's own: the tiled loss does not take it)
     fp32_copy = 4 * t * h
     norm = 4 * t + 2 * e * t * h + fp32_copy
     first_norm = norm - (fp32_copy if e == 4 else 0)
@@ -261,9 +264,10 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             "block": internals if checkpointed else 0,
             "layers": (layers - recomputed) * (kept_internals + (e * t * h if e == 4 else 0)),
             "final_norm": norm,
-            "head": norm + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=True)
-            + loss_workspace(t=t, vocab=model.vocab_size, h=h, e=e, head_grad=True),
-            "loss_tail": loss_tail(t=t, vocab=model.vocab_size, h=h, e=e, head_grad=True),
+            "head": norm + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=True,
+                                      own=own) + loss_workspace(t=t, vocab=model.vocab_size, h=h, e=e, head_grad=True,
+                                                                own=own),
+            "loss_tail": loss_tail(t=t, vocab=model.vocab_size, h=h, e=e, head_grad=True, own=own),
         }
     if model.router_loss:  # every layer's router logits joined (e each) and their top-k's indices
         # (int64), until the loss's backward: part of the end of forward's peak
@@ -308,6 +312,7 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
     its shared expert's width (0 for Mixtral), `routed` its routed experts' bytes
     (moe_mlp_bytes, frozen)."""
     targets, rank, drop = (*lora, None) if len(lora) == 2 else lora
+    own = model.router_loss  # (as activation_parts)
     if drop is not None and targets & {"gate_proj", "up_proj", "down_proj"}:
         mlp_t = t  # (an adapter's dropout in the MLP would draw its noise per tile: untiled)
     fp32_copy = 4 * t * h
@@ -351,9 +356,9 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
         "block": internals if recomputed else 0,
         "layers": (layers - recomputed) * (kept_internals + kept_input) - (0 if recomputed else layer0),
         "final_norm": final,
-        "head": final + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=False)
-        + loss_workspace(t=t, vocab=model.vocab_size, h=h, e=e),
-        "loss_tail": loss_tail(t=t, vocab=model.vocab_size, h=h, e=e),
+        "head": final + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=False,
+                                   own=own) + loss_workspace(t=t, vocab=model.vocab_size, h=h, e=e, own=own),
+        "loss_tail": loss_tail(t=t, vocab=model.vocab_size, h=h, e=e, own=own),
     }
 
 
