@@ -226,18 +226,21 @@ def check_budgets(cfg: TrainConfig, *, here: bool) -> None:
 
 
 def _simulated_ram(cfg: TrainConfig) -> int:
-    """The host RAM the simulated devices take (--gpu-mem, one a rank); 0 on CUDA."""
-    gpu = cfg.budgets["gpu"]
-    return gpu * max(1, cfg.nproc_per_node) if gpu is not None and not machine.has_cuda() else 0
+    """The host RAM the simulated devices take (--gpu-mem or its default, one a rank); 0 on CUDA."""
+    if machine.has_cuda():
+        return 0
+    return (gpu_budget(cfg) or 0) * max(1, cfg.nproc_per_node)
 
 
 def _ram_over(cfg: TrainConfig) -> "str | None":
-    """What --cpu-mem (and the simulated device's --gpu-mem, which is host RAM) with the process
-    beside them asks of this machine's available RAM, said when it is more; else None."""
-    gpu, cpu, have = cfg.budgets["gpu"], cfg.budgets["cpu"], machine.available_ram()
+    """What --cpu-mem (and the simulated device's --gpu-mem or its default, which is host RAM)
+    with the process beside them asks of this machine's available RAM, said when it is more;
+    else None."""
+    cpu, have = cfg.budgets["cpu"], machine.available_ram()
     ranks, simulated = max(1, cfg.nproc_per_node), _simulated_ram(cfg)
-    if have is None or cpu is None and not simulated:
-        return None
+    gpu = gpu_budget(cfg)
+    if have is None or cpu is None and (not simulated or cfg.budgets["gpu"] is None):
+        return None  # (the default budgets fit the RAM together: host_budget)
     process = planner.process_bytes(lora=bool(cfg.lora_rank))
     if (cpu or 0) + simulated + process <= have:
         return None

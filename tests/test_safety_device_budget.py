@@ -85,3 +85,17 @@ def test_training_hands_the_engine_the_devices_memory(monkeypatch, tmp_path):
     model = tierwise.cli.train.build_meta_model(tierwise.cli.train.resolve_model(None).config)
     tierwise.cli.train.make_engine(model, cfg)
     assert seen["budget"].gpu == 7 << 30
+
+
+def test_a_given_host_budget_counts_the_default_simulated_device(monkeypatch):
+    """--cpu-mem near the RAM beside the simulated device's default (host RAM too) is more than
+    the machine has: refused, naming both; with --gpu-mem lowered it fits."""
+    from tierwise.cli.config import ConfigError
+
+    monkeypatch.setattr(machine, "has_cuda", lambda: False)
+    monkeypatch.setattr(machine, "device_memory", lambda: 24 << 30)
+    monkeypatch.setattr(machine, "available_ram", lambda: 24 << 30)
+    with pytest.raises(ConfigError, match=r"--cpu-mem 20.00 GiB \+ --gpu-mem 8.00 GiB \(the simulated device"):
+        planning.check_budgets(TrainConfig(model="tiny", cpu_mem="20G"), here=True)
+    planning.check_budgets(TrainConfig(model="tiny", cpu_mem="20G", gpu_mem="2G"), here=True)
+    planning.check_budgets(TrainConfig(model="tiny"), here=True)  # the defaults fit together
