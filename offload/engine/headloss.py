@@ -158,6 +158,7 @@ def workspace(model: torch.nn.Module, batch: Any, grads: bool) -> tuple[int, int
     tail = loss_tail(t=t, vocab=vocab, h=h, e=e, head_grad=trains, own=own) if grads else 0
     return during, during if own else tail, tail
 
+
 class _HostLabels:
     """The last batch's labels as the host had them, keyed by their device copy (the engine's
     to_device, offload.engine.batches): the tokens the loss keeps are found from them."""
@@ -215,6 +216,14 @@ def _note_once(model: torch.nn.Module, why: str) -> None:
         log.info("the loss holds every token's logits (the tiled head loss does not apply: %s)", why)
 
 
+def _exp_shifted_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """z (rows, vocab) becomes exp(z - its row max), in place (no tile-sized temporary, as
+    logsumexp makes one); returns the row maxima and the rows' sums, (rows, 1) each."""
+    top = z.amax(1, keepdim=True)
+    z.sub_(top).exp_()
+    return top, z.sum(1, keepdim=True)
+
+
 def _tile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, rows: torch.Tensor,
           transform: Transform | None, scale: Any, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None,
           grad_b: torch.Tensor | None, stats: "TokenStats | None") -> torch.Tensor:
@@ -229,10 +238,9 @@ def _tile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: t
     picked = zf.gather(1, y.unsqueeze(1)).squeeze(1)
     if stats is not None:
         stats.add_top1(zf, y)
-    top = zf.amax(1, keepdim=True)
-    g = zf.sub_(top).exp_()  # exp(z - max), in place: no tile-sized temporary as logsumexp makes
+    top, sums = _exp_shifted_(zf)
+    g = zf  # (one name left for the tile: to(dtype) below frees its fp32 storage)
     del zf
-    sums = g.sum(1, keepdim=True)
     loss = (top.squeeze(1) + sums.log().squeeze(1) - picked).sum()
     want = grad_h is not None or grad_w is not None or grad_b is not None
     if not want and stats is None:
@@ -320,11 +328,14 @@ class TokenStats:
     def add_top1(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         self.top1 = self.top1 + logits.argmax(1).eq(labels).sum()
 
-    def add_entropy(self, probs: torch.Tensor) -> None:
-        # (in slices of rows: entr's temporary is an eighth of the tile)
+    def add_entropy(self, probs: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """The entropy of each row of `probs` (of the rows `mask` keeps), summed; in slices of rows:
+        entr's temporary is an eighth of the tile."""
         step = max(1, -(-probs.shape[0] // SLICES))
-        for r in range(0, probs.shape[0], step):
-            self.entropy = self.entropy + torch.special.entr(probs[r:r + step]).sum(dtype=torch.float32)
+        for r in range(0, probs.shape[0], step):  # (entr's slice is freed before the next is made)
+            part = (torch.special.entr(probs[r:r + step]).sum(dtype=torch.float32) if mask is None
+                    else torch.special.entr(probs[r:r + step]).sum(1).mul_(mask[r:r + step]).sum())
+            self.entropy = self.entropy + part
 
     @torch.no_grad()
     def add_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
@@ -339,11 +350,8 @@ class TokenStats:
             zf = z[start:start + step].to(torch.float32, copy=True)
             m = mask[start:start + step]
             self.top1 = self.top1 + zf.argmax(1).eq(y[start:start + step]).logical_and_(m).sum()
-            p = zf.sub_(zf.amax(1, keepdim=True)).exp_()  # (in place, as the tiled loss's softmax)
-            p.div_(p.sum(1, keepdim=True))
-            rows = max(1, -(-p.shape[0] // SLICES))
-            for r in range(0, p.shape[0], rows):
-                self.entropy = self.entropy + torch.special.entr(p[r:r + rows]).sum(1).mul_(m[r:r + rows]).sum()
+            p = zf.div_(_exp_shifted_(zf)[1])  # (in place, as the tiled loss's softmax)
+            self.add_entropy(p, m)
 
 
 _stats: contextvars.ContextVar[TokenStats | None] = contextvars.ContextVar("tierwise_token_stats", default=None)

@@ -1096,6 +1096,7 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
     log.info("plan %s on %s: %d of %d chunks gpu-home, step %.3f s (%s)", model.name, hw.name,
              len(device.gpu_home), ch.n, pred.step_s, pred.bottleneck)
     gpu_params = sum(ch.params[c] for c in device.gpu_home)
+    process = process_bytes(lora=bool(ch.frozen))
     return Plan(model=model.name, hardware=hw.name, precision=precision, budgets=budgets,
                 num_params=ch.num_params, num_chunks=ch.n, bytes=by_tier, reserve=reserve, peak=peak,
                 active_params=(model.active_params + ch.num_params - model.num_params) if model.moe else None,
@@ -1104,8 +1105,8 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
                 gpu_update_params=gpu_params, cpu_update_params=ch.trainable_params - gpu_params,
                 phases=pred.phases, step_s=pred.step_s, bottleneck=pred.bottleneck,
                 tokens_per_s=pred.tokens_per_s, bounds=pred.bounds,
-                host_rss=peak.get("host", 0) + process_bytes(lora=bool(ch.frozen)) + (0 if ch.cuda else peak.get("gpu", 0)),
-                process_bytes=process_bytes(lora=bool(ch.frozen)), **meta)
+                host_rss=peak.get("host", 0) + process + (0 if ch.cuda else peak.get("gpu", 0)),
+                process_bytes=process, **meta)
 
 
 def _rank_view(ch: _Chunks, remote: frozenset[int], owned_grads: bool) -> _Chunks:
