@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 
 from . import checkpoint as ckpt
-from . import launch, rundir, shards
+from . import diskspace, launch, rundir, shards
 from . import lora as lora_mod
 from .config import DISK_FULL, ConfigError, TrainConfig
 from .data import (Batches, DataError, DataPosition, check_vocab, eval_batches, has_padding, isolates, load_blocks,
@@ -368,6 +368,7 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
     for note in engine.nvme.notices if engine.nvme is not None else []:
         warn(console, note)
     try:
+        _check_output_space(engine, cfg, out, model=model, total=total)
         start = _initial_state(engine, cfg, src, out, batches, console, model=model,
                                layout=layout, renames=renames, schedule=schedule)
         if padded:
@@ -455,6 +456,28 @@ def _load_base(engine, cfg: TrainConfig, src: ModelSource, *, model, layout: Mod
             engine.init_weights_(seed=cfg.seed, std=std, frozen_only=True)
         else:
             engine.init_weights_(seed=cfg.seed, std=std)
+
+
+def _check_output_space(engine, cfg: TrainConfig, out: Path, *, model, total: int) -> None:
+    """Refuse, before the weights are read, a run whose checkpoints and export would not fit
+    where they go (cli.diskspace); several ranks: each checks its node's shards."""
+    ranks = launch.from_env()
+    where = ckpt_dir(cfg, out)
+    latest = ckpt.latest_checkpoint(where) if cfg.resume else None
+    start = int(latest.name.removeprefix("ckpt-")) if latest is not None else 0  # (its name is its step)
+    lora = bool(cfg.lora)
+    dtype = _TORCH_DTYPES[cfg.export_dtype or ("fp32" if lora else cfg.precision)]
+    nvme = engine.nvme
+    refusal = None
+    try:
+        diskspace.check(where, state=engine.state_dict(deferred=True), start=start, total=total,
+                        every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, shards=ranks.local_world, lora=lora,
+                        export=diskspace.export_bytes(model, dtype=dtype, trainable_only=lora) if ranks.main else 0,
+                        nvme_dir=None if nvme is None else nvme.directory,
+                        nvme_pending=0 if nvme is None else nvme.pending_bytes())
+    except diskspace.OutputSpaceError as e:
+        refusal = e
+    launch.agree(ranks, refusal, "checking the output's free space")
 
 
 def _initial_state(engine, cfg: TrainConfig, src: ModelSource, out: Path, batches: Batches,

@@ -252,6 +252,7 @@ class NvmeStore:
         self._lock = threading.Lock()
         self._closed = False
         self._moved = {False: 0, True: 0}
+        self.expected = 0  # the bytes preflight was asked for
         depth = queue_depth or threads
         self._lanes = {
             write: _Lane("write" if write else "read", threads=threads, block_size=block_size,
@@ -350,12 +351,24 @@ class NvmeStore:
 
     def preflight(self, nbytes_needed: int) -> None:
         """Refuse (NvmeError) when the directory's filesystem has less than `nbytes_needed` free."""
+        self.expected = nbytes_needed
         free = self.free_bytes()
         if free < nbytes_needed:
             raise NvmeError(
                 f"not enough space at {self.directory}: need {nbytes_needed / _GIB:.2f} GiB, "
                 f"free {free / _GIB:.2f} GiB, missing {(nbytes_needed - free) / _GIB:.2f} GiB"
             )
+
+    def pending_bytes(self) -> int:
+        """Of the bytes preflight was asked for, those not yet allocated on disk (the swap
+        files grow at their first write)."""
+        held = 0
+        for entry in os.scandir(self.directory):
+            try:
+                held += entry.stat(follow_symlinks=False).st_blocks * 512
+            except OSError:
+                continue
+        return max(0, self.expected - held)
 
     @property
     def stats(self) -> NvmeStats:

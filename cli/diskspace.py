@@ -1,0 +1,120 @@
+"""What a run will write to --output, checked against the free space there before its first step.
+
+A run checkpoints at the end (and every --checkpoint-every steps), then exports: a disk that
+cannot hold those would fail only when the training is done, and a run that checkpoints only at
+the end would then have nothing to resume from. The bytes are exact where they can be: a
+checkpoint's are the engine's state tensors (their dtypes and shapes, nothing read), the
+export's the model's parameters in the export dtype; a fixed allowance covers the rest (JSON,
+the tokenizer, metrics and plots).
+
+At its worst moment the directory holds the checkpoints kept (--keep-checkpoints) plus the one
+being written (it is renamed into place before the oldest is removed), or, after the last step,
+those kept plus the export.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import checkpoint as ckpt
+from .machine import free_disk
+from ..offload.core.errors import TierwiseError
+from ..offload.core.units import format_size
+from ..offload.runtime.lazy import Deferred
+
+#: per checkpoint, beside its tensors: the JSON skeletons, safetensors headers, the manifest,
+#: the trainer's state (RNG states, the data position) and the filesystem's partial blocks
+CHECKPOINT_EXTRA = 1 << 20
+#: once per run: the exported config and tokenizer, metrics.jsonl, the plots
+RUN_EXTRA = 32 << 20
+
+
+class OutputSpaceError(TierwiseError):
+    """--output's filesystem cannot hold what the run will write there."""
+
+
+def state_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested state (Deferred ones by dtype and shape)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Deferred):
+        n = 1
+        for d in obj.shape:
+            n *= d
+        return n * obj.dtype.itemsize
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
+
+
+def saves_ahead(*, start: int, total: int, every: int) -> int:
+    """Checkpoints the steps start+1..total write: every `every`-th step, and the last one."""
+    if total <= start:
+        return 0
+    regular = total // every - start // every if every else 0
+    return regular + (0 if every and total % every == 0 else 1)
+
+
+def held(*, existing: int, saves: int, keep: int) -> tuple[int, int]:
+    """(the most checkpoints the directory holds at once, those it holds at the end) over
+    `saves` more beside `existing` ones, `keep` kept (0: all)."""
+    if not saves:
+        return existing, existing
+    if keep <= 0:
+        return existing + saves, existing + saves
+    # before save j (j >= 2) min(existing + j - 1, keep) are kept; each is written beside them
+    return max(existing, min(existing + saves - 1, keep)) + 1, min(existing + saves, keep)
+
+
+def export_bytes(model: torch.nn.Module, *, dtype: torch.dtype, trainable_only: bool) -> int:
+    """The exported weights: every parameter once (a tied one once), or a LoRA run's
+    adapters, in `dtype` (meta tensors count as well as real ones)."""
+    params = [p for p in model.parameters() if p.requires_grad or not trainable_only]
+    n = sum(p.numel() for p in params if p.is_floating_point())
+    if not trainable_only:
+        n += sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    return n * dtype.itemsize
+
+
+def check(out: Path, *, state: Any, export: int, start: int, total: int, every: int, keep: int,
+          nvme_dir: "str | None" = None, nvme_pending: int = 0, shards: int = 1,
+          lora: bool = False) -> int:
+    """Refuse (OutputSpaceError) when `out`'s filesystem lacks the room this run will write
+    there; returns the bytes it needs. `state`: the engine's state_dict(deferred=True);
+    `shards`: ranks writing a shard of the same size into `out`; `nvme_pending`: swap bytes
+    still to be written under `nvme_dir`, counted when it shares `out`'s filesystem."""
+    checkpoint = state_bytes(state) * shards + CHECKPOINT_EXTRA
+    existing = len(ckpt.list_checkpoints(out))
+    peak, end = held(existing=existing, saves=saves_ahead(start=start, total=total, every=every), keep=keep)
+    needed = max(0, max(peak * checkpoint, end * checkpoint + export) - existing * checkpoint) + RUN_EXTRA
+    free = free_disk(out)
+    if free is None:
+        return needed
+    swap = nvme_pending if nvme_dir is not None and _same_filesystem(out, Path(nvme_dir)) else 0
+    free -= swap
+    if needed > free:
+        fixes = ["free space", "point --output elsewhere"] + (
+            [f"lower --keep-checkpoints (now {keep or 'all'})"] if peak > 2 and (keep == 0 or keep > 1) else [])
+        raise OutputSpaceError(
+            f"{out} has {format_size(max(free, 0))} free{' beside the NVMe swap still to be written' if swap else ''}; "
+            f"this run writes up to {format_size(needed)} there ({peak} checkpoint{'s' * (peak > 1)} of "
+            f"{format_size(checkpoint)} at once, then the exported {'adapter' if lora else 'model'}, "
+            f"{format_size(export)}, and {format_size(RUN_EXTRA)} for metrics, plots and the tokenizer): {', '.join(fixes[:-1])} or {fixes[-1]}")
+    return needed
+
+
+def _same_filesystem(a: Path, b: Path) -> bool:
+    def dev(p: Path) -> "int | None":
+        for c in (p.absolute(), *p.absolute().parents):
+            try:
+                return os.stat(c).st_dev
+            except OSError:
+                continue
+        return None
+    return dev(a) is not None and dev(a) == dev(b)
