@@ -317,7 +317,7 @@ class TrainConfig:
                          panel=OUTPUT, flag="--overwrite/--no-overwrite")
     export_dtype: str | None = _f(None, "Dtype of the exported model (default: --precision).", panel=OUTPUT,
                                   choices=PRECISIONS_EXPORT)
-    hardware: str | None = _f(None, "Hardware profile name or TOML file (default: detect).", panel=HW, plan=True)
+    hardware: str | None = _f(None, "Hardware profile name or TOML file (default: this machine: on CUDA the profile its GPU's name matches, with its memory; else cpu-sim).", panel=HW, plan=True)
     dry_run: bool = _f(False, "Resolve model and budgets, print the plan, train nothing.", panel=HW,
                        flag="--dry-run")
     nproc_per_node: int = _f(1, "Processes (one per GPU) on this node: training starts torchrun for you (or run "

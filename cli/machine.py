@@ -48,6 +48,16 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def cuda_device() -> "tuple[str, int, int] | None":
+    """(name, total bytes, device count) of the current CUDA device, or None without one."""
+    if not has_cuda():
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return props.name, int(props.total_memory), torch.cuda.device_count()
+
+
 def device_memory() -> int | None:
     """Bytes the training device can give a run: on CUDA the free memory of the current device
     (torch.cuda.mem_get_info); on the simulated device (CPU memory standing in) the RAM, and

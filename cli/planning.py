@@ -93,19 +93,54 @@ def rows_apart(cfg: TrainConfig, src: "ModelSource | None") -> bool:
     return isolates(src.config)
 
 
-def this_machine(cfg: TrainConfig) -> "HardwareProfile | None":
-    """Without --hardware: the default profile's rates with this machine's CXL memory, when the
-    run asks for a CXL budget (None otherwise: the default profile as it is). The CXL nodes
-    `detect_cxl_nodes` finds give the capacity; with none the engine emulates one in host memory,
-    as big as --cxl-mem. Not measured, its link is priced as `unmeasured_cxl` says: `finetune
-    profile` measures this machine, and `--hardware` takes the result."""
-    if not cfg.budgets["cxl"]:
+#: a CUDA device's name (lowercase) -> the profile whose rates price it without --hardware
+DEVICE_PROFILES = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80g"), ("l40s", "l40s"),
+                   ("4090", "rtx4090"), ("3090", "rtx3090"))
+
+
+def device_profile() -> "HardwareProfile | None":
+    """This machine's CUDA device as a hardware profile (None without one): the rates of the
+    profile its name matches (an A100 of 40 GB: a100-40g; a card none matches: the single-GPU
+    profile nearest its memory), with the device's own memory and count. The default profile
+    would price a GPU run at the simulated device's 8 GiB and a CPU's rates."""
+    device = machine.cuda_device()
+    if device is None:
         return None
+    from ..profiles import known_profiles, load_hardware_profile
+    from ..profiles.hardware import NodeSpec
+
+    name, total, count = device
+    key = next((p for sub, p in DEVICE_PROFILES if sub in name.lower()), None)
+    if key == "a100-80g" and total < 60 << 30:
+        key = "a100-40g"
+    if key is None:
+        single = [hw for hw in map(load_hardware_profile, known_profiles("hardware"))
+                  if hw.node is None and not hw.simulated]
+        key = min(single, key=lambda hw: abs(hw.gpu.memory - total)).name
+    hw = load_hardware_profile(key)
+    node = hw.node
+    if count > 1:  # --nproc-per-node: its GPUs, reached as the profile says (else over PCIe)
+        node = dataclasses.replace(node or NodeSpec(gpus=count, gpu_link="pcie", gpu_link_gbps=hw.pcie.h2d_pinned_gbps),
+                                   gpus=max(count, node.gpus if node else 0))
+    return dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, memory=total), node=node,
+                               nvme=hw.nvme or load_hardware_profile(planner.DEFAULT_HARDWARE).nvme)
+
+
+def this_machine(cfg: TrainConfig) -> "HardwareProfile | None":
+    """Without --hardware: on CUDA the device's profile (`device_profile`), else the default
+    profile; with this machine's CXL memory when the run asks for a CXL budget (None: the
+    default profile as it is). The CXL nodes `detect_cxl_nodes` finds give the capacity; with
+    none the engine emulates one in host memory, as big as --cxl-mem. Not measured, its link is
+    priced as `unmeasured_cxl` says: `finetune profile` measures this machine, and `--hardware`
+    takes the result."""
+    device = device_profile()
+    if not cfg.budgets["cxl"]:
+        return device
     from ..offload.runtime.cxl import detect_cxl_nodes
     from ..profiles import load_hardware_profile
     from ..profiles.hardware import unmeasured_cxl
 
-    hw = load_hardware_profile(planner.DEFAULT_HARDWARE)
+    hw = device or load_hardware_profile(planner.DEFAULT_HARDWARE)
     nodes = detect_cxl_nodes()
     if cfg.cxl_node:
         nodes = [n for n in nodes if n.id in cfg.cxl_node]
@@ -121,7 +156,8 @@ def started_ranks(cfg: TrainConfig, info: RankInfo) -> tuple["HardwareProfile", 
     from ..profiles import load_hardware_profile
     from ..profiles.hardware import NodeSpec
 
-    hw = load_hardware_profile(cfg.hardware or planner.DEFAULT_HARDWARE)
+    hw = (load_hardware_profile(cfg.hardware) if cfg.hardware
+          else device_profile() or load_hardware_profile(planner.DEFAULT_HARDWARE))
     local = info.local_world
     node = hw.node or NodeSpec(gpus=1, gpu_link="pcie", gpu_link_gbps=hw.pcie.h2d_pinned_gbps)
     node = dataclasses.replace(node, gpus=max(node.gpus, local), network_gbps=node.network_gbps or node.gpu_link_gbps)

@@ -71,8 +71,8 @@ def test_a_cuda_plan_leaves_the_engines_workspace_margin_free():
 
 
 def test_a_run_on_this_machine_s_gpu_without_hardware_is_priced_with_the_engine_s_margin(monkeypatch):
-    """`finetune` (its pre-flight) and `plan` without --hardware price on "cpu-sim"; on a machine
-    whose device is CUDA the engine still leaves its workspace margin (and a staging buffer for
+    """`finetune` (its pre-flight) and `plan` without --hardware price this machine's device (the
+    simulated one, or on CUDA the profile its name matches); on CUDA the engine leaves its workspace margin (and a staging buffer for
     an encoded base): the plan prices that device, not the simulated one, else the pre-flight
     passes budgets the engine then refuses, and --verify compares a placement the engine does
     not make. A named profile decides for itself."""
@@ -85,8 +85,9 @@ def test_a_run_on_this_machine_s_gpu_without_hardware_is_priced_with_the_engine_
 
     cfg = TrainConfig(model="tiny", gpu_mem="64M", cpu_mem="1G", seq_len=16, batch_size=2, chunk_size="16K")
     monkeypatch.setattr(machine, "has_cuda", lambda: True)
+    monkeypatch.setattr(machine, "cuda_device", lambda: ("NVIDIA H100 80GB HBM3", 80 << 30, 1))
     on_gpu = cli_plan(cfg)
-    assert on_gpu.hardware == "cpu-sim" and on_gpu.workspace_margin == workspace_margin(64 << 20) > 0
+    assert on_gpu.hardware == "h100" and on_gpu.workspace_margin == workspace_margin(64 << 20) > 0
     monkeypatch.setattr(machine, "has_cuda", lambda: False)
     assert cli_plan(cfg).workspace_margin == 0  # the simulated device: no allocator
     named = cli_plan(dataclasses.replace(cfg, hardware="rtx4090"))

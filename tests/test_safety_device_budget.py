@@ -5,6 +5,7 @@ all, whatever the device had."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -29,9 +30,15 @@ def test_device_memory_is_cuda_free_memory_or_the_ram(monkeypatch):
     assert machine.device_memory() == 5 << 30
 
 
-def test_the_automatic_gpu_budget_is_the_devices_at_most(monkeypatch):
+def _h100(monkeypatch, free: int) -> None:
+    """This machine's device: an 80 GiB H100 with `free` bytes free."""
     monkeypatch.setattr(machine, "has_cuda", lambda: True)
-    monkeypatch.setattr(machine, "device_memory", lambda: 1 << 20)  # a 1 MiB device
+    monkeypatch.setattr(machine, "cuda_device", lambda: ("NVIDIA H100 80GB HBM3", 80 << 30, 1))
+    monkeypatch.setattr(machine, "device_memory", lambda: free)
+
+
+def test_the_automatic_gpu_budget_is_the_devices_at_most(monkeypatch):
+    _h100(monkeypatch, 1 << 20)  # 1 MiB free
     cfg = TrainConfig(model="tiny", recompute=True)
     assert planning.gpu_budget(cfg) == 1 << 20
     with pytest.raises(InfeasibleBudget, match="gpu"):  # the profile's 8 GiB is not there
@@ -39,8 +46,9 @@ def test_the_automatic_gpu_budget_is_the_devices_at_most(monkeypatch):
     monkeypatch.setattr(machine, "device_memory", lambda: 3 << 30)
     assert planning.make_plan(cfg).budgets["gpu"] == 3 << 30
     assert planning.gpu_budget(TrainConfig(model="tiny", gpu_mem="2M")) == 2 << 20  # given: as given
-    monkeypatch.setattr(machine, "device_memory", lambda: 64 << 40)  # more than the profile's
-    assert planning.make_plan(cfg).budgets["gpu"] == 8 << 30
+    monkeypatch.setattr(machine, "device_memory", lambda: 70 << 30)  # the device's, not cpu-sim's 8 GiB
+    plan = planning.make_plan(cfg)
+    assert plan.budgets["gpu"] == 70 << 30 and plan.hardware == "h100"
     # another machine's plan (--hardware) keeps that profile's memory
     monkeypatch.setattr(machine, "device_memory", lambda: 1 << 20)
     other = planning.make_plan(TrainConfig(model="tiny", recompute=True, hardware="cpu-sim"))
@@ -79,8 +87,7 @@ def test_training_hands_the_engine_the_devices_memory(monkeypatch, tmp_path):
             super().__init__(model, **kwargs)
 
     monkeypatch.setattr(tierwise.cli.train, "engine_class", lambda: Spy)
-    monkeypatch.setattr(machine, "has_cuda", lambda: True)
-    monkeypatch.setattr(machine, "device_memory", lambda: 7 << 30)
+    _h100(monkeypatch, 7 << 30)
     cfg = TrainConfig(steps=1, seq_len=32, batch_size=2, output=str(tmp_path / "o"), recompute=True)
     model = tierwise.cli.train.build_meta_model(tierwise.cli.train.resolve_model(None).config)
     tierwise.cli.train.make_engine(model, cfg)
@@ -99,3 +106,33 @@ def test_a_given_host_budget_counts_the_default_simulated_device(monkeypatch):
         planning.check_budgets(TrainConfig(model="tiny", cpu_mem="20G"), here=True)
     planning.check_budgets(TrainConfig(model="tiny", cpu_mem="20G", gpu_mem="2G"), here=True)
     planning.check_budgets(TrainConfig(model="tiny"), here=True)  # the defaults fit together
+
+
+@pytest.mark.parametrize("name,total,count,profile", [
+    ("NVIDIA H100 80GB HBM3", 80 << 30, 1, "h100"),
+    ("NVIDIA H200", 141 << 30, 1, "h200"),
+    ("NVIDIA A100-SXM4-40GB", 40 << 30, 1, "a100-40g"),
+    ("NVIDIA A100 80GB PCIe", 80 << 30, 2, "a100-80g"),
+    ("NVIDIA GeForce RTX 4090", 24 << 30, 1, "rtx4090"),
+    ("NVIDIA RTX A6000", 48 << 30, 1, "l40s"),  # none by name: the nearest memory
+])
+def test_a_cuda_device_is_priced_as_its_profile_with_its_own_memory(monkeypatch, name, total, count, profile):
+    """Without --hardware a run on CUDA is planned for that device (its rates, its memory, its
+    count), not for the simulated one: the same plan as --hardware PROFILE at that memory."""
+    from tierwise.profiles import load_hardware_profile
+
+    monkeypatch.setattr(machine, "cuda_device", lambda: (name, total, count))
+    hw = planning.device_profile()
+    ref = load_hardware_profile(profile)
+    assert hw.name == profile and hw.gpu.memory == total and hw.pcie == ref.pcie
+    assert hw.gpu.bf16_tflops == ref.gpu.bf16_tflops and not hw.simulated and hw.nvme is not None
+    assert hw.gpus_per_node == count
+    monkeypatch.setattr(machine, "has_cuda", lambda: True)
+    monkeypatch.setattr(machine, "device_memory", lambda: total - (1 << 30))
+    cfg = TrainConfig(model="tiny", recompute=True, cpu_mem="1G")
+    mine = planning.make_plan(cfg)
+    if total == ref.gpu.memory:  # the explicit equivalent on another machine
+        named = planning.make_plan(dataclasses.replace(cfg, hardware=profile, gpu_mem=f"{(total >> 30) - 1}G"),
+                                   here=False)
+        assert (mine.step_s, mine.budgets, mine.peak) == (named.step_s, named.budgets, named.peak)
+    assert mine.budgets["gpu"] == total - (1 << 30)
