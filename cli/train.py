@@ -794,16 +794,17 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                 if ev is not None:
                     metrics.write(kind="eval", step=step, loss=ev)
                     bar.note(f"step {step}: eval loss {ev:.4f}")
-            signum = _agreed_stop(stop.signum)
-            if signum:
-                path = save(engine, cfg, out, step=step, batches=batches, schedule=schedule, base=base)
-                bar.note(f"interrupted ({signal.Signals(signum).name}): checkpoint {path.name} "
-                         "saved; run again with --resume to continue")
-                return 128 + signum
+            path = None
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 path = save(engine, cfg, out, step=step, batches=batches, schedule=schedule, base=base)
                 if bar.plain:  # a log says where a run can resume from
                     bar.note(f"step {step}: checkpoint {path.name} saved")
+            signum = _agreed_stop(stop.signum)  # (one that came during that save stops here too)
+            if signum:
+                path = path or save(engine, cfg, out, step=step, batches=batches, schedule=schedule, base=base)
+                bar.note(f"interrupted ({signal.Signals(signum).name}): checkpoint {path.name} "
+                         "saved; run again with --resume to continue")
+                return 128 + signum
         evaluated = cfg.eval_every and step % cfg.eval_every == 0
         ev = evaluate(engine, eval_data) if eval_data and not evaluated else None
         if ev is not None:

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).parent))
 from tinyhf import StandInEngine, write_jsonl, error_line as _error_line  # noqa: E402
 
+from tierwise.cli import checkpoint as ckpt  # noqa: E402
 from tierwise.cli import train as cli_train  # noqa: E402
 from tierwise.cli.main import app  # noqa: E402
 
@@ -167,6 +168,29 @@ def test_ctrl_c_checkpoints_and_exits_130(runner, tmp_path, monkeypatch):
     assert r.exit_code == 0, (r.output, r.exception)
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_ctrl_c_during_a_checkpoint_stops_at_that_checkpoint(runner, tmp_path, monkeypatch):
+    """Ctrl-C while --checkpoint-every writes step 2's checkpoint: the run stops there (that
+    checkpoint is the one to resume from), not after one more step and a second save."""
+    import signal
+
+    monkeypatch.setattr(cli_train, "engine_class", lambda: StandInEngine)
+    real = ckpt._fault
+
+    def fault(step, moment):
+        if step == 2 and moment == "before_rename":
+            os.kill(os.getpid(), signal.SIGINT)
+        real(step, moment)
+
+    monkeypatch.setattr(ckpt, "_fault", fault)
+    out = tmp_path / "run"
+    r = runner.invoke(app, [*FAST, "--steps", "5", "--checkpoint-every", "2", "--output", str(out)])
+    assert r.exit_code == 130, (r.output, r.exception)
+    assert [p.name for _, p in ckpt.list_checkpoints(out)] == ["ckpt-000002"]
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    assert "interrupted (SIGINT): checkpoint ckpt-000002 saved" in r.output
 
 
 def test_resume_that_changes_steps_already_run_says_so(runner, tmp_path):
