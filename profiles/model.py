@@ -74,8 +74,9 @@ class ModelProfile:
     shared_expert_intermediate_size: int = field(default=0, metadata={"min": 0})
     """Qwen2-MoE's shared expert's MLP width (every token runs it, scaled by its own gate); 0: none."""
     router_loss: bool = False
-    """The model's loss adds its router's load-balancing loss (a MoE config's output_router_logits
-    with a weight that is not 0): it keeps every layer's router logits for it."""
+    """The model's loss adds its router's load-balancing loss (a MoE config's output_router_logits,
+    whatever its weight: a weight of 0 still computes it): it keeps every layer's router logits
+    for it, and the loss is the model's own (the tiled one does not take it)."""
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -228,8 +229,7 @@ class ModelProfile:
             moe = dict(num_experts=experts, num_experts_per_tok=top_k,
                        moe_intermediate_size=getattr(config, "moe_intermediate_size", None),
                        shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
-                       router_loss=bool(getattr(config, "output_router_logits", False)
-                                        and getattr(config, "router_aux_loss_coef", 0.0)))
+                       router_loss=bool(getattr(config, "output_router_logits", False)))
         rope = getattr(config, "rope_parameters", None) or {}
         return cls(
             name=name or getattr(config, "_name_or_path", "") or family, family=family,

@@ -71,6 +71,17 @@ def test_the_router_loss_trains_as_plain_pytorch_under_recompute(setting):
     eng.close()
 
 
+@pytest.mark.parametrize("logits,aux", [(True, 0.5), (True, 0.0), (False, 0.5)])
+def test_the_plan_prices_the_loss_the_engine_runs(logits, aux):
+    """A router-logits model runs the model's own loss (the tiled one does not take the router's),
+    whatever the router loss's weight: the planner's profile says the same."""
+    from tierwise.offload.engine import headloss
+    from tierwise.profiles import ModelProfile
+
+    config = tiny_mixtral(aux, logits=logits).config
+    assert ModelProfile.from_hf_config(config).router_loss == isinstance(headloss.transform_of(config), str)
+
+
 def test_qwen2_moe_and_a_batch_asking_for_the_router_logits():
     data = batches(3, batch=2, seq=12)
     ref_losses, ref = train_reference(tiny_qwen2_moe(), data)
