@@ -46,7 +46,7 @@ def child(path: str, dtype_name: str, flags: str, tokens: int, vocab: int, hidde
     from tierwise.offload.engine import headloss
     from tierwise.offload.plan import perfmodel
 
-    tile = headloss.TILE_BYTES
+    tile = perfmodel.HEAD_TILE_BYTES
     dtype = getattr(torch, dtype_name)
     grads, stats, cap, head_grad = "nograd" not in flags, "stats" in flags, "cap" in flags, "head" in flags
     torch.manual_seed(0)
@@ -112,17 +112,16 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--tokens", type=int, default=1024, help="the model's own loss (logits within one tile)")
     ap.add_argument("--tiled-tokens", type=int, default=8192, help="the tiled loss")
-    ap.add_argument("--tile", default="256M", help="fp32 logits of a tile (headloss.TILE_BYTES)")
+    ap.add_argument("--tile", default="256M", help="fp32 logits of a tile (perfmodel.HEAD_TILE_BYTES)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     tile = parse_size(a.tile)
     if a.child:
         ctypes.CDLL(None).mallopt(-3, 128 << 10)  # (M_MMAP_THRESHOLD, as cli.main.fix_mmap_threshold)
-        from tierwise.offload.engine import headloss
         from tierwise.offload.plan import perfmodel
 
-        headloss.TILE_BYTES = perfmodel.HEAD_TILE_BYTES = tile
+        perfmodel.HEAD_TILE_BYTES = tile
         print(json.dumps([child(path, dtype, flags, a.tokens if path == "own" else a.tiled_tokens, a.vocab, a.hidden)
                           for path, dtype, flags in CASES]))
         return

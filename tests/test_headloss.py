@@ -16,6 +16,7 @@ from tinyhf import FAMILIES, family_config  # noqa: E402
 
 from tierwise.offload import Budget, Engine, Optim, Precision  # noqa: E402
 from tierwise.offload.engine import headloss  # noqa: E402
+from tierwise.offload.plan import perfmodel  # noqa: E402
 from tierwise.offload.engine.batches import default_loss  # noqa: E402
 
 VOCAB = 288
@@ -51,7 +52,7 @@ def grads(model):
 def run(model, batch, tiled: bool, monkeypatch, weight: float = 1.0):
     model.zero_grad(set_to_none=True)
     # a tile of 7 tokens (so a batch spans several), or one bigger than the batch (the model's own loss)
-    monkeypatch.setattr(headloss, "TILE_BYTES", 4 * VOCAB * 7 if tiled else 1 << 40)
+    monkeypatch.setattr(perfmodel, "HEAD_TILE_BYTES", 4 * VOCAB * 7 if tiled else 1 << 40)
     loss = default_loss(model, batch)
     (loss * weight).backward()
     return loss.detach(), grads(model)
@@ -137,7 +138,7 @@ def test_bf16_is_plain_pytorchs_bf16_to_rounding(monkeypatch):
 def test_unknown_family_runs_its_own_loss(monkeypatch, caplog):
     model = family_model("llama")
     monkeypatch.setattr(headloss, "FAMILIES", frozenset())
-    monkeypatch.setattr(headloss, "TILE_BYTES", 4 * VOCAB * 7)
+    monkeypatch.setattr(perfmodel, "HEAD_TILE_BYTES", 4 * VOCAB * 7)
     monkeypatch.setattr(headloss.HeadLoss, "apply", lambda *a: pytest.fail("tiled an unknown family"))
     with caplog.at_level("INFO", logger=headloss.__name__):
         loss = default_loss(model, masked_batch())
@@ -148,7 +149,7 @@ def test_unknown_family_runs_its_own_loss(monkeypatch, caplog):
 def test_the_engine_trains_with_the_tiled_loss_as_plain_pytorch(monkeypatch):
     """Three streamed steps of two micro-batches (token-weighted) against torch AdamW on the
     model's own loss."""
-    monkeypatch.setattr(headloss, "TILE_BYTES", 4 * VOCAB * 7)
+    monkeypatch.setattr(perfmodel, "HEAD_TILE_BYTES", 4 * VOCAB * 7)
     model = family_model("llama-tied")
     ref = copy.deepcopy(model)
     batches = [masked_batch(rows=4, seed=s) for s in range(3)]
@@ -194,7 +195,7 @@ def test_planned_activations_at_long_sequences_are_what_the_engine_measures(seq,
                            num_hidden_layers=LONG["layers"], num_attention_heads=LONG["heads"],
                            num_key_value_heads=LONG["kv"], vocab_size=LONG["vocab"], max_position_embeddings=seq,
                            rope_theta=10000.0, rms_norm_eps=1e-5)
-    assert 4 * seq * profile.vocab_size > headloss.TILE_BYTES
+    assert 4 * seq * profile.vocab_size > perfmodel.HEAD_TILE_BYTES
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(profile.to_hf_config())
     targets = frozenset({"q_proj", "v_proj"})
@@ -216,7 +217,7 @@ def test_without_grad_no_gradient_is_made_and_shift_labels_are_taken(monkeypatch
     (transformers' loss takes them over labels) gets them."""
     model = family_model("llama")
     batch = masked_batch()
-    monkeypatch.setattr(headloss, "TILE_BYTES", 4 * VOCAB * 7)
+    monkeypatch.setattr(perfmodel, "HEAD_TILE_BYTES", 4 * VOCAB * 7)
     seen = []
     real = headloss.HeadLoss.apply
     monkeypatch.setattr(headloss.HeadLoss, "apply", lambda *a: seen.append(a[6]) or real(*a))  # (its `grads`)
@@ -285,7 +286,7 @@ def test_token_stats_are_trls_and_change_no_number(family, tiled, grad, monkeypa
     assert 0 < top1 < 1
     calls = []
     monkeypatch.setattr(headloss.HeadLoss, "apply", _counting(headloss.HeadLoss.apply, calls))
-    monkeypatch.setattr(headloss, "TILE_BYTES", 4 * VOCAB * 7 if tiled else 1 << 40)
+    monkeypatch.setattr(perfmodel, "HEAD_TILE_BYTES", 4 * VOCAB * 7 if tiled else 1 << 40)
     with torch.set_grad_enabled(grad):
         plain_loss, plain = run(model, batch, tiled, monkeypatch) if grad else (default_loss(model, batch), {})
         with headloss.collecting() as stats:

@@ -327,7 +327,7 @@ def test_with_offload_sft_trainer_and_peft_config_trains_as_sft_trainer(tmp_path
     peft = pytest.importorskip("peft")
     datasets = pytest.importorskip("datasets")
     from tierwise.cli.builtin import build_tokenizer, sample_lines
-    from tierwise.offload.engine import headloss
+    from tierwise.offload.plan import perfmodel
 
     tok = build_tokenizer()
     data = datasets.Dataset.from_dict({"text": sample_lines()[:24]})
@@ -346,7 +346,7 @@ def test_with_offload_sft_trainer_and_peft_config_trains_as_sft_trainer(tmp_path
 
     plain = run(trl.SFTTrainer, tmp_path / "plain")
     if tiled:  # (a few tokens a tile: every batch spans several)
-        monkeypatch.setattr(headloss, "TILE_BYTES", 4 * len(tok) * 7)
+        monkeypatch.setattr(perfmodel, "HEAD_TILE_BYTES", 4 * len(tok) * 7)
     ours = run(with_offload(trl.SFTTrainer), tmp_path / "ours", offload={**OFFLOAD, "gpu_mem": "400K"})
     assert len(logs(ours)) == 3 and len(logs(ours, "eval_loss")) == 2
     assert ours._longest() < ours.args.max_length == 1024  # (SFTConfig's default: placed for the data's longest)

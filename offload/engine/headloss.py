@@ -4,7 +4,7 @@ A Hugging Face causal LM computes `lm_head(hidden)` for every token at once, cas
 to fp32 and takes the cross-entropy: tokens x vocab x (4 + 4 + e) bytes held at the end of
 forward (16.8 GB of fp32 logits alone at 32K tokens and Llama-3's 128,256 words). Here the
 model runs as it is with its head's forward swapped for `HeadLoss`, which takes the head's
-input and walks the target tokens in tiles of at most TILE_BYTES of fp32 logits: each tile's
+input and walks the target tokens in tiles of at most perfmodel.HEAD_TILE_BYTES of fp32 logits (256 MiB: 523 tokens of 128,256 words): each tile's
 logits, loss and gradients (of the head's input, weight and bias) are made and dropped in
 forward, the same way a fused linear + cross-entropy kernel does. Backward then only scales
 the saved gradients by the incoming one. What stays saved: the input's gradient (tokens x
@@ -40,12 +40,10 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..plan.perfmodel import HEAD_TILE_BYTES, loss_tail, loss_workspace
+from ..plan import perfmodel
+from ..plan.perfmodel import loss_tail, loss_workspace, own_loss
 
 log = logging.getLogger(__name__)
-
-TILE_BYTES = HEAD_TILE_BYTES
-"""fp32 logits of one tile (a 128,256-word vocabulary: 523 tokens a tile); the planner prices it."""
 
 IGNORE = -100
 SLICES = 8  # a tile's temporaries are made in this many pieces (the entropy, the head's bf16 gradient)
@@ -116,7 +114,7 @@ def tiled_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor | 
     head = lm.get_output_embeddings() if lm is not None else None
     if not isinstance(head, torch.nn.Linear):
         return None
-    if labels.numel() * head.out_features * 4 <= TILE_BYTES:
+    if own_loss(labels.numel(), head.out_features):
         return None  # one tile: the model's own loss is as small, and plain PyTorch's bit for bit
     transform = transform_of(lm.config)
     if isinstance(transform, str):
@@ -151,7 +149,7 @@ def workspace(model: torch.nn.Module, batch: Any, grads: bool) -> tuple[int, int
         return 0, 0, 0
     t, vocab, h, e = labels.numel(), head.out_features, head.in_features, head.weight.element_size()
     transform = transform_of(lm.config)
-    own = isinstance(transform, str) or 4 * t * vocab <= TILE_BYTES
+    own = own_loss(t, vocab, isinstance(transform, str))
     trains = grads and head.weight.requires_grad
     during = loss_workspace(t=t, vocab=vocab, h=h, e=e, grads=grads, head_grad=trains,
                             transform=isinstance(transform, Transform), stats=collected() is not None, own=own)
@@ -295,7 +293,7 @@ class HeadLoss(torch.autograd.Function):
             scale: Any = 1.0 / count.to(torch.float32)
         else:
             scale = 1.0 / float(count) if count > 0 else math.nan
-        step = max(1, TILE_BYTES // (4 * weight.shape[0]))
+        step = max(1, perfmodel.HEAD_TILE_BYTES // (4 * weight.shape[0]))
         for start in range(0, keep.numel(), step):
             rows = keep[start:start + step]
             total += _tile(h.index_select(0, rows), weight, bias, targets.index_select(0, rows), rows, transform,
@@ -345,7 +343,7 @@ class TokenStats:
         y = labels.reshape(-1)
         mask = y != IGNORE
         self.tokens = self.tokens + mask.sum()
-        step = max(1, TILE_BYTES // (4 * z.shape[-1]))
+        step = max(1, perfmodel.HEAD_TILE_BYTES // (4 * z.shape[-1]))
         for start in range(0, y.numel(), step):
             zf = z[start:start + step].to(torch.float32, copy=True)
             m = mask[start:start + step]

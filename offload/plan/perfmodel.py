@@ -82,14 +82,15 @@ def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad
     targets + a scalar. Beyond: the head in tiles saves the gradient of its input (e*T*h) and,
     when the head trains (`head_grad`), of its weight (e*V*h); nothing of the logits. `own`: the
     model's own loss at any length (a model the tiled loss does not take: its router's loss)."""
-    if _own(t, vocab, own):
+    if own_loss(t, vocab, own):
         # targets: the labels shifted in a padded S+1 copy; with one sequence a view of all of it
         return 4 * t * vocab + 8 * (t + (batch_size == 1)) + 4
     return e * t * h + (e * vocab * h if head_grad else 0)
 
 
-def _own(t: int, vocab: int, own: bool) -> bool:
-    """Whether the model's own loss runs (`own`: always), not the tiled one: logits within a tile."""
+def own_loss(t: int, vocab: int, own: bool = False) -> bool:
+    """Whether the model's own loss runs (`own`: always), not the tiled one: `t` tokens' fp32
+    logits over `vocab` words within a tile (there it is as small, and plain PyTorch's bit for bit)."""
     return own or 4 * t * vocab <= HEAD_TILE_BYTES
 
 
@@ -110,7 +111,7 @@ def loss_workspace(*, t: int, vocab: int, h: int, e: int, grads: bool = True, he
     TokenStats): a tile's fp32 copy of the model's own logits, and an eighth of a tile for the
     entropy. `own`: the model's own loss at any length
     (a model the tiled loss does not take)."""
-    if _own(t, vocab, own):
+    if own_loss(t, vocab, own):
         whole = 8 * t * vocab if grads else (e + 4 + (4 if e < 4 else 0)) * t * vocab
         return max(whole, (e + 4) * t * vocab + t * vocab // 2) if stats else whole
     n = min(t, max(1, HEAD_TILE_BYTES // (4 * vocab)))
@@ -131,7 +132,7 @@ def loss_tail(*, t: int, vocab: int, h: int, e: int, head_grad: bool = False, ow
     """What the loss's transients leave while the head's own backward runs (after the gradient of
     its output is made): the model's own loss, that gradient (e*T*V); the tiled loss, the scaled
     gradients it returns (e*T*h, and e*V*h when the head trains)."""
-    if _own(t, vocab, own):
+    if own_loss(t, vocab, own):
         return e * t * vocab
     return e * t * h + (e * vocab * h if head_grad else 0)
 
