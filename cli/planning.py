@@ -195,9 +195,16 @@ def host_budget(cfg: TrainConfig, *, planning: bool = False) -> int | None:
     ram = physical_ram()
     if ram is None:
         return None
-    ranks = max(1, cfg.nproc_per_node)  # (each local rank: a process, and without CUDA a device)
+    ranks = local_ranks(cfg)  # (each local rank: a process, and without CUDA a device)
     device = 0 if machine.has_cuda() else (gpu_budget(cfg) or 0) * ranks
     return max(0, ram - device - planner.process_bytes(lora=bool(cfg.lora_rank)) * ranks)
+
+
+def local_ranks(cfg: TrainConfig) -> int:
+    """The ranks of this run on this machine: --nproc-per-node, or those torchrun started here."""
+    from .launch import from_env
+
+    return max(1, cfg.nproc_per_node, from_env().local_world)
 
 
 def gpu_budget(cfg: TrainConfig) -> int | None:
@@ -214,7 +221,7 @@ def gpu_budget(cfg: TrainConfig) -> int | None:
     from ..profiles import load_hardware_profile
 
     # (each local rank has a simulated device of its own: together they take half the RAM at most)
-    return min(load_hardware_profile(planner.DEFAULT_HARDWARE).gpu.memory, have // (2 * max(1, cfg.nproc_per_node)))
+    return min(load_hardware_profile(planner.DEFAULT_HARDWARE).gpu.memory, have // (2 * local_ranks(cfg)))
 
 
 def nvme_budget(cfg: TrainConfig, *, here: bool = True) -> int | None:
@@ -265,7 +272,7 @@ def _simulated_ram(cfg: TrainConfig) -> int:
     """The host RAM the simulated devices take (--gpu-mem or its default, one a rank); 0 on CUDA."""
     if machine.has_cuda():
         return 0
-    return (gpu_budget(cfg) or 0) * max(1, cfg.nproc_per_node)
+    return (gpu_budget(cfg) or 0) * local_ranks(cfg)
 
 
 def _ram_over(cfg: TrainConfig) -> "str | None":
@@ -273,17 +280,17 @@ def _ram_over(cfg: TrainConfig) -> "str | None":
     with the process beside them asks of this machine's available RAM, said when it is more;
     else None."""
     cpu, have = cfg.budgets["cpu"], machine.available_ram()
-    ranks, simulated = max(1, cfg.nproc_per_node), _simulated_ram(cfg)
+    ranks, simulated = local_ranks(cfg), _simulated_ram(cfg)
     gpu = gpu_budget(cfg)
     if have is None or cpu is None and (not simulated or cfg.budgets["gpu"] is None):
         return None  # (the default budgets fit the RAM together: host_budget)
-    process = planner.process_bytes(lora=bool(cfg.lora_rank))
+    process = planner.process_bytes(lora=bool(cfg.lora_rank)) * ranks
     if (cpu or 0) + simulated + process <= have:
         return None
     each = f" x {ranks} ranks" if ranks > 1 else ""
     asked = ([f"--cpu-mem {format_size(cpu)}"] if cpu is not None else []) \
         + ([f"--gpu-mem {format_size(gpu or 0)}{each} (the simulated device: host RAM)"] if simulated else [])
-    return (f"{' + '.join(asked)} + about {format_size(process)} for the process is more than "
+    return (f"{' + '.join(asked)} + about {format_size(process)} for the process{'es' * (ranks > 1)} is more than "
             f"this machine has available ({format_size(have)} of {format_size(physical_ram() or have)} RAM)")
 
 

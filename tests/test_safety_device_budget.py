@@ -76,6 +76,11 @@ def test_without_cuda_the_default_budgets_fit_the_ram_together(monkeypatch):
         two = TrainConfig(model="tiny", recompute=True, nproc_per_node=2)  # (a device each: half the RAM in all)
         assert planning.gpu_budget(two) == min(8 << 30, ram // 4)
         assert planning.host_budget(two) == ram - 2 * planning.gpu_budget(two) - 2 * process_bytes(lora=False) > 0
+        with monkeypatch.context() as m:  # ranks torchrun started here, without --nproc-per-node: the same
+            m.setenv("WORLD_SIZE", "2"), m.setenv("LOCAL_WORLD_SIZE", "2"), m.setenv("RANK", "1")
+            started = TrainConfig(model="tiny", recompute=True)
+            assert (planning.gpu_budget(started), planning.host_budget(started)) == \
+                (planning.gpu_budget(two), planning.host_budget(two))
 
 
 def test_training_hands_the_engine_the_devices_memory(monkeypatch, tmp_path):
