@@ -28,6 +28,7 @@ CASES = [  # (path, dtype, flags)
     ("tiled", "float32", ""), ("tiled", "bfloat16", ""), ("tiled", "float32", "stats"),
     ("tiled", "bfloat16", "cap"), ("tiled", "float32", "cap"), ("tiled", "bfloat16", "head"),
     ("tiled", "float32", "nograd"), ("tiled", "float32", "nograd cap"), ("tiled", "float32", "nograd stats"),
+    ("zo", "float32", "nograd"), ("zo", "bfloat16", "nograd"),  # MeZO's two losses of one doubled forward
 ]
 
 
@@ -57,7 +58,24 @@ def child(path: str, dtype_name: str, flags: str, tokens: int, vocab: int, hidde
                                       ) if cap else None
     assert path == "tiled" or transform is None  # (the model's own soft-capping saves its tanh: an activation)
 
+    class Doubled(torch.nn.Module):  # a causal LM of the head alone, as hf_split_losses calls it
+        config = type("C", (), {"vocab_size": vocab})()
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = head
+
+        def forward(self, input_ids):
+            return type("Out", (), {"logits": self.head(x.detach().expand(input_ids.shape[0], -1, -1))})()
+
+        def loss_function(self, **kw):
+            from transformers.loss.loss_utils import ForCausalLMLoss
+            return ForCausalLMLoss(**kw)
+
     def loss_of() -> torch.Tensor:
+        if path == "zo":
+            from tierwise.offload.update.zeroth import hf_split_losses
+            return torch.tensor(hf_split_losses(Doubled(), {"input_ids": labels, "labels": labels}, 1))
         targets = headloss.next_tokens(labels)
         if path == "own":  # as transformers' ForCausalLMLoss, the logits dropped before backward
             logits = head(x)
@@ -95,10 +113,13 @@ def child(path: str, dtype_name: str, flags: str, tokens: int, vocab: int, hidde
         x.grad = head.weight.grad = None
     e = dtype.itemsize
     saved = perfmodel.loss_bytes(t=tokens, batch_size=1, vocab=vocab, h=hidden, e=e, head_grad=head_grad) if grads else 0
-    model = perfmodel.loss_workspace(t=tokens, vocab=vocab, h=hidden, e=e, grads=grads, head_grad=head_grad,
-                                     transform=cap, stats=stats)
-    tiled = 4 * tokens * vocab > tile
-    assert tiled == (path == "tiled"), "tokens: pick the tiled / own path the case names"
+    if path == "zo":
+        model = perfmodel.zo_loss_workspace(t=tokens, vocab=vocab, e=e)
+    else:
+        model = perfmodel.loss_workspace(t=tokens, vocab=vocab, h=hidden, e=e, grads=grads, head_grad=head_grad,
+                                         transform=cap, stats=stats)
+        tiled = 4 * tokens * vocab > tile
+        assert tiled == (path == "tiled"), "tokens: pick the tiled / own path the case names"
     # (x's gradient is the model's backward's, not the loss's)
     return {"case": f"{path} {dtype_name} {flags}".strip(), "peak": peak - grads * e * tokens * hidden,
             "saved": saved, "workspace": model}
@@ -122,7 +143,7 @@ def main() -> None:
         from tierwise.offload.plan import perfmodel
 
         perfmodel.HEAD_TILE_BYTES = tile
-        print(json.dumps([child(path, dtype, flags, a.tokens if path == "own" else a.tiled_tokens, a.vocab, a.hidden)
+        print(json.dumps([child(path, dtype, flags, a.tiled_tokens if path == "tiled" else a.tokens, a.vocab, a.hidden)
                           for path, dtype, flags in CASES]))
         return
     cmd = [sys.executable, __file__, "--vocab", str(a.vocab), "--hidden", str(a.hidden), "--tokens", str(a.tokens),

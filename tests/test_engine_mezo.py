@@ -52,3 +52,28 @@ def test_engine_mezo_lowers_the_loss():
     for _ in range(60):
         eng.step(data)
     assert eng.eval_loss(data) < first - 0.05
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_mezo_losss_transients_are_booked_while_it_runs(accum):
+    """On the simulated device the ledger holds MeZO's loss transients (perfmodel.
+    zo_loss_workspace, measured against RSS by bench/loss_workspace.py) while each micro-batch's
+    doubled forward runs its head, nothing after."""
+    from tierwise.offload.plan.perfmodel import zo_loss_workspace
+
+    data = batches(2)
+    ref = tiny_llama()
+    model = copy.deepcopy(ref)
+    eng = Engine(model, **flat_options(optimizer="mezo", lr=1e-3, optimizer_kwargs={"eps": 1e-3},
+                                       gpu_mem="600K", chunk_bytes=16 << 10))
+    seen = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(
+        lambda *_: seen.append(eng.ledger.usage()["gpu"].get("activation", 0)))
+    for b in data:
+        eng.step(b, grad_accum=accum)
+    hook.remove()
+    rows, seq = data[0]["labels"].shape
+    vocab = model.get_output_embeddings().out_features
+    assert seen == [zo_loss_workspace(t=rows // accum * seq, vocab=vocab, e=4)] * (len(data) * accum)
+    assert eng.ledger.usage()["gpu"].get("activation", 0) == 0
+    eng.close()

@@ -174,6 +174,30 @@ def test_the_engine_trains_with_the_tiled_loss_as_plain_pytorch(monkeypatch):
     eng.close()
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["own", "tiled"])
+def test_eval_books_the_no_grad_losss_transients_while_it_runs(tiled, monkeypatch):
+    """Engine.eval_loss on the simulated device: the ledger holds the no-grad loss's transients
+    (headloss.workspace, which bench/loss_workspace.py measures against RSS) while the head
+    runs, nothing after; the loss is plain PyTorch's."""
+    monkeypatch.setattr(perfmodel, "HEAD_TILE_BYTES", 4 * VOCAB * 7 if tiled else 1 << 40)
+    model = family_model("llama")
+    ref = copy.deepcopy(model).eval()
+    batch = masked_batch(rows=4)
+    eng = Engine(model, budget=Budget(chunk=16 << 10, gpu="3M"), optim=Optim("adamw", lr=1e-3),
+                 precision=Precision("fp32"))
+    seen = []
+    head = model.get_output_embeddings().register_forward_pre_hook(
+        lambda *_: seen.append(eng.ledger.usage()["gpu"].get("activation", 0)))
+    loss = eng.eval_loss(batch)
+    head.remove()
+    expected = headloss.workspace(model, batch, False)[0]
+    assert seen == [expected] and expected > 0
+    assert eng.ledger.usage()["gpu"].get("activation", 0) == 0
+    with torch.no_grad():
+        assert loss == pytest.approx(ref(**batch).loss.item(), rel=1e-6)
+    eng.close()
+
+
 LONG = dict(h=64, i=128, layers=2, heads=4, kv=2, vocab=49152)  # a large vocabulary, a tiny body
 
 

@@ -75,6 +75,7 @@ from ..core.units import format_size
 from ..core.vocab import TIERS
 from ..plan.homes import assign_homes, beside_reserved, bounce_sizes
 from ..plan.needs import grad_staging_bytes, units_are_blocks, workspace_margin
+from ..plan.perfmodel import zo_loss_workspace
 from ..plan.placement import DeviceNeeds, DevicePlan, check_minimum, plan_device
 from ..runtime.cores import cpu_threads
 from ..runtime.executor import Executor
@@ -943,10 +944,15 @@ class Engine:
                 half = next(v for v in mb.values() if isinstance(v, torch.Tensor)).shape[0]
                 self.zo_batch = half
                 try:
+                    if self._head_hook is not None:  # (the simulated device books the loss's transients)
+                        head = headloss.causal_lm(self.model).get_output_embeddings()
+                        self.workspace.book_loss(zo_loss_workspace(t=mb["labels"].numel(), vocab=head.out_features,
+                                                                   e=head.weight.element_size()))
                     with torch.no_grad(), self.residency.reading():
                         loss_pos, loss_neg = hf_split_losses(self.model, mb, half)
                 finally:
                     self.zo_batch = None
+                    self.workspace.release_loss()
                 if weights[i] != 0.0:  # no target token: nan (0/0) that weighs nothing
                     pos[i], neg[i] = loss_pos * weights[i], loss_neg * weights[i]
             pos, neg = self._ordered_sums([pos, neg], "summing the MeZO losses")
@@ -1184,9 +1190,12 @@ class Engine:
         if self.shared is not None:
             self.shared.ready()
         try:
+            if self._head_hook is not None:  # (the simulated device books the loss's transients)
+                self.workspace.book_loss(headloss.workspace(self.model, batch, False)[0])
             with self.residency.reading():
                 return float(self.loss_fn(self.model, to_device(batch, self.device)).float().item())
         finally:
+            self.workspace.release_loss()
             self.model.train(training)
             self.moments.phase = phase
             self.residency.cache.evict_all()  # the schedule of the next step starts from an empty cache

@@ -128,6 +128,14 @@ def loss_workspace(*, t: int, vocab: int, h: int, e: int, grads: bool = True, he
     return max(forward, e * t * h + e * vocab * h * head_grad)
 
 
+def zo_loss_workspace(*, t: int, vocab: int, e: int) -> int:
+    """MeZO's loss (offload.update.zeroth.hf_split_losses: one forward over the batch doubled,
+    then transformers' loss on each half, `t` tokens): both halves' logits, and the second
+    half's fp32 copy (when e < 4) and log_softmax output. Measured against RSS on CPU
+    (bench/loss_workspace.py)."""
+    return loss_workspace(t=t, vocab=vocab, h=0, e=e, grads=False, own=True) + e * t * vocab
+
+
 def loss_tail(*, t: int, vocab: int, h: int, e: int, head_grad: bool = False, own: bool = False) -> int:
     """What the loss's transients leave while the head's own backward runs (after the gradient of
     its output is made): the model's own loss, that gradient (e*T*V); the tiled loss, the scaled
@@ -406,9 +414,10 @@ def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, prec
                      lora: LoraAct = None, row_positions: bool = False, offload: bool = False,
                      tiles: bool = True) -> int:
     """Peak bytes of saved activations in one step (see activation_parts; `padded`: the step's
-    batch has padding). Without backward (zeroth-order optimizers) autograd saves nothing: 0."""
+    batch has padding). Without backward (zeroth-order optimizers) autograd saves nothing: the
+    loss's transients alone (zo_loss_workspace)."""
     if not backward:
-        return 0
+        return zo_loss_workspace(t=batch_size * seq_len, vocab=model.vocab_size, e=compute_bytes(precision))
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                          checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions,
                          offload=offload, tiles=tiles)
