@@ -82,20 +82,22 @@ def export_bytes(model: torch.nn.Module, *, dtype: torch.dtype, trainable_only: 
     return n * dtype.itemsize
 
 
-def check(out: Path, *, state: Any, export: int, start: int, total: int, every: int, keep: int,
-          nvme_dir: "str | None" = None, nvme_pending: int = 0, shards: int = 1,
-          lora: bool = False) -> int:
+def check(out: Path, *, tensors: int, export: int, start: int, total: int, every: int, keep: int,
+          nvme_dir: "str | None" = None, nvme_pending: int = 0, lora: bool = False) -> int:
     """Refuse (OutputSpaceError) when `out`'s filesystem lacks the room this run will write
-    there; returns the bytes it needs. `state`: the engine's state_dict(deferred=True);
-    `shards`: ranks writing a shard of the same size into `out`; `nvme_pending`: swap bytes
-    still to be written under `nvme_dir`, counted when it shares `out`'s filesystem."""
-    checkpoint = state_bytes(state) * shards + CHECKPOINT_EXTRA
+    there; returns the bytes it needs. `tensors`: a checkpoint's tensor bytes (state_bytes of
+    the engine's state_dict(deferred=True), summed over the ranks' shards); `nvme_pending`: swap
+    bytes still to be written under `nvme_dir`, counted when it shares `out`'s filesystem.
+    Leftovers of an interrupted save (removed by the next save) count as free."""
+    checkpoint = tensors + CHECKPOINT_EXTRA
     existing = len(ckpt.list_checkpoints(out))
     peak, end = held(existing=existing, saves=saves_ahead(start=start, total=total, every=every), keep=keep)
     needed = max(0, max(peak * checkpoint, end * checkpoint + export) - existing * checkpoint) + RUN_EXTRA
     free = free_disk(out)
     if free is None:
         return needed
+    free += sum(f.stat().st_size for d in out.glob("ckpt-*") if d.is_dir() and d.suffix in (".tmp", ".old")
+                for f in d.rglob("*") if f.is_file())
     swap = nvme_pending if nvme_dir is not None and _same_filesystem(out, Path(nvme_dir)) else 0
     free -= swap
     if needed > free:

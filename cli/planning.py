@@ -757,7 +757,8 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
             worst = padded_batch(blocks, batch_size=rows, segments=attends_segments(cfg, src), mask=keep)
             batches = itertools.chain([next(batches), worst], batches)
     with console.status(f"[bold]verifying[/]: {steps} steps of {src.name}"):
-        report = verify(model=src.config, name=src.name, hardware=cfg.hardware, gpu_mem=cfg.budgets["gpu"],
+        report = verify(model=src.config, name=src.name, hardware=cfg.hardware or this_machine(cfg),
+                        gpu_mem=cfg.budgets["gpu"] if cfg.hardware else gpu_budget(cfg),
                         cpu_mem=host_budget(cfg, planning=True), cxl_mem=cfg.budgets["cxl"], nvme_path=cfg.nvme_path,
                         optimizer=cfg.optimizer, precision=cfg.precision, batch_size=cfg.batch_size,
                         seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],

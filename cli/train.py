@@ -460,7 +460,8 @@ def _load_base(engine, cfg: TrainConfig, src: ModelSource, *, model, layout: Mod
 
 def _check_output_space(engine, cfg: TrainConfig, out: Path, *, model, total: int) -> None:
     """Refuse, before the weights are read, a run whose checkpoints and export would not fit
-    where they go (cli.diskspace); several ranks: each checks its node's shards."""
+    where they go (cli.diskspace). Several ranks: every shard goes to the shared --output, so
+    their sizes are summed (a collective), and the ranks agree on the outcome."""
     ranks = launch.from_env()
     where = ckpt_dir(cfg, out)
     latest = ckpt.latest_checkpoint(where) if cfg.resume else None
@@ -468,10 +469,15 @@ def _check_output_space(engine, cfg: TrainConfig, out: Path, *, model, total: in
     lora = bool(cfg.lora)
     dtype = _TORCH_DTYPES[cfg.export_dtype or ("fp32" if lora else cfg.precision)]
     nvme = engine.nvme
+    tensors = diskspace.state_bytes(engine.state_dict(deferred=True))
+    if ranks.several:
+        from ..offload.engine.ranks import gather_objects
+
+        tensors = sum(gather_objects(tensors, "summing the checkpoint's shards"))
     refusal = None
     try:
-        diskspace.check(where, state=engine.state_dict(deferred=True), start=start, total=total,
-                        every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, shards=ranks.local_world, lora=lora,
+        diskspace.check(where, tensors=tensors, start=start, total=total,
+                        every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, lora=lora,
                         export=diskspace.export_bytes(model, dtype=dtype, trainable_only=lora) if ranks.main else 0,
                         nvme_dir=None if nvme is None else nvme.directory,
                         nvme_pending=0 if nvme is None else nvme.pending_bytes())

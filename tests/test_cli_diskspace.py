@@ -108,6 +108,21 @@ def test_too_little_space_is_refused_before_anything_is_written(assets, tmp_path
     assert result.exit_code == 0, result.output
 
 
+def test_a_save_killed_midway_counts_as_free(tmp_path, monkeypatch):
+    """A `.tmp` checkpoint left by a killed save is removed by the next save: its bytes are free."""
+    stale = tmp_path / "ckpt-000003.tmp"
+    stale.mkdir()
+    (stale / "engine.safetensors").write_bytes(b"\0" * 4096)
+    kw = dict(tensors=1 << 20, export=0, start=0, total=1, every=0, keep=2)
+    monkeypatch.setattr(diskspace, "free_disk", lambda path: 1 << 40)
+    need = diskspace.check(tmp_path, **kw)
+    monkeypatch.setattr(diskspace, "free_disk", lambda path: need - 4096)
+    assert diskspace.check(tmp_path, **kw) == need
+    monkeypatch.setattr(diskspace, "free_disk", lambda path: need - 4097)
+    with pytest.raises(diskspace.OutputSpaceError):
+        diskspace.check(tmp_path, **kw)
+
+
 def test_saves_and_peaks_as_checkpoint_save_leaves_them(tmp_path, monkeypatch):
     """held() against the directory save_checkpoint leaves: the most checkpoint directories at
     a rename's moment, and those at the end."""
@@ -131,3 +146,26 @@ def test_saves_ahead_counts_the_loops_saves(start, total, every):
     steps = range(start + 1, total + 1)
     saved = {s for s in steps if every and s % every == 0} | ({total} if total > start else set())
     assert diskspace.saves_ahead(start=start, total=total, every=every) == len(saved)
+
+
+def test_several_ranks_count_every_shard_in_the_shared_output(tmp_path, monkeypatch):
+    """Every rank's shard lands in the shared --output: the ranks' tensor bytes are summed (a
+    collective), not one rank's taken for all (shards differ in size: chunks are owned k mod N)."""
+    from tierwise.cli import launch, train
+    from tierwise.cli.config import TrainConfig
+    from tierwise.offload.engine import ranks
+
+    class Engine:
+        nvme = None
+
+        def state_dict(self, deferred=True):
+            return {"chunks": [{"master": torch.zeros(1000)}]}
+
+    seen = {}
+    monkeypatch.setattr(launch, "from_env", lambda: launch.RankInfo(rank=1, world=2, local_rank=1, local_world=2))
+    monkeypatch.setattr(ranks, "gather_objects", lambda obj, what: [obj * 3, obj])
+    monkeypatch.setattr(diskspace, "check", lambda where, **kw: seen.update(kw))
+    monkeypatch.setattr(launch, "agree", lambda *a: None)
+    cfg = TrainConfig(output=str(tmp_path / "out"), steps=2)
+    train._check_output_space(Engine(), cfg, tmp_path / "scratch", model=torch.nn.Linear(2, 2), total=2)
+    assert seen["tensors"] == 4 * 4000 and seen["export"] == 0  # (rank 1: rank 0 exports)
