@@ -9,8 +9,8 @@ The ledger books what the loss saves (loss_bytes) when it is saved, and the work
 whole loss: the peak RSS over the loss's forward and backward must stay within their sum, and
 near it (the ratio printed).
 
-    python bench/loss_workspace.py                 # 32,000 words, 1,024 / 8,192 tokens (~1 min)
-    python bench/loss_workspace.py --tile 64M --tokens 1024 --tiled-tokens 2048 --json   # the test's
+    python bench/loss_workspace.py                 # 32,000 words, 512 / 8,192 tokens (~2 min)
+    python bench/loss_workspace.py --tile 32M --tokens 64 --tiled-tokens 1024 --json   # the test's
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ def child(path: str, dtype_name: str, flags: str, tokens: int, vocab: int, hidde
     from tierwise.offload.engine import headloss
     from tierwise.offload.plan import perfmodel
 
-    tile = perfmodel.HEAD_TILE_BYTES
     dtype = getattr(torch, dtype_name)
     grads, stats, cap, head_grad = "nograd" not in flags, "stats" in flags, "cap" in flags, "head" in flags
     torch.manual_seed(0)
@@ -58,6 +57,8 @@ def child(path: str, dtype_name: str, flags: str, tokens: int, vocab: int, hidde
                                       ) if cap else None
     assert path == "tiled" or transform is None  # (the model's own soft-capping saves its tanh: an activation)
 
+    doubled = x.detach().expand(2, -1, -1).contiguous()
+
     class Doubled(torch.nn.Module):  # a causal LM of the head alone, as hf_split_losses calls it
         config = type("C", (), {"vocab_size": vocab})()
 
@@ -65,8 +66,8 @@ def child(path: str, dtype_name: str, flags: str, tokens: int, vocab: int, hidde
             super().__init__()
             self.head = head
 
-        def forward(self, input_ids):
-            return type("Out", (), {"logits": self.head(x.detach().expand(input_ids.shape[0], -1, -1))})()
+        def forward(self, input_ids):  # (the body's last hidden states: both halves' rows, contiguous)
+            return type("Out", (), {"logits": self.head(doubled)})()
 
         def loss_function(self, **kw):
             from transformers.loss.loss_utils import ForCausalLMLoss
@@ -118,8 +119,7 @@ def child(path: str, dtype_name: str, flags: str, tokens: int, vocab: int, hidde
     else:
         model = perfmodel.loss_workspace(t=tokens, vocab=vocab, h=hidden, e=e, grads=grads, head_grad=head_grad,
                                          transform=cap, stats=stats)
-        tiled = 4 * tokens * vocab > tile
-        assert tiled == (path == "tiled"), "tokens: pick the tiled / own path the case names"
+        assert perfmodel.own_loss(tokens, vocab) == (path == "own"), "tokens: pick the tiled / own path the case names"
     # (x's gradient is the model's backward's, not the loss's)
     return {"case": f"{path} {dtype_name} {flags}".strip(), "peak": peak - grads * e * tokens * hidden,
             "saved": saved, "workspace": model}
@@ -131,7 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--tokens", type=int, default=1024, help="the model's own loss (logits within one tile)")
+    ap.add_argument("--tokens", type=int, default=512, help="the model's own loss (perfmodel.own_loss) and MeZO's")
     ap.add_argument("--tiled-tokens", type=int, default=8192, help="the tiled loss")
     ap.add_argument("--tile", default="256M", help="fp32 logits of a tile (perfmodel.HEAD_TILE_BYTES)")
     ap.add_argument("--json", action="store_true")

@@ -16,6 +16,7 @@ from tinyhf import FAMILIES, family_config  # noqa: E402
 
 from tierwise.offload import Budget, Engine, Optim, Precision  # noqa: E402
 from tierwise.offload.engine import headloss  # noqa: E402
+from tierwise.offload.core.sizes import parse_size  # noqa: E402
 from tierwise.offload.plan import perfmodel  # noqa: E402
 from tierwise.offload.engine.batches import default_loss  # noqa: E402
 
@@ -198,6 +199,29 @@ def test_eval_books_the_no_grad_losss_transients_while_it_runs(tiled, monkeypatc
     eng.close()
 
 
+@pytest.mark.parametrize("gpu,parts", [("3M", 1), ("1500K", 2), ("1M", 3)])
+def test_an_eval_batch_larger_than_the_placement_holds_runs_in_parts(gpu, parts):
+    """Trained on micro-batches of 2 rows, evaluated on 24: where the 24 rows' loss does not fit
+    beside the placement, eval runs the fewest parts that do, token-weighted: the loss is the
+    whole batch's in plain PyTorch, and the device budget holds."""
+    model = family_model("llama")
+    eng = Engine(model, budget=Budget(chunk=16 << 10, gpu=gpu), optim=Optim("adamw", lr=1e-3),
+                 precision=Precision("fp32"))
+    eng.step(masked_batch(rows=2))
+    ref = family_model("llama").eval()
+    ref.load_state_dict(dict(eng.named_parameters_fp32()), strict=False)
+    calls = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda *_: calls.append(1))
+    big = masked_batch(rows=24, seed=3)
+    loss = eng.eval_loss(big)
+    hook.remove()
+    with torch.no_grad():
+        assert loss == pytest.approx(ref(**big).loss.item(), rel=1e-6)
+    assert len(calls) == parts
+    assert eng.ledger.peaks()["gpu"] <= parse_size(gpu)
+    eng.close()
+
+
 LONG = dict(h=64, i=128, layers=2, heads=4, kv=2, vocab=49152)  # a large vocabulary, a tiny body
 
 
@@ -333,11 +357,11 @@ def test_the_loss_transients_measured_stay_within_what_is_booked():
     import subprocess
 
     bench = Path(__file__).parents[1] / "bench" / "loss_workspace.py"
-    proc = subprocess.run([sys.executable, str(bench), "--tile", "32M", "--tokens", "256", "--tiled-tokens", "1024",
+    proc = subprocess.run([sys.executable, str(bench), "--tile", "32M", "--tokens", "64", "--tiled-tokens", "1024",
                            "--json"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 13
+    assert len(rows) == 15
     for r in rows:
         booked = r["saved"] + r["workspace"]
         assert r["peak"] <= booked + (2 << 20), r  # (2 MiB: the allocator's small blocks)

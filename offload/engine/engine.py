@@ -62,7 +62,7 @@ import functools
 import logging
 import numbers
 import operator
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -102,7 +102,7 @@ from .lora import apply_lora
 from .model_info import (is_moe, check_dense_grads, check_model_given, check_no_own_checkpointing,
                          check_trainable_dtypes, find_blocks, lumped_recompute, model_specs)
 from .needs import device_needs, module_chunks, open_tiers
-from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group
+from .ranks import SHARDED_OPTIMIZERS, Ranks, default_group, gather_objects
 from .sharedbase import SharedBase
 from .overbudget import estimate_over_budget, step_over_budget, warmup_over_budget
 from .residency import Residency
@@ -950,6 +950,8 @@ class Engine:
                                                                    e=head.weight.element_size()))
                     with torch.no_grad(), self.residency.reading():
                         loss_pos, loss_neg = hf_split_losses(self.model, mb, half)
+                except BudgetExceeded as exc:  # (nothing updated yet: the step is dropped whole)
+                    raise self._budget_error(exc) from exc
                 finally:
                     self.zo_batch = None
                     self.workspace.release_loss()
@@ -1181,7 +1183,10 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, batch: Any) -> float:
         """The loss on `batch` without gradients (no update, nothing kept for backward), in eval
-        mode (no dropout: e.g. LoRA's), as a model evaluated in plain PyTorch."""
+        mode (no dropout: e.g. LoRA's), as a model evaluated in plain PyTorch. A batch whose
+        loss's transients do not fit beside the placement (an eval batch larger than the
+        training's micro-batch) runs in parts of equal rows, their losses weighted by their
+        target tokens as gradient accumulation weighs them."""
         self._check_open()
         self._check_set()
         phase, training = self.moments.phase, self.model.training
@@ -1190,15 +1195,44 @@ class Engine:
         if self.shared is not None:
             self.shared.ready()
         try:
+            try:
+                parts = split_batch(batch, self._eval_parts(batch))
+            except (TypeError, ValueError):  # (values that do not split by rows: one part)
+                parts = [batch]
+            if len(parts) == 1:
+                return self._eval_one(batch)
+            return float(sum(self._eval_one(part) * w for part, w in zip(parts, step_weights(parts)) if w))
+        finally:
+            self.model.train(training)
+            self.moments.phase = phase
+            self.residency.cache.evict_all()  # the schedule of the next step starts from an empty cache
+
+    def _eval_one(self, batch: Any) -> float:
+        try:
             if self._head_hook is not None:  # (the simulated device books the loss's transients)
                 self.workspace.book_loss(headloss.workspace(self.model, batch, False)[0])
             with self.residency.reading():
                 return float(self.loss_fn(self.model, to_device(batch, self.device)).float().item())
         finally:
             self.workspace.release_loss()
-            self.model.train(training)
-            self.moments.phase = phase
-            self.residency.cache.evict_all()  # the schedule of the next step starts from an empty cache
+
+    def _eval_parts(self, batch: Any) -> int:
+        """Into how many parts eval splits `batch`: the fewest whose default loss's transients fit
+        the device budget beside what it holds now and the stream cache's room to fill."""
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        budget = self.ledger.budgets["gpu"]
+        if self.loss_fn is not default_loss or budget is None or not isinstance(labels, torch.Tensor) \
+                or labels.dim() != 2:
+            return 1
+        cache = self.residency.cache
+        room = budget - self.ledger.used("gpu") - max(0, cache.limit - cache.bytes)
+        rows = labels.shape[0]
+        k = next(k for k in range(1, rows + 1) if rows % k == 0 and (k == rows or headloss.workspace(
+            self.model, {"labels": labels[:rows // k]}, False)[0] <= room))
+        if self.ranks is not None:  # (eval is collective: every rank runs as many parts, or one)
+            seen = gather_objects((rows, k), "agreeing how to split an eval batch")
+            k = max(p for _, p in seen) if len({r for r, _ in seen}) == 1 else 1
+        return k
 
     def named_parameters_fp32(self, *, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, fp32 CPU tensor) for every parameter, from the master copies (frozen ones

@@ -89,9 +89,11 @@ def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad
 
 
 def own_loss(t: int, vocab: int, own: bool = False) -> bool:
-    """Whether the model's own loss runs (`own`: always), not the tiled one: `t` tokens' fp32
-    logits over `vocab` words within a tile (there it is as small, and plain PyTorch's bit for bit)."""
-    return own or 4 * t * vocab <= HEAD_TILE_BYTES
+    """Whether the model's own loss runs (`own`: always), not the tiled one: where all it holds
+    for `t` tokens over `vocab` words fits one tile (its saved fp32 log-softmax and backward's two
+    fp32 gradients of the logits: 12 bytes a token a word). There it is plain PyTorch's bit for
+    bit; beyond, the tiled loss holds a third of it or less."""
+    return own or 12 * t * vocab <= HEAD_TILE_BYTES
 
 
 def loss_workspace(*, t: int, vocab: int, h: int, e: int, grads: bool = True, head_grad: bool = False,
