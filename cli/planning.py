@@ -579,23 +579,13 @@ def _recomputing(cfg: TrainConfig, n: int | None) -> TrainConfig:
     return dataclasses.replace(cfg, recompute=n != 0, recompute_layers=n or None)
 
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-    except ModuleNotFoundError:  # `finetune plan` on a machine without torch: no CUDA either
-        return False
-
-    return torch.cuda.is_available()
-
-
 def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
                       padded: bool | None = None, here: bool = True) -> TrainConfig:
     """`cfg` with `recompute` (and `recompute_layers`) decided. --recompute-layers N alone: on
     (off for 0). Unset (auto): off when the planner finds a placement that keeps every layer's
     activations within the budgets (less compute); else the fewest first layers whose recompute
     makes it fit, or all of them, whichever the planner finds faster (all where neither plans).
-    On with --offload-activations (it offloads recomputed layers' inputs), and on CUDA without
-    --gpu-mem (the planner would judge the hardware profile's memory, not this card's). A run the
+    On with --offload-activations (it offloads recomputed layers' inputs). A run the
     planner cannot price (a model family it does not know, a planner error) recomputes. A LoRA
     run: the fastest of off, those and all, as the planner finds it (keeping activations can
     leave too little room to cache the streamed base). `here`: as make_plan's."""
@@ -603,7 +593,7 @@ def resolve_recompute(cfg: TrainConfig, *, src: "ModelSource | None" = None,
         return cfg
     if cfg.recompute_layers is not None:
         return _recomputing(cfg, cfg.recompute_layers)
-    if cfg.offload_activations or (cfg.budgets["gpu"] is None and _has_cuda()):
+    if cfg.offload_activations:
         return dataclasses.replace(cfg, recompute=True)
     plans: dict[int | None, Plan | None] = {}
 

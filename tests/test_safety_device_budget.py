@@ -141,3 +141,13 @@ def test_a_cuda_device_is_priced_as_its_profile_with_its_own_memory(monkeypatch,
                                    here=False)
         assert (mine.step_s, mine.budgets, mine.peak) == (named.step_s, named.budgets, named.peak)
     assert mine.budgets["gpu"] == total - (1 << 30)
+
+
+def test_on_cuda_without_gpu_mem_the_automatic_recompute_judges_the_card(monkeypatch):
+    """The plan prices this card's memory now, so --recompute's default decides on it: a model
+    whose activations fit keeps them (less compute); one whose activations do not recomputes."""
+    _h100(monkeypatch, 70 << 30)
+    cfg = TrainConfig(model="tiny", cpu_mem="1G")
+    assert planning.resolve_recompute(cfg).recompute is False
+    monkeypatch.setattr(machine, "device_memory", lambda: 2 << 20)  # 2 MiB free: the same model recomputes
+    assert planning.resolve_recompute(cfg).recompute is True
