@@ -119,8 +119,12 @@ def device_profile() -> "HardwareProfile | None":
         key = min(single, key=lambda hw: abs(hw.gpu.memory - total)).name
     hw = load_hardware_profile(key)
     node = hw.node
-    if count > 1:  # --nproc-per-node: its GPUs, reached as the profile says (else over PCIe)
-        node = dataclasses.replace(node or NodeSpec(gpus=count, gpu_link="pcie", gpu_link_gbps=hw.pcie.h2d_pinned_gbps),
+    if count > 1:  # --nproc-per-node: its GPUs, reached as the profile says, else by the name: the
+        # data-centre cards but their PCIe editions over NVLink (8x-a100-80g-1t-nvme's measured
+        # rate), others over PCIe
+        nvlink = key in ("h100", "h200", "a100-80g", "a100-40g") and "pcie" not in name.lower()
+        node = dataclasses.replace(node or NodeSpec(gpus=count, gpu_link="nvlink" if nvlink else "pcie",
+                                                    gpu_link_gbps=200.0 if nvlink else hw.pcie.h2d_pinned_gbps),
                                    gpus=max(count, node.gpus if node else 0))
     return dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, memory=total), node=node,
                                nvme=hw.nvme or load_hardware_profile(planner.DEFAULT_HARDWARE).nvme)

@@ -118,6 +118,7 @@ def test_a_given_host_budget_counts_the_default_simulated_device(monkeypatch):
     ("NVIDIA H200", 141 << 30, 1, "h200"),
     ("NVIDIA A100-SXM4-40GB", 40 << 30, 1, "a100-40g"),
     ("NVIDIA A100 80GB PCIe", 80 << 30, 2, "a100-80g"),
+    ("NVIDIA A100-SXM4-80GB", 80 << 30, 8, "a100-80g"),
     ("NVIDIA GeForce RTX 4090", 24 << 30, 1, "rtx4090"),
     ("NVIDIA RTX A6000", 48 << 30, 1, "l40s"),  # none by name: the nearest memory
 ])
@@ -132,6 +133,8 @@ def test_a_cuda_device_is_priced_as_its_profile_with_its_own_memory(monkeypatch,
     assert hw.name == profile and hw.gpu.memory == total and hw.pcie == ref.pcie
     assert hw.gpu.bf16_tflops == ref.gpu.bf16_tflops and not hw.simulated and hw.nvme is not None
     assert hw.gpus_per_node == count
+    if count > 1:  # an SXM A100's GPUs reach each other over NVLink, a PCIe card's over PCIe
+        assert hw.node.gpu_link == ("pcie" if "PCIe" in name else "nvlink")
     monkeypatch.setattr(machine, "has_cuda", lambda: True)
     monkeypatch.setattr(machine, "device_memory", lambda: total - (1 << 30))
     cfg = TrainConfig(model="tiny", recompute=True, cpu_mem="1G")
