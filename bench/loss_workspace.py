@@ -119,7 +119,8 @@ def child(path: str, dtype_name: str, flags: str, tokens: int, vocab: int, hidde
     else:
         model = perfmodel.loss_workspace(t=tokens, vocab=vocab, h=hidden, e=e, grads=grads, head_grad=head_grad,
                                          transform=cap, stats=stats)
-        assert perfmodel.own_loss(tokens, vocab) == (path == "own"), "tokens: pick the tiled / own path the case names"
+        assert perfmodel.own_loss(tokens, vocab, h=hidden, e=e, head_grad=head_grad and grads) == (path == "own"), \
+            "tokens: pick the tiled / own path the case names"
     # (x's gradient is the model's backward's, not the loss's)
     return {"case": f"{path} {dtype_name} {flags}".strip(), "peak": peak - grads * e * tokens * hidden,
             "saved": saved, "workspace": model}

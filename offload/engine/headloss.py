@@ -114,7 +114,8 @@ def tiled_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor | 
     head = lm.get_output_embeddings() if lm is not None else None
     if not isinstance(head, torch.nn.Linear):
         return None
-    if own_loss(labels.numel(), head.out_features):
+    if own_loss(labels.numel(), head.out_features, h=head.in_features, e=head.weight.element_size(),
+                head_grad=head.weight.requires_grad and torch.is_grad_enabled()):
         return None  # one tile: the model's own loss is as small, and plain PyTorch's bit for bit
     transform = transform_of(lm.config)
     if isinstance(transform, str):
@@ -149,8 +150,8 @@ def workspace(model: torch.nn.Module, batch: Any, grads: bool) -> tuple[int, int
         return 0, 0, 0
     t, vocab, h, e = labels.numel(), head.out_features, head.in_features, head.weight.element_size()
     transform = transform_of(lm.config)
-    own = own_loss(t, vocab, isinstance(transform, str))
     trains = grads and head.weight.requires_grad
+    own = own_loss(t, vocab, isinstance(transform, str), h=h, e=e, head_grad=trains)
     during = loss_workspace(t=t, vocab=vocab, h=h, e=e, grads=grads, head_grad=trains,
                             transform=isinstance(transform, Transform), stats=collected() is not None, own=own)
     tail = loss_tail(t=t, vocab=vocab, h=h, e=e, head_grad=trains, own=own) if grads else 0

@@ -82,18 +82,22 @@ def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad
     targets + a scalar. Beyond: the head in tiles saves the gradient of its input (e*T*h) and,
     when the head trains (`head_grad`), of its weight (e*V*h); nothing of the logits. `own`: the
     model's own loss at any length (a model the tiled loss does not take: its router's loss)."""
-    if own_loss(t, vocab, own):
+    if own_loss(t, vocab, own, h=h, e=e, head_grad=head_grad):
         # targets: the labels shifted in a padded S+1 copy; with one sequence a view of all of it
         return 4 * t * vocab + 8 * (t + (batch_size == 1)) + 4
     return e * t * h + (e * vocab * h if head_grad else 0)
 
 
-def own_loss(t: int, vocab: int, own: bool = False) -> bool:
-    """Whether the model's own loss runs (`own`: always), not the tiled one: where all it holds
-    for `t` tokens over `vocab` words fits one tile (its saved fp32 log-softmax and backward's two
-    fp32 gradients of the logits: 12 bytes a token a word). There it is plain PyTorch's bit for
-    bit; beyond, the tiled loss holds a third of it or less."""
-    return own or 12 * t * vocab <= HEAD_TILE_BYTES
+def own_loss(t: int, vocab: int, own: bool = False, *, h: int = 0, e: int = 4, head_grad: bool = False) -> bool:
+    """Whether the model's own loss runs (`own`: always), not the tiled one, for `t` tokens over
+    `vocab` words: where all it holds (its saved fp32 log-softmax and backward's two fp32
+    gradients of the logits: 12 bytes a token a word) fits one tile, or is no more than the
+    tiled loss would hold (`head_grad`, a head trained in e < 4 bytes: its gradient and their
+    fp32 sum, 4 + e bytes a word a hidden unit). There it is plain PyTorch's bit for bit;
+    beyond, the tiled loss holds less (a third or less of it with a frozen head)."""
+    whole = 12 * t * vocab
+    return own or whole <= HEAD_TILE_BYTES or whole <= e * t * h + e * vocab * h * head_grad + _tiled_workspace(
+        t=t, vocab=vocab, h=h, e=e, grads=True, head_grad=head_grad)
 
 
 def loss_workspace(*, t: int, vocab: int, h: int, e: int, grads: bool = True, head_grad: bool = False,
@@ -113,9 +117,16 @@ def loss_workspace(*, t: int, vocab: int, h: int, e: int, grads: bool = True, he
     TokenStats): a tile's fp32 copy of the model's own logits, and an eighth of a tile for the
     entropy. `own`: the model's own loss at any length
     (a model the tiled loss does not take)."""
-    if own_loss(t, vocab, own):
+    if own_loss(t, vocab, own, h=h, e=e, head_grad=head_grad and grads):
         whole = 8 * t * vocab if grads else (e + 4 + (4 if e < 4 else 0)) * t * vocab
         return max(whole, (e + 4) * t * vocab + t * vocab // 2) if stats else whole
+    return _tiled_workspace(t=t, vocab=vocab, h=h, e=e, grads=grads, head_grad=head_grad, transform=transform,
+                            stats=stats)
+
+
+def _tiled_workspace(*, t: int, vocab: int, h: int, e: int, grads: bool, head_grad: bool,
+                     transform: bool = False, stats: bool = False) -> int:
+    """The tiled loss's part of loss_workspace."""
     n = min(t, max(1, HEAD_TILE_BYTES // (4 * vocab)))
     tile = 4 * n * vocab
     if not grads:  # (no fp32 copy of the gradient: the transform's temporaries count)
@@ -142,7 +153,7 @@ def loss_tail(*, t: int, vocab: int, h: int, e: int, head_grad: bool = False, ow
     """What the loss's transients leave while the head's own backward runs (after the gradient of
     its output is made): the model's own loss, that gradient (e*T*V); the tiled loss, the scaled
     gradients it returns (e*T*h, and e*V*h when the head trains)."""
-    if own_loss(t, vocab, own):
+    if own_loss(t, vocab, own, h=h, e=e, head_grad=head_grad):
         return e * t * vocab
     return e * t * h + (e * vocab * h if head_grad else 0)
 
