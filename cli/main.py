@@ -230,9 +230,9 @@ def plan(
     --verify: run 3 real steps here and compare them with the plan."""
     raise_config_error(ctx)
     flags_win(ctx, options)
-    from .planning import (OFFLOADED, SEQ_STEP, advise, check_budgets, local_notes, longest, longest_line, make_plan,
-                           print_plan, resolve_offload, resolve_recompute, seq_len_note, share_note,
-                           verify_plan)
+    from .planning import (AUTO_OFFLOADED, OFFLOADED, SEQ_STEP, advise, check_budgets, local_notes, longest,
+                           longest_line, make_plan, print_plan, resolve_offload, resolve_recompute, seq_len_note,
+                           share_note, verify_plan)
 
     search = str(options.get("seq_len")) == "max"
     if search and verify:
@@ -249,7 +249,7 @@ def plan(
     auto = cfg.offload_activations is None
     auto_share = cfg.recompute is None and cfg.recompute_layers is None
     cfg = resolve_offload(resolve_recompute(cfg, here=bool(verify)), here=bool(verify), ranks=not verify)
-    if auto and cfg.offload_activations and not json_out:
+    if auto and cfg.offload_activations and not json_out and verify:
         Console(stderr=True).print(OFFLOADED, highlight=False, soft_wrap=True)
     if verify:
         if json_out:
@@ -264,9 +264,13 @@ def plan(
     try:
         result = make_plan(cfg, ranks=True, here=False)
     except InfeasibleBudget as e:
+        if auto and cfg.offload_activations:  # (its minimum is the offloaded plan's)
+            e = InfeasibleBudget(str(e).splitlines()[0] + AUTO_OFFLOADED, minimum=e.minimum)
         if not json_out:
             advise(cfg, e, console=Console(), ranks=True, here=False, given=options)
-        raise
+        raise e from None
+    if auto and cfg.offload_activations and not json_out:
+        Console(stderr=True).print(OFFLOADED, highlight=False, soft_wrap=True)
     print_plan(result, console=Console(), as_json=json_out)
     if cfg.pack and not json_out:
         how = ("the S x S mask this takes is in the plan" if result.padded else

@@ -625,6 +625,7 @@ def resolve_offload(cfg: TrainConfig, *, src: "ModelSource | None" = None, padde
     off = dataclasses.replace(cfg, offload_activations=False)
     if checkpointing(cfg) in (False, 0):
         return off
+    refused: dict[bool, InfeasibleBudget] = {}
     for choice in (off, None):
         if choice is None:  # (built only now: it re-checks the options)
             choice = dataclasses.replace(cfg, offload_activations=True, recompute=True)
@@ -632,8 +633,16 @@ def resolve_offload(cfg: TrainConfig, *, src: "ModelSource | None" = None, padde
             make_plan(choice, src=src, padded=padded, here=here, ranks=ranks)
         except (InfeasibleBudget, UnsupportedModel, ProfileError) as e:
             log.debug("no plan with offload_activations %s: %s", choice.offload_activations, e)
+            if isinstance(e, InfeasibleBudget):
+                refused[bool(choice.offload_activations)] = e
             continue
         return choice
+    # neither fits: where only the device budget is short either way, the refusal names the
+    # smaller minimum, the offloaded one (that budget runs: offloading is chosen there)
+    without, with_ = (refused.get(k) for k in (False, True))
+    if without is not None and with_ is not None and set(without.minimum) == set(with_.minimum) == {"gpu"} \
+            and with_.minimum["gpu"] < without.minimum["gpu"]:
+        return dataclasses.replace(cfg, offload_activations=True, recompute=True)
     return off
 
 
@@ -641,6 +650,8 @@ OFFLOADED = ("activations: each block's input offloaded between forward and back
              "memory, else the NVMe swap: the plan's reserves say where) - the GPU budget holds them no other "
              "way; --no-offload-activations refuses instead")
 """What `finetune` and `plan` say when resolve_offload turned offloading on."""
+AUTO_OFFLOADED = " with each block's input offloaded (the run's choice where nothing fits without)"
+"""What a refusal adds where resolve_offload turned offloading on: its minimum is that plan's."""
 
 
 SEQ_STEP = 1024

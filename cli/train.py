@@ -33,7 +33,7 @@ from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model
 from .metrics import MetricsWriter, read_metrics, truncate_metrics
 from .packing import keeps_mask
-from .planning import (OFFLOADED, attends_segments, check_seq_len, checkpointing, gpu_budget, host_budget, preflight,
+from .planning import (AUTO_OFFLOADED, OFFLOADED, attends_segments, check_seq_len, checkpointing, gpu_budget, host_budget, preflight,
                        resolve_offload, resolve_recompute)
 from .plots import plot_loss, plot_timeline, preload as preload_plots
 from .progress import TrainProgress
@@ -239,8 +239,9 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
         layout = (f" --nproc-per-node {ranks.local_world}" + (f" --nnodes {max(1, ranks.world // ranks.local_world)}"
                                                               if ranks.world > ranks.local_world else "")
                   if ranks.several else "")
-        refusal = InfeasibleBudget(f"{str(e).splitlines()[0]} (`finetune plan{layout}` with the same model, "
-                                   "data, batch and budget options lists changes that fit)", minimum=e.minimum)
+        offloaded = AUTO_OFFLOADED if auto_offload and cfg.offload_activations else ""
+        refusal = InfeasibleBudget(f"{str(e).splitlines()[0]}{offloaded} (`finetune plan{layout}` with the same "
+                                   "model, data, batch and budget options lists changes that fit)", minimum=e.minimum)
     except TierwiseError as e:
         refusal = e
     launch.agree(ranks, refusal, "agreeing on the pre-flight check")

@@ -1,7 +1,8 @@
 """Offloading activations turns on by itself where the plan needs it: a gpu budget that holds
 the run only with each block's input in host RAM trains (and says so) without
 --offload-activations; one that holds it either way keeps them on the device;
---no-offload-activations refuses instead."""
+--no-offload-activations refuses instead; one too small either way is refused naming the
+offloaded plan's minimum (the smaller: that budget runs)."""
 
 from __future__ import annotations
 
@@ -50,12 +51,13 @@ def test_resolved_by_the_plan(deep, budgets):
     assert resolved(on).offload_activations is True and resolved(on).recompute is True
     assert resolved(off).offload_activations is False  # it fits without: the faster way
     assert resolved(on, offload_activations=False).offload_activations is False  # forced off
-    assert resolved(on // 2).offload_activations is False  # fits neither way: refused as before
+    # fits neither way: refused with the smaller minimum, the offloaded plan's (that budget runs)
+    assert resolved(on // 2).offload_activations is True
     assert resolved(on // 2, recompute=False).recompute is False  # offloading needs recompute: not forced
 
 
 def test_finetune_offloads_when_it_must_and_says_so(deep, budgets, tmp_path):
-    on, _ = budgets
+    on, off = budgets
     args = ["--model", str(deep), *SHAPE, "--gpu-mem", f"{on}B", "--steps", "2"]
     r = CliRunner().invoke(app, [*args, "--output", str(tmp_path / "run")])
     assert r.exit_code == 0, (r.output, r.exception)
@@ -63,3 +65,8 @@ def test_finetune_offloads_when_it_must_and_says_so(deep, budgets, tmp_path):
     r = CliRunner().invoke(app, [*args, "--no-offload-activations", "--output", str(tmp_path / "refused")])
     assert r.exit_code == 2
     assert "is too small: needs at least" in error_line(r)
+    # too small either way: the minimum named is the offloaded plan's, and it says so
+    low = ["--model", str(deep), *SHAPE, "--gpu-mem", f"{on // 2}B", "--steps", "2"]
+    line = error_line(CliRunner().invoke(app, [*low, "--output", str(tmp_path / "low")], env={"COLUMNS": "400"}))
+    minimum = int(line.split("needs at least ")[1].split("(")[1].split(" B")[0])
+    assert minimum <= on < off and "with each block's input offloaded" in line, line
