@@ -211,7 +211,7 @@ def test_error_infeasible_budget_names_the_minimum(tmp_path):
 
 def test_error_budget_too_small_for_activations(tmp_path):
     """Chunks fit but the activations do not: refused before the first step, naming the minimum."""
-    line = _error_line(_invoke(*STREAM[:-2], "--gpu-mem", "300K", "--steps", "1",
+    line = _error_line(_invoke(*STREAM[:-2], "--gpu-mem", "300K", "--steps", "1", "--no-offload-activations",
                                "--output", str(tmp_path / "o")))
     assert "--gpu-mem 300.00 KiB is too small: needs at least" in line
     # the end of forward: the blocks' inputs, the S x S mask its blocks of several packed rows
@@ -219,6 +219,10 @@ def test_error_budget_too_small_for_activations(tmp_path):
     # (packed rows kept apart), what the loss saves and the 192 KiB its logits' gradients take
     # in backward (8 x 64 tokens x 384 words: perfmodel.loss_workspace)
     assert "activations 379.75 KiB at batch 2 x 32 (S x S mask))" in line
+    # without the flag the run would offload the blocks' inputs: its minimum is that plan's, one
+    # block's input (2 x 32 tokens x 64 x 4 B = 16 KiB) fewer on the device
+    line = _error_line(_invoke(*STREAM[:-2], "--gpu-mem", "300K", "--steps", "1", "--output", str(tmp_path / "p")))
+    assert "activations 363.75 KiB at batch 2 x 32 (S x S mask)) with each block's input offloaded" in line
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "galore", "apollo-mini", "mezo"])
