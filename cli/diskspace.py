@@ -14,6 +14,7 @@ those kept plus the export.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,9 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
-from .machine import free_disk
+from .machine import free_disk, nearest_existing
 from ..offload.core.errors import TierwiseError
 from ..offload.core.units import format_size
-from ..offload.runtime.lazy import Deferred
 
 #: per checkpoint, beside its tensors: the JSON skeletons, safetensors headers, the manifest,
 #: the trainer's state (RNG states, the data position) and the filesystem's partial blocks
@@ -37,20 +37,12 @@ class OutputSpaceError(TierwiseError):
     """--output's filesystem cannot hold what the run will write there."""
 
 
-def state_bytes(obj: Any) -> int:
-    """Bytes of the tensors in a nested state (Deferred ones by dtype and shape)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, Deferred):
-        n = 1
-        for d in obj.shape:
-            n *= d
-        return n * obj.dtype.itemsize
-    if isinstance(obj, dict):
-        return sum(state_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(state_bytes(v) for v in obj)
-    return 0
+def state_bytes(state: Any) -> int:
+    """Bytes of the tensors in a nested state as a checkpoint lays it out (cli.checkpoint.flatten;
+    Deferred ones by dtype and shape, nothing read)."""
+    tensors: dict[str, Any] = {}
+    ckpt.flatten(state, tensors)
+    return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors.values())
 
 
 def saves_ahead(*, start: int, total: int, every: int) -> int:
@@ -112,11 +104,5 @@ def check(out: Path, *, tensors: int, export: int, start: int, total: int, every
 
 
 def _same_filesystem(a: Path, b: Path) -> bool:
-    def dev(p: Path) -> "int | None":
-        for c in (p.absolute(), *p.absolute().parents):
-            try:
-                return os.stat(c).st_dev
-            except OSError:
-                continue
-        return None
-    return dev(a) is not None and dev(a) == dev(b)
+    where = [nearest_existing(p) for p in (a, b)]
+    return None not in where and os.stat(where[0]).st_dev == os.stat(where[1]).st_dev

@@ -26,17 +26,23 @@ def available_ram() -> int | None:
         return None
 
 
+def nearest_existing(path: "str | os.PathLike[str]") -> Path | None:
+    """`path`, or its nearest parent that exists (where a run would create it), or None."""
+    p = Path(path).expanduser().absolute()
+    return next((c for c in (p, *p.parents) if c.exists()), None)
+
+
 def free_disk(path: "str | os.PathLike[str]") -> int | None:
     """Bytes free for this user on the filesystem that holds `path` (or would: the nearest
     existing parent), or None when none of it exists."""
-    p = Path(path).expanduser().absolute()
-    for candidate in (p, *p.parents):
-        try:
-            st = os.statvfs(candidate)
-        except OSError:
-            continue
-        return st.f_bavail * st.f_frsize
-    return None
+    where = nearest_existing(path)
+    if where is None:
+        return None
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def has_cuda() -> bool:

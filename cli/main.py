@@ -249,11 +249,11 @@ def plan(
     auto = cfg.offload_activations is None
     auto_share = cfg.recompute is None and cfg.recompute_layers is None
     cfg = resolve_offload(resolve_recompute(cfg, here=bool(verify)), here=bool(verify), ranks=not verify)
-    if auto and cfg.offload_activations and not json_out and verify:
-        Console(stderr=True).print(OFFLOADED, highlight=False, soft_wrap=True)
     if verify:
         if json_out:
             raise TierwiseError("--verify prints a table: drop --json")
+        if auto and cfg.offload_activations:
+            Console(stderr=True).print(OFFLOADED, highlight=False, soft_wrap=True)
         if cfg.nproc_per_node * cfg.nnodes > 1:
             raise TierwiseError("--verify runs one rank on this machine: drop --nproc-per-node / --nnodes")
         check_budgets(cfg, here=True)  # --verify trains here, whatever resolve_recompute priced

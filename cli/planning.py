@@ -625,7 +625,7 @@ def resolve_offload(cfg: TrainConfig, *, src: "ModelSource | None" = None, padde
     off = dataclasses.replace(cfg, offload_activations=False)
     if checkpointing(cfg) in (False, 0):
         return off
-    refused: dict[bool, InfeasibleBudget] = {}
+    refused: list[tuple[TrainConfig, dict]] = []
     for choice in (off, None):
         if choice is None:  # (built only now: it re-checks the options)
             choice = dataclasses.replace(cfg, offload_activations=True, recompute=True)
@@ -633,16 +633,14 @@ def resolve_offload(cfg: TrainConfig, *, src: "ModelSource | None" = None, padde
             make_plan(choice, src=src, padded=padded, here=here, ranks=ranks)
         except (InfeasibleBudget, UnsupportedModel, ProfileError) as e:
             log.debug("no plan with offload_activations %s: %s", choice.offload_activations, e)
-            if isinstance(e, InfeasibleBudget):
-                refused[bool(choice.offload_activations)] = e
+            refused.append((choice, e.minimum if isinstance(e, InfeasibleBudget) else {}))
             continue
         return choice
     # neither fits: where only the device budget is short either way, the refusal names the
     # smaller minimum, the offloaded one (that budget runs: offloading is chosen there)
-    without, with_ = (refused.get(k) for k in (False, True))
-    if without is not None and with_ is not None and set(without.minimum) == set(with_.minimum) == {"gpu"} \
-            and with_.minimum["gpu"] < without.minimum["gpu"]:
-        return dataclasses.replace(cfg, offload_activations=True, recompute=True)
+    (_, without), (on, with_) = refused
+    if set(without) == set(with_) == {"gpu"} and with_["gpu"] < without["gpu"]:
+        return on
     return off
 
 
