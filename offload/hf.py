@@ -212,6 +212,53 @@ def _check_own_loss(cls: type) -> None:
                                 "(transformers' Trainer or TRL's SFTTrainer); train this one without offload")
 
 
+def _adapters_over_meta(cls: type, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The Trainer's arguments, with a from_pretrained (meta) model and `peft_config` (a
+    Trainer class that takes one: SFTTrainer) made into the PEFT model here, its adapters
+    given values (PEFT's own call would leave them meta). They are drawn after
+    set_seed(args.seed), as SFTTrainer draws them."""
+    import inspect
+
+    from transformers import TrainingArguments, set_seed
+
+    init = cls.__mro__[cls.__mro__.index(_Offload) + 1].__init__
+    try:
+        bound = inspect.signature(init).bind_partial(None, *args, **kwargs)  # (None: self)
+    except TypeError:
+        return args, kwargs  # the Trainer's own call says what is wrong
+    given = bound.arguments
+    if given.get("peft_config") is None or _source(given.get("model")) is None:
+        return args, kwargs
+    training = given.get("args")
+    set_seed(training.seed if training is not None else TrainingArguments.seed)
+    given["model"] = get_peft_model(given["model"], given.pop("peft_config"))  # with values, not meta
+    return bound.args[1:], bound.kwargs
+
+
+def _check_ram(budget: Any, *, lora: bool) -> None:
+    """Refuse host budgets this machine cannot give, as `finetune` does: cpu_mem, with the
+    simulated device's gpu_mem (host RAM where there is no GPU) and the process beside them,
+    against the RAM available now."""
+    from ..cli.machine import available_ram, has_cuda, physical_ram
+    from .core.sizes import parse_size
+    from .core.units import format_size
+    from .plan.planner import process_bytes
+
+    have = available_ram()
+    if budget is None or have is None:
+        return
+    cpu = parse_size(budget.cpu)
+    gpu = 0 if has_cuda() else parse_size(budget.gpu) or 0
+    process = process_bytes(lora=lora)
+    if (cpu is None and not gpu) or (cpu or 0) + gpu + process <= have:
+        return
+    asked = ([f"cpu_mem {format_size(cpu)}"] if cpu is not None else []) + (
+        [f"gpu_mem {format_size(gpu)} (no GPU: the simulated device is host RAM)"] if gpu else [])
+    raise TierwiseError(f"offload {' + '.join(asked)} + about {format_size(process)} for the process is more "
+                           f"than this machine has available ({format_size(have)} of "
+                           f"{format_size(physical_ram() or have)} RAM): lower {asked[0].split()[0]}")
+
+
 class _Offload:
     """The overrides with_offload mixes into a Trainer class."""
 
@@ -223,10 +270,8 @@ class _Offload:
         self._stat_sums = {"train": _no_sums(), "eval": _no_sums()}  # TRL's token metrics, until logged
         self._save_layout: Any = None  # what save_pretrained writes of the model (_layout)
         self._pending_tokens: Any = 0
-        model = kwargs.get("model")
-        if kwargs.get("peft_config") is not None and _source(model) is not None:
-            kwargs["model"] = get_peft_model(model, kwargs.pop("peft_config"))  # with values, not meta
         _check_own_loss(type(self))
+        args, kwargs = _adapters_over_meta(type(self), args, kwargs)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         trainer: Any = self
         trainer.accelerator.device_placement = False  # the engine places the weights, not .to(device)
@@ -267,6 +312,8 @@ class _Offload:
         given = self._offload if isinstance(self._offload, dict) else {}
         if given.get("precision") == "fp32" and args.bf16:
             raise TierwiseError("bf16=True with offload precision fp32: choose one")
+        budget = self._engine_options().get("budget")  # a wrong option is refused here, not in train()
+        _check_ram(budget, lora=hasattr(trainer.model, "peft_config"))
 
     # -- the engine takes the model ------------------------------------------------------
     def _move_model_to_device(self, model: Any, device: Any) -> None:
@@ -284,7 +331,7 @@ class _Offload:
             theirs = {"lr": "learning_rate", "betas": "adam_beta1 and adam_beta2", "eps": "adam_epsilon",
                       "weight_decay": "weight_decay (which the engine refuses)", "grad_clip": "max_grad_norm",
                       "overlap_update": "nothing: the Trainer's update is applied in order"}
-            given_here = [k for k in theirs if getattr(optim, k) != getattr(default, k)]
+            given_here = [k for k in theirs if k in given or getattr(optim, k) != getattr(default, k)]
             if given_here:
                 raise TierwiseError("offload= " + ", ".join(f"{k} (set it with TrainingArguments' {theirs[k]})"
                                                              for k in given_here) + ": the Trainer sets these itself")

@@ -267,6 +267,19 @@ def test_close_removes_files_and_created_dir(tmp_path):
         s.write("c", torch.zeros(1))
 
 
+def test_close_removes_the_parents_it_created_and_nothing_else(tmp_path):
+    """A swap path several levels deep that does not exist (a mistyped mount point): the
+    directories made for it go again on close, down to one holding something not the store's."""
+    s = NvmeStore(tmp_path / "a" / "b" / "c")
+    s.write("x", torch.zeros(10))
+    s.close()
+    assert os.listdir(tmp_path) == []
+    s = NvmeStore(tmp_path / "a" / "b" / "c")
+    (tmp_path / "a" / "theirs").write_text("keep")
+    s.close()
+    assert sorted(os.listdir(tmp_path / "a")) == ["theirs"]
+
+
 @pytest.mark.parametrize("use_with", [True, False], ids=["context", "atexit"])
 def test_ctrl_c_removes_swap_files(tmp_path, use_with):
     directory = tmp_path / "swap"

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from .chunks import DEFAULT_CHUNK_BYTES
 from .errors import DIST_TIMEOUT_S
+from .sizes import parse_size
 from .vocab import BASE_DTYPES, COMPUTE_DTYPES, GRAD_REDUCE, BaseDtype, ComputeDtype, GradReduce, check
 
 LOOKAHEAD = 16
@@ -37,6 +38,10 @@ class Budget:
     cxl_node: int | str | Iterable[int] | None = None
     cxl_bandwidth: float | None = None
     nvme_checksum: bool = False
+
+    def __post_init__(self) -> None:  # a malformed size is refused where it is given
+        for key in ("gpu", "cpu", "cxl", "chunk"):
+            parse_size(getattr(self, key), what=f"Budget {key}")
 
 
 @dataclass(frozen=True)

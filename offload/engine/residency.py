@@ -320,7 +320,8 @@ class Residency:
             if not self._frames:
                 raise UnsupportedModel(
                     f"{self.name_of(mod)} ran outside engine.step / forward / eval_loss: the engine "
-                    f"makes parameters resident only there (read trained weights with named_parameters_fp32)")
+                    f"makes parameters resident only there (read trained weights with named_parameters_fp32; "
+                    f"to generate, save the model and load it back)")
         self.guard.paused += 1
         try:
             self._frames.append((mod, []))

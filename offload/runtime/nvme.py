@@ -213,6 +213,15 @@ class _Lane:
             return self.busy + (time.perf_counter() - self._since if self._inflight else 0.0)
 
 
+def _missing_dirs(path: str) -> list[str]:
+    """`path` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
 class NvmeStore:
     """Swap files under one directory, read and written asynchronously (O_DIRECT when allowed).
 
@@ -232,7 +241,7 @@ class NvmeStore:
             raise NvmeError(f"block_size must be a positive multiple of {DIRECT_ALIGN}: "
                             f"{block_size}")
         self.root = os.path.abspath(os.fspath(directory))
-        self._created_root = not os.path.isdir(self.root)
+        self._created = _missing_dirs(self.root)  # removed again on close, deepest first
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
@@ -393,11 +402,11 @@ class NvmeStore:
         for swap in swaps:
             self._delete(swap)
         self._private.close()  # its lock, then the directory if empty
-        if self._created_root:
+        for made in self._created:
             try:
-                os.rmdir(self.root)
+                os.rmdir(made)
             except OSError:
-                pass  # not empty: files that are not this store's are left alone
+                break  # not empty: files that are not this store's are left alone
         _OPEN_STORES.discard(self)
 
     def __enter__(self) -> "NvmeStore":
