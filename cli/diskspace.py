@@ -64,6 +64,14 @@ def held(*, existing: int, saves: int, keep: int) -> tuple[int, int]:
     return max(existing, min(existing + saves - 1, keep)) + 1, min(existing + saves, keep)
 
 
+def written(*, checkpoint: int, export: int, existing: int, saves: int, keep: int) -> tuple[int, int]:
+    """(the bytes a run writes beyond what `existing` checkpoints already hold, at its fullest,
+    with RUN_EXTRA; the most checkpoints held at once) for `saves` more of `checkpoint` bytes
+    each, `keep` kept (0: all), then the export."""
+    peak, end = held(existing=existing, saves=saves, keep=keep)
+    return max(0, max(peak * checkpoint, end * checkpoint + export) - existing * checkpoint) + RUN_EXTRA, peak
+
+
 def export_bytes(model: torch.nn.Module, *, dtype: torch.dtype, trainable_only: bool) -> int:
     """The exported weights: every parameter once (a tied one once), or a LoRA run's
     adapters, in `dtype` (meta tensors count as well as real ones)."""
@@ -83,8 +91,8 @@ def check(out: Path, *, tensors: int, export: int, start: int, total: int, every
     Leftovers of an interrupted save (removed by the next save) count as free."""
     checkpoint = tensors + CHECKPOINT_EXTRA
     existing = len(ckpt.list_checkpoints(out))
-    peak, end = held(existing=existing, saves=saves_ahead(start=start, total=total, every=every), keep=keep)
-    needed = max(0, max(peak * checkpoint, end * checkpoint + export) - existing * checkpoint) + RUN_EXTRA
+    needed, peak = written(checkpoint=checkpoint, export=export, existing=existing,
+                           saves=saves_ahead(start=start, total=total, every=every), keep=keep)
     free = free_disk(out)
     if free is None:
         return needed
@@ -106,3 +114,27 @@ def check(out: Path, *, tensors: int, export: int, start: int, total: int, every
 def _same_filesystem(a: Path, b: Path) -> bool:
     where = [nearest_existing(p) for p in (a, b)]
     return None not in where and os.stat(where[0]).st_dev == os.stat(where[1]).st_dev
+
+
+def plan_line(cfg: Any, plan: Any, *, free: "int | None" = None) -> str:
+    """What a run of `plan` writes to --output, from the plan's bytes (`Plan.checkpoint_bytes`,
+    its parameter counts): for `finetune plan` and --dry-run (`free`: the space --output has,
+    said beside it). A fresh run; the run itself checks the engine's exact bytes first."""
+    lora = plan.lora_rank is not None
+    dtype = cfg.export_dtype or ("fp32" if lora else cfg.precision)
+    export = (plan.trainable_params if lora else plan.num_params) * {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    checkpoint = plan.checkpoint_bytes + CHECKPOINT_EXTRA
+    every, keep = cfg.checkpoint_every, cfg.keep_checkpoints
+    line = (f"disk: each checkpoint {format_size(checkpoint)} (masters and optimizer state), the "
+            f"{'adapter' if lora else 'model'} export {format_size(export)} ({dtype})")
+    saves = (saves_ahead(start=0, total=cfg.steps, every=every) if cfg.steps else
+             1 if not every else None)  # (None: one every `every` steps, how many unknown)
+    if saves is None and keep <= 0:
+        return f"{line}; every checkpoint kept (--keep-checkpoints 0): one every {every} steps"
+    needed, peak = written(checkpoint=checkpoint, export=export, existing=0,
+                           saves=keep + 1 if saves is None else saves, keep=keep)
+    schedule = (f"a checkpoint every {every} steps, {peak} at once" if every else "a checkpoint at the end")
+    line += f"; a run writes up to {format_size(needed)} to --output ({schedule})"
+    if free is None:
+        return line
+    return line + f", {format_size(free)} free there" + ("; too little: the run would be refused" if needed > free else "")

@@ -230,6 +230,7 @@ def plan(
     --verify: run 3 real steps here and compare them with the plan."""
     raise_config_error(ctx)
     flags_win(ctx, options)
+    from .diskspace import plan_line as disk_line
     from .planning import (AUTO_OFFLOADED, OFFLOADED, SEQ_STEP, advise, check_budgets, local_notes, longest,
                            longest_line, make_plan, print_plan, resolve_offload, resolve_recompute, seq_len_note,
                            share_note, verify_plan)
@@ -272,6 +273,8 @@ def plan(
     if auto and cfg.offload_activations and not json_out:
         Console(stderr=True).print(OFFLOADED, highlight=False, soft_wrap=True)
     print_plan(result, console=Console(), as_json=json_out)
+    if not json_out:
+        Console(stderr=True).print(disk_line(cfg, result), highlight=False, soft_wrap=True)
     if cfg.pack and not json_out:
         how = ("the S x S mask this takes is in the plan" if result.padded else
                "attended one row at a time: no S x S mask")

@@ -801,6 +801,7 @@ def summary_table(cfg: TrainConfig, *, name: str, params: int, lora: str | None 
 def dry_run(cfg: TrainConfig, *, console: Console, resuming: "Callable | None" = None) -> int:
     """Resolve the model and budgets, print a summary and the plan; touch nothing on disk.
     `resuming(cfg, src)`: --resume's checks (cli.train), run once the model is resolved."""
+    from .diskspace import plan_line
     from .loading import build_meta_model, count_parameters
 
     src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -819,7 +820,9 @@ def dry_run(cfg: TrainConfig, *, console: Console, resuming: "Callable | None" =
         lora_mod.inject(model, lora_mod.lora_config(cfg), seed=cfg.seed, values=False)
         lora = lora_mod.summary(cfg, model)
     console.print(summary_table(cfg, name=src.name, params=total, lora=lora))
-    print_plan(make_plan(cfg, src=src, ranks=True), console=console, as_json=False)
+    plan = make_plan(cfg, src=src, ranks=True)
+    print_plan(plan, console=console, as_json=False)
+    console.print(plan_line(cfg, plan, free=free_disk(cfg.output)), highlight=False, soft_wrap=True)
     return 0
 
 

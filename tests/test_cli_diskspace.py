@@ -81,6 +81,14 @@ def test_the_check_covers_what_the_run_writes(assets, tmp_path, monkeypatch, ext
     assert weights <= need - diskspace.RUN_EXTRA <= weights + (checkpoints + 1) * diskspace.CHECKPOINT_EXTRA, \
         (held, need)
     assert files <= need
+    # --dry-run says it from the plan's bytes: the same figure, but for the model's buffers
+    planned, real_written = [], diskspace.written
+    monkeypatch.setattr(diskspace, "written", lambda **kw: planned.append(real_written(**kw)) or planned[-1])
+    model, data = assets
+    dry = CliRunner().invoke(app, ["--model", str(model), "--data", str(data), *STREAM, "--output",
+                                   str(tmp_path / "dry"), *extra, "--dry-run"], env={"COLUMNS": "200"})
+    assert dry.exit_code == 0 and "disk: each checkpoint" in dry.output, dry.output
+    assert planned[0][0] - diskspace.RUN_EXTRA == pytest.approx(need - diskspace.RUN_EXTRA, rel=1e-3)
 
 
 def test_resume_counts_the_checkpoints_already_there(assets, tmp_path, monkeypatch):

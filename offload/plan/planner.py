@@ -169,6 +169,9 @@ class Plan:
     base_dtype: str | None = None
     """How a LoRA run's frozen base is stored (codecs: fp32 / bf16 / fp16 / int8 / nf4)."""
     trainable_params: int = 0
+    checkpoint_bytes: int = 0
+    """A checkpoint's tensors (all ranks' together): every trainable chunk's fp32 master and optimizer
+    state, the bytes the engine's state_dict holds (cli.diskspace, which checks the run's exactly)."""
     base_read: dict[str, int] = field(default_factory=dict)
     """Bytes of the frozen base read per step from each host-side tier (the link carries them)."""
     base_written: int = 0
@@ -419,6 +422,10 @@ class _Chunks:
                     counts[c] -= 1 / micro_batches
         self.fetches_last = counts
         return counts
+
+    def checkpoint_bytes(self) -> int:
+        """Every trainable chunk's master and optimizer state: what a checkpoint's tensors hold."""
+        return sum(k.get("master", 0) + k.get("state", 0) for k in self.kinds)
 
     def home_order(self) -> list[int]:
         """The engine's `_home_order`: trainable chunks, then frozen ones, last first."""
@@ -728,7 +735,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                                            grad_accum=grad_accum, lora_rank=lora_rank,
                                            lora_targets=lora_targets if lora_rank is not None else None,
                                            base_dtype=(base_dtype or precision) if lora_rank is not None else None,
-                                           trainable_params=ch.trainable_params))
+                                           trainable_params=ch.trainable_params,
+                                           checkpoint_bytes=ch.checkpoint_bytes()))
         except InfeasibleBudget as e:  # (its budget was the node's less the offloaded inputs)
             raise beside_reserved(e, room=None if host is None else host - node_act, reserved=node_act,
                                   what=f"{nproc_per_node} ranks' offloaded activations") from None
@@ -786,7 +794,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                   grad_accum=grad_accum,
                   lora_rank=lora_rank, lora_targets=lora_targets if lora_rank is not None else None,
                   base_dtype=(base_dtype or precision) if lora_rank is not None else None,
-                  trainable_params=ch.trainable_params, lora_act=lora_act,
+                  trainable_params=ch.trainable_params, checkpoint_bytes=ch.checkpoint_bytes(), lora_act=lora_act,
                   base_decoded=bool(device.decoded_home), **base)
     if suggest and lora_rank is not None:
         plan = dataclasses.replace(plan, suggestion=suggest_micro_batch(plan, **(args | {"model": model,
