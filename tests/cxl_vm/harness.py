@@ -17,6 +17,7 @@ Run by hand: `python -m tests.cxl_vm.harness --devices 2 -- python -m tests.cxl_
 from __future__ import annotations
 
 import argparse
+import atexit
 import glob
 import hashlib
 import json
@@ -39,6 +40,16 @@ GUEST_MB = 2048
 
 class Missing(Exception):
     """A tool or kernel image the harness needs is not installed (the tests skip)."""
+
+
+_LIVE: set[subprocess.Popen] = set()  # QEMUs running now: killed if this process exits first
+
+
+@atexit.register
+def _kill_live() -> None:
+    for proc in list(_LIVE):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def find_kernel() -> tuple[str, str]:
@@ -231,6 +242,7 @@ def run_guest(argv: list[str], *, devices: int, interleave: bool = False, timeou
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(work / "console.log", "wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
+    _LIVE.add(proc)
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -239,6 +251,7 @@ def run_guest(argv: list[str], *, devices: int, interleave: bool = False, timeou
         if proc.poll() is None:  # timed out or interrupted: never leave QEMU running
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        _LIVE.discard(proc)
     wall = time.monotonic() - start
     log = (out / "guest.log").read_text(errors="replace") if (out / "guest.log").exists() else ""
     console = (work / "console.log").read_text(errors="replace")
