@@ -17,14 +17,14 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from . import checkpoint as ckpt
 from .machine import free_disk, nearest_existing
 from ..offload.core.errors import TierwiseError
 from ..offload.core.units import format_size
+
+if TYPE_CHECKING:  # (`finetune plan` runs without torch)
+    import torch
 
 #: per checkpoint, beside its tensors: the JSON skeletons, safetensors headers, the manifest,
 #: the trainer's state (RNG states, the data position) and the filesystem's partial blocks
@@ -40,6 +40,8 @@ class OutputSpaceError(TierwiseError):
 def state_bytes(state: Any) -> int:
     """Bytes of the tensors in a nested state as a checkpoint lays it out (cli.checkpoint.flatten;
     Deferred ones by dtype and shape, nothing read)."""
+    from . import checkpoint as ckpt  # (torch: not for `finetune plan`)
+
     tensors: dict[str, Any] = {}
     ckpt.flatten(state, tensors)
     return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors.values())
@@ -72,7 +74,7 @@ def written(*, checkpoint: int, export: int, existing: int, saves: int, keep: in
     return max(0, max(peak * checkpoint, end * checkpoint + export) - existing * checkpoint) + RUN_EXTRA, peak
 
 
-def export_bytes(model: torch.nn.Module, *, dtype: torch.dtype, trainable_only: bool) -> int:
+def export_bytes(model: "torch.nn.Module", *, dtype: "torch.dtype", trainable_only: bool) -> int:
     """The exported weights: every parameter once (a tied one once), or a LoRA run's
     adapters, in `dtype` (meta tensors count as well as real ones)."""
     params = [p for p in model.parameters() if p.requires_grad or not trainable_only]
@@ -89,6 +91,8 @@ def check(out: Path, *, tensors: int, export: int, start: int, total: int, every
     the engine's state_dict(deferred=True), summed over the ranks' shards); `nvme_pending`: swap
     bytes still to be written under `nvme_dir`, counted when it shares `out`'s filesystem.
     Leftovers of an interrupted save (removed by the next save) count as free."""
+    from . import checkpoint as ckpt
+
     checkpoint = tensors + CHECKPOINT_EXTRA
     existing = len(ckpt.list_checkpoints(out))
     needed, peak = written(checkpoint=checkpoint, export=export, existing=existing,
