@@ -371,6 +371,8 @@ def export(
 
     Example: finetune export --adapter run/adapter --base ./llama --output ./llama-merged"""
     del merge  # (the only export: accepted, not required)
+    if adapter is not None and not adapter.is_dir():  # (before the base it would name is looked for)
+        raise TierwiseError(f"--adapter {adapter}: not a directory")
     if adapter is not None and not (adapter / "adapter_config.json").exists():
         if (adapter / "adapter" / "adapter_config.json").exists():
             adapter = adapter / "adapter"  # a run's --output, as `finetune generate` takes it

@@ -155,6 +155,7 @@ def test_sigkill_mid_run_then_resume_is_bit_exact(assets, reference, tmp_path):
     assert _train_losses(out) == _train_losses(reference)  # fp32: exact equality
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == list(range(1, STEPS + 1))
+    assert (out / "memory_timeline.png").exists()  # a step of the resumed run's drawn (it drew none)
 
 
 def test_sigkill_mid_checkpoint_write_keeps_the_previous_one(assets, reference, tmp_path):

@@ -159,6 +159,8 @@ def test_merge_refusals(tmp_path):
     (full / "x").write_text("x")
     assert "not empty" in error_line(_run(*common, "--output", full))
     assert "export needs --output" in error_line(_run(*common))
+    assert error_line(_run("--adapter", tmp_path / "nope", "--output", tmp_path / "o")) == \
+        f"error: --adapter {tmp_path / 'nope'}: not a directory"  # (not: "needs --base")
     # the base its adapter_config.json names, where that directory is here; --adapter a run's output
     assert "export needs --output" in error_line(_run("--adapter", adapter))
     run = tmp_path / "run"

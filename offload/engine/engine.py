@@ -283,6 +283,7 @@ class Engine:
                 self.residency.stop_watching_homes()
             self.minimum_gpu_bytes: int | None = None
             self.steps = 0
+            self._steps_here = 0  # (this engine's own: `steps` is the run's, a resumed one's too)
             self._in_cycle = False
             self.last_grad_norm: torch.Tensor | None = None
             #: Set True to leave the weights and optimizer state as they were when a step's loss (or,
@@ -739,7 +740,7 @@ class Engine:
             # forward perturbs the compute copies)
             self.residency.keep_next(self.ranks is None and self.minimum_gpu_bytes is not None
                                      and self.updater.needs_grad)
-            self.moments.begin_step(self.steps)
+            self.moments.begin_step(self._steps_here)
 
     def _after_head(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
         """Hooks on the gradients of the head's output (the loss's backward is done: what stays
@@ -1018,6 +1019,7 @@ class Engine:
         self.tracker.end_step()
         self._in_cycle = False
         self.steps += 1
+        self._steps_here += 1
         self.moments.end_step()
         self.moments.phase = Phase.IDLE
 
