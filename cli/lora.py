@@ -17,6 +17,7 @@ adapter_model.safetensors, written by PEFT's `get_peft_model_state_dict` and
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -86,7 +87,10 @@ def inject(model: torch.nn.Module, config, *, seed: int, values: bool = True) ->
     after `torch.manual_seed(seed)`; returns {checkpoint name: its name now}), its refusals as
     one-line ConfigErrors."""
     try:
-        return inject_meta(model, config, seed=seed, values=values)
+        with warnings.catch_warnings():  # PEFT's own patterns for fused experts, not the user's: noise
+            warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match",
+                                    RuntimeWarning)
+            return inject_meta(model, config, seed=seed, values=values)
     except ValueError as e:  # e.g. a target that is no layer PEFT can adapt
         line = (str(e).splitlines() or [type(e).__name__])[0]
         if "ParamWrapper" in line and "dropout" in line:  # PEFT adapts fused MoE experts as parameters
@@ -128,7 +132,9 @@ def _unencoded(cfg: TrainConfig, model: torch.nn.Module, base: str, frozen: int)
 
     names = quantizable(model)
     encoded = sum(p.numel() for n, p in model.named_parameters() if n in names and not p.requires_grad)
-    return f" on {100 * encoded / frozen:.1f}% of it, the rest {cfg.precision} (embeddings, norms, head, routers)"
+    moe = getattr(model.config, "num_local_experts", None) or getattr(model.config, "num_experts", None)
+    kept = "embeddings, norms, head" + (", routers" if moe else "")
+    return f" on {100 * encoded / frozen:.1f}% of it, the rest {cfg.precision} ({kept})"
 
 
 def label(cfg: TrainConfig) -> str:

@@ -245,6 +245,7 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     except TierwiseError as e:
         refusal = e
     launch.agree(ranks, refusal, "agreeing on the pre-flight check")
+    claimed = _claim_output(cfg, ranks)  # (a refusal of --output before the run's lines)
     if auto and not cfg.recompute and cfg.optimizer != "mezo":
         console.print("activations: kept for backward, no recompute (the GPU budget holds them; "
                       "--recompute saves GPU memory)", highlight=False)
@@ -264,7 +265,6 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     if cfg.data is None:
         if cfg.model is not None:
             warn(console, "no --data: training on the built-in toy sample")
-    claimed = _claim_output(cfg, ranks)
     if ranks.several:
         console.print(f"{ranks.world} ranks ({ranks.local_world} on this node): each step is "
                       f"{cfg.grad_accum * ranks.world} micro-batches, micro-batch i on rank i mod {ranks.world}; "
@@ -732,6 +732,9 @@ def _intro(batches: Batches, *, start: int, total: int, plan: Any) -> str:
     """'steps 1-200 (50 a epoch), about 3:20 at the plan's 1.0 s a step'."""
     from .progress import clock
 
+    if start >= total:
+        return (f"nothing to train: the checkpoint is at step {start} of {total} (a larger --steps or --epochs "
+                "trains on); its model is exported")
     line = f"steps {start + 1}-{total} ({batches.batches_per_epoch} an epoch)"
     step_s = getattr(plan, "step_s", None)
     if step_s:

@@ -131,8 +131,13 @@ def test_the_summary_says_how_much_of_an_nf4_base_is_encoded(tmp_path):
     experts = sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in hf.modules()
                   if type(m).__name__ == "MixtralExperts")
     share = 100 * (linear + experts) / sum(p.numel() for p in hf.parameters())
-    assert f"base nf4 (double quant) on {share:.1f}% of it" in result.output, result.output
+    assert f"base nf4 (double quant) on {share:.1f}% of it, the rest fp32 (embeddings, norms, head, routers)" \
+        in result.output, result.output
     assert experts > linear
+    dense = make_tiny_family_dir(tmp_path / "qwen2", "qwen2")  # no routers to name
+    result = CliRunner().invoke(app, _args((dense, data), tmp_path / "run2", "--qlora", "--dry-run"),
+                                env={"COLUMNS": "300"})
+    assert "of it, the rest fp32 (embeddings, norms, head) " in result.output, result.output
 
 
 def test_mixtral_all_linear_run_exports_and_merges(tmp_path):

@@ -217,6 +217,9 @@ def test_resume_that_changes_steps_already_run_says_so(runner, tmp_path):
     assert "total steps 3 -> 6" in notes[0] and f"step 2 at lr {resumed[2]['lr']:.4g}" in notes[0]
     assert f"the new one gives {straight[2]['lr']:.4g}" in notes[0]
     assert notes[1] == "--resume: --weight-decay 0.1 from step 4 on (steps 1-3 ran with 0.0)"
+    again = runner.invoke(app, [*common, "--steps", "6", "--output", str(part), "--resume", "--weight-decay", "0.1"],
+                          env={"COLUMNS": "200"})  # a finished run: says so (it said "steps 7-6")
+    assert again.exit_code == 0 and "nothing to train: the checkpoint is at step 6 of 6" in again.output, again.output
 
 
 def test_resume_with_edited_data_is_refused(runner, tmp_path):

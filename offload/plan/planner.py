@@ -218,7 +218,7 @@ class Plan:
                  f"batch {self.batch_size} x {self.seq_len}{MASKED if self.padded else ''}, "
                  f"grad-accum {self.grad_accum}, {_count(self.num_params)} params"
                  f"{f' ({_count(self.active_params)} active a token)' if self.active_params else ''}, "
-                 f"{self.num_chunks} chunks of {format_size(self.chunk_bytes)}, "
+                 f"{self.num_chunks} chunk{'s' * (self.num_chunks != 1)} of {format_size(self.chunk_bytes)}, "
                  f"recompute {recompute_text(self.checkpointing, self.layers)}"]
         if self.lora_rank is not None:
             lines.append(f"LoRA rank {self.lora_rank} on {self.lora_targets}: {_count(self.trainable_params)} "
