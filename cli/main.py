@@ -35,14 +35,54 @@ from ..offload.core.errors import InfeasibleBudget, TierwiseError
 PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ENOTDIR,
                errno.EROFS, errno.ENAMETOOLONG)
 
+#: Below this many columns `--help` is click's plain list (a flag, its help beside it), its
+#: panels as sections: rich's panels squeeze the help to ~20 characters a line at 80 and cut flags.
+NARROW_HELP = 100
+
+
 class _FlagHelp:
-    """`-h, --help` shown as the flag it is (typer shows `<bool>` after its own help option)."""
+    """`-h, --help` shown as the flag it is (typer shows `<bool>` after its own help option);
+    on a narrow terminal (or a pipe) the plain layout (NARROW_HELP)."""
 
     def get_help_option(self, ctx: Any) -> Any:
         opt = super().get_help_option(ctx)  # type: ignore[misc]
         if opt is not None:
             opt.metavar = ""
         return opt
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        import shutil
+
+        if shutil.get_terminal_size().columns >= NARROW_HELP:
+            return super().format_help(ctx, formatter)  # type: ignore[misc]
+        rich, self.rich_markup_mode = self.rich_markup_mode, None  # type: ignore[has-type]
+        try:
+            return super().format_help(ctx, formatter)  # type: ignore[misc]
+        finally:
+            self.rich_markup_mode = rich
+
+    def format_help_text(self, ctx: Any, formatter: Any) -> None:
+        from rich.text import Text
+
+        text = Text.from_markup(self.help or "").plain  # type: ignore[attr-defined]
+        if text:
+            formatter.write_paragraph()
+            with formatter.indentation():
+                for paragraph in text.split("\n\n"):
+                    formatter.write_text(paragraph)
+                    formatter.write_paragraph()
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        panels: dict[str, list] = {}
+        for param in self.get_params(ctx):  # type: ignore[attr-defined]
+            record = param.get_help_record(ctx)
+            if record is not None:
+                panels.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+        for name, records in panels.items():
+            with formatter.section(name):
+                formatter.write_dl(records)
+        if hasattr(self, "format_commands"):  # a group: its commands too
+            self.format_commands(ctx, formatter)
 
 
 class _Command(_FlagHelp, typer.core.TyperCommand):

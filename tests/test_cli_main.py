@@ -41,6 +41,19 @@ def test_help_groups_options_in_panels(runner):
         assert "Show this message" in shown and "<bool>" not in shown, command
 
 
+def test_help_on_a_narrow_terminal_is_the_plain_list_by_panel(runner):
+    """At 80 columns rich's panels left ~20 characters of help a line and cut flags short
+    ("--no-offload-activa…"): there the plain layout, a section per panel, every flag whole."""
+    for command in ([], ["plan"]):
+        shown = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "80"}).output
+        lines = shown.splitlines()
+        assert max(map(len, lines)) <= 80 and "╭" not in shown and "[bold]" not in shown, shown
+        for panel in ("Model & data:", "Memory budget:", "Output & resume:" if not command else "Plan output:"):
+            assert panel in lines, (panel, shown)
+        assert "--offload-activations / --no-offload-activations" in shown
+    assert "Commands:" in runner.invoke(app, ["--help"], env={"COLUMNS": "80"}).output
+
+
 def test_bad_size_is_one_line_exit_2(runner, tmp_path):
     line = _error_line(runner.invoke(app, ["--gpu-mem", "24X", "--output", str(tmp_path)]))
     assert "--gpu-mem" in line and "24X" in line
