@@ -296,10 +296,11 @@ class TrainConfig:
                        "(a floor, unlike transformers' schedules, which end at 0); constant: none.",
                        panel=SCHED, choices=SCHEDULES)
     eval_every: int = _f(0, "Evaluate on --eval-data every N steps (0: at the end only).", panel=SCHED)
-    checkpoint_every: int = _f(0, "Checkpoint every N steps (0: only at the end; always on Ctrl-C).", panel=OUTPUT)
+    checkpoint_every: int = _f(0, "Checkpoint every N steps (0: only at the end; always on Ctrl-C).", panel=OUTPUT,
+                               plan=True)
     log_every: int = _f(0, "With output not a terminal (nohup, a scheduler, > log): a progress line every N steps "
                         "(0: about 100 lines a run).", panel=OUTPUT)
-    keep_checkpoints: int = _f(2, "Complete checkpoints to keep (0: all).", panel=OUTPUT)
+    keep_checkpoints: int = _f(2, "Complete checkpoints to keep (0: all).", panel=OUTPUT, plan=True)
     report_to: str = _f("none", "Also log loss, lr, tokens/s and each tier's peak to TensorBoard (OUTPUT/tensorboard) "
                         "or to W&B in offline mode (OUTPUT/wandb; `wandb sync` uploads it). Needs that package.",
                         panel=OUTPUT, choices=REPORTERS)
@@ -316,7 +317,7 @@ class TrainConfig:
     overwrite: bool = _f(False, "Empty --output first: only a directory an earlier finetune run made, holding only what a run writes (anything else there is refused, never deleted).",
                          panel=OUTPUT, flag="--overwrite/--no-overwrite")
     export_dtype: str | None = _f(None, "Dtype of the exported model (default: --precision).", panel=OUTPUT,
-                                  choices=PRECISIONS_EXPORT)
+                                  choices=PRECISIONS_EXPORT, plan=True)
     hardware: str | None = _f(None, "Hardware profile name or TOML file (default: this machine: on CUDA the profile its GPU's name matches, with its memory; else cpu-sim).", panel=HW, plan=True)
     dry_run: bool = _f(False, "Resolve model and budgets, print the plan, train nothing.", panel=HW,
                        flag="--dry-run")

@@ -134,7 +134,8 @@ def plan_line(cfg: Any, plan: Any, *, free: "int | None" = None) -> str:
     saves = (saves_ahead(start=0, total=cfg.steps, every=every) if cfg.steps else
              1 if not every else None)  # (None: one every `every` steps, how many unknown)
     if saves is None and keep <= 0:
-        return f"{line}; every checkpoint kept (--keep-checkpoints 0): one every {every} steps"
+        line += f"; every checkpoint kept (--keep-checkpoints 0): one every {every} steps"
+        return line + (f", {format_size(free)} free at --output" if free is not None else "")
     needed, peak = written(checkpoint=checkpoint, export=export, existing=0,
                            saves=keep + 1 if saves is None else saves, keep=keep)
     schedule = (f"a checkpoint every {every} steps, {peak} at once" if every else "a checkpoint at the end")

@@ -67,10 +67,8 @@ class _FlagHelp:
         text = Text.from_markup(self.help or "").plain  # type: ignore[attr-defined]
         if text:
             formatter.write_paragraph()
-            with formatter.indentation():
-                for paragraph in text.split("\n\n"):
-                    formatter.write_text(paragraph)
-                    formatter.write_paragraph()
+            formatter.write("\n\n".join(_wrap(p, formatter.width, formatter.current_indent + 2)
+                                         for p in text.split("\n\n")) + "\n")
 
     def format_options(self, ctx: Any, formatter: Any) -> None:
         panels: dict[str, list] = {}
@@ -80,9 +78,30 @@ class _FlagHelp:
                 panels.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
         for name, records in panels.items():
             with formatter.section(name):
-                formatter.write_dl(records)
+                _write_dl(formatter, records)
         if hasattr(self, "format_commands"):  # a group: its commands too
             self.format_commands(ctx, formatter)
+
+
+def _wrap(text: str, width: int, indent: int) -> str:
+    """`text` wrapped at `width`, never inside a flag (click's wrapper breaks at hyphens: --cpu-|mem)."""
+    import textwrap
+
+    pad = " " * indent
+    return textwrap.fill(" ".join(text.split()), max(width, indent + 20), initial_indent=pad, subsequent_indent=pad,
+                         break_on_hyphens=False, break_long_words=False)
+
+
+def _write_dl(formatter: Any, rows: list[tuple[str, str]]) -> None:
+    """click's definition list (a flag, its help beside it), wrapped by `_wrap`."""
+    indent = formatter.current_indent
+    first = min(max(len(a) for a, _ in rows), 30) + 2
+    for name, text in rows:
+        wrapped = _wrap(text, formatter.width, indent + first).lstrip() if text else ""
+        if len(name) <= first - 2:
+            formatter.write(f"{'':>{indent}}{name:<{first}}{wrapped}\n")
+        else:
+            formatter.write(f"{'':>{indent}}{name}\n{'':>{indent + first}}{wrapped}\n")
 
 
 class _Command(_FlagHelp, typer.core.TyperCommand):

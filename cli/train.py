@@ -379,7 +379,7 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
         t0 = time.perf_counter()
         code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule,
                      start=start, total=total, eval_data=eval_data, console=console,
-                     losses=losses, padded=padded, intro=_intro(batches, start=start, total=total, plan=plan))
+                     losses=losses, padded=padded, intro=_intro(batches, start=start, total=total, plan=plan, lora=bool(cfg.lora)))
         console.print(summary(losses, first_step=start + 1, seconds=time.perf_counter() - t0),
                       highlight=False, soft_wrap=True)
         if code == 0:
@@ -728,13 +728,13 @@ def evaluate(engine, eval_data: list) -> float | None:
     return total / max(weight, 1.0)
 
 
-def _intro(batches: Batches, *, start: int, total: int, plan: Any) -> str:
+def _intro(batches: Batches, *, start: int, total: int, plan: Any, lora: bool = False) -> str:
     """'steps 1-200 (50 a epoch), about 3:20 at the plan's 1.0 s a step'."""
     from .progress import clock
 
     if start >= total:
-        return (f"nothing to train: the checkpoint is at step {start} of {total} (a larger --steps or --epochs "
-                "trains on); its model is exported")
+        return (f"nothing to train: the checkpoint is at step {start}, the run ends at step {total} (a larger "
+                f"--steps or --epochs trains on); its {'adapter' if lora else 'model'} is exported")
     line = f"steps {start + 1}-{total} ({batches.batches_per_epoch} an epoch)"
     step_s = getattr(plan, "step_s", None)
     if step_s:

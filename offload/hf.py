@@ -214,31 +214,46 @@ def _check_own_loss(cls: type) -> None:
 
 def _adapters_over_meta(cls: type, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The Trainer's arguments, with a from_pretrained (meta) model and `peft_config` (a
-    Trainer class that takes one: SFTTrainer) made into the PEFT model here, its adapters
-    given values (PEFT's own call would leave them meta). They are drawn after
-    set_seed(args.seed), as SFTTrainer draws them."""
+    Trainer class that takes one: SFTTrainer, or a subclass passing it on) made into the PEFT
+    model here, its adapters given values (PEFT's own call would leave them meta). They are
+    drawn after set_seed(args.seed), as SFTTrainer draws them."""
     import inspect
 
     from transformers import TrainingArguments, set_seed
 
     init = cls.__mro__[cls.__mro__.index(_Offload) + 1].__init__
     try:
-        bound = inspect.signature(init).bind_partial(None, *args, **kwargs)  # (None: self)
-    except TypeError:
+        sig = inspect.signature(init)
+        bound = sig.bind_partial(None, *args, **kwargs)  # (None: self)
+    except (TypeError, ValueError):
         return args, kwargs  # the Trainer's own call says what is wrong
     given = bound.arguments
-    if given.get("peft_config") is None or _source(given.get("model")) is None:
+    kinds = {p.kind: p.name for p in sig.parameters.values()}
+    extra = given.get(kinds.get(inspect.Parameter.VAR_KEYWORD, ""), {})  # a subclass's **kwargs
+    rest = given.get(kinds.get(inspect.Parameter.VAR_POSITIONAL, ""), ())  # its *args (model first)
+    holder = given if "peft_config" in given else extra
+    model = given.get("model", extra.get("model", rest[0] if rest and "model" not in sig.parameters else None))
+    if holder.get("peft_config") is None or _source(model) is None:
         return args, kwargs
-    training = given.get("args")
-    set_seed(training.seed if training is not None else TrainingArguments.seed)
-    given["model"] = get_peft_model(given["model"], given.pop("peft_config"))  # with values, not meta
+    named = "args" in sig.parameters and sig.parameters["args"].kind is not inspect.Parameter.VAR_POSITIONAL
+    training = given.get("args") if named else extra.get("args", rest[1] if len(rest) > 1 else None)
+    seed = getattr(training, "seed", TrainingArguments.seed)
+    set_seed(seed)
+    peft_model = get_peft_model(model, holder.pop("peft_config"))  # with values, not meta
+    if "model" in given:
+        given["model"] = peft_model
+    elif "model" in extra:
+        extra["model"] = peft_model
+    else:
+        given[kinds[inspect.Parameter.VAR_POSITIONAL]] = (peft_model, *rest[1:])
     return bound.args[1:], bound.kwargs
 
 
-def _check_ram(budget: Any, *, lora: bool) -> None:
+def _check_ram(budget: Any, *, device: Any, model: Any, lora: bool) -> None:
     """Refuse host budgets this machine cannot give, as `finetune` does: cpu_mem, with the
-    simulated device's gpu_mem (host RAM where there is no GPU) and the process beside them,
-    against the RAM available now."""
+    simulated device's gpu_mem (host RAM where the engine runs on the CPU) and the process
+    beside them, against the RAM available now and what the model's own weights in host
+    memory hold (the engine takes them over)."""
     from ..cli.machine import available_ram, has_cuda, physical_ram
     from .core.sizes import parse_size
     from .core.units import format_size
@@ -247,16 +262,40 @@ def _check_ram(budget: Any, *, lora: bool) -> None:
     have = available_ram()
     if budget is None or have is None:
         return
+    tensors = list(model.parameters()) + list(model.buffers()) if isinstance(model, torch.nn.Module) else []
+    have += sum({t.data_ptr(): t.nbytes for t in tensors if t.device.type == "cpu"}.values())
     cpu = parse_size(budget.cpu)
-    gpu = 0 if has_cuda() else parse_size(budget.gpu) or 0
+    simulated = str(device) == "cpu" if device is not None else not has_cuda()
+    gpu = (parse_size(budget.gpu) or 0) if simulated else 0
     process = process_bytes(lora=lora)
     if (cpu is None and not gpu) or (cpu or 0) + gpu + process <= have:
         return
     asked = ([f"cpu_mem {format_size(cpu)}"] if cpu is not None else []) + (
-        [f"gpu_mem {format_size(gpu)} (no GPU: the simulated device is host RAM)"] if gpu else [])
+        [f"gpu_mem {format_size(gpu)} (the simulated device: host RAM)"] if gpu else [])
     raise TierwiseError(f"offload {' + '.join(asked)} + about {format_size(process)} for the process is more "
-                           f"than this machine has available ({format_size(have)} of "
-                           f"{format_size(physical_ram() or have)} RAM): lower {asked[0].split()[0]}")
+                        f"than this machine has available ({format_size(have)} of "
+                        f"{format_size(physical_ram() or have)} RAM, the model's weights there included): "
+                        f"lower {asked[0].split()[0]}")
+
+
+def _offload_options(given: Any) -> dict[str, Any]:
+    """offload= as the Engine's option groups (offload.core.options.flat_options), refusing what
+    the Trainer sets itself (the optimizer's hyperparameters come from TrainingArguments)."""
+    given = given or {}
+    if not isinstance(given, dict):
+        raise TypeError(f"offload= takes a dict of engine options, got {type(given).__name__}")
+    opts = flat_options(**given)
+    optim = opts.get("optim")
+    if optim is not None:  # what TrainingArguments sets would silently replace these
+        default = Optim(optim.name)
+        theirs = {"lr": "learning_rate", "betas": "adam_beta1 and adam_beta2", "eps": "adam_epsilon",
+                  "weight_decay": "weight_decay (which the engine refuses)", "grad_clip": "max_grad_norm",
+                  "overlap_update": "nothing: the Trainer's update is applied in order"}
+        given_here = [k for k in theirs if given.get(k) is not None or getattr(optim, k) != getattr(default, k)]
+        if given_here:
+            raise TierwiseError("offload= " + ", ".join(f"{k} (set it with TrainingArguments' {theirs[k]})"
+                                                         for k in given_here) + ": the Trainer sets these itself")
+    return opts
 
 
 class _Offload:
@@ -272,6 +311,11 @@ class _Offload:
         self._pending_tokens: Any = 0
         _check_own_loss(type(self))
         args, kwargs = _adapters_over_meta(type(self), args, kwargs)
+        # offload= refused before the Trainer's own __init__ (SFTTrainer tokenizes the dataset there)
+        model = kwargs.get("model", args[0] if args else None)
+        opts = _offload_options(offload)
+        _check_ram(opts.get("budget"), device=opts.get("device"), model=model,
+                   lora=hasattr(model, "peft_config") or kwargs.get("peft_config") is not None)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         trainer: Any = self
         trainer.accelerator.device_placement = False  # the engine places the weights, not .to(device)
@@ -312,8 +356,7 @@ class _Offload:
         given = self._offload if isinstance(self._offload, dict) else {}
         if given.get("precision") == "fp32" and args.bf16:
             raise TierwiseError("bf16=True with offload precision fp32: choose one")
-        budget = self._engine_options().get("budget")  # a wrong option is refused here, not in train()
-        _check_ram(budget, lora=hasattr(trainer.model, "peft_config"))
+        self._engine_options()  # (TrainingArguments' optim, here rather than in train())
 
     # -- the engine takes the model ------------------------------------------------------
     def _move_model_to_device(self, model: Any, device: Any) -> None:
@@ -321,20 +364,8 @@ class _Offload:
 
     def _engine_options(self) -> dict[str, Any]:
         args: Any = self.args  # type: ignore[attr-defined]
-        given = self._offload or {}
-        if not isinstance(given, dict):
-            raise TypeError(f"offload= takes a dict of engine options, got {type(given).__name__}")
-        opts = flat_options(**given)
+        opts = _offload_options(self._offload)
         optim = opts.get("optim")
-        if optim is not None:  # what TrainingArguments sets would silently replace these
-            default = Optim(optim.name)
-            theirs = {"lr": "learning_rate", "betas": "adam_beta1 and adam_beta2", "eps": "adam_epsilon",
-                      "weight_decay": "weight_decay (which the engine refuses)", "grad_clip": "max_grad_norm",
-                      "overlap_update": "nothing: the Trainer's update is applied in order"}
-            given_here = [k for k in theirs if k in given or getattr(optim, k) != getattr(default, k)]
-            if given_here:
-                raise TierwiseError("offload= " + ", ".join(f"{k} (set it with TrainingArguments' {theirs[k]})"
-                                                             for k in given_here) + ": the Trainer sets these itself")
         if optim is None:
             name = str(getattr(args.optim, "value", args.optim))
             if name not in _OPTIMS:

@@ -51,7 +51,9 @@ def test_help_on_a_narrow_terminal_is_the_plain_list_by_panel(runner):
         for panel in ("Model & data:", "Memory budget:", "Output & resume:" if not command else "Plan output:"):
             assert panel in lines, (panel, shown)
         assert "--offload-activations / --no-offload-activations" in shown
-    assert "Commands:" in runner.invoke(app, ["--help"], env={"COLUMNS": "80"}).output
+    root = runner.invoke(app, ["--help"], env={"COLUMNS": "80"}).output
+    assert "Commands:" in root and "--cpu-mem 64G" in root  # (never wrapped inside a flag: "--cpu-|mem")
+    assert "\n\n\n" not in runner.invoke(app, ["profile", "--help"], env={"COLUMNS": "80"}).output
 
 
 def test_bad_size_is_one_line_exit_2(runner, tmp_path):
@@ -232,7 +234,8 @@ def test_resume_that_changes_steps_already_run_says_so(runner, tmp_path):
     assert notes[1] == "--resume: --weight-decay 0.1 from step 4 on (steps 1-3 ran with 0.0)"
     again = runner.invoke(app, [*common, "--steps", "6", "--output", str(part), "--resume", "--weight-decay", "0.1"],
                           env={"COLUMNS": "200"})  # a finished run: says so (it said "steps 7-6")
-    assert again.exit_code == 0 and "nothing to train: the checkpoint is at step 6 of 6" in again.output, again.output
+    assert again.exit_code == 0 and "nothing to train: the checkpoint is at step 6, the run ends at step 6" \
+        in again.output, again.output
 
 
 def test_resume_with_edited_data_is_refused(runner, tmp_path):

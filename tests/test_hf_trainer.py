@@ -332,12 +332,22 @@ def test_offload_options_are_refused_when_the_trainer_is_built(tmp_path, monkeyp
     monkeypatch.setattr(machine, "has_cuda", lambda: False)
     with pytest.raises(TierwiseError, match=r"^offload cpu_mem 6.00 GiB \+ about .* available \(4.00 GiB of .*lower cpu_mem$"):
         build({"cpu_mem": "6G"})
-    with pytest.raises(TierwiseError, match=r"gpu_mem 5.00 GiB \(no GPU: the simulated device is host RAM\)"):
+    with pytest.raises(TierwiseError, match=r"gpu_mem 5.00 GiB \(the simulated device: host RAM\)"):
         build({"gpu_mem": "5G"})
     build({"cpu_mem": "2G", "gpu_mem": "1G"})  # with the process: within 4 GiB
+    build({"gpu_mem": "6G", "device": "cuda"})  # (a GPU's gpu_mem is not host RAM)
+    # the model's own weights in host memory count as available: the engine takes them over
+    from tierwise.offload.plan.planner import process_bytes
+
+    held = sum(p.nbytes for p in tiny().parameters())
+    monkeypatch.setattr(machine, "available_ram", lambda: process_bytes(lora=False) + (1 << 20))
+    build({"cpu_mem": (1 << 20) + held // 2})
+    with pytest.raises(TierwiseError, match="the model's weights there included"):
+        build({"cpu_mem": (1 << 20) + 2 * held})
     from tierwise.offload.hf import from_pretrained
 
     peft = pytest.importorskip("peft")
+    monkeypatch.setattr(machine, "available_ram", lambda: None)
     tiny().save_pretrained(tmp_path / "model")
     with pytest.raises(TypeError, match="peft_config"):  # transformers' Trainer takes none, whatever the model
         OffloadTrainer(model=from_pretrained(str(tmp_path / "model")), args=args(tmp_path / "x"),
@@ -649,3 +659,40 @@ def test_a_drop_in_optimizer_resumes_under_plain_trainer(tmp_path):
     again = run(tmp_path / "cut")
     again.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-3"))
     assert logs(again)[-3:] == pytest.approx(logs(whole)[-3:], rel=1e-6)
+
+
+def test_peft_config_over_a_meta_model_is_taken_however_the_trainer_is_called(tmp_path):
+    """SFTTrainer's peft_config over a from_pretrained (meta) model: its adapters drawn after
+    set_seed(args.seed) however the arguments come (keywords, positions, a subclass taking
+    *args/**kwargs and passing them on)."""
+    trl = pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    from tierwise.offload.hf import _adapters_over_meta, from_pretrained
+
+    tiny().save_pretrained(tmp_path / "model")
+
+    class Plain(trl.SFTTrainer):
+        pass
+
+    class Forwards(trl.SFTTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    class Some(trl.SFTTrainer):
+        def __init__(self, model, args=None, **kwargs):
+            super().__init__(model, args, **kwargs)
+
+    def first_a(seed, cls, positional):
+        conf = trl.SFTConfig(str(tmp_path / "o"), seed=seed, report_to=[], use_cpu=True, bf16=False)
+        model, lora = from_pretrained(str(tmp_path / "model")), peft.LoraConfig(r=2, target_modules=["q_proj"])
+        a, kw = (_adapters_over_meta(with_offload(cls), (model, conf), {"peft_config": lora}) if positional else
+                 _adapters_over_meta(with_offload(cls), (), {"model": model, "args": conf, "peft_config": lora}))
+        made = kw.get("model") or a[0]
+        assert "peft_config" not in kw and isinstance(made, peft.PeftModel), (cls, positional)
+        return next(p for n, p in made.named_parameters() if "lora_A" in n).detach().clone()
+
+    want = first_a(3, Plain, False)
+    for cls in (Plain, Forwards, Some):
+        for positional in (False, True):
+            assert torch.equal(first_a(3, cls, positional), want), (cls.__name__, positional)
+    assert not torch.equal(first_a(4, Forwards, True), want)  # the seed is the args' own

@@ -22,16 +22,16 @@ def _boot(setups: list[tuple]) -> None:
     for setup in setups:
         future = _reports[setup]
         try:
-            harness.check_tools()
-            harness.find_kernel()
-        except harness.Missing as exc:
-            future.set_result({"missing": str(exc)})
-            continue
-        devices, interleave, _ = setup
-        try:
+            try:
+                harness.check_tools()
+                harness.find_kernel()
+            except harness.Missing as exc:
+                future.set_result({"missing": str(exc)})
+                continue
+            devices, interleave, _ = setup
             future.set_result(harness.run_guest([sys.executable, "-m", "tests.cxl_vm.guest"], devices=devices,
                                                 interleave=interleave, timeout=TIMEOUT_S))
-        except BaseException as exc:  # the fixture raises it in its test
+        except BaseException as exc:  # any error: the fixture raises it in its test (never a hang)
             future.set_exception(exc)
 
 

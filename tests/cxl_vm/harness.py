@@ -43,13 +43,18 @@ class Missing(Exception):
 
 
 _LIVE: set[subprocess.Popen] = set()  # QEMUs running now: killed if this process exits first
+_EXITING = False  # (then no new QEMU starts: a background boot outlives atexit)
 
 
 @atexit.register
 def _kill_live() -> None:
+    global _EXITING
+    _EXITING = True
     for proc in list(_LIVE):
-        if proc.poll() is None:
+        try:
             os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # (it ended meanwhile)
 
 
 def find_kernel() -> tuple[str, str]:
@@ -239,6 +244,8 @@ def run_guest(argv: list[str], *, devices: int, interleave: bool = False, timeou
         f"echo \"guest: program exited with $?\"\n")
     cmd = qemu_command(vmlinuz=vmlinuz, initrd=initrd, work=work, out=out, devices=devices,
                        interleave=interleave)
+    if _EXITING:
+        raise RuntimeError("the test process is exiting: no VM started")
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(work / "console.log", "wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
