@@ -18,15 +18,7 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
-@pytest.hookimpl(trylast=True)  # (after -m and -k have deselected)
 def pytest_collection_modifyitems(config, items):
-    vm = [item for item in items if "cxl_vm" in item.keywords]
-    if vm and not config.option.collectonly:  # their VMs boot now, beside the tests that run first
-        # (tests/cxl_vm/early.py)
-        from tests.cxl_vm import early
-
-        items[:] = [item for item in items if "cxl_vm" not in item.keywords] + vm
-        early.start(list(dict.fromkeys(item.callspec.params["vm"] for item in vm if hasattr(item, "callspec"))))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

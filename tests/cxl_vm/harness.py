@@ -17,7 +17,6 @@ Run by hand: `python -m tests.cxl_vm.harness --devices 2 -- python -m tests.cxl_
 from __future__ import annotations
 
 import argparse
-import atexit
 import glob
 import hashlib
 import json
@@ -40,21 +39,6 @@ GUEST_MB = 2048
 
 class Missing(Exception):
     """A tool or kernel image the harness needs is not installed (the tests skip)."""
-
-
-_LIVE: set[subprocess.Popen] = set()  # QEMUs running now: killed if this process exits first
-_EXITING = False  # (then no new QEMU starts: a background boot outlives atexit)
-
-
-@atexit.register
-def _kill_live() -> None:
-    global _EXITING
-    _EXITING = True
-    for proc in list(_LIVE):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # (it ended meanwhile)
 
 
 def find_kernel() -> tuple[str, str]:
@@ -244,12 +228,9 @@ def run_guest(argv: list[str], *, devices: int, interleave: bool = False, timeou
         f"echo \"guest: program exited with $?\"\n")
     cmd = qemu_command(vmlinuz=vmlinuz, initrd=initrd, work=work, out=out, devices=devices,
                        interleave=interleave)
-    if _EXITING:
-        raise RuntimeError("the test process is exiting: no VM started")
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(work / "console.log", "wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
-    _LIVE.add(proc)
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -258,7 +239,6 @@ def run_guest(argv: list[str], *, devices: int, interleave: bool = False, timeou
         if proc.poll() is None:  # timed out or interrupted: never leave QEMU running
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        _LIVE.discard(proc)
     wall = time.monotonic() - start
     log = (out / "guest.log").read_text(errors="replace") if (out / "guest.log").exists() else ""
     console = (work / "console.log").read_text(errors="replace")

@@ -8,13 +8,14 @@ The numbers each test checked are printed: run with `-rP` to see them.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import pytest
 
 from tierwise.offload.runtime.cxl import place_kinds
 from tierwise.offload.core.units import format_size
-from tests.cxl_vm import early, harness
+from tests.cxl_vm import harness
 
 pytestmark = pytest.mark.cxl_vm
 WORKING_SET = ("master", "state", "grad")
@@ -31,10 +32,14 @@ SETUPS = [pytest.param((1, False, 1), id="one-device", marks=pytest.mark.cxl_vm_
 
 @pytest.fixture(scope="module", params=SETUPS)
 def vm(request) -> dict:
+    try:
+        harness.check_tools()
+        harness.find_kernel()
+    except harness.Missing as exc:
+        pytest.skip(f"no CXL VM here: {exc}")
     devices, interleave, nodes = request.param
-    report = early.report(request.param)  # (booted while the rest of the suite ran)
-    if "missing" in report:
-        pytest.skip(f"no CXL VM here: {report['missing']}")
+    report = harness.run_guest([sys.executable, "-m", "tests.cxl_vm.guest"], devices=devices,
+                               interleave=interleave, timeout=600)
     result = report["result"]
     assert result is not None, (f"the guest wrote no result (rc {report['rc']}, "
                                 f"{report['wall_s']} s)\n{report['log']}\n{report['console_tail']}")
