@@ -322,6 +322,12 @@ def test_a_model_engines_cannot_take_is_one_clear_error():
     with pytest.raises(TypeError, match=r"loss_fn returned a tensor of shape \(4, 2\)"):
         eng.step(x)
     eng.close()
+    eng = Engine(model(), **flat_options(precision="bf16"), loss_fn=lambda m, b: m(b).float().sum())
+    with pytest.raises(RuntimeError, match="same dtype") as caught:  # fp32 features into bf16 weights
+        eng.step(x)
+    assert "the engine casts no inputs" in "".join(getattr(caught.value, "__notes__", []))
+    assert eng.step(x.bfloat16()) is not None  # (the engine dropped the failed step)
+    eng.close()
     held = model()
     first = Engine(held, loss_fn=lambda m, b: m(b).sum())
     with pytest.raises(UnsupportedModel, match="another Engine holds this model"):

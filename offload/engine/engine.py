@@ -779,8 +779,11 @@ class Engine:
                     self.tracker.offloader.end_forward()
         except BudgetExceeded as exc:
             raise self._budget_error(exc) from exc
-        except BaseException:  # (the loss function raised, or Ctrl-C): the step is dropped
+        except BaseException as exc:  # (the loss function raised, or Ctrl-C): the step is dropped
             self._abort_cycle()
+            if isinstance(exc, RuntimeError) and "same dtype" in str(exc) and self.compute_dtype != torch.float32:
+                exc.add_note(f"tierwise: the weights compute in {self.compute_dtype} and the engine casts no "
+                             "inputs: give floating inputs in that dtype (in the batch or in loss_fn)")
             raise
         return loss
 
