@@ -166,8 +166,9 @@ def refusal(nodes: list[int]) -> dict:
 
 
 def cli_run(nodes: list[int]) -> dict:
-    """`finetune --model tiny --cxl-mem 2M --cxl-node ...` as a user runs it here: planned on
-    this machine (its CXL nodes' capacity, no --hardware), then one step."""
+    """`finetune --model tiny --cxl-mem 2M --cxl-node ... --dry-run` as a user runs it here:
+    planned on this machine (its CXL nodes' capacity, no --hardware), as the run's pre-flight
+    plans it (a step itself under emulation took ~50 s more; train() steps the engine on CXL)."""
     from typer.testing import CliRunner
 
     from tierwise.cli.config import TrainConfig
@@ -177,7 +178,7 @@ def cli_run(nodes: list[int]) -> dict:
     node_list = ",".join(map(str, nodes))
     planned = this_machine(TrainConfig(model="tiny", cxl_mem="2M", cxl_node=node_list)).cxl.memory
     r = CliRunner().invoke(app, ["--model", "tiny", "--cxl-mem", "2M", "--cxl-node", node_list, "--steps", "1",
-                                 "--output", "/tmp/cxl-cli-run"])
+                                 "--output", "/tmp/cxl-cli-run", "--dry-run"])
     return {"exit_code": r.exit_code, "output_tail": r.output[-600:], "planned_cxl": planned}
 
 

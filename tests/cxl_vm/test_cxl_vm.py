@@ -133,11 +133,11 @@ def test_budget_larger_than_the_nodes_is_refused(vm):
         assert f"node {n['id']}: {format_size(n['mem_total'])}" in r["message"]
 
 
-def test_finetune_trains_with_cxl_mem_on_this_machine(vm):
-    """No --hardware: the run plans this machine, whose CXL nodes give the capacity (the default
-    profile has no [cxl] table, which used to refuse the run)."""
+def test_finetune_plans_cxl_mem_on_this_machine(vm):
+    """No --hardware: the run's pre-flight (--dry-run) plans this machine, whose CXL nodes give
+    the capacity (the default profile has no [cxl] table, which used to refuse the run)."""
     cli = vm["cli"]
-    print(f"[{vm['label']}] finetune --cxl-mem 2M: exit {cli['exit_code']}, planned CXL "
+    print(f"[{vm['label']}] finetune --cxl-mem 2M --dry-run: exit {cli['exit_code']}, planned CXL "
           f"{format_size(cli['planned_cxl'])}")
-    assert cli["exit_code"] == 0, cli["output_tail"]
+    assert cli["exit_code"] == 0 and "verdict: fits" in cli["output_tail"], cli["output_tail"]
     assert cli["planned_cxl"] == sum(n["mem_total"] for n in vm["cxl_nodes"])
