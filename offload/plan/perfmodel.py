@@ -85,6 +85,12 @@ def loss_bytes(*, t: int, batch_size: int, vocab: int, h: int, e: int, head_grad
     if own_loss(t, vocab, own, h=h, e=e, head_grad=head_grad):
         # targets: the labels shifted in a padded S+1 copy; with one sequence a view of all of it
         return 4 * t * vocab + 8 * (t + (batch_size == 1)) + 4
+    return _tiled_grads(t=t, vocab=vocab, h=h, e=e, head_grad=head_grad)
+
+
+def _tiled_grads(*, t: int, vocab: int, h: int, e: int, head_grad: bool) -> int:
+    """The gradients the tiled loss returns and saves: of the head's input (e*T*h) and, when the
+    head trains, of its weight (e*V*h)."""
     return e * t * h + (e * vocab * h if head_grad else 0)
 
 
@@ -96,8 +102,8 @@ def own_loss(t: int, vocab: int, own: bool = False, *, h: int = 0, e: int = 4, h
     fp32 sum, 4 + e bytes a word a hidden unit). There it is plain PyTorch's bit for bit;
     beyond, the tiled loss holds less (a third or less of it with a frozen head)."""
     whole = 12 * t * vocab
-    return own or whole <= HEAD_TILE_BYTES or whole <= e * t * h + e * vocab * h * head_grad + _tiled_workspace(
-        t=t, vocab=vocab, h=h, e=e, grads=True, head_grad=head_grad)
+    return own or whole <= HEAD_TILE_BYTES or whole <= _tiled_grads(t=t, vocab=vocab, h=h, e=e, head_grad=head_grad) \
+        + _tiled_workspace(t=t, vocab=vocab, h=h, e=e, grads=True, head_grad=head_grad)
 
 
 def loss_workspace(*, t: int, vocab: int, h: int, e: int, grads: bool = True, head_grad: bool = False,
@@ -138,7 +144,7 @@ def _tiled_workspace(*, t: int, vocab: int, h: int, e: int, grads: bool, head_gr
     narrow = head_grad and e < 4
     forward = (max(logits, e * n * vocab + (e + 4) * vocab * h * narrow // 8) + 4 * vocab * h * narrow
                + 2 * e * n * h)
-    return max(forward, e * t * h + e * vocab * h * head_grad)
+    return max(forward, _tiled_grads(t=t, vocab=vocab, h=h, e=e, head_grad=head_grad))
 
 
 def zo_loss_workspace(*, t: int, vocab: int, e: int) -> int:
@@ -155,7 +161,7 @@ def loss_tail(*, t: int, vocab: int, h: int, e: int, head_grad: bool = False, ow
     gradients it returns (e*T*h, and e*V*h when the head trains)."""
     if own_loss(t, vocab, own, h=h, e=e, head_grad=head_grad):
         return e * t * vocab
-    return e * t * h + (e * vocab * h if head_grad else 0)
+    return _tiled_grads(t=t, vocab=vocab, h=h, e=e, head_grad=head_grad)
 
 
 #: Packed rows of at least this many tokens are attended one segment at a time (no S x S mask:
