@@ -25,6 +25,7 @@ import torch
 
 from .config import ConfigError, TrainConfig
 from ..offload.engine.lora import ADAPTER, inject_meta  # noqa: F401 (ADAPTER: cli's name too)
+from ..profiles.model import routed_experts
 
 ADAPTER_DIR = "adapter"  # OUTPUT/adapter: the PEFT adapter directory of a LoRA run
 
@@ -132,8 +133,7 @@ def _unencoded(cfg: TrainConfig, model: torch.nn.Module, base: str, frozen: int)
 
     names = quantizable(model)
     encoded = sum(p.numel() for n, p in model.named_parameters() if n in names and not p.requires_grad)
-    moe = getattr(model.config, "num_local_experts", None) or getattr(model.config, "num_experts", None)
-    kept = "embeddings, norms, head" + (", routers" if moe else "")
+    kept = "embeddings, norms, head" + (", routers" if routed_experts(model.config) else "")
     return f" on {100 * encoded / frozen:.1f}% of it, the rest {cfg.precision} ({kept})"
 
 

@@ -31,6 +31,12 @@ FAMILIES: dict[str, tuple[str, bool]] = {
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe"})
 
 
+def routed_experts(config: Any) -> int:
+    """A transformers config's routed experts per layer (Mixtral's num_local_experts, Qwen-MoE's
+    num_experts); 0 for a dense model."""
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelProfile:
     """A decoder-only transformer's shapes, as in its Hugging Face config."""
@@ -212,7 +218,7 @@ class ModelProfile:
         """The profile of a transformers config of a FAMILIES family (or a model with `.config`)."""
         config = getattr(config, "config", config)
         family = getattr(config, "model_type", "llama")
-        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+        experts = routed_experts(config)
         top_k = getattr(config, "num_experts_per_tok", None) or 0
         every_layer = not getattr(config, "mlp_only_layers", None) and getattr(config, "decoder_sparse_step", 1) == 1
         if family not in FAMILIES or (family in MOE_FAMILIES and not every_layer):
