@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .machine import free_disk, nearest_existing
 from ..offload.core.errors import TierwiseError
 from ..offload.core.units import format_size
+from ..offload.core.vocab import FLOAT_BYTES
 
 if TYPE_CHECKING:  # (`finetune plan` runs without torch)
     import torch
@@ -126,7 +127,7 @@ def plan_line(cfg: Any, plan: Any, *, free: "int | None" = None) -> str:
     said beside it). A fresh run; the run itself checks the engine's exact bytes first."""
     lora = plan.lora_rank is not None
     dtype = cfg.export_dtype or ("fp32" if lora else cfg.precision)
-    export = (plan.trainable_params if lora else plan.num_params) * {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    export = (plan.trainable_params if lora else plan.num_params) * FLOAT_BYTES[dtype]
     checkpoint = plan.checkpoint_bytes + CHECKPOINT_EXTRA
     every, keep = cfg.checkpoint_every, cfg.keep_checkpoints
     line = (f"disk: each checkpoint {format_size(checkpoint)} (masters and optimizer state), the "

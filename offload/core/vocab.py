@@ -16,7 +16,10 @@ ComputeDtype = Literal["fp32", "bf16"]
 COMPUTE_DTYPES: tuple[ComputeDtype, ...] = get_args(ComputeDtype)
 """The dtype the forward and backward run in (`precision`); masters stay fp32."""
 
-COMPUTE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2}
+FLOAT_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of each float dtype a tensor is stored or exported in."""
+
+COMPUTE_BYTES: dict[str, int] = {k: FLOAT_BYTES[k] for k in COMPUTE_DTYPES}
 """Bytes per element of each compute dtype."""
 
 BaseDtype = Literal["fp32", "bf16", "fp16", "int8", "nf4"]
