@@ -1,12 +1,13 @@
 """Model profiles: architecture shapes of decoder-only LMs (no weights), from TOML files.
 
 `param_specs()` lists the parameters analytically, with the names and shapes of the
-transformers state dict (LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM, and the
-mixtures of experts MixtralForCausalLM / Qwen2MoeForCausalLM), in the order transformers
-registers them (`named_parameters()`, the order the engine packs chunks in): embed, then per
-layer q/k/v/o, the MLP (gate/up/down; a MoE layer's router `mlp.gate`, its fused 3-D experts
-`mlp.experts.gate_up_proj` / `down_proj` and Qwen2-MoE's shared expert and its gate),
-input_layernorm, post_attention_layernorm, then the final norm and lm_head (absent when tied).
+transformers state dict (LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
+MistralForCausalLM, and the mixtures of experts MixtralForCausalLM / Qwen2MoeForCausalLM), in
+the order transformers registers them (`named_parameters()`, the order the engine packs chunks
+in): embed, then per layer q/k/v/o (and Qwen3's q_norm/k_norm), the MLP (gate/up/down; a MoE
+layer's router `mlp.gate`, its fused 3-D experts `mlp.experts.gate_up_proj` / `down_proj` and
+Qwen2-MoE's shared expert and its gate), input_layernorm, post_attention_layernorm, then the
+final norm and lm_head (absent when tied).
 Instant even for 405B.
 """
 
@@ -24,17 +25,31 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "llama": ("LlamaConfig", False),
     "mistral": ("MistralConfig", False),
     "qwen2": ("Qwen2Config", True),
+    "qwen3": ("Qwen3Config", False),
     "mixtral": ("MixtralConfig", False),
     "qwen2_moe": ("Qwen2MoeConfig", True),
 }
 #: The mixture-of-experts families: every decoder layer's MLP is a router over fused experts.
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe"})
+#: The families whose attention normalises each head's queries and keys (an RMSNorm over
+#: head_dim, `self_attn.q_norm` / `k_norm`) before the rotary embedding.
+QK_NORM_FAMILIES = frozenset({"qwen3"})
 
 
 def routed_experts(config: Any) -> int:
     """A transformers config's routed experts per layer (Mixtral's num_local_experts, Qwen-MoE's
     num_experts); 0 for a dense model."""
     return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+
+
+def _unpriced_biases(config: Any, family: str) -> str | None:
+    """The biases a config's layers get that FAMILIES[family] does not price, in words
+    (Llama's and Qwen3's attention_bias also biases o_proj; mlp_bias every MLP linear;
+    Qwen2-MoE's qkv_bias=False drops its q/k/v biases); None when they are the family's."""
+    on = [f"{k}=True" for k in ("attention_bias", "mlp_bias") if getattr(config, k, None)]
+    if getattr(config, "qkv_bias", True) is False and FAMILIES[family][1]:
+        on.append("qkv_bias=False")
+    return " and ".join(on) or None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +59,7 @@ class ModelProfile:
     name: str
     """Canonical name, usually the Hugging Face repo name (e.g. "meta-llama/Llama-2-7b-hf")."""
     family: str = field(metadata={"choices": tuple(FAMILIES)})
-    """Architecture family: "llama", "qwen2" or "mistral"; decides biases and the config class."""
+    """Architecture family (FAMILIES): decides biases, the q/k norms and the config class."""
     aliases: tuple[str, ...] = ()
     """Other names the profile answers to (matched case-insensitively), e.g. "7b", "llama-2-7b"."""
     description: str = ""
@@ -121,6 +136,10 @@ class ModelProfile:
         return self.num_key_value_heads * self.dim_per_head
 
     @property
+    def qk_norm(self) -> bool:
+        return self.family in QK_NORM_FAMILIES
+
+    @property
     def moe(self) -> bool:
         return self.num_experts > 0
 
@@ -157,6 +176,9 @@ class ModelProfile:
                 if bias:
                     specs.append(ParamSpec(name=f"{p}self_attn.{proj}.bias", shape=(out,)))
             specs.append(ParamSpec(name=p + "self_attn.o_proj.weight", shape=(h, self.q_dim)))
+            if self.qk_norm:
+                specs += [ParamSpec(name=f"{p}self_attn.{n}.weight", shape=(self.dim_per_head,))
+                          for n in ("q_norm", "k_norm")]
             specs += self._mlp_specs(p)
             specs.append(ParamSpec(name=p + "input_layernorm.weight", shape=(h,)))
             specs.append(ParamSpec(name=p + "post_attention_layernorm.weight", shape=(h,)))
@@ -168,7 +190,8 @@ class ModelProfile:
     def _attention_params(self, *, biases: bool = True) -> int:
         h = self.hidden_size
         attn = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
-        return attn + (self.q_dim + 2 * self.kv_dim if biases and FAMILIES[self.family][1] else 0)
+        norms = 2 * self.dim_per_head if biases and self.qk_norm else 0
+        return attn + norms + (self.q_dim + 2 * self.kv_dim if biases and FAMILIES[self.family][1] else 0)
 
     def _mlp_params(self, *, active: bool) -> int:
         """One layer's MLP parameters; `active`: those one token's forward multiplies by (its
@@ -230,6 +253,12 @@ class ModelProfile:
                                   "`plan` and `--dry-run` cannot price this model; training runs (the engine "
                                   "measures its budgets in the warm-up step)",
                                   where=name or type(config).__name__, field="family")
+        biases = _unpriced_biases(config, family)
+        if biases:
+            raise FieldValueError(f"the planner prices {family} as its checkpoints are published, not with {biases}: "
+                                  "`plan` and `--dry-run` cannot price this model; training runs (the engine "
+                                  "measures its budgets in the warm-up step)",
+                                  where=name or type(config).__name__, field="family")
         moe: dict[str, Any] = {}
         if family in MOE_FAMILIES:
             moe = dict(num_experts=experts, num_experts_per_tok=top_k,
@@ -260,8 +289,8 @@ class ModelProfile:
             tie_word_embeddings=self.tie_word_embeddings, max_position_embeddings=self.max_position_embeddings,
             rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps,
         )
-        if self.head_dim is not None:
-            kwargs["head_dim"] = self.head_dim
+        if self.head_dim is not None or self.qk_norm:  # (Qwen3Config's own default is 128, not hidden/heads)
+            kwargs["head_dim"] = self.dim_per_head
         if self.router_loss:
             kwargs.update(output_router_logits=True)
         if self.family == "mixtral":

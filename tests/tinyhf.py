@@ -251,6 +251,7 @@ FAMILIES = {
     "gpt-neox": ("GPTNeoXConfig", dict(intermediate_size=64, max_position_embeddings=64,
                                        hidden_dropout=0.0, attention_dropout=0.0)),
     "qwen2": ("Qwen2Config", dict(intermediate_size=64, num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", dict(intermediate_size=64, num_key_value_heads=2, head_dim=16)),
     "mistral": ("MistralConfig", dict(intermediate_size=64, num_key_value_heads=2)),
     "phi3": ("Phi3Config", dict(intermediate_size=64, num_key_value_heads=2, resid_pdrop=0.0,
                                 embd_pdrop=0.0, attention_dropout=0.0)),

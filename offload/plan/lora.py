@@ -182,10 +182,13 @@ def frozen_chunk_bytes(plan: ChunkPlan, cid: int, *, base_dtype: "str | None", p
 
 
 _SUB = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+        "q_norm": "self_attn", "k_norm": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 #: A decoder layer's parameter-owning modules in forward order (norms by their own names).
 _LAYER = ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm",
           "gate_proj", "up_proj", "down_proj")
+#: The same with the q/k norms of profiles.model.QK_NORM_FAMILIES (each right after its projection).
+_QK_LAYER = ("input_layernorm", "q_proj", "q_norm", "k_proj", "k_norm", "v_proj", "o_proj",
+             "post_attention_layernorm", "gate_proj", "up_proj", "down_proj")
 
 
 def _modules(layer: int, part: str, targets: frozenset[str]) -> list[str]:
@@ -195,7 +198,7 @@ def _modules(layer: int, part: str, targets: frozenset[str]) -> list[str]:
     if part not in _SUB:
         return [p + part]
     name = f"{p}{_SUB[part]}.{part}"
-    if part not in targets:
+    if part not in targets or part.endswith("_norm"):
         return [name]
     return [name + ".base_layer", name + ".lora_A.default", name + ".lora_B.default"]
 
@@ -203,23 +206,27 @@ def _modules(layer: int, part: str, targets: frozenset[str]) -> list[str]:
 def _needs_grad_in(part: str, targets: frozenset[str]) -> bool:
     """Layer 0 (its input, the frozen embedding's output, needs no gradient): whether `part`'s
     input needs one, i.e. whether backward reads its weights."""
-    before = _LAYER[:_LAYER.index(part)]
-    first_linear = {"o_proj": {"q_proj", "k_proj", "v_proj"}, "post_attention_layernorm": set(LINEARS[:4]),
+    before = _QK_LAYER[:_QK_LAYER.index(part)]
+    first_linear = {"q_norm": {"q_proj"}, "k_norm": {"k_proj"},  # (each reads its own projection's output)
+                    "o_proj": {"q_proj", "k_proj", "v_proj"}, "post_attention_layernorm": set(LINEARS[:4]),
                     "gate_proj": set(LINEARS[:4]), "up_proj": set(LINEARS[:4]), "down_proj": set(LINEARS[:6])}
     return bool(targets & first_linear.get(part, set())) and bool(before)
 
 
 def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozenset[str], tied: bool,
-               recompute: int, blocks: bool = False) -> list[tuple[str, int]]:
+               recompute: int, blocks: bool = False, qk_norm: bool = False) -> list[tuple[str, int]]:
     """The access trace ((\"acquire\" | \"release\", chunk), ...) the engine records for one LoRA
     step of a Llama-family model (offload.runtime.trace): each module acquires its chunks for its
     forward; backward reads the weights autograd saved (the output head's, the final norm's, and
-    per layer, last first, every module whose input needs a gradient, in reverse), each
+    per layer, last first, every module whose input needs a gradient, in reverse; in layer 0 the
+    others' adapters' lora_B, whose input is lora_A's output), each
     recomputed layer (the first `recompute` layers) running its forward again first. `chunks_of`:
     module -> its chunks.
     `blocks`: the layers are the units of residency (offload.plan.needs.units_are_blocks): a
-    layer's chunks are acquired together for its forward, and for its recompute and backward."""
+    layer's chunks are acquired together for its forward, and for its recompute and backward.
+    `qk_norm`: the attention normalises queries and keys (profiles.model.QK_NORM_FAMILIES)."""
     events: list[tuple[str, int]] = []
+    parts = _QK_LAYER if qk_norm else _LAYER
 
     def acquire_release(cids: "set[int]") -> None:
         events.extend(("acquire", c) for c in sorted(cids))
@@ -238,7 +245,7 @@ def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozen
         if blocks:
             use_layer(layer)
             continue
-        for part in _LAYER:
+        for part in parts:
             for m in _modules(layer, part, targets):
                 use(m)
     use("model.norm")
@@ -250,12 +257,14 @@ def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozen
             use_layer(layer)  # held through the recompute and the layer's backward
             continue
         if layer < recompute:
-            for part in _LAYER:
+            for part in parts:
                 for m in _modules(layer, part, targets):
                     use(m)
-        for part in reversed(_LAYER):
+        for part in reversed(parts):
+            modules = _modules(layer, part, targets)[::-1]
             if layer == 0 and not _needs_grad_in(part, targets):
-                continue
-            for m in reversed(_modules(layer, part, targets)):
+                # only an adapter's lora_B: its input (lora_A's output) needs a gradient
+                modules = [m for m in modules if m.endswith(".lora_B.default")]
+            for m in modules:
                 use(m)
     return events

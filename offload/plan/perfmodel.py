@@ -60,8 +60,9 @@ def ops_per_forward(model: ModelProfile, *, adapters: int = 0, decoded: int = 0)
     the scaling, the add) and per encoded base weight 2 (its decode and the cast). A MoE layer
     dispatches about 27% more than a dense one (its router, top-k, sort, offsets and two grouped
     matmuls: 98 aten ops against 77, transformers 5's grouped_mm experts), 41% more with
-    Qwen2-MoE's shared expert and its gate (109)."""
-    layer = 48 + (0 if not model.moe else 19 if model.shared_expert_intermediate_size else 13)
+    Qwen2-MoE's shared expert and its gate (109); Qwen3's q/k norms 2 RMSNorms more."""
+    layer = 48 + (0 if not model.moe else 19 if model.shared_expert_intermediate_size else 13) \
+        + (16 if model.qk_norm else 0)
     return layer * model.num_hidden_layers + 24 + 4 * adapters + 2 * decoded
 
 
@@ -265,7 +266,8 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     fp32_copy = 4 * t * h
     norm = 4 * t + 2 * e * t * h + fp32_copy
     first_norm = norm - (fp32_copy if e == 4 else 0)
-    attention = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s
+    attention = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s \
+        + qk_norm_bytes(model, t=t, e=e, weighted=lora is None)
     layers = model.num_hidden_layers
     recomputed = recomputed_blocks(checkpointing, model_blocks(model))
     checkpointed = recomputed > 0
@@ -317,6 +319,18 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     return parts
 
 
+def qk_norm_bytes(model: ModelProfile, *, t: int, e: int, weighted: bool = True,
+                  parts: "tuple[str, ...]" = ("q", "k")) -> int:
+    """What a QK_NORM_FAMILIES layer's per-head RMSNorms on the queries and keys save over `t`
+    tokens: each one's fp32 input (a copy in bf16, the projection's output itself in fp32),
+    rsqrt (fp32, one a head) and, when its weight is trained (`weighted`), the normalised input
+    (e); their outputs go through the rotary embedding, which saves none of them. 0 for others."""
+    if not model.qk_norm:
+        return 0
+    width = {"q": (model.q_dim, model.num_attention_heads), "k": (model.kv_dim, model.num_key_value_heads)}
+    return sum(t * ((4 + (e if weighted else 0)) * width[p][0] + 4 * width[p][1]) for p in parts)
+
+
 def moe_mlp_bytes(model: ModelProfile, *, t: int, e: int, frozen: bool = False) -> int:
     """What a MoE layer's MLP saves for backward over `t` tokens, as transformers' grouped_mm
     experts (its default) save it, measured through the engine (tests/test_plan_moe.py): per
@@ -365,7 +379,10 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
     # without recompute, layer 0 saves nothing for the part before its first targeted linear:
     # its input (the frozen embedding's output) needs no gradient
     layer0 = 4 * t + (fp32_copy if e != 4 else 0)
-    if not targets & {"q_proj", "k_proj", "v_proj"}:
+    if targets & {"q_proj", "k_proj", "v_proj"}:  # a q/k norm over an untargeted projection: nothing
+        layer0 += qk_norm_bytes(model, t=t, e=e, weighted=False,
+                                parts=tuple(p for p in ("q", "k") if f"{p}_proj" not in targets))
+    else:
         layer0 += attention - (e * t * model.q_dim if "o_proj" in targets else 0)  # o_proj's adapter saves its input
         if "o_proj" not in targets:
             layer0 += 4 * t + fp32_copy  # the second norm's input needs no gradient either

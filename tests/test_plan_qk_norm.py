@@ -1,0 +1,125 @@
+"""Qwen3 in the planner: its per-head q/k RMSNorms' saved activations equal what the engine's
+ledger counts (full fine-tune and LoRA, with and without recompute, padding and dropout); a
+LoRA step's access trace is the one the engine records (so its base reads are the measured
+ones); a config whose biases the formulas do not price is refused, not mispriced."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+from tierwise.offload import Activations, Budget, Engine, Precision
+from tierwise.offload.plan import planner
+from tierwise.offload.plan.lora import parse_targets
+from tierwise.offload.plan.perfmodel import activation_bytes
+from tierwise.offload.runtime import trace
+from tierwise.offload.tools.verify import verify
+from tierwise.profiles.model import ModelProfile
+from tierwise.profiles.schema import FieldValueError
+
+QWEN3 = ModelProfile(name="t", family="qwen3", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
+                     rope_theta=1e4, rms_norm_eps=1e-5, head_dim=16)  # (q 64 wide, twice the hidden size)
+
+
+def _peak(profile, *, precision, checkpointing, lora=None, padded=False) -> int:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(profile.to_hf_config())
+    eng = Engine(model, budget=Budget(chunk=16 << 10), precision=Precision(precision),
+                 activations=Activations(recompute=checkpointing), **({} if lora is None else {"lora": lora}))
+    try:
+        x = torch.randint(0, profile.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+        batch = {"input_ids": x, "labels": x}
+        if padded:
+            batch["attention_mask"] = torch.ones_like(x)
+            batch["attention_mask"][0, -3:] = 0
+        eng.step(batch)
+        return eng.ledger.kind_peak("gpu", "activation")
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
+def test_qwen3_activations_are_planned_exactly(precision, checkpointing, padded):
+    assert ModelProfile.from_hf_config(QWEN3.to_hf_config(), name="t") == QWEN3
+    assert _peak(QWEN3, precision=precision, checkpointing=checkpointing, padded=padded) == activation_bytes(
+        model=QWEN3, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing, padded=padded)
+
+
+@pytest.mark.parametrize("precision, checkpointing, targets, padded, dropout", [
+    ("fp32", None, "all-linear", False, 0.0), ("bf16", None, "q_proj,v_proj", True, 0.1),
+    ("fp32", False, "o_proj,up_proj", True, 0.0), ("bf16", False, "all-linear", False, 0.1),
+    ("fp32", False, "k_proj", False, 0.0), ("bf16", False, "q_proj", False, 0.1),
+    ("bf16", False, "v_proj,o_proj", False, 0.0), ("fp32", 1, "k_proj,down_proj", True, 0.1)],
+    ids=lambda v: str(v))
+def test_qwen3_lora_activations_are_planned_exactly(precision, checkpointing, targets, padded, dropout):
+    """A frozen norm's weight needs no normalised input; in layer 0 without recompute, the norm
+    over a projection without an adapter saves nothing (its input needs no gradient)."""
+    from peft import LoraConfig
+
+    wanted = parse_targets(targets)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                        target_modules=targets if targets == "all-linear" else sorted(wanted))
+    e = 4 if precision == "fp32" else 2  # (the CPU's dropout keeps its scaled noise, e bytes)
+    act = (wanted, 4, e) if dropout else (wanted, 4)
+    assert _peak(QWEN3, precision=precision, checkpointing=checkpointing, lora=config, padded=padded) == \
+        activation_bytes(model=QWEN3, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing,
+                         padded=padded, lora=act)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("targets, gpu_mem, accum", [("all-linear", "950K", 1), ("all-linear", "900K", 2),
+                                                     ("k_proj,v_proj", "800K", 2), ("q_proj,down_proj", "1M", 1)])
+def test_the_planned_lora_trace_is_the_engines(monkeypatch, family, targets, gpu_mem, accum):
+    """The planner's trace of a LoRA step (lora.step_trace) against the one the engine records,
+    event for event over the streamed chunks: in layer 0, the adapters of linears whose input
+    needs no gradient still read their lora_B in backward (the plan left them out: its base
+    reads were a chunk off at some cache limits with gradient accumulation)."""
+    import peft
+
+    profile = dataclasses.replace(QWEN3, family=family, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                                  vocab_size=512, head_dim=32 if family == "qwen3" else None)
+    recorded, planned = [], []
+    end_step, schedule = trace.TraceFollower.end_step, planner.plan_schedule
+
+    def record(self):
+        if self._recording:
+            recorded.append(list(self._recording))
+        end_step(self)
+
+    def plan(events, **kw):
+        planned.append(list(events))
+        return schedule(events, **kw)
+
+    monkeypatch.setattr(trace.TraceFollower, "end_step", record)
+    monkeypatch.setattr(planner, "plan_schedule", plan)
+    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets if targets == "all-linear" else targets.split(","))
+    report = verify(model=profile, gpu_mem=gpu_mem, cpu_mem="64M", optimizer="adamw", precision="fp32", batch_size=2,
+                    seq_len=32, chunk_bytes="16K", lora=lora, base_dtype="nf4", double_quant=True, steps=4,
+                    grad_accum=accum)
+    assert report.passed, report.render()
+    streamed = {c for _, c in planned[-1]}
+    assert [e for e in recorded[-1] if e[1] in streamed] == planned[-1]
+    assert report.base_read["host"] == report.plan.base_read["host"] > 0
+
+
+@pytest.mark.parametrize("family, given, words", [("llama", dict(attention_bias=True), "attention_bias=True"),
+                                                  ("qwen3", dict(mlp_bias=True), "mlp_bias=True"),
+                                                  ("qwen2_moe", dict(qkv_bias=False), "qkv_bias=False")])
+def test_biases_the_formulas_do_not_price_are_refused(family, given, words):
+    """Llama's and Qwen3's attention_bias also biases o_proj, mlp_bias every MLP linear, and
+    Qwen2-MoE's qkv_bias=False drops the q/k/v biases the family otherwise has."""
+    profile = dataclasses.replace(QWEN3, family=family, head_dim=None) if family != "qwen2_moe" else dataclasses.replace(
+        QWEN3, family=family, head_dim=None, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32)
+    config = profile.to_hf_config()
+    assert ModelProfile.from_hf_config(config, name="t").family == family
+    for key, value in given.items():
+        setattr(config, key, value)
+    with pytest.raises(FieldValueError, match=f"not with {words}: `plan` and `--dry-run` cannot price"):
+        ModelProfile.from_hf_config(config, name="t")
