@@ -26,11 +26,15 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "mistral": ("MistralConfig", False),
     "qwen2": ("Qwen2Config", True),
     "qwen3": ("Qwen3Config", False),
+    "phi3": ("Phi3Config", False),
     "mixtral": ("MixtralConfig", False),
     "qwen2_moe": ("Qwen2MoeConfig", True),
 }
 #: The mixture-of-experts families: every decoder layer's MLP is a router over fused experts.
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe"})
+#: The families whose layers fuse their projections: q/k/v into one `self_attn.qkv_proj`, gate and
+#: up into one `mlp.gate_up_proj` (Phi-3, Phi-4).
+FUSED_FAMILIES = frozenset({"phi3"})
 #: The families whose attention normalises each head's queries and keys (an RMSNorm over
 #: head_dim, `self_attn.q_norm` / `k_norm`) before the rotary embedding.
 QK_NORM_FAMILIES = frozenset({"qwen3"})
@@ -43,10 +47,12 @@ def routed_experts(config: Any) -> int:
 
 
 def _unpriced_biases(config: Any, family: str) -> str | None:
-    """The biases a config's layers get that FAMILIES[family] does not price, in words
-    (Llama's and Qwen3's attention_bias also biases o_proj; mlp_bias every MLP linear;
+    """The biases and dropout a config's layers get that FAMILIES[family] does not price, in
+    words (Llama's and Qwen3's attention_bias also biases o_proj; mlp_bias every MLP linear;
     Qwen2-MoE's qkv_bias=False drops its q/k/v biases); None when they are the family's."""
     on = [f"{k}=True" for k in ("attention_bias", "mlp_bias") if getattr(config, k, None)]
+    on += [f"{k}={getattr(config, k)}" for k in ("attention_dropout", "resid_pdrop", "embd_pdrop")
+           if getattr(config, k, None)]  # (dropout saves its masks)
     if getattr(config, "qkv_bias", True) is False and FAMILIES[family][1]:
         on.append("qkv_bias=False")
     return " and ".join(on) or None
@@ -86,6 +92,8 @@ class ModelProfile:
     """RMSNorm epsilon."""
     head_dim: int | None = None
     """Per-head width; None means hidden_size // num_attention_heads."""
+    partial_rotary_factor: float = field(default=1.0, metadata={"min": 0.0})
+    """The share of each head's width the rotary embedding turns (Phi-4-mini's 0.75); 1: all."""
     num_experts: int = field(default=0, metadata={"min": 0})
     """A MoE family's routed experts per layer (Mixtral's num_local_experts); 0 for a dense one."""
     num_experts_per_tok: int = field(default=0, metadata={"min": 0})
@@ -136,6 +144,15 @@ class ModelProfile:
         return self.num_key_value_heads * self.dim_per_head
 
     @property
+    def fused(self) -> bool:
+        return self.family in FUSED_FAMILIES
+
+    @property
+    def rotary_dim(self) -> int:
+        """Each head's width the rotary embedding turns (its cos/sin's last dimension)."""
+        return int(self.dim_per_head * self.partial_rotary_factor)
+
+    @property
     def qk_norm(self) -> bool:
         return self.family in QK_NORM_FAMILIES
 
@@ -150,6 +167,9 @@ class ModelProfile:
 
     def _mlp_specs(self, p: str) -> list[ParamSpec]:
         h, i = self.hidden_size, self.intermediate_size
+        if self.fused:
+            return [ParamSpec(name=p + "mlp.gate_up_proj.weight", shape=(2 * i, h)),
+                    ParamSpec(name=p + "mlp.down_proj.weight", shape=(h, i))]
         if not self.moe:
             return [ParamSpec(name=p + "mlp.gate_proj.weight", shape=(i, h)),
                     ParamSpec(name=p + "mlp.up_proj.weight", shape=(i, h)),
@@ -171,11 +191,15 @@ class ModelProfile:
         specs = [ParamSpec(name="model.embed_tokens.weight", shape=(self.vocab_size, h), embedding=True)]
         for layer in range(self.num_hidden_layers):
             p = f"model.layers.{layer}."
-            for proj, out in (("q_proj", self.q_dim), ("k_proj", self.kv_dim), ("v_proj", self.kv_dim)):
-                specs.append(ParamSpec(name=f"{p}self_attn.{proj}.weight", shape=(out, h)))
-                if bias:
-                    specs.append(ParamSpec(name=f"{p}self_attn.{proj}.bias", shape=(out,)))
-            specs.append(ParamSpec(name=p + "self_attn.o_proj.weight", shape=(h, self.q_dim)))
+            o_proj = ParamSpec(name=p + "self_attn.o_proj.weight", shape=(h, self.q_dim))
+            if self.fused:  # (Phi-3 registers o_proj first)
+                specs += [o_proj, ParamSpec(name=p + "self_attn.qkv_proj.weight", shape=(self.q_dim + 2 * self.kv_dim, h))]
+            else:
+                for proj, out in (("q_proj", self.q_dim), ("k_proj", self.kv_dim), ("v_proj", self.kv_dim)):
+                    specs.append(ParamSpec(name=f"{p}self_attn.{proj}.weight", shape=(out, h)))
+                    if bias:
+                        specs.append(ParamSpec(name=f"{p}self_attn.{proj}.bias", shape=(out,)))
+                specs.append(o_proj)
             if self.qk_norm:
                 specs += [ParamSpec(name=f"{p}self_attn.{n}.weight", shape=(self.dim_per_head,))
                           for n in ("q_norm", "k_norm")]
@@ -233,7 +257,8 @@ class ModelProfile:
 
     def _largest_candidates(self) -> list[ParamSpec]:
         h = self.hidden_size
-        return [ParamSpec(name="emb", shape=(self.vocab_size, h)), ParamSpec(name="q", shape=(self.q_dim, h)),
+        q = self.q_dim + (2 * self.kv_dim if self.fused else 0)
+        return [ParamSpec(name="emb", shape=(self.vocab_size, h)), ParamSpec(name="q", shape=(q, h)),
                 *self._mlp_specs("")]
 
     @classmethod
@@ -274,6 +299,8 @@ class ModelProfile:
             vocab_size=config.vocab_size, tie_word_embeddings=bool(config.tie_word_embeddings),
             max_position_embeddings=config.max_position_embeddings,
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                                 getattr(config, "partial_rotary_factor", None) or 1.0)),
             rms_norm_eps=float(config.rms_norm_eps),
             head_dim=getattr(config, "head_dim", None), **moe)
 
@@ -289,6 +316,8 @@ class ModelProfile:
             tie_word_embeddings=self.tie_word_embeddings, max_position_embeddings=self.max_position_embeddings,
             rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps,
         )
+        if self.partial_rotary_factor != 1.0:
+            kwargs["partial_rotary_factor"] = self.partial_rotary_factor
         if self.head_dim is not None or self.qk_norm:  # (Qwen3Config's own default is 128, not hidden/heads)
             kwargs["head_dim"] = self.dim_per_head
         if self.router_loss:
@@ -299,4 +328,8 @@ class ModelProfile:
             kwargs.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                           moe_intermediate_size=self.expert_size,
                           shared_expert_intermediate_size=self.shared_expert_intermediate_size)
-        return cls(**kwargs)
+        config = cls(**kwargs)
+        for token in ("bos_token_id", "eos_token_id", "pad_token_id"):  # (Phi3Config's defaults: 32,000)
+            if isinstance(getattr(config, token, None), int) and getattr(config, token) >= self.vocab_size:
+                setattr(config, token, None)
+        return config

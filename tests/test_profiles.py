@@ -56,9 +56,11 @@ def test_every_hardware_profile_loads(name):
     ("mistral-7b", 7_241_732_096), ("100m", 101_924_480), ("405b", 405_853_388_800),
     ("mixtral-8x7b", 46_702_792_704), ("Qwen/Qwen1.5-MoE-A2.7B", 14_315_784_192),
     ("qwen3-0.6b", 596_049_920), ("Qwen/Qwen3-8B", 8_190_735_360), ("qwen3-32b-base", 32_762_123_264),
+    ("phi-4", 14_659_507_200), ("microsoft/Phi-4-mini-instruct", 3_836_021_760),
 ], ids=str)
 def test_aliases_are_case_insensitive_and_counts_match_published(alias, params):
-    """(Qwen3's model cards: 0.6B / 8.2B / 32.8B, 0.44B / 6.95B / 31.2B outside the embeddings.)"""
+    """(Qwen3's model cards: 0.6B / 8.2B / 32.8B, 0.44B / 6.95B / 31.2B outside the embeddings;
+    Phi-4 14.7B, Phi-4-mini 3.84B.)"""
     assert load_model_profile(alias).num_params == params
 
 
@@ -67,7 +69,8 @@ def test_aliases_are_case_insensitive_and_counts_match_published(alias, params):
                                                ("qwen2", "false", "Qwen2ForCausalLM"),
                                                ("mistral", "false", "MistralForCausalLM"),
                                                ("qwen3", "false", "Qwen3ForCausalLM"),
-                                               ("qwen3", "true", "Qwen3ForCausalLM")])
+                                               ("qwen3", "true", "Qwen3ForCausalLM"),
+                                               ("phi3", "false", "Phi3ForCausalLM")])
 def test_param_specs_match_transformers_meta_model(tmp_path, family, tied, cls):
     import transformers
 
@@ -178,7 +181,7 @@ def _bad_model(tmp_path, old, new):
     ("rope_theta = 10000.0", "rope_theta = 10000.0\nrope_thetta = 1.0", UnknownFieldError,
      "unknown field 'rope_thetta' (known: "),
     ('family = "llama"', 'family = "gpt2"', FieldValueError,
-     "field 'family' must be one of llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, got 'gpt2'"),
+     "field 'family' must be one of llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2_moe, got 'gpt2'"),
     ("num_key_value_heads = 2", "num_key_value_heads = 3", FieldValueError,
      "field 'num_key_value_heads' (3) must divide num_attention_heads (4)"),
     ("hidden_size = 64", "hidden_size = 66", FieldValueError, "field 'hidden_size' (66) must be a multiple of"),

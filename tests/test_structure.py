@@ -222,7 +222,9 @@ def test_layers_import_without_torch():
         from tierwise.offload.plan.planner import make_plan
         from tierwise.offload.update.table import NAMES
         for i, toml in enumerate(sorted(pathlib.Path("profiles/models").glob("*.toml"))):
-            for optimizer in (NAMES[i % len(NAMES)],):  # every table entry, one per profile
+            rotated = NAMES[i % len(NAMES)]  # (MeZO on a MoE is refused: MOE_ZEROTH)
+            rotated = "adamw" if rotated == "mezo" and load_model_profile(toml.stem).moe else rotated
+            for optimizer in NAMES if toml.stem == "100m" else (rotated,):  # every table entry
                 plan = make_plan(model=toml.stem, hardware="h100", gpu_mem="80G", cpu_mem="8T",
                                  optimizer=optimizer, precision="bf16", batch_size=1, seq_len=128)
                 assert plan.step_s > 0 and plan.peak["gpu"] <= 80 << 30, (toml.stem, optimizer)

@@ -636,6 +636,10 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     if base_dtype is not None and lora_rank is None:
         raise TierwiseError(f"--base-dtype {base_dtype} stores a frozen base: give --lora-rank (or --qlora)")
     lora = None
+    if lora_rank is not None and model.fused:  # (its adapters' saved activations are not these formulas')
+        raise UnsupportedModel(f"the planner prices {model.family}'s fused projections (qkv_proj, gate_up_proj) "
+                               "for a full fine-tune, not yet with LoRA: `plan` and `--dry-run` cannot price this "
+                               "run; training runs (the engine measures its budgets in the warm-up step)")
     if lora_rank is not None:
         family = getattr(model, "family", None) or getattr(getattr(model, "config", model), "model_type", None)
         lora = lora_specs(list(params) if params is not None else model.param_specs(), rank=lora_rank,

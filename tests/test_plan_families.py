@@ -1,7 +1,9 @@
-"""Qwen3 in the planner: its per-head q/k RMSNorms' saved activations equal what the engine's
-ledger counts (full fine-tune and LoRA, with and without recompute, padding and dropout); a
-LoRA step's access trace is the one the engine records (so its base reads are the measured
-ones); a config whose biases the formulas do not price is refused, not mispriced."""
+"""Qwen3 and Phi-3 in the planner. Qwen3's per-head q/k RMSNorms' saved activations equal what
+the engine's ledger counts (full fine-tune and LoRA, with and without recompute, padding and
+dropout), and a LoRA step's access trace is the one the engine records (so its base reads are
+the measured ones). Phi-3's fused projections (full fine-tune; partial rotary) equal it too; its
+LoRA is refused by the planner. A config whose biases or dropout the formulas do not price is
+refused, not mispriced."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 import transformers
 
 from tierwise.offload import Activations, Budget, Engine, Precision
+from tierwise.offload.core.errors import UnsupportedModel
 from tierwise.offload.plan import planner
 from tierwise.offload.plan.lora import parse_targets
 from tierwise.offload.plan.perfmodel import activation_bytes
@@ -23,6 +26,9 @@ from tierwise.profiles.schema import FieldValueError
 QWEN3 = ModelProfile(name="t", family="qwen3", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
                      rope_theta=1e4, rms_norm_eps=1e-5, head_dim=16)  # (q 64 wide, twice the hidden size)
+
+
+PHI3 = dataclasses.replace(QWEN3, family="phi3", head_dim=None)  # (head 8 wide, kv heads 2 of 4)
 
 
 def _peak(profile, *, precision, checkpointing, lora=None, padded=False) -> int:
@@ -49,6 +55,30 @@ def test_qwen3_activations_are_planned_exactly(precision, checkpointing, padded)
     assert ModelProfile.from_hf_config(QWEN3.to_hf_config(), name="t") == QWEN3
     assert _peak(QWEN3, precision=precision, checkpointing=checkpointing, padded=padded) == activation_bytes(
         model=QWEN3, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing, padded=padded)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
+@pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
+@pytest.mark.parametrize("profile", [PHI3, dataclasses.replace(PHI3, num_key_value_heads=4, partial_rotary_factor=0.5)],
+                         ids=["grouped", "mha-partial-rotary"])
+def test_phi3_activations_are_planned_exactly(profile, checkpointing, padded):
+    """o_proj's input is a copy of SDPA's output; with a layer recomputed (no KV cache) v is a
+    view of the fused qkv output, which SDPA then keeps whole, unless a mask repeats grouped
+    heads; the rotary's cos/sin are the rotary share of a head wide."""
+    assert ModelProfile.from_hf_config(profile.to_hf_config(), name="t") == profile
+    for precision in ("fp32", "bf16"):
+        assert _peak(profile, precision=precision, checkpointing=checkpointing, padded=padded) == activation_bytes(
+            model=profile, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing,
+            padded=padded), precision
+
+
+def test_phi3_lora_is_refused_by_the_planner_not_mispriced():
+    with pytest.raises(UnsupportedModel, match="fused projections .* not yet with LoRA: `plan` and `--dry-run`"):
+        planner.make_plan(model="phi-4", hardware="rtx4090", gpu_mem="24G", cpu_mem="64G", optimizer="adamw",
+                          precision="bf16", batch_size=1, seq_len=2048, lora_rank=16, base_dtype="nf4")
+    plan = planner.make_plan(model="phi-4", hardware="h100", gpu_mem="80G", cpu_mem="512G", optimizer="adamw8bit",
+                             precision="bf16", batch_size=1, seq_len=2048)
+    assert plan.num_params == 14_659_507_200 and plan.tokens_per_s > 0
 
 
 @pytest.mark.parametrize("precision, checkpointing, targets, padded, dropout", [
@@ -110,10 +140,13 @@ def test_the_planned_lora_trace_is_the_engines(monkeypatch, family, targets, gpu
 
 @pytest.mark.parametrize("family, given, words", [("llama", dict(attention_bias=True), "attention_bias=True"),
                                                   ("qwen3", dict(mlp_bias=True), "mlp_bias=True"),
-                                                  ("qwen2_moe", dict(qkv_bias=False), "qkv_bias=False")])
+                                                  ("qwen2_moe", dict(qkv_bias=False), "qkv_bias=False"),
+                                                  ("phi3", dict(resid_pdrop=0.1), "resid_pdrop=0.1"),
+                                                  ("llama", dict(attention_dropout=0.1), "attention_dropout=0.1")])
 def test_biases_the_formulas_do_not_price_are_refused(family, given, words):
-    """Llama's and Qwen3's attention_bias also biases o_proj, mlp_bias every MLP linear, and
-    Qwen2-MoE's qkv_bias=False drops the q/k/v biases the family otherwise has."""
+    """Llama's and Qwen3's attention_bias also biases o_proj, mlp_bias every MLP linear,
+    Qwen2-MoE's qkv_bias=False drops the q/k/v biases the family otherwise has, and dropout saves
+    its masks."""
     profile = dataclasses.replace(QWEN3, family=family, head_dim=None) if family != "qwen2_moe" else dataclasses.replace(
         QWEN3, family=family, head_dim=None, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         shared_expert_intermediate_size=32)
