@@ -328,8 +328,6 @@ class ModelProfile:
             kwargs.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                           moe_intermediate_size=self.expert_size,
                           shared_expert_intermediate_size=self.shared_expert_intermediate_size)
-        config = cls(**kwargs)
-        for token in ("bos_token_id", "eos_token_id", "pad_token_id"):  # (Phi3Config's defaults: 32,000)
-            if isinstance(getattr(config, token, None), int) and getattr(config, token) >= self.vocab_size:
-                setattr(config, token, None)
-        return config
+        if self.fused:  # (shapes only: Phi3Config's default token ids, 32,000, may lie past a small vocabulary)
+            kwargs.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        return cls(**kwargs)

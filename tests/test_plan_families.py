@@ -1,9 +1,9 @@
 """Qwen3 and Phi-3 in the planner. Qwen3's per-head q/k RMSNorms' saved activations equal what
 the engine's ledger counts (full fine-tune and LoRA, with and without recompute, padding and
-dropout), and a LoRA step's access trace is the one the engine records (so its base reads are
-the measured ones). Phi-3's fused projections (full fine-tune; partial rotary) equal it too; its
-LoRA is refused by the planner. A config whose biases or dropout the formulas do not price is
-refused, not mispriced."""
+dropout); Phi-3's fused projections (partial rotary too) equal it as well, full fine-tune and
+LoRA; a LoRA step's access trace is the one the engine records (so its base reads are the
+measured ones). A config whose biases or dropout the formulas do not price is refused, not
+mispriced."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ import torch
 import transformers
 
 from tierwise.offload import Activations, Budget, Engine, Precision
-from tierwise.offload.core.errors import UnsupportedModel
 from tierwise.offload.plan import planner
-from tierwise.offload.plan.lora import parse_targets
+from tierwise.offload.plan.lora import parse_targets, profile_linears
 from tierwise.offload.plan.perfmodel import activation_bytes
 from tierwise.offload.runtime import trace
 from tierwise.offload.tools.verify import verify
@@ -72,13 +71,40 @@ def test_phi3_activations_are_planned_exactly(profile, checkpointing, padded):
             padded=padded), precision
 
 
-def test_phi3_lora_is_refused_by_the_planner_not_mispriced():
-    with pytest.raises(UnsupportedModel, match="fused projections .* not yet with LoRA: `plan` and `--dry-run`"):
-        planner.make_plan(model="phi-4", hardware="rtx4090", gpu_mem="24G", cpu_mem="64G", optimizer="adamw",
-                          precision="bf16", batch_size=1, seq_len=2048, lora_rank=16, base_dtype="nf4")
+def test_phi_4_is_planned():
+    """A full fine-tune on one H100, and QLoRA on a 24 GB card (14.7B: Phi-4's model card)."""
     plan = planner.make_plan(model="phi-4", hardware="h100", gpu_mem="80G", cpu_mem="512G", optimizer="adamw8bit",
                              precision="bf16", batch_size=1, seq_len=2048)
     assert plan.num_params == 14_659_507_200 and plan.tokens_per_s > 0
+    qlora = planner.make_plan(model="phi-4", hardware="rtx4090", gpu_mem="24G", cpu_mem="64G", optimizer="adamw",
+                              precision="bf16", batch_size=1, seq_len=2048, lora_rank=16, base_dtype="nf4",
+                              double_quant=True)
+    # one adapter per fused projection: qkv_proj, o_proj, gate_up_proj, down_proj in each of 40 layers
+    r, h, i, q, kv = 16, 5120, 17920, 5120, 1280
+    assert qlora.trainable_params == 40 * r * ((h + q + 2 * kv) + (q + h) + (h + 2 * i) + (i + h))
+
+
+@pytest.mark.parametrize("profile", [PHI3, dataclasses.replace(PHI3, num_key_value_heads=4, partial_rotary_factor=0.5)],
+                         ids=["grouped", "mha-partial-rotary"])
+@pytest.mark.parametrize("precision, checkpointing, targets, padded, dropout", [
+    ("fp32", None, "all-linear", False, 0.0), ("bf16", None, "qkv_proj", True, 0.1),
+    ("fp32", False, "o_proj,gate_up_proj", True, 0.1), ("bf16", False, "all-linear", False, 0.1),
+    ("fp32", False, "gate_up_proj", False, 0.0), ("bf16", False, "o_proj", False, 0.1),
+    ("fp32", 1, "down_proj", True, 0.0), ("bf16", 1, "o_proj,gate_up_proj", False, 0.0),
+    ("fp32", True, "qkv_proj,down_proj", False, 0.1)], ids=lambda v: str(v))
+def test_phi3_lora_activations_are_planned_exactly(profile, precision, checkpointing, targets, padded, dropout):
+    """One adapter per fused projection; o_proj's input copy is saved by its own adapter only
+    (with dropout not even there: the dropped copy is)."""
+    from peft import LoraConfig
+
+    wanted = parse_targets(targets, profile_linears(profile.param_specs()))
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                        target_modules=targets if targets == "all-linear" else sorted(wanted))
+    e = 4 if precision == "fp32" else 2
+    act = (wanted, 4, e) if dropout else (wanted, 4)
+    assert _peak(profile, precision=precision, checkpointing=checkpointing, lora=config, padded=padded) == \
+        activation_bytes(model=profile, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing,
+                         padded=padded, lora=act)
 
 
 @pytest.mark.parametrize("precision, checkpointing, targets, padded, dropout", [
@@ -102,9 +128,11 @@ def test_qwen3_lora_activations_are_planned_exactly(precision, checkpointing, ta
                          padded=padded, lora=act)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("targets, gpu_mem, accum", [("all-linear", "950K", 1), ("all-linear", "900K", 2),
-                                                     ("k_proj,v_proj", "800K", 2), ("q_proj,down_proj", "1M", 1)])
+@pytest.mark.parametrize("family, targets, gpu_mem, accum", [
+    ("llama", "all-linear", "950K", 1), ("llama", "all-linear", "900K", 2), ("llama", "k_proj,v_proj", "800K", 2),
+    ("qwen3", "all-linear", "950K", 1), ("qwen3", "all-linear", "900K", 2), ("qwen3", "k_proj,v_proj", "800K", 2),
+    ("qwen3", "q_proj,down_proj", "1M", 1), ("phi3", "all-linear", "900K", 2), ("phi3", "o_proj,down_proj", "900K", 2),
+    ("phi3", "gate_up_proj", "1M", 1)])
 def test_the_planned_lora_trace_is_the_engines(monkeypatch, family, targets, gpu_mem, accum):
     """The planner's trace of a LoRA step (lora.step_trace) against the one the engine records,
     event for event over the streamed chunks: in layer 0, the adapters of linears whose input

@@ -24,8 +24,9 @@ from ..core.encoding import BASE_DTYPES, QUANTIZED, aligned, encoded_nbytes, fus
 from ..core.errors import TierwiseError, UnsupportedModel
 
 #: The nn.Linear modules of a Llama-family decoder layer (PEFT's "all-linear" takes them all,
-#: never the output head).
+#: never the output head); Phi-3's fused ones in their place.
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_LINEARS = ("qkv_proj", "gate_up_proj")
 
 #: Kinds of module `lora_specs` can adapt (`linears`): an nn.Linear (weight [out, in]; an int8/NF4
 #: base encodes it), a subclass of it (adapted, not encoded: the engine encodes plain nn.Linear
@@ -50,11 +51,11 @@ class LoraModel:
 
 def profile_linears(specs: Sequence[ParamSpec]) -> dict[str, str]:
     """The linears of a Llama-family model profile ({module: kind}): its decoder layers'
-    LINEARS, and lm_head, the output head (absent when tied)."""
+    LINEARS (or FUSED_LINEARS), and lm_head, the output head (absent when tied)."""
     out = {}
     for s in specs:
         module, _, leaf = s.name.rpartition(".")
-        if leaf == "weight" and module.rpartition(".")[2] in (*LINEARS, "shared_expert_gate"):
+        if leaf == "weight" and module.rpartition(".")[2] in (*LINEARS, *FUSED_LINEARS, "shared_expert_gate"):
             out[module] = "linear"
         elif s.name == "lm_head.weight":
             out[module] = "head"
@@ -182,13 +183,16 @@ def frozen_chunk_bytes(plan: ChunkPlan, cid: int, *, base_dtype: "str | None", p
 
 
 _SUB = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-        "q_norm": "self_attn", "k_norm": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+        "q_norm": "self_attn", "k_norm": "self_attn", "qkv_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp",
+        "down_proj": "mlp", "gate_up_proj": "mlp"}
 #: A decoder layer's parameter-owning modules in forward order (norms by their own names).
 _LAYER = ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm",
           "gate_proj", "up_proj", "down_proj")
 #: The same with the q/k norms of profiles.model.QK_NORM_FAMILIES (each right after its projection).
 _QK_LAYER = ("input_layernorm", "q_proj", "q_norm", "k_proj", "k_norm", "v_proj", "o_proj",
              "post_attention_layernorm", "gate_proj", "up_proj", "down_proj")
+#: The same of profiles.model.FUSED_FAMILIES.
+_FUSED_LAYER = ("input_layernorm", "qkv_proj", "o_proj", "post_attention_layernorm", "gate_up_proj", "down_proj")
 
 
 def _modules(layer: int, part: str, targets: frozenset[str]) -> list[str]:
@@ -206,15 +210,17 @@ def _modules(layer: int, part: str, targets: frozenset[str]) -> list[str]:
 def _needs_grad_in(part: str, targets: frozenset[str]) -> bool:
     """Layer 0 (its input, the frozen embedding's output, needs no gradient): whether `part`'s
     input needs one, i.e. whether backward reads its weights."""
-    before = _QK_LAYER[:_QK_LAYER.index(part)]
+    attention = {*LINEARS[:4], "qkv_proj"}
     first_linear = {"q_norm": {"q_proj"}, "k_norm": {"k_proj"},  # (each reads its own projection's output)
-                    "o_proj": {"q_proj", "k_proj", "v_proj"}, "post_attention_layernorm": set(LINEARS[:4]),
-                    "gate_proj": set(LINEARS[:4]), "up_proj": set(LINEARS[:4]), "down_proj": set(LINEARS[:6])}
-    return bool(targets & first_linear.get(part, set())) and bool(before)
+                    "o_proj": attention - {"o_proj"}, "post_attention_layernorm": attention,
+                    "gate_proj": attention, "up_proj": attention, "gate_up_proj": attention,
+                    "down_proj": attention | {"gate_proj", "up_proj", "gate_up_proj"}}
+    return bool(targets & first_linear.get(part, set()))
 
 
 def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozenset[str], tied: bool,
-               recompute: int, blocks: bool = False, qk_norm: bool = False) -> list[tuple[str, int]]:
+               recompute: int, blocks: bool = False, qk_norm: bool = False,
+               fused: bool = False) -> list[tuple[str, int]]:
     """The access trace ((\"acquire\" | \"release\", chunk), ...) the engine records for one LoRA
     step of a Llama-family model (offload.runtime.trace): each module acquires its chunks for its
     forward; backward reads the weights autograd saved (the output head's, the final norm's, and
@@ -224,9 +230,10 @@ def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozen
     module -> its chunks.
     `blocks`: the layers are the units of residency (offload.plan.needs.units_are_blocks): a
     layer's chunks are acquired together for its forward, and for its recompute and backward.
-    `qk_norm`: the attention normalises queries and keys (profiles.model.QK_NORM_FAMILIES)."""
+    `qk_norm`: the attention normalises queries and keys (profiles.model.QK_NORM_FAMILIES);
+    `fused`: one qkv_proj and one gate_up_proj (profiles.model.FUSED_FAMILIES)."""
     events: list[tuple[str, int]] = []
-    parts = _QK_LAYER if qk_norm else _LAYER
+    parts = _FUSED_LAYER if fused else _QK_LAYER if qk_norm else _LAYER
 
     def acquire_release(cids: "set[int]") -> None:
         events.extend(("acquire", c) for c in sorted(cids))

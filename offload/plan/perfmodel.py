@@ -276,14 +276,16 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     checkpointed = recomputed > 0
     if padded:  # the additive mask and k/v repeated per query head, as SDPA saves them
         attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
-    elif row_positions and s >= SEGMENTS_FROM:  # packed rows attended per segment: o_proj's input is
-        attention += e * t * model.q_dim  # their outputs joined, a copy (one SDPA call's is laid out as it)
+    # o_proj's input is a copy of the attention's output where packed rows are attended per segment
+    # (their outputs joined), or the rotary's cat made q contiguous (Phi-3: and so SDPA's output);
+    # else one SDPA call's output is laid out as o_proj reads it
+    o_copy = model.fused or (not padded and row_positions and s >= SEGMENTS_FROM)
+    if o_copy:
+        attention += e * t * model.q_dim
     # the MLP's tokens at once: a tile's when it runs in tiles (offload.engine.tiled)
     mlp_t = batch_size * min(s, mlp_tile_tokens(i, e, batch_size)) if (
         tiles and checkpointed and model.family in TILED_FAMILIES) else t
     mlp, kept_mlp = (moe_mlp_bytes(model, t=t, e=e),) * 2 if model.moe else (4 * e * mlp_t * i, 4 * e * t * i)
-    if model.fused:  # o_proj's input is a copy (the rotary's cat makes q contiguous, and so SDPA's output)
-        attention += e * t * model.q_dim
     # with a layer recomputed (no KV cache then), a fused layer's v is a view of the qkv output,
     # which SDPA keeps whole; without, it comes out of the cache's concatenation (with a mask and
     # grouped heads, out of repeat_kv)
@@ -297,9 +299,10 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     if lora is not None:  # (a MoE's dense MLP is its shared expert, none for Mixtral; its routed experts: `moe`)
         dense = model.shared_expert_intermediate_size if model.moe else i
         routed = moe_mlp_bytes(model, t=t, e=e, frozen=True) if model.moe else 0
-        joined = not padded and row_positions and s >= SEGMENTS_FROM and "o_proj" not in lora[0]
+        # the copy: saved by o_proj's own adapter only, and with dropout not even there (its dropped copy is)
+        unsaved = o_copy and ("o_proj" not in lora[0] or len(lora) == 3)
         parts = _lora_parts(lora, e=e, t=t, s=s, h=h, i=dense, layers=layers,
-                            attention=attention - (e * t * model.q_dim if joined else 0),  # (o_proj's frozen input)
+                            attention=attention + fused_v - (e * t * model.q_dim if unsaved else 0),
                             fixed=mask + positions, recomputed=recomputed, model=model, batch_size=batch_size,
                             mlp_t=mlp_t, routed=routed)
     else:
@@ -327,6 +330,11 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
         parts["inputs_end"] = kept + min(moved, e * t * h)  # (actoffload.IN_FLIGHT)
         parts["host_staging"] = min(moved, 2 * e * t * h)  # on their way to NVMe: two host buffers
     return parts
+
+
+#: The linears that read a layer's attention input, and its MLP's input: Llama's or, fused, Phi-3's.
+QKV = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj"})
+MLP_IN = frozenset({"gate_proj", "up_proj", "gate_up_proj"})
 
 
 def qk_norm_bytes(model: ModelProfile, *, t: int, e: int, weighted: bool = True,
@@ -370,14 +378,14 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
     (moe_mlp_bytes, frozen)."""
     targets, rank, drop = (*lora, None) if len(lora) == 2 else lora
     own = model.router_loss  # (as activation_parts)
-    if drop is not None and targets & {"gate_proj", "up_proj", "down_proj"}:
+    if drop is not None and targets & (MLP_IN | {"down_proj"}):
         mlp_t = t  # (an adapter's dropout in the MLP would draw its noise per tile: untiled)
     fp32_copy = 4 * t * h
-    first = 4 * t + (fp32_copy if e != 4 else 0) + (e * t * h if targets & {"q_proj", "k_proj", "v_proj"} else 0)
-    mlp_targets = len(targets & {"gate_proj", "up_proj", "down_proj"})
+    first = 4 * t + (fp32_copy if e != 4 else 0) + (e * t * h if targets & QKV else 0)
+    mlp_targets = len(targets & (MLP_IN | {"down_proj"}))
 
     def internals_at(mt: int) -> int:  # one layer's, its MLP over `mt` tokens at once
-        post = 4 * t + fp32_copy + (e * t * h if targets & {"gate_proj", "up_proj", "shared_expert_gate"}
+        post = 4 * t + fp32_copy + (e * t * h if targets & (MLP_IN | {"shared_expert_gate"})
                                     or mt != t else 0)
         mlp = 3 * e * mt * i + (e * mt * i if "down_proj" in targets else 0) + routed
         out = first + attention + post + mlp + e * rank * (t * (len(targets) - mlp_targets) + mt * mlp_targets)
@@ -389,16 +397,17 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
     # without recompute, layer 0 saves nothing for the part before its first targeted linear:
     # its input (the frozen embedding's output) needs no gradient
     layer0 = 4 * t + (fp32_copy if e != 4 else 0)
-    if targets & {"q_proj", "k_proj", "v_proj"}:  # a q/k norm over an untargeted projection: nothing
+    if targets & QKV:  # a q/k norm over an untargeted projection: nothing
         layer0 += qk_norm_bytes(model, t=t, e=e, weighted=False,
                                 parts=tuple(p for p in ("q", "k") if f"{p}_proj" not in targets))
     else:
         layer0 += attention - (e * t * model.q_dim if "o_proj" in targets else 0)  # o_proj's adapter saves its input
         if "o_proj" not in targets:
             layer0 += 4 * t + fp32_copy  # the second norm's input needs no gradient either
-            mlp_in = targets & {"gate_proj", "up_proj"}
-            # of gate, up and silu(gate): what the targeted side's gradient needs
-            layer0 += e * t * i * {0: 3, 1: 2 if "up_proj" in mlp_in else 1, 2: 0}[len(mlp_in)]
+            mlp_in = targets & MLP_IN
+            # of gate, up and silu(gate): what the targeted side's gradient needs (a fused gate_up: both)
+            sides = 2 if "gate_up_proj" in mlp_in else len(mlp_in)
+            layer0 += e * t * i * {0: 3, 1: 2 if "up_proj" in mlp_in else 1, 2: 0}[sides]
             if routed:  # frozen routed experts whose input needs no gradient save nothing; of the
                 # shared expert's gate, its sigmoid (and the shared output, the gate being a target)
                 layer0 += routed - e * t - (e * t * h if "shared_expert_gate" in targets else 0)
@@ -422,7 +431,8 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
     }
 
 
-_INPUT = {"q_proj": "h", "k_proj": "h", "v_proj": "h", "o_proj": "q", "gate_proj": "h", "up_proj": "h",
+_INPUT = {"q_proj": "h", "k_proj": "h", "v_proj": "h", "qkv_proj": "h", "o_proj": "q", "gate_proj": "h",
+          "up_proj": "h", "gate_up_proj": "h",
           "down_proj": "i", "shared_expert_gate": "h"}  # (Qwen2-MoE's: it reads the MLP's input)
 
 
@@ -432,8 +442,8 @@ def _dropout_bytes(targets: frozenset[str], *, e: int, mask: int, t: int, h: int
     copies beyond the one input a group shares without dropout, and a mask per targeted linear
     whose input needs a gradient (`grad_in(linear)`)."""
     width = {"h": h, "q": q, "i": i}
-    qkv = len(targets & {"q_proj", "k_proj", "v_proj"})
-    gate_up = len(targets & {"gate_proj", "up_proj", "shared_expert_gate"})
+    qkv = len(targets & QKV)
+    gate_up = len(targets & (MLP_IN | {"shared_expert_gate"}))
     copies = e * t * h * (max(0, qkv - 1) + max(0, gate_up - 1))
     if "o_proj" in targets and grad_in("o_proj"):
         copies += e * t * q
@@ -444,10 +454,9 @@ def _dropout_bytes(targets: frozenset[str], *, e: int, mask: int, t: int, h: int
 def _needs_grad_in(part: str, targets: frozenset[str]) -> bool:
     """Layer 0 without recompute (its input, the frozen embedding's output, needs no gradient):
     whether the input of linear `part` needs one, i.e. some linear before it is targeted."""
-    before = {"o_proj": {"q_proj", "k_proj", "v_proj"}, "gate_proj": {"q_proj", "k_proj", "v_proj", "o_proj"},
-              "up_proj": {"q_proj", "k_proj", "v_proj", "o_proj"},
-              "down_proj": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"},
-              "shared_expert_gate": {"q_proj", "k_proj", "v_proj", "o_proj"}}
+    attention = QKV | {"o_proj"}
+    before = {"o_proj": QKV, "gate_proj": attention, "up_proj": attention, "gate_up_proj": attention,
+              "down_proj": attention | MLP_IN, "shared_expert_gate": attention}
     return bool(targets & before.get(part, set()))
 
 

@@ -328,7 +328,7 @@ class _Chunks:
         self.flops: list[float] = []
         self.encoded: set[int] = set()  # frozen chunks stored in another dtype (decoded per use, home or not)
         self.layers, self.tied = (model.num_hidden_layers, model.tie_word_embeddings) if lora is not None else (0, False)
-        self.qk_norm = model.qk_norm
+        self.qk_norm, self.fused = model.qk_norm, model.fused
         self.num_layers = model.num_hidden_layers if model is not None else 0  # (the decoder blocks)
         self.grad_staging = 0  # host bytes gradients land in first on CUDA (make_plan)
         self.targets = lora.targets if lora is not None else frozenset()
@@ -407,7 +407,7 @@ class _Chunks:
         events = [(k, c) for k, c in step_trace({m: set(c) for m, c in self.plain_modules.items()},
                                                  layers=self.layers, targets=self.targets, tied=self.tied,
                                                  recompute=recompute, blocks=self.block_units,
-                                                 qk_norm=self.qk_norm) if c in keep]
+                                                 qk_norm=self.qk_norm, fused=self.fused) if c in keep]
         if not events:
             return {}
         sizes = {c: self.compute[c] for c in keep}
@@ -636,10 +636,6 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     if base_dtype is not None and lora_rank is None:
         raise TierwiseError(f"--base-dtype {base_dtype} stores a frozen base: give --lora-rank (or --qlora)")
     lora = None
-    if lora_rank is not None and model.fused:  # (its adapters' saved activations are not these formulas')
-        raise UnsupportedModel(f"the planner prices {model.family}'s fused projections (qkv_proj, gate_up_proj) "
-                               "for a full fine-tune, not yet with LoRA: `plan` and `--dry-run` cannot price this "
-                               "run; training runs (the engine measures its budgets in the warm-up step)")
     if lora_rank is not None:
         family = getattr(model, "family", None) or getattr(getattr(model, "config", model), "model_type", None)
         lora = lora_specs(list(params) if params is not None else model.param_specs(), rank=lora_rank,
