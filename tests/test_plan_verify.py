@@ -208,3 +208,16 @@ def test_verify_lora_base_reads_in_the_steady_state_as_planned():
     assert r.exit_code == 0 and "PASS" in r.output, r.output
     r = CliRunner().invoke(app, ["plan", "--qlora", "--gpu-mem", "4M"])
     assert "read none (the device's cache holds it from step to step)" in r.output, r.output
+
+
+def test_verify_a_model_of_one_chunk():
+    """A model smaller than one chunk (the default 64M: what a user tries first) sends each
+    parameter's gradient alone (a chunk across many blocks does not gather): the plan booked
+    the whole chunk's gradient at the head's backward, 31% above the measured peak."""
+    import dataclasses
+
+    model = dataclasses.replace(TINY, hidden_size=256, intermediate_size=768, num_hidden_layers=4, vocab_size=768)
+    report = verify(model=model, gpu_mem="64M", cpu_mem="1G", batch_size=4, seq_len=64, chunk_bytes="64M",
+                    checkpointing=False, steps=2)
+    assert report.passed, report.render()
+    assert report.plan.peak["gpu"] == report.measured["gpu"]

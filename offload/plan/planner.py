@@ -381,8 +381,10 @@ class _Chunks:
                     self.block_sets[blocks[name]].add(slot.chunk)
         self.largest_param = max((s.numel for s in self.plan.slots.values() if s.chunk not in self.frozen),
                                  default=0)  # frozen parameters send no gradient
-        self.gathered = [c.numel for c, g in zip(self.plan.chunks, gathering([c.params for c in self.plan.chunks]))
-                         if g and c.index not in self.frozen]  # (chunks whose gradients gather on the device)
+        gathers = gathering([c.params for c in self.plan.chunks])
+        #: the chunks whose gradients gather on the device in one buffer (the others send each alone)
+        self.gathers = {c.index for c, g in zip(self.plan.chunks, gathers) if g and c.index not in self.frozen}
+        self.gathered = [c.numel for c in self.plan.chunks if c.index in self.gathers]
         self.modules, self.owned = modules, owned
         self.widest = self._widest()
         self.zo_workspace = zo_workspace(owned.values(), self.ce)
@@ -1047,7 +1049,8 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     forward (all activations); a block's recompute in backward;
     lm_head's gradient on its way to the host while the final norm's activations are still
     saved; the embedding's gradient at the very end. A streamed gradient is gathered with its
-    chunk's (offload.engine.gradients: a buffer of the chunk's size), booked until its copy to
+    chunk's (offload.engine.gradients: a buffer of the chunk's size) where the chunk gathers
+    (`needs.gathering`), else sent alone, booked until its copy to
     the host lands: the simulated device's copy thread lands each at once; on CUDA up to the
     gradient reserve may be in flight at any time."""
     if not ch.needs_grad:  # MeZO: the perturbed copies of the module computing (dual_forward)
@@ -1056,7 +1059,8 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
                          checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions,
                          offload=offload, tiles=ch.block_units)
     held = p["fixed"] + p["inputs_end"] + p["layers"]  # the kept layers' activations too, till their backward
-    gathered = {name: ch.ce * ch.plan.chunks[s.chunk].numel for name, s in ch.plan.slots.items()
+    gathered = {name: ch.ce * (ch.plan.chunks[s.chunk].numel if s.chunk in ch.gathers else s.numel)
+                for name, s in ch.plan.slots.items()
                 if s.chunk not in device.gpu_home and s.chunk not in ch.frozen}  # frozen: no gradient
     inflight = (needs.grad_reserve if ch.cuda else 0) if gathered else 0
     head = gathered.get("lm_head.weight", 0)
