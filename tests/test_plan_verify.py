@@ -221,3 +221,21 @@ def test_verify_a_model_of_one_chunk():
                     checkpointing=False, steps=2)
     assert report.passed, report.render()
     assert report.plan.peak["gpu"] == report.measured["gpu"]
+
+
+def test_a_model_whose_chunks_take_less_than_the_streaming_window_fits_whole():
+    """A LoRA run over a small model in 64M chunks: every chunk on the device takes less than
+    streaming them would (a window of two chunks); the planner and the engine both placed the
+    whole model at a budget the streaming minimum refused (plan fitted, --verify refused)."""
+    import dataclasses
+
+    import peft
+
+    model = dataclasses.replace(TINY, hidden_size=256, intermediate_size=768, num_hidden_layers=4, vocab_size=768)
+    run = dict(model=model, cpu_mem="1G", batch_size=2, seq_len=32, chunk_bytes="64M",
+               lora=peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    report = verify(**run, gpu_mem="20M", steps=3)
+    assert report.passed, report.render()
+    assert report.plan.peak["gpu"] == report.measured["gpu"] and report.base_read == {}
+    with pytest.raises(InfeasibleBudget, match=r"needs at least 17\.39 MiB .*every chunk on the device 15\.88 MiB"):
+        verify(**run, gpu_mem="16M", steps=3)

@@ -389,7 +389,8 @@ class Engine:
         # planner leaves it (the warm-up then adds what it measures beside the ledger)
         margin = workspace_margin(budgets["gpu"]) if self.workspace.cuda and activations is not None else 0
         self.needs = self._device_needs(activations=(activations or 0) + margin)
-        check_minimum(self.needs, budgets["gpu"], measured=False)  # (the modules': the smallest window)
+        check_minimum(self.needs, budgets["gpu"], measured=False,  # (the modules': the smallest window)
+                      whole=self.allow_gpu_home and not self._decoded())
         if activations is not None and self._choose_units(activations + margin):
             self.needs = self._device_needs(activations=activations + margin)
         self.device_plan: DevicePlan | None = None

@@ -37,6 +37,13 @@ class DeviceNeeds:
     def minimum(self) -> int:
         return self.buffers + self.stream_window + self.grad_reserve + self.activations
 
+    @property
+    def resident(self) -> int:
+        """What a step needs with every chunk gpu-home (plan_device's whole case): no streaming
+        window; below `minimum` where the chunks are fewer bytes than the window (a small model
+        in large chunks)."""
+        return self.buffers + self.grad_reserve + self.activations + sum(self.home_bytes)
+
 
 @dataclass(frozen=True, kw_only=True)
 class DevicePlan:
@@ -49,9 +56,10 @@ class DevicePlan:
         return sum(needs.compute_bytes[c] if c in self.decoded_home else needs.home_bytes[c] for c in self.gpu_home)
 
 
-def check_minimum(needs: DeviceNeeds, budget: "int | None", *, measured: bool) -> None:
-    """Refuse a device budget below what one step needs, naming the minimum."""
-    if budget is None or budget >= needs.minimum:
+def check_minimum(needs: DeviceNeeds, budget: "int | None", *, measured: bool, whole: bool = False) -> None:
+    """Refuse a device budget below what one step needs, naming the minimum. `whole`: every chunk
+    may be gpu-home, whose bytes may then be all the budget holds (`DeviceNeeds.resident`)."""
+    if budget is None or budget >= needs.minimum or (whole and budget >= needs.resident):
         return
     what = "measured" if measured else ("estimated" if needs.activations else "before activations")
     raise InfeasibleBudget(
@@ -77,9 +85,9 @@ def plan_device(needs: DeviceNeeds, budget: "int | None", *, allow_gpu_home: boo
     the first step, which runs with the encoded homes on the device, each use decoded through the
     streaming window (the decoded copies replace them after it): decoded for good only where that
     step fits too."""
-    check_minimum(needs, budget, measured=True)
     n = len(needs.home_bytes)
     order = list(reversed(range(n))) if prefer is None else list(prefer)
+    check_minimum(needs, budget, measured=True, whole=allow_gpu_home and len(set(order)) == n and not decoded)
     if budget is None:
         return DevicePlan(gpu_home=frozenset(order) if allow_gpu_home else frozenset(),
                           cache_limit=sum(needs.compute_bytes) + needs.stream_window,

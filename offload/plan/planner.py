@@ -704,14 +704,21 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                     BLOCK_SHARE * blocks.stream_window)
         if least < minimum:
             needs, act, minimum = blocks, tiled_act, least
+    # every chunk gpu-home may take less than streaming them (plan_device's whole case)
+    whole = (minimum_with_margin(needs.resident) if margin else needs.resident) if single and not ch.encoded else None
+    if whole is not None and whole < minimum:
+        minimum = whole
     ch.gpu_minimum = minimum
     if gpu < minimum:
-        beside = f", workspace margin {format_size(minimum - needs.minimum)}" if margin else ""
+        fixed = needs.resident - needs.activations if minimum == whole else needs.minimum - needs.activations
+        beside = f", workspace margin {format_size(minimum - fixed - needs.activations)}" if margin else ""
+        where = (f"every chunk on the device {format_size(sum(needs.home_bytes))}" if minimum == whole
+                 else f"streaming window {format_size(needs.stream_window)}")
         raise InfeasibleBudget(
             f"--gpu-mem {format_size(gpu)} is too small: needs at least {format_size(minimum)} "
-            f"({minimum} B: buffers {format_size(needs.buffers)}, streaming window "
-            f"{format_size(needs.stream_window)}, gradient reserve {format_size(needs.grad_reserve)}, "
-            f"activations {format_size(act)} at batch {batch_size} x {seq_len}{MASKED if padded else ''}{beside})",
+            f"({minimum} B: buffers {format_size(needs.buffers)}, {where}, gradient reserve "
+            f"{format_size(needs.grad_reserve)}, activations {format_size(act)} at batch {batch_size} x "
+            f"{seq_len}{MASKED if padded else ''}{beside})",
             minimum={"gpu": minimum})
     if ch.choose_blocks(buffers=buffers, activations=tiled_act, gpu_budget=gpu, margin=margin):
         act = tiled_act
