@@ -406,10 +406,12 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
                  here: bool = True) -> list[tuple[str, object, dict]]:
     """Changes to a refused run that the planner itself finds feasible: [(flags, plan, change)],
     fastest predicted step first, at most `limit`. Each is one change (chunk size, recompute,
-    half the micro-batch with twice the accumulation, bf16, 8-bit AdamW, both, QLoRA for a full
-    fine-tune, activations offloaded, the host RAM the refusal named; for activations that
-    do not fit, also the longest --seq-len that does), and, for those that do not fit in memory, the same with NVMe swap
-    (checked against the free space of the current directory)."""
+    half the micro-batch or one row with the accumulation that keeps a step's rows, with its
+    activations offloaded too where they do not fit, bf16, 8-bit AdamW, both, QLoRA for a full
+    fine-tune, activations offloaded, the host RAM the refusal named), and, for those that do
+    not fit in memory, the same with NVMe swap (checked against the free space of the current
+    directory); for activations that do not fit, last, the longest --seq-len that does (a step
+    of fewer tokens: not ranked with the others)."""
     both = {"precision": "bf16", "optimizer": "adamw8bit"}
     tries: list[tuple[str, dict]] = []
     if cfg.budgets["chunk"] > 16 << 20:
@@ -420,10 +422,18 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
         none = checkpointing(cfg) in (False, 0)  # (it moves recomputed layers' inputs: recompute them all)
         tries.append(("--offload-activations" + (" --recompute" if none else ""),
                       {"offload_activations": True} | ({"recompute": True, "recompute_layers": None} if none else {})))
-    if cfg.batch_size > 1:
-        half = max(1, cfg.batch_size // 2)
-        tries.append((f"--batch-size {half} --grad-accum {cfg.grad_accum * cfg.batch_size // half}",
-                      {"batch_size": half, "grad_accum": cfg.grad_accum * cfg.batch_size // half}))
+    # a smaller micro-batch, the same rows a step (half of it, and one row), with its blocks'
+    # inputs offloaded too where activations are what does not fit
+    offload = not cfg.offload_activations and "activations" in str(error)
+    for rows in sorted({max(1, cfg.batch_size // 2), 1} - {cfg.batch_size}, reverse=True):
+        accum = cfg.grad_accum * cfg.batch_size // rows
+        flags, change = f"--batch-size {rows} --grad-accum {accum}", {"batch_size": rows, "grad_accum": accum}
+        tries.append((flags, change))
+        if offload:
+            none = checkpointing(cfg) in (False, 0)
+            tries.append((flags + " --offload-activations" + (" --recompute" if none else ""),
+                          change | {"offload_activations": True}
+                          | ({"recompute": True, "recompute_layers": None} if none else {})))
     if cfg.precision == "fp32":
         tries.append(("--precision bf16", {"precision": "bf16"}))
     if cfg.optimizer == "adamw":
@@ -479,7 +489,8 @@ def advise(cfg: TrainConfig, error: InfeasibleBudget, *, console: Console,
         console.out("no single change of precision, optimizer, recompute, batch, chunk size, "
                     "host RAM or NVMe swap makes it fit on this machine", highlight=False)
         return
-    console.out("would fit (each checked by the planner; fastest step first):", highlight=False)
+    shorter = ", a shorter --seq-len last" if any("seq_len" in change for _, _, change in fits) else ""
+    console.out(f"would fit (each checked by the planner; fastest step first{shorter}):", highlight=False)
     width = max(len(f) for f, _, _ in fits)
     for flags, plan, _ in fits:
         peak = ", ".join(f"{t} {format_size(plan.peak[t])}" for t in ("gpu", "host", "nvme") if plan.peak.get(t))

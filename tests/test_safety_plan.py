@@ -133,3 +133,15 @@ def test_a_length_that_does_not_fit_is_offered_the_longest_that_does():
     offered = [ln.split("   ")[0].strip() for ln in r.stdout.splitlines() if ln.startswith("  --seq-len ")]
     assert offered, r.stdout
     assert _invoke(*common, *shlex.split(offered[0])).exit_code == 0
+
+
+def test_a_long_batch_that_does_not_fit_is_offered_one_row_a_micro_batch():
+    """Halving the micro-batch is not always enough: one row with the accumulation that keeps a
+    step's rows is tried too, and the shorter --seq-len (a step of fewer tokens) comes last."""
+    common = ["plan", "--model", "tiny", "--gpu-mem", "64M", "--seq-len", "8192"]
+    r = _invoke(*common, "--batch-size", "4")
+    assert r.exit_code == 2
+    offered = [ln.split("   ")[0].strip() for ln in r.stdout.splitlines() if ln.startswith("  --")]
+    assert "--batch-size 1 --grad-accum 4" in offered, r.stdout
+    assert offered[-1].startswith("--seq-len ") and "a shorter --seq-len last" in r.stdout
+    assert _invoke(*common, "--batch-size", "1", "--grad-accum", "4").exit_code == 0

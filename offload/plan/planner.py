@@ -328,7 +328,7 @@ class _Chunks:
         self.flops: list[float] = []
         self.encoded: set[int] = set()  # frozen chunks stored in another dtype (decoded per use, home or not)
         self.layers, self.tied = (model.num_hidden_layers, model.tie_word_embeddings) if lora is not None else (0, False)
-        self.qk_norm, self.fused = model.qk_norm, model.fused
+        self.qk_norm, self.fused = (model.qk_norm, model.fused) if model is not None else (False, False)
         self.num_layers = model.num_hidden_layers if model is not None else 0  # (the decoder blocks)
         self.grad_staging = 0  # host bytes gradients land in first on CUDA (make_plan)
         self.targets = lora.targets if lora is not None else frozenset()
