@@ -8,9 +8,12 @@ Row schemas (one JSON object per line in a .jsonl file, or rows of a `datasets` 
   template. A role outside CHAT_ROLES, or a conversation without an assistant turn, is refused
   naming the line (it would silently put the loss on every token). Decision: loss on the assistant turns only, found by rendering each prefix of
   the conversation; this is exact when every prefix renders to a string prefix of the full
-  conversation (true of common templates). When a template breaks that property (some
-  templates rewrite earlier turns), the spans cannot be found reliably and the loss falls back
-  to everything after the last user turn; if even that prefix cannot be found, all tokens.
+  conversation (true of common templates). A template that renders an assistant turn
+  otherwise once later turns follow (Qwen3's gives only the last one its empty thinking block)
+  has that turn found by its own text and the way the turn closes (the eos after it). Where
+  even that fails (a template that rewrites the text of earlier turns), the loss falls back to
+  everything after the last user turn (if even that prefix cannot be found, all tokens), and
+  the run warns once with how many conversations did.
 
 Blocks: the tokenized rows are concatenated (each row ends with eos) and cut into blocks of
 exactly `seq_len` tokens (`pack=True`, the default; the last partial block is padded), or each
@@ -178,8 +181,9 @@ def schema_of(row: Row) -> str:
                     "'text', 'prompt'+'completion', or 'messages'")
 
 
-def encode_row(row: Row, tokenizer) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of one row, eos-terminated; labels are IGNORE where no loss."""
+def encode_row(row: Row, tokenizer, fell_back: "list[str] | None" = None) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one row, eos-terminated; labels are IGNORE where no loss.
+    `fell_back`: a chat row whose assistant turns could not be found adds its place to it."""
     kind = schema_of(row)
     d, eos = row.data, tokenizer.eos_token_id
     if eos is None and kind in ("text", "prompt"):
@@ -193,10 +197,10 @@ def encode_row(row: Row, tokenizer) -> tuple[list[int], list[int]]:
         p = tokenizer(d["prompt"], add_special_tokens=True)["input_ids"]
         c = tokenizer(d["completion"], add_special_tokens=False)["input_ids"] + [eos]
         return p + c, [IGNORE] * len(p) + c
-    return _encode_chat(row, tokenizer)
+    return _encode_chat(row, tokenizer, fell_back)
 
 
-def _encode_chat(row: Row, tokenizer) -> tuple[list[int], list[int]]:
+def _encode_chat(row: Row, tokenizer, fell_back: "list[str] | None" = None) -> tuple[list[int], list[int]]:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{row.where}: chat 'messages' need a tokenizer with a chat_template")
     msgs = row.data["messages"]
@@ -204,11 +208,13 @@ def _encode_chat(row: Row, tokenizer) -> tuple[list[int], list[int]]:
         m, tokenize=False, add_generation_prompt=gen)
     try:
         full = render(msgs)
-        spans = _assistant_spans(msgs, full, render)
+        spans, fallback = _assistant_spans(msgs, full, render)
     except DataError:
         raise
     except Exception as e:  # jinja errors: the template rejected this conversation
         raise DataError(f"{row.where}: the chat template failed: {e}") from None
+    if fallback and fell_back is not None:
+        fell_back.append(row.where)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     labels = [t if any(a <= s < b for a, b in spans) else IGNORE
@@ -216,26 +222,38 @@ def _encode_chat(row: Row, tokenizer) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
-def _assistant_spans(msgs: list[dict], full: str, render) -> list[tuple[int, int]]:
-    """Character spans of `full` that carry loss (see the module docstring)."""
-    spans, exact = [], True
+def _assistant_spans(msgs: list[dict], full: str, render) -> tuple[list[tuple[int, int]], bool]:
+    """Character spans of `full` that carry loss (see the module docstring), and whether they
+    fell back to what follows the last user turn (or to everything)."""
+    spans: list[tuple[int, int]] = []
+    done = 0  # where the last span ended
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
         start_gen, end = render(msgs[:i], True) if i else "", render(msgs[: i + 1])
         start = start_gen if full.startswith(start_gen) else (render(msgs[:i]) if i else "")
-        if not (full.startswith(start) and full.startswith(end)):
-            exact = False
+        if full.startswith(start) and full.startswith(end):
+            spans.append((len(start), len(end)))
+            done = len(end)
+            continue
+        # the template renders this turn otherwise once later turns follow (Qwen3's drops the
+        # empty thinking block it gives the last one): its own text, then how the turn closes
+        content = m["content"]
+        at = full.find(content, max(done, len(start) if full.startswith(start) else done)) if content else -1
+        close = end[end.rfind(content) + len(content):] if at >= 0 and content in end else None
+        if close is None or not full.startswith(close, at + len(content)):
             break
-        spans.append((len(start), len(end)))
-    if exact and spans:
-        return spans
+        spans.append((at, at + len(content) + len(close)))
+        done = spans[-1][1]
+    else:
+        if spans:
+            return spans, False
     users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
     if users:
         prefix = render(msgs[: users[-1] + 1], True)
         if full.startswith(prefix):
-            return [(len(prefix), len(full))]
-    return [(0, len(full))]
+            return [(len(prefix), len(full))], True
+    return [(0, len(full))], True
 
 
 def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = True, isolate: bool = False
@@ -272,8 +290,11 @@ def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = Tr
     ids_left: list[int] = []  # packing: the tokens not yet in a full block
     labels_left: list[int] = []
     pos_left: list[int] = []
+    fell_back: list[str] = []
+    chats = 0
     for row in rows:
-        ids, labels = encode_row(row, tokenizer)
+        chats += "messages" in row.data
+        ids, labels = encode_row(row, tokenizer, fell_back)
         if not pack:
             emit(ids[:seq_len], labels[:seq_len])
             continue
@@ -289,6 +310,10 @@ def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = Tr
         ids_left, labels_left, pos_left = ids_left[full:], labels_left[full:], pos_left[full:]
     if ids_left:  # the last, partial block (padded)
         emit(ids_left, labels_left, _renumbered(pos_left) if isolate else None)
+    if fell_back:
+        log.warning("chat loss: %d of %d conversations (e.g. %s) train only on what follows their last user "
+                    "turn: the chat template renders their earlier assistant turns otherwise once later turns "
+                    "follow, and their text was not found as it renders them", len(fell_back), chats, fell_back[0])
     return blocks
 
 

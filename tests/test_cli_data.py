@@ -48,6 +48,35 @@ def test_chat_loss_only_on_assistant_turns(tok):
     assert "hi cat" not in text and "be brief" not in text and "<|assistant|>" not in text
 
 
+#: Qwen3's way: only the last assistant turn gets the (empty) thinking block, so a turn renders
+#: otherwise once later turns follow; and a template that rewrites earlier turns' text.
+LAST_THINKS = ("{%- for m in messages %}{%- if m.role == 'assistant' and loop.last %}"
+               "{{ '<|assistant|>\\n<think>\\n\\n</think>\\n\\n' + m.content + eos_token }}"
+               "{%- else %}{{ '<|' + m.role + '|>\\n' + m.content + eos_token }}{%- endif %}{%- endfor %}"
+               "{%- if add_generation_prompt %}{{ '<|assistant|>\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
+REWRITES = ("{%- for m in messages %}{%- if m.role == 'assistant' and not loop.last %}"
+            "{{ '<|assistant|>\\n' + m.content[:3] + eos_token }}"
+            "{%- else %}{{ '<|' + m.role + '|>\\n' + m.content + eos_token }}{%- endif %}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{%- endif %}")
+
+
+def test_chat_turns_a_template_renders_otherwise_later_are_found_by_their_text(tok, caplog):
+    """Both assistant turns train under a Qwen3-style template (they fell back to the last one
+    silently); a template that rewrites earlier turns' text falls back, and says so once."""
+    msgs = [{"role": "user", "content": "hi cat"}, {"role": "assistant", "content": "the dog"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "a red bird"}]
+    tok.chat_template = LAST_THINKS
+    ids, labels = encode_row(Row(data={"messages": msgs}, where="x:1"), tok)
+    assert _loss_text(tok, ids, labels) == "the dog</s>a red bird</s>"
+    tok.chat_template = REWRITES
+    with caplog.at_level("WARNING", logger="tierwise.cli.data"):
+        blocks = make_blocks([Row(data={"messages": msgs}, where="x:1"), Row(data={"text": "a cat"}, where="x:2")],
+                             tok, seq_len=64, pack=False)
+    assert _loss_text(tok, blocks[0][0].tolist(), blocks[0][1].tolist()) == "a red bird</s>"
+    assert "chat loss: 1 of 1 conversations (e.g. x:1) train only on what follows their last user turn" \
+        in caplog.text
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"text": "ok"}\n{"text": "broken"', "(at the end of the line, near '{\"text\": \"broken\"')"),
     ('[{"text": "a"},\n{"text": "b"}]', ": a JSON array; the data is JSONL"),
