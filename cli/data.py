@@ -28,7 +28,7 @@ built from them (masking_utils.find_packed_sequence_indices; flash-attention's v
 CUDA). Batches carry no padding mask either (batch_of).
 A row's first token is not a target: the last token of the row before it would predict it.
 Each row then trains as it would alone. Other families pack with one causal mask over the block
-(rows attend to the rows before them), and say so once.
+(documents attend to the ones before them), and say so once.
 """
 
 from __future__ import annotations

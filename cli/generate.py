@@ -10,6 +10,7 @@ device), greedy decoding unless --temperature."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,9 @@ def load_trained(run: "str | Path", *, trust_remote_code: bool = False) -> tuple
     as_trained(base, base_dtype=cfg.get("base_dtype"))
     tokenizer = (AutoTokenizer.from_pretrained(adapter) if (adapter / "tokenizer_config.json").exists()
                  else src.tokenizer)
-    return PeftModel.from_pretrained(base, adapter).eval(), tokenizer
+    with warnings.catch_warnings():  # (PEFT asks transformers a deprecated question: not the user's to fix)
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return PeftModel.from_pretrained(base, adapter).eval(), tokenizer
 
 
 @torch.no_grad()

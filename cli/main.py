@@ -336,10 +336,10 @@ def plan(
         Console(stderr=True).print(disk_line(cfg, result), highlight=False, soft_wrap=True)
     if cfg.pack and not json_out:
         how = ("the S x S mask this takes is in the plan" if result.padded else
-               "attended one row at a time: no S x S mask")
-        Console(stderr=True).print("packing: " + (f"each row attends only to itself (per-row position ids; {how})"
-                                                  if result.row_positions else
-                                                  "rows attend to the rows before them in their block"),
+               "attended one document at a time: no S x S mask")
+        Console(stderr=True).print("packing: " + (f"each document attends only to itself (position ids from 0 in "
+                                                  f"each; {how})" if result.row_positions else
+                                                  "documents attend to the ones before them in their block"),
                                    highlight=False, soft_wrap=True)
     beyond = seq_len_note(cfg)
     share = share_note(cfg, result, here=False) if auto_share else None

@@ -21,8 +21,8 @@ def isolates(config: Any, *, pack: bool = True) -> bool:
         return pack
     if kind not in _told:
         _told.add(kind)
-        log.warning("packed rows attend to the rows before them in their block: model type %r is not one "
-                    "whose attention isolates them (--no-pack trains each row alone)", kind)
+        log.warning("packed documents attend to the ones before them in their block: model type %r is not one "
+                    "whose attention isolates them (--no-pack trains each document alone)", kind)
     return False
 
 

@@ -780,7 +780,8 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
                         checkpointing=checkpointing(cfg), padded=padded, build=build_meta_model,
                         row_positions=cfg.data is not None and rows_apart(cfg, src), **lora)
     if src.has_weights:
-        console.print("(random weights: the bytes do not depend on their values)", highlight=False)
+        console.print("(random weights, not the checkpoint's: the bytes do not depend on their values, the "
+                      "losses do)", highlight=False)
     console.out(report.render(), highlight=False)
     return 0 if report.passed else 1
 

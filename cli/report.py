@@ -64,18 +64,21 @@ def warmup_report(*, measured_times: dict[str, float], measured_peaks: dict[str,
     return lines
 
 
-def summary(losses: list[float | None], *, first_step: int, seconds: float) -> str:
+def summary(losses: list[float | None], *, first_step: int, seconds: float,
+            step_seconds: float | None = None) -> str:
     """'steps 1-13 in 4.1 s (0.32 s/step), loss 5.9784 -> 4.1022 (mean of first/last 3 steps)'.
 
     losses: the train losses of the steps run by this process, from step `first_step` on; None
-    for a step skipped for a non-finite loss or gradient norm (--skip-nonfinite), counted."""
+    for a step skipped for a non-finite loss or gradient norm (--skip-nonfinite), counted.
+    step_seconds: the steps' own time, which s/step is (the run's time also holds its evaluations
+    and checkpoints)."""
     if not losses:
         return "no steps run"
     last_step = first_step + len(losses) - 1
     skipped = sum(x is None for x in losses)
     note = f"; {skipped} step{'s' if skipped != 1 else ''} skipped (non-finite loss or gradient norm)" \
         if skipped else ""
-    seconds_per_step = seconds / len(losses)
+    seconds_per_step = (seconds if step_seconds is None else step_seconds) / len(losses)
     losses = [x for x in losses if x is not None]
     if not losses:
         return f"steps {first_step}-{last_step} in {seconds:.1f} s{note}"

@@ -256,7 +256,8 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
     if auto_offload and cfg.offload_activations:
         console.print(OFFLOADED, highlight=False)
     if refusal is None and blocks and len(blocks[0]) > 3:
-        console.print("packing: each row attends only to itself (per-row position ids; --no-pack: a row a block)",
+        console.print("packing: each document attends only to itself (position ids from 0 in each; --no-pack: "
+                      "a document a block)",
                       highlight=False)
     if cfg.model is None:
         console.print("no --model: training the built-in tiny model"
@@ -376,11 +377,13 @@ def _train(cfg: TrainConfig, *, src: ModelSource, blocks: list, batches: Batches
             _measure_worst(engine, padded_batch(blocks, batch_size=cfg.batch_size, segments=attends_segments(cfg, src),
                                                 mask=keeps_mask(src.config)))
         losses: list[float | None] = []
+        times: list[float] = []
         t0 = time.perf_counter()
         code = _loop(engine, cfg, src=src, out=out, batches=batches, schedule=schedule,
                      start=start, total=total, eval_data=eval_data, console=console,
-                     losses=losses, padded=padded, intro=_intro(batches, start=start, total=total, plan=plan, lora=bool(cfg.lora)))
-        console.print(summary(losses, first_step=start + 1, seconds=time.perf_counter() - t0),
+                     losses=losses, times=times, padded=padded,
+                     intro=_intro(batches, start=start, total=total, plan=plan, lora=bool(cfg.lora)))
+        console.print(summary(losses, first_step=start + 1, seconds=time.perf_counter() - t0, step_seconds=sum(times)),
                       highlight=False, soft_wrap=True)
         if code == 0:
             _finish(engine, cfg, src, out, console, model=model, layout=layout)
@@ -744,7 +747,8 @@ def _intro(batches: Batches, *, start: int, total: int, plan: Any, lora: bool = 
 
 def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
           schedule: LRSchedule, start: int, total: int, eval_data: list,
-          console: Console, losses: list[float | None], padded: bool = True, intro: str | None = None) -> int:
+          console: Console, losses: list[float | None], padded: bool = True, intro: str | None = None,
+          times: "list[float] | None" = None) -> int:
     """Steps start+1..total; appends each train loss to `losses` (None: a step skipped with
     --skip-nonfinite); returns the exit code.
     A step the device budget cannot hold (StepOverBudget) checkpoints the last completed
@@ -771,6 +775,8 @@ def _loop(engine, cfg: TrainConfig, *, src, out: Path, batches: Batches,
                 raise _over_budget(e, engine, cfg, out, step=step, start=start, batches=batches,
                                    schedule=schedule, rng=None if e.step_done else rng, base=base) from None
             dt = time.perf_counter() - t0
+            if times is not None:
+                times.append(dt)
             bad = _nonfinite(engine, loss)
             if bad and engine.skipped_last and in_a_row < cfg.skip_nonfinite:
                 in_a_row += 1  # the engine left weights and optimizer state as they were

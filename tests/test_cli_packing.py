@@ -115,7 +115,7 @@ def test_a_family_that_does_not_isolate_packs_as_before_and_says_so(caplog, monk
 
     with caplog.at_level("WARNING"):
         assert not isolates(Config())
-    assert "attend to the rows before them" in caplog.text
+    assert "attend to the ones before them" in caplog.text
     assert not isolates(Config(), pack=False)
     assert isolates(family_config("llama"))
 
@@ -127,7 +127,7 @@ def test_the_plan_says_how_rows_are_packed():
 
     r = CliRunner().invoke(app, ["plan", "--gpu-mem", "16M"])
     assert r.exit_code == 0, r.output
-    assert "packing: each row attends only to itself" in r.stderr
+    assert "packing: each document attends only to itself" in r.stderr
     # a --no-pack run is planned with its own flag: padded rows, no per-row positions
     import json
 

@@ -57,6 +57,11 @@ def test_summary(losses, first, text):
     assert summary(losses, first_step=first, seconds=2.0) == text
 
 
+def test_summary_s_per_step_leaves_out_evaluation_and_checkpoints():
+    assert summary([5.0, 4.0], first_step=1, seconds=3.0, step_seconds=1.0) == \
+        "steps 1-2 in 3.0 s (0.50 s/step), loss 5.0000 -> 4.0000"
+
+
 def test_truncate_metrics_drops_later_steps_and_a_torn_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     with MetricsWriter(path) as m:

@@ -55,7 +55,7 @@ def test_every_hardware_profile_loads(name):
     ("70b", 70_553_706_496), ("llama-3-70b", 70_553_706_496), ("Qwen/Qwen2.5-7B", 7_615_616_512),
     ("mistral-7b", 7_241_732_096), ("100m", 101_924_480), ("405b", 405_853_388_800),
     ("mixtral-8x7b", 46_702_792_704), ("Qwen/Qwen1.5-MoE-A2.7B", 14_315_784_192),
-    ("qwen3-0.6b", 596_049_920), ("Qwen/Qwen3-8B", 8_190_735_360), ("qwen3-32b-base", 32_762_123_264),
+    ("qwen3-0.6b", 596_049_920), ("Qwen/Qwen3-8B", 8_190_735_360), ("qwen3-32b", 32_762_123_264),
     ("phi-4", 14_659_507_200), ("microsoft/Phi-4-mini-instruct", 3_836_021_760),
 ], ids=str)
 def test_aliases_are_case_insensitive_and_counts_match_published(alias, params):
