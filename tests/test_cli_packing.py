@@ -251,11 +251,14 @@ def test_segments_of_a_batch_moved_to_the_device_come_from_its_host_copy(monkeyp
 
 @pytest.mark.parametrize("lora", [None, ("q_proj", "v_proj"), ("q_proj", "o_proj")], ids=["full", "qv", "qo"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_long_packed_rows_per_segment_are_planned_as_measured(precision, lora):
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
+def test_long_packed_rows_per_segment_are_planned_as_measured(family, precision, lora):
     """4,096 tokens of eight 512-token rows, attended per segment through the engine (every
     block recomputed): the planner's activation bytes (row_positions, the segments' joined
     output included, which a LoRA run saves only where o_proj is a target) are the engine's
-    measured peak, to the byte."""
+    measured peak, to the byte (Phi-3: its fused qkv_proj for q, k and v)."""
+    if family == "phi3" and lora is not None:
+        lora = tuple(dict.fromkeys("qkv_proj" if t in ("q_proj", "v_proj") else t for t in lora))
     import transformers
 
     from tierwise.offload import Activations, Budget, Engine, Optim, Precision
@@ -263,11 +266,11 @@ def test_long_packed_rows_per_segment_are_planned_as_measured(precision, lora):
     from tierwise.profiles import ModelProfile
 
     seq = perfmodel.SEGMENTS_FROM
-    profile = ModelProfile(name="packed", family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    profile = ModelProfile(name="packed", family=family, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, vocab_size=64, max_position_embeddings=seq,
                            rope_theta=10000.0, rms_norm_eps=1e-5)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(profile.to_hf_config())
+    model = transformers.AutoModelForCausalLM.from_config(profile.to_hf_config())
     assert use_segments(model)
     from peft import LoraConfig
 
