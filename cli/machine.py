@@ -26,6 +26,22 @@ def available_ram() -> int | None:
         return None
 
 
+def ram_over(asked: dict[str, int], process: int, *, beside: int = 0, processes: int = 1) -> str | None:
+    """What budgets in host RAM (`asked`: {"--cpu-mem 8.00 GiB": bytes, ...}) with `process`
+    bytes for the process(es) beside them ask of this machine's available RAM, said when it is
+    more (`beside`: RAM the run takes over, counted as available: a loaded model's weights);
+    else None. `finetune`'s rule and the Trainer's (offload.hf) alike."""
+    from ..offload.core.units import format_size
+
+    have = available_ram()
+    if have is None or sum(asked.values()) + process <= have + beside:
+        return None
+    there = " the model's weights there included" if beside else ""
+    return (f"{' + '.join(asked)} + about {format_size(process)} for the process{'es' * (processes > 1)} is more "
+            f"than this machine has available ({format_size(have + beside)} of "
+            f"{format_size(physical_ram() or have + beside)} RAM{',' if there else ''}{there})")
+
+
 def nearest_existing(path: "str | os.PathLike[str]") -> Path | None:
     """`path`, or its nearest parent that exists (where a run would create it), or None."""
     p = Path(path).expanduser().absolute()

@@ -283,19 +283,15 @@ def _ram_over(cfg: TrainConfig) -> "str | None":
     """What --cpu-mem (and the simulated device's --gpu-mem or its default, which is host RAM)
     with the process beside them asks of this machine's available RAM, said when it is more;
     else None."""
-    cpu, have = cfg.budgets["cpu"], machine.available_ram()
+    cpu = cfg.budgets["cpu"]
     ranks, simulated = local_ranks(cfg), _simulated_ram(cfg)
-    gpu = gpu_budget(cfg)
-    if have is None or cpu is None and (not simulated or cfg.budgets["gpu"] is None):
+    if cpu is None and (not simulated or cfg.budgets["gpu"] is None):
         return None  # (the default budgets fit the RAM together: host_budget)
-    process = planner.process_bytes(lora=bool(cfg.lora_rank)) * ranks
-    if (cpu or 0) + simulated + process <= have:
-        return None
     each = f" x {ranks} ranks" if ranks > 1 else ""
-    asked = ([f"--cpu-mem {format_size(cpu)}"] if cpu is not None else []) \
-        + ([f"--gpu-mem {format_size(gpu or 0)}{each} (the simulated device: host RAM)"] if simulated else [])
-    return (f"{' + '.join(asked)} + about {format_size(process)} for the process{'es' * (ranks > 1)} is more than "
-            f"this machine has available ({format_size(have)} of {format_size(physical_ram() or have)} RAM)")
+    asked = ({f"--cpu-mem {format_size(cpu)}": cpu} if cpu is not None else {}) | (
+        {f"--gpu-mem {format_size(gpu_budget(cfg) or 0)}{each} (the simulated device: host RAM)": simulated}
+        if simulated else {})
+    return machine.ram_over(asked, planner.process_bytes(lora=bool(cfg.lora_rank)) * ranks, processes=ranks)
 
 
 def local_notes(cfg: TrainConfig, plan: Plan) -> list[str]:

@@ -254,28 +254,25 @@ def _check_ram(budget: Any, *, device: Any, model: Any, lora: bool) -> None:
     simulated device's gpu_mem (host RAM where the engine runs on the CPU) and the process
     beside them, against the RAM available now and what the model's own weights in host
     memory hold (the engine takes them over)."""
-    from ..cli.machine import available_ram, has_cuda, physical_ram
+    from ..cli.machine import has_cuda, ram_over
     from .core.sizes import parse_size
     from .core.units import format_size
     from .plan.planner import process_bytes
 
-    have = available_ram()
-    if budget is None or have is None:
+    if budget is None:
         return
     tensors = list(model.parameters()) + list(model.buffers()) if isinstance(model, torch.nn.Module) else []
-    have += sum({t.data_ptr(): t.nbytes for t in tensors if t.device.type == "cpu"}.values())
+    weights = sum({t.data_ptr(): t.nbytes for t in tensors if t.device.type == "cpu"}.values())
     cpu = parse_size(budget.cpu)
     simulated = str(device) == "cpu" if device is not None else not has_cuda()
     gpu = (parse_size(budget.gpu) or 0) if simulated else 0
-    process = process_bytes(lora=lora)
-    if (cpu is None and not gpu) or (cpu or 0) + gpu + process <= have:
+    if cpu is None and not gpu:
         return
-    asked = ([f"cpu_mem {format_size(cpu)}"] if cpu is not None else []) + (
-        [f"gpu_mem {format_size(gpu)} (the simulated device: host RAM)"] if gpu else [])
-    raise TierwiseError(f"offload {' + '.join(asked)} + about {format_size(process)} for the process is more "
-                        f"than this machine has available ({format_size(have)} of "
-                        f"{format_size(physical_ram() or have)} RAM, the model's weights there included): "
-                        f"lower {asked[0].split()[0]}")
+    asked = ({f"cpu_mem {format_size(cpu)}": cpu} if cpu is not None else {}) | (
+        {f"gpu_mem {format_size(gpu)} (the simulated device: host RAM)": gpu} if gpu else {})
+    over = ram_over(asked, process_bytes(lora=lora), beside=weights)
+    if over:
+        raise TierwiseError(f"offload {over}: lower {next(iter(asked)).split()[0]}")
 
 
 def _offload_options(given: Any) -> dict[str, Any]:
