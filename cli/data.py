@@ -10,10 +10,11 @@ Row schemas (one JSON object per line in a .jsonl file, or rows of a `datasets` 
   the conversation; this is exact when every prefix renders to a string prefix of the full
   conversation (true of common templates). A template that renders an assistant turn
   otherwise once later turns follow (Qwen3's gives only the last one its empty thinking block)
-  has that turn found by its own text and the way the turn closes (the eos after it). Where
-  even that fails (a template that rewrites the text of earlier turns), the loss falls back to
-  everything after the last user turn (if even that prefix cannot be found, all tokens), and
-  the run warns once with how many conversations did.
+  has that turn found by its own text and the way the turn closes (the eos after it); an empty
+  turn there (a tool call's) trains nothing. Where even that fails (a template that rewrites
+  the text of earlier turns), the loss falls back to everything after the last user turn (if
+  even that prefix cannot be found, all tokens), and the run warns once with how many
+  conversations did.
 
 Blocks: the tokenized rows are concatenated (each row ends with eos) and cut into blocks of
 exactly `seq_len` tokens (`pack=True`, the default; the last partial block is padded), or each
@@ -181,9 +182,11 @@ def schema_of(row: Row) -> str:
                     "'text', 'prompt'+'completion', or 'messages'")
 
 
-def encode_row(row: Row, tokenizer, fell_back: "list[str] | None" = None) -> tuple[list[int], list[int]]:
+def encode_row(row: Row, tokenizer, fell_back: "list[tuple[str, str]] | None" = None
+               ) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of one row, eos-terminated; labels are IGNORE where no loss.
-    `fell_back`: a chat row whose assistant turns could not be found adds its place to it."""
+    `fell_back`: a chat row whose assistant turns could not be found adds (where the loss fell
+    back to: "last" or "all", its place) to it."""
     kind = schema_of(row)
     d, eos = row.data, tokenizer.eos_token_id
     if eos is None and kind in ("text", "prompt"):
@@ -200,7 +203,8 @@ def encode_row(row: Row, tokenizer, fell_back: "list[str] | None" = None) -> tup
     return _encode_chat(row, tokenizer, fell_back)
 
 
-def _encode_chat(row: Row, tokenizer, fell_back: "list[str] | None" = None) -> tuple[list[int], list[int]]:
+def _encode_chat(row: Row, tokenizer, fell_back: "list[tuple[str, str]] | None" = None
+                 ) -> tuple[list[int], list[int]]:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{row.where}: chat 'messages' need a tokenizer with a chat_template")
     msgs = row.data["messages"]
@@ -214,7 +218,7 @@ def _encode_chat(row: Row, tokenizer, fell_back: "list[str] | None" = None) -> t
     except Exception as e:  # jinja errors: the template rejected this conversation
         raise DataError(f"{row.where}: the chat template failed: {e}") from None
     if fallback and fell_back is not None:
-        fell_back.append(row.where)
+        fell_back.append((fallback, row.where))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     labels = [t if any(a <= s < b for a, b in spans) else IGNORE
@@ -222,9 +226,9 @@ def _encode_chat(row: Row, tokenizer, fell_back: "list[str] | None" = None) -> t
     return ids, labels
 
 
-def _assistant_spans(msgs: list[dict], full: str, render) -> tuple[list[tuple[int, int]], bool]:
-    """Character spans of `full` that carry loss (see the module docstring), and whether they
-    fell back to what follows the last user turn (or to everything)."""
+def _assistant_spans(msgs: list[dict], full: str, render) -> tuple[list[tuple[int, int]], str | None]:
+    """Character spans of `full` that carry loss (see the module docstring), and where they fell
+    back to: "last" (what follows the last user turn), "all" (every token), None."""
     spans: list[tuple[int, int]] = []
     done = 0  # where the last span ended
     for i, m in enumerate(msgs):
@@ -239,7 +243,9 @@ def _assistant_spans(msgs: list[dict], full: str, render) -> tuple[list[tuple[in
         # the template renders this turn otherwise once later turns follow (Qwen3's drops the
         # empty thinking block it gives the last one): its own text, then how the turn closes
         content = m["content"]
-        at = full.find(content, max(done, len(start) if full.startswith(start) else done)) if content else -1
+        if not content:  # (a tool call's turn, its call outside `content`: no text of its own to train)
+            continue
+        at = full.find(content, max(done, len(start) if full.startswith(start) else done))
         close = end[end.rfind(content) + len(content):] if at >= 0 and content in end else None
         if close is None or not full.startswith(close, at + len(content)):
             break
@@ -247,13 +253,13 @@ def _assistant_spans(msgs: list[dict], full: str, render) -> tuple[list[tuple[in
         done = spans[-1][1]
     else:
         if spans:
-            return spans, False
+            return spans, None
     users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
     if users:
         prefix = render(msgs[: users[-1] + 1], True)
         if full.startswith(prefix):
-            return [(len(prefix), len(full))], True
-    return [(0, len(full))], True
+            return [(len(prefix), len(full))], "last"
+    return [(0, len(full))], "all"
 
 
 def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = True, isolate: bool = False
@@ -290,7 +296,7 @@ def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = Tr
     ids_left: list[int] = []  # packing: the tokens not yet in a full block
     labels_left: list[int] = []
     pos_left: list[int] = []
-    fell_back: list[str] = []
+    fell_back: list[tuple[str, str]] = []
     chats = 0
     for row in rows:
         chats += "messages" in row.data
@@ -310,10 +316,13 @@ def make_blocks(rows: Iterable[Row], tokenizer, *, seq_len: int, pack: bool = Tr
         ids_left, labels_left, pos_left = ids_left[full:], labels_left[full:], pos_left[full:]
     if ids_left:  # the last, partial block (padded)
         emit(ids_left, labels_left, _renumbered(pos_left) if isolate else None)
-    if fell_back:
-        log.warning("chat loss: %d of %d conversations (e.g. %s) train only on what follows their last user "
-                    "turn: the chat template renders their earlier assistant turns otherwise once later turns "
-                    "follow, and their text was not found as it renders them", len(fell_back), chats, fell_back[0])
+    for kind, what in (("last", "only on what follows their last user turn (tool results there included)"),
+                       ("all", "on every token, the prompts' too")):
+        where = [w for k, w in fell_back if k == kind]
+        if where:
+            log.warning("chat loss: %d of %d conversations (e.g. %s) train %s: the chat template renders their "
+                        "assistant turns otherwise once later turns follow, and their text was not found as it "
+                        "renders them", len(where), chats, where[0], what)
     return blocks
 
 

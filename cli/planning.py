@@ -421,8 +421,10 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
     # a smaller micro-batch, the same rows a step (half of it, and one row), with its blocks'
     # inputs offloaded too where activations are what does not fit
     offload = not cfg.offload_activations and "activations" in str(error)
-    for rows in sorted({max(1, cfg.batch_size // 2), 1} - {cfg.batch_size}, reverse=True):
-        accum = cfg.grad_accum * cfg.batch_size // rows
+    step_rows = cfg.grad_accum * cfg.batch_size
+    for rows in sorted({r for r in (cfg.batch_size // 2, 1) if r and cfg.batch_size % r == 0} - {cfg.batch_size},
+                       reverse=True):
+        accum = step_rows // rows
         flags, change = f"--batch-size {rows} --grad-accum {accum}", {"batch_size": rows, "grad_accum": accum}
         tries.append((flags, change))
         if offload:

@@ -149,8 +149,10 @@ class ModelProfile:
 
     @property
     def rotary_dim(self) -> int:
-        """Each head's width the rotary embedding turns (its cos/sin's last dimension)."""
-        return int(self.dim_per_head * self.partial_rotary_factor)
+        """Each head's width the rotary embedding turns (its cos/sin's last dimension: two of
+        each frequency, an odd share rounded up as transformers' arange(0, d, 2) does)."""
+        d = int(self.dim_per_head * self.partial_rotary_factor)
+        return d + d % 2
 
     @property
     def qk_norm(self) -> bool:

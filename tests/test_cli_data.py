@@ -75,6 +75,10 @@ def test_chat_turns_a_template_renders_otherwise_later_are_found_by_their_text(t
     assert _loss_text(tok, blocks[0][0].tolist(), blocks[0][1].tolist()) == "a red bird</s>"
     assert "chat loss: 1 of 1 conversations (e.g. x:1) train only on what follows their last user turn" \
         in caplog.text
+    tok.chat_template = LAST_THINKS  # an empty turn (a tool call's) trains nothing; the rest is found
+    calls = [msgs[0], {"role": "assistant", "content": ""}, {"role": "tool", "content": "the moon"}, msgs[3]]
+    ids, labels = encode_row(Row(data={"messages": calls}, where="x:3"), tok)
+    assert _loss_text(tok, ids, labels) == "a red bird</s>"
 
 
 @pytest.mark.parametrize("line, message", [

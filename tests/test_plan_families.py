@@ -71,6 +71,24 @@ def test_phi3_activations_are_planned_exactly(profile, checkpointing, padded):
             padded=padded), precision
 
 
+@pytest.mark.parametrize("checkpointing", [False, 1], ids=["keep", "first-of-two"])
+def test_phi3_packed_rows_are_planned_exactly(checkpointing):
+    """Packed rows (per-row position ids, no cache): a kept layer's v is the fused qkv output's
+    view too (the engine runs without a KV cache whatever the config's use_cache)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(PHI3.to_hf_config())
+    engine = Engine(model, budget=Budget(chunk=16 << 10), activations=Activations(recompute=checkpointing))
+    x = torch.randint(0, PHI3.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    try:
+        engine.step({"input_ids": x, "labels": x, "position_ids": torch.arange(20).repeat(2, 1), "use_cache": False})
+        measured = engine.ledger.kind_peak("gpu", "activation")
+    finally:
+        engine.close()
+    assert model.config.use_cache is True  # (given back as it was)
+    assert measured == activation_bytes(model=PHI3, batch_size=2, seq_len=20, precision="fp32",
+                                        checkpointing=checkpointing, row_positions=True)
+
+
 def test_phi_4_is_planned():
     """A full fine-tune on one H100, and QLoRA on a 24 GB card (14.7B: Phi-4's model card)."""
     plan = planner.make_plan(model="phi-4", hardware="h100", gpu_mem="80G", cpu_mem="512G", optimizer="adamw8bit",

@@ -239,3 +239,16 @@ def test_a_model_whose_chunks_take_less_than_the_streaming_window_fits_whole():
     assert report.plan.peak["gpu"] == report.measured["gpu"] and report.base_read == {}
     with pytest.raises(InfeasibleBudget, match=r"needs at least 17\.39 MiB .*every chunk on the device 15\.88 MiB"):
         verify(**run, gpu_mem="16M", steps=3)
+    # the engine's own refusal names that minimum too (it named the streaming one, 28.45 MiB)
+    import transformers
+
+    from tierwise.offload import Budget, Engine
+
+    engine = Engine(transformers.AutoModelForCausalLM.from_config(model.to_hf_config()),
+                    budget=Budget(gpu="17M", cpu="1G", chunk="64M"), lora=run["lora"])
+    x = torch.randint(0, 768, (2, 32), generator=torch.Generator().manual_seed(0))
+    try:
+        with pytest.raises(InfeasibleBudget, match=r"below the minimum 17\.31 MiB .*every chunk on the device 15\.88"):
+            engine.step({"input_ids": x, "labels": x})
+    finally:
+        engine.close()

@@ -507,8 +507,9 @@ class Engine:
         # blocks that save what their inputs' shapes decide: a recompute may be lumped, and the
         # warm-up's bytes hold for later batches of its shape (_keep_activations)
         self.tracker.lumps = self._shaped_blocks = lumped_recompute(model, recomputed)
-        if recomputed:
-            surgery.disable_kv_cache()  # a KV cache would see each block twice (recompute)
+        # a KV cache would see a recomputed block twice, and a training step has no use for one:
+        # without it, what autograd saves does not depend on the config's use_cache either
+        surgery.disable_kv_cache()
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         self._recompute_undo = [self._recompute_block(i, model_type) for i in range(count)]
         self.recomputed = count

@@ -209,9 +209,9 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             norm's output, already counted); with padding also SDPA's additive mask
             (e*B*S*S) and k/v repeated to every query head (2 e*T*(q_dim - kv_dim) more: SDPA
             takes grouped heads only without a mask); Qwen3's q/k norms (qk_norm_bytes); Phi-3's
-            o_proj input, a copy (e*T*q_dim), and with a layer recomputed (no KV cache) its v, a
-            view of the fused qkv output that SDPA keeps whole (e*T*(q_dim + kv_dim) more, unless
-            a mask repeats grouped heads); 0 without checkpointing
+            o_proj input, a copy (e*T*q_dim), and its v, a view of the fused qkv output that SDPA
+            keeps whole (e*T*(q_dim + kv_dim) more, unless a mask repeats grouped heads); 0
+            without checkpointing
     layers  the layers kept (not recomputed): each one's internals (untiled) and, in fp32 runs,
             its first norm's fp32 input (the block input itself; in bf16 it is not saved),
             held from forward to their backward; 0 when every layer is recomputed
@@ -286,11 +286,11 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     mlp_t = batch_size * min(s, mlp_tile_tokens(i, e, batch_size)) if (
         tiles and checkpointed and model.family in TILED_FAMILIES) else t
     mlp, kept_mlp = (moe_mlp_bytes(model, t=t, e=e),) * 2 if model.moe else (4 * e * mlp_t * i, 4 * e * t * i)
-    # with a layer recomputed (no KV cache then), a fused layer's v is a view of the qkv output,
-    # which SDPA keeps whole; without, it comes out of the cache's concatenation (with a mask and
-    # grouped heads, out of repeat_kv)
+    # a fused layer's v is a view of the qkv output, which SDPA keeps whole (the engine runs
+    # without a KV cache, whose concatenation would copy it out); with a mask and grouped heads,
+    # repeat_kv copies it out instead
     viewed = not padded or model.num_key_value_heads == model.num_attention_heads
-    fused_v = e * t * (model.q_dim + model.kv_dim) if model.fused and checkpointed and viewed else 0
+    fused_v = e * t * (model.q_dim + model.kv_dim) if model.fused and viewed else 0
     internals = first_norm + attention + fused_v + norm + mlp
     kept_internals = first_norm + attention + fused_v + norm + kept_mlp  # (a kept layer's MLP runs untiled)
     mask = batch_size * s * s if padded and checkpointed else 0  # bool, saved as a block input

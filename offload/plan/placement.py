@@ -62,14 +62,15 @@ def check_minimum(needs: DeviceNeeds, budget: "int | None", *, measured: bool, w
     if budget is None or budget >= needs.minimum or (whole and budget >= needs.resident):
         return
     what = "measured" if measured else ("estimated" if needs.activations else "before activations")
+    least, where = needs.minimum, f"streaming window {format_size(needs.stream_window)}"
+    if whole and needs.resident < least:
+        least, where = needs.resident, f"every chunk on the device {format_size(sum(needs.home_bytes))}"
     raise InfeasibleBudget(
-        f"gpu budget {format_size(budget)} ({budget} B) is below the minimum "
-        f"{format_size(needs.minimum)} ({needs.minimum} B) "
-        f"({what}: buffers {format_size(needs.buffers)}, streaming window "
-        f"{format_size(needs.stream_window)}, gradient reserve {format_size(needs.grad_reserve)}, "
-        f"activations {format_size(needs.activations)}); raise --gpu-mem "
+        f"gpu budget {format_size(budget)} ({budget} B) is below the minimum {format_size(least)} ({least} B) "
+        f"({what}: buffers {format_size(needs.buffers)}, {where}, gradient reserve "
+        f"{format_size(needs.grad_reserve)}, activations {format_size(needs.activations)}); raise --gpu-mem "
         f"or lower the batch size / sequence length",
-        minimum={"gpu": needs.minimum},
+        minimum={"gpu": least},
     )
 
 
