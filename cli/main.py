@@ -328,6 +328,9 @@ def plan(
             e = InfeasibleBudget(str(e).splitlines()[0] + AUTO_OFFLOADED, minimum=e.minimum)
         if not json_out:
             advise(cfg, e, console=Console(), ranks=True, here=False, given=options)
+            beyond = seq_len_note(cfg)  # (a length beyond the model's positions is worth saying refused too)
+            if beyond:
+                Console(stderr=True).print(beyond, highlight=False, soft_wrap=True)
         raise e from None
     if auto and cfg.offload_activations and not json_out:
         Console(stderr=True).print(OFFLOADED, highlight=False, soft_wrap=True)

@@ -133,6 +133,7 @@ def test_a_length_that_does_not_fit_is_offered_the_longest_that_does():
     offered = [ln.split("   ")[0].strip() for ln in r.stdout.splitlines() if ln.startswith("  --seq-len ")]
     assert offered, r.stdout
     assert _invoke(*common, *shlex.split(offered[0])).exit_code == 0
+    assert "beyond the 512 positions tiny was trained for" in r.output  # (said refused, too)
 
 
 def test_a_long_batch_that_does_not_fit_is_offered_one_row_a_micro_batch():
