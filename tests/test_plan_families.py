@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from tierwise.offload import Activations, Budget, Engine, Precision
+from tierwise.offload import Activations, Budget, Engine
 from tierwise.offload.plan import planner
 from tierwise.offload.plan.lora import parse_targets, profile_linears
 from tierwise.offload.plan.perfmodel import activation_bytes
@@ -21,6 +21,8 @@ from tierwise.offload.runtime import trace
 from tierwise.offload.tools.verify import verify
 from tierwise.profiles.model import ModelProfile
 from tierwise.profiles.schema import FieldValueError
+
+from tests.tinyhf import activation_peak
 
 QWEN3 = ModelProfile(name="t", family="qwen3", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
@@ -30,29 +32,12 @@ QWEN3 = ModelProfile(name="t", family="qwen3", hidden_size=32, intermediate_size
 PHI3 = dataclasses.replace(QWEN3, family="phi3", head_dim=None)  # (head 8 wide, kv heads 2 of 4)
 
 
-def _peak(profile, *, precision, checkpointing, lora=None, padded=False) -> int:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(profile.to_hf_config())
-    eng = Engine(model, budget=Budget(chunk=16 << 10), precision=Precision(precision),
-                 activations=Activations(recompute=checkpointing), **({} if lora is None else {"lora": lora}))
-    try:
-        x = torch.randint(0, profile.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
-        batch = {"input_ids": x, "labels": x}
-        if padded:
-            batch["attention_mask"] = torch.ones_like(x)
-            batch["attention_mask"][0, -3:] = 0
-        eng.step(batch)
-        return eng.ledger.kind_peak("gpu", "activation")
-    finally:
-        eng.close()
-
-
 @pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
 def test_qwen3_activations_are_planned_exactly(precision, checkpointing, padded):
     assert ModelProfile.from_hf_config(QWEN3.to_hf_config(), name="t") == QWEN3
-    assert _peak(QWEN3, precision=precision, checkpointing=checkpointing, padded=padded) == activation_bytes(
+    assert activation_peak(QWEN3, precision=precision, checkpointing=checkpointing, padded=padded) == activation_bytes(
         model=QWEN3, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing, padded=padded)
 
 
@@ -66,7 +51,7 @@ def test_phi3_activations_are_planned_exactly(profile, checkpointing, padded):
     heads; the rotary's cos/sin are the rotary share of a head wide."""
     assert ModelProfile.from_hf_config(profile.to_hf_config(), name="t") == profile
     for precision in ("fp32", "bf16"):
-        assert _peak(profile, precision=precision, checkpointing=checkpointing, padded=padded) == activation_bytes(
+        assert activation_peak(profile, precision=precision, checkpointing=checkpointing, padded=padded) == activation_bytes(
             model=profile, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing,
             padded=padded), precision
 
@@ -120,7 +105,7 @@ def test_phi3_lora_activations_are_planned_exactly(profile, precision, checkpoin
                         target_modules=targets if targets == "all-linear" else sorted(wanted))
     e = 4 if precision == "fp32" else 2
     act = (wanted, 4, e) if dropout else (wanted, 4)
-    assert _peak(profile, precision=precision, checkpointing=checkpointing, lora=config, padded=padded) == \
+    assert activation_peak(profile, precision=precision, checkpointing=checkpointing, lora=config, padded=padded) == \
         activation_bytes(model=profile, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing,
                          padded=padded, lora=act)
 
@@ -141,7 +126,7 @@ def test_qwen3_lora_activations_are_planned_exactly(precision, checkpointing, ta
                         target_modules=targets if targets == "all-linear" else sorted(wanted))
     e = 4 if precision == "fp32" else 2  # (the CPU's dropout keeps its scaled noise, e bytes)
     act = (wanted, 4, e) if dropout else (wanted, 4)
-    assert _peak(QWEN3, precision=precision, checkpointing=checkpointing, lora=config, padded=padded) == \
+    assert activation_peak(QWEN3, precision=precision, checkpointing=checkpointing, lora=config, padded=padded) == \
         activation_bytes(model=QWEN3, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing,
                          padded=padded, lora=act)
 

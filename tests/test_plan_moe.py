@@ -8,11 +8,13 @@ import pytest
 import torch
 import transformers
 
-from tierwise.offload import Activations, Budget, Engine, Precision
+from tierwise.offload import Engine
 from tierwise.offload.plan.perfmodel import activation_bytes
 from tierwise.offload.plan.planner import make_plan
 from tierwise.profiles import load_model_profile
 from tierwise.profiles.model import ModelProfile
+
+from tests.tinyhf import activation_peak
 
 MOE = {"mixtral": dict(num_experts=4, num_experts_per_tok=2),
        "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
@@ -25,21 +27,6 @@ def tiny(family: str, *, router_loss: bool = False) -> ModelProfile:
                         rope_theta=1e4, rms_norm_eps=1e-5, router_loss=router_loss, **MOE[family])
 
 
-def _peak(profile: ModelProfile, *, precision: str, checkpointing, lora=None, rows=2, seq=20) -> int:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(profile.to_hf_config())
-    kw = {} if lora is None else {"lora": lora}
-    eng = Engine(model, budget=Budget(chunk=16 << 10), precision=Precision(precision),
-                 activations=Activations(recompute=checkpointing), **kw)
-    try:
-        x = torch.randint(0, profile.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(1))
-        eng.ledger.reset_peaks()
-        eng.step({"input_ids": x, "labels": x})
-        return eng.ledger.kind_peak("gpu", "activation")
-    finally:
-        eng.close()
-
-
 @pytest.mark.parametrize("router_loss", [False, True], ids=["", "router-loss"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
@@ -49,7 +36,7 @@ def test_moe_activations_are_planned_exactly(family, precision, checkpointing, r
     backward: a part of the end of forward's peak.)"""
     profile = tiny(family, router_loss=router_loss)
     assert ModelProfile.from_hf_config(profile.to_hf_config(), name="t") == profile
-    assert _peak(profile, precision=precision, checkpointing=checkpointing) == activation_bytes(
+    assert activation_peak(profile, precision=precision, checkpointing=checkpointing) == activation_bytes(
         model=profile, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing)
 
 
@@ -75,7 +62,7 @@ def test_moe_lora_activations_are_planned_exactly(family, targets, dropout, chec
     for precision in ("fp32", "bf16"):
         e = 4 if precision == "fp32" else 2  # (the CPU's dropout keeps its scaled noise, e bytes)
         act = (frozenset(targets), 4, e) if dropout else (frozenset(targets), 4)
-        got = _peak(profile, precision=precision, checkpointing=checkpointing, lora=lora)
+        got = activation_peak(profile, precision=precision, checkpointing=checkpointing, lora=lora)
         assert got == activation_bytes(model=profile, batch_size=2, seq_len=20, precision=precision,
                                        checkpointing=checkpointing, lora=act), precision
 

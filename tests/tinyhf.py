@@ -307,3 +307,28 @@ def mean_eval_loss(model, batches) -> float:
             total += float(model(**b).loss) * n
             weight += n
     return total / weight
+
+
+def activation_peak(profile, *, precision: str, checkpointing, lora=None, padded: bool = False,
+                    rows: int = 2, seq: int = 20) -> int:
+    """The engine's ledger peak of saved activations in one step of `profile`'s model (seeded
+    random weights and tokens; `padded`: the first row's last 3 tokens are padding): what the
+    planner's activation_bytes must equal."""
+    import transformers
+
+    from tierwise.offload import Activations, Budget, Engine, Precision
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(profile.to_hf_config())
+    eng = Engine(model, budget=Budget(chunk=16 << 10), precision=Precision(precision),
+                 activations=Activations(recompute=checkpointing), **({} if lora is None else {"lora": lora}))
+    try:
+        x = torch.randint(0, profile.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(1))
+        batch = {"input_ids": x, "labels": x}
+        if padded:
+            batch["attention_mask"] = torch.ones_like(x)
+            batch["attention_mask"][0, -3:] = 0
+        eng.step(batch)
+        return eng.ledger.kind_peak("gpu", "activation")
+    finally:
+        eng.close()
