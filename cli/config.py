@@ -292,8 +292,9 @@ class TrainConfig:
                            panel=SCHED)
     epochs: int | None = _f(None, "Epochs over --data (instead of --steps).", panel=SCHED)
     warmup_steps: int = _f(0, "Linear warmup steps: N steps rising from lr/(N+1) to --lr.", panel=SCHED)
-    schedule: str = _f("cosine", "LR decay after warmup: cosine or linear down to 10% of --lr at the last step "
-                       "(a floor, unlike transformers' schedules, which end at 0); constant: none.",
+    schedule: str = _f("cosine", "LR decay after warmup: cosine or linear toward 10% of --lr, reached just "
+                       "after the last step (a floor, unlike transformers' schedules, which end at 0); "
+                       "constant: none.",
                        panel=SCHED, choices=SCHEDULES)
     eval_every: int = _f(0, "Evaluate on --eval-data every N steps (0: at the end only).", panel=SCHED)
     checkpoint_every: int = _f(0, "Checkpoint every N steps (0: only at the end; always on Ctrl-C).", panel=OUTPUT,

@@ -779,7 +779,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
                         row_positions=cfg.data is not None and rows_apart(cfg, src), **lora)
     if src.has_weights:
         console.print("(random weights, not the checkpoint's: the bytes do not depend on their values, the "
-                      "losses do)", highlight=False)
+                      "losses do)", highlight=False, soft_wrap=True)
     console.out(report.render(), highlight=False)
     return 0 if report.passed else 1
 

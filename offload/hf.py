@@ -67,7 +67,8 @@ from typing import Any, Iterator
 import torch
 
 from .core.errors import InfeasibleBudget, TierwiseError
-from .core.options import GROUPS, Activations, Optim, Precision, flat_options
+from .core.options import FLAT, GROUPS, PASSED, Activations, Optim, Precision, flat_options
+from .update.table import optimizer_spec
 
 log = logging.getLogger(__name__)
 
@@ -281,18 +282,27 @@ def _offload_options(given: Any) -> dict[str, Any]:
     given = given or {}
     if not isinstance(given, dict):
         raise TypeError(f"offload= takes a dict of engine options, got {type(given).__name__}")
+    known = [k for k in dict.fromkeys([*FLAT, "device", *GROUPS]) if k not in _TRAINER_SETS]
+    unknown = [k for k in given if k not in FLAT and k not in PASSED and k not in GROUPS]
+    if unknown:
+        raise TypeError(f"unknown offload= option {unknown[0]!r}; known: {', '.join(known)}")
     opts = flat_options(**given)
     optim = opts.get("optim")
     if optim is not None:  # what TrainingArguments sets would silently replace these
+        optimizer_spec(optim.name)  # (an unknown name: refused here, not when training starts)
         default = Optim(optim.name)
-        theirs = {"lr": "learning_rate", "betas": "adam_beta1 and adam_beta2", "eps": "adam_epsilon",
-                  "weight_decay": "weight_decay (which the engine refuses)", "grad_clip": "max_grad_norm",
-                  "overlap_update": "nothing: the Trainer's update is applied in order"}
-        given_here = [k for k in theirs if given.get(k) is not None or getattr(optim, k) != getattr(default, k)]
+        given_here = [k for k in _TRAINER_SETS
+                      if given.get(k) is not None or getattr(optim, k) != getattr(default, k)]
         if given_here:
-            raise TierwiseError("offload= " + ", ".join(f"{k} (set it with TrainingArguments' {theirs[k]})"
+            raise TierwiseError("offload= " + ", ".join(f"{k} (set it with TrainingArguments' {_TRAINER_SETS[k]})"
                                                          for k in given_here) + ": the Trainer sets these itself")
     return opts
+
+
+#: The optimizer options the Trainer sets itself (TrainingArguments' names), refused in offload=.
+_TRAINER_SETS = {"lr": "learning_rate", "betas": "adam_beta1 and adam_beta2", "eps": "adam_epsilon",
+                 "weight_decay": "weight_decay (which the engine refuses)", "grad_clip": "max_grad_norm",
+                 "overlap_update": "nothing: the Trainer's update is applied in order"}
 
 
 class _Offload:

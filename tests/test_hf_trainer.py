@@ -326,8 +326,13 @@ def test_offload_options_are_refused_when_the_trainer_is_built(tmp_path, monkeyp
                                        offload=off)
     with pytest.raises(SizeError, match="^bad Budget gpu '8Q'"):
         build({"gpu_mem": "8Q"})
-    with pytest.raises(TypeError, match="unknown engine option 'gpu_mme'"):
+    with pytest.raises(TypeError, match="unknown offload= option 'gpu_mme'; known: gpu_mem, cpu_mem") as info:
         build({"gpu_mme": "1G"})
+    assert "lr" not in str(info.value).split("known: ")[1].split(", ")  # (the Trainer sets it)
+    with pytest.raises(SizeError, match="gpu 48 has no unit: write 48G"):  # (was 48 bytes, refused in train())
+        build({"gpu_mem": "48"})
+    with pytest.raises(TierwiseError, match="unknown optimizer 'lion'"):  # (was a ValueError in train())
+        build({"gpu_mem": "48M", "optimizer": "lion"})
     monkeypatch.setattr(machine, "available_ram", lambda: 4 << 30)
     monkeypatch.setattr(machine, "has_cuda", lambda: False)
     with pytest.raises(TierwiseError, match=r"^offload cpu_mem 6.00 GiB \+ about .* available \(4.00 GiB of .*lower cpu_mem$"):

@@ -217,7 +217,7 @@ def flat_options(**flat: Any) -> dict[str, Any]:
         elif name in PASSED or name in GROUPS:
             out[name] = value
         else:
-            raise TypeError(f"unknown engine option {name!r}; known: {', '.join([*FLAT, *PASSED, *GROUPS])}")
+            raise TypeError(f"unknown engine option {name!r}; known: {', '.join(dict.fromkeys([*FLAT, *PASSED, *GROUPS]))}")
     for group, values in grouped.items():
         kept = {k: v for k, v in values.items() if v is not None}
         base = out.get(group)

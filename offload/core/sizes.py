@@ -19,13 +19,19 @@ _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(text: "str | int | None", *, what: str = "size") -> "int | None":
-    """'24G' -> 25769803776. None stays None; an int is returned as is (bytes)."""
+    """'24G' -> 25769803776. None stays None; an int is returned as is (bytes); a string without
+    a unit is refused ("24B" for bytes)."""
     if text is None or isinstance(text, int):
         if isinstance(text, int) and text < 0:
             raise SizeError(f"{what} must not be negative: {text}")
         return text
     m = _PATTERN.match(str(text))
     unit = m.group(2).upper() if m else None
+    if m and not unit:  # ("24" is 24 bytes nowhere a user means it)
+        if float(m.group(1)) == 0:
+            raise SizeError(f"{what} must be positive, got {text}")
+        raise SizeError(f"{what} {str(text).strip()} has no unit: write {str(text).strip()}G for GiB "
+                        f"(or M, K, T; {str(text).strip()}B for bytes)")
     if not m or unit not in _UNITS:
         raise SizeError(
             f"bad {what} {text!r}: use a number with a unit, like 24G (24 GiB), 512M or 1.5T; 24GB is 24 x 10^9 bytes"

@@ -239,12 +239,13 @@ class Plan:
             hosted = any(self.bytes[t].get("base") for t in ("host", "cxl", "nvme"))
             read = (", ".join(f"{t} {format_size(b)}" for t, b in self.base_read.items() if b)
                     or ("none (the device's cache holds it from step to step)" if hosted else "none (on the gpu)"))
-            lines.append(f"base traffic per step: read {read} ({self.base_fetches_per_chunk:.2f} fetches per "
-                         f"streamed base chunk and micro-batch: forward, then backward, where a recomputed layer's "
-                         f"recompute and backward share one fetch when the cache holds the layer till then"
-                         + ("; what it holds of the next step's start at the step's end stays"
-                            if self.ranks is None and optimizer_spec(self.optimizer).needs_grad else "")
-                         + "), "
+            how = ("" if not any(self.base_read.values()) else
+                   f" ({self.base_fetches_per_chunk:.2f} fetches per "
+                   f"streamed base chunk and micro-batch: forward, then backward, where a recomputed layer's "
+                   f"recompute and backward share one fetch when the cache holds the layer till then"
+                   + ("; what it holds of the next step's start at the step's end stays"
+                      if self.ranks is None and optimizer_spec(self.optimizer).needs_grad else "") + ")")
+            lines.append(f"base traffic per step: read {read}{how}, "
                          f"written {format_size(self.base_written)}; "
                          + ("decoded once on the gpu after the warm-up and kept so (the budget holds it "
                             "decoded): no decoding per step" if self.base_decoded else

@@ -90,7 +90,8 @@ class VerifyReport:
 
     def render(self) -> str:
         p = self.plan
-        lines = [f"verify {p.model}: {p.optimizer}, {p.precision}, batch {p.batch_size} x {p.seq_len}"
+        lora = f"LoRA r{p.lora_rank}{' over ' + p.base_dtype if p.base_dtype else ''}, " if p.lora_rank is not None else ""
+        lines = [f"verify {p.model}: {lora}{p.optimizer}, {p.precision}, batch {p.batch_size} x {p.seq_len}"
                  f"{MASKED if p.padded else ''}, "
                  f"recompute {recompute_text(p.checkpointing, p.layers)}, "
                  f"{len(self.losses)} steps (1 warm-up) on the {self.device} device"]
