@@ -483,7 +483,10 @@ class _Offload:
         try:
             out = super().train(*args, **kwargs)  # type: ignore[misc]
         except InfeasibleBudget as exc:  # (its message speaks the CLI's and the Engine's words)
-            exc.add_note(self._budget_note())
+            if exc.args and isinstance(exc.args[0], str):  # in the message itself: a log of str(e) keeps it
+                exc.args = (f"{exc.args[0]}. {self._budget_note()}", *exc.args[1:])
+            else:
+                exc.add_note(self._budget_note())
             raise
         self._save_through_engine()
         return out
