@@ -363,20 +363,14 @@ class TrainConfig:
                 self.precision, self.precision_note = "fp32", None
         if self.is_demo and self.steps is None and self.epochs is None:
             self.epochs = self.DEMO_EPOCHS
-        for flag, text in (("--gpu-mem", self.gpu_mem), ("--cpu-mem", self.cpu_mem),
-                           ("--cxl-mem", self.cxl_mem), ("--nvme-mem", self.nvme_mem),
-                           ("--chunk-size", self.chunk_size)):
-            if text is not None and str(text).strip().replace(".", "", 1).isdigit():
-                if float(text) == 0:
-                    raise ConfigError(f"{flag} must be positive, got {text}")
-                raise ConfigError(f"{flag} {text} has no unit: write {str(text).strip()}G for GiB "
-                                  f"(or M, K, T; {str(text).strip()}B for bytes)")
+        # a number (a TOML value too) is text without a unit here, refused as parse_size refuses it
+        size = lambda v, flag: parse_size(str(v) if isinstance(v, (int, float)) else v, what=flag)  # noqa: E731
         self.budgets = {
-            "gpu": parse_size(self.gpu_mem, what="--gpu-mem"),
-            "cpu": parse_size(self.cpu_mem, what="--cpu-mem"),
-            "cxl": parse_size(self.cxl_mem, what="--cxl-mem"),
-            "nvme": parse_size(self.nvme_mem, what="--nvme-mem"),
-            "chunk": parse_size(self.chunk_size, what="--chunk-size"),
+            "gpu": size(self.gpu_mem, "--gpu-mem"),
+            "cpu": size(self.cpu_mem, "--cpu-mem"),
+            "cxl": size(self.cxl_mem, "--cxl-mem"),
+            "nvme": size(self.nvme_mem, "--nvme-mem"),
+            "chunk": size(self.chunk_size, "--chunk-size"),
         }
         if not self.budgets["chunk"]:
             raise ConfigError(f"--chunk-size must be positive, got {self.chunk_size!r}")
