@@ -245,7 +245,7 @@ def _assistant_spans(msgs: list[dict], full: str, render) -> tuple[list[tuple[in
         content = m["content"]
         if not content:  # (a tool call's turn, its call outside `content`: no text of its own to train)
             continue
-        at = full.find(content, max(done, len(start) if full.startswith(start) else done))
+        at = full.find(content, max(done, len(start)) if full.startswith(start) else done)
         close = end[end.rfind(content) + len(content):] if at >= 0 and content in end else None
         if close is None or not full.startswith(close, at + len(content)):
             break

@@ -414,13 +414,14 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
         tries.append(("--chunk-size 16M", {"chunk_size": "16M"}))
     if cfg.recompute is False or cfg.recompute_layers is not None:  # (all of them)
         tries.append(("--recompute", {"recompute": True, "recompute_layers": None}))
-    if not cfg.offload_activations and "activations" in str(error):  # blocks' inputs off the GPU
+    offload: "tuple[str, dict] | None" = None  # blocks' inputs off the GPU
+    if not cfg.offload_activations and "activations" in str(error):
         none = checkpointing(cfg) in (False, 0)  # (it moves recomputed layers' inputs: recompute them all)
-        tries.append(("--offload-activations" + (" --recompute" if none else ""),
-                      {"offload_activations": True} | ({"recompute": True, "recompute_layers": None} if none else {})))
+        offload = ("--offload-activations" + (" --recompute" if none else ""),
+                   {"offload_activations": True} | ({"recompute": True, "recompute_layers": None} if none else {}))
+        tries.append(offload)
     # a smaller micro-batch, the same rows a step (half of it, and one row), with its blocks'
     # inputs offloaded too where activations are what does not fit
-    offload = not cfg.offload_activations and "activations" in str(error)
     step_rows = cfg.grad_accum * cfg.batch_size
     for rows in sorted({r for r in (cfg.batch_size // 2, 1) if r and cfg.batch_size % r == 0} - {cfg.batch_size},
                        reverse=True):
@@ -428,10 +429,7 @@ def alternatives(cfg: TrainConfig, error: InfeasibleBudget, *, src: "ModelSource
         flags, change = f"--batch-size {rows} --grad-accum {accum}", {"batch_size": rows, "grad_accum": accum}
         tries.append((flags, change))
         if offload:
-            none = checkpointing(cfg) in (False, 0)
-            tries.append((flags + " --offload-activations" + (" --recompute" if none else ""),
-                          change | {"offload_activations": True}
-                          | ({"recompute": True, "recompute_layers": None} if none else {})))
+            tries.append((f"{flags} {offload[0]}", change | offload[1]))
     if cfg.precision == "fp32":
         tries.append(("--precision bf16", {"precision": "bf16"}))
     if cfg.optimizer == "adamw":

@@ -4,7 +4,8 @@
 transformers state dict (LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
 MistralForCausalLM, and the mixtures of experts MixtralForCausalLM / Qwen2MoeForCausalLM), in
 the order transformers registers them (`named_parameters()`, the order the engine packs chunks
-in): embed, then per layer q/k/v/o (and Qwen3's q_norm/k_norm), the MLP (gate/up/down; a MoE
+in): embed, then per layer q/k/v/o (Phi3ForCausalLM: o_proj, then one fused qkv_proj; Qwen3's
+q_norm/k_norm after them), the MLP (gate/up/down, Phi-3's one gate_up_proj and down; a MoE
 layer's router `mlp.gate`, its fused 3-D experts `mlp.experts.gate_up_proj` / `down_proj` and
 Qwen2-MoE's shared expert and its gate), input_layernorm, post_attention_layernorm, then the
 final norm and lm_head (absent when tied).
@@ -46,7 +47,11 @@ def routed_experts(config: Any) -> int:
     return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
 
 
-def _unpriced_biases(config: Any, family: str) -> str | None:
+_NOT_PRICED = ("`plan` and `--dry-run` cannot price this model; training runs (the engine measures its budgets "
+               "in the warm-up step)")
+
+
+def _unpriced(config: Any, family: str) -> str | None:
     """The biases and dropout a config's layers get that FAMILIES[family] does not price, in
     words (Llama's and Qwen3's attention_bias also biases o_proj; mlp_bias every MLP linear;
     Qwen2-MoE's qkv_bias=False drops its q/k/v biases); None when they are the family's."""
@@ -277,15 +282,12 @@ class ModelProfile:
                    f"{'' if every_layer else ', some layers dense'}) the formulas do not model"
                    if experts and top_k else " yet")
             raise FieldValueError(f"the planner prices the {', '.join(FAMILIES)} families, not {family!r}{why}: "
-                                  "`plan` and `--dry-run` cannot price this model; training runs (the engine "
-                                  "measures its budgets in the warm-up step)",
+                                  f"{_NOT_PRICED}",
                                   where=name or type(config).__name__, field="family")
-        biases = _unpriced_biases(config, family)
-        if biases:
-            raise FieldValueError(f"the planner prices {family} as its checkpoints are published, not with {biases}: "
-                                  "`plan` and `--dry-run` cannot price this model; training runs (the engine "
-                                  "measures its budgets in the warm-up step)",
-                                  where=name or type(config).__name__, field="family")
+        unpriced = _unpriced(config, family)
+        if unpriced:
+            raise FieldValueError(f"the planner prices {family} as its checkpoints are published, not with "
+                                  f"{unpriced}: {_NOT_PRICED}", where=name or type(config).__name__, field="family")
         moe: dict[str, Any] = {}
         if family in MOE_FAMILIES:
             moe = dict(num_experts=experts, num_experts_per_tok=top_k,

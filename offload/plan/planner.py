@@ -711,8 +711,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
         minimum = whole
     ch.gpu_minimum = minimum
     if gpu < minimum:
-        fixed = needs.resident - needs.activations if minimum == whole else needs.minimum - needs.activations
-        beside = f", workspace margin {format_size(minimum - fixed - needs.activations)}" if margin else ""
+        beside = (f", workspace margin {format_size(minimum - (needs.resident if minimum == whole else needs.minimum))}"
+                  if margin else "")
         where = (f"every chunk on the device {format_size(sum(needs.home_bytes))}" if minimum == whole
                  else f"streaming window {format_size(needs.stream_window)}")
         raise InfeasibleBudget(
