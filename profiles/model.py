@@ -2,12 +2,14 @@
 
 `param_specs()` lists the parameters analytically, with the names and shapes of the
 transformers state dict (LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
-MistralForCausalLM, and the mixtures of experts MixtralForCausalLM / Qwen2MoeForCausalLM), in
+MistralForCausalLM / GemmaForCausalLM / Gemma3ForCausalLM, and the mixtures of experts
+MixtralForCausalLM / Qwen2MoeForCausalLM), in
 the order transformers registers them (`named_parameters()`, the order the engine packs chunks
 in): embed, then per layer q/k/v/o (Phi3ForCausalLM: o_proj, then one fused qkv_proj; Qwen3's
-q_norm/k_norm after them), the MLP (gate/up/down, Phi-3's one gate_up_proj and down; a MoE
+and Gemma-3's q_norm/k_norm after them), the MLP (gate/up/down, Phi-3's one gate_up_proj and down; a MoE
 layer's router `mlp.gate`, its fused 3-D experts `mlp.experts.gate_up_proj` / `down_proj` and
-Qwen2-MoE's shared expert and its gate), input_layernorm, post_attention_layernorm, then the
+Qwen2-MoE's shared expert and its gate), input_layernorm, post_attention_layernorm (Gemma-3:
+pre_feedforward_layernorm and post_feedforward_layernorm after it), then the
 final norm and lm_head (absent when tied).
 Instant even for 405B.
 """
@@ -28,6 +30,8 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "qwen2": ("Qwen2Config", True),
     "qwen3": ("Qwen3Config", False),
     "phi3": ("Phi3Config", False),
+    "gemma": ("GemmaConfig", False),
+    "gemma3_text": ("Gemma3TextConfig", False),
     "mixtral": ("MixtralConfig", False),
     "qwen2_moe": ("Qwen2MoeConfig", True),
 }
@@ -38,7 +42,16 @@ MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe"})
 FUSED_FAMILIES = frozenset({"phi3"})
 #: The families whose attention normalises each head's queries and keys (an RMSNorm over
 #: head_dim, `self_attn.q_norm` / `k_norm`) before the rotary embedding.
-QK_NORM_FAMILIES = frozenset({"qwen3"})
+QK_NORM_FAMILIES = frozenset({"qwen3", "gemma3_text"})
+#: Gemma's families: each RMSNorm computes in fp32 and scales by 1 + its weight, the embedding's
+#: output is scaled by sqrt(hidden_size), the MLP's activation is GELU (tanh).
+GEMMA_FAMILIES = frozenset({"gemma", "gemma3_text"})
+#: The families whose layers also normalise the attention's and the MLP's outputs (four norms a
+#: layer: post_attention_layernorm after o_proj, pre_ and post_feedforward_layernorm around the MLP).
+POST_NORM_FAMILIES = frozenset({"gemma3_text"})
+#: The families whose layers attend a sliding window, but every `sliding_window_pattern`-th layer
+#: the whole row (Gemma-3's local and global layers, each kind with its own rotary embedding).
+SLIDING_FAMILIES = frozenset({"gemma3_text"})
 
 
 def routed_experts(config: Any) -> int:
@@ -60,7 +73,20 @@ def _unpriced(config: Any, family: str) -> str | None:
            if getattr(config, k, None)]  # (dropout saves its masks)
     if getattr(config, "qkv_bias", True) is False and FAMILIES[family][1]:
         on.append("qkv_bias=False")
+    # (soft-capped attention runs eager; a capped or bidirectional Gemma-3 is not its checkpoints)
+    on += [f"{k}={getattr(config, k)}" for k in ("attn_logit_softcapping", "final_logit_softcapping",
+                                                  "use_bidirectional_attention") if getattr(config, k, None)]
+    if family in SLIDING_FAMILIES and _pattern(config) is None:
+        on.append("layer_types that are not every n-th layer global")
     return " and ".join(on) or None
+
+
+def _pattern(config: Any) -> int | None:
+    """n where a config's layer_types attend the whole row at every n-th layer only (the window
+    elsewhere; n past the last layer: none global); None for another arrangement."""
+    kinds = [t == "full_attention" for t in config.layer_types]
+    n = getattr(config, "_sliding_window_pattern", None) or ((kinds.index(True) + 1) if any(kinds) else len(kinds) + 1)
+    return n if kinds == [not (i + 1) % n for i in range(len(kinds))] else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +125,10 @@ class ModelProfile:
     """Per-head width; None means hidden_size // num_attention_heads."""
     partial_rotary_factor: float = field(default=1.0, metadata={"min": 0.0})
     """The share of each head's width the rotary embedding turns (Phi-4-mini's 0.75); 1: all."""
+    sliding_window: int | None = field(default=None, metadata={"min": 1})
+    """Tokens a sliding layer attends (SLIDING_FAMILIES: Gemma-3's 512 or 1,024); None: none slides."""
+    sliding_window_pattern: int = field(default=0, metadata={"min": 0})
+    """Every n-th layer attends the whole row, the others the window (Gemma-3's 6)."""
     num_experts: int = field(default=0, metadata={"min": 0})
     """A MoE family's routed experts per layer (Mixtral's num_local_experts); 0 for a dense one."""
     num_experts_per_tok: int = field(default=0, metadata={"min": 0})
@@ -127,6 +157,11 @@ class ModelProfile:
                 f"(got {self.num_experts} and {self.num_experts_per_tok}; top-k at most the experts; a "
                 f"shared expert's width for qwen2_moe only)",
                 where=self.name, field="num_experts")
+        if (self.family in SLIDING_FAMILIES) != bool(self.sliding_window and self.sliding_window_pattern):
+            raise FieldValueError(
+                f"family {self.family!r} {'needs' if self.family in SLIDING_FAMILIES else 'takes no'} sliding_window "
+                f"and sliding_window_pattern (got {self.sliding_window} and {self.sliding_window_pattern})",
+                where=self.name, field="sliding_window")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise FieldValueError(
                 f"field 'hidden_size' ({self.hidden_size}) must be a multiple of num_attention_heads "
@@ -162,6 +197,18 @@ class ModelProfile:
     @property
     def qk_norm(self) -> bool:
         return self.family in QK_NORM_FAMILIES
+
+    @property
+    def gemma(self) -> bool:
+        return self.family in GEMMA_FAMILIES
+
+    @property
+    def post_norms(self) -> bool:
+        return self.family in POST_NORM_FAMILIES
+
+    def slides(self, layer: int) -> bool:
+        """Whether decoder layer `layer` attends a sliding window (transformers' layer_types)."""
+        return bool(self.sliding_window_pattern) and bool((layer + 1) % self.sliding_window_pattern)
 
     @property
     def moe(self) -> bool:
@@ -212,7 +259,8 @@ class ModelProfile:
                           for n in ("q_norm", "k_norm")]
             specs += self._mlp_specs(p)
             specs.append(ParamSpec(name=p + "input_layernorm.weight", shape=(h,)))
-            specs.append(ParamSpec(name=p + "post_attention_layernorm.weight", shape=(h,)))
+            norms = ("post_attention", "pre_feedforward", "post_feedforward") if self.post_norms else ("post_attention",)
+            specs += [ParamSpec(name=f"{p}{n}_layernorm.weight", shape=(h,)) for n in norms]
         specs.append(ParamSpec(name="model.norm.weight", shape=(h,)))
         if not self.tie_word_embeddings:
             specs.append(ParamSpec(name="lm_head.weight", shape=(self.vocab_size, h)))
@@ -236,7 +284,7 @@ class ModelProfile:
 
     def layer_params(self) -> int:
         """Parameters of one decoder layer."""
-        return self._attention_params() + self._mlp_params(active=False) + 2 * self.hidden_size
+        return self._attention_params() + self._mlp_params(active=False) + (4 if self.post_norms else 2) * self.hidden_size
 
     @property
     def num_params(self) -> int:
@@ -288,13 +336,16 @@ class ModelProfile:
         if unpriced:
             raise FieldValueError(f"the planner prices {family} as its checkpoints are published, not with "
                                   f"{unpriced}: {_NOT_PRICED}", where=name or type(config).__name__, field="family")
-        moe: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
         if family in MOE_FAMILIES:
-            moe = dict(num_experts=experts, num_experts_per_tok=top_k,
+            extra = dict(num_experts=experts, num_experts_per_tok=top_k,
                        moe_intermediate_size=getattr(config, "moe_intermediate_size", None),
                        shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
                        router_loss=bool(getattr(config, "output_router_logits", False)))
         rope = getattr(config, "rope_parameters", None) or {}
+        if family in SLIDING_FAMILIES:  # (a rotary embedding per kind of layer: the global one's base)
+            rope = rope.get("full_attention") or {}
+            extra.update(sliding_window=config.sliding_window, sliding_window_pattern=_pattern(config))
         return cls(
             name=name or getattr(config, "_name_or_path", "") or family, family=family,
             hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
@@ -306,7 +357,7 @@ class ModelProfile:
             partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                                  getattr(config, "partial_rotary_factor", None) or 1.0)),
             rms_norm_eps=float(config.rms_norm_eps),
-            head_dim=getattr(config, "head_dim", None), **moe)
+            head_dim=getattr(config, "head_dim", None), **extra)
 
     def to_hf_config(self) -> Any:
         """A transformers config of this shape (its family's config class)."""
@@ -322,8 +373,10 @@ class ModelProfile:
         )
         if self.partial_rotary_factor != 1.0:
             kwargs["partial_rotary_factor"] = self.partial_rotary_factor
-        if self.head_dim is not None or self.qk_norm:  # (Qwen3Config's own default is 128, not hidden/heads)
+        if self.head_dim is not None or self.qk_norm or self.gemma:  # (Qwen3's and Gemma's defaults: 128, 256)
             kwargs["head_dim"] = self.dim_per_head
+        if self.sliding_window:
+            kwargs.update(sliding_window=self.sliding_window, sliding_window_pattern=self.sliding_window_pattern)
         if self.router_loss:
             kwargs.update(output_router_logits=True)
         if self.family == "mixtral":

@@ -1,9 +1,10 @@
-"""Qwen3 and Phi-3 in the planner. Qwen3's per-head q/k RMSNorms' saved activations equal what
-the engine's ledger counts (full fine-tune and LoRA, with and without recompute, padding and
-dropout); Phi-3's fused projections (partial rotary too) equal it as well, full fine-tune and
-LoRA; a LoRA step's access trace is the one the engine records (so its base reads are the
-measured ones). A config whose biases or dropout the formulas do not price is refused, not
-mispriced."""
+"""Qwen3, Phi-3 and Gemma (the first, and Gemma-3's text models) in the planner. Qwen3's
+per-head q/k RMSNorms' saved activations equal what the engine's ledger counts (full fine-tune
+and LoRA, with and without recompute, padding and dropout); Phi-3's fused projections (partial
+rotary too) and Gemma's fp32 norms, Gemma-3's four norms a layer and its local and global
+layers equal it as well, full fine-tune and LoRA; a LoRA step's access trace is the one the
+engine records (so its base reads are the measured ones). A config whose biases, dropout or
+soft-capping the formulas do not price is refused, not mispriced."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ QWEN3 = ModelProfile(name="t", family="qwen3", hidden_size=32, intermediate_size
 
 
 PHI3 = dataclasses.replace(QWEN3, family="phi3", head_dim=None)  # (head 8 wide, kv heads 2 of 4)
+SLIDES = dict(sliding_window=8, sliding_window_pattern=2)  # (a local layer, then a global one)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
@@ -131,11 +133,69 @@ def test_qwen3_lora_activations_are_planned_exactly(precision, checkpointing, ta
                          padded=padded, lora=act)
 
 
+GEMMA = dataclasses.replace(QWEN3, family="gemma")
+GEMMA3 = dataclasses.replace(QWEN3, family="gemma3_text", **SLIDES)
+#: Gemma-3 at rows of 20 tokens: a local layer whose window (8) is shorter, then a global one; all
+#: local with a window as long as the row (it takes a mask: transformers' SDPA skips one only for
+#: a longer window); every layer global.
+GEMMA3_KINDS = [GEMMA3, dataclasses.replace(GEMMA3, sliding_window=20, sliding_window_pattern=6),
+                dataclasses.replace(GEMMA3, sliding_window_pattern=1)]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
+@pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
+@pytest.mark.parametrize("profile", [GEMMA, *GEMMA3_KINDS], ids=["gemma", "gemma3", "gemma3-local", "gemma3-global"])
+def test_gemma_activations_are_planned_exactly(profile, checkpointing, padded):
+    """A Gemma norm computes in fp32 and saves its 1 + weight; Gemma-3 normalises the attention's
+    and the MLP's outputs too, and its local layers take a mask where the window is no longer
+    than the row (one row's without padding), each kind of layer with its own cos/sin, freed
+    after the lowest layer of its kind."""
+    assert ModelProfile.from_hf_config(profile.to_hf_config(), name="t") == profile
+    for precision in ("fp32", "bf16"):
+        assert activation_peak(profile, precision=precision, checkpointing=checkpointing, padded=padded) == \
+            activation_bytes(model=profile, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing,
+                             padded=padded), precision
+
+
+@pytest.mark.parametrize("profile", [GEMMA, *GEMMA3_KINDS[:2]], ids=["gemma", "gemma3", "gemma3-local"])
+@pytest.mark.parametrize("precision, checkpointing, targets, padded, dropout", [
+    ("fp32", None, "all-linear", False, 0.0), ("bf16", None, "q_proj,v_proj", True, 0.1),
+    ("fp32", False, "o_proj,up_proj", True, 0.0), ("bf16", False, "all-linear", False, 0.1),
+    ("fp32", False, "k_proj", False, 0.0), ("bf16", False, "v_proj,o_proj", False, 0.0),
+    ("fp32", False, "gate_proj", False, 0.1), ("fp32", 1, "k_proj,down_proj", True, 0.1),
+    ("fp32", 1, "o_proj", False, 0.0), ("bf16", True, "up_proj,down_proj", False, 0.1)], ids=lambda v: str(v))
+def test_gemma_lora_activations_are_planned_exactly(profile, precision, checkpointing, targets, padded, dropout):
+    """A frozen Gemma norm saves its 1 + weight, not its normalised input; layer 0 (its input
+    needs no gradient), kept or recomputed, saves nothing before its first adapter, nor cos/sin
+    where its q and k need none (Gemma-3's lone local layer: no other layer keeps them)."""
+    from peft import LoraConfig
+
+    wanted = parse_targets(targets)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                        target_modules=targets if targets == "all-linear" else sorted(wanted))
+    e = 4 if precision == "fp32" else 2
+    act = (wanted, 4, e) if dropout else (wanted, 4)
+    assert activation_peak(profile, precision=precision, checkpointing=checkpointing, lora=config, padded=padded) == \
+        activation_bytes(model=profile, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing,
+                         padded=padded, lora=act)
+
+
+def test_gemma_3_is_planned():
+    """Gemma-3 1B and 270M and Gemma 7B (the model cards' counts; the plan adds the adapters),
+    QLoRA on a 24 GB card at 8K tokens, where every local layer's 512-token window takes a mask."""
+    for name, params in (("gemma-3-1b", 999_885_952), ("gemma-3-270m", 268_098_176), ("gemma-7b", 8_537_680_896)):
+        plan = planner.make_plan(model=name, hardware="rtx4090", gpu_mem="24G", cpu_mem="64G", optimizer="adamw",
+                                 precision="bf16", batch_size=1, seq_len=8192, lora_rank=16, base_dtype="nf4",
+                                 double_quant=True)
+        assert plan.num_params - plan.trainable_params == params and plan.feasible and plan.tokens_per_s > 0, name
+
+
 @pytest.mark.parametrize("family, targets, gpu_mem, accum", [
     ("llama", "all-linear", "950K", 1), ("llama", "all-linear", "900K", 2), ("llama", "k_proj,v_proj", "800K", 2),
     ("qwen3", "all-linear", "950K", 1), ("qwen3", "all-linear", "900K", 2), ("qwen3", "k_proj,v_proj", "800K", 2),
     ("qwen3", "q_proj,down_proj", "1M", 1), ("phi3", "all-linear", "900K", 2), ("phi3", "o_proj,down_proj", "900K", 2),
-    ("phi3", "gate_up_proj", "1M", 1)])
+    ("phi3", "gate_up_proj", "1M", 1), ("gemma", "all-linear", "900K", 2), ("gemma3_text", "all-linear", "950K", 1),
+    ("gemma3_text", "all-linear", "900K", 2), ("gemma3_text", "v_proj,down_proj", "800K", 2)])
 def test_the_planned_lora_trace_is_the_engines(monkeypatch, family, targets, gpu_mem, accum):
     """The planner's trace of a LoRA step (lora.step_trace) against the one the engine records,
     event for event over the streamed chunks: in layer 0, the adapters of linears whose input
@@ -144,7 +204,8 @@ def test_the_planned_lora_trace_is_the_engines(monkeypatch, family, targets, gpu
     import peft
 
     profile = dataclasses.replace(QWEN3, family=family, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
-                                  vocab_size=512, head_dim=32 if family == "qwen3" else None)
+                                  vocab_size=512, head_dim=32 if family in ("qwen3", "gemma3_text") else None,
+                                  **SLIDES if family == "gemma3_text" else {})
     recorded, planned = [], []
     end_step, schedule = trace.TraceFollower.end_step, planner.plan_schedule
 
@@ -183,6 +244,21 @@ def test_biases_the_formulas_do_not_price_are_refused(family, given, words):
         shared_expert_intermediate_size=32)
     config = profile.to_hf_config()
     assert ModelProfile.from_hf_config(config, name="t").family == family
+    for key, value in given.items():
+        setattr(config, key, value)
+    with pytest.raises(FieldValueError, match=f"not with {words}: `plan` and `--dry-run` cannot price"):
+        ModelProfile.from_hf_config(config, name="t")
+
+
+@pytest.mark.parametrize("given, words", [(dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
+                                          (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+                                          (dict(layer_types=["full_attention", "sliding_attention"]),
+                                           "layer_types that are not every n-th layer global")])
+def test_gemma_3_configs_the_formulas_do_not_price_are_refused(given, words):
+    """Soft-capped logits or attention (Gemma-2's, eager attention) and local and global layers
+    in another arrangement than Gemma-3's every n-th layer global."""
+    config = GEMMA3.to_hf_config()
+    assert config.layer_types == ["sliding_attention", "full_attention"]
     for key, value in given.items():
         setattr(config, key, value)
     with pytest.raises(FieldValueError, match=f"not with {words}: `plan` and `--dry-run` cannot price"):

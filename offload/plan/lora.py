@@ -193,6 +193,11 @@ _QK_LAYER = ("input_layernorm", "q_proj", "q_norm", "k_proj", "k_norm", "v_proj"
              "post_attention_layernorm", "gate_proj", "up_proj", "down_proj")
 #: The same of profiles.model.FUSED_FAMILIES.
 _FUSED_LAYER = ("input_layernorm", "qkv_proj", "o_proj", "post_attention_layernorm", "gate_up_proj", "down_proj")
+#: The same of Gemma-3 (profiles.model.POST_NORM_FAMILIES: q/k norms after the three projections,
+#: a norm after the attention and one on each side of the MLP).
+_POST_NORM_LAYER = ("input_layernorm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj",
+                    "post_attention_layernorm", "pre_feedforward_layernorm", "gate_proj", "up_proj", "down_proj",
+                    "post_feedforward_layernorm")
 
 
 def _modules(layer: int, part: str, targets: frozenset[str]) -> list[str]:
@@ -220,7 +225,7 @@ def _needs_grad_in(part: str, targets: frozenset[str]) -> bool:
 
 def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozenset[str], tied: bool,
                recompute: int, blocks: bool = False, qk_norm: bool = False,
-               fused: bool = False) -> list[tuple[str, int]]:
+               fused: bool = False, post_norms: bool = False, gemma: bool = False) -> list[tuple[str, int]]:
     """The access trace ((\"acquire\" | \"release\", chunk), ...) the engine records for one LoRA
     step of a Llama-family model (offload.runtime.trace): each module acquires its chunks for its
     forward; backward reads the weights autograd saved (the output head's, the final norm's, and
@@ -231,9 +236,12 @@ def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozen
     `blocks`: the layers are the units of residency (offload.plan.needs.units_are_blocks): a
     layer's chunks are acquired together for its forward, and for its recompute and backward.
     `qk_norm`: the attention normalises queries and keys (profiles.model.QK_NORM_FAMILIES);
-    `fused`: one qkv_proj and one gate_up_proj (profiles.model.FUSED_FAMILIES)."""
+    `fused`: one qkv_proj and one gate_up_proj (profiles.model.FUSED_FAMILIES); `post_norms`:
+    Gemma-3's layer (profiles.model.POST_NORM_FAMILIES); `gemma`: norms that save 1 + weight, a
+    copy, so backward does not read them (profiles.model.GEMMA_FAMILIES)."""
     events: list[tuple[str, int]] = []
-    parts = _FUSED_LAYER if fused else _QK_LAYER if qk_norm else _LAYER
+    parts = _POST_NORM_LAYER if post_norms else _FUSED_LAYER if fused else _QK_LAYER if qk_norm else _LAYER
+    read_back = tuple(p for p in parts if not (gemma and p.endswith("norm")))  # (what backward reads)
 
     def acquire_release(cids: "set[int]") -> None:
         events.extend(("acquire", c) for c in sorted(cids))
@@ -258,7 +266,8 @@ def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozen
     use("model.norm")
     use(head)
     use(head)  # backward: the head's saved weight, then the final norm's
-    use("model.norm")
+    if not gemma:
+        use("model.norm")
     for layer in reversed(range(layers)):
         if blocks and layer < recompute:
             use_layer(layer)  # held through the recompute and the layer's backward
@@ -267,7 +276,7 @@ def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozen
             for part in parts:
                 for m in _modules(layer, part, targets):
                     use(m)
-        for part in reversed(parts):
+        for part in reversed(read_back):
             modules = _modules(layer, part, targets)[::-1]
             if layer == 0 and not _needs_grad_in(part, targets):
                 # only an adapter's lora_B: its input (lora_A's output) needs a gradient

@@ -267,50 +267,83 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     t, s, h, i = batch_size * seq_len, seq_len, model.hidden_size, model.intermediate_size
     own = model.router_loss  # (a router's loss joins the model's own: the tiled loss does not take it)
     fp32_copy = 4 * t * h
-    norm = 4 * t + 2 * e * t * h + fp32_copy
+    # a Gemma norm computes in fp32: its normalised input is fp32, and it saves its 1 + weight
+    gemma_w = 4 * h if model.gemma else 0
+    norm = 4 * t + e * t * h + (4 if model.gemma else e) * t * h + fp32_copy + gemma_w
     first_norm = norm - (fp32_copy if e == 4 else 0)
-    attention = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s \
-        + qk_norm_bytes(model, t=t, e=e, weighted=lora is None)
+    # Gemma-3's norms of the attention's and the MLP's outputs: each one's fp32 input (the
+    # linear's output itself in fp32), rsqrt, normalised input (a trained weight) and 1 + weight
+    post = 2 * (4 * t * h + 4 * t + (4 * t * h if lora is None else 0) + gemma_w) if model.post_norms else 0
     layers = model.num_hidden_layers
     recomputed = recomputed_blocks(checkpointing, model_blocks(model))
     checkpointed = recomputed > 0
-    if padded:  # the additive mask and k/v repeated per query head, as SDPA saves them
-        attention += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
+    # the layers whose attention takes a mask: all with padding, else those whose window is shorter
+    # than the row or as long (transformers' SDPA path skips one for a longer window only; Gemma-3's
+    # windows are shorter than segments.py's, which takes one as long as the row for causal)
+    masked = [padded or (model.slides(n) and s >= (model.sliding_window or s + 1)) for n in range(layers)]
     # o_proj's input is a copy of the attention's output where packed rows are attended per segment
     # (their outputs joined), or the rotary's cat made q contiguous (Phi-3: and so SDPA's output);
     # else one SDPA call's output is laid out as o_proj reads it
     o_copy = model.fused or (not padded and row_positions and s >= SEGMENTS_FROM)
-    if o_copy:
-        attention += e * t * model.q_dim
+
+    def attention_of(mask: bool) -> int:  # one layer's attention, with its mask or without
+        out = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s \
+            + qk_norm_bytes(model, t=t, e=e, weighted=lora is None) + (e * t * model.q_dim if o_copy else 0)
+        if mask:  # the additive mask and k/v repeated per query head, as SDPA saves them
+            out += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
+        # a fused layer's v is a view of the qkv output, which SDPA keeps whole (the engine runs
+        # without a KV cache, whose concatenation would copy it out); with a mask and grouped heads,
+        # repeat_kv copies it out instead
+        if model.fused and (not mask or model.num_key_value_heads == model.num_attention_heads):
+            out += e * t * (model.q_dim + model.kv_dim)
+        return out
+
+    attention = [attention_of(m) for m in masked]
     # the MLP's tokens at once: a tile's when it runs in tiles (offload.engine.tiled)
     mlp_t = batch_size * min(s, mlp_tile_tokens(i, e, batch_size)) if (
         tiles and checkpointed and model.family in TILED_FAMILIES) else t
     mlp, kept_mlp = (moe_mlp_bytes(model, t=t, e=e),) * 2 if model.moe else (4 * e * mlp_t * i, 4 * e * t * i)
-    # a fused layer's v is a view of the qkv output, which SDPA keeps whole (the engine runs
-    # without a KV cache, whose concatenation would copy it out); with a mask and grouped heads,
-    # repeat_kv copies it out instead
-    viewed = not padded or model.num_key_value_heads == model.num_attention_heads
-    fused_v = e * t * (model.q_dim + model.kv_dim) if model.fused and viewed else 0
-    internals = first_norm + attention + fused_v + norm + mlp
-    kept_internals = first_norm + attention + fused_v + norm + kept_mlp  # (a kept layer's MLP runs untiled)
-    mask = batch_size * s * s if padded and checkpointed else 0  # bool, saved as a block input
-    # rotary cos/sin (e each) and position ids (int64, saved by a checkpointed block), per row or shared
-    positions = (batch_size if row_positions else 1) * s * (2 * model.rotary_dim * e + (8 if checkpointed else 0))
+    # the dense masks a checkpointed block keeps (bool, shared by the layers of a kind): one per kind
+    # of layer that takes one
+    kinds = {model.slides(n) for n in range(layers)}
+    # (a window's mask without padding is one row's, broadcast over the batch)
+    mask_bytes = (batch_size if padded else 1) * s * s
+    mask = mask_bytes * len({model.slides(n) for n in range(recomputed) if masked[n]})
+    # rotary cos/sin (e each, one pair per kind of layer) and position ids (int64, saved by a
+    # checkpointed block), per row or shared
+    rotary = (batch_size if row_positions else 1) * s * 2 * model.rotary_dim * e  # (one kind's cos and sin)
+    positions = rotary * len(kinds) + (batch_size if row_positions else 1) * s * (8 if checkpointed else 0)
+
+    def recompute_peak(internals: "list[int]") -> int:
+        """`block`: the most a recomputed layer's internals hold beyond `inputs` while it runs (the
+        layers below it still keep their inputs; a kind of layer none of them is has freed its
+        cos/sin and mask), over the recomputed layers' `internals`."""
+        best = 0
+        for n, inner in enumerate(internals):
+            below = {model.slides(m) for m in range(n + 1)}
+            gone = sum(rotary + (mask_bytes if any(masked[m] and model.slides(m) == k for m in range(recomputed))
+                                 else 0) for k in kinds - below)
+            fewer = 0 if offload else (len(internals) - 1 - n) * e * t * h  # (offloaded: two at most anyway)
+            best = max(best, inner - fewer - gone)
+        return best
     if lora is not None:  # (a MoE's dense MLP is its shared expert, none for Mixtral; its routed experts: `moe`)
         dense = model.shared_expert_intermediate_size if model.moe else i
         routed = moe_mlp_bytes(model, t=t, e=e, frozen=True) if model.moe else 0
         # the copy: saved by o_proj's own adapter only, and with dropout not even there (its dropped copy is)
-        unsaved = o_copy and ("o_proj" not in lora[0] or len(lora) == 3)
+        unsaved = e * t * model.q_dim if o_copy and ("o_proj" not in lora[0] or len(lora) == 3) else 0
         parts = _lora_parts(lora, e=e, t=t, s=s, h=h, i=dense, layers=layers,
-                            attention=attention + fused_v - (e * t * model.q_dim if unsaved else 0),
+                            attention=[a - unsaved for a in attention], post=post,
                             fixed=mask + positions, recomputed=recomputed, model=model, batch_size=batch_size,
-                            mlp_t=mlp_t, routed=routed)
+                            mlp_t=mlp_t, routed=routed, peak=recompute_peak,
+                            rotary_alone=rotary if sum(model.slides(n) == model.slides(0) for n in range(layers)) == 1
+                            else 0)
     else:
+        kept_input = e * t * h if e == 4 else 0  # (a kept layer's first norm's fp32 input, the block input)
         parts = {
-            "fixed": 8 * t + positions + mask,
+            "fixed": 8 * t + positions + mask + (e if model.gemma else 0),  # (Gemma: the embedding's scale)
             "inputs": recomputed * e * t * h,
-            "block": internals if checkpointed else 0,
-            "layers": (layers - recomputed) * (kept_internals + (e * t * h if e == 4 else 0)),
+            "block": recompute_peak([first_norm + a + norm + post + mlp for a in attention[:recomputed]]),
+            "layers": sum(first_norm + a + norm + post + kept_mlp + kept_input for a in attention[recomputed:]),
             "final_norm": norm,
             "head": norm + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=True,
                                       own=own) + loss_workspace(t=t, vocab=model.vocab_size, h=h, e=e, head_grad=True,
@@ -346,7 +379,9 @@ def qk_norm_bytes(model: ModelProfile, *, t: int, e: int, weighted: bool = True,
     if not model.qk_norm:
         return 0
     width = {"q": (model.q_dim, model.num_attention_heads), "k": (model.kv_dim, model.num_key_value_heads)}
-    return sum(t * ((4 + (e if weighted else 0)) * width[p][0] + 4 * width[p][1]) for p in parts)
+    normalised = (4 if model.gemma else e) if weighted else 0  # (a Gemma norm's is fp32, with its 1 + weight)
+    return sum(t * ((4 + normalised) * width[p][0] + 4 * width[p][1]) + (4 * model.dim_per_head if model.gemma else 0)
+               for p in parts)
 
 
 def moe_mlp_bytes(model: ModelProfile, *, t: int, e: int, frozen: bool = False) -> int:
@@ -369,61 +404,71 @@ def moe_mlp_bytes(model: ModelProfile, *, t: int, e: int, frozen: bool = False) 
 
 
 def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int]", *, e: int, t: int, s: int, h: int, i: int, layers: int,
-                attention: int, fixed: int, recomputed: int, model: ModelProfile, batch_size: int,
-                mlp_t: int, routed: int = 0) -> dict[str, int]:
-    """activation_parts of a LoRA run (see there). `mlp_t`: the MLP's tokens at once in a
-    recomputed layer (a tile's when it runs in tiles, which it does not with dropout; its input
-    is then saved whatever the targets); a kept layer's MLP runs untiled. A MoE layer: `i` is
-    its shared expert's width (0 for Mixtral), `routed` its routed experts' bytes
-    (moe_mlp_bytes, frozen)."""
+                attention: "list[int]", post: int, fixed: int, recomputed: int, model: ModelProfile, batch_size: int,
+                mlp_t: int, peak: "Callable[[list[int]], int]", rotary_alone: int, routed: int = 0) -> dict[str, int]:
+    """activation_parts of a LoRA run (see there). `attention`: each layer's attention bytes;
+    `post`: its norms of the attention's and the MLP's outputs (Gemma-3's). `mlp_t`: the MLP's
+    tokens at once in a recomputed layer (a tile's when it runs in tiles, which it does not with
+    dropout; its input is then saved whatever the targets); a kept layer's MLP runs untiled;
+    `peak`: the recomputed layers' internals to `block` (activation_parts); `rotary_alone`: layer
+    0's cos/sin where no other layer shares them (Gemma-3's kinds of layer). A MoE layer: `i` is its shared expert's width (0 for Mixtral), `routed` its routed experts'
+    bytes (moe_mlp_bytes, frozen)."""
     targets, rank, drop = (*lora, None) if len(lora) == 2 else lora
     own = model.router_loss  # (as activation_parts)
     if drop is not None and targets & (MLP_IN | {"down_proj"}):
         mlp_t = t  # (an adapter's dropout in the MLP would draw its noise per tile: untiled)
     fp32_copy = 4 * t * h
-    first = 4 * t + (fp32_copy if e != 4 else 0) + (e * t * h if targets & QKV else 0)
+    gemma_w = 4 * h if model.gemma else 0  # (a Gemma norm's 1 + weight, saved for its input's gradient)
+    first = 4 * t + (fp32_copy if e != 4 else 0) + (e * t * h if targets & QKV else 0) + gemma_w
     mlp_targets = len(targets & (MLP_IN | {"down_proj"}))
 
-    def internals_at(mt: int) -> int:  # one layer's, its MLP over `mt` tokens at once
-        post = 4 * t + fp32_copy + (e * t * h if targets & (MLP_IN | {"shared_expert_gate"})
-                                    or mt != t else 0)
+    def internals_at(mt: int, att: int) -> int:  # one layer's, its MLP over `mt` tokens at once
+        second = 4 * t + fp32_copy + gemma_w + (e * t * h if targets & (MLP_IN | {"shared_expert_gate"})
+                                                or mt != t else 0)
         mlp = 3 * e * mt * i + (e * mt * i if "down_proj" in targets else 0) + routed
-        out = first + attention + post + mlp + e * rank * (t * (len(targets) - mlp_targets) + mt * mlp_targets)
+        out = first + att + second + post + mlp + e * rank * (t * (len(targets) - mlp_targets) + mt * mlp_targets)
         if drop is not None:
             out += _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim, grad_in=lambda part: True)
         return out
 
-    internals, kept_internals = internals_at(mlp_t), internals_at(t)
-    # without recompute, layer 0 saves nothing for the part before its first targeted linear:
-    # its input (the frozen embedding's output) needs no gradient
-    layer0 = 4 * t + (fp32_copy if e != 4 else 0)
-    if targets & QKV:  # a q/k norm over an untargeted projection: nothing
-        layer0 += qk_norm_bytes(model, t=t, e=e, weighted=False,
-                                parts=tuple(p for p in ("q", "k") if f"{p}_proj" not in targets))
-    else:
-        layer0 += attention - (e * t * model.q_dim if "o_proj" in targets else 0)  # o_proj's adapter saves its input
-        if "o_proj" not in targets:
-            layer0 += 4 * t + fp32_copy  # the second norm's input needs no gradient either
-            mlp_in = targets & MLP_IN
-            # of gate, up and silu(gate): what the targeted side's gradient needs (a fused gate_up: both)
-            sides = 2 if "gate_up_proj" in mlp_in else len(mlp_in)
-            layer0 += e * t * i * {0: 3, 1: 2 if "up_proj" in mlp_in else 1, 2: 0}[sides]
-            if routed:  # frozen routed experts whose input needs no gradient save nothing; of the
-                # shared expert's gate, its sigmoid (and the shared output, the gate being a target)
-                layer0 += routed - e * t - (e * t * h if "shared_expert_gate" in targets else 0)
-    if drop is not None:  # layer 0 saves no dropout mask where its input needs no gradient
-        layer0 += _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim, grad_in=lambda part: True) \
-            - _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim,
-                             grad_in=lambda part: _needs_grad_in(part, targets))
-    final = 4 * t + fp32_copy  # the final norm's input and rsqrt
+    def layer0_less(mt: int, att: int) -> int:
+        """What layer 0 does not save of what the others do (kept or recomputed): nothing for the
+        part before its first targeted linear, its input (the frozen embedding's output) needing
+        no gradient."""
+        less = 4 * t + (fp32_copy if e != 4 else 0) + gemma_w
+        if targets & QKV:  # a q/k norm over an untargeted projection: nothing
+            less += qk_norm_bytes(model, t=t, e=e, weighted=False,
+                                  parts=tuple(p for p in ("q", "k") if f"{p}_proj" not in targets))
+        else:
+            less += att - (e * t * model.q_dim if "o_proj" in targets else 0)  # o_proj's adapter saves its input
+            if "o_proj" not in targets:
+                less += 4 * t + fp32_copy + gemma_w  # the second norm's input needs no gradient either
+                less += post // 2  # nor, in Gemma-3, the norm of the attention's output
+                mlp_in = targets & MLP_IN
+                # of gate, up and silu(gate): what the targeted side's gradient needs (a fused gate_up: both)
+                sides = 2 if "gate_up_proj" in mlp_in else len(mlp_in)
+                less += e * mt * i * {0: 3, 1: 2 if "up_proj" in mlp_in else 1, 2: 0}[sides]
+                if routed:  # frozen routed experts whose input needs no gradient save nothing; of the
+                    # shared expert's gate, its sigmoid (and the shared output, the gate being a target)
+                    less += routed - e * t - (e * t * h if "shared_expert_gate" in targets else 0)
+        if drop is not None:  # layer 0 saves no dropout mask where its input needs no gradient
+            less += _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim, grad_in=lambda part: True) \
+                - _dropout_bytes(targets, e=e, mask=drop, t=t, h=h, i=i, q=model.q_dim,
+                                 grad_in=lambda part: _needs_grad_in(part, targets))
+        return less
+
+    final = 4 * t + fp32_copy + gemma_w  # the final norm's input and rsqrt
     kept_input = e * t * h if e == 4 else 0  # a kept layer's first norm's fp32 input, the block input
-    if not recomputed:  # (layer 0's input needs no gradient: not saved)
-        layer0 += kept_input
+    # a kept layer 0 whose q and k need no gradient saves no cos/sin: gone where no other layer
+    # of its kind saves them
+    layer0 = 0 if recomputed else layer0_less(t, attention[0]) + kept_input + (
+        0 if targets & {"q_proj", "k_proj", "qkv_proj"} else rotary_alone)
     return {
         "fixed": fixed,  # the mask and positions (no token ids: the embedding is frozen)
         "inputs": recomputed * e * t * h,
-        "block": internals if recomputed else 0,
-        "layers": (layers - recomputed) * (kept_internals + kept_input) - (0 if recomputed else layer0),
+        "block": peak([internals_at(mlp_t, a) - (layer0_less(mlp_t, a) if n == 0 else 0)
+                       for n, a in enumerate(attention[:recomputed])]),
+        "layers": sum(internals_at(t, a) + kept_input for a in attention[recomputed:]) - layer0,
         "final_norm": final,
         "head": final + loss_bytes(t=t, batch_size=batch_size, vocab=model.vocab_size, h=h, e=e, head_grad=False,
                                    own=own) + loss_workspace(t=t, vocab=model.vocab_size, h=h, e=e, own=own),
@@ -492,8 +537,10 @@ def model_blocks(model: ModelProfile) -> int:
 
 
 def buffer_bytes(model: ModelProfile) -> int:
-    """Module buffers: the rotary embedding's inv_freq and original_inv_freq (fp32, head_dim/2)."""
-    return 2 * 4 * (model.rotary_dim // 2)
+    """Module buffers: the rotary embedding's inv_freq and original_inv_freq (fp32, head_dim/2;
+    one pair per kind of layer, Gemma-3's local and global), Gemma's embedding scale (fp32)."""
+    kinds = len({model.slides(n) for n in range(model.num_hidden_layers)})
+    return kinds * 2 * 4 * (model.rotary_dim // 2) + (4 if model.gemma else 0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -329,7 +329,8 @@ class _Chunks:
         self.flops: list[float] = []
         self.encoded: set[int] = set()  # frozen chunks stored in another dtype (decoded per use, home or not)
         self.layers, self.tied = (model.num_hidden_layers, model.tie_word_embeddings) if lora is not None else (0, False)
-        self.qk_norm, self.fused = (model.qk_norm, model.fused) if model is not None else (False, False)
+        self.qk_norm, self.fused, self.post_norms, self.gemma = (
+            (model.qk_norm, model.fused, model.post_norms, model.gemma) if model is not None else (False,) * 4)
         self.num_layers = model.num_hidden_layers if model is not None else 0  # (the decoder blocks)
         self.grad_staging = 0  # host bytes gradients land in first on CUDA (make_plan)
         self.targets = lora.targets if lora is not None else frozenset()
@@ -410,7 +411,8 @@ class _Chunks:
         events = [(k, c) for k, c in step_trace({m: set(c) for m, c in self.plain_modules.items()},
                                                  layers=self.layers, targets=self.targets, tied=self.tied,
                                                  recompute=recompute, blocks=self.block_units,
-                                                 qk_norm=self.qk_norm, fused=self.fused) if c in keep]
+                                                 qk_norm=self.qk_norm, fused=self.fused, post_norms=self.post_norms,
+                                                 gemma=self.gemma) if c in keep]
         if not events:
             return {}
         sizes = {c: self.compute[c] for c in keep}

@@ -381,7 +381,9 @@ def _batches(batches: Iterable[dict] | None, *, rows: int, seq_len: int, vocab: 
         if padded:  # the second half of the last row is padding, as in a short last block
             mask[-1, seq_len // 2:] = 0
         labels = x.masked_fill(mask == 0, -100)
-        yield {"input_ids": x, "labels": labels, "attention_mask": mask}
+        # (as finetune's batches: a mask only where there is padding; an all-ones one still makes
+        # a sliding window's mask per row)
+        yield {"input_ids": x, "labels": labels, **({"attention_mask": mask} if padded else {})}
 
 
 @contextlib.contextmanager
