@@ -60,9 +60,11 @@ def ops_per_forward(model: ModelProfile, *, adapters: int = 0, decoded: int = 0)
     the scaling, the add) and per encoded base weight 2 (its decode and the cast). A MoE layer
     dispatches about 27% more than a dense one (its router, top-k, sort, offsets and two grouped
     matmuls: 98 aten ops against 77, transformers 5's grouped_mm experts), 41% more with
-    Qwen2-MoE's shared expert and its gate (109); Qwen3's q/k norms 2 RMSNorms more."""
-    layer = 48 + (0 if not model.moe else 19 if model.shared_expert_intermediate_size else 13) \
-        + (16 if model.qk_norm else 0)
+    Qwen2-MoE's shared expert and its gate (109); Qwen3's q/k norms 2 RMSNorms more, Gemma-3's
+    four norms 2 more again; a Gemma RMSNorm 10 ops (its fp32 weight plus one)."""
+    norms = 2 + (2 if model.qk_norm else 0) + (2 if model.post_norms else 0)
+    layer = 32 + norms * (10 if model.gemma else 8) \
+        + (0 if not model.moe else 19 if model.shared_expert_intermediate_size else 13)
     return layer * model.num_hidden_layers + 24 + 4 * adapters + 2 * decoded
 
 
