@@ -10,8 +10,8 @@ log = logging.getLogger(__name__)
 
 #: Model types whose attention isolates packed rows given per-row position_ids (and no attention
 #: mask or KV cache); each is tested against its rows run alone (tests/test_cli_packing.py).
-ISOLATING = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "phi3", "gemma2", "gpt2", "gpt_neox",
-                       "falcon"})
+ISOLATING = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "phi3", "gemma2", "gemma3_text",
+                       "gpt2", "gpt_neox", "falcon"})
 
 
 def isolates(config: Any, *, pack: bool = True) -> bool:

@@ -72,6 +72,7 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
         grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
         cuda=None if cfg.hardware else machine.has_cuda(),  # this machine's device, whatever the profile
         checkpointing=checkpointing(cfg), padded=padded, row_positions=rows_apart(cfg, src),
+        windows=attends_windows(cfg, src),
         offload_activations=bool(cfg.offload_activations),
         **lora_options(cfg, linears=engine_linears(src) if cfg.lora and not is_profile(cfg.model) else None),
         **layout,
@@ -570,6 +571,20 @@ def attends_segments(cfg: TrainConfig, src: "ModelSource | None") -> bool:
     return _attention(src) == NAME
 
 
+def attends_windows(cfg: TrainConfig, src: "ModelSource | None") -> bool:
+    """Whether the run's attention is offload.engine.segments' (build_meta_model installs it
+    where packing.use_segments does), which attends a sliding window shorter than a long row in
+    blocks; a profile names a family it is installed for (on transformers' SDPA)."""
+    if src is not None:
+        from ..offload.engine.segments import NAME
+
+        return _attention(src) == NAME
+    from ..profiles import load_model_profile
+    from .packing import ISOLATING
+
+    return load_model_profile(cfg.model).family in ISOLATING
+
+
 def checkpointing(cfg: TrainConfig) -> bool | int | None:
     """The Engine's / planner's `checkpointing` for --recompute / --recompute-layers: False off;
     the first N layers; True every layer (a model of one decoder layer recomputes none: it has no
@@ -779,7 +794,8 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
                         seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, chunk_bytes=cfg.budgets["chunk"],
                         lr=cfg.lr, steps=steps, batches=batches, seed=cfg.seed,
                         checkpointing=checkpointing(cfg), padded=padded, build=build_meta_model,
-                        row_positions=cfg.data is not None and rows_apart(cfg, src), **lora)
+                        row_positions=cfg.data is not None and rows_apart(cfg, src),
+                        windows=attends_windows(cfg, src), **lora)
     if src.has_weights:
         console.print("(random weights, not the checkpoint's: the bytes do not depend on their values, the "
                       "losses do)", highlight=False, soft_wrap=True)

@@ -50,7 +50,7 @@ class SdpaMasks:
 
     def __init__(self, monkeypatch):
         self.masks: list = []
-        sdpa = torch.nn.functional.scaled_dot_product_attention
+        self.sdpa = sdpa = torch.nn.functional.scaled_dot_product_attention
 
         def spy(*args, **kwargs):
             self.masks.append(kwargs.get("attn_mask"))
@@ -73,8 +73,9 @@ def test_each_packed_row_trains_as_it_would_alone(family, segments, tok, monkeyp
     spy = SdpaMasks(monkeypatch)
     with torch.no_grad():
         got = token_losses(model, batch_of(packed))
-    if sdpa:  # per segment: no dense mask at all; else transformers' block-causal one
-        assert spy.masks and all(m is None for m in spy.masks) == segments
+    if sdpa:  # per segment: no dense mask at all (a window's band at most); else transformers' block-causal one
+        dense = [m is not None and m.shape[-1] == 16 for m in spy.masks]
+        assert spy.masks and (not any(dense)) == segments
     monkeypatch.undo()
     with torch.no_grad():
         # each row alone: its tokens from the same blocks, one segment at a time
@@ -188,6 +189,49 @@ def test_with_a_cache_the_attention_is_transformers_own(tok):
             first = m(input_ids=ids[:, :8], use_cache=True)
             outs.append(m(input_ids=ids[:, 8:], past_key_values=first.past_key_values, use_cache=True).logits)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("config", [
+    dict(model_type="gemma3_text", sliding_window=4, kv=2), dict(model_type="gemma3_text", sliding_window=5, kv=4),
+    dict(model_type="mistral", sliding_window=3, kv=1), dict(model_type="mistral", sliding_window=7, kv=2)],
+    ids=lambda c: f"{c['model_type']}-w{c['sliding_window']}-kv{c['kv']}")
+def test_a_window_is_attended_in_blocks_as_through_its_dense_mask(config, monkeypatch):
+    """A sliding window shorter than a long row: blocks of `window` queries over the keys each
+    reaches, with a band mask, equal to transformers' SDPA through its S x S mask (fp64:
+    logits and every gradient, at row lengths a multiple of the window and not), and packed
+    rows each as alone; no SDPA call takes a mask wider than 2 x window - 1."""
+    import transformers
+
+    kind, window, kv = config["model_type"], config["sliding_window"], config["kv"]
+    cls = transformers.Gemma3TextConfig if kind == "gemma3_text" else transformers.MistralConfig
+    extra = dict(sliding_window_pattern=2, head_dim=8) if kind == "gemma3_text" else {}
+    cfg = cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=kv, sliding_window=window, attn_implementation="sdpa", **extra)
+
+    def model():
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(cfg).double()
+
+    ref, mine = model(), model()
+    assert use_segments(mine)
+    monkeypatch.setattr(perfmodel, "SEGMENTS_FROM", 2)
+    for seq in (4 * window, 4 * window + 3):
+        x = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seq))
+        spy = SdpaMasks(monkeypatch)
+        got = mine(input_ids=x, labels=x)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy.sdpa)
+        want = ref(input_ids=x, labels=x)
+        assert spy.masks and all(m is None or m.shape[-1] < 2 * window for m in spy.masks)
+        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-12)
+        mine.zero_grad(), ref.zero_grad()
+        got.loss.backward(), want.loss.backward()
+        for (name, a), b in zip(mine.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12, msg=name)
+    x = torch.randint(0, VOCAB, (1, 6 * window), generator=torch.Generator().manual_seed(0))
+    cut = 2 * window + 1  # two documents, each longer than the window
+    packed = mine(input_ids=x, position_ids=torch.cat([torch.arange(cut), torch.arange(6 * window - cut)])[None]).logits
+    alone = torch.cat([ref(input_ids=x[:, :cut]).logits, ref(input_ids=x[:, cut:]).logits], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-12)
 
 
 def test_alibi_and_short_windows_keep_their_mask(tmp_path, monkeypatch):

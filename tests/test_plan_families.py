@@ -180,6 +180,30 @@ def test_gemma_lora_activations_are_planned_exactly(profile, precision, checkpoi
                          padded=padded, lora=act)
 
 
+@pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
+@pytest.mark.parametrize("profile", [GEMMA3, dataclasses.replace(GEMMA3, num_key_value_heads=4),
+                                     dataclasses.replace(GEMMA3, sliding_window=5, sliding_window_pattern=6)],
+                         ids=["grouped", "mha", "all-local"])
+def test_gemma_3_windows_in_blocks_are_planned_exactly(monkeypatch, profile, checkpointing):
+    """finetune's attention (offload.engine.segments) takes a long row's window in blocks: each
+    block's band mask and, with grouped heads, its keys and values repeated; their outputs
+    joined. No S x S mask. Rows a multiple of the window and not, and as long as it (no mask)."""
+    from peft import LoraConfig
+
+    from tierwise.offload.plan import perfmodel
+
+    monkeypatch.setattr(perfmodel, "SEGMENTS_FROM", 4)
+    for precision, seq, lora in (("fp32", 20, None), ("bf16", 23, None), ("fp32", 8, None),
+                                 ("bf16", 20, "all-linear"), ("fp32", 23, "v_proj,down_proj")):
+        wanted = parse_targets(lora) if lora else None
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=lora if lora == "all-linear" else sorted(wanted)) \
+            if lora else None
+        assert activation_peak(profile, precision=precision, checkpointing=checkpointing, seq=seq, lora=config,
+                               windows=True) == \
+            activation_bytes(model=profile, batch_size=2, seq_len=seq, precision=precision,
+                             checkpointing=checkpointing, windows=True, lora=(wanted, 4) if lora else None), (precision, seq)
+
+
 def test_gemma_3_is_planned():
     """Gemma-3 1B and 270M and Gemma 7B (the model cards' counts; the plan adds the adapters),
     QLoRA on a 24 GB card at 8K tokens, where every local layer's 512-token window takes a mask."""

@@ -312,16 +312,20 @@ def mean_eval_loss(model, batches) -> float:
 
 
 def activation_peak(profile, *, precision: str, checkpointing, lora=None, padded: bool = False,
-                    rows: int = 2, seq: int = 20) -> int:
+                    rows: int = 2, seq: int = 20, windows: bool = False) -> int:
     """The engine's ledger peak of saved activations in one step of `profile`'s model (seeded
-    random weights and tokens; `padded`: the first row's last 3 tokens are padding): what the
-    planner's activation_bytes must equal."""
+    random weights and tokens; `padded`: the first row's last 3 tokens are padding; `windows`:
+    its attention offload.engine.segments', as finetune's): what the planner's
+    activation_bytes must equal."""
     import transformers
 
     from tierwise.offload import Activations, Budget, Engine, Precision
+    from tierwise.offload.engine.segments import use_segments
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(profile.to_hf_config())
+    if windows:
+        assert use_segments(model)
     eng = Engine(model, budget=Budget(chunk=16 << 10), precision=Precision(precision),
                  activations=Activations(recompute=checkpointing), **({} if lora is None else {"lora": lora}))
     try:

@@ -5,8 +5,10 @@ transformers' SDPA path turns that into a B x 1 x S x S mask, which at long leng
 the model (64K tokens: 4 GiB of bool, and SDPA's additive copy on top). For rows of
 perfmodel.SEGMENTS_FROM tokens or more, the attention here reads the segments from the
 position ids instead and runs causal SDPA on each, as each row would run alone; nothing
-S x S exists. Every other case (a padding mask, a sliding window, a cache) is transformers'
-own SDPA, unchanged.
+S x S exists. A sliding window shorter than such a row (Gemma-3's local layers, Mistral 7B
+v0.1's) is attended in blocks of `window` queries, each over the keys its window reaches (at
+most 2 x window - 1) with a band mask of that size: the row's segments each alone too. Every
+other case (a padding mask, a cache) is transformers' own SDPA, unchanged.
 
 `use_segments(model)` switches a model whose attention is transformers' "sdpa" to it.
 """
@@ -37,6 +39,17 @@ class _Causal:
 CAUSAL = _Causal()
 
 
+class Window:
+    """The mask of a batch without padding whose attention slides a window shorter than its
+    rows: each query sees itself and the `size` - 1 keys before it, in its own packed row."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __repr__(self) -> str:
+        return f"<sliding window of {self.size} per packed row>"
+
+
 def _mask(*, attention_mask=None, use_vmap: bool = False, local_size=None, q_length: int = 0, kv_length: int = 0,
           q_offset: int = 0, kv_offset: int = 0, **kwargs):
     """transformers' SDPA mask, except where the only reason for one can be packing (no padding
@@ -47,8 +60,8 @@ def _mask(*, attention_mask=None, use_vmap: bool = False, local_size=None, q_len
     from transformers.masking_utils import sdpa_mask
 
     if (attention_mask is None and not use_vmap and q_length == kv_length >= perfmodel.SEGMENTS_FROM and not q_offset and not kv_offset
-            and (local_size is None or local_size >= kv_length) and "allow_is_bidirectional_skip" not in kwargs):
-        return CAUSAL
+            and "allow_is_bidirectional_skip" not in kwargs):
+        return CAUSAL if local_size is None or local_size >= kv_length else Window(local_size)
     return sdpa_mask(attention_mask=attention_mask, use_vmap=use_vmap, local_size=local_size, q_length=q_length,
                      kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
 
@@ -104,21 +117,44 @@ def _attention(module, query, key, value, attention_mask, *, position_ids=None, 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     spans = None
-    if attention_mask is CAUSAL:
+    window = attention_mask.size if isinstance(attention_mask, Window) else None
+    if attention_mask is CAUSAL or window:
         attention_mask = None
         if position_ids is None:
             raise NotImplementedError(f"{type(module).__name__} does not pass position_ids to its attention: "
                                       "packed rows cannot be kept apart without a dense mask")
         if query.shape[2] > 1 and key.shape[2] == query.shape[2]:
             spans = last.of(position_ids, query.shape[0])
-    if spans is None:
+    if spans is None and not window:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows = []
-    for b, row in enumerate(spans):
-        parts = [sdpa_attention_forward(module, query[b:b + 1, :, a:z], key[b:b + 1, :, a:z],
-                                        value[b:b + 1, :, a:z], None, **kwargs)[0] for a, z in row]
+    for b, row in enumerate(spans or [[(0, query.shape[2])]] * query.shape[0]):
+        parts = []
+        for a, z in row:
+            parts += _windowed(module, query[b:b + 1], key[b:b + 1], value[b:b + 1], a, z, window, **kwargs) \
+                if window and z - a > window else \
+                [sdpa_attention_forward(module, query[b:b + 1, :, a:z], key[b:b + 1, :, a:z], value[b:b + 1, :, a:z],
+                                        None, **kwargs)[0]]
         rows.append(torch.cat(parts, dim=1))
     return torch.cat(rows, dim=0), None
+
+
+def _windowed(module, query, key, value, a: int, z: int, window: int, **kwargs) -> list:
+    """One segment [a, z) of a row attended through a sliding `window`: blocks of `window`
+    queries, each over the keys the window reaches from them, with the band mask a query at
+    block row r keeps (keys r .. r + window - 1 of the block's, the last being itself)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rows = torch.arange(window, device=query.device)
+    cols = torch.arange(2 * window - 1, device=query.device)
+    band = (cols[None, :] >= rows[:, None]) & (cols[None, :] < rows[:, None] + window)
+    out = []
+    for i in range(a, z, window):
+        j, k0 = min(i + window, z), max(a, i - window + 1)
+        d = k0 - (i - window + 1)  # the keys the segment's start cuts off the band (the first block: causal)
+        out.append(sdpa_attention_forward(module, query[:, :, i:j], key[:, :, k0:j], value[:, :, k0:j],
+                                          band[None, None, :j - i, d:d + j - k0], **kwargs)[0])
+    return out
 
 
 def _register() -> None:

@@ -68,11 +68,14 @@ def ops_per_forward(model: ModelProfile, *, adapters: int = 0, decoded: int = 0)
     return layer * model.num_hidden_layers + 24 + 4 * adapters + 2 * decoded
 
 
-def model_flops(*, model: ModelProfile, batch_size: int, seq_len: int) -> float:
-    """Forward flops of one step: 2 per matmul parameter per token, plus attention scores."""
-    tokens = batch_size * seq_len
-    attention = 4.0 * batch_size * seq_len**2 * model.q_dim * model.num_hidden_layers
-    return 2.0 * model.matmul_params * tokens + attention
+def model_flops(*, model: ModelProfile, batch_size: int, seq_len: int, windows: bool = False) -> float:
+    """Forward flops of one step: 2 per matmul parameter per token, plus attention scores (every
+    query-key pair SDPA computes; with `windows`, activation_parts', a window shorter than a
+    long row: its blocks' pairs)."""
+    tokens, window = batch_size * seq_len, model.sliding_window or seq_len
+    pairs = [window_blocks(seq_len, window)[1] if windows and model.slides(n) and SEGMENTS_FROM <= seq_len > window
+             else seq_len**2 for n in range(model.num_hidden_layers)]
+    return 2.0 * model.matmul_params * tokens + 4.0 * batch_size * model.q_dim * sum(pairs)
 
 
 HEAD_TILE_BYTES = 256 << 20
@@ -191,7 +194,8 @@ def mlp_tile_tokens(width: int, itemsize: int, rows: int, tile_bytes: "int | Non
 def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
                      checkpointing: bool | int | None = None, padded: bool = False,
                      lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int] | None" = None,
-                     row_positions: bool = False, offload: bool = False, tiles: bool = True) -> dict[str, int]:
+                     row_positions: bool = False, offload: bool = False, tiles: bool = True,
+                     windows: bool = False) -> dict[str, int]:
     """Bytes autograd saves for backward, by part, as the engine counts them (per saved tensor
     storage, deduplicated) for a Hugging Face Llama-family model with SDPA attention and every
     decoder layer checkpointed. e = compute bytes, T = batch * seq tokens:
@@ -240,6 +244,11 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     `tiles`: the MLP runs in tiles where it can (the engine tiles it where the blocks are its
     units of residency: offload.plan.needs.units_are_blocks); False: never.
 
+    `windows`: the attention is offload.engine.segments' (finetune's, for the families whose
+    packed rows it keeps apart): without `padded` at SEGMENTS_FROM tokens or more a layer whose
+    sliding window is shorter than the row attends it in blocks (window_blocks), with no dense
+    mask; a window as long as the row takes none.
+
     `row_positions`: the batch carries position_ids per row (packed rows kept apart,
     cli.data): the rotary cos/sin and the position ids are then per row (B x S), not shared,
     and without `padded` at SEGMENTS_FROM tokens or more the attention runs per segment
@@ -283,16 +292,26 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     # than the row or as long (transformers' SDPA path skips one for a longer window only; Gemma-3's
     # windows are shorter than segments.py's, which takes one as long as the row for causal)
     masked = [padded or (model.slides(n) and s >= (model.sliding_window or s + 1)) for n in range(layers)]
+    if windows and not padded and s >= SEGMENTS_FROM:  # (offload.engine.segments: its own blocks, no dense mask)
+        masked = [False] * layers
+    windowed = [windows and not padded and s >= SEGMENTS_FROM and model.slides(n) and s > (model.sliding_window or s)
+                for n in range(layers)]
     # o_proj's input is a copy of the attention's output where packed rows are attended per segment
     # (their outputs joined), or the rotary's cat made q contiguous (Phi-3: and so SDPA's output);
     # else one SDPA call's output is laid out as o_proj reads it
     o_copy = model.fused or (not padded and row_positions and s >= SEGMENTS_FROM)
 
-    def attention_of(mask: bool) -> int:  # one layer's attention, with its mask or without
+    def attention_of(mask: bool, window: bool = False) -> int:  # one layer's attention, with its mask or without
         out = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s \
             + qk_norm_bytes(model, t=t, e=e, weighted=lora is None) + (e * t * model.q_dim if o_copy else 0)
         if mask:  # the additive mask and k/v repeated per query head, as SDPA saves them
             out += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
+        if window:  # blocks of a window's queries: each one's additive band mask and (grouped heads) its
+            # keys and values repeated per query head; their outputs joined (o_proj's input a copy)
+            keys, pairs = window_blocks(s, model.sliding_window or s)
+            out += e * batch_size * pairs + (0 if o_copy else e * t * model.q_dim)  # (the join: a copy)
+            if model.num_key_value_heads < model.num_attention_heads:
+                out += 2 * e * batch_size * model.q_dim * keys - 2 * e * t * model.kv_dim
         # a fused layer's v is a view of the qkv output, which SDPA keeps whole (the engine runs
         # without a KV cache, whose concatenation would copy it out); with a mask and grouped heads,
         # repeat_kv copies it out instead
@@ -300,7 +319,7 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             out += e * t * (model.q_dim + model.kv_dim)
         return out
 
-    attention = [attention_of(m) for m in masked]
+    attention = [attention_of(m, w) for m, w in zip(masked, windowed)]
     # the MLP's tokens at once: a tile's when it runs in tiles (offload.engine.tiled)
     mlp_t = batch_size * min(s, mlp_tile_tokens(i, e, batch_size)) if (
         tiles and checkpointed and model.family in TILED_FAMILIES) else t
@@ -332,9 +351,10 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
         dense = model.shared_expert_intermediate_size if model.moe else i
         routed = moe_mlp_bytes(model, t=t, e=e, frozen=True) if model.moe else 0
         # the copy: saved by o_proj's own adapter only, and with dropout not even there (its dropped copy is)
-        unsaved = e * t * model.q_dim if o_copy and ("o_proj" not in lora[0] or len(lora) == 3) else 0
+        unsaved = e * t * model.q_dim if "o_proj" not in lora[0] or len(lora) == 3 else 0
         parts = _lora_parts(lora, e=e, t=t, s=s, h=h, i=dense, layers=layers,
-                            attention=[a - unsaved for a in attention], post=post,
+                            attention=[a - (unsaved if o_copy or w else 0) for a, w in zip(attention, windowed)],
+                            post=post,
                             fixed=mask + positions, recomputed=recomputed, model=model, batch_size=batch_size,
                             mlp_t=mlp_t, routed=routed, peak=recompute_peak,
                             rotary_alone=rotary if sum(model.slides(n) == model.slides(0) for n in range(layers)) == 1
@@ -370,6 +390,16 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
 #: The linears that read a layer's attention input, and its MLP's input: Llama's or, fused, Phi-3's.
 QKV = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj"})
 MLP_IN = frozenset({"gate_proj", "up_proj", "gate_up_proj"})
+
+
+def window_blocks(s: int, window: int) -> tuple[int, int]:
+    """(keys, query-key pairs) over the blocks a row of `s` tokens is attended in through a
+    sliding `window` (offload.engine.segments): blocks of `window` queries, the first over its
+    own keys, each other one over its own and the window - 1 before them."""
+    blocks = -(-s // window)
+    first, last = min(window, s), s - (blocks - 1) * window
+    squares = first * first + (blocks - 2) * window * window + last * last if blocks > 1 else first * first
+    return s + (blocks - 1) * (window - 1), squares + (window - 1) * (s - first)
 
 
 def qk_norm_bytes(model: ModelProfile, *, t: int, e: int, weighted: bool = True,
@@ -514,7 +544,7 @@ LoraAct = Optional[Union[tuple[frozenset[str], int], tuple[frozenset[str], int, 
 def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, precision: str,
                      backward: bool = True, checkpointing: bool | int | None = None, padded: bool = False,
                      lora: LoraAct = None, row_positions: bool = False, offload: bool = False,
-                     tiles: bool = True) -> int:
+                     tiles: bool = True, windows: bool = False) -> int:
     """Peak bytes of saved activations in one step (see activation_parts; `padded`: the step's
     batch has padding). Without backward (zeroth-order optimizers) autograd saves nothing: the
     loss's transients alone (zo_loss_workspace)."""
@@ -522,7 +552,7 @@ def activation_bytes(*, model: ModelProfile, batch_size: int, seq_len: int, prec
         return zo_loss_workspace(t=batch_size * seq_len, vocab=model.vocab_size, e=compute_bytes(precision))
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                          checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions,
-                         offload=offload, tiles=tiles)
+                         offload=offload, tiles=tiles, windows=windows)
     return p["fixed"] + max(p["inputs_end"] + p["layers"] + p["head"], p["inputs"] + p["block"])
 
 

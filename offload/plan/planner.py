@@ -158,6 +158,8 @@ class Plan:
     the run's worst step when some batch does (cli.planning.data_padded)."""
     row_positions: bool = False
     """Batches carry position ids per row (packed rows kept apart: cli.data)."""
+    windows: bool = False
+    """A sliding window shorter than a long row is attended in blocks (offload.engine.segments)."""
     offload: bool = False
     """Recomputed blocks' inputs wait in host memory (reserve host "activations")."""
     grad_accum: int = 1
@@ -566,7 +568,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
               chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rank: int | None = None,
               optimizer_kwargs: dict[str, Any] | None = None, grad_accum: int = 1, up_front: bool = True,
               checkpointing: bool | int | None = None, padded: bool = False, row_positions: bool = False,
-              offload_activations: bool = False,
+              windows: bool = False, offload_activations: bool = False,
               params: "Sequence[ParamSpec] | None" = None, device_mem: int | None = None,
               lora_rank: int | None = None, lora_targets: str = "all-linear", base_dtype: str | None = None,
               double_quant: bool = False, lora_dropout: float = 0.0, linears: "dict[str, str] | None" = None,
@@ -591,6 +593,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     `padded`: some batch of the run takes a dense S x S attention mask: the activations are
     then those of such a batch, the run's worst step (perfmodel.activation_parts).
     `row_positions`: the batches carry position ids per row (packed rows kept apart: cli.data).
+    `windows`: the model's attention is offload.engine.segments' (finetune's, for the families whose
+    packed rows it keeps apart): a sliding window shorter than a long row attends it in blocks.
     `offload_activations`: recomputed blocks' inputs wait in host memory between forward and
     backward (`Activations(offload=True)`): the device holds two, the host the rest, beside the
     chunks' homes (reserve "activations"; perfmodel.activation_parts).
@@ -665,12 +669,13 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
     def act_at(tiles: bool) -> int:  # (the blocks as the units: the MLPs in tiles; the modules: untiled)
         return activation_bytes(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                 backward=ch.needs_grad, checkpointing=checkpointing, padded=padded, lora=lora_act,
-                                row_positions=row_positions, offload=offload_activations, tiles=tiles)
+                                row_positions=row_positions, offload=offload_activations, tiles=tiles,
+                                windows=windows)
 
     act, tiled_act = act_at(False), act_at(True)
     offload_parts = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                      checkpointing=checkpointing, padded=padded, lora=lora_act,
-                                     row_positions=row_positions, offload=offload_activations)
+                                     row_positions=row_positions, offload=offload_activations, windows=windows)
     host_act = offload_parts["host_inputs"] if ch.needs_grad else 0
     staging = offload_parts["host_staging"] if ch.needs_grad else 0
     # where the offloaded inputs may live, tried in this order once the chunks' homes are known:
@@ -745,7 +750,8 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                                  meta=dict(batch_size=batch_size, seq_len=seq_len, chunk_bytes=chunk_size,
                                            optimizer=optimizer, checkpointing=checkpointing, padded=padded,
                                            layers=model.num_hidden_layers,
-                                           row_positions=row_positions, offload=offload_activations,
+                                           row_positions=row_positions, windows=windows,
+                                           offload=offload_activations,
                                            grad_accum=grad_accum, lora_rank=lora_rank,
                                            lora_targets=lora_targets if lora_rank is not None else None,
                                            base_dtype=(base_dtype or precision) if lora_rank is not None else None,
@@ -789,7 +795,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
         raise InfeasibleBudget(f"--nvme-path has {format_size(nvme_cap)} of space: needs at least "
                                f"{format_size(on_nvme)}; raise --cpu-mem / --cxl-mem or free disk space",
                                minimum={"nvme": on_nvme})
-    flops_fwd = model_flops(model=model, batch_size=batch_size, seq_len=seq_len)
+    flops_fwd = model_flops(model=model, batch_size=batch_size, seq_len=seq_len, windows=windows)
     ops = ch.ops_decoded if ch.encoded and ch.encoded <= device.decoded_home else ch.ops
     load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd, ops=ops,
                  recompute=checkpointing, offloaded={act_tier: host_act} if host_act else {},
@@ -804,7 +810,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
                   host_minimum=host_min + ch.grad_staging + {"host": host_act, "nvme": staging}.get(act_tier, 0),
                   act_tier=act_tier,
                   checkpointing=checkpointing, padded=padded, layers=model.num_hidden_layers,
-                  row_positions=row_positions, offload=offload_activations,
+                  row_positions=row_positions, windows=windows, offload=offload_activations,
                   grad_accum=grad_accum,
                   lora_rank=lora_rank, lora_targets=lora_targets if lora_rank is not None else None,
                   base_dtype=(base_dtype or precision) if lora_rank is not None else None,
@@ -1054,7 +1060,7 @@ def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
 def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds,
                    device: DevicePlan, batch_size: int, seq_len: int, precision: str,
                    checkpointing: int, padded: bool = False, lora: LoraAct = None,
-                   row_positions: bool = False, offload: bool = False) -> int:
+                   row_positions: bool = False, windows: bool = False, offload: bool = False) -> int:
     """Activations + gradients in flight at the gpu's busiest moment. Candidates: the end of
     forward (all activations); a block's recompute in backward;
     lm_head's gradient on its way to the host while the final norm's activations are still
@@ -1067,7 +1073,7 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
         return needs.activations + ch.zo_workspace
     p = activation_parts(model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
                          checkpointing=checkpointing, padded=padded, lora=lora, row_positions=row_positions,
-                         offload=offload, tiles=ch.block_units)
+                         windows=windows, offload=offload, tiles=ch.block_units)
     held = p["fixed"] + p["inputs_end"] + p["layers"]  # the kept layers' activations too, till their backward
     gathered = {name: ch.ce * (ch.plan.chunks[s.chunk].numel if s.chunk in ch.gathers else s.numel)
                 for name, s in ch.plan.slots.items()
@@ -1085,7 +1091,7 @@ def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: Devi
            act_tier: str = "host", **meta: Any) -> Plan:
     act_args = dict(batch_size=meta["batch_size"], seq_len=meta["seq_len"], precision=precision,
                     checkpointing=meta["checkpointing"], padded=meta["padded"], lora=lora_act,
-                    row_positions=meta["row_positions"], offload=meta["offload"])
+                    row_positions=meta["row_positions"], windows=meta["windows"], offload=meta["offload"])
     by_tier = {t: dict.fromkeys(KINDS + (("base",) if ch.frozen else ()), 0) for t in TIERS}
     for c in range(ch.n):  # a frozen chunk's one kind (the ledger's "compute") is shown as "base"
         if c in device.decoded_home:  # decoded once, for good: its compute copy is its home
@@ -1226,7 +1232,7 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     node = hw.node
     assert node is not None  # (multi.link refuses a profile without one)
     share = multi.rank_share(hw, L)
-    flops_fwd = model_flops(model=model, batch_size=meta["batch_size"], seq_len=meta["seq_len"])
+    flops_fwd = model_flops(model=model, batch_size=meta["batch_size"], seq_len=meta["seq_len"], windows=meta["windows"])
     accum, tokens = meta["grad_accum"], meta["batch_size"] * meta["seq_len"] * meta["grad_accum"] * world
     preds, loads, homes_of, step_loads = [], [], [], []
     for r in range(L):

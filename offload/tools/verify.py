@@ -142,14 +142,15 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
            tolerance: float = 0.10, name: str | None = None, checkpointing: bool | None = None,
            padded: bool = True, build: Callable[[Any], torch.nn.Module] | None = None,
            lora: Any = None, base_dtype: str | None = None, double_quant: bool = False,
-           row_positions: bool = False) -> VerifyReport:
+           row_positions: bool = False, windows: bool = False) -> VerifyReport:
     """Plan, then run `steps` real steps (the first is the warm-up) and compare; see the module
     docstring. `model`: a profile, a profile name, or a transformers config/model (its shapes).
     `batches`: batches of `batch_size * grad_accum` rows (default: random tokens). `name`: how
     the report names a model given as a transformers config. `checkpointing` as the Engine takes it.
     `build`: makes the meta-device module the engine trains from the config (the default ties
     tied weights as `from_pretrained` does); the plan chunks that module's parameters.
-    `row_positions`: the given batches carry position ids per row (planner.make_plan's).
+    `row_positions`: the given batches carry position ids per row (planner.make_plan's);
+    `windows`: `build` gives the model offload.engine.segments' attention (planner.make_plan's).
     `padded`: plan for padded batches, the worst step of a run whose data has padding (as
     `finetune` plans a run); the random batches are then padded too (the tail of one row).
     `lora`: a peft.LoraConfig: a LoRA run over a frozen base stored as `base_dtype`
@@ -172,7 +173,7 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
     user_hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware_profile(hardware or "cpu-sim")
     args = dict(model=profile, nvme_path=nvme_path, optimizer=optimizer, precision=precision, batch_size=batch_size,
                 seq_len=seq_len, grad_accum=grad_accum, chunk_bytes=chunk_bytes, optimizer_kwargs=optimizer_kwargs,
-                checkpointing=checkpointing, padded=padded, params=params, row_positions=row_positions,
+                checkpointing=checkpointing, padded=padded, params=params, row_positions=row_positions, windows=windows,
                 **_lora_options(lora, base_dtype, double_quant, linears))
     # Budgets as `finetune plan` resolves them (unset: the --hardware profile's sizes) ...
     asked = make_plan(hardware=_with_cxl(user_hw, cxl_mem), gpu_mem=gpu_mem, cpu_mem=cpu_mem, cxl_mem=cxl_mem,
