@@ -532,8 +532,8 @@ def _attention(src: "ModelSource") -> str:
 
 def always_masked(cfg: TrainConfig, src: "ModelSource | None") -> bool:
     """Whether every batch of the run takes a dense S x S mask: an attention that is not SDPA
-    (eager builds one always), ALiBi, or a sliding window shorter than --seq-len (Gemma-3's
-    windows are priced per layer, not here). A profile:
+    (eager builds one always), ALiBi, or a sliding window shorter than --seq-len in a family the
+    planner does not price (it prices each sliding layer's mask, or its blocks). A profile:
     its family's configuration (transformers' SDPA)."""
     if src is None:
         try:
@@ -549,10 +549,10 @@ def always_masked(cfg: TrainConfig, src: "ModelSource | None") -> bool:
         if _attention(src) not in SDPA:
             return True
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    from ..profiles.model import SLIDING_FAMILIES
+    from ..profiles.model import FAMILIES
 
-    if getattr(config, "model_type", None) in SLIDING_FAMILIES:
-        window = None  # (the planner prices each kind of layer's mask: perfmodel.activation_parts)
+    if getattr(config, "model_type", None) in FAMILIES:
+        window = None  # (the planner prices each sliding layer's mask or blocks: perfmodel.activation_parts)
     return bool(getattr(config, "alibi", False)) or (window is not None and window < cfg.seq_len)
 
 

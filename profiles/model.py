@@ -52,6 +52,9 @@ POST_NORM_FAMILIES = frozenset({"gemma3_text"})
 #: The families whose layers attend a sliding window, but every `sliding_window_pattern`-th layer
 #: the whole row (Gemma-3's local and global layers, each kind with its own rotary embedding).
 SLIDING_FAMILIES = frozenset({"gemma3_text"})
+#: The families whose config may give every layer a sliding window (Mistral 7B v0.1's 4,096,
+#: Phi-3-mini-4k's 2,047; Qwen's `use_sliding_window` where every layer slides).
+WINDOW_FAMILIES = frozenset({"mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen2_moe"})
 
 
 def routed_experts(config: Any) -> int:
@@ -78,7 +81,15 @@ def _unpriced(config: Any, family: str) -> str | None:
                                                   "use_bidirectional_attention") if getattr(config, k, None)]
     if family in SLIDING_FAMILIES and _pattern(config) is None:
         on.append("layer_types that are not every n-th layer global")
+    if family in WINDOW_FAMILIES and _window(config) and not all(
+            t == "sliding_attention" for t in getattr(config, "layer_types", None) or ["sliding_attention"]):
+        on.append(f"max_window_layers={getattr(config, 'max_window_layers', None)} (some layers slide, some not)")
     return " and ".join(on) or None
+
+
+def _window(config: Any) -> int | None:
+    """The sliding window a config's layers attend (Qwen's only with use_sliding_window)."""
+    return (getattr(config, "sliding_window", None) or None) if getattr(config, "use_sliding_window", True) else None
 
 
 def _pattern(config: Any) -> int | None:
@@ -126,9 +137,10 @@ class ModelProfile:
     partial_rotary_factor: float = field(default=1.0, metadata={"min": 0.0})
     """The share of each head's width the rotary embedding turns (Phi-4-mini's 0.75); 1: all."""
     sliding_window: int | None = field(default=None, metadata={"min": 1})
-    """Tokens a sliding layer attends (SLIDING_FAMILIES: Gemma-3's 512 or 1,024); None: none slides."""
+    """Tokens a sliding layer attends (Gemma-3's 512 or 1,024, Mistral 7B v0.1's 4,096); None: none slides."""
     sliding_window_pattern: int = field(default=0, metadata={"min": 0})
-    """Every n-th layer attends the whole row, the others the window (Gemma-3's 6)."""
+    """Every n-th layer attends the whole row, the others the window (SLIDING_FAMILIES: Gemma-3's
+    6); 0: every layer slides (WINDOW_FAMILIES, with a window)."""
     num_experts: int = field(default=0, metadata={"min": 0})
     """A MoE family's routed experts per layer (Mixtral's num_local_experts); 0 for a dense one."""
     num_experts_per_tok: int = field(default=0, metadata={"min": 0})
@@ -157,11 +169,14 @@ class ModelProfile:
                 f"(got {self.num_experts} and {self.num_experts_per_tok}; top-k at most the experts; a "
                 f"shared expert's width for qwen2_moe only)",
                 where=self.name, field="num_experts")
-        if (self.family in SLIDING_FAMILIES) != bool(self.sliding_window and self.sliding_window_pattern):
+        sliding = self.family in SLIDING_FAMILIES
+        if sliding != bool(self.sliding_window and self.sliding_window_pattern) or (
+                self.sliding_window and not sliding and self.family not in WINDOW_FAMILIES):
             raise FieldValueError(
-                f"family {self.family!r} {'needs' if self.family in SLIDING_FAMILIES else 'takes no'} sliding_window "
-                f"and sliding_window_pattern (got {self.sliding_window} and {self.sliding_window_pattern})",
-                where=self.name, field="sliding_window")
+                f"family {self.family!r} {'needs' if sliding else 'takes no'} sliding_window_pattern"
+                f"{' and a sliding_window' if sliding else ''} (got {self.sliding_window} and "
+                f"{self.sliding_window_pattern}; a window for {', '.join(sorted(WINDOW_FAMILIES | SLIDING_FAMILIES))} "
+                f"only)", where=self.name, field="sliding_window")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise FieldValueError(
                 f"field 'hidden_size' ({self.hidden_size}) must be a multiple of num_attention_heads "
@@ -208,7 +223,9 @@ class ModelProfile:
 
     def slides(self, layer: int) -> bool:
         """Whether decoder layer `layer` attends a sliding window (transformers' layer_types)."""
-        return bool(self.sliding_window_pattern) and bool((layer + 1) % self.sliding_window_pattern)
+        if not self.sliding_window:
+            return False
+        return not self.sliding_window_pattern or bool((layer + 1) % self.sliding_window_pattern)
 
     @property
     def moe(self) -> bool:
@@ -346,6 +363,8 @@ class ModelProfile:
         if family in SLIDING_FAMILIES:  # (a rotary embedding per kind of layer: the global one's base)
             rope = rope.get("full_attention") or {}
             extra.update(sliding_window=config.sliding_window, sliding_window_pattern=_pattern(config))
+        elif family in WINDOW_FAMILIES:
+            extra.update(sliding_window=_window(config))
         return cls(
             name=name or getattr(config, "_name_or_path", "") or family, family=family,
             hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
@@ -375,8 +394,12 @@ class ModelProfile:
             kwargs["partial_rotary_factor"] = self.partial_rotary_factor
         if self.head_dim is not None or self.qk_norm or self.gemma:  # (Qwen3's and Gemma's defaults: 128, 256)
             kwargs["head_dim"] = self.dim_per_head
-        if self.sliding_window:
+        if self.family in SLIDING_FAMILIES:
             kwargs.update(sliding_window=self.sliding_window, sliding_window_pattern=self.sliding_window_pattern)
+        elif self.family in WINDOW_FAMILIES:  # (MistralConfig's own default is 4,096; Qwen's every layer slides)
+            kwargs.update(sliding_window=self.sliding_window)
+            if self.family.startswith("qwen"):
+                kwargs.update(use_sliding_window=bool(self.sliding_window), max_window_layers=0)
         if self.router_loss:
             kwargs.update(output_router_logits=True)
         if self.family == "mixtral":

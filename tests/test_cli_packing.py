@@ -235,8 +235,9 @@ def test_a_window_is_attended_in_blocks_as_through_its_dense_mask(config, monkey
 
 
 def test_alibi_and_short_windows_keep_their_mask(tmp_path, monkeypatch):
-    """ALiBi adds its bias to the mask it gets: such a model keeps transformers' SDPA; a sliding
-    window shorter than the row makes every batch take a dense mask, which the plan prices."""
+    """ALiBi adds its bias to the mask it gets: such a model keeps transformers' SDPA. A sliding
+    window shorter than the row is no padded batch: the planner prices each sliding layer's
+    mask, or its blocks (perfmodel.activation_parts)."""
     import dataclasses
 
     from transformers import FalconConfig, FalconForCausalLM
@@ -253,7 +254,7 @@ def test_alibi_and_short_windows_keep_their_mask(tmp_path, monkeypatch):
     window = src.config.sliding_window
     cfg = TrainConfig(model=str(tmp_path / "mistral"), batch_size=1, seq_len=window)
     assert not data_padded(cfg, src)  # packed rows per segment, the window as long as the row
-    assert data_padded(dataclasses.replace(cfg, seq_len=window + 1), src)
+    assert not data_padded(dataclasses.replace(cfg, seq_len=window + 1), src)
 
 
 def test_short_packed_rows_take_the_mask_long_ones_segments(tok, monkeypatch):

@@ -142,9 +142,13 @@ GEMMA3_KINDS = [GEMMA3, dataclasses.replace(GEMMA3, sliding_window=20, sliding_w
                 dataclasses.replace(GEMMA3, sliding_window_pattern=1)]
 
 
+MISTRAL_WINDOW = dataclasses.replace(QWEN3, family="mistral", sliding_window=8)  # (every layer slides)
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
 @pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
-@pytest.mark.parametrize("profile", [GEMMA, *GEMMA3_KINDS], ids=["gemma", "gemma3", "gemma3-local", "gemma3-global"])
+@pytest.mark.parametrize("profile", [GEMMA, *GEMMA3_KINDS, MISTRAL_WINDOW],
+                         ids=["gemma", "gemma3", "gemma3-local", "gemma3-global", "mistral-window"])
 def test_gemma_activations_are_planned_exactly(profile, checkpointing, padded):
     """A Gemma norm computes in fp32 and saves its 1 + weight; Gemma-3 normalises the attention's
     and the MLP's outputs too, and its local layers take a mask where the window is no longer
@@ -182,9 +186,10 @@ def test_gemma_lora_activations_are_planned_exactly(profile, precision, checkpoi
 
 @pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
 @pytest.mark.parametrize("profile", [GEMMA3, dataclasses.replace(GEMMA3, num_key_value_heads=4),
-                                     dataclasses.replace(GEMMA3, sliding_window=5, sliding_window_pattern=6)],
-                         ids=["grouped", "mha", "all-local"])
-def test_gemma_3_windows_in_blocks_are_planned_exactly(monkeypatch, profile, checkpointing):
+                                     dataclasses.replace(GEMMA3, sliding_window=5, sliding_window_pattern=6),
+                                     dataclasses.replace(MISTRAL_WINDOW, sliding_window=5)],
+                         ids=["grouped", "mha", "all-local", "mistral"])
+def test_windows_in_blocks_are_planned_exactly(monkeypatch, profile, checkpointing):
     """finetune's attention (offload.engine.segments) takes a long row's window in blocks: each
     block's band mask and, with grouped heads, its keys and values repeated; their outputs
     joined. No S x S mask. Rows a multiple of the window and not, and as long as it (no mask)."""
@@ -287,3 +292,17 @@ def test_gemma_3_configs_the_formulas_do_not_price_are_refused(given, words):
         setattr(config, key, value)
     with pytest.raises(FieldValueError, match=f"not with {words}: `plan` and `--dry-run` cannot price"):
         ModelProfile.from_hf_config(config, name="t")
+
+
+def test_qwen2_windows_on_some_layers_only_are_refused():
+    """Qwen2's use_sliding_window slides the layers from max_window_layers on: priced where every
+    layer slides, refused where some do not."""
+    import transformers
+
+    common = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64, use_sliding_window=True, sliding_window=8)
+    every = ModelProfile.from_hf_config(transformers.Qwen2Config(**common, max_window_layers=0), name="t")
+    assert every.sliding_window == 8 and every.slides(0) and every.slides(1)
+    assert ModelProfile.from_hf_config(every.to_hf_config(), name="t") == every
+    with pytest.raises(FieldValueError, match="not with max_window_layers=1 .some layers slide, some not."):
+        ModelProfile.from_hf_config(transformers.Qwen2Config(**common, max_window_layers=1), name="t")
