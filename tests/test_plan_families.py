@@ -209,6 +209,22 @@ def test_windows_in_blocks_are_planned_exactly(monkeypatch, profile, checkpointi
                              checkpointing=checkpointing, windows=True, lora=(wanted, 4) if lora else None), (precision, seq)
 
 
+@pytest.mark.parametrize("lora", [None, "v_proj", "o_proj,down_proj"])
+def test_a_recomputed_layer_finds_only_its_offloaded_inputs_held(lora):
+    """Offloaded inputs: layer n's recompute finds its own and the one fetched ahead (a LoRA run's
+    first too): Gemma-3's lone local layer 0, the peak here, finds one, not two."""
+    from peft import LoraConfig
+
+    wanted = parse_targets(lora) if lora else None
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=sorted(wanted)) if lora else None
+    for profile in (GEMMA3, dataclasses.replace(GEMMA3, num_hidden_layers=3, sliding_window_pattern=3)):
+        for precision in ("fp32", "bf16"):
+            assert activation_peak(profile, precision=precision, checkpointing=True, lora=config, seq=64,
+                                   offload=True) == \
+                activation_bytes(model=profile, batch_size=2, seq_len=64, precision=precision, checkpointing=True,
+                                 offload=True, lora=(wanted, 4) if lora else None), (profile.num_hidden_layers, precision)
+
+
 def test_gemma_3_is_planned():
     """Gemma-3 1B and 270M and Gemma 7B (the model cards' counts; the plan adds the adapters),
     QLoRA on a 24 GB card at 8K tokens, where every local layer's 512-token window takes a mask."""

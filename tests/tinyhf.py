@@ -312,11 +312,11 @@ def mean_eval_loss(model, batches) -> float:
 
 
 def activation_peak(profile, *, precision: str, checkpointing, lora=None, padded: bool = False,
-                    rows: int = 2, seq: int = 20, windows: bool = False) -> int:
+                    rows: int = 2, seq: int = 20, windows: bool = False, offload: bool = False) -> int:
     """The engine's ledger peak of saved activations in one step of `profile`'s model (seeded
     random weights and tokens; `padded`: the first row's last 3 tokens are padding; `windows`:
-    its attention offload.engine.segments', as finetune's): what the planner's
-    activation_bytes must equal."""
+    its attention offload.engine.segments', as finetune's; `offload`: recomputed layers' inputs
+    in host memory): what the planner's activation_bytes must equal."""
     import transformers
 
     from tierwise.offload import Activations, Budget, Engine, Precision
@@ -327,7 +327,8 @@ def activation_peak(profile, *, precision: str, checkpointing, lora=None, padded
     if windows:
         assert use_segments(model)
     eng = Engine(model, budget=Budget(chunk=16 << 10), precision=Precision(precision),
-                 activations=Activations(recompute=checkpointing), **({} if lora is None else {"lora": lora}))
+                 activations=Activations(recompute=checkpointing, offload=offload),
+                 **({} if lora is None else {"lora": lora}))
     try:
         x = torch.randint(0, profile.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(1))
         batch = {"input_ids": x, "labels": x}

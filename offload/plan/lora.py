@@ -225,7 +225,7 @@ def _needs_grad_in(part: str, targets: frozenset[str]) -> bool:
 
 def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozenset[str], tied: bool,
                recompute: int, blocks: bool = False, qk_norm: bool = False,
-               fused: bool = False, post_norms: bool = False, gemma: bool = False) -> list[tuple[str, int]]:
+               fused: bool = False, post_norms: bool = False, reads_norms: bool = True) -> list[tuple[str, int]]:
     """The access trace ((\"acquire\" | \"release\", chunk), ...) the engine records for one LoRA
     step of a Llama-family model (offload.runtime.trace): each module acquires its chunks for its
     forward; backward reads the weights autograd saved (the output head's, the final norm's, and
@@ -237,11 +237,13 @@ def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozen
     layer's chunks are acquired together for its forward, and for its recompute and backward.
     `qk_norm`: the attention normalises queries and keys (profiles.model.QK_NORM_FAMILIES);
     `fused`: one qkv_proj and one gate_up_proj (profiles.model.FUSED_FAMILIES); `post_norms`:
-    Gemma-3's layer (profiles.model.POST_NORM_FAMILIES); `gemma`: norms that save 1 + weight, a
-    copy, so backward does not read them (profiles.model.GEMMA_FAMILIES)."""
+    Gemma-3's layer (profiles.model.POST_NORM_FAMILIES); `reads_norms`: backward reads the norms'
+    weights (False for profiles.model.GEMMA_FAMILIES: their norms save 1 + weight, a copy)."""
     events: list[tuple[str, int]] = []
     parts = _POST_NORM_LAYER if post_norms else _FUSED_LAYER if fused else _QK_LAYER if qk_norm else _LAYER
-    read_back = tuple(p for p in parts if not (gemma and p.endswith("norm")))  # (what backward reads)
+    norms = {"input_layernorm", "q_norm", "k_norm", "post_attention_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm"}
+    read_back = tuple(p for p in parts if reads_norms or p not in norms)  # (what backward reads)
 
     def acquire_release(cids: "set[int]") -> None:
         events.extend(("acquire", c) for c in sorted(cids))
@@ -266,7 +268,7 @@ def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozen
     use("model.norm")
     use(head)
     use(head)  # backward: the head's saved weight, then the final norm's
-    if not gemma:
+    if reads_norms:
         use("model.norm")
     for layer in reversed(range(layers)):
         if blocks and layer < recompute:

@@ -279,18 +279,20 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     own = model.router_loss  # (a router's loss joins the model's own: the tiled loss does not take it)
     fp32_copy = 4 * t * h
     # a Gemma norm computes in fp32: its normalised input is fp32, and it saves its 1 + weight
-    gemma_w = 4 * h if model.gemma else 0
+    gemma_w = gemma_weight_bytes(model)
     norm = 4 * t + e * t * h + (4 if model.gemma else e) * t * h + fp32_copy + gemma_w
     first_norm = norm - (fp32_copy if e == 4 else 0)
     # Gemma-3's norms of the attention's and the MLP's outputs: each one's fp32 input (the
     # linear's output itself in fp32), rsqrt, normalised input (a trained weight) and 1 + weight
-    post = 2 * (4 * t * h + 4 * t + (4 * t * h if lora is None else 0) + gemma_w) if model.post_norms else 0
+    post_norm = 4 * t * h + 4 * t + (4 * t * h if lora is None else 0) + gemma_w if model.post_norms else 0
+    post = 2 * post_norm
     layers = model.num_hidden_layers
     recomputed = recomputed_blocks(checkpointing, model_blocks(model))
     checkpointed = recomputed > 0
-    # the layers whose attention takes a mask: all with padding, else those whose window is shorter
-    # than the row or as long (transformers' SDPA path skips one for a longer window only; Gemma-3's
-    # windows are shorter than segments.py's, which takes one as long as the row for causal)
+    # the layers whose attention takes a dense mask: all with padding, else the sliding ones whose
+    # window is no longer than the row (transformers' SDPA path skips it only for a longer window);
+    # with `windows` from SEGMENTS_FROM tokens none: a shorter window runs in blocks, one as long as
+    # the row is plain causal attention (offload.engine.segments)
     masked = [padded or (model.slides(n) and s >= (model.sliding_window or s + 1)) for n in range(layers)]
     if windows and not padded and s >= SEGMENTS_FROM:  # (offload.engine.segments: its own blocks, no dense mask)
         masked = [False] * layers
@@ -339,13 +341,16 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
         """`block`: the most a recomputed layer's internals hold beyond `inputs` while it runs (the
         layers below it still keep their inputs; a kind of layer none of them is has freed its
         cos/sin and mask), over the recomputed layers' `internals`."""
-        best = 0
+        best, first = 0, 1 if lora is not None and offload else 0
+        held = first + min(len(internals) - first, 2) if offload else len(internals)
         for n, inner in enumerate(internals):
             below = {model.slides(m) for m in range(n + 1)}
             gone = sum(rotary + (mask_bytes if any(masked[m] and model.slides(m) == k for m in range(recomputed))
                                  else 0) for k in kinds - below)
-            fewer = 0 if offload else (len(internals) - 1 - n) * e * t * h  # (offloaded: two at most anyway)
-            best = max(best, inner - fewer - gone)
+            # of `inputs`, those layer n's recompute finds held: its own and the ones below it; offloaded,
+            # its own and the one fetched ahead, and a LoRA run's first (it stays)
+            fewer = held - min(n + 1, held)
+            best = max(best, inner - fewer * e * t * h - gone)
         return best
     if lora is not None:  # (a MoE's dense MLP is its shared expert, none for Mixtral; its routed experts: `moe`)
         dense = model.shared_expert_intermediate_size if model.moe else i
@@ -354,7 +359,7 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
         unsaved = e * t * model.q_dim if "o_proj" not in lora[0] or len(lora) == 3 else 0
         parts = _lora_parts(lora, e=e, t=t, s=s, h=h, i=dense, layers=layers,
                             attention=[a - (unsaved if o_copy or w else 0) for a, w in zip(attention, windowed)],
-                            post=post,
+                            post_norm=post_norm,
                             fixed=mask + positions, recomputed=recomputed, model=model, batch_size=batch_size,
                             mlp_t=mlp_t, routed=routed, peak=recompute_peak,
                             rotary_alone=rotary if sum(model.slides(n) == model.slides(0) for n in range(layers)) == 1
@@ -390,6 +395,12 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
 #: The linears that read a layer's attention input, and its MLP's input: Llama's or, fused, Phi-3's.
 QKV = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj"})
 MLP_IN = frozenset({"gate_proj", "up_proj", "gate_up_proj"})
+
+
+def gemma_weight_bytes(model: ModelProfile) -> int:
+    """What a Gemma RMSNorm over the hidden width saves besides the others': its 1 + weight (fp32,
+    a new tensor each call, for its input's gradient); 0 for other families."""
+    return 4 * model.hidden_size if model.gemma else 0
 
 
 def window_blocks(s: int, window: int) -> tuple[int, int]:
@@ -435,26 +446,30 @@ def moe_mlp_bytes(model: ModelProfile, *, t: int, e: int, frozen: bool = False) 
     return common + (32 + e) * pairs + e * t + e * t * h + 4 * e * t * width
 
 
-def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int]", *, e: int, t: int, s: int, h: int, i: int, layers: int,
-                attention: "list[int]", post: int, fixed: int, recomputed: int, model: ModelProfile, batch_size: int,
-                mlp_t: int, peak: "Callable[[list[int]], int]", rotary_alone: int, routed: int = 0) -> dict[str, int]:
+def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, int]", *, e: int, t: int, s: int,
+                h: int, i: int, layers: int, attention: "list[int]", post_norm: int, fixed: int, recomputed: int,
+                model: ModelProfile, batch_size: int, mlp_t: int, peak: "Callable[[list[int]], int]",
+                rotary_alone: int, routed: int = 0) -> dict[str, int]:
     """activation_parts of a LoRA run (see there). `attention`: each layer's attention bytes;
-    `post`: its norms of the attention's and the MLP's outputs (Gemma-3's). `mlp_t`: the MLP's
-    tokens at once in a recomputed layer (a tile's when it runs in tiles, which it does not with
-    dropout; its input is then saved whatever the targets); a kept layer's MLP runs untiled;
-    `peak`: the recomputed layers' internals to `block` (activation_parts); `rotary_alone`: layer
-    0's cos/sin where no other layer shares them (Gemma-3's kinds of layer). A MoE layer: `i` is its shared expert's width (0 for Mixtral), `routed` its routed experts'
-    bytes (moe_mlp_bytes, frozen)."""
+    `post_norm`: one of its norms of the attention's and the MLP's outputs (Gemma-3's). `mlp_t`:
+    the MLP's tokens at once in a recomputed layer (a tile's when it runs in tiles, which it does
+    not with dropout; its input is then saved whatever the targets); a kept layer's MLP runs
+    untiled; `peak`: the recomputed layers' internals to `block` (activation_parts);
+    `rotary_alone`: layer 0's cos/sin where no other layer shares them (Gemma-3's kinds of
+    layer: a kept layer 0 whose q and k need no gradient saves none). A MoE layer: `i` is its
+    shared expert's width (0 for Mixtral), `routed` its routed experts' bytes (moe_mlp_bytes,
+    frozen)."""
     targets, rank, drop = (*lora, None) if len(lora) == 2 else lora
     own = model.router_loss  # (as activation_parts)
     if drop is not None and targets & (MLP_IN | {"down_proj"}):
         mlp_t = t  # (an adapter's dropout in the MLP would draw its noise per tile: untiled)
     fp32_copy = 4 * t * h
-    gemma_w = 4 * h if model.gemma else 0  # (a Gemma norm's 1 + weight, saved for its input's gradient)
+    gemma_w, post = gemma_weight_bytes(model), 2 * post_norm
     first = 4 * t + (fp32_copy if e != 4 else 0) + (e * t * h if targets & QKV else 0) + gemma_w
     mlp_targets = len(targets & (MLP_IN | {"down_proj"}))
 
     def internals_at(mt: int, att: int) -> int:  # one layer's, its MLP over `mt` tokens at once
+        # (post_attention_layernorm before the MLP; Gemma-3's pre_feedforward_layernorm)
         second = 4 * t + fp32_copy + gemma_w + (e * t * h if targets & (MLP_IN | {"shared_expert_gate"})
                                                 or mt != t else 0)
         mlp = 3 * e * mt * i + (e * mt * i if "down_proj" in targets else 0) + routed
@@ -475,7 +490,7 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
             less += att - (e * t * model.q_dim if "o_proj" in targets else 0)  # o_proj's adapter saves its input
             if "o_proj" not in targets:
                 less += 4 * t + fp32_copy + gemma_w  # the second norm's input needs no gradient either
-                less += post // 2  # nor, in Gemma-3, the norm of the attention's output
+                less += post_norm  # nor, in Gemma-3, the norm of the attention's output
                 mlp_in = targets & MLP_IN
                 # of gate, up and silu(gate): what the targeted side's gradient needs (a fused gate_up: both)
                 sides = 2 if "gate_up_proj" in mlp_in else len(mlp_in)

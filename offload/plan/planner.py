@@ -414,7 +414,7 @@ class _Chunks:
                                                  layers=self.layers, targets=self.targets, tied=self.tied,
                                                  recompute=recompute, blocks=self.block_units,
                                                  qk_norm=self.qk_norm, fused=self.fused, post_norms=self.post_norms,
-                                                 gemma=self.gemma) if c in keep]
+                                                 reads_norms=not self.gemma) if c in keep]
         if not events:
             return {}
         sizes = {c: self.compute[c] for c in keep}
