@@ -499,9 +499,29 @@ class TrainConfig:
 def default_precision(*, lora: bool, hardware: "str | None") -> "tuple[str, str | None]":
     """(precision, note): a LoRA/QLoRA run computes in bf16 where its device has it, as QLoRA
     does: the --hardware profile's GPU, else this machine's CUDA device; fp32 on the simulated
-    device (CPU), with a note saying so. A full fine-tune: fp32 (bf16 is a choice: --precision)."""
+    device (CPU), with a note saying so. A full fine-tune: fp32 (bf16 is a choice: --precision),
+    with a note where the device has bf16."""
     if not lora:
-        return "fp32", None
+        return "fp32", (FULL_FP32 if _gpu_bf16(hardware) else None)
+    if _gpu_bf16(hardware):
+        return "bf16", None
+    if not hardware:
+        from .machine import has_cuda
+
+        if has_cuda():
+            return "fp32", "this GPU has no bf16: the LoRA run computes in fp32"
+    return "fp32", ("LoRA computes in fp32 on the simulated device (CPU); on a GPU it defaults to bf16, "
+                    "as QLoRA trains")
+
+
+#: What a full fine-tune's default precision says on a device with bf16.
+FULL_FP32 = ("a full fine-tune computes in fp32 unless --precision bf16 is given (its masters and optimizer "
+             "state stay fp32 either way; bf16 halves the activations and the device's copies of the weights)")
+
+
+def _gpu_bf16(hardware: "str | None") -> bool:
+    """Whether the run's device computes in bf16: the --hardware profile's GPU, else this
+    machine's CUDA device."""
     if hardware:
         try:
             from ..profiles import load_hardware_profile
@@ -509,19 +529,14 @@ def default_precision(*, lora: bool, hardware: "str | None") -> "tuple[str, str 
             simulated = load_hardware_profile(hardware).simulated
         except Exception:  # noqa: BLE001 - an unknown profile is refused where it is loaded, naming the known ones
             simulated = True
-        if not simulated:
-            return "bf16", None
-    else:
-        from .machine import has_cuda
+        return not simulated
+    from .machine import has_cuda
 
-        if has_cuda():
-            import torch
+    if not has_cuda():
+        return False
+    import torch
 
-            if torch.cuda.is_bf16_supported():
-                return "bf16", None
-            return "fp32", "this GPU has no bf16: the LoRA run computes in fp32"
-    return "fp32", ("LoRA computes in fp32 on the simulated device (CPU); on a GPU it defaults to bf16, "
-                    "as QLoRA trains")
+    return bool(torch.cuda.is_bf16_supported())
 
 
 #: --config's keys: every option field (a file may hold train keys `plan` does not use).

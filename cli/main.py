@@ -291,14 +291,15 @@ def plan(
     flags_win(ctx, options)
     from .diskspace import plan_line as disk_line
     from .planning import (AUTO_OFFLOADED, OFFLOADED, SEQ_STEP, advise, check_budgets, local_notes, longest,
-                           longest_line, make_plan, print_plan, resolve_offload, resolve_recompute, seq_len_note,
-                           share_note, verify_plan)
+                           longest_line, make_plan, precision_note, print_plan, resolve_offload, resolve_recompute,
+                           seq_len_note, share_note, verify_plan)
 
     search = str(options.get("seq_len")) == "max"
     if search and verify:
         raise TierwiseError("--verify runs one length: give --seq-len N (`--seq-len max` first finds it)")
     options["seq_len"] = SEQ_STEP if search else _whole(options.get("seq_len"), "--seq-len")
     cfg = TrainConfig(**options)
+    chosen = cfg.precision_note  # (a TrainConfig replaced later resolves none: its precision is set)
     if search:
         cfg, result = longest(cfg, here=False)
         print_plan(result, console=Console(), as_json=json_out)
@@ -346,7 +347,8 @@ def plan(
                                    highlight=False, soft_wrap=True)
     beyond = seq_len_note(cfg)
     share = share_note(cfg, result, here=False) if auto_share else None
-    for note in local_notes(cfg, result) + [n for n in (share, beyond) if n]:  # stderr, also with --json
+    bf16 = precision_note(cfg, result, chosen=chosen, here=False)
+    for note in local_notes(cfg, result) + [n for n in (share, bf16, beyond) if n]:  # stderr, also with --json
         Console(stderr=True).print(note, highlight=False, soft_wrap=True)
 
 

@@ -20,7 +20,7 @@ from . import machine
 from .launch import RankInfo
 from .machine import free_disk, physical_ram
 from .profilemodel import is_profile, profile_params
-from ..offload.core.errors import InfeasibleBudget, UnsupportedModel
+from ..offload.core.errors import InfeasibleBudget, TierwiseError, UnsupportedModel
 from ..offload.core.units import format_size
 from ..offload.plan import planner
 from ..offload.plan.planner import Plan
@@ -603,6 +603,21 @@ def share_note(cfg: TrainConfig, plan: Plan, *, here: bool = True) -> str | None
     return (f"recompute: the first {plan.checkpointing} of {plan.layers} layers, the fastest plan that fits "
             f"(every layer's activations kept do not; all {plan.layers} recomputed: {every.tokens_per_s:,.0f} "
             f"tokens/s against {plan.tokens_per_s:,.0f}); --recompute or --recompute-layers N choose")
+
+
+def precision_note(cfg: TrainConfig, plan: Plan, *, chosen: str | None, here: bool = True) -> str | None:
+    """What `plan` says of a full fine-tune's default fp32 on a device with bf16 (`chosen`, the
+    TrainConfig's precision_note as the options resolved it: config.FULL_FP32): what bf16 would
+    plan beside it. None otherwise."""
+    from .config import FULL_FP32
+
+    if chosen != FULL_FP32:
+        return None
+    try:
+        alt = make_plan(dataclasses.replace(cfg, precision="bf16"), ranks=True, here=here)
+    except TierwiseError:  # (bf16 refused: the note alone)
+        return f"precision: {FULL_FP32}"
+    return f"precision: {FULL_FP32}: bf16 plans {alt.tokens_per_s:,.0f} tokens/s against {plan.tokens_per_s:,.0f}"
 
 
 def _recomputing(cfg: TrainConfig, n: int | None) -> TrainConfig:

@@ -134,6 +134,9 @@ def test_lora_defaults_follow_the_qlora_recipe(monkeypatch):
 
     full = TrainConfig(model="llama-8b")
     assert (full.lr, full.precision, full.precision_note) == (1e-4, "fp32", None)
+    on_gpu = TrainConfig(model="llama-8b", hardware="h100")  # (a full fine-tune: fp32, saying bf16 is a flag away)
+    assert on_gpu.precision == "fp32" and "unless --precision bf16" in on_gpu.precision_note
+    assert TrainConfig(model="llama-8b", hardware="h100", precision="fp32").precision_note is None
     gpu = TrainConfig(model="llama-70b", qlora=True, hardware="rtx4090")
     assert (gpu.lr, gpu.precision, gpu.precision_note) == (2e-4, "bf16", None)
     monkeypatch.setattr(machine, "has_cuda", lambda: False)

@@ -6,6 +6,8 @@ where the budget holds every layer's activations, else the fewest first layers t
 all of them, whichever the plan finds faster.
 """
 
+import re
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -110,6 +112,18 @@ def test_auto_recomputes_the_fewest_first_layers_that_fit():
     assert (picks["5M"].recompute, picks["5M"].recompute_layers) == (True, None)
     with pytest.raises(InfeasibleBudget, match="too small"):  # 7M without the share
         plan_of(TrainConfig(**BASE, gpu_mem="7M", recompute=False))
+
+
+def test_a_full_fine_tunes_default_fp32_on_a_gpu_says_what_bf16_plans():
+    runner = CliRunner()
+    args = ["plan", "--model", "llama-1b", "--hardware", "h100", "--gpu-mem", "80G", "--cpu-mem", "16G",
+            "--seq-len", "1024"]
+    note = [ln for ln in runner.invoke(app, args).output.splitlines() if ln.startswith("precision:")]
+    assert len(note) == 1 and "unless --precision bf16" in note[0], note
+    bf16, fp32 = (float(n.replace(",", "")) for n in re.search(r"bf16 plans ([\d,]+) tokens/s against ([\d,]+)",
+                                                                 note[0]).groups())
+    assert bf16 > fp32 > 0  # (the card's bf16 rate)
+    assert "precision:" not in runner.invoke(app, [*args, "--precision", "fp32"]).output
 
 
 def test_the_flag_plans_trains_and_refuses(tmp_path):
