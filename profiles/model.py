@@ -96,8 +96,10 @@ def _pattern(config: Any) -> int | None:
     """n where a config's layer_types attend the whole row at every n-th layer only (the window
     elsewhere; n past the last layer: none global); None for another arrangement."""
     kinds = [t == "full_attention" for t in config.layer_types]
-    n = getattr(config, "_sliding_window_pattern", None) or ((kinds.index(True) + 1) if any(kinds) else len(kinds) + 1)
-    return n if kinds == [not (i + 1) % n for i in range(len(kinds))] else None
+    for n in (getattr(config, "_sliding_window_pattern", None), kinds.index(True) + 1 if any(kinds) else len(kinds) + 1):
+        if n and kinds == [not (i + 1) % n for i in range(len(kinds))]:
+            return n
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

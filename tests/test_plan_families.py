@@ -140,6 +140,7 @@ GEMMA3 = dataclasses.replace(QWEN3, family="gemma3_text", **SLIDES)
 #: a longer window); every layer global.
 GEMMA3_KINDS = [GEMMA3, dataclasses.replace(GEMMA3, sliding_window=20, sliding_window_pattern=6),
                 dataclasses.replace(GEMMA3, sliding_window_pattern=1)]
+GEMMA3_MQA = dataclasses.replace(GEMMA3, num_key_value_heads=1)  # (one key/value head: repeated as a view)
 
 
 MISTRAL_WINDOW = dataclasses.replace(QWEN3, family="mistral", sliding_window=8)  # (every layer slides)
@@ -147,8 +148,8 @@ MISTRAL_WINDOW = dataclasses.replace(QWEN3, family="mistral", sliding_window=8) 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
 @pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
-@pytest.mark.parametrize("profile", [GEMMA, *GEMMA3_KINDS, MISTRAL_WINDOW],
-                         ids=["gemma", "gemma3", "gemma3-local", "gemma3-global", "mistral-window"])
+@pytest.mark.parametrize("profile", [GEMMA, *GEMMA3_KINDS, GEMMA3_MQA, MISTRAL_WINDOW],
+                         ids=["gemma", "gemma3", "gemma3-local", "gemma3-global", "gemma3-mqa", "mistral-window"])
 def test_gemma_activations_are_planned_exactly(profile, checkpointing, padded):
     """A Gemma norm computes in fp32 and saves its 1 + weight; Gemma-3 normalises the attention's
     and the MLP's outputs too, and its local layers take a mask where the window is no longer
@@ -187,8 +188,8 @@ def test_gemma_lora_activations_are_planned_exactly(profile, precision, checkpoi
 @pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
 @pytest.mark.parametrize("profile", [GEMMA3, dataclasses.replace(GEMMA3, num_key_value_heads=4),
                                      dataclasses.replace(GEMMA3, sliding_window=5, sliding_window_pattern=6),
-                                     dataclasses.replace(MISTRAL_WINDOW, sliding_window=5)],
-                         ids=["grouped", "mha", "all-local", "mistral"])
+                                     dataclasses.replace(MISTRAL_WINDOW, sliding_window=5), GEMMA3_MQA],
+                         ids=["grouped", "mha", "all-local", "mistral", "mqa"])
 def test_windows_in_blocks_are_planned_exactly(monkeypatch, profile, checkpointing):
     """finetune's attention (offload.engine.segments) takes a long row's window in blocks: each
     block's band mask and, with grouped heads, its keys and values repeated; their outputs
@@ -304,6 +305,9 @@ def test_gemma_3_configs_the_formulas_do_not_price_are_refused(given, words):
     in another arrangement than Gemma-3's every n-th layer global."""
     config = GEMMA3.to_hf_config()
     assert config.layer_types == ["sliding_attention", "full_attention"]
+    config.layer_types = ["full_attention"] * 2  # (every layer global: n = 1, whatever the config's old pattern)
+    assert ModelProfile.from_hf_config(config, name="t") == dataclasses.replace(GEMMA3, sliding_window_pattern=1)
+    config = GEMMA3.to_hf_config()
     for key, value in given.items():
         setattr(config, key, value)
     with pytest.raises(FieldValueError, match=f"not with {words}: `plan` and `--dry-run` cannot price"):

@@ -256,6 +256,7 @@ FAMILIES = {
     "phi3": ("Phi3Config", dict(intermediate_size=64, num_key_value_heads=2, resid_pdrop=0.0,
                                 embd_pdrop=0.0, attention_dropout=0.0)),
     "gemma2": ("Gemma2Config", dict(intermediate_size=64, num_key_value_heads=2, head_dim=8)),
+    "gemma": ("GemmaConfig", dict(intermediate_size=64, num_key_value_heads=1, head_dim=8)),  # (one key/value head)
     "gemma3": ("Gemma3TextConfig", dict(intermediate_size=64, num_key_value_heads=2, head_dim=8, sliding_window=8,
                                         sliding_window_pattern=2)),  # (a local layer, then a global one)
     "opt": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64,

@@ -303,21 +303,25 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     # else one SDPA call's output is laid out as o_proj reads it
     o_copy = model.fused or (not padded and row_positions and s >= SEGMENTS_FROM)
 
+    # k/v repeated per query head (transformers' repeat_kv, where SDPA takes a mask) are copies only
+    # with grouped heads: one key/value head is expanded as a view of itself
+    copies = 1 < model.num_key_value_heads < model.num_attention_heads
+
     def attention_of(mask: bool, window: bool = False) -> int:  # one layer's attention, with its mask or without
         out = e * t * (2 * model.q_dim + 2 * model.kv_dim) + 4 * batch_size * model.num_attention_heads * s \
             + qk_norm_bytes(model, t=t, e=e, weighted=lora is None) + (e * t * model.q_dim if o_copy else 0)
         if mask:  # the additive mask and k/v repeated per query head, as SDPA saves them
-            out += e * batch_size * s * s + 2 * e * t * (model.q_dim - model.kv_dim)
+            out += e * batch_size * s * s + (2 * e * t * (model.q_dim - model.kv_dim) if copies else 0)
         if window:  # blocks of a window's queries: each one's additive band mask and (grouped heads) its
             # keys and values repeated per query head; their outputs joined (o_proj's input a copy)
             keys, pairs = window_blocks(s, model.sliding_window or s)
             out += e * batch_size * pairs + (0 if o_copy else e * t * model.q_dim)  # (the join: a copy)
-            if model.num_key_value_heads < model.num_attention_heads:
+            if copies:
                 out += 2 * e * batch_size * model.q_dim * keys - 2 * e * t * model.kv_dim
         # a fused layer's v is a view of the qkv output, which SDPA keeps whole (the engine runs
         # without a KV cache, whose concatenation would copy it out); with a mask and grouped heads,
         # repeat_kv copies it out instead
-        if model.fused and (not mask or model.num_key_value_heads == model.num_attention_heads):
+        if model.fused and (not mask or not copies):
             out += e * t * (model.q_dim + model.kv_dim)
         return out
 
