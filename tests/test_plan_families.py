@@ -210,6 +210,34 @@ def test_windows_in_blocks_are_planned_exactly(monkeypatch, profile, checkpointi
                              checkpointing=checkpointing, windows=True, lora=(wanted, 4) if lora else None), (precision, seq)
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("profile", [GEMMA3, GEMMA3_MQA], ids=["grouped", "mqa"])
+def test_packed_documents_in_windows_stay_within_the_plan(monkeypatch, profile, checkpointing):
+    """Packed rows (the planner cannot know their documents): a document no longer than the window
+    runs whole, saving views of the whole k/v, one longer in blocks; whatever the cuts, the
+    engine's peak is at most the plan's."""
+    import transformers
+
+    from tierwise.offload.engine.segments import use_segments
+    from tierwise.offload.plan import perfmodel
+
+    monkeypatch.setattr(perfmodel, "SEGMENTS_FROM", 4)
+    planned = activation_bytes(model=profile, batch_size=2, seq_len=32, precision="fp32", checkpointing=checkpointing,
+                               windows=True, row_positions=True)
+    for cuts in ([], [3], [10], [5, 12], [9, 18, 27], [2, 4, 6, 30]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(profile.to_hf_config())
+        assert use_segments(model)
+        engine = Engine(model, budget=Budget(chunk=16 << 10), activations=Activations(recompute=checkpointing))
+        x = torch.randint(0, profile.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+        pos = torch.cat([torch.arange(b - a) for a, b in zip([0, *cuts], [*cuts, 32])])
+        try:
+            engine.step({"input_ids": x, "labels": x, "position_ids": pos.repeat(2, 1), "use_cache": False})
+            assert engine.ledger.kind_peak("gpu", "activation") <= planned, cuts
+        finally:
+            engine.close()
+
+
 @pytest.mark.parametrize("lora", [None, "v_proj", "o_proj,down_proj"])
 def test_a_recomputed_layer_finds_only_its_offloaded_inputs_held(lora):
     """Offloaded inputs: layer n's recompute finds its own and the one fetched ahead (a LoRA run's

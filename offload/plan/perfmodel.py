@@ -316,8 +316,8 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             # keys and values repeated per query head; their outputs joined (o_proj's input a copy)
             keys, pairs = window_blocks(s, model.sliding_window or s)
             out += e * batch_size * pairs + (0 if o_copy else e * t * model.q_dim)  # (the join: a copy)
-            if copies:
-                out += 2 * e * batch_size * model.q_dim * keys - 2 * e * t * model.kv_dim
+            if copies:  # (packed documents no longer than the window run whole: k/v's views saved)
+                out += 2 * e * batch_size * model.q_dim * keys - (0 if row_positions else 2 * e * t * model.kv_dim)
         # a fused layer's v is a view of the qkv output, which SDPA keeps whole (the engine runs
         # without a KV cache, whose concatenation would copy it out); with a mask and grouped heads,
         # repeat_kv copies it out instead
