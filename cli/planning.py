@@ -334,12 +334,19 @@ def check_seq_len(cfg: TrainConfig, src: "ModelSource") -> str | None:
             "planned and trained as asked; extending its context (rope scaling in config.json) is your choice")
 
 
-def seq_len_note(cfg: TrainConfig) -> str | None:
-    """check_seq_len's note for `plan` (a profile: against its max_position_embeddings)."""
+def trained_positions(cfg: TrainConfig) -> int | None:
+    """The positions the run's model was trained for (a profile's max_position_embeddings)."""
     if is_profile(cfg.model):
         from ..profiles import load_model_profile
 
-        limit = load_model_profile(cfg.model).max_position_embeddings
+        return load_model_profile(cfg.model).max_position_embeddings
+    return max_positions(resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code).config)
+
+
+def seq_len_note(cfg: TrainConfig) -> str | None:
+    """check_seq_len's note for `plan` (a profile: against its max_position_embeddings)."""
+    if is_profile(cfg.model):
+        limit = trained_positions(cfg)
         if limit is None or cfg.seq_len <= limit:
             return None
         return (f"note: --seq-len {cfg.seq_len:,} is beyond the {limit:,} positions {cfg.model} was trained for: "
@@ -749,7 +756,15 @@ def longest_line(cfg: TrainConfig, plan: Plan) -> str:
             f"{plan.tokens_per_s:,.0f} tokens/s; --seq-len {cfg.seq_len}"
             + (" --offload-activations" if host or cxl or nvme else ""))
     beyond = seq_len_note(cfg)
-    return line + (f"\n{beyond}" if beyond else "")
+    if not beyond:
+        return line
+    limit = trained_positions(cfg)
+    try:  # (the same settings at the trained length: it fits where the longer row does)
+        within = make_plan(dataclasses.replace(cfg, seq_len=limit), ranks=True, here=False) if limit else None
+    except TierwiseError:
+        within = None
+    return line + f"\n{beyond}" + (f"; within them: --seq-len {limit} plans {within.tokens_per_s:,.0f} tokens/s"
+                                   if within is not None else "")
 
 
 def print_plan(plan: Plan, *, console: Console, as_json: bool) -> None:
