@@ -34,6 +34,21 @@ PHI3 = dataclasses.replace(QWEN3, family="phi3", head_dim=None)  # (head 8 wide,
 SLIDES = dict(sliding_window=8, sliding_window_pattern=2)  # (a local layer, then a global one)
 
 
+def assert_lora_planned_exactly(profile, precision, checkpointing, targets, padded, dropout):
+    """The engine's activation peak of a LoRA step (r 4 on `targets`, PEFT's config) equals the
+    planner's (the CPU's dropout keeps its scaled noise: e bytes)."""
+    from peft import LoraConfig
+
+    wanted = parse_targets(targets, profile_linears(profile.param_specs()))
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                        target_modules=targets if targets == "all-linear" else sorted(wanted))
+    e = 4 if precision == "fp32" else 2
+    act = (wanted, 4, e) if dropout else (wanted, 4)
+    assert activation_peak(profile, precision=precision, checkpointing=checkpointing, lora=config, padded=padded) == \
+        activation_bytes(model=profile, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing,
+                         padded=padded, lora=act)
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
@@ -100,16 +115,7 @@ def test_phi_4_is_planned():
 def test_phi3_lora_activations_are_planned_exactly(profile, precision, checkpointing, targets, padded, dropout):
     """One adapter per fused projection; o_proj's input copy is saved by its own adapter only
     (with dropout not even there: the dropped copy is)."""
-    from peft import LoraConfig
-
-    wanted = parse_targets(targets, profile_linears(profile.param_specs()))
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
-                        target_modules=targets if targets == "all-linear" else sorted(wanted))
-    e = 4 if precision == "fp32" else 2
-    act = (wanted, 4, e) if dropout else (wanted, 4)
-    assert activation_peak(profile, precision=precision, checkpointing=checkpointing, lora=config, padded=padded) == \
-        activation_bytes(model=profile, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing,
-                         padded=padded, lora=act)
+    assert_lora_planned_exactly(profile, precision, checkpointing, targets, padded, dropout)
 
 
 @pytest.mark.parametrize("precision, checkpointing, targets, padded, dropout", [
@@ -121,16 +127,7 @@ def test_phi3_lora_activations_are_planned_exactly(profile, precision, checkpoin
 def test_qwen3_lora_activations_are_planned_exactly(precision, checkpointing, targets, padded, dropout):
     """A frozen norm's weight needs no normalised input; in layer 0 without recompute, the norm
     over a projection without an adapter saves nothing (its input needs no gradient)."""
-    from peft import LoraConfig
-
-    wanted = parse_targets(targets)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
-                        target_modules=targets if targets == "all-linear" else sorted(wanted))
-    e = 4 if precision == "fp32" else 2  # (the CPU's dropout keeps its scaled noise, e bytes)
-    act = (wanted, 4, e) if dropout else (wanted, 4)
-    assert activation_peak(QWEN3, precision=precision, checkpointing=checkpointing, lora=config, padded=padded) == \
-        activation_bytes(model=QWEN3, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing,
-                         padded=padded, lora=act)
+    assert_lora_planned_exactly(QWEN3, precision, checkpointing, targets, padded, dropout)
 
 
 GEMMA = dataclasses.replace(QWEN3, family="gemma")
@@ -173,16 +170,7 @@ def test_gemma_lora_activations_are_planned_exactly(profile, precision, checkpoi
     """A frozen Gemma norm saves its 1 + weight, not its normalised input; layer 0 (its input
     needs no gradient), kept or recomputed, saves nothing before its first adapter, nor cos/sin
     where its q and k need none (Gemma-3's lone local layer: no other layer keeps them)."""
-    from peft import LoraConfig
-
-    wanted = parse_targets(targets)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
-                        target_modules=targets if targets == "all-linear" else sorted(wanted))
-    e = 4 if precision == "fp32" else 2
-    act = (wanted, 4, e) if dropout else (wanted, 4)
-    assert activation_peak(profile, precision=precision, checkpointing=checkpointing, lora=config, padded=padded) == \
-        activation_bytes(model=profile, batch_size=2, seq_len=20, precision=precision, checkpointing=checkpointing,
-                         padded=padded, lora=act)
+    assert_lora_planned_exactly(profile, precision, checkpointing, targets, padded, dropout)
 
 
 @pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
