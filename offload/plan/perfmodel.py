@@ -330,10 +330,9 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     mlp_t = batch_size * min(s, mlp_tile_tokens(i, e, batch_size)) if (
         tiles and checkpointed and model.family in TILED_FAMILIES) else t
     mlp, kept_mlp = (moe_mlp_bytes(model, t=t, e=e),) * 2 if model.moe else (4 * e * mlp_t * i, 4 * e * t * i)
+    kinds = {model.slides(n) for n in range(layers)}  # (local and global: Gemma-3's two kinds of layer)
     # the dense masks a checkpointed block keeps (bool, shared by the layers of a kind): one per kind
-    # of layer that takes one
-    kinds = {model.slides(n) for n in range(layers)}
-    # (a window's mask without padding is one row's, broadcast over the batch)
+    # of layer that takes one (a window's without padding is one row's, broadcast over the batch)
     mask_bytes = (batch_size if padded else 1) * s * s
     mask = mask_bytes * len({model.slides(n) for n in range(recomputed) if masked[n]})
     # rotary cos/sin (e each, one pair per kind of layer) and position ids (int64, saved by a
