@@ -374,8 +374,10 @@ def preflight(cfg: TrainConfig, *, src: "ModelSource", padded: bool,
     check_seq_len(cfg, src)
     try:
         return make_plan(cfg, src=src, padded=padded, ranks=ranks or False)
-    except (UnsupportedModel, ProfileError):  # e.g. a family the planner has no profile for
-        log.debug("preflight: no plan for this model", exc_info=True)
+    except (UnsupportedModel, ProfileError) as e:  # e.g. a family the planner has no profile for
+        why = str(e).splitlines()[0]
+        log.warning("%s%s", why, "" if "warm-up" in why else
+                    ": the run goes on without a plan, the engine holding its budgets (measured in its warm-up step)")
         return None
 
 

@@ -76,10 +76,10 @@ def test_an_nf4_base_is_double_quantized_and_says_so(tmp_path):
     assert "base nf4 (double quant)" in result.output, result.output
 
 
-def test_a_target_the_planner_does_not_price_trains(tmp_path):
+def test_a_target_the_planner_does_not_price_trains(tmp_path, caplog):
     """PEFT adapts the output head too (--lora-targets lm_head): the planner does not price a
     head adapter, so the run measures its budgets instead of being refused (it was: the
-    planner's refusal stopped the run before the engine was built)."""
+    planner's refusal stopped the run before the engine was built); it says so before it starts."""
     from tinyhf import make_tiny_llama_dir
 
     model = make_tiny_llama_dir(tmp_path / "llama", vocab_size=288, hidden=32, layers=2)
@@ -88,6 +88,9 @@ def test_a_target_the_planner_does_not_price_trains(tmp_path):
                                            "--lora-targets", "q_proj,lm_head"))
     assert result.exit_code == 0, (result.output, result.exception)
     assert (tmp_path / "run" / "adapter" / "adapter_config.json").exists()
+    said = [r.getMessage() for r in caplog.records if "not on lm_head" in r.getMessage()]  # (before it starts)
+    assert len(said) == 1 and "the run goes on without a plan" in said[0], said
+    assert "no prediction: --lora-targets q_proj,lm_head" in result.output  # (and in the warm-up's report)
 
 
 def test_plan_of_a_family_the_planner_does_not_price_says_training_runs(gpt2, tmp_path):
