@@ -54,6 +54,7 @@ def make_plan(cfg: TrainConfig, *, src: "ModelSource | None" = None, padded: boo
     else:
         src = src or resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
         check_seq_len(cfg, src)
+        _priced_attention(src)
         model, params = src.config, engine_params(src)
     if padded is None:
         padded = data_padded(cfg, src)
@@ -539,6 +540,18 @@ def _attention(src: "ModelSource") -> str:
     return cached
 
 
+def _priced_attention(src: "ModelSource") -> None:
+    """Refuse to price a family the planner knows whose attention is not SDPA (the formulas'):
+    eager attention saves every head's S x S scores and softmax, which they do not count."""
+    from ..offload.engine.segments import SDPA
+    from ..profiles.model import FAMILIES, NOT_PRICED
+
+    kind = getattr(src.config, "model_type", None)
+    if kind in FAMILIES and _attention(src) not in SDPA:
+        raise UnsupportedModel(f"the planner prices {kind} with SDPA attention, not {_attention(src)!r} (it saves "
+                               f"each head's S x S scores): {NOT_PRICED}")
+
+
 def always_masked(cfg: TrainConfig, src: "ModelSource | None") -> bool:
     """Whether every batch of the run takes a dense S x S mask: an attention that is not SDPA
     (eager builds one always), ALiBi, or a sliding window shorter than --seq-len in a family the
@@ -797,6 +810,7 @@ def verify_plan(cfg: TrainConfig, *, steps: int, console: Console) -> int:
 
     src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     check_seq_len(cfg, src)
+    _priced_attention(src)
     lora = {}
     if cfg.lora:  # built as training builds it: PEFT's adapters on the meta model, the base encoded
         from . import lora as lora_mod

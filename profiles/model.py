@@ -63,7 +63,7 @@ def routed_experts(config: Any) -> int:
     return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
 
 
-_NOT_PRICED = ("`plan` and `--dry-run` cannot price this model; training runs (the engine measures its budgets "
+NOT_PRICED = ("`plan` and `--dry-run` cannot price this model; training runs (the engine measures its budgets "
                "in the warm-up step)")
 
 
@@ -349,12 +349,12 @@ class ModelProfile:
                    f"{'' if every_layer else ', some layers dense'}) the formulas do not model"
                    if experts and top_k else " yet")
             raise FieldValueError(f"the planner prices the {', '.join(FAMILIES)} families, not {family!r}{why}: "
-                                  f"{_NOT_PRICED}",
+                                  f"{NOT_PRICED}",
                                   where=name or type(config).__name__, field="family")
         unpriced = _unpriced(config, family)
         if unpriced:
             raise FieldValueError(f"the planner prices {family} as its checkpoints are published, not with "
-                                  f"{unpriced}: {_NOT_PRICED}", where=name or type(config).__name__, field="family")
+                                  f"{unpriced}: {NOT_PRICED}", where=name or type(config).__name__, field="family")
         extra: dict[str, Any] = {}
         if family in MOE_FAMILIES:
             extra = dict(num_experts=experts, num_experts_per_tok=top_k,

@@ -100,6 +100,22 @@ def test_plan_of_a_family_the_planner_does_not_price_says_training_runs(gpt2, tm
     assert "'gpt2'" in line and "training runs" in line and "field 'family'" not in line, line
 
 
+def test_a_priced_family_with_eager_attention_is_refused_a_plan_and_trains(tmp_path):
+    """A Llama whose config asks for eager attention saves each head's S x S scores, which the
+    formulas (SDPA's) do not count: `plan`, `--verify` and `--dry-run` refuse in one line (they
+    planned it ~10% low at 64 tokens); the run trains."""
+    model = make_tiny_family_dir(tmp_path / "llama", "llama")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attn_implementation": "eager"}))
+    data = write_jsonl(tmp_path / "train.jsonl", sample_rows(8))
+    plan = ["plan", "--model", str(model), "--data", str(data), "--seq-len", "16", "--batch-size", "2"]
+    for args in (plan, [*plan, "--verify"], _args((model, data), tmp_path / "run", "--dry-run")):
+        line = error_line(CliRunner().invoke(app, args))
+        assert "with SDPA attention, not 'eager'" in line and "training runs" in line, (args, line)
+    result = CliRunner().invoke(app, _args((model, data), tmp_path / "run", "--steps", "1"))
+    assert result.exit_code == 0, result.output
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
 def test_plan_of_a_moe_family(tmp_path, family):
     """Mixtral and Qwen2-MoE are priced (top-k compute, their experts' activations); a mixture
