@@ -542,14 +542,14 @@ def _attention(src: "ModelSource") -> str:
 
 def _priced_attention(src: "ModelSource") -> None:
     """Refuse to price a family the planner knows whose attention is not SDPA (the formulas'):
-    eager attention saves every head's S x S scores and softmax, which they do not count."""
+    eager attention, e.g., saves every head's S x S scores and softmax, which they do not count."""
     from ..offload.engine.segments import SDPA
     from ..profiles.model import FAMILIES, NOT_PRICED
 
     kind = getattr(src.config, "model_type", None)
     if kind in FAMILIES and _attention(src) not in SDPA:
-        raise UnsupportedModel(f"the planner prices {kind} with SDPA attention, not {_attention(src)!r} (it saves "
-                               f"each head's S x S scores): {NOT_PRICED}")
+        raise UnsupportedModel(f"the planner prices {kind} with SDPA attention (what its formulas count), not "
+                               f"{_attention(src)!r}: {NOT_PRICED}")
 
 
 def always_masked(cfg: TrainConfig, src: "ModelSource | None") -> bool:
@@ -774,8 +774,10 @@ def longest_line(cfg: TrainConfig, plan: Plan) -> str:
     if not beyond:
         return line
     limit = trained_positions(cfg)
-    try:  # (the same settings at the trained length: it fits where the longer row does)
-        within = make_plan(dataclasses.replace(cfg, seq_len=limit), ranks=True, here=False) if limit else None
+    try:  # (as `plan --seq-len LIMIT` chooses: the recompute and offload of that length)
+        short = dataclasses.replace(cfg, seq_len=limit, recompute=None, recompute_layers=None, offload_activations=None)
+        within = make_plan(resolve_offload(resolve_recompute(short, here=False), here=False, ranks=True),
+                           ranks=True, here=False) if limit else None
     except TierwiseError:
         within = None
     return line + f"\n{beyond}" + (f"; within them: --seq-len {limit} plans {within.tokens_per_s:,.0f} tokens/s"

@@ -53,8 +53,9 @@ POST_NORM_FAMILIES = frozenset({"gemma3_text"})
 #: the whole row (Gemma-3's local and global layers, each kind with its own rotary embedding).
 SLIDING_FAMILIES = frozenset({"gemma3_text"})
 #: The families whose config may give every layer a sliding window (Mistral 7B v0.1's 4,096,
-#: Phi-3-mini-4k's 2,047; Qwen's `use_sliding_window` where every layer slides).
-WINDOW_FAMILIES = frozenset({"mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen2_moe"})
+#: Phi-3-mini-4k's 2,047; Qwen's `use_sliding_window` where every layer slides). (Not Qwen2-MoE:
+#: it slides every other layer.)
+WINDOW_FAMILIES = frozenset({"mistral", "mixtral", "phi3", "qwen2", "qwen3"})
 
 
 def routed_experts(config: Any) -> int:
@@ -81,15 +82,18 @@ def _unpriced(config: Any, family: str) -> str | None:
                                                   "use_bidirectional_attention") if getattr(config, k, None)]
     if family in SLIDING_FAMILIES and _pattern(config) is None:
         on.append("layer_types that are not every n-th layer global")
-    if family in WINDOW_FAMILIES and _window(config) and not all(
-            t == "sliding_attention" for t in getattr(config, "layer_types", None) or ["sliding_attention"]):
-        on.append(f"max_window_layers={getattr(config, 'max_window_layers', None)} (some layers slide, some not)")
+    if family not in SLIDING_FAMILIES and _window(config) and (family not in WINDOW_FAMILIES or not all(
+            t == "sliding_attention" for t in getattr(config, "layer_types", None) or ["sliding_attention"])):
+        on.append(f"a sliding window on some layers only (max_window_layers={getattr(config, 'max_window_layers', None)})")
     return " and ".join(on) or None
 
 
 def _window(config: Any) -> int | None:
-    """The sliding window a config's layers attend (Qwen's only with use_sliding_window)."""
-    return (getattr(config, "sliding_window", None) or None) if getattr(config, "use_sliding_window", True) else None
+    """The sliding window a config's layers attend (Qwen's only with use_sliding_window, and
+    where some layer_types slide)."""
+    window = (getattr(config, "sliding_window", None) or None) if getattr(config, "use_sliding_window", True) else None
+    types = getattr(config, "layer_types", None)
+    return None if types is not None and "sliding_attention" not in types else window
 
 
 def _pattern(config: Any) -> int | None:

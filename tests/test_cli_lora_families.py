@@ -111,7 +111,7 @@ def test_a_priced_family_with_eager_attention_is_refused_a_plan_and_trains(tmp_p
     plan = ["plan", "--model", str(model), "--data", str(data), "--seq-len", "16", "--batch-size", "2"]
     for args in (plan, [*plan, "--verify"], _args((model, data), tmp_path / "run", "--dry-run")):
         line = error_line(CliRunner().invoke(app, args))
-        assert "with SDPA attention, not 'eager'" in line and "training runs" in line, (args, line)
+        assert "with SDPA attention (what its formulas count), not 'eager'" in line and "training runs" in line, (args, line)
     result = CliRunner().invoke(app, _args((model, data), tmp_path / "run", "--steps", "1"))
     assert result.exit_code == 0, result.output
 

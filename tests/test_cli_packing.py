@@ -200,6 +200,8 @@ def test_a_window_is_attended_in_blocks_as_through_its_dense_mask(config, monkey
     reaches, with a band mask, equal to transformers' SDPA through its S x S mask (fp64:
     logits and every gradient, at row lengths a multiple of the window and not), and packed
     rows each as alone; no SDPA call takes a mask wider than 2 x window - 1."""
+    import copy
+
     import transformers
 
     kind, window, kv = config["model_type"], config["sliding_window"], config["kv"]
@@ -208,12 +210,12 @@ def test_a_window_is_attended_in_blocks_as_through_its_dense_mask(config, monkey
     cfg = cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=kv, sliding_window=window, attn_implementation="sdpa", **extra)
 
-    def model():
+    def model():  # (each its own config: use_segments sets the attention on it)
         torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(cfg).double()
+        return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).double()
 
     ref, mine = model(), model()
-    assert use_segments(mine)
+    assert use_segments(mine) and ref.config._attn_implementation == "sdpa"
     monkeypatch.setattr(perfmodel, "SEGMENTS_FROM", 2)
     for seq in (4 * window, 4 * window + 3):
         x = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seq))

@@ -176,8 +176,9 @@ def test_gemma_lora_activations_are_planned_exactly(profile, precision, checkpoi
 @pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
 @pytest.mark.parametrize("profile", [GEMMA3, dataclasses.replace(GEMMA3, num_key_value_heads=4),
                                      dataclasses.replace(GEMMA3, sliding_window=5, sliding_window_pattern=6),
-                                     dataclasses.replace(MISTRAL_WINDOW, sliding_window=5), GEMMA3_MQA],
-                         ids=["grouped", "mha", "all-local", "mistral", "mqa"])
+                                     dataclasses.replace(MISTRAL_WINDOW, sliding_window=5), GEMMA3_MQA,
+                                     dataclasses.replace(PHI3, sliding_window=5)],
+                         ids=["grouped", "mha", "all-local", "mistral", "mqa", "phi3"])
 def test_windows_in_blocks_are_planned_exactly(monkeypatch, profile, checkpointing):
     """finetune's attention (offload.engine.segments) takes a long row's window in blocks: each
     block's band mask and, with grouped heads, its keys and values repeated; their outputs
@@ -189,7 +190,9 @@ def test_windows_in_blocks_are_planned_exactly(monkeypatch, profile, checkpointi
     monkeypatch.setattr(perfmodel, "SEGMENTS_FROM", 4)
     for precision, seq, lora in (("fp32", 20, None), ("bf16", 23, None), ("fp32", 8, None),
                                  ("bf16", 20, "all-linear"), ("fp32", 23, "v_proj,down_proj")):
-        wanted = parse_targets(lora) if lora else None
+        if lora and profile.fused:
+            lora = lora.replace("v_proj", "qkv_proj")  # (Phi-3's fused projection)
+        wanted = parse_targets(lora, profile_linears(profile.param_specs())) if lora else None
         config = LoraConfig(r=4, lora_alpha=8, target_modules=lora if lora == "all-linear" else sorted(wanted)) \
             if lora else None
         assert activation_peak(profile, precision=precision, checkpointing=checkpointing, seq=seq, lora=config,
@@ -332,7 +335,7 @@ def test_gemma_3_configs_the_formulas_do_not_price_are_refused(given, words):
 
 def test_qwen2_windows_on_some_layers_only_are_refused():
     """Qwen2's use_sliding_window slides the layers from max_window_layers on: priced where every
-    layer slides, refused where some do not."""
+    layer slides or none does, refused where some do (Qwen2-MoE's, every other layer)."""
     import transformers
 
     common = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -340,5 +343,11 @@ def test_qwen2_windows_on_some_layers_only_are_refused():
     every = ModelProfile.from_hf_config(transformers.Qwen2Config(**common, max_window_layers=0), name="t")
     assert every.sliding_window == 8 and every.slides(0) and every.slides(1)
     assert ModelProfile.from_hf_config(every.to_hf_config(), name="t") == every
-    with pytest.raises(FieldValueError, match="not with max_window_layers=1 .some layers slide, some not."):
+    with pytest.raises(FieldValueError, match="not with a sliding window on some layers only .max_window_layers=1."):
         ModelProfile.from_hf_config(transformers.Qwen2Config(**common, max_window_layers=1), name="t")
+    none = ModelProfile.from_hf_config(transformers.Qwen2Config(**common, max_window_layers=2), name="t")
+    assert none.sliding_window is None  # (from max_window_layers on: none here)
+    moe = dict(common, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,
+               num_experts_per_tok=2)  # (Qwen2-MoE slides every other layer: refused)
+    with pytest.raises(FieldValueError, match="not with a sliding window on some layers only"):
+        ModelProfile.from_hf_config(transformers.Qwen2MoeConfig(**moe, max_window_layers=2), name="t")

@@ -124,7 +124,7 @@ def test_plan_seq_len_max_names_the_longest_that_fits():
     assert _invoke(*common, "--seq-len", str(n + 1024), *flags).exit_code == 2
     assert "beyond the 512 positions tiny was trained for" in r.stdout
     within = int(re.search(r"within them: --seq-len 512 plans ([\d,]+) tokens/s", r.stdout).group(1).replace(",", ""))
-    at = _invoke(*common, "--seq-len", "512", *flags)  # (what it names: the plan at the trained length)
+    at = _invoke(*common, "--seq-len", "512")  # (what it names: `plan` at the trained length)
     assert f"{within:,} tokens/s" in at.stdout
     assert _invoke("plan", "--seq-len", "many").exit_code == 2
 

@@ -319,9 +319,9 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
             if copies:  # (packed documents no longer than the window run whole: k/v's views saved)
                 out += 2 * e * batch_size * model.q_dim * keys - (0 if row_positions else 2 * e * t * model.kv_dim)
         # a fused layer's v is a view of the qkv output, which SDPA keeps whole (the engine runs
-        # without a KV cache, whose concatenation would copy it out); with a mask and grouped heads,
-        # repeat_kv copies it out instead
-        if model.fused and (not mask or not copies):
+        # without a KV cache, whose concatenation would copy it out); with a mask (or in a window's
+        # blocks) and grouped heads, repeat_kv copies it out instead
+        if model.fused and (not (mask or window) or not copies):
             out += e * t * (model.q_dim + model.kv_dim)
         return out
 

@@ -795,7 +795,7 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
         raise InfeasibleBudget(f"--nvme-path has {format_size(nvme_cap)} of space: needs at least "
                                f"{format_size(on_nvme)}; raise --cpu-mem / --cxl-mem or free disk space",
                                minimum={"nvme": on_nvme})
-    flops_fwd = model_flops(model=model, batch_size=batch_size, seq_len=seq_len, windows=windows)
+    flops_fwd = model_flops(model=model, batch_size=batch_size, seq_len=seq_len, windows=windows and not padded)
     ops = ch.ops_decoded if ch.encoded and ch.encoded <= device.decoded_home else ch.ops
     load = _load(ch, device=device, homes=homes, streamed=streamed, flops_fwd=flops_fwd, ops=ops,
                  recompute=checkpointing, offloaded={act_tier: host_act} if host_act else {},
@@ -1232,7 +1232,8 @@ def _plan_ranks(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs:
     node = hw.node
     assert node is not None  # (multi.link refuses a profile without one)
     share = multi.rank_share(hw, L)
-    flops_fwd = model_flops(model=model, batch_size=meta["batch_size"], seq_len=meta["seq_len"], windows=meta["windows"])
+    flops_fwd = model_flops(model=model, batch_size=meta["batch_size"], seq_len=meta["seq_len"],
+                            windows=meta["windows"] and not meta["padded"])
     accum, tokens = meta["grad_accum"], meta["batch_size"] * meta["seq_len"] * meta["grad_accum"] * world
     preds, loads, homes_of, step_loads = [], [], [], []
     for r in range(L):
