@@ -86,10 +86,7 @@ def rows_apart(cfg: TrainConfig, src: "ModelSource | None") -> bool:
     if not cfg.pack:
         return False
     if src is None:
-        from ..profiles import load_model_profile
-        from .packing import ISOLATING
-
-        return load_model_profile(cfg.model).family in ISOLATING
+        return _profile_isolates(cfg)
     from .packing import isolates
 
     return isolates(src.config)
@@ -601,6 +598,12 @@ def attends_windows(cfg: TrainConfig, src: "ModelSource | None") -> bool:
         from ..offload.engine.segments import NAME
 
         return _attention(src) == NAME
+    return _profile_isolates(cfg)
+
+
+def _profile_isolates(cfg: TrainConfig) -> bool:
+    """Whether the profile --model names is of a family whose packed rows finetune keeps apart
+    (packing.ISOLATING), on offload.engine.segments' attention."""
     from ..profiles import load_model_profile
     from .packing import ISOLATING
 

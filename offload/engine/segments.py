@@ -15,6 +15,7 @@ other case (a padding mask, a cache) is transformers' own SDPA, unchanged.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -145,9 +146,7 @@ def _windowed(module, query, key, value, a: int, z: int, window: int, **kwargs) 
     block row r keeps (keys r .. r + window - 1 of the block's, the last being itself)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    rows = torch.arange(window, device=query.device)
-    cols = torch.arange(2 * window - 1, device=query.device)
-    band = (cols[None, :] >= rows[:, None]) & (cols[None, :] < rows[:, None] + window)
+    band = _band(window, query.device)
     out = []
     for i in range(a, z, window):
         j, k0 = min(i + window, z), max(a, i - window + 1)
@@ -155,6 +154,15 @@ def _windowed(module, query, key, value, a: int, z: int, window: int, **kwargs) 
         out.append(sdpa_attention_forward(module, query[:, :, i:j], key[:, :, k0:j], value[:, :, k0:j],
                                           band[None, None, :j - i, d:d + j - k0], **kwargs)[0])
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _band(window: int, device: torch.device) -> torch.Tensor:
+    """The band mask of a block of `window` queries over the 2 x window - 1 keys before and at
+    them (made once per window and device: every layer and row takes the same one)."""
+    rows = torch.arange(window, device=device)
+    cols = torch.arange(2 * window - 1, device=device)
+    return (cols[None, :] >= rows[:, None]) & (cols[None, :] < rows[:, None] + window)
 
 
 def _register() -> None:

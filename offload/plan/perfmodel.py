@@ -334,7 +334,8 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
     # the dense masks a checkpointed block keeps (bool, shared by the layers of a kind): one per kind
     # of layer that takes one (a window's without padding is one row's, broadcast over the batch)
     mask_bytes = (batch_size if padded else 1) * s * s
-    mask = mask_bytes * len({model.slides(n) for n in range(recomputed) if masked[n]})
+    masked_kinds = {model.slides(n) for n in range(recomputed) if masked[n]}
+    mask = mask_bytes * len(masked_kinds)
     # rotary cos/sin (e each, one pair per kind of layer) and position ids (int64, saved by a
     # checkpointed block), per row or shared
     rotary = (batch_size if row_positions else 1) * s * 2 * model.rotary_dim * e  # (one kind's cos and sin)
@@ -344,12 +345,11 @@ def activation_parts(*, model: ModelProfile, batch_size: int, seq_len: int, prec
         """`block`: the most a recomputed layer's internals hold beyond `inputs` while it runs (the
         layers below it still keep their inputs; a kind of layer none of them is has freed its
         cos/sin and mask), over the recomputed layers' `internals`."""
-        best, first = 0, 1 if lora is not None and offload else 0
+        best, first, below = 0, 1 if lora is not None and offload else 0, set()
         held = first + min(len(internals) - first, 2) if offload else len(internals)
         for n, inner in enumerate(internals):
-            below = {model.slides(m) for m in range(n + 1)}
-            gone = sum(rotary + (mask_bytes if any(masked[m] and model.slides(m) == k for m in range(recomputed))
-                                 else 0) for k in kinds - below)
+            below.add(model.slides(n))
+            gone = sum(rotary + (mask_bytes if k in masked_kinds else 0) for k in kinds - below)
             # of `inputs`, those layer n's recompute finds held: its own and the ones below it; offloaded,
             # its own and the one fetched ahead, and a LoRA run's first (it stays)
             fewer = held - min(n + 1, held)
