@@ -47,11 +47,11 @@ def check_targets(model: torch.nn.Module, targets: "list[str] | str") -> None:
     modules = list(model.named_modules())
     leaves = sorted({n.rsplit(".", 1)[-1] for n, m in modules if _adaptable(m)})
     # fused MoE experts are parameters, not layers: only all-linear adapts them, where PEFT does
-    from ..offload.plan.lora import ALL_LINEAR_SKIPS_EXPERTS
+    from ..offload.plan.lora import adapts_experts
 
     kind = getattr(getattr(model, "config", None), "model_type", None)
     fused = "; all-linear adapts this model's fused experts and router as parameters" \
-        if any(p.dim() >= 3 for p in model.parameters()) and kind not in ALL_LINEAR_SKIPS_EXPERTS else ""
+        if any(p.dim() >= 3 for p in model.parameters()) and adapts_experts(kind) else ""
     for t in targets:
         matched = [m for n, m in modules if n == t or n.endswith("." + t)]
         if not matched:
@@ -95,8 +95,13 @@ def inject(model: torch.nn.Module, config, *, seed: int, values: bool = True) ->
     except ValueError as e:  # e.g. a target that is no layer PEFT can adapt
         line = (str(e).splitlines() or [type(e).__name__])[0]
         if "ParamWrapper" in line and "dropout" in line:  # PEFT adapts fused MoE experts as parameters
+            from ..offload.plan.lora import adapts_experts
+
+            names = sorted(adapts_experts(getattr(getattr(model, "config", None), "model_type", None)) - {"all-linear"})
             line = ("--lora-dropout: PEFT adapts this model's fused MoE experts (and router) as parameters, "
-                    "which take no dropout; give --lora-dropout 0, or name the linears with --lora-targets")
+                    "which take no dropout; give --lora-dropout 0, or targets PEFT does not map onto the experts"
+                    + (f" (not all-linear, {', '.join(names)})" if names else "")
+                    + ", e.g. --lora-targets q_proj,k_proj,v_proj,o_proj")
         raise ConfigError(f"LoRA: {line}") from None
 
 

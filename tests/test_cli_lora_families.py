@@ -205,3 +205,27 @@ def test_mixtral_lora_messages_name_what_to_do(tmp_path):
     assert "all-linear adapts this model's fused experts" in line("--lora-targets", "gate_up_proj")
     assert "give --lora-dropout 0" in line("--lora-dropout", "0.1")
     assert "training runs as given" in line("--dry-run")
+
+
+def test_qwen2_moe_names_that_peft_maps_onto_the_experts(tmp_path):
+    """From PEFT 0.22, --lora-targets down_proj on Qwen2-MoE adapts the fused experts as well as
+    the shared expert's linear: the plan refuses it (training runs as given), and with LoRA
+    dropout the run's refusal names the targets that avoid the experts."""
+    from tierwise.offload.plan.lora import adapts_experts
+
+    if not adapts_experts("qwen2_moe"):
+        pytest.skip("this PEFT leaves Qwen2-MoE's experts alone")
+    model = make_tiny_family_dir(tmp_path / "qwen2-moe", "qwen2-moe", save_original_format=False)
+    data = write_jsonl(tmp_path / "train.jsonl", sample_rows(8))
+
+    def line(*flags):
+        return error_line(CliRunner().invoke(app, _args((model, data), tmp_path / "run", "--lora-rank", "4", *flags),
+                                             env={"COLUMNS": "300"}))
+
+    assert "LoRA down_proj on a model with fused MoE experts" in line("--lora-targets", "down_proj", "--dry-run")
+    said = line("--lora-targets", "down_proj", "--lora-dropout", "0.1")
+    assert "give --lora-dropout 0" in said and "not all-linear, down_proj, gate, gate_proj, up_proj" in said
+    # attention targets are priced, with dropout too
+    result = CliRunner().invoke(app, _args((model, data), tmp_path / "run", "--lora-rank", "4", "--lora-dropout", "0.1",
+                                           "--lora-targets", "q_proj,v_proj,shared_expert_gate", "--dry-run"))
+    assert result.exit_code == 0, result.output

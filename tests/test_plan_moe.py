@@ -9,6 +9,8 @@ import torch
 import transformers
 
 from tierwise.offload import Engine
+from tierwise.offload.core.errors import UnsupportedModel
+from tierwise.offload.plan.lora import adapts_experts, lora_specs
 from tierwise.offload.plan.perfmodel import activation_bytes
 from tierwise.offload.plan.planner import make_plan
 from tierwise.profiles import load_model_profile
@@ -41,6 +43,7 @@ def test_moe_activations_are_planned_exactly(family, precision, checkpointing, r
 
 
 QWEN_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate")
+QWEN_DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "shared_expert_gate")  # (no name PEFT 0.22 maps onto experts)
 
 
 @pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
@@ -48,16 +51,21 @@ QWEN_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
     ("mixtral", ("q_proj", "v_proj"), 0.0), ("qwen2_moe", ("q_proj", "v_proj"), 0.0), ("qwen2_moe", QWEN_ALL, 0.0),
     ("qwen2_moe", ("shared_expert_gate", "q_proj"), 0.0), ("qwen2_moe", ("down_proj",), 0.0),
     ("qwen2_moe", ("shared_expert_gate",), 0.0), ("qwen2_moe", QWEN_ALL, 0.1),
-    ("qwen2_moe", ("shared_expert_gate", "down_proj"), 0.1)],
+    ("qwen2_moe", ("shared_expert_gate", "down_proj"), 0.1), ("qwen2_moe", QWEN_DENSE, 0.1)],
     ids=["mixtral-qv", "qwen-qv", "qwen-all-linear", "qwen-shared-gate", "qwen-down", "qwen-gate-only",
-         "qwen-all-dropout", "qwen-gate-down-dropout"])
+         "qwen-all-dropout", "qwen-gate-down-dropout", "qwen-dense-dropout"])
 def test_moe_lora_activations_are_planned_exactly(family, targets, dropout, checkpointing):
     """Frozen experts save less (no gathered input, no product; nothing in layer 0 without
     recompute when no attention linear is a target); Qwen2-MoE's shared expert is a dense MLP
-    whose linears (and gate) may be targets, with LoRA dropout too."""
+    whose linears (and gate) may be targets, with LoRA dropout too. From PEFT 0.22 the names
+    gate_proj/up_proj/down_proj adapt Qwen2-MoE's fused experts as well: the planner refuses."""
     from peft import LoraConfig
 
     profile = tiny(family)
+    if set(targets) & adapts_experts(family):
+        with pytest.raises(UnsupportedModel, match="fused MoE experts"):
+            lora_specs(profile.param_specs(), rank=4, targets=",".join(targets), family=family)
+        return
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=dropout)
     for precision in ("fp32", "bf16"):
         e = 4 if precision == "fp32" else 2  # (the CPU's dropout keeps its scaled noise, e bytes)

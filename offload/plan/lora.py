@@ -97,10 +97,30 @@ def _targeted(linears: dict[str, str], targets: "str | Sequence[str]") -> set[st
     return set(body) if names == ["all-linear"] else {m for m in body if any(_matches(m, n) for n in names)}
 
 
-#: MoE families whose fused experts PEFT's "all-linear" leaves alone (it adapts their dense
-#: linears only: Qwen2-MoE's attention, shared expert and its gate); on others (Mixtral) it
-#: adapts the experts and the router as parameters (target_parameters), which is not priced.
-ALL_LINEAR_SKIPS_EXPERTS = frozenset({"qwen2_moe"})
+#: Per MoE family, the transformers v4 names PEFT maps onto its fused experts and router
+#: (adapted as parameters, `target_parameters`: not priced) when a target names them or is
+#: all-linear; Qwen2-MoE's from PEFT 0.22 (before, all-linear and those names adapted only its
+#: dense linears: the shared expert's, which keep the names).
+EXPERT_NAMES = {"mixtral": frozenset({"gate", "w1", "w2", "w3"}),
+                "qwen2_moe": frozenset({"gate", "gate_proj", "up_proj", "down_proj"})}
+
+
+def adapts_experts(family: "str | None") -> frozenset[str]:
+    """The target names (EXPERT_NAMES, and "all-linear") with which the installed PEFT adapts
+    `family`'s fused experts as parameters; empty where it never does."""
+    names = EXPERT_NAMES.get(family or "", frozenset())
+    if family == "qwen2_moe" and _peft_version() < (0, 22):
+        return frozenset()
+    return names | {"all-linear"} if names else names
+
+
+def _peft_version() -> tuple[int, ...]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(x) for x in version("peft").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return (1 << 30,)  # (no PEFT here: plan as the newest does)
 
 
 def lora_specs(specs: Sequence[ParamSpec], *, rank: int, targets: "str | Sequence[str]",
@@ -110,20 +130,23 @@ def lora_specs(specs: Sequence[ParamSpec], *, rank: int, targets: "str | Sequenc
     them off the module (None: a Llama-family profile's, `profile_linears`). A Conv1D's weight is
     [in, out]: its lora_A is [r, in], its lora_B [out, r], as for a linear.
 
-    Refused (UnsupportedModel) rather than guessed: "all-linear" on a model with fused MoE
-    experts (3-D `...experts.*` parameters), which PEFT adapts for some families with
-    `target_parameters` (Mixtral under transformers 5: the experts and the router), a kind of
-    adapter this does not model (`family`: the model's type; ALL_LINEAR_SKIPS_EXPERTS)."""
+    Refused (UnsupportedModel) rather than guessed: targets with which PEFT adapts a model's
+    fused MoE experts (3-D `...experts.*` parameters) and router as parameters
+    (`target_parameters`; `family`: the model's type, adapts_experts), a kind of adapter this
+    does not model."""
     if rank < 1:
         raise TierwiseError(f"--lora-rank must be at least 1, got {rank}")
     linears = profile_linears(specs) if linears is None else dict(linears)
     wanted = parse_targets(targets, linears)
     fused = [s.name for s in specs if fused_experts(s.name, s.shape)]
-    if fused and _names(targets) == ["all-linear"] and family not in ALL_LINEAR_SKIPS_EXPERTS:
-        raise UnsupportedModel(f"LoRA all-linear on a model with fused MoE experts ({fused[0]}, ...): PEFT adapts "
-                               f"them and the router as parameters (target_parameters), which the planner does "
-                               f"not price; training runs as given (the engine measures its budgets); a plan "
-                               f"without those adapters: --lora-targets {','.join(sorted(wanted))}")
+    expert_targets = sorted(set(_names(targets)) & adapts_experts(family)) if fused else []
+    if expert_targets:
+        rest = sorted(wanted - adapts_experts(family))
+        instead = f"--lora-targets {','.join(rest)}" if rest else "attention targets (q_proj,k_proj,v_proj,o_proj)"
+        raise UnsupportedModel(f"LoRA {','.join(expert_targets)} on a model with fused MoE experts ({fused[0]}, ...): "
+                               f"PEFT adapts them and the router as parameters (target_parameters), which the "
+                               f"planner does not price; training runs as given (the engine measures its budgets); "
+                               f"a plan without those adapters: {instead}")
     chosen = _targeted(linears, targets)
     out: list[ParamSpec] = []
     frozen: set[str] = set()
