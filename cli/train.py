@@ -882,7 +882,12 @@ def _warmup_lines(engine, cfg: TrainConfig, src: ModelSource, before: dict, *,
         plan = make_plan(cfg, src=src, padded=padded, check=False)  # the engine holds its memory now
     except TierwiseError as e:  # informative only: a model the planner cannot price still trains
         log.debug("no plan", exc_info=True)
-        error = (str(e).splitlines() or [type(e).__name__])[0]
+        from ..offload.core.errors import UnsupportedModel
+        from ..profiles import ProfileError
+
+        # (preflight said why before the run started: not again in full)
+        error = "unplanned, as said before the first step" if isinstance(e, (UnsupportedModel, ProfileError)) \
+            else (str(e).splitlines() or [type(e).__name__])[0]
     return warmup_report(measured_times=phase_delta(dict(engine.phase_times), before),
                          measured_peaks=dict(engine.ledger.peaks()), plan=plan, plan_error=error,
                          budgets=cfg.budgets)
