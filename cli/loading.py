@@ -295,10 +295,11 @@ def _from_profile(name: str) -> ModelSource:
     from .builtin import build_tokenizer
 
     tokenizer, config = build_tokenizer(), profile.to_hf_config()
-    if len(tokenizer) > config.vocab_size:  # e.g. the 256-token `tiny` profile
+    text = config.get_text_config()  # (a vision model's text model's)
+    if len(tokenizer) > text.vocab_size:  # e.g. the 256-token `tiny` profile
         log.info("model profile %s: vocab_size %d -> %d to fit the built-in tokenizer",
-                 name, config.vocab_size, len(tokenizer))
-        config.vocab_size = len(tokenizer)
+                 name, text.vocab_size, len(tokenizer))
+        text.vocab_size = len(tokenizer)
     return ModelSource(
         name=name, config=config, tokenizer=tokenizer, model_dir=None,
         note=(f"model profile '{name}' has no weights: training a RANDOMLY INITIALISED model "

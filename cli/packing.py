@@ -10,7 +10,7 @@ log = logging.getLogger(__name__)
 
 #: Model types whose attention isolates packed rows given per-row position_ids (and no attention
 #: mask or KV cache); each is tested against its rows run alone (tests/test_cli_packing.py).
-ISOLATING = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
+ISOLATING = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "gemma3",
                        "gpt2", "gpt_neox", "falcon"})
 
 

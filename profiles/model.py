@@ -32,6 +32,7 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "phi3": ("Phi3Config", False),
     "gemma": ("GemmaConfig", False),
     "gemma3_text": ("Gemma3TextConfig", False),
+    "gemma3": ("Gemma3Config", False),
     "mixtral": ("MixtralConfig", False),
     "qwen2_moe": ("Qwen2MoeConfig", True),
 }
@@ -42,16 +43,21 @@ MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe"})
 FUSED_FAMILIES = frozenset({"phi3"})
 #: The families whose attention normalises each head's queries and keys (an RMSNorm over
 #: head_dim, `self_attn.q_norm` / `k_norm`) before the rotary embedding.
-QK_NORM_FAMILIES = frozenset({"qwen3", "gemma3_text"})
+QK_NORM_FAMILIES = frozenset({"qwen3", "gemma3_text", "gemma3"})
 #: Gemma's families: each RMSNorm computes in fp32 and scales by 1 + its weight, the embedding's
 #: output is scaled by sqrt(hidden_size), the MLP's activation is GELU (tanh).
-GEMMA_FAMILIES = frozenset({"gemma", "gemma3_text"})
+GEMMA_FAMILIES = frozenset({"gemma", "gemma3_text", "gemma3"})
 #: The families whose layers also normalise the attention's and the MLP's outputs (four norms a
 #: layer: post_attention_layernorm after o_proj, pre_ and post_feedforward_layernorm around the MLP).
-POST_NORM_FAMILIES = frozenset({"gemma3_text"})
+POST_NORM_FAMILIES = frozenset({"gemma3_text", "gemma3"})
 #: The families whose layers attend a sliding window, but every `sliding_window_pattern`-th layer
 #: the whole row (Gemma-3's local and global layers, each kind with its own rotary embedding).
-SLIDING_FAMILIES = frozenset({"gemma3_text"})
+SLIDING_FAMILIES = frozenset({"gemma3_text", "gemma3"})
+#: The families whose checkpoints hold a vision tower beside the text model (Gemma-3 4B and up:
+#: Gemma3ForConditionalGeneration, a SigLIP encoder and its projector; the text model's names
+#: under `model.language_model.`). Training on text never runs the tower: its weights are stored,
+#: never fetched to the device; a full fine-tune keeps their optimizer state.
+VISION_FAMILIES = frozenset({"gemma3"})
 #: The families whose config may give every layer a sliding window (Mistral 7B v0.1's 4,096,
 #: Phi-3-mini-4k's 2,047; Qwen's `use_sliding_window` where every layer slides). (Not Qwen2-MoE:
 #: it slides every other layer.)
@@ -155,6 +161,16 @@ class ModelProfile:
     """One routed expert's MLP width; None: intermediate_size (Mixtral's)."""
     shared_expert_intermediate_size: int = field(default=0, metadata={"min": 0})
     """Qwen2-MoE's shared expert's MLP width (every token runs it, scaled by its own gate); 0: none."""
+    vision_hidden_size: int = field(default=0, metadata={"min": 0})
+    """VISION_FAMILIES: the vision tower's width (SigLIP's 1,152); 0: no tower."""
+    vision_intermediate_size: int = field(default=0, metadata={"min": 0})
+    """The vision tower's MLP width (4,304)."""
+    vision_layers: int = field(default=0, metadata={"min": 0})
+    """The vision tower's encoder layers (27)."""
+    image_size: int = field(default=0, metadata={"min": 0})
+    """Pixels on an image's side (896)."""
+    patch_size: int = field(default=0, metadata={"min": 0})
+    """Pixels on a patch's side (14): (image_size / patch_size)^2 position embeddings."""
     router_loss: bool = False
     """The model's loss adds its router's load-balancing loss (a MoE config's output_router_logits,
     whatever its weight: a weight of 0 still computes it): it keeps every layer's router logits
@@ -175,6 +191,13 @@ class ModelProfile:
                 f"(got {self.num_experts} and {self.num_experts_per_tok}; top-k at most the experts; a "
                 f"shared expert's width for qwen2_moe only)",
                 where=self.name, field="num_experts")
+        vision = (self.vision_hidden_size, self.vision_intermediate_size, self.vision_layers, self.image_size,
+                  self.patch_size)
+        if (self.family in VISION_FAMILIES) != all(vision) or (any(vision) and not all(vision)):
+            raise FieldValueError(
+                f"family {self.family!r} {'needs' if self.family in VISION_FAMILIES else 'takes no'} vision_hidden_size, "
+                f"vision_intermediate_size, vision_layers, image_size and patch_size (got {vision})",
+                where=self.name, field="vision_hidden_size")
         sliding = self.family in SLIDING_FAMILIES
         if sliding != bool(self.sliding_window and self.sliding_window_pattern) or (
                 self.sliding_window and not sliding and self.family not in WINDOW_FAMILIES):
@@ -234,6 +257,37 @@ class ModelProfile:
         return not self.sliding_window_pattern or bool((layer + 1) % self.sliding_window_pattern)
 
     @property
+    def prefix(self) -> str:
+        """The text model's module names' prefix: `model.`, or under a vision model's
+        `model.language_model.`."""
+        return "model.language_model." if self.vision_layers else "model."
+
+    def _vision_specs(self) -> list[ParamSpec]:
+        """The vision tower's and its projector's parameters (SigLIP without its pooling head, as
+        Gemma-3's checkpoints are), in `named_parameters()` order."""
+        v, x, p = self.vision_hidden_size, self.vision_intermediate_size, "model.vision_tower."
+        specs = [ParamSpec(name=p + "embeddings.patch_embedding.weight", shape=(v, 3, self.patch_size, self.patch_size)),
+                 ParamSpec(name=p + "embeddings.patch_embedding.bias", shape=(v,)),
+                 ParamSpec(name=p + "embeddings.position_embedding.weight",
+                           shape=((self.image_size // self.patch_size) ** 2, v))]
+        for layer in range(self.vision_layers):
+            q = f"{p}encoder.layers.{layer}."
+            shapes = [("layer_norm1", (v,))] + [(f"self_attn.{n}", (v, v)) for n in ("k_proj", "v_proj", "q_proj", "out_proj")]
+            shapes += [("layer_norm2", (v,)), ("mlp.fc1", (x, v)), ("mlp.fc2", (v, x))]
+            for name, shape in shapes:
+                specs += [ParamSpec(name=f"{q}{name}.weight", shape=shape),
+                          ParamSpec(name=f"{q}{name}.bias", shape=(shape[0],))]
+        specs += [ParamSpec(name=p + "post_layernorm.weight", shape=(v,)),
+                  ParamSpec(name=p + "post_layernorm.bias", shape=(v,)),
+                  ParamSpec(name="model.multi_modal_projector.mm_input_projection_weight", shape=(v, self.hidden_size)),
+                  ParamSpec(name="model.multi_modal_projector.mm_soft_emb_norm.weight", shape=(v,))]
+        return specs
+
+    def vision_params(self) -> int:
+        """Parameters of the vision tower and its projector (0 without one)."""
+        return sum(s.numel for s in self._vision_specs()) if self.vision_layers else 0
+
+    @property
     def moe(self) -> bool:
         return self.num_experts > 0
 
@@ -264,10 +318,11 @@ class ModelProfile:
 
     def param_specs(self) -> list[ParamSpec]:
         """Every parameter (name, shape), in `named_parameters()` order; tied lm_head is omitted."""
-        h, bias = self.hidden_size, FAMILIES[self.family][1]
-        specs = [ParamSpec(name="model.embed_tokens.weight", shape=(self.vocab_size, h), embedding=True)]
+        h, bias, top = self.hidden_size, FAMILIES[self.family][1], self.prefix
+        specs = self._vision_specs() if self.vision_layers else []
+        specs.append(ParamSpec(name=top + "embed_tokens.weight", shape=(self.vocab_size, h), embedding=True))
         for layer in range(self.num_hidden_layers):
-            p = f"model.layers.{layer}."
+            p = f"{top}layers.{layer}."
             o_proj = ParamSpec(name=p + "self_attn.o_proj.weight", shape=(h, self.q_dim))
             if self.fused:  # (Phi-3 registers o_proj first)
                 specs += [o_proj, ParamSpec(name=p + "self_attn.qkv_proj.weight", shape=(self.q_dim + 2 * self.kv_dim, h))]
@@ -284,7 +339,7 @@ class ModelProfile:
             specs.append(ParamSpec(name=p + "input_layernorm.weight", shape=(h,)))
             norms = ("post_attention", "pre_feedforward", "post_feedforward") if self.post_norms else ("post_attention",)
             specs += [ParamSpec(name=f"{p}{n}_layernorm.weight", shape=(h,)) for n in norms]
-        specs.append(ParamSpec(name="model.norm.weight", shape=(h,)))
+        specs.append(ParamSpec(name=top + "norm.weight", shape=(h,)))
         if not self.tie_word_embeddings:
             specs.append(ParamSpec(name="lm_head.weight", shape=(self.vocab_size, h)))
         return specs
@@ -314,13 +369,13 @@ class ModelProfile:
         """Total parameters (a tied embedding counted once)."""
         emb = self.vocab_size * self.hidden_size
         return emb * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * self.layer_params() \
-            + self.hidden_size
+            + self.hidden_size + self.vision_params()
 
     @property
     def active_params(self) -> int:
         """Parameters one token's forward uses: all but the experts it is not routed to."""
         idle = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * self.expert_size
-        return self.num_params - self.num_hidden_layers * idle
+        return self.num_params - self.num_hidden_layers * idle - self.vision_params()
 
     @property
     def matmul_params(self) -> int:
@@ -344,6 +399,13 @@ class ModelProfile:
         """The profile of a transformers config of a FAMILIES family (or a model with `.config`)."""
         config = getattr(config, "config", config)
         family = getattr(config, "model_type", "llama")
+        outer, vision = config, None
+        if family in VISION_FAMILIES:  # (the text model's shapes are its text_config's)
+            vision, config = config.vision_config, config.get_text_config()
+            if getattr(vision, "vision_use_head", False) or getattr(vision, "num_channels", 3) != 3:
+                raise FieldValueError(f"the planner prices {family}'s vision tower as its checkpoints are published "
+                                      f"(no pooling head, three channels): {NOT_PRICED}",
+                                      where=name or type(outer).__name__, field="family")
         experts = routed_experts(config)
         top_k = getattr(config, "num_experts_per_tok", None) or 0
         every_layer = not getattr(config, "mlp_only_layers", None) and getattr(config, "decoder_sparse_step", 1) == 1
@@ -355,7 +417,7 @@ class ModelProfile:
             raise FieldValueError(f"the planner prices the {', '.join(FAMILIES)} families, not {family!r}{why}: "
                                   f"{NOT_PRICED}",
                                   where=name or type(config).__name__, field="family")
-        unpriced = _unpriced(config, family)
+        unpriced = _unpriced(config, "gemma3_text" if vision is not None else family)
         if unpriced:
             raise FieldValueError(f"the planner prices {family} as its checkpoints are published, not with "
                                   f"{unpriced}: {NOT_PRICED}", where=name or type(config).__name__, field="family")
@@ -371,12 +433,16 @@ class ModelProfile:
             extra.update(sliding_window=config.sliding_window, sliding_window_pattern=_pattern(config))
         elif family in WINDOW_FAMILIES:
             extra.update(sliding_window=_window(config))
+        if vision is not None:
+            extra.update(vision_hidden_size=vision.hidden_size, vision_intermediate_size=vision.intermediate_size,
+                         vision_layers=vision.num_hidden_layers, image_size=vision.image_size,
+                         patch_size=vision.patch_size)
         return cls(
-            name=name or getattr(config, "_name_or_path", "") or family, family=family,
+            name=name or getattr(outer, "_name_or_path", "") or family, family=family,
             hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
             num_key_value_heads=config.num_key_value_heads or config.num_attention_heads,
-            vocab_size=config.vocab_size, tie_word_embeddings=bool(config.tie_word_embeddings),
+            vocab_size=config.vocab_size, tie_word_embeddings=bool(outer.tie_word_embeddings),
             max_position_embeddings=config.max_position_embeddings,
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
             partial_rotary_factor=float(rope.get("partial_rotary_factor",
@@ -416,4 +482,12 @@ class ModelProfile:
                           shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         if self.fused:  # (shapes only: Phi3Config's default token ids, 32,000, may lie past a small vocabulary)
             kwargs.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        if self.vision_layers:
+            patches = (self.image_size // self.patch_size) ** 2
+            vision = dict(hidden_size=self.vision_hidden_size, intermediate_size=self.vision_intermediate_size,
+                          num_hidden_layers=self.vision_layers, image_size=self.image_size, patch_size=self.patch_size,
+                          num_attention_heads=1, vision_use_head=False)
+            tie = kwargs.pop("tie_word_embeddings")
+            return cls(text_config=kwargs, vision_config=vision, mm_tokens_per_image=min(256, patches),
+                       tie_word_embeddings=tie)
         return cls(**kwargs)

@@ -126,7 +126,7 @@ def test_make_engine_refuses_an_option_the_engine_does_not_take(monkeypatch):
         cli_train.make_engine(model, TrainConfig(grad_reduce="step", model="x", precision="fp32", lr=1e-4))
 
 
-@pytest.mark.parametrize("name", ["tiny", "100m", "llama-7b", "qwen2.5-7b", "mistral-7b", "llama-8b"])
+@pytest.mark.parametrize("name", ["tiny", "100m", "llama-7b", "qwen2.5-7b", "mistral-7b", "llama-8b", "gemma-3-4b"])
 def test_profile_params_are_the_built_modules(name):
     """`finetune plan --model PROFILE` reads the parameters off the profile (no torch); they
     are the ones of the module training builds from it (vocabulary grown to the built-in

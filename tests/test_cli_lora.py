@@ -25,7 +25,8 @@ from typer.testing import CliRunner
 peft = pytest.importorskip("peft")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinyhf import error_line, logits_engine, make_tiny_llama_dir, train_as_the_cli, write_jsonl  # noqa: E402
+from tinyhf import (error_line, logits_engine, make_tiny_family_dir, make_tiny_llama_dir, train_as_the_cli,  # noqa: E402
+                    write_jsonl)
 
 from tierwise.cli import checkpoint as ckpt  # noqa: E402
 from tierwise.cli import train  # noqa: E402
@@ -45,6 +46,7 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     return {"untied": make_tiny_llama_dir(root / "untied", vocab_size=288, hidden=32, layers=2),
             "tied": make_tiny_llama_dir(root / "tied", vocab_size=288, hidden=32, layers=2, tie=True),
+            "gemma3-vl": make_tiny_family_dir(root / "gemma3-vl", "gemma3-vl"),
             "train": write_jsonl(root / "train.jsonl", sample_rows(24)),
             "eval": write_jsonl(root / "eval.jsonl", sample_rows(3))}
 
@@ -106,7 +108,9 @@ def _adapters(named) -> dict[str, torch.Tensor]:
     # engine had placed every chunk for, leaving the rest of the budget unused)
     ("untied", ["--lora-rank", "4", "--lora-dropout", "0.05"],
      dict(r=4, lora_alpha=8, lora_dropout=0.05, target_modules="all-linear")),
-], ids=["untied-all-linear", "tied-qv-dropout", "untied-all-linear-dropout"])
+    # Gemma-3 4B and up: all-linear adapts the vision tower too (PEFT's all-linear), which text never runs
+    ("gemma3-vl", ["--lora-rank", "4"], dict(r=4, lora_alpha=8, target_modules="all-linear")),
+], ids=["untied-all-linear", "tied-qv-dropout", "untied-all-linear-dropout", "gemma3-vl-all-linear"])
 def test_lora_run_equals_peft_and_exports_a_peft_adapter(assets, tmp_path, monkeypatch, which, flags, lora):
     out = tmp_path / "run"
     seen = _finetune(_args(assets[which], assets, out, *flags, "--eval-data", str(assets["eval"])), monkeypatch)

@@ -138,6 +138,9 @@ GEMMA3 = dataclasses.replace(QWEN3, family="gemma3_text", **SLIDES)
 GEMMA3_KINDS = [GEMMA3, dataclasses.replace(GEMMA3, sliding_window=20, sliding_window_pattern=6),
                 dataclasses.replace(GEMMA3, sliding_window_pattern=1)]
 GEMMA3_MQA = dataclasses.replace(GEMMA3, num_key_value_heads=1)  # (one key/value head: repeated as a view)
+#: Gemma-3 4B and up: the same text model inside Gemma3ForConditionalGeneration, beside a vision tower.
+VISION = dict(vision_hidden_size=16, vision_intermediate_size=32, vision_layers=1, image_size=28, patch_size=14)
+GEMMA3_VL = dataclasses.replace(GEMMA3, family="gemma3", **VISION)
 
 
 MISTRAL_WINDOW = dataclasses.replace(QWEN3, family="mistral", sliding_window=8)  # (every layer slides)
@@ -145,8 +148,9 @@ MISTRAL_WINDOW = dataclasses.replace(QWEN3, family="mistral", sliding_window=8) 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
 @pytest.mark.parametrize("checkpointing", [True, False, 1], ids=["recompute", "keep", "first-of-two"])
-@pytest.mark.parametrize("profile", [GEMMA, *GEMMA3_KINDS, GEMMA3_MQA, MISTRAL_WINDOW],
-                         ids=["gemma", "gemma3", "gemma3-local", "gemma3-global", "gemma3-mqa", "mistral-window"])
+@pytest.mark.parametrize("profile", [GEMMA, *GEMMA3_KINDS, GEMMA3_MQA, MISTRAL_WINDOW, GEMMA3_VL],
+                         ids=["gemma", "gemma3", "gemma3-local", "gemma3-global", "gemma3-mqa", "mistral-window",
+                              "gemma3-vl"])
 def test_gemma_activations_are_planned_exactly(profile, checkpointing, padded):
     """A Gemma norm computes in fp32 and saves its 1 + weight; Gemma-3 normalises the attention's
     and the MLP's outputs too, and its local layers take a mask where the window is no longer
@@ -159,7 +163,8 @@ def test_gemma_activations_are_planned_exactly(profile, checkpointing, padded):
                              padded=padded), precision
 
 
-@pytest.mark.parametrize("profile", [GEMMA, *GEMMA3_KINDS[:2]], ids=["gemma", "gemma3", "gemma3-local"])
+@pytest.mark.parametrize("profile", [GEMMA, *GEMMA3_KINDS[:2], GEMMA3_VL], ids=["gemma", "gemma3", "gemma3-local",
+                                                                           "gemma3-vl"])
 @pytest.mark.parametrize("precision, checkpointing, targets, padded, dropout", [
     ("fp32", None, "all-linear", False, 0.0), ("bf16", None, "q_proj,v_proj", True, 0.1),
     ("fp32", False, "o_proj,up_proj", True, 0.0), ("bf16", False, "all-linear", False, 0.1),
@@ -246,9 +251,11 @@ def test_a_recomputed_layer_finds_only_its_offloaded_inputs_held(lora):
 
 
 def test_gemma_3_is_planned():
-    """Gemma-3 1B and 270M and Gemma 7B (the model cards' counts; the plan adds the adapters),
-    QLoRA on a 24 GB card at 8K tokens, where every local layer's 512-token window takes a mask."""
-    for name, params in (("gemma-3-1b", 999_885_952), ("gemma-3-270m", 268_098_176), ("gemma-7b", 8_537_680_896)):
+    """Gemma-3 1B and 270M, 4B, 12B and 27B (with their vision towers), and Gemma 7B (the model
+    cards' counts; the plan adds the adapters), QLoRA on a 24 GB card at 8K tokens."""
+    for name, params in (("gemma-3-1b", 999_885_952), ("gemma-3-270m", 268_098_176), ("gemma-7b", 8_537_680_896),
+                         ("gemma-3-4b", 4_300_079_472), ("gemma-3-12b", 12_187_325_040),
+                         ("gemma-3-27b", 27_432_406_640)):
         plan = planner.make_plan(model=name, hardware="rtx4090", gpu_mem="24G", cpu_mem="64G", optimizer="adamw",
                                  precision="bf16", batch_size=1, seq_len=8192, lora_rank=16, base_dtype="nf4",
                                  double_quant=True)
@@ -260,7 +267,8 @@ def test_gemma_3_is_planned():
     ("qwen3", "all-linear", "950K", 1), ("qwen3", "all-linear", "900K", 2), ("qwen3", "k_proj,v_proj", "800K", 2),
     ("qwen3", "q_proj,down_proj", "1M", 1), ("phi3", "all-linear", "900K", 2), ("phi3", "o_proj,down_proj", "900K", 2),
     ("phi3", "gate_up_proj", "1M", 1), ("gemma", "all-linear", "900K", 2), ("gemma3_text", "all-linear", "950K", 1),
-    ("gemma3_text", "all-linear", "900K", 2), ("gemma3_text", "v_proj,down_proj", "800K", 2)])
+    ("gemma3_text", "all-linear", "900K", 2), ("gemma3_text", "v_proj,down_proj", "800K", 2),
+    ("gemma3", "all-linear", "950K", 1), ("gemma3", "o_proj,up_proj", "800K", 2)])
 def test_the_planned_lora_trace_is_the_engines(monkeypatch, family, targets, gpu_mem, accum):
     """The planner's trace of a LoRA step (lora.step_trace) against the one the engine records,
     event for event over the streamed chunks: in layer 0, the adapters of linears whose input
@@ -269,8 +277,8 @@ def test_the_planned_lora_trace_is_the_engines(monkeypatch, family, targets, gpu
     import peft
 
     profile = dataclasses.replace(QWEN3, family=family, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
-                                  vocab_size=512, head_dim=32 if family in ("qwen3", "gemma3_text") else None,
-                                  **SLIDES if family == "gemma3_text" else {})
+                                  vocab_size=512, head_dim=32 if family in ("qwen3", "gemma3_text", "gemma3") else None,
+                                  **SLIDES if family.startswith("gemma3") else {}, **VISION if family == "gemma3" else {})
     recorded, planned = [], []
     end_step, schedule = trace.TraceFollower.end_step, planner.plan_schedule
 

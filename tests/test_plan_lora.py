@@ -45,7 +45,7 @@ def test_lora_specs_are_what_peft_injects(model, targets):
 FAMILY_TARGETS = {"llama": "q_proj,v_proj", "llama-tied": "o_proj,down_proj", "gpt2": "c_attn,c_proj",
                   "gpt-neox": "query_key_value,dense_4h_to_h", "qwen2": "q_proj,k_proj", "qwen3": "k_proj,down_proj",
                   "mistral": "v_proj,up_proj",
-                  "phi3": "qkv_proj,gate_up_proj", "gemma2": "q_proj,gate_proj", "gemma3": "k_proj,up_proj", "gemma": "v_proj,down_proj", "opt": "q_proj,fc2",
+                  "phi3": "qkv_proj,gate_up_proj", "gemma2": "q_proj,gate_proj", "gemma3": "k_proj,up_proj", "gemma3-vl": "q_proj,o_proj", "gemma": "v_proj,down_proj", "opt": "q_proj,fc2",
                   "falcon": "query_key_value", "qwen2-moe": "q_proj,down_proj", "mixtral": "q_proj,v_proj"}
 FUSED_EXPERTS = ("qwen2-moe", "mixtral")  # 3-D expert parameters: all-linear is refused
 

@@ -259,6 +259,10 @@ FAMILIES = {
     "gemma": ("GemmaConfig", dict(intermediate_size=64, num_key_value_heads=1, head_dim=8)),  # (one key/value head)
     "gemma3": ("Gemma3TextConfig", dict(intermediate_size=64, num_key_value_heads=2, head_dim=8, sliding_window=8,
                                         sliding_window_pattern=2)),  # (a local layer, then a global one)
+    # Gemma-3 4B and up: the text model of "gemma3" inside Gemma3ForConditionalGeneration, beside a
+    # SigLIP vision tower and its projector that text-only training never runs
+    "gemma3-vl": ("Gemma3Config", dict(intermediate_size=64, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                                       sliding_window_pattern=2)),
     "opt": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64,
                               dropout=0.0, attention_dropout=0.0)),
     "falcon": ("FalconConfig", dict(hidden_dropout=0.0, attention_dropout=0.0)),
@@ -282,6 +286,12 @@ def family_config(family: str, *, vocab_size: int = 288, tokenizer=None):
     if tokenizer is not None:
         common.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                       pad_token_id=tokenizer.pad_token_id)
+    if cls == "Gemma3Config":  # (the image tokens: the vocabulary's last three ids)
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14, vision_use_head=False)  # (as the checkpoints)
+        return transformers.Gemma3Config(text_config={**common, **extra}, vision_config=vision, mm_tokens_per_image=4,
+                                         boi_token_index=vocab_size - 3, eoi_token_index=vocab_size - 2,
+                                         image_token_index=vocab_size - 1)
     return getattr(transformers, cls)(**common, **extra)
 
 

@@ -49,7 +49,7 @@ IGNORE = -100
 SLICES = 8  # a tile's temporaries are made in this many pieces (the entropy, the head's bf16 gradient)
 
 FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
-                      "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "opt", "falcon", "granite", "cohere",
+                      "gemma2", "gemma3_text", "gemma3", "phi3", "gpt2", "gpt_neox", "opt", "falcon", "granite", "cohere",
                       "olmo", "olmo2", "smollm3", "starcoder2", "stablelm"})
 """transformers model types whose CausalLM forward is `lm_head(hidden)` [+ transform] + ForCausalLMLoss."""
 

@@ -27,6 +27,8 @@ from ..core.errors import TierwiseError, UnsupportedModel
 #: never the output head); Phi-3's fused ones in their place.
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_LINEARS = ("qkv_proj", "gate_up_proj")
+#: A vision tower's linears beside q/k/v_proj (SigLIP's: Gemma-3 4B and up), which all-linear adapts too.
+VISION_LINEARS = ("out_proj", "fc1", "fc2")
 
 #: Kinds of module `lora_specs` can adapt (`linears`): an nn.Linear (weight [out, in]; an int8/NF4
 #: base encodes it), a subclass of it (adapted, not encoded: the engine encodes plain nn.Linear
@@ -55,7 +57,7 @@ def profile_linears(specs: Sequence[ParamSpec]) -> dict[str, str]:
     out = {}
     for s in specs:
         module, _, leaf = s.name.rpartition(".")
-        if leaf == "weight" and module.rpartition(".")[2] in (*LINEARS, *FUSED_LINEARS, "shared_expert_gate"):
+        if leaf == "weight" and module.rpartition(".")[2] in (*LINEARS, *FUSED_LINEARS, "shared_expert_gate", *VISION_LINEARS):
             out[module] = "linear"
         elif s.name == "lm_head.weight":
             out[module] = "head"
@@ -223,10 +225,10 @@ _POST_NORM_LAYER = ("input_layernorm", "q_proj", "k_proj", "v_proj", "q_norm", "
                     "post_feedforward_layernorm")
 
 
-def _modules(layer: int, part: str, targets: frozenset[str]) -> list[str]:
+def _modules(layer: int, part: str, targets: frozenset[str], top: str = "model.") -> list[str]:
     """The modules one part of a layer runs, in order: a targeted linear's base layer, then its
-    adapters (lora_A, lora_B)."""
-    p = f"model.layers.{layer}."
+    adapters (lora_A, lora_B); `top`: the text model's prefix (profiles.model.ModelProfile.prefix)."""
+    p = f"{top}layers.{layer}."
     if part not in _SUB:
         return [p + part]
     name = f"{p}{_SUB[part]}.{part}"
@@ -248,7 +250,8 @@ def _needs_grad_in(part: str, targets: frozenset[str]) -> bool:
 
 def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozenset[str], tied: bool,
                recompute: int, blocks: bool = False, qk_norm: bool = False,
-               fused: bool = False, post_norms: bool = False, reads_norms: bool = True) -> list[tuple[str, int]]:
+               fused: bool = False, post_norms: bool = False, reads_norms: bool = True,
+               prefix: str = "model.") -> list[tuple[str, int]]:
     """The access trace ((\"acquire\" | \"release\", chunk), ...) the engine records for one LoRA
     step of a Llama-family model (offload.runtime.trace): each module acquires its chunks for its
     forward; backward reads the weights autograd saved (the output head's, the final norm's, and
@@ -261,7 +264,9 @@ def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozen
     `qk_norm`: the attention normalises queries and keys (profiles.model.QK_NORM_FAMILIES);
     `fused`: one qkv_proj and one gate_up_proj (profiles.model.FUSED_FAMILIES); `post_norms`:
     Gemma-3's layer (profiles.model.POST_NORM_FAMILIES); `reads_norms`: backward reads the norms'
-    weights (False for profiles.model.GEMMA_FAMILIES: their norms save 1 + weight, a copy)."""
+    weights (False for profiles.model.GEMMA_FAMILIES: their norms save 1 + weight, a copy);
+    `prefix`: the text model's names' (profiles.model.ModelProfile.prefix; a vision model's
+    tower never runs on text: none of its chunks is in the trace)."""
     events: list[tuple[str, int]] = []
     parts = _POST_NORM_LAYER if post_norms else _FUSED_LAYER if fused else _QK_LAYER if qk_norm else _LAYER
     norms = {"input_layernorm", "q_norm", "k_norm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -276,33 +281,33 @@ def step_trace(chunks_of: "dict[str, set[int]]", *, layers: int, targets: frozen
         acquire_release(chunks_of.get(module, set()))
 
     def use_layer(layer: int) -> None:
-        prefix = f"model.layers.{layer}."
-        acquire_release({c for m, cs in chunks_of.items() if m.startswith(prefix) for c in cs})
+        start = f"{prefix}layers.{layer}."
+        acquire_release({c for m, cs in chunks_of.items() if m.startswith(start) for c in cs})
 
-    head = "model.embed_tokens" if tied else "lm_head"
-    use("model.embed_tokens")
+    head = prefix + "embed_tokens" if tied else "lm_head"
+    use(prefix + "embed_tokens")
     for layer in range(layers):
         if blocks:
             use_layer(layer)
             continue
         for part in parts:
-            for m in _modules(layer, part, targets):
+            for m in _modules(layer, part, targets, prefix):
                 use(m)
-    use("model.norm")
+    use(prefix + "norm")
     use(head)
     use(head)  # backward: the head's saved weight, then the final norm's
     if reads_norms:
-        use("model.norm")
+        use(prefix + "norm")
     for layer in reversed(range(layers)):
         if blocks and layer < recompute:
             use_layer(layer)  # held through the recompute and the layer's backward
             continue
         if layer < recompute:
             for part in parts:
-                for m in _modules(layer, part, targets):
+                for m in _modules(layer, part, targets, prefix):
                     use(m)
         for part in reversed(read_back):
-            modules = _modules(layer, part, targets)[::-1]
+            modules = _modules(layer, part, targets, prefix)[::-1]
             if layer == 0 and not _needs_grad_in(part, targets):
                 # only an adapter's lora_B: its input (lora_A's output) needs a gradient
                 modules = [m for m in modules if m.endswith(".lora_B.default")]

@@ -178,11 +178,11 @@ SEGMENTS_FROM = 4096
 #: A recomputed block's MLP runs in sequence tiles of this many bytes of intermediates
 #: (offload.engine.tiled), in these families (a token-wise `mlp` of gate, up and down).
 MLP_TILE_BYTES = 256 << 20
-TILED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite",
+TILED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "granite",
                             "cohere", "olmo", "olmo2", "smollm3"})  # (not phi3: one fused gate_up_proj)
 #: Of those, the families whose block only adds its MLP's output to the residual (no norm after
 #: it saves it): their recompute need not compute that output (offload.engine.tiled).
-RESIDUAL_MLP_FAMILIES = TILED_FAMILIES - {"gemma2", "gemma3_text", "olmo2"}
+RESIDUAL_MLP_FAMILIES = TILED_FAMILIES - {"gemma2", "gemma3_text", "gemma3", "olmo2"}
 
 
 def mlp_tile_tokens(width: int, itemsize: int, rows: int, tile_bytes: "int | None" = None) -> int:
@@ -463,6 +463,7 @@ def _lora_parts(lora: "tuple[frozenset[str], int] | tuple[frozenset[str], int, i
     shared expert's width (0 for Mixtral), `routed` its routed experts' bytes (moe_mlp_bytes,
     frozen)."""
     targets, rank, drop = (*lora, None) if len(lora) == 2 else lora
+    targets &= frozenset(_INPUT)  # (a decoder layer's: a vision tower's linears never run on text)
     own = model.router_loss  # (as activation_parts)
     if drop is not None and targets & (MLP_IN | {"down_proj"}):
         mlp_t = t  # (an adapter's dropout in the MLP would draw its noise per tile: untiled)

@@ -334,6 +334,7 @@ class _Chunks:
         self.qk_norm, self.fused, self.post_norms, self.gemma = (
             (model.qk_norm, model.fused, model.post_norms, model.gemma) if model is not None else (False,) * 4)
         self.num_layers = model.num_hidden_layers if model is not None else 0  # (the decoder blocks)
+        self.top = model.prefix if model is not None else "model."  # (the text model's names)
         self.grad_staging = 0  # host bytes gradients land in first on CUDA (make_plan)
         self.targets = lora.targets if lora is not None else frozenset()
         plain = "bf16" if self.bf16 else "fp32"
@@ -393,7 +394,7 @@ class _Chunks:
         self.widest = self._widest()
         self.zo_workspace = zo_workspace(owned.values(), self.ce)
         widest = max(owned, key=owned.__getitem__, default="")
-        tied_head = widest == "model.embed_tokens" and "lm_head.weight" not in self.plan.slots
+        tied_head = widest == self.top + "embed_tokens" and "lm_head.weight" not in self.plan.slots
         self.zo_module = "lm_head" if tied_head else widest  # a tied head runs last, on the embedding's chunk
         self.zo_chunks = sorted(modules.get(widest, ()))
 
@@ -414,7 +415,7 @@ class _Chunks:
                                                  layers=self.layers, targets=self.targets, tied=self.tied,
                                                  recompute=recompute, blocks=self.block_units,
                                                  qk_norm=self.qk_norm, fused=self.fused, post_norms=self.post_norms,
-                                                 reads_norms=not self.gemma) if c in keep]
+                                                 reads_norms=not self.gemma, prefix=self.top) if c in keep]
         if not events:
             return {}
         sizes = {c: self.compute[c] for c in keep}
@@ -1041,7 +1042,7 @@ def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
     of preference (the cache is emptied after every step)."""
     streamed = ch.cached(device)
     if ch.needs_grad or ch.zo_module == "lm_head":
-        head = ch.plan.slots.get("lm_head.weight") or ch.plan.slots.get("model.embed_tokens.weight")
+        head = ch.plan.slots.get("lm_head.weight") or ch.plan.slots.get(ch.top + "embed_tokens.weight")
         first = [head.chunk] if head is not None and head.chunk in streamed else []
         order = first + [c for c in reversed(streamed) if c not in first]
     else:  # MeZO peaks while its widest module runs: then the chunks after it (prefetched), then
@@ -1083,7 +1084,7 @@ def _gpu_transient(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, nee
     # (a recompute comes after the kept layers' backward: the recomputed layers are the first)
     return max(held + p["head"], p["fixed"] + p["inputs"] + p["block"] + inflight,
                held + p["final_norm"] + p["loss_tail"] + max(head, inflight),
-               p["fixed"] + max(gathered.get("model.embed_tokens.weight", 0), inflight))
+               p["fixed"] + max(gathered.get(ch.top + "embed_tokens.weight", 0), inflight))
 
 
 def _build(ch: _Chunks, *, model: ModelProfile, hw: HardwareProfile, needs: DeviceNeeds, device: DevicePlan,

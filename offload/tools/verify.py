@@ -192,7 +192,7 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
     engine = _engine(module, config, plan=plan, budgets=budgets, nvme_path=nvme_path, lr=lr, seed=seed,
                      cxl_bandwidth=(user_hw.cxl or EMULATED_CXL).bandwidth_gbps * 1e9,
                      optimizer_kwargs=optimizer_kwargs, base_dtype=base_dtype, double_quant=double_quant)
-    data = _batches(batches, rows=batch_size * grad_accum, seq_len=seq_len, vocab=config.vocab_size, seed=seed,
+    data = _batches(batches, rows=batch_size * grad_accum, seq_len=seq_len, vocab=config.get_text_config().vocab_size, seed=seed,
                     padded=padded)
     try:
         with cuda_peak(asked["gpu"]) as device:
