@@ -182,8 +182,8 @@ def test_gemma_lora_activations_are_planned_exactly(profile, precision, checkpoi
 @pytest.mark.parametrize("profile", [GEMMA3, dataclasses.replace(GEMMA3, num_key_value_heads=4),
                                      dataclasses.replace(GEMMA3, sliding_window=5, sliding_window_pattern=6),
                                      dataclasses.replace(MISTRAL_WINDOW, sliding_window=5), GEMMA3_MQA,
-                                     dataclasses.replace(PHI3, sliding_window=5)],
-                         ids=["grouped", "mha", "all-local", "mistral", "mqa", "phi3"])
+                                     dataclasses.replace(PHI3, sliding_window=5), GEMMA3_VL],
+                         ids=["grouped", "mha", "all-local", "mistral", "mqa", "phi3", "gemma3-vl"])
 def test_windows_in_blocks_are_planned_exactly(monkeypatch, profile, checkpointing):
     """finetune's attention (offload.engine.segments) takes a long row's window in blocks: each
     block's band mask and, with grouped heads, its keys and values repeated; their outputs

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from tierwise.offload import Budget, Engine, Optim
+from tierwise.offload import Activations, Budget, Engine, Optim
 from tierwise.offload.engine import tiled as tiled_mod
 from tierwise.offload.plan import perfmodel
 
@@ -56,14 +56,15 @@ def test_one_tile_and_dropout_run_untiled():
 
 def _engine_run(model, data, monkeypatch, *, tile_bytes, lora=None):
     monkeypatch.setattr(perfmodel, "MLP_TILE_BYTES", tile_bytes)
-    eng = Engine(model, budget=Budget(gpu="2M", chunk=16 << 10), optim=Optim("sgd", lr=1e-2), lora=lora)
+    eng = Engine(model, budget=Budget(gpu="2M", chunk=16 << 10), optim=Optim("sgd", lr=1e-2), lora=lora,
+                 activations=Activations(recompute=True))  # (every block: an SDPA family may keep some)
     try:
         return [eng.step(b) for b in data], dict(eng.named_parameters_fp32(trainable_only=True))
     finally:
         eng.close()
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3-vl"])
 def test_an_engine_with_tiled_mlps_trains_as_plain_pytorch(monkeypatch, family):
     """Sequences of 64 tokens in tiles of 16 (4 per MLP, every block recomputed): the losses
     and weights of plain PyTorch (fp32, SGD: the weights' gradients are summed per tile, so they
@@ -90,7 +91,7 @@ def test_an_engine_with_tiled_mlps_trains_as_plain_pytorch(monkeypatch, family):
         return real(*a)
 
     monkeypatch.setattr(tiled_mod._TiledMLP, "apply", counting)
-    width = model.model.layers[0].mlp.up_proj.out_features
+    width = model.get_decoder().layers[0].mlp.up_proj.out_features
     losses, weights = _engine_run(model, data, monkeypatch, tile_bytes=3 * width * 4 * 2 * 16)
     assert calls and set(calls) == {4}  # every recompute ran its MLP in 4 tiles
     assert losses == pytest.approx(ref_losses, rel=1e-5)
