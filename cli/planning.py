@@ -888,6 +888,7 @@ def dry_run(cfg: TrainConfig, *, console: Console, resuming: "Callable | None" =
     if src.note:
         console.print(f"[bold yellow]warning:[/] {src.note}", soft_wrap=True, highlight=False)
     model = build_meta_model(src.config)
+    chosen = cfg.precision_note  # (before the options are replaced: theirs resolve none)
     cfg = resolve_offload(resolve_recompute(cfg, src=src), src=src)
     if resuming is not None:
         resuming(cfg, src)
@@ -903,6 +904,9 @@ def dry_run(cfg: TrainConfig, *, console: Console, resuming: "Callable | None" =
     plan = make_plan(cfg, src=src, ranks=True)
     print_plan(plan, console=console, as_json=False)
     console.print(plan_line(cfg, plan, free=free_disk(cfg.output)), highlight=False, soft_wrap=True)
+    note = precision_note(cfg, plan, chosen=chosen) or (f"precision: {chosen}" if chosen else None)
+    if note:
+        console.print(note, highlight=False, soft_wrap=True)
     return 0
 
 

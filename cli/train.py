@@ -227,6 +227,7 @@ def run(cfg: TrainConfig, *, console: Console) -> int:
 def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int:
     ranks = launch.on_node(ranks)  # the node's ranks as the engine counts them
     auto, auto_offload = cfg.recompute is None and cfg.recompute_layers is None, cfg.offload_activations is None
+    chosen = cfg.precision_note  # (a TrainConfig replaced below resolves none: its precision is set)
     refusal = plan = None
     try:  # inputs, then what `plan` refuses, before allocating; several ranks: all together
         src, blocks, eval_data, padded, cfg = _checked_inputs(cfg, console=console, ranks=ranks)
@@ -255,6 +256,8 @@ def _run(cfg: TrainConfig, *, console: Console, ranks: "launch.RankInfo") -> int
                       "others' kept (the fastest plan that fits; --recompute recomputes all)", highlight=False)
     if auto_offload and cfg.offload_activations:
         console.print(OFFLOADED, highlight=False)
+    if chosen and refusal is None:
+        console.print(f"precision: {chosen}", highlight=False, soft_wrap=True)
     if refusal is None and blocks and len(blocks[0]) > 3:
         console.print("packing: each document attends only to itself (position ids from 0 in each; --no-pack: "
                       "a document a block)",

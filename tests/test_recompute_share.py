@@ -124,6 +124,18 @@ def test_a_full_fine_tunes_default_fp32_on_a_gpu_says_what_bf16_plans():
                                                                  note[0]).groups())
     assert bf16 > fp32 > 0  # (the card's bf16 rate)
     assert "precision:" not in runner.invoke(app, [*args, "--precision", "fp32"]).output
+    # --dry-run says it too (of this machine's budgets), and a run says the default it took
+    dry = ["--model", "100m", "--hardware", "h100", "--gpu-mem", "2G", "--cpu-mem", "4G", "--seq-len", "64", "--dry-run"]
+    said = runner.invoke(app, dry)
+    assert said.exit_code == 0, said.output
+    assert [ln for ln in said.output.splitlines() if ln.startswith("precision:") and "bf16 plans" in ln], said.output
+    assert "precision:" not in runner.invoke(app, [*dry, "--precision", "fp32"]).output
+
+
+def test_a_lora_run_says_the_precision_it_took(tmp_path):
+    result = CliRunner().invoke(app, ["--lora-rank", "4", "--steps", "1", "--output", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    assert "precision: LoRA computes in fp32 on the simulated device" in result.output
 
 
 def test_the_flag_plans_trains_and_refuses(tmp_path):
