@@ -55,6 +55,24 @@ def test_verify_fails_on_an_under_counting_ledger(monkeypatch):
     assert report.render().splitlines()[-1].startswith("FAIL: host planned")
 
 
+def test_verify_fails_when_the_warm_up_batch_is_one_the_plan_does_not_cover():
+    """The plan is for the data's worst step, which may be the warm-up's: a first batch the plan
+    does not cover (twice the planned tokens) fails the verdict, though the steady steps after it
+    are as planned (the report passed before)."""
+    def batch(seq):
+        ids = torch.randint(0, 512, (2, seq))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    torch.manual_seed(0)
+    run = {**RUN, "gpu_mem": "8M", "seq_len": 64}
+    steady = verify(**run, steps=3, batches=iter([batch(64) for _ in range(3)]), padded=False)
+    assert steady.passed, steady.render()
+    report = verify(**run, steps=3, batches=iter([batch(128), batch(64), batch(64)]), padded=False)
+    assert any("warm-up peak" in f and "a batch the plan does not cover" in f for f in report.failures), \
+        report.render()
+    assert not any("vs measured" in f for f in report.failures)  # (the steady steps are as planned)
+
+
 def test_verify_user_errors():
     with pytest.raises(TierwiseError, match="at least 2 steps"):
         verify(**RUN, steps=1)

@@ -10,8 +10,10 @@ run whose data has padding (or on the given batches), placed up front from the p
 activations as `finetune` runs it. The first step is the warm-up
 (it records the access trace); the ledger's peaks are then reset, so the measured peaks are
 the steady state the planner predicts. The verdict passes when every tier's peak, warm-up
-included, stays within its budget (on CUDA also the allocator's `max_memory_allocated`), and
-the planned steady-state peak of every tier is within `tolerance` of the measured one.
+included, stays within its budget (on CUDA also the allocator's `max_memory_allocated`), the
+planned steady-state peak of every tier is within `tolerance` of the measured one, and no
+tier's warm-up peak is above the plan by more than `tolerance` (the plan is for the worst step,
+and the warm-up's batch may be the data's worst).
 
 On a machine without CUDA the `gpu` tier is the simulated device, planned with the
 `--hardware` profile when it is a simulated device's (`finetune profile` run on such a machine),
@@ -304,6 +306,11 @@ def _check(plan: Plan, *, limits: dict, warmup: dict, measured: dict, device_pea
         if abs(planned - got) > tolerance * got:
             out.append(f"{tier} planned {format_size(planned)} ({planned} B) vs measured {format_size(got)} "
                        f"({got} B): {_diff(planned, got)}, allowed ±{100 * tolerance:.0f}%")
+        first = warmup.get(tier, 0)  # (the plan is for the worst step: the warm-up's batch may be it)
+        if first > planned * (1 + tolerance):
+            out.append(f"{tier} warm-up peak {format_size(first)} ({first} B) is above the planned "
+                       f"{format_size(planned)} ({planned} B) by more than {100 * tolerance:.0f}%: a batch the plan "
+                       f"does not cover")
     return out
 
 
