@@ -453,7 +453,9 @@ def has_padding(blocks: list, *, segments: bool = False, mask: bool = False) -> 
     return any((mask and len(b) == 3 and _padded(b)) or (not segments and _rows(b)) for b in blocks)
 def check_vocab(blocks: list, src: ModelSource) -> None:
     """Every token id must be an embedding row: a tokenizer bigger than the model is an error."""
-    vocab = getattr(src.config, "vocab_size", None)
+    from .planning import text_config
+
+    vocab = getattr(text_config(src.config), "vocab_size", None)
     top = max((int(b[0].max()) for b in blocks), default=-1)  # no blocks: Batches says so
     if vocab and top >= vocab:
         raise DataError(f"the tokenizer produced token id {top} but the model's vocab_size is "

@@ -46,13 +46,16 @@ def check_targets(model: torch.nn.Module, targets: "list[str] | str") -> None:
         return
     modules = list(model.named_modules())
     leaves = sorted({n.rsplit(".", 1)[-1] for n, m in modules if _adaptable(m)})
-    # fused MoE experts are parameters, not layers: only all-linear adapts them, where PEFT does
+    # fused MoE experts are parameters, not layers: PEFT adapts them for all-linear and the names
+    # it maps onto them (offload.plan.lora.adapts_experts), where it does
     from ..offload.plan.lora import adapts_experts
 
     kind = getattr(getattr(model, "config", None), "model_type", None)
-    fused = "; all-linear adapts this model's fused experts and router as parameters" \
-        if any(p.dim() >= 3 for p in model.parameters()) and adapts_experts(kind) else ""
+    names = sorted(adapts_experts(kind)) if any(p.dim() >= 3 for p in model.parameters()) else []
+    fused = f"; {', '.join(names)} adapt this model's fused experts as parameters" if names else ""
     for t in targets:
+        if t in names:  # (PEFT maps it onto the experts, and the router for `gate`: its checks follow)
+            continue
         matched = [m for n, m in modules if n == t or n.endswith("." + t)]
         if not matched:
             param = any(n == t or n.endswith("." + t) for n, _ in model.named_parameters())

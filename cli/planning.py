@@ -308,8 +308,15 @@ def local_notes(cfg: TrainConfig, plan: Plan) -> list[str]:
     return notes
 
 
+def text_config(config: Any) -> Any:
+    """The config of a model's text model: itself, or a vision model's (Gemma-3 4B and up)."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def max_positions(config) -> int | None:
     """The longest sequence the model's position embeddings (or RoPE setup) were built for."""
+    config = text_config(config)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -354,6 +361,7 @@ def seq_len_note(cfg: TrainConfig) -> str | None:
 
 def _rotary(config: Any) -> bool:
     """Whether the model's positions are rotary (no table to run past), not learned or ALiBi."""
+    config = text_config(config)
     if getattr(config, "alibi", False):
         return False
     return any(getattr(config, k, None) is not None for k in ("rope_parameters", "rope_theta", "rope_scaling",

@@ -322,6 +322,12 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console, ranks: "launch.RankIn
     blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack,
                          isolate=isolates(src.config, pack=cfg.pack))
     check_vocab(blocks, src)
+    if ranks is not None and ranks.several and not cfg.lora and cfg.weight_decay and \
+            getattr(src.config, "vision_config", None) is not None:
+        # (several ranks update a parameter without a gradient as with a zero one: torch skips it)
+        raise ConfigError(f"--weight-decay {cfg.weight_decay} on {ranks.world} ranks would shrink {src.name}'s vision "
+                          "tower, which text never trains (several ranks update parameters without a gradient as "
+                          "with a zero one): --weight-decay 0, one rank, or LoRA")
     eval_data = (eval_batches(load_blocks(cfg.eval_data, src.tokenizer, seq_len=cfg.seq_len,
                                           pack=cfg.pack, isolate=isolates(src.config, pack=cfg.pack)),
                               batch_size=cfg.batch_size, mask=keeps_mask(src.config))

@@ -198,6 +198,13 @@ class ModelProfile:
                 f"family {self.family!r} {'needs' if self.family in VISION_FAMILIES else 'takes no'} vision_hidden_size, "
                 f"vision_intermediate_size, vision_layers, image_size and patch_size (got {vision})",
                 where=self.name, field="vision_hidden_size")
+        if self.vision_layers >= self.num_hidden_layers > 0 and self.vision_layers:
+            # the engine's blocks (recomputed, the units of residency) are the longest list of
+            # layers, the first on a tie: here the tower's, which text never runs
+            raise FieldValueError(
+                f"field 'vision_layers' ({self.vision_layers}) must be fewer than num_hidden_layers "
+                f"({self.num_hidden_layers}), as in the published checkpoints: the engine would take the vision "
+                f"tower's layers for the decoder's blocks", where=self.name, field="vision_layers")
         sliding = self.family in SLIDING_FAMILIES
         if sliding != bool(self.sliding_window and self.sliding_window_pattern) or (
                 self.sliding_window and not sliding and self.family not in WINDOW_FAMILIES):
@@ -268,8 +275,7 @@ class ModelProfile:
         v, x, p = self.vision_hidden_size, self.vision_intermediate_size, "model.vision_tower."
         specs = [ParamSpec(name=p + "embeddings.patch_embedding.weight", shape=(v, 3, self.patch_size, self.patch_size)),
                  ParamSpec(name=p + "embeddings.patch_embedding.bias", shape=(v,)),
-                 ParamSpec(name=p + "embeddings.position_embedding.weight",
-                           shape=((self.image_size // self.patch_size) ** 2, v))]
+                 ParamSpec(name=p + "embeddings.position_embedding.weight", shape=(self.patches, v), embedding=True)]
         for layer in range(self.vision_layers):
             q = f"{p}encoder.layers.{layer}."
             shapes = [("layer_norm1", (v,))] + [(f"self_attn.{n}", (v, v)) for n in ("k_proj", "v_proj", "q_proj", "out_proj")]
@@ -282,6 +288,17 @@ class ModelProfile:
                   ParamSpec(name="model.multi_modal_projector.mm_input_projection_weight", shape=(v, self.hidden_size)),
                   ParamSpec(name="model.multi_modal_projector.mm_soft_emb_norm.weight", shape=(v,))]
         return specs
+
+    @property
+    def idle(self) -> tuple[str, ...]:
+        """Name prefixes of the parameters a step on text never uses (a vision tower's and its
+        projector's): never fetched to the device, never given a gradient."""
+        return ("model.vision_tower.", "model.multi_modal_projector.") if self.vision_layers else ()
+
+    @property
+    def patches(self) -> int:
+        """An image's patches: the vision tower's positions (0 without a tower)."""
+        return (self.image_size // self.patch_size) ** 2 if self.vision_layers else 0
 
     def vision_params(self) -> int:
         """Parameters of the vision tower and its projector (0 without one)."""
@@ -483,7 +500,7 @@ class ModelProfile:
         if self.fused:  # (shapes only: Phi3Config's default token ids, 32,000, may lie past a small vocabulary)
             kwargs.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
         if self.vision_layers:
-            patches = (self.image_size // self.patch_size) ** 2
+            patches = self.patches
             vision = dict(hidden_size=self.vision_hidden_size, intermediate_size=self.vision_intermediate_size,
                           num_hidden_layers=self.vision_layers, image_size=self.image_size, patch_size=self.patch_size,
                           num_attention_heads=1, vision_use_head=False)

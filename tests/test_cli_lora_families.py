@@ -204,7 +204,7 @@ def test_mixtral_lora_messages_name_what_to_do(tmp_path):
                                              env={"COLUMNS": "300"}))
 
     assert "gate_up_proj: a parameter, not a layer" in line("--lora-targets", "gate_up_proj")
-    assert "all-linear adapts this model's fused experts" in line("--lora-targets", "gate_up_proj")
+    assert "all-linear, gate, w1, w2, w3 adapt this model's fused experts" in line("--lora-targets", "gate_up_proj")
     assert "give --lora-dropout 0" in line("--lora-dropout", "0.1")
     assert "training runs as given" in line("--dry-run")
 

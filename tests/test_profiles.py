@@ -181,7 +181,7 @@ def _bad_model(tmp_path, old, new):
     ("rope_theta = 10000.0", "rope_theta = 10000.0\nrope_thetta = 1.0", UnknownFieldError,
      "unknown field 'rope_thetta' (known: "),
     ('family = "llama"', 'family = "gpt2"', FieldValueError,
-     "field 'family' must be one of llama, mistral, qwen2, qwen3, phi3, gemma, gemma3_text, mixtral, qwen2_moe, got 'gpt2'"),
+     "field 'family' must be one of llama, mistral, qwen2, qwen3, phi3, gemma, gemma3_text, gemma3, mixtral, qwen2_moe, got 'gpt2'"),
     ("num_key_value_heads = 2", "num_key_value_heads = 3", FieldValueError,
      "field 'num_key_value_heads' (3) must divide num_attention_heads (4)"),
     ("hidden_size = 64", "hidden_size = 66", FieldValueError, "field 'hidden_size' (66) must be a multiple of"),

@@ -776,6 +776,10 @@ class Engine:
                             else f"a {type(loss).__name__}")
                     raise TypeError(f"loss_fn returned {what}: it must return the loss as a one-element tensor "
                                     "(with its graph: no .item() or float())")
+                if torch.is_grad_enabled() and self.updater.needs_grad and not loss.requires_grad:
+                    raise UnsupportedModel("the loss depends on no trainable parameter (each is frozen, or in a "
+                                           "module the forward never runs, e.g. a vision tower's on text): nothing "
+                                           "would train")
                 self.moments.counts["host_waits_forward"] += self.executor.host_waits - waits
                 if self.tracker.offloader is not None:
                     self.tracker.offloader.end_forward()

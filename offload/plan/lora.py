@@ -99,10 +99,10 @@ def _targeted(linears: dict[str, str], targets: "str | Sequence[str]") -> set[st
     return set(body) if names == ["all-linear"] else {m for m in body if any(_matches(m, n) for n in names)}
 
 
-#: Per MoE family, the transformers v4 names PEFT maps onto its fused experts and router
-#: (adapted as parameters, `target_parameters`: not priced) when a target names them or is
-#: all-linear; Qwen2-MoE's from PEFT 0.22 (before, all-linear and those names adapted only its
-#: dense linears: the shared expert's, which keep the names).
+#: Per MoE family, the transformers v4 names PEFT maps onto its fused experts (and, `gate`, its
+#: router), adapted as parameters (`target_parameters`: not priced), when a target names them
+#: or is all-linear; Qwen2-MoE's after PEFT 0.21.0 (before, all-linear and those names adapted
+#: only its dense linears: the shared expert's, which keep the names).
 EXPERT_NAMES = {"mixtral": frozenset({"gate", "w1", "w2", "w3"}),
                 "qwen2_moe": frozenset({"gate", "gate_proj", "up_proj", "down_proj"})}
 
@@ -111,18 +111,23 @@ def adapts_experts(family: "str | None") -> frozenset[str]:
     """The target names (EXPERT_NAMES, and "all-linear") with which the installed PEFT adapts
     `family`'s fused experts as parameters; empty where it never does."""
     names = EXPERT_NAMES.get(family or "", frozenset())
-    if family == "qwen2_moe" and _peft_version() < (0, 22):
+    if family == "qwen2_moe" and _peft_version() <= (0, 21, 0):  # (a 0.21.1.dev build may map them: refused)
         return frozenset()
     return names | {"all-linear"} if names else names
 
 
 def _peft_version() -> tuple[int, ...]:
+    """The installed PEFT's (major, minor, patch); a development build counts as its release."""
+    import re
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return tuple(int(x) for x in version("peft").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
-        return (1 << 30,)  # (no PEFT here: plan as the newest does)
+        found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version("peft"))
+    except PackageNotFoundError:
+        found = None
+    if found is None:
+        return (1 << 30,)  # (no PEFT here, or an odd version: plan as the newest does)
+    return tuple(int(x or 0) for x in found.groups())
 
 
 def lora_specs(specs: Sequence[ParamSpec], *, rank: int, targets: "str | Sequence[str]",
@@ -145,8 +150,9 @@ def lora_specs(specs: Sequence[ParamSpec], *, rank: int, targets: "str | Sequenc
     if expert_targets:
         rest = sorted(wanted - adapts_experts(family))
         instead = f"--lora-targets {','.join(rest)}" if rest else "attention targets (q_proj,k_proj,v_proj,o_proj)"
+        router = " and the router" if {"all-linear", "gate"} & set(expert_targets) else ""
         raise UnsupportedModel(f"LoRA {','.join(expert_targets)} on a model with fused MoE experts ({fused[0]}, ...): "
-                               f"PEFT adapts them and the router as parameters (target_parameters), which the "
+                               f"PEFT adapts them{router} as parameters (target_parameters), which the "
                                f"planner does not price; training runs as given (the engine measures its budgets); "
                                f"a plan without those adapters: {instead}")
     chosen = _targeted(linears, targets)

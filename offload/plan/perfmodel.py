@@ -589,9 +589,10 @@ def model_blocks(model: ModelProfile) -> int:
 
 def buffer_bytes(model: ModelProfile) -> int:
     """Module buffers: the rotary embedding's inv_freq and original_inv_freq (fp32, head_dim/2;
-    one pair per kind of layer, Gemma-3's local and global), Gemma's embedding scale (fp32)."""
+    one pair per kind of layer, Gemma-3's local and global), Gemma's embedding scale (fp32), a
+    vision tower's position ids (int64, one per patch)."""
     kinds = len({model.slides(n) for n in range(model.num_hidden_layers)})
-    return kinds * 2 * 4 * (model.rotary_dim // 2) + (4 if model.gemma else 0)
+    return kinds * 2 * 4 * (model.rotary_dim // 2) + (4 if model.gemma else 0) + 8 * model.patches
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -335,6 +335,9 @@ class _Chunks:
             (model.qk_norm, model.fused, model.post_norms, model.gemma) if model is not None else (False,) * 4)
         self.num_layers = model.num_hidden_layers if model is not None else 0  # (the decoder blocks)
         self.top = model.prefix if model is not None else "model."  # (the text model's names)
+        idle = model.idle if model is not None else ()
+        #: chunks a step never uses (all their parameters a vision tower's, which text never runs)
+        self.idle = frozenset(c.index for c in self.plan.chunks if idle and all(n.startswith(idle) for n in c.params))
         self.grad_staging = 0  # host bytes gradients land in first on CUDA (make_plan)
         self.targets = lora.targets if lora is not None else frozenset()
         plain = "bf16" if self.bf16 else "fp32"
@@ -650,6 +653,10 @@ def make_plan(*, model: ModelProfile | str | Any, hardware: HardwareProfile | st
         family = getattr(model, "family", None) or getattr(getattr(model, "config", model), "model_type", None)
         lora = lora_specs(list(params) if params is not None else model.param_specs(), rank=lora_rank,
                           targets=lora_targets, linears=linears, family=family)
+        idle = getattr(model, "idle", ())
+        if idle and all(s.name.startswith(idle) for s in lora.specs if ".lora_" in s.name):
+            raise TierwiseError(f"--lora-targets {lora_targets}: every adapter is in the vision tower, which training "
+                                f"on text never runs: none would train (name the text model's linears, e.g. q_proj)")
     ch = _Chunks(model=model, optimizer=optimizer, precision=precision, chunk_bytes=chunk_size, rank=rank,
                  optimizer_kwargs=optimizer_kwargs, params=params, lora=lora, base_dtype=base_dtype,
                  double_quant=double_quant, cuda=not hw.simulated if cuda is None else cuda)
@@ -973,7 +980,8 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
     trainable = [c for c in streamed if c not in ch.frozen and c not in remote]
     home = sorted(device.gpu_home)
     # Belady over a forward and a backward pass: the cache keeps what fits across the turn
-    fetched = max(0, 2 * streamed_compute - max(0, device.cache_limit - ch.widest)) if streamed else 0
+    used = sum(ch.compute[c] for c in streamed if c not in ch.idle)  # (a vision tower's: never fetched)
+    fetched = max(0, 2 * used - max(0, device.cache_limit - ch.widest)) if streamed else 0
     # a gpu-home encoded chunk is decoded into the cache: it competes for it, off the link
     fetches = (ch.fetches(device, ch.cached(device), recompute=recompute, micro_batches=micro_batches,
                           keeps=keeps) if ch.frozen else {})
@@ -989,7 +997,8 @@ def _load(ch: _Chunks, *, device: DevicePlan, homes: Homes, streamed: list[int],
         tokens_flops_fwd=flops_fwd, placed=placed, stream_bytes=stream, fetched_bytes=fetched,
         link_bytes=link if ch.frozen or remote else None,
         dequant_bytes=round(sum(fetches.get(c, 0) * (ch.kinds[c]["compute"] + ch.compute[c]) for c in ch.encoded)),
-        grad_d2h_bytes=sum(ch.compute[c] for c in streamed if c not in ch.frozen) if ch.needs_grad else 0,
+        grad_d2h_bytes=sum(ch.compute[c] for c in streamed if c not in ch.frozen and c not in ch.idle)
+        if ch.needs_grad else 0,
         cpu_params=sum(ch.params[c] for c in streamed), cpu_fp32_params=sum(ch.fp32_params[c] for c in streamed),
         cpu_flops=sum(ch.flops[c] for c in streamed),
         cpu_update_bytes=sum(_update_bytes(ch, c) for c in trainable),
@@ -1040,7 +1049,7 @@ def _resident_at_peak(ch: _Chunks, device: DevicePlan) -> int:
     last). MeZO (no backward) peaks while its widest module runs (its perturbed copies): then
     that module's chunks, the ones after it and the ones before it are resident, in that order
     of preference (the cache is emptied after every step)."""
-    streamed = ch.cached(device)
+    streamed = [c for c in ch.cached(device) if c not in ch.idle]  # (the engine never fetches those)
     if ch.needs_grad or ch.zo_module == "lm_head":
         head = ch.plan.slots.get("lm_head.weight") or ch.plan.slots.get(ch.top + "embed_tokens.weight")
         first = [head.chunk] if head is not None and head.chunk in streamed else []

@@ -110,6 +110,6 @@ def hf_split_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor], half
     inputs = {k: torch.cat([v, v], dim=0) if isinstance(v, torch.Tensor) else v
               for k, v in batch.items() if k != "labels"}
     logits = model(**inputs).logits
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size  # (a vision model's: its text model's)
     return tuple(float(model.loss_function(logits=part, labels=labels, vocab_size=vocab))
                  for part in (logits[:half], logits[half:]))
