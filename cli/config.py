@@ -216,7 +216,9 @@ class TrainConfig:
     """Decision: 2 x rank when not given (the common choice, e.g. r=16 alpha=32), resolved here."""
     lora_dropout: float = _f(0.0, "Dropout on the adapters' input, in [0, 1).", panel=LORA, plan=True)
     lora_targets: str = _f("all-linear", "Modules that get adapters: comma-separated names (q_proj,v_proj) or "
-                           "all-linear (every linear layer but the output head).", panel=LORA, plan=True)
+                           "all-linear (every linear layer but the output head; on Gemma-3 4B+ the vision "
+                           "tower's too, as PEFT's, and a name matches its layers too: text never trains them).",
+                           panel=LORA, plan=True)
     base_dtype: str | None = _f(None, "How the frozen base is stored and streamed: fp32 bf16 fp16 int8 nf4 "
                                 "(int8/nf4: the linear layers' weights, bitsandbytes' formats; nf4 with its absmax "
                                 "double-quantized, the QLoRA recipe). Default: "

@@ -189,6 +189,9 @@ def encode_row(row: Row, tokenizer, fell_back: "list[tuple[str, str]] | None" = 
     back to: "last" or "all", its place) to it."""
     kind = schema_of(row)
     d, eos = row.data, tokenizer.eos_token_id
+    said = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(said, dict):  # (a long document is cut into blocks here: the tokenizer's length warning misleads)
+        said["sequence-length-is-longer-than-the-specified-maximum"] = True
     if eos is None and kind in ("text", "prompt"):
         raise DataError(f"{row.where}: the model's tokenizer has no eos_token, which ends every "
                         f"{'text' if kind == 'text' else 'prompt/completion'} row: set eos_token in "
@@ -453,7 +456,7 @@ def has_padding(blocks: list, *, segments: bool = False, mask: bool = False) -> 
     return any((mask and len(b) == 3 and _padded(b)) or (not segments and _rows(b)) for b in blocks)
 def check_vocab(blocks: list, src: ModelSource) -> None:
     """Every token id must be an embedding row: a tokenizer bigger than the model is an error."""
-    from .planning import text_config
+    from ..profiles.model import text_config
 
     vocab = getattr(text_config(src.config), "vocab_size", None)
     top = max((int(b[0].max()) for b in blocks), default=-1)  # no blocks: Batches says so

@@ -25,6 +25,7 @@ from ..offload.core.units import format_size
 from ..offload.plan import planner
 from ..offload.plan.planner import Plan
 from ..profiles import ProfileError
+from ..profiles.model import text_config
 
 if TYPE_CHECKING:
     from .loading import ModelSource
@@ -308,12 +309,6 @@ def local_notes(cfg: TrainConfig, plan: Plan) -> list[str]:
     return notes
 
 
-def text_config(config: Any) -> Any:
-    """The config of a model's text model: itself, or a vision model's (Gemma-3 4B and up)."""
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
-
-
 def max_positions(config) -> int | None:
     """The longest sequence the model's position embeddings (or RoPE setup) were built for."""
     config = text_config(config)
@@ -366,6 +361,22 @@ def _rotary(config: Any) -> bool:
         return False
     return any(getattr(config, k, None) is not None for k in ("rope_parameters", "rope_theta", "rope_scaling",
                                                                "rotary_pct", "rotary_emb_base"))
+
+
+def check_tower(cfg: TrainConfig, src: "ModelSource", *, ranks: "RankInfo | None" = None) -> None:
+    """A vision model trained on text (Gemma-3 4B and up) with what would move its tower, which
+    text never trains, where torch would leave it: refused in one line."""
+    if getattr(src.config, "vision_config", None) is None or cfg.lora:
+        return
+    if cfg.optimizer == "mezo":  # (MeZO moves every trainable parameter along its random direction)
+        raise ConfigError(f"--optimizer mezo on {src.name} would move its vision tower, which text never trains, "
+                          "by noise (MeZO updates every trainable parameter): another optimizer, or LoRA")
+    world = ranks.world if ranks is not None else cfg.nproc_per_node * cfg.nnodes  # (a dry run: the asked ranks)
+    if world > 1 and cfg.weight_decay:
+        # (several ranks update a parameter without a gradient as with a zero one: torch skips it)
+        raise ConfigError(f"--weight-decay {cfg.weight_decay} on {world} ranks would shrink {src.name}'s vision "
+                          "tower, which text never trains (several ranks update parameters without a gradient as "
+                          "with a zero one): --weight-decay 0, one rank, or LoRA")
 
 
 def preflight(cfg: TrainConfig, *, src: "ModelSource", padded: bool,
@@ -895,6 +906,7 @@ def dry_run(cfg: TrainConfig, *, console: Console, resuming: "Callable | None" =
     src = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if src.note:
         console.print(f"[bold yellow]warning:[/] {src.note}", soft_wrap=True, highlight=False)
+    check_tower(cfg, src)
     model = build_meta_model(src.config)
     chosen = cfg.precision_note  # (before the options are replaced: theirs resolve none)
     cfg = resolve_offload(resolve_recompute(cfg, src=src), src=src)

@@ -33,7 +33,8 @@ from .layout import ModelLayout, iter_checkpoint, plan_checkpoint
 from .loading import ModelSource, build_meta_model, resolve_model
 from .metrics import MetricsWriter, read_metrics, truncate_metrics
 from .packing import keeps_mask
-from .planning import (AUTO_OFFLOADED, OFFLOADED, attends_segments, check_seq_len, checkpointing, gpu_budget, host_budget, preflight,
+from .planning import (AUTO_OFFLOADED, OFFLOADED, attends_segments, check_seq_len, check_tower, checkpointing, gpu_budget,
+                       host_budget, preflight,
                        resolve_offload, resolve_recompute)
 from .plots import plot_loss, plot_timeline, preload as preload_plots
 from .progress import TrainProgress
@@ -322,12 +323,7 @@ def _checked_inputs(cfg: TrainConfig, *, console: Console, ranks: "launch.RankIn
     blocks = load_blocks(cfg.data, src.tokenizer, seq_len=cfg.seq_len, pack=cfg.pack,
                          isolate=isolates(src.config, pack=cfg.pack))
     check_vocab(blocks, src)
-    if ranks is not None and ranks.several and not cfg.lora and cfg.weight_decay and \
-            getattr(src.config, "vision_config", None) is not None:
-        # (several ranks update a parameter without a gradient as with a zero one: torch skips it)
-        raise ConfigError(f"--weight-decay {cfg.weight_decay} on {ranks.world} ranks would shrink {src.name}'s vision "
-                          "tower, which text never trains (several ranks update parameters without a gradient as "
-                          "with a zero one): --weight-decay 0, one rank, or LoRA")
+    check_tower(cfg, src, ranks=ranks)
     eval_data = (eval_batches(load_blocks(cfg.eval_data, src.tokenizer, seq_len=cfg.seq_len,
                                           pack=cfg.pack, isolate=isolates(src.config, pack=cfg.pack)),
                               batch_size=cfg.batch_size, mask=keeps_mask(src.config))

@@ -64,6 +64,13 @@ VISION_FAMILIES = frozenset({"gemma3"})
 WINDOW_FAMILIES = frozenset({"mistral", "mixtral", "phi3", "qwen2", "qwen3"})
 
 
+def text_config(config: Any) -> Any:
+    """The config of a model's text model: itself, or a vision model's (Gemma-3 4B and up:
+    transformers' get_text_config); a config without that method is its own."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def routed_experts(config: Any) -> int:
     """A transformers config's routed experts per layer (Mixtral's num_local_experts, Qwen-MoE's
     num_experts); 0 for a dense model."""

@@ -89,7 +89,7 @@ def test_lora_only_on_the_tower_is_refused(vl, tmp_path):
 
     line = error_line(CliRunner().invoke(app, ["--model", str(vl[0]), "--data", str(vl[1]), "--lora-rank", "4",
                                                "--lora-targets", "fc1", "--output", str(tmp_path / "run")]))
-    assert "every adapter is in the vision tower" in line
+    assert "in the vision tower" in line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     model = AutoModelForCausalLM.from_config(family_config("gemma3-vl"))
     eng = Engine(model, budget=Budget(chunk=16 << 10), optim=Optim("adamw"), activations=Activations(recompute=False),
@@ -113,11 +113,28 @@ def test_mezo_takes_the_text_models_vocabulary():
     eng.close()
 
 
-def test_weight_decay_on_several_ranks_is_refused(vl, tmp_path):
+def test_weight_decay_on_several_ranks_and_mezo_are_refused(vl, tmp_path):
     """Several ranks update a parameter without a gradient as with a zero one (torch skips it):
-    weight decay would shrink the tower. Refused before anything is written."""
+    weight decay would shrink the tower; MeZO moves every trainable parameter along its random
+    direction (it moved the tower by up to 111% of its norm in 200 steps). Refused before
+    anything is written, by --dry-run too."""
     cfg = TrainConfig(model=str(vl[0]), data=str(vl[1]), output=str(tmp_path / "run"), weight_decay=0.1)
     with pytest.raises(ConfigError, match="would shrink .* vision tower"):
         cli_train._checked_inputs(cfg, console=None, ranks=RankInfo(world=2, local_world=2))
     cli_train._checked_inputs(dataclasses.replace(cfg, weight_decay=0.0), console=None,
                               ranks=RankInfo(world=2, local_world=2))
+    line = error_line(CliRunner().invoke(app, ["--model", str(vl[0]), "--data", str(vl[1]), "--optimizer", "mezo",
+                                               "--output", str(tmp_path / "mezo")]))
+    assert "would move its vision tower" in line and not (tmp_path / "mezo" / "metrics.jsonl").exists()
+    for flags in (["--optimizer", "mezo"], ["--nproc-per-node", "2", "--weight-decay", "0.1"]):
+        assert "vision tower" in error_line(CliRunner().invoke(app, ["--model", str(vl[0]), "--data", str(vl[1]),
+                                                                     *flags, "--dry-run"]))
+
+
+@pytest.mark.parametrize("targets", ["fc1", "patch_embedding", "position_embedding"])
+def test_lora_targets_only_in_the_tower_are_refused_by_name(vl, tmp_path, targets):
+    """Not only the tower's linears: its convolution and position embedding (PEFT adapts them)
+    trained nothing and the run passed."""
+    line = error_line(CliRunner().invoke(app, ["--model", str(vl[0]), "--data", str(vl[1]), "--lora-rank", "4",
+                                               "--lora-targets", targets, "--output", str(tmp_path / "run")]))
+    assert "every one is in the vision tower" in line

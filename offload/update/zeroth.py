@@ -21,6 +21,7 @@ import torch
 
 from ..core.chunks import ChunkPlan
 from ...optim.mezo import direction, tensor_seed
+from ...profiles.model import text_config
 
 
 class MeZOChunks:
@@ -110,6 +111,6 @@ def hf_split_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor], half
     inputs = {k: torch.cat([v, v], dim=0) if isinstance(v, torch.Tensor) else v
               for k, v in batch.items() if k != "labels"}
     logits = model(**inputs).logits
-    vocab = model.config.get_text_config().vocab_size  # (a vision model's: its text model's)
+    vocab = text_config(model.config).vocab_size  # (a vision model's: its text model's)
     return tuple(float(model.loss_function(logits=part, labels=labels, vocab_size=vocab))
                  for part in (logits[:half], logits[half:]))
