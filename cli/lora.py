@@ -65,10 +65,10 @@ def check_targets(model: torch.nn.Module, targets: "list[str] | str") -> None:
         if not any(_adaptable(m) for m in matched):  # e.g. "mlp": a block, not a layer
             raise ConfigError(f"--lora-targets {t}: {type(matched[0]).__name__} is not a layer LoRA adapts "
                               f"(the layers LoRA adapts: {', '.join(leaves)}{fused})")
-    towers = ("vision_tower.", "multi_modal_projector.")  # (a vision model's: text never runs them)
+    from ..profiles.model import TOWER_PREFIXES  # (a vision model's: text never runs them)
+
     named = [n for t in targets for n, m in modules if (n == t or n.endswith("." + t)) and _adaptable(m)]
-    if getattr(getattr(model, "config", None), "vision_config", None) is not None and named and \
-            all(any(s in n for s in towers) for n in named):
+    if named and all(n.startswith(TOWER_PREFIXES) for n in named):
         raise ConfigError(f"--lora-targets {','.join(targets)}: every one is in the vision tower, which training on "
                           "text never runs: none would train (name the text model's layers, e.g. q_proj)")
 

@@ -2,7 +2,8 @@
 
 `param_specs()` lists the parameters analytically, with the names and shapes of the
 transformers state dict (LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
-MistralForCausalLM / GemmaForCausalLM / Gemma3ForCausalLM, and the mixtures of experts
+MistralForCausalLM / GemmaForCausalLM / Gemma3ForCausalLM / Gemma3ForConditionalGeneration (its
+vision tower and projector first, the text model under `model.language_model.`), and the mixtures of experts
 MixtralForCausalLM / Qwen2MoeForCausalLM), in
 the order transformers registers them (`named_parameters()`, the order the engine packs chunks
 in): embed, then per layer q/k/v/o (Phi3ForCausalLM: o_proj, then one fused qkv_proj; Qwen3's
@@ -58,6 +59,8 @@ SLIDING_FAMILIES = frozenset({"gemma3_text", "gemma3"})
 #: under `model.language_model.`). Training on text never runs the tower: its weights are stored,
 #: never fetched to the device; a full fine-tune keeps their optimizer state.
 VISION_FAMILIES = frozenset({"gemma3"})
+#: Where a vision model's tower and projector live (the parameters a step on text never uses).
+TOWER_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
 #: The families whose config may give every layer a sliding window (Mistral 7B v0.1's 4,096,
 #: Phi-3-mini-4k's 2,047; Qwen's `use_sliding_window` where every layer slides). (Not Qwen2-MoE:
 #: it slides every other layer.)
@@ -205,7 +208,7 @@ class ModelProfile:
                 f"family {self.family!r} {'needs' if self.family in VISION_FAMILIES else 'takes no'} vision_hidden_size, "
                 f"vision_intermediate_size, vision_layers, image_size and patch_size (got {vision})",
                 where=self.name, field="vision_hidden_size")
-        if self.vision_layers >= self.num_hidden_layers > 0 and self.vision_layers:
+        if 0 < self.vision_layers >= self.num_hidden_layers:
             # the engine's blocks (recomputed, the units of residency) are the longest list of
             # layers, the first on a tie: here the tower's, which text never runs
             raise FieldValueError(
@@ -279,7 +282,7 @@ class ModelProfile:
     def _vision_specs(self) -> list[ParamSpec]:
         """The vision tower's and its projector's parameters (SigLIP without its pooling head, as
         Gemma-3's checkpoints are), in `named_parameters()` order."""
-        v, x, p = self.vision_hidden_size, self.vision_intermediate_size, "model.vision_tower."
+        (p, projector), v, x = TOWER_PREFIXES, self.vision_hidden_size, self.vision_intermediate_size
         specs = [ParamSpec(name=p + "embeddings.patch_embedding.weight", shape=(v, 3, self.patch_size, self.patch_size)),
                  ParamSpec(name=p + "embeddings.patch_embedding.bias", shape=(v,)),
                  ParamSpec(name=p + "embeddings.position_embedding.weight", shape=(self.patches, v), embedding=True)]
@@ -292,15 +295,15 @@ class ModelProfile:
                           ParamSpec(name=f"{q}{name}.bias", shape=(shape[0],))]
         specs += [ParamSpec(name=p + "post_layernorm.weight", shape=(v,)),
                   ParamSpec(name=p + "post_layernorm.bias", shape=(v,)),
-                  ParamSpec(name="model.multi_modal_projector.mm_input_projection_weight", shape=(v, self.hidden_size)),
-                  ParamSpec(name="model.multi_modal_projector.mm_soft_emb_norm.weight", shape=(v,))]
+                  ParamSpec(name=projector + "mm_input_projection_weight", shape=(v, self.hidden_size)),
+                  ParamSpec(name=projector + "mm_soft_emb_norm.weight", shape=(v,))]
         return specs
 
     @property
     def idle(self) -> tuple[str, ...]:
         """Name prefixes of the parameters a step on text never uses (a vision tower's and its
         projector's): never fetched to the device, never given a gradient."""
-        return ("model.vision_tower.", "model.multi_modal_projector.") if self.vision_layers else ()
+        return TOWER_PREFIXES if self.vision_layers else ()
 
     @property
     def patches(self) -> int:
