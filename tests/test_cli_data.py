@@ -267,14 +267,17 @@ def test_a_byte_order_mark_opening_the_file_is_not_data(tmp_path):
         read_rows(tmp_path / "late.jsonl")
 
 
-def test_a_long_document_does_not_warn_of_the_tokenizers_length(capfd):
+def test_a_long_document_does_not_warn_of_the_tokenizers_length(monkeypatch):
     """A document longer than the tokenizer's model_max_length is cut into blocks here: the
     tokenizer's warning that its ids would overflow the model misled (printed per tokenizer)."""
+    from transformers import tokenization_utils_base as base
+
+    said = []
+    monkeypatch.setattr(base.logger, "warning", lambda msg, *a, **k: said.append(str(msg)))
     tok = build_tokenizer()
     tok.model_max_length = 16
     ids, _ = encode_row(Row(data={"text": "word " * 200}, where="<0>"), tok)
-    assert len(ids) > 16
-    assert "Token indices sequence length" not in capfd.readouterr().err
+    assert len(ids) > 16 and not [m for m in said if "Token indices sequence length" in m]
     tok.deprecation_warnings.clear()  # the test can fail: the tokenizer itself warns
     tok("word " * 200)
-    assert "Token indices sequence length" in capfd.readouterr().err
+    assert [m for m in said if "Token indices sequence length" in m]
