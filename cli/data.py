@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from ..offload.core.errors import TierwiseError
+from ..profiles.model import text_config
 from .packing import ISOLATING, isolates  # noqa: F401 - (where the CLI and tests find them)
 
 if TYPE_CHECKING:
@@ -456,8 +457,6 @@ def has_padding(blocks: list, *, segments: bool = False, mask: bool = False) -> 
     return any((mask and len(b) == 3 and _padded(b)) or (not segments and _rows(b)) for b in blocks)
 def check_vocab(blocks: list, src: ModelSource) -> None:
     """Every token id must be an embedding row: a tokenizer bigger than the model is an error."""
-    from ..profiles.model import text_config
-
     vocab = getattr(text_config(src.config), "vocab_size", None)
     top = max((int(b[0].max()) for b in blocks), default=-1)  # no blocks: Batches says so
     if vocab and top >= vocab:

@@ -51,6 +51,7 @@ from ..core.vocab import TIERS
 from ..plan.planner import MASKED, Plan, make_plan, recompute_text
 from ..core.units import format_size
 from ...profiles import HardwareProfile, ModelProfile, load_hardware_profile
+from ...profiles.model import text_config
 from ...profiles.hardware import unmeasured_cxl
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ def verify(*, model: Any, hardware: "HardwareProfile | str | None" = None, gpu_m
     engine = _engine(module, config, plan=plan, budgets=budgets, nvme_path=nvme_path, lr=lr, seed=seed,
                      cxl_bandwidth=(user_hw.cxl or EMULATED_CXL).bandwidth_gbps * 1e9,
                      optimizer_kwargs=optimizer_kwargs, base_dtype=base_dtype, double_quant=double_quant)
-    data = _batches(batches, rows=batch_size * grad_accum, seq_len=seq_len, vocab=config.get_text_config().vocab_size, seed=seed,
+    data = _batches(batches, rows=batch_size * grad_accum, seq_len=seq_len, vocab=text_config(config).vocab_size, seed=seed,
                     padded=padded)
     try:
         with cuda_peak(asked["gpu"]) as device:
